@@ -1,0 +1,26 @@
+"""jaxtrain: distributed JAX training on a C++ engine.
+
+    from jaxtrain import JaxTrainer, ScalingConfig, RunConfig, report
+
+The package never imports ``jax`` on the driver: only the worker processes do.
+"""
+
+from jaxtrain import train
+from jaxtrain.config import RunConfig, ScalingConfig
+from jaxtrain.errors import TrainingFailedError
+from jaxtrain.result import Result
+from jaxtrain.session import TrainContext, get_context, report
+from jaxtrain.trainer import JaxTrainer
+
+__all__ = [
+    "JaxTrainer",
+    "Result",
+    "RunConfig",
+    "ScalingConfig",
+    "TrainContext",
+    "TrainingFailedError",
+    "get_context",
+    "report",
+    "train",
+]
+__version__ = "0.1.0"

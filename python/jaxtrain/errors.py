@@ -1,0 +1,54 @@
+"""Exceptions raised by jaxtrain."""
+
+from __future__ import annotations
+
+
+class TrainingFailedError(RuntimeError):
+    """A run ended because a worker failed. ``fit()`` raises it; ``Result.error`` holds it.
+
+    Attributes name the first failing rank: ``rank``, ``host``, ``attempt``, ``cause`` (one of
+    "exception", "exit", "signal", "connection", "start-up"), ``worker_traceback`` (the worker's
+    Python traceback, when it raised), ``log_path`` and ``log_tail``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int = -1,
+        host: str = "",
+        attempt: int = 0,
+        cause: str = "",
+        worker_traceback: str = "",
+        log_path: str = "",
+        log_tail: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.attempt = attempt
+        self.cause = cause
+        self.worker_traceback = worker_traceback
+        self.log_path = log_path
+        self.log_tail = log_tail
+
+    @classmethod
+    def from_failure(cls, f: dict) -> "TrainingFailedError":
+        where = f"rank {f['rank']} (host {f['host'] or '?'}, attempt {f['attempt']})"
+        lines = [f"Training failed: {where}: {f['message']}"]
+        if f["traceback"]:
+            lines += ["", f"Traceback from rank {f['rank']}:", f["traceback"].rstrip()]
+        elif f["log_tail"]:
+            lines += ["", f"Last lines of rank {f['rank']}'s log:", f["log_tail"].rstrip()]
+        if f["log_path"]:
+            lines += ["", f"Full log: {f['log_path']}"]
+        return cls(
+            "\n".join(lines),
+            rank=f["rank"],
+            host=f["host"],
+            attempt=f["attempt"],
+            cause=f["cause"],
+            worker_traceback=f["traceback"],
+            log_path=f["log_path"],
+            log_tail=f["log_tail"],
+        )

@@ -1,0 +1,204 @@
+"""JaxTrainer: the driver side of a run.
+
+``fit()`` plans the worker group, hands the training function (pickled by value) to the C++
+controller, and waits for the outcome with the GIL released. The controller runs in its own
+threads: it spawns the workers, authenticates them, streams their output and metrics into the
+run directory, and stops them all when one fails or the driver is interrupted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import cloudpickle
+
+from jaxtrain import _core
+from jaxtrain.config import RunConfig, ScalingConfig
+from jaxtrain.errors import TrainingFailedError
+from jaxtrain.result import Result
+
+# Seconds a worker gets between SIGTERM and SIGKILL when the group is stopped.
+_TERMINATE_GRACE_S = 5.0
+# Seconds from spawning the group until every worker must have connected.
+_START_TIMEOUT_S = 300.0
+_PROXY_EXEMPT = "127.0.0.1,localhost,::1"
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy",
+                    "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
+def _takes_config(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        raise ValueError(
+            f"train_loop_per_worker={getattr(fn, '__name__', fn)!r} takes {len(required)} "
+            "required arguments; it must take none, or one dict (train_loop_config)"
+        )
+    return len(positional) >= 1 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+class JaxTrainer:
+    """Runs ``train_loop_per_worker`` SPMD on ``scaling_config.num_workers`` processes, each with
+    ``jax.distributed`` initialised before the function starts.
+
+    The function takes no argument, or one dict (``train_loop_config``).
+    """
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: Optional[dict] = None,
+        scaling_config: Optional[ScalingConfig] = None,
+        run_config: Optional[RunConfig] = None,
+    ) -> None:
+        if not callable(train_loop_per_worker):
+            raise ValueError(
+                f"train_loop_per_worker={train_loop_per_worker!r} is not callable; pass the "
+                "training function"
+            )
+        self._takes_config = _takes_config(train_loop_per_worker)
+        if train_loop_config is not None:
+            if not isinstance(train_loop_config, dict):
+                raise ValueError(
+                    f"train_loop_config={train_loop_config!r} is not allowed; it must be a dict"
+                )
+            if not self._takes_config:
+                raise ValueError(
+                    "train_loop_config was given, but train_loop_per_worker takes no argument; "
+                    "add one parameter (config) to the function or drop train_loop_config"
+                )
+        if scaling_config is None:
+            scaling_config = ScalingConfig()
+        if not isinstance(scaling_config, ScalingConfig):
+            raise ValueError(
+                f"scaling_config={scaling_config!r} is not allowed; pass a "
+                "jaxtrain.ScalingConfig"
+            )
+        if run_config is None:
+            run_config = RunConfig()
+        if not isinstance(run_config, RunConfig):
+            raise ValueError(
+                f"run_config={run_config!r} is not allowed; pass a jaxtrain.RunConfig"
+            )
+        self.train_loop_per_worker = train_loop_per_worker
+        self.train_loop_config = train_loop_config
+        self.scaling_config = scaling_config
+        self.run_config = run_config
+
+    def fit(self) -> Result:
+        """Runs the training function on every worker and returns the Result.
+
+        Raises TrainingFailedError when a worker fails, and KeyboardInterrupt after stopping every
+        worker when the driver is interrupted.
+        """
+        run_dir = _run_dir(self.run_config)
+        plan = _core.plan_local(self.scaling_config._core)
+        payload = cloudpickle.dumps(
+            {
+                "fn": self.train_loop_per_worker,
+                "config": self.train_loop_config,
+                "takes_config": self._takes_config,
+            }
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        controller = _core.Controller(
+            run_dir=run_dir,
+            experiment_name=self.run_config.name,
+            plan=plan,
+            worker_argv=[sys.executable, "-m", "jaxtrain.worker"],
+            worker_cwd=os.getcwd(),
+            worker_env=_worker_env(),
+            payload=payload,
+            run_config_json=json.dumps(
+                {
+                    "scaling_config": self.scaling_config._as_dict(),
+                    "run_config": {
+                        "name": self.run_config.name,
+                        "storage_path": self.run_config.storage_path,
+                    },
+                    "train_loop_config": _describe(self.train_loop_config),
+                }
+            ),
+            terminate_grace_s=_TERMINATE_GRACE_S,
+            start_timeout_s=_START_TIMEOUT_S,
+            console_fd=_console_fd(),
+        )
+        controller.start()
+        try:
+            # Short waits let Python deliver Ctrl-C; the wait returns at once when the run ends.
+            while not controller.wait(0.2):
+                pass
+        except KeyboardInterrupt:
+            controller.abort("the driver was interrupted (KeyboardInterrupt)")
+            while not controller.wait(1.0):
+                pass
+            raise
+        return _result(controller.outcome(), run_dir)
+
+
+def _run_dir(run_config: RunConfig) -> str:
+    path = run_config.storage_path
+    if "://" in path:
+        scheme = path.split("://", 1)[0]
+        if scheme != "file":
+            raise ValueError(
+                f"RunConfig.storage_path={path!r} uses the scheme '{scheme}://', which this "
+                "version of jaxtrain cannot write to; use a local or shared (NFS) directory"
+            )
+        path = path.split("://", 1)[1]
+    return os.path.abspath(os.path.join(path, run_config.name))
+
+
+def _worker_env() -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    # Workers import what the driver can import (the driver's script directory included).
+    entries = [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entries))
+    # A proxy must never see the loopback traffic of the control channel or of jax.distributed.
+    if any(os.environ.get(p) for p in _PROXY_VARIABLES):
+        for name in ("no_proxy", "NO_PROXY"):
+            current = os.environ.get(name, "")
+            env[name] = f"{current},{_PROXY_EXEMPT}" if current else _PROXY_EXEMPT
+    return env
+
+
+def _console_fd() -> int:
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return -1  # e.g. a notebook: worker output is in the run's logs/
+
+
+def _describe(config: Optional[dict]) -> Any:
+    if config is None:
+        return None
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError):
+        return repr(config)
+
+
+def _result(outcome: dict, run_dir: str) -> Result:
+    metrics = json.loads(outcome["last_metrics_json"]) if outcome["last_metrics_json"] else None
+    error: Optional[BaseException] = None
+    if outcome["state"] == "ERRORED":
+        error = TrainingFailedError.from_failure(outcome["failure"])
+    elif outcome["state"] == "ABORTED":
+        error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
+    result = Result(metrics=metrics, path=run_dir, error=error)
+    if error is not None:
+        raise error
+    return result

@@ -1,0 +1,161 @@
+"""The worker entry point: ``python -m jaxtrain.worker``, started by the controller.
+
+One worker, in order: authenticate to the controller; rank 0 picks the JAX coordinator port;
+register; import jax (overlapping with the other ranks' start-up); receive the coordinator and the
+training function; ``jax.distributed.initialize`` with every argument given and cluster
+detection off; run the function; report done; ``jax.distributed.shutdown`` (bounded); exit.
+
+Exit codes: 0 done; 1 the training function raised; 3 start-up failed; 4 the controller went away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+
+EXIT_RAISED = 1
+EXIT_START_UP = 3
+EXIT_CONTROLLER_LOST = 4
+
+# jax.distributed timeouts, in seconds.
+_INIT_TIMEOUT_S = 300
+_HEARTBEAT_TIMEOUT_S = 100
+_SHUTDOWN_TIMEOUT_S = 30
+
+
+def _env_int(name: str) -> int:
+    return int(os.environ[name])
+
+
+def _pick_coordinator(host: str) -> str:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _local_device_ids(platform: str) -> list[int]:
+    if platform == "cpu":
+        return list(range(int(os.environ.get("JAX_NUM_CPU_DEVICES", "1"))))
+    if platform == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return list(range(len([d for d in visible.split(",") if d])))
+    visible = os.environ.get("TPU_VISIBLE_CHIPS", "")
+    return list(range(len([d for d in visible.split(",") if d])))
+
+
+def _fail(client, phase: str, exit_code: int) -> None:
+    exc_type, exc, _ = sys.exc_info()
+    tb = traceback.format_exc()
+    sys.stderr.write(tb)
+    sys.stderr.flush()
+    message = f"{exc_type.__name__}: {exc}" if exc_type else "unknown error"
+    if phase == "start-up":
+        message = f"start-up failed: {message}"
+    try:
+        client.send_error(json.dumps({"message": message, "traceback": tb, "phase": phase}))
+    except Exception:  # the controller may already be gone; the exit code still tells
+        pass
+    sys.stdout.flush()
+    os._exit(exit_code)
+
+
+def main() -> None:
+    secret = os.environ.pop("JAXTRAIN_RUN_SECRET", None)
+    if not secret:
+        sys.stderr.write(
+            "jaxtrain.worker is started by jaxtrain (JaxTrainer.fit); it is not run by hand\n"
+        )
+        sys.exit(2)
+    from jaxtrain import _core, session
+
+    rank = _env_int("JAXTRAIN_RANK")
+    attempt = _env_int("JAXTRAIN_ATTEMPT")
+    world_size = _env_int("JAXTRAIN_WORLD_SIZE")
+    platform = os.environ.get("JAXTRAIN_PLATFORM", "cpu")
+    client = _core.WorkerClient.connect(
+        os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
+    )
+    try:
+        coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST", "127.0.0.1")
+        coordinator = _pick_coordinator(coordinator_host) if rank == 0 else ""
+        client.register(
+            json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "coordinator": coordinator})
+        )
+        import jax  # the slow part of start-up, overlapped with the other ranks'
+    except Exception:
+        _fail(client, "start-up", EXIT_START_UP)
+
+    try:
+        start_json, payload = client.wait_start()
+    except ConnectionError:
+        sys.stderr.write("jaxtrain worker: the controller ended the run before it started\n")
+        os._exit(EXIT_CONTROLLER_LOST)
+    client.watch_controller(EXIT_CONTROLLER_LOST)
+    start = json.loads(start_json)
+
+    try:
+        bind_host = start["coordinator"].rsplit(":", 1)[0]
+        jax.distributed.initialize(
+            coordinator_address=start["coordinator"],
+            num_processes=world_size,
+            process_id=rank,
+            local_device_ids=_local_device_ids(platform),
+            cluster_detection_method="deactivate",
+            initialization_timeout=_INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT_S,
+            shutdown_timeout_seconds=_SHUTDOWN_TIMEOUT_S,
+            coordinator_bind_address=f"{bind_host}:{start['coordinator'].rsplit(':', 1)[1]}"
+            if rank == 0
+            else None,
+        )
+        import cloudpickle
+
+        task = cloudpickle.loads(payload)
+    except Exception:
+        _fail(client, "start-up", EXIT_START_UP)
+
+    session._install(
+        session._Session(
+            client,
+            session.TrainContext(
+                world_rank=rank,
+                world_size=world_size,
+                local_rank=_env_int("JAXTRAIN_LOCAL_RANK"),
+                local_world_size=_env_int("JAXTRAIN_LOCAL_WORLD_SIZE"),
+                node_rank=_env_int("JAXTRAIN_NODE_RANK"),
+                experiment_name=start["experiment_name"],
+                attempt=attempt,
+                run_dir=start["run_dir"],
+            ),
+        )
+    )
+    try:
+        fn = task["fn"]
+        if task["takes_config"]:
+            fn(dict(task["config"] or {}))
+        else:
+            fn()
+    except BaseException:
+        _fail(client, "training", EXIT_RAISED)
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    client.send_done("{}")
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # a peer already gone; nothing left to coordinate
+        sys.stderr.write(f"jaxtrain worker: jax.distributed.shutdown() failed: {e}\n")
+    client.stop()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: leftover non-daemon threads or atexit hooks must not keep a
+    # finished worker alive.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

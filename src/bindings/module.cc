@@ -1,0 +1,286 @@
+// jaxtrain._core: the Python face of the C++ engine. This is the only place where a Status
+// becomes a Python exception, and every call that can block releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include "accelerators/discovery.h"
+#include "accelerators/tpu.h"
+#include "config/run_config.h"
+#include "config/scaling_config.h"
+#include "controller/controller.h"
+#include "launch/local_launcher.h"
+#include "placement/plan.h"
+#include "wire/handshake.h"
+#include "worker/worker_client.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace jaxtrain {
+namespace {
+
+[[noreturn]] void Raise(const Status& s) {
+  PyObject* type = PyExc_RuntimeError;
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument: type = PyExc_ValueError; break;
+    case StatusCode::kPermissionDenied:
+    case StatusCode::kUnauthenticated: type = PyExc_PermissionError; break;
+    case StatusCode::kNotFound: type = PyExc_FileNotFoundError; break;
+    case StatusCode::kUnavailable: type = PyExc_ConnectionError; break;
+    case StatusCode::kDeadlineExceeded: type = PyExc_TimeoutError; break;
+    default: break;
+  }
+  PyErr_SetString(type, s.message().c_str());
+  throw nb::python_error();
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+template <typename T>
+T Unwrap(StatusOr<T> v) {
+  if (!v.ok()) Raise(v.status());
+  return std::move(v).value();
+}
+
+Duration Seconds(double s) {
+  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+}
+
+nb::dict PlanToDict(const placement::Plan& plan) {
+  nb::list workers;
+  for (const auto& w : plan.workers) {
+    nb::dict d;
+    d["rank"] = w.rank;
+    d["local_rank"] = w.local_rank;
+    d["local_world_size"] = w.local_world_size;
+    d["node_rank"] = w.node_rank;
+    d["host"] = w.host;
+    d["devices"] = w.devices;
+    d["env"] = w.env;
+    workers.append(d);
+  }
+  nb::dict out;
+  out["platform"] = plan.platform;
+  out["simulated"] = plan.simulated;
+  out["workers"] = workers;
+  return out;
+}
+
+nb::dict FailureToDict(const controller::RankFailure& f) {
+  nb::dict d;
+  d["rank"] = f.rank;
+  d["host"] = f.host;
+  d["attempt"] = f.attempt;
+  d["cause"] = f.cause;
+  d["message"] = f.message;
+  d["traceback"] = f.traceback;
+  d["log_path"] = f.log_path;
+  d["log_tail"] = f.log_tail;
+  return d;
+}
+
+class PyController {
+ public:
+  PyController(std::string run_dir, std::string experiment_name, const placement::Plan& plan,
+               std::vector<std::string> worker_argv, std::string worker_cwd,
+               std::map<std::string, std::string> worker_env, nb::bytes payload,
+               std::string run_config_json, double terminate_grace_s, double start_timeout_s,
+               int console_fd) {
+    controller::ControllerOptions o;
+    o.run_dir = std::move(run_dir);
+    o.experiment_name = std::move(experiment_name);
+    o.plan = plan;
+    o.worker_argv = std::move(worker_argv);
+    o.worker_cwd = std::move(worker_cwd);
+    o.worker_env = std::move(worker_env);
+    o.payload = std::string(payload.c_str(), payload.size());
+    o.run_config = nlohmann::json::parse(run_config_json, nullptr, false);
+    o.terminate_grace = Seconds(terminate_grace_s);
+    o.start_timeout = Seconds(start_timeout_s);
+    o.console_fd = console_fd;
+    controller_ = std::make_unique<controller::Controller>(
+        std::move(o), std::make_unique<launch::LocalLauncher>());
+  }
+
+  void Start() {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = controller_->Start();
+    }
+    Check(s);
+  }
+
+  bool Wait(double timeout_s) {
+    nb::gil_scoped_release release;
+    return controller_->Wait(Seconds(timeout_s));
+  }
+
+  void Abort(std::string reason) { controller_->Abort(std::move(reason)); }
+
+  nb::dict Outcome() {
+    if (!controller_->Wait(Duration::zero())) {
+      PyErr_SetString(PyExc_RuntimeError, "the run has not ended yet");
+      throw nb::python_error();
+    }
+    const auto& o = controller_->outcome();
+    nb::dict d;
+    d["state"] = std::string(controller::OutcomeStateName(o.state));
+    d["failure"] = o.failure ? nb::object(FailureToDict(*o.failure)) : nb::none();
+    d["rounds"] = o.rounds;
+    d["last_metrics_json"] = o.last_metrics_json;
+    d["warnings"] = o.warnings;
+    d["abort_reason"] = o.abort_reason;
+    return d;
+  }
+
+  int port() const { return controller_->port(); }
+
+ private:
+  std::unique_ptr<controller::Controller> controller_;
+};
+
+class PyWorkerClient {
+ public:
+  static PyWorkerClient Connect(const std::string& address, const std::string& secret_hex,
+                                uint32_t rank, uint32_t attempt, double timeout_s) {
+    worker::WorkerClientOptions o;
+    o.controller = Unwrap(wire::ParseHostPort(address));
+    o.secret = Unwrap(wire::FromHex(secret_hex));
+    o.rank = rank;
+    o.attempt = attempt;
+    o.timeout = Seconds(timeout_s);
+    StatusOr<std::unique_ptr<worker::WorkerClient>> client = UnavailableError("");
+    {
+      nb::gil_scoped_release release;
+      client = worker::WorkerClient::Connect(o);
+    }
+    return PyWorkerClient(Unwrap(std::move(client)));
+  }
+
+  void Register(const std::string& json) { Check(client_->Register(json)); }
+
+  nb::tuple WaitStart() {
+    StatusOr<worker::StartInfo> info = UnavailableError("");
+    {
+      nb::gil_scoped_release release;
+      info = client_->WaitStart();
+    }
+    worker::StartInfo i = Unwrap(std::move(info));
+    return nb::make_tuple(i.json, nb::bytes(i.payload.data(), i.payload.size()));
+  }
+
+  void Report(uint64_t round, std::string_view metrics_json) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->Report(round, metrics_json);
+    }
+    Check(s);
+  }
+
+  void SendError(const std::string& json) { Check(client_->SendError(json)); }
+  void SendDone(const std::string& json) { Check(client_->SendDone(json)); }
+  void WatchController(int exit_code) { client_->WatchController(exit_code); }
+  void Stop() {
+    nb::gil_scoped_release release;
+    client_->Stop();
+  }
+
+ private:
+  explicit PyWorkerClient(std::unique_ptr<worker::WorkerClient> c) : client_(std::move(c)) {}
+  std::shared_ptr<worker::WorkerClient> client_;
+};
+
+}  // namespace
+}  // namespace jaxtrain
+
+NB_MODULE(_core, m) {
+  using namespace jaxtrain;
+  m.doc() = "The jaxtrain engine (C++).";
+
+  nb::class_<config::ScalingConfig>(m, "ScalingConfig")
+      .def("__init__",
+           [](config::ScalingConfig* self, int num_workers, bool use_tpu, bool use_gpu,
+              std::optional<std::string> topology, std::optional<std::string> accelerator_type,
+              std::optional<std::map<std::string, double>> resources_per_worker,
+              std::string placement_strategy) {
+             config::ScalingConfigInput in;
+             in.num_workers = num_workers;
+             in.use_tpu = use_tpu;
+             in.use_gpu = use_gpu;
+             in.topology = std::move(topology);
+             in.accelerator_type = std::move(accelerator_type);
+             in.resources_per_worker = resources_per_worker.value_or(std::map<std::string, double>{});
+             in.placement_strategy = std::move(placement_strategy);
+             new (self) config::ScalingConfig(Unwrap(config::ScalingConfig::Create(std::move(in))));
+           },
+           "num_workers"_a, "use_tpu"_a, "use_gpu"_a, "topology"_a.none(),
+           "accelerator_type"_a.none(), "resources_per_worker"_a.none(), "placement_strategy"_a)
+      .def_prop_ro("resources_per_worker", &config::ScalingConfig::resources_per_worker)
+      .def_prop_ro("workers_per_slice", &config::ScalingConfig::workers_per_slice)
+      .def_prop_ro("num_slices", &config::ScalingConfig::num_slices)
+      .def_prop_ro("tpu_slice", [](const config::ScalingConfig& c) -> nb::object {
+        if (!c.tpu_slice()) return nb::none();
+        const auto& s = *c.tpu_slice();
+        nb::dict d;
+        d["generation"] = std::string(accelerators::GenerationName(s.generation));
+        d["topology"] = s.topology;
+        d["chips"] = s.chips;
+        d["chips_per_host"] = s.chips_per_host;
+        d["hosts"] = s.hosts;
+        d["pod_type"] = s.pod_type;
+        return d;
+      });
+
+  nb::class_<config::RunConfig>(m, "RunConfig")
+      .def("__init__",
+           [](config::RunConfig* self, std::optional<std::string> name,
+              std::optional<std::string> storage_path) {
+             new (self) config::RunConfig(Unwrap(config::RunConfig::Create(
+                 {.name = std::move(name), .storage_path = std::move(storage_path)})));
+           },
+           "name"_a.none(), "storage_path"_a.none())
+      .def_prop_ro("name", &config::RunConfig::name)
+      .def_prop_ro("storage_path", &config::RunConfig::storage_path);
+
+  nb::class_<placement::Plan>(m, "Plan").def("to_dict", &PlanToDict);
+
+  m.def("plan_local", [](const config::ScalingConfig& c) {
+    return Unwrap(placement::PlanLocal(c, accelerators::RealHost()));
+  });
+  m.def("simulate_env_name", [] { return std::string(placement::kSimulateEnv); });
+
+  nb::class_<PyController>(m, "Controller")
+      .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
+                    std::string, std::map<std::string, std::string>, nb::bytes, std::string,
+                    double, double, int>(),
+           "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
+           "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
+           "start_timeout_s"_a, "console_fd"_a)
+      .def("start", &PyController::Start)
+      .def("wait", &PyController::Wait, "timeout_s"_a)
+      .def("abort", &PyController::Abort, "reason"_a)
+      .def("outcome", &PyController::Outcome)
+      .def_prop_ro("port", &PyController::port);
+
+  nb::class_<PyWorkerClient>(m, "WorkerClient")
+      .def_static("connect", &PyWorkerClient::Connect, "address"_a, "secret_hex"_a, "rank"_a,
+                  "attempt"_a, "timeout_s"_a)
+      .def("register", &PyWorkerClient::Register, "json"_a)
+      .def("wait_start", &PyWorkerClient::WaitStart)
+      .def("report", &PyWorkerClient::Report, "round"_a, "metrics_json"_a)
+      .def("send_error", &PyWorkerClient::SendError, "json"_a)
+      .def("send_done", &PyWorkerClient::SendDone, "json"_a)
+      .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)
+      .def("stop", &PyWorkerClient::Stop);
+}

@@ -1,0 +1,63 @@
+// ScalingConfig: how many workers, on which hardware. The single source of truth for its
+// validation rules; the Python ScalingConfig binds this type and adds no rules of its own.
+// Immutable once built; thread-safe.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include "accelerators/tpu.h"
+#include "base/status.h"
+
+namespace jaxtrain::config {
+
+enum class PlacementStrategy { kPack, kSpread, kStrictPack, kStrictSpread };
+std::string_view PlacementStrategyName(PlacementStrategy strategy);
+
+struct ScalingConfigInput {
+  int num_workers = 1;
+  bool use_tpu = false;
+  bool use_gpu = false;
+  std::optional<std::string> topology;
+  std::optional<std::string> accelerator_type;
+  std::map<std::string, double> resources_per_worker;  // empty = the default for the hardware
+  std::string placement_strategy = "PACK";
+};
+
+class ScalingConfig {
+ public:
+  // Validates every field and the rules between them.
+  // Errors: kInvalidArgument whose message names the field, the value given and what is allowed:
+  //   num_workers < 1; use_tpu together with use_gpu; an unknown placement_strategy; a negative or
+  //   non-finite resource; a "TPU" resource without use_tpu, or use_tpu with TPU = 0; a "GPU"
+  //   resource without use_gpu; topology without use_tpu; use_tpu with more than one worker but no
+  //   topology or accelerator_type; an unknown TPU generation or a topology invalid for it; a TPU
+  //   count per worker that does not divide the chips of a host; num_workers not a multiple of
+  //   the workers one slice holds ("must be a multiple of ...").
+  static StatusOr<ScalingConfig> Create(ScalingConfigInput input);
+
+  const ScalingConfigInput& input() const { return input_; }
+  int num_workers() const { return input_.num_workers; }
+  bool use_tpu() const { return input_.use_tpu; }
+  bool use_gpu() const { return input_.use_gpu; }
+  PlacementStrategy placement_strategy() const { return placement_strategy_; }
+  // The resources of one worker, with the hardware's defaults filled in (TPU: a whole host's chips;
+  // GPU: 1; CPU: 1).
+  const std::map<std::string, double>& resources_per_worker() const { return resources_; }
+  // The TPU slice, when use_tpu and a topology are given.
+  const std::optional<accelerators::TpuSlice>& tpu_slice() const { return slice_; }
+  // Workers one slice holds (hosts x workers per host); 0 without a slice.
+  int workers_per_slice() const { return workers_per_slice_; }
+  // Number of slices the workers span; 0 without a slice.
+  int num_slices() const { return slice_ ? num_workers() / workers_per_slice_ : 0; }
+
+ private:
+  ScalingConfigInput input_;
+  PlacementStrategy placement_strategy_ = PlacementStrategy::kPack;
+  std::map<std::string, double> resources_;
+  std::optional<accelerators::TpuSlice> slice_;
+  int workers_per_slice_ = 0;
+};
+
+}  // namespace jaxtrain::config

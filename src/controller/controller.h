@@ -1,0 +1,127 @@
+// Controller: runs one training run's worker group, from spawn to the final outcome.
+//
+// It owns one event-loop thread that touches all of its state: the listening socket, every
+// worker connection, every worker process (reaped through its pidfd) and its output pipe, and the
+// run directory. Other threads only call Abort(), Wait() and outcome().
+//
+// One attempt, as the loop sees it:
+//
+//   kStarting ──all ranks authenticated and registered──> kRunning ──all ranks done──> (exits)
+//       │                                                     │
+//       └──── a rank fails / Abort() / start-up timeout ──────┴──> kStopping
+//                                                                    SIGTERM, then SIGKILL
+//                                                                    after the grace period
+//   Once every process is reaped and its output drained, the outcome is final:
+//   kSucceeded (every rank returned, every process exited 0), kFailed, or kAborted.
+//
+// Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
+// timeout with a rank of this attempt that has no connection yet; anything else is closed without
+// a reply beyond the handshake. See docs/wire.md.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "base/clock.h"
+#include "base/status.h"
+#include "launch/launcher.h"
+#include "placement/plan.h"
+
+namespace jaxtrain::controller {
+
+struct ControllerOptions {
+  std::string run_dir;
+  std::string experiment_name;
+  std::string listen_host = "127.0.0.1";
+  placement::Plan plan;
+  std::vector<std::string> worker_argv;          // e.g. {"/usr/bin/python3", "-m", "jaxtrain.worker"}
+  std::string worker_cwd;                        // empty = the driver's
+  std::map<std::string, std::string> worker_env;  // for every rank, on top of the plan's
+  std::string payload;                           // sent to every rank after kStart
+  nlohmann::json run_config;                     // recorded in run.json
+  Duration terminate_grace = std::chrono::seconds(5);
+  Duration handshake_timeout = std::chrono::seconds(10);
+  Duration start_timeout = std::chrono::seconds(300);  // spawn to every rank registered
+  int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
+};
+
+struct RankFailure {
+  int rank = -1;
+  std::string host;
+  int attempt = 0;
+  std::string cause;      // "exception", "exit", "signal", "connection", "start-up"
+  std::string message;    // one line: what happened
+  std::string traceback;  // the worker's Python traceback, when it sent one
+  std::string log_path;
+  std::string log_tail;
+};
+
+struct Outcome {
+  enum class State { kSucceeded, kFailed, kAborted };
+  State state = State::kAborted;
+  std::optional<RankFailure> failure;  // the first failure of the run
+  uint64_t rounds = 0;                 // report rounds recorded
+  std::string last_metrics_json;       // rank 0's metrics of the last round, "" if none
+  std::vector<std::string> warnings;
+  std::string abort_reason;
+};
+
+std::string_view OutcomeStateName(Outcome::State state);
+
+class Controller {
+ public:
+  Controller(ControllerOptions options, std::unique_ptr<launch::Launcher> launcher,
+             const Clock& clock = RealClock());
+  ~Controller();  // aborts a run still in progress and waits for it to end
+  Controller(const Controller&) = delete;
+  Controller& operator=(const Controller&) = delete;
+
+  // Opens the run directory, listens, starts the workers and the event loop.
+  // Errors: kPermissionDenied / kFailedPrecondition / kInternal for the run directory (the message
+  // names the path), kUnavailable when the port cannot be bound or a worker cannot be started.
+  // On error nothing is left running.
+  Status Start();
+
+  // Waits up to `timeout` for the outcome; true once it is final.
+  bool Wait(Duration timeout);
+
+  // Ends the run: every worker is terminated. Thread-safe; the outcome becomes kAborted unless the
+  // run had already ended.
+  void Abort(std::string reason);
+
+  // The final outcome; call only after Wait() returned true.
+  const Outcome& outcome() const { return outcome_; }
+
+  // The control port (after Start()).
+  int port() const { return port_; }
+
+ private:
+  struct Loop;
+  void RunLoop();
+
+  ControllerOptions options_;
+  std::unique_ptr<launch::Launcher> launcher_;
+  const Clock& clock_;
+  std::unique_ptr<Loop> loop_;
+  std::thread thread_;
+  int port_ = 0;
+  int wake_fd_ = -1;
+
+  std::mutex mu_;
+  std::condition_variable done_cv_;
+  bool done_ = false;              // guarded by mu_
+  std::string abort_reason_;       // guarded by mu_
+  std::atomic<bool> abort_requested_{false};
+  Outcome outcome_;  // written by the loop thread before done_ is set; read-only afterwards
+};
+
+}  // namespace jaxtrain::controller

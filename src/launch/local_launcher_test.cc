@@ -1,0 +1,90 @@
+#include "launch/local_launcher.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "launch/process.h"
+
+namespace jaxtrain::launch {
+namespace {
+
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[256];
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    poll(&p, 1, 5000);
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+ExitStatus WaitExit(const LaunchedProcess& p) {
+  pollfd pfd{p.pidfd, POLLIN, 0};
+  EXPECT_EQ(poll(&pfd, 1, 10000), 1);
+  auto s = TryReap(p.pid);
+  EXPECT_TRUE(s.has_value());
+  return *s;
+}
+
+TEST(LocalLauncherTest, RunsProcessesWithEnvAndMergedOutput) {
+  LocalLauncher launcher;
+  setenv("JT_LAUNCH_TEST_DROP", "x", 1);
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back({{r},
+                     {"/bin/sh", "-c", "echo out $JT_RANK ${JT_LAUNCH_TEST_DROP:-unset}; echo err >&2"},
+                     {{"JT_RANK", std::to_string(r)}},
+                     {"JT_LAUNCH_TEST_DROP"},
+                     "/"});
+  }
+  auto procs = launcher.Launch(specs);
+  ASSERT_TRUE(procs.ok()) << procs.status().ToString();
+  ASSERT_EQ(procs->size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ReadAll((*procs)[r].output_fd), "out " + std::to_string(r) + " unset\nerr\n");
+    EXPECT_TRUE(WaitExit((*procs)[r]).ok());
+    close((*procs)[r].pidfd);
+    close((*procs)[r].output_fd);
+  }
+}
+
+TEST(LocalLauncherTest, SignalGroupReachesEveryProcess) {
+  LocalLauncher launcher;
+  std::vector<ProcessSpec> specs(3, ProcessSpec{{0}, {"/bin/sleep", "30"}, {}, {}, ""});
+  auto procs = launcher.Launch(specs);
+  ASSERT_TRUE(procs.ok());
+  launcher.SignalGroup(SIGTERM);
+  for (auto& p : *procs) {
+    ExitStatus s = WaitExit(p);
+    EXPECT_EQ(s.signal, SIGTERM);
+    EXPECT_EQ(s.ToString(), "killed by signal 15 (SIGTERM)");
+    close(p.pidfd);
+    close(p.output_fd);
+  }
+}
+
+TEST(LocalLauncherTest, AProcessThatCannotStartFailsTheWholeLaunch) {
+  LocalLauncher launcher;
+  std::vector<ProcessSpec> specs = {{{0}, {"/bin/sleep", "30"}, {}, {}, ""},
+                                    {{1}, {"/nonexistent/python"}, {}, {}, ""}};
+  auto procs = launcher.Launch(specs);
+  ASSERT_FALSE(procs.ok());
+  EXPECT_EQ(procs.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(procs.status().message().find("rank 1"), std::string::npos);
+  EXPECT_NE(procs.status().message().find("/nonexistent/python"), std::string::npos);
+}
+
+TEST(ExitStatusTest, DescribesExitCodes) {
+  EXPECT_EQ((ExitStatus{.exit_code = 3}).ToString(), "exited with status 3");
+  EXPECT_TRUE((ExitStatus{.exit_code = 0}).ok());
+  EXPECT_EQ(SignalName(SIGKILL), "SIGKILL");
+}
+
+}  // namespace
+}  // namespace jaxtrain::launch

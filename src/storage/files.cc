@@ -1,0 +1,124 @@
+#include "storage/files.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace jaxtrain::storage {
+namespace {
+
+Status PathError(std::string_view what, const std::string& path, int err) {
+  std::string message = std::string(what) + " '" + path + "': " + std::strerror(err);
+  if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(message);
+  if (err == ENOTDIR || err == EEXIST) return FailedPreconditionError(message);
+  if (err == ENOENT) return NotFoundError(message);
+  return InternalError(message);
+}
+
+Status WriteFd(int fd, std::string_view data, const std::string& path) {
+  while (!data.empty()) {
+    ssize_t n = write(fd, data.data(), data.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return PathError("cannot write", path, errno);
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+std::string JoinPath(std::string_view a, std::string_view b) {
+  std::string out(a);
+  if (!out.empty() && out.back() != '/') out.push_back('/');
+  out.append(b);
+  return out;
+}
+
+Status MakeDirs(const std::string& path) {
+  if (path.empty()) return InvalidArgumentError("empty directory path");
+  for (size_t pos = 1; pos <= path.size(); ++pos) {
+    if (pos != path.size() && path[pos] != '/') continue;
+    std::string prefix = path.substr(0, pos);
+    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return PathError("cannot create directory", prefix, errno);
+    }
+    struct stat st;
+    if (stat(prefix.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+      return FailedPreconditionError("cannot create directory '" + path + "': '" + prefix +
+                                     "' is a file, not a directory");
+    }
+  }
+  return OkStatus();
+}
+
+Status WriteFileAtomically(const std::string& path, std::string_view contents) {
+  std::string tmp = path + ".tmp." + std::to_string(getpid());
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return PathError("cannot create", tmp, errno);
+  Status s = WriteFd(fd, contents, tmp);
+  if (s.ok() && fsync(fd) != 0) s = PathError("cannot fsync", tmp, errno);
+  close(fd);
+  if (s.ok() && rename(tmp.c_str(), path.c_str()) != 0) s = PathError("cannot rename to", path, errno);
+  if (!s.ok()) {
+    unlink(tmp.c_str());
+    return s;
+  }
+  std::string dir = path.substr(0, path.find_last_of('/') + 1);
+  int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);
+    close(dfd);
+  }
+  return OkStatus();
+}
+
+Status AppendToFile(const std::string& path, std::string_view contents) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return PathError("cannot open", path, errno);
+  Status s = WriteFd(fd, contents, path);
+  close(fd);
+  return s;
+}
+
+StatusOr<std::string> ReadFile(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return PathError("cannot open", path, errno);
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int err = errno;
+      close(fd);
+      return PathError("cannot read", path, err);
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
+}
+
+std::string TailOfFile(const std::string& path, size_t max_bytes) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  off_t size = lseek(fd, 0, SEEK_END);
+  off_t start = size > static_cast<off_t>(max_bytes) ? size - static_cast<off_t>(max_bytes) : 0;
+  std::string out(static_cast<size_t>(size - start), '\0');
+  ssize_t n = pread(fd, out.data(), out.size(), start);
+  close(fd);
+  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  if (start > 0) {
+    size_t nl = out.find('\n');
+    if (nl != std::string::npos) out.erase(0, nl + 1);
+  }
+  return out;
+}
+
+}  // namespace jaxtrain::storage

@@ -1,0 +1,87 @@
+#include "wire/frame.h"
+
+namespace jaxtrain::wire {
+namespace {
+
+void PutU32(std::string* out, uint32_t v) {
+  for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>(v >> shift));
+}
+
+uint32_t GetU32(const char* p) {
+  const auto* u = reinterpret_cast<const unsigned char*>(p);
+  return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
+}
+
+}  // namespace
+
+std::string EncodeFrame(MessageType type, std::string_view body) {
+  std::string out;
+  out.reserve(kFrameHeaderSize + body.size());
+  PutU32(&out, static_cast<uint32_t>(body.size() + 1));
+  out.push_back(static_cast<char>(type));
+  out.append(body);
+  return out;
+}
+
+std::string EncodeReportBody(uint64_t round, std::string_view metrics_json) {
+  std::string out;
+  out.reserve(8 + metrics_json.size());
+  PutU32(&out, static_cast<uint32_t>(round >> 32));
+  PutU32(&out, static_cast<uint32_t>(round));
+  out.append(metrics_json);
+  return out;
+}
+
+Status DecodeReportBody(std::string_view body, uint64_t* round, std::string_view* metrics_json) {
+  if (body.size() < 8) {
+    return DataLossError("report frame of " + std::to_string(body.size()) +
+                         " bytes is shorter than its 8-byte round number");
+  }
+  *round = (uint64_t{GetU32(body.data())} << 32) | GetU32(body.data() + 4);
+  *metrics_json = body.substr(8);
+  return OkStatus();
+}
+
+Status FrameDecoder::CheckHead() {
+  if (head_checked_ || buffered() < kFrameHeaderSize) return OkStatus();
+  const char* p = buffer_.data() + consumed_;
+  uint32_t length = GetU32(p);
+  if (length == 0) return DataLossError("frame with length 0");
+  if (length - 1 > max_body_) {
+    return DataLossError("frame body of " + std::to_string(length - 1) +
+                         " bytes exceeds the limit of " + std::to_string(max_body_));
+  }
+  uint8_t type = static_cast<uint8_t>(p[4]);
+  if (type == 0 || type > kMaxMessageType) {
+    return DataLossError("unknown message type " + std::to_string(type));
+  }
+  head_checked_ = true;
+  return OkStatus();
+}
+
+Status FrameDecoder::Feed(std::string_view bytes) {
+  if (consumed_ > 0) {
+    buffer_.erase(0, consumed_);
+    consumed_ = 0;
+  }
+  buffer_.append(bytes);
+  return CheckHead();
+}
+
+StatusOr<std::optional<Frame>> FrameDecoder::Next() {
+  JT_RETURN_IF_ERROR(CheckHead());
+  if (!head_checked_) return std::optional<Frame>();
+  const char* p = buffer_.data() + consumed_;
+  uint32_t length = GetU32(p);
+  if (buffered() < kFrameHeaderSize + length - 1) return std::optional<Frame>();
+  Frame f{static_cast<MessageType>(p[4]), std::string(p + kFrameHeaderSize, length - 1)};
+  consumed_ += kFrameHeaderSize + length - 1;
+  head_checked_ = false;
+  if (consumed_ == buffer_.size()) {
+    buffer_.clear();
+    consumed_ = 0;
+  }
+  return std::optional<Frame>(std::move(f));
+}
+
+}  // namespace jaxtrain::wire

@@ -1,0 +1,76 @@
+// The control protocol's framing. Every message between the controller and a worker is one frame:
+//
+//   u32 big-endian length of what follows | u8 message type | body (length - 1 bytes)
+//
+// Bodies: kHello, kChallenge, kAuth are fixed-size binary (handshake.h); kReport is a u64
+// big-endian round number followed by the metrics as JSON; kPayload is opaque bytes; the rest
+// are JSON objects. The full message sequence is drawn in docs/wire.md.
+// FrameDecoder never allocates more than its limit, whatever the peer sends.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "base/status.h"
+
+namespace jaxtrain::wire {
+
+enum class MessageType : uint8_t {
+  kHello = 1,      // worker -> controller: who I am, my nonce
+  kChallenge = 2,  // controller -> worker: proof the controller holds the secret, its nonce
+  kAuth = 3,       // worker -> controller: proof the worker holds the secret
+  kRegister = 4,   // worker -> controller: host, pid, and (rank 0) the JAX coordinator address
+  kStart = 5,      // controller -> worker: the JAX coordinator and the run's context
+  kPayload = 6,    // controller -> worker: the pickled training function and its config
+  kReport = 7,     // worker -> controller: one report() round's metrics
+  kError = 8,      // worker -> controller: the training function raised; traceback
+  kDone = 9,       // worker -> controller: the training function returned
+};
+constexpr uint8_t kMaxMessageType = 9;
+
+constexpr size_t kFrameHeaderSize = 5;
+
+struct Frame {
+  MessageType type;
+  std::string body;
+};
+
+std::string EncodeFrame(MessageType type, std::string_view body);
+
+// The kReport body.
+std::string EncodeReportBody(uint64_t round, std::string_view metrics_json);
+// Errors: kDataLoss when the body is shorter than the round number.
+Status DecodeReportBody(std::string_view body, uint64_t* round, std::string_view* metrics_json);
+
+// Splits a byte stream into frames.
+class FrameDecoder {
+ public:
+  // `max_body` bounds a frame's body; a larger announced length is an error before any of it is
+  // buffered.
+  explicit FrameDecoder(size_t max_body) : max_body_(max_body) {}
+  void set_max_body(size_t max_body) { max_body_ = max_body; }
+
+  // Appends received bytes (callers feed bounded chunks). Errors: kDataLoss for a zero length, a
+  // length above the limit or an unknown message type in the next frame's header, so an oversized
+  // frame is refused before its body is buffered. After an error the decoder must be discarded.
+  Status Feed(std::string_view bytes);
+
+  // The next complete frame, if one has arrived. A frame's header is checked against the limit in
+  // force when the frame becomes the next one, so a caller may change the limit after each frame
+  // (e.g. once the peer has authenticated). Errors: as for Feed().
+  StatusOr<std::optional<Frame>> Next();
+
+  size_t buffered() const { return buffer_.size() - consumed_; }
+
+ private:
+  Status CheckHead();
+
+  size_t max_body_;
+  std::string buffer_;
+  size_t consumed_ = 0;        // start of the next frame
+  bool head_checked_ = false;  // whether the next frame's header passed CheckHead()
+};
+
+}  // namespace jaxtrain::wire

@@ -1,0 +1,71 @@
+// WorkerClient: a worker process's side of the control connection.
+//
+// Connect() authenticates both ways (wire/handshake.h): the client refuses a controller that
+// cannot prove it holds the run's secret, before reading anything else from it. After that:
+// Register(), WaitStart() for the coordinator and the payload, then Report()/SendError()/SendDone().
+// WatchController() turns the end of the connection into the end of the process, so a worker
+// never outlives its controller.
+//
+// Thread-safety: the send methods may be called from any thread (they serialise on a mutex);
+// WaitStart() must be called by one thread, before WatchController().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "base/clock.h"
+#include "base/status.h"
+#include "wire/frame.h"
+#include "wire/socket.h"
+
+namespace jaxtrain::worker {
+
+struct WorkerClientOptions {
+  wire::HostPort controller;
+  std::string secret;  // raw bytes
+  uint32_t rank = 0;
+  uint32_t attempt = 0;
+  Duration timeout = std::chrono::seconds(60);  // connect, handshake
+};
+
+struct StartInfo {
+  std::string json;     // the kStart body
+  std::string payload;  // the kPayload body
+};
+
+class WorkerClient {
+ public:
+  // Errors: kUnavailable / kDeadlineExceeded when the controller cannot be reached;
+  // kUnauthenticated when it does not prove the secret or refuses ours.
+  static StatusOr<std::unique_ptr<WorkerClient>> Connect(const WorkerClientOptions& options);
+  ~WorkerClient();
+
+  Status Register(std::string_view json);
+  // Blocks until the controller starts training. Errors: kUnavailable when the connection ends.
+  StatusOr<StartInfo> WaitStart();
+  // Queues one report; does not wait for the controller. Errors: kUnavailable.
+  Status Report(uint64_t round, std::string_view metrics_json);
+  Status SendError(std::string_view json);
+  Status SendDone(std::string_view json);
+
+  // Starts a thread that waits for the connection to end and then ends this process with
+  // `exit_code`, after a line on stderr. Stop() disarms it.
+  void WatchController(int exit_code);
+  void Stop();
+
+ private:
+  explicit WorkerClient(int fd) : fd_(fd), decoder_(size_t{1} << 31) {}
+  Status Send(wire::MessageType type, std::string_view body);
+  StatusOr<wire::Frame> ReadFrame();
+
+  int fd_;
+  wire::FrameDecoder decoder_;
+  std::mutex send_mu_;
+  std::thread watcher_;
+  bool stopping_ = false;
+};
+
+}  // namespace jaxtrain::worker
