@@ -4,7 +4,8 @@ only checks Python types so that a wrong type gets the same kind of message as a
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from jaxtrain import _core
 
@@ -28,9 +29,9 @@ class ScalingConfig:
         num_workers: int = 1,
         use_tpu: bool = False,
         use_gpu: bool = False,
-        topology: Optional[str] = None,
-        accelerator_type: Optional[str] = None,
-        resources_per_worker: Optional[Mapping[str, float]] = None,
+        topology: str | None = None,
+        accelerator_type: str | None = None,
+        resources_per_worker: Mapping[str, float] | None = None,
         placement_strategy: str = "PACK",
     ) -> None:
         owner = "ScalingConfig"
@@ -80,7 +81,7 @@ class ScalingConfig:
         return self._core.num_slices
 
     @property
-    def tpu_slice(self) -> Optional[dict]:
+    def tpu_slice(self) -> dict | None:
         """The TPU slice: generation, topology, chips, chips_per_host, hosts, pod_type."""
         return self._core.tpu_slice
 
@@ -110,7 +111,7 @@ class RunConfig:
     ``~/jaxtrain_results``.
     """
 
-    def __init__(self, name: Optional[str] = None, storage_path: Optional[str | os.PathLike] = None):
+    def __init__(self, name: str | None = None, storage_path: str | os.PathLike | None = None):
         if name is not None:
             _expect("RunConfig", "name", name, (str,), "it must be a string")
         if storage_path is not None:

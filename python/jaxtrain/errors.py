@@ -33,7 +33,7 @@ class TrainingFailedError(RuntimeError):
         self.log_tail = log_tail
 
     @classmethod
-    def from_failure(cls, f: dict) -> "TrainingFailedError":
+    def from_failure(cls, f: dict) -> TrainingFailedError:
         where = f"rank {f['rank']} (host {f['host'] or '?'}, attempt {f['attempt']})"
         lines = [f"Training failed: {where}: {f['message']}"]
         if f["traceback"]:

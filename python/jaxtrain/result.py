@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -17,11 +17,11 @@ class Result:
     checkpoint (None: this version does not write checkpoints).
     """
 
-    metrics: Optional[dict[str, Any]]
+    metrics: dict[str, Any] | None
     path: str
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     checkpoint: Any = None
-    _rounds: Optional[list[dict]] = field(default=None, repr=False)
+    _rounds: list[dict] | None = field(default=None, repr=False)
 
     @property
     def metrics_dataframe(self):

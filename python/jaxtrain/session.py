@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,10 @@ class _Session:
         self.lock = threading.Lock()
 
 
-_session: Optional[_Session] = None
+_session: _Session | None = None
 
 
-def _install(session: Optional[_Session]) -> None:
+def _install(session: _Session | None) -> None:
     global _session
     _session = session
 
@@ -85,7 +85,7 @@ def _to_json(value: Any) -> Any:
     )
 
 
-def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: Optional[str] = None) -> None:
+def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: str | None = None) -> None:
     """Reports one round of metrics from this worker.
 
     Every worker must call ``report`` the same number of times; rank 0's metrics become the
@@ -96,7 +96,9 @@ def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: Optional[
     if not isinstance(metrics, dict):
         raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
     if checkpoint is not None or checkpoint_dir_name is not None:
-        raise NotImplementedError("report(checkpoint=...) is not supported by this version of jaxtrain")
+        raise NotImplementedError(
+            "report(checkpoint=...) is not supported by this version of jaxtrain"
+        )
     text = json.dumps(metrics, default=_to_json)
     with session.lock:
         session.round += 1

@@ -12,7 +12,8 @@ import inspect
 import json
 import os
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 
@@ -59,9 +60,9 @@ class JaxTrainer:
         self,
         train_loop_per_worker: Callable[..., Any],
         *,
-        train_loop_config: Optional[dict] = None,
-        scaling_config: Optional[ScalingConfig] = None,
-        run_config: Optional[RunConfig] = None,
+        train_loop_config: dict | None = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
     ) -> None:
         if not callable(train_loop_per_worker):
             raise ValueError(
@@ -182,7 +183,7 @@ def _console_fd() -> int:
         return -1  # e.g. a notebook: worker output is in the run's logs/
 
 
-def _describe(config: Optional[dict]) -> Any:
+def _describe(config: dict | None) -> Any:
     if config is None:
         return None
     try:
@@ -193,7 +194,7 @@ def _describe(config: Optional[dict]) -> Any:
 
 def _result(outcome: dict, run_dir: str) -> Result:
     metrics = json.loads(outcome["last_metrics_json"]) if outcome["last_metrics_json"] else None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     if outcome["state"] == "ERRORED":
         error = TrainingFailedError.from_failure(outcome["failure"])
     elif outcome["state"] == "ABORTED":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -82,9 +83,8 @@ def main() -> None:
     try:
         coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST", "127.0.0.1")
         coordinator = _pick_coordinator(coordinator_host) if rank == 0 else ""
-        client.register(
-            json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "coordinator": coordinator})
-        )
+        host = socket.gethostname()
+        client.register(json.dumps({"host": host, "pid": os.getpid(), "coordinator": coordinator}))
         import jax  # the slow part of start-up, overlapped with the other ranks'
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
@@ -112,6 +112,9 @@ def main() -> None:
             if rank == 0
             else None,
         )
+        # jax.distributed installs a SIGTERM handler for its preemption service; the controller
+        # stops a group with SIGTERM and must not wait for a grace period to end every worker.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         import cloudpickle
 
         task = cloudpickle.loads(payload)

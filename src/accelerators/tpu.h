@@ -39,8 +39,8 @@ struct TpuSlice {
   std::string topology;  // normalized, e.g. "2x2x4"
   int chips = 0;         // product of the topology's dimensions
   int chips_per_host = 0;
-  int hosts = 0;          // chips / chips_per_host
-  std::string pod_type;   // e.g. "v4-32", "v6e-16", "v5litepod-8", "v7x-16"
+  int hosts = 0;         // chips / chips_per_host
+  std::string pod_type;  // e.g. "v4-32", "v6e-16", "v5litepod-8", "v7x-16"
 };
 
 // Describes the slice named by `accelerator_type` and `topology`.

@@ -97,10 +97,10 @@ class [[nodiscard]] StatusOr {
 #define JT_CONCAT_INNER(a, b) a##b
 #define JT_CONCAT(a, b) JT_CONCAT_INNER(a, b)
 
-#define JT_RETURN_IF_ERROR(expr)                    \
-  do {                                              \
-    ::jaxtrain::Status jt_status_ = (expr);         \
-    if (!jt_status_.ok()) return jt_status_;        \
+#define JT_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::jaxtrain::Status jt_status_ = (expr);  \
+    if (!jt_status_.ok()) return jt_status_; \
   } while (0)
 
 #define JT_ASSIGN_OR_RETURN(lhs, expr) \

@@ -143,8 +143,6 @@ class PyController {
     return d;
   }
 
-  int port() const { return controller_->port(); }
-
  private:
   std::unique_ptr<controller::Controller> controller_;
 };
@@ -209,23 +207,25 @@ NB_MODULE(_core, m) {
   m.doc() = "The jaxtrain engine (C++).";
 
   nb::class_<config::ScalingConfig>(m, "ScalingConfig")
-      .def("__init__",
-           [](config::ScalingConfig* self, int num_workers, bool use_tpu, bool use_gpu,
-              std::optional<std::string> topology, std::optional<std::string> accelerator_type,
-              std::optional<std::map<std::string, double>> resources_per_worker,
-              std::string placement_strategy) {
-             config::ScalingConfigInput in;
-             in.num_workers = num_workers;
-             in.use_tpu = use_tpu;
-             in.use_gpu = use_gpu;
-             in.topology = std::move(topology);
-             in.accelerator_type = std::move(accelerator_type);
-             in.resources_per_worker = resources_per_worker.value_or(std::map<std::string, double>{});
-             in.placement_strategy = std::move(placement_strategy);
-             new (self) config::ScalingConfig(Unwrap(config::ScalingConfig::Create(std::move(in))));
-           },
-           "num_workers"_a, "use_tpu"_a, "use_gpu"_a, "topology"_a.none(),
-           "accelerator_type"_a.none(), "resources_per_worker"_a.none(), "placement_strategy"_a)
+      .def(
+          "__init__",
+          [](config::ScalingConfig* self, int num_workers, bool use_tpu, bool use_gpu,
+             std::optional<std::string> topology, std::optional<std::string> accelerator_type,
+             std::optional<std::map<std::string, double>> resources_per_worker,
+             std::string placement_strategy) {
+            config::ScalingConfigInput in;
+            in.num_workers = num_workers;
+            in.use_tpu = use_tpu;
+            in.use_gpu = use_gpu;
+            in.topology = std::move(topology);
+            in.accelerator_type = std::move(accelerator_type);
+            in.resources_per_worker =
+                resources_per_worker.value_or(std::map<std::string, double>{});
+            in.placement_strategy = std::move(placement_strategy);
+            new (self) config::ScalingConfig(Unwrap(config::ScalingConfig::Create(std::move(in))));
+          },
+          "num_workers"_a, "use_tpu"_a, "use_gpu"_a, "topology"_a.none(),
+          "accelerator_type"_a.none(), "resources_per_worker"_a.none(), "placement_strategy"_a)
       .def_prop_ro("resources_per_worker", &config::ScalingConfig::resources_per_worker)
       .def_prop_ro("workers_per_slice", &config::ScalingConfig::workers_per_slice)
       .def_prop_ro("num_slices", &config::ScalingConfig::num_slices)
@@ -243,13 +243,14 @@ NB_MODULE(_core, m) {
       });
 
   nb::class_<config::RunConfig>(m, "RunConfig")
-      .def("__init__",
-           [](config::RunConfig* self, std::optional<std::string> name,
-              std::optional<std::string> storage_path) {
-             new (self) config::RunConfig(Unwrap(config::RunConfig::Create(
-                 {.name = std::move(name), .storage_path = std::move(storage_path)})));
-           },
-           "name"_a.none(), "storage_path"_a.none())
+      .def(
+          "__init__",
+          [](config::RunConfig* self, std::optional<std::string> name,
+             std::optional<std::string> storage_path) {
+            new (self) config::RunConfig(Unwrap(config::RunConfig::Create(
+                {.name = std::move(name), .storage_path = std::move(storage_path)})));
+          },
+          "name"_a.none(), "storage_path"_a.none())
       .def_prop_ro("name", &config::RunConfig::name)
       .def_prop_ro("storage_path", &config::RunConfig::storage_path);
 
@@ -258,20 +259,18 @@ NB_MODULE(_core, m) {
   m.def("plan_local", [](const config::ScalingConfig& c) {
     return Unwrap(placement::PlanLocal(c, accelerators::RealHost()));
   });
-  m.def("simulate_env_name", [] { return std::string(placement::kSimulateEnv); });
 
   nb::class_<PyController>(m, "Controller")
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
-                    std::string, std::map<std::string, std::string>, nb::bytes, std::string,
-                    double, double, int>(),
+                    std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
+                    double, int>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "console_fd"_a)
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)
-      .def("outcome", &PyController::Outcome)
-      .def_prop_ro("port", &PyController::port);
+      .def("outcome", &PyController::Outcome);
 
   nb::class_<PyWorkerClient>(m, "WorkerClient")
       .def_static("connect", &PyWorkerClient::Connect, "address"_a, "secret_hex"_a, "rank"_a,

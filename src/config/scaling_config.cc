@@ -60,9 +60,9 @@ StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
   }
   auto tpu = in.resources_per_worker.find("TPU");
   if (tpu != in.resources_per_worker.end() && !in.use_tpu) {
-    return InvalidArgumentError("ScalingConfig.resources_per_worker['TPU']=" +
-                                FormatNumber(tpu->second) +
-                                " needs use_tpu=True; set use_tpu=True or remove the TPU entry");
+    return InvalidArgumentError(
+        "ScalingConfig.resources_per_worker['TPU']=" + FormatNumber(tpu->second) +
+        " needs use_tpu=True; set use_tpu=True or remove the TPU entry");
   }
   if (tpu != in.resources_per_worker.end() && tpu->second == 0) {
     return InvalidArgumentError(
@@ -71,9 +71,9 @@ StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
   }
   auto gpu = in.resources_per_worker.find("GPU");
   if (gpu != in.resources_per_worker.end() && gpu->second > 0 && !in.use_gpu) {
-    return InvalidArgumentError("ScalingConfig.resources_per_worker['GPU']=" +
-                                FormatNumber(gpu->second) +
-                                " needs use_gpu=True; set use_gpu=True or remove the GPU entry");
+    return InvalidArgumentError(
+        "ScalingConfig.resources_per_worker['GPU']=" + FormatNumber(gpu->second) +
+        " needs use_gpu=True; set use_gpu=True or remove the GPU entry");
   }
   if (in.topology && !in.use_tpu) {
     return InvalidArgumentError("ScalingConfig.topology='" + *in.topology +
@@ -110,8 +110,10 @@ StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
         const double k = tpu->second;
         if (k != std::floor(k) || k > per_host || per_host % static_cast<int>(k) != 0) {
           return InvalidArgumentError(
-              "ScalingConfig.resources_per_worker['TPU']=" + FormatNumber(k) + " does not divide "
-              "the " + std::to_string(per_host) + " chips of a " + slice->pod_type +
+              "ScalingConfig.resources_per_worker['TPU']=" + FormatNumber(k) +
+              " does not divide "
+              "the " +
+              std::to_string(per_host) + " chips of a " + slice->pod_type +
               " host; allowed: a whole number that divides " + std::to_string(per_host));
         }
         chips_per_worker = static_cast<int>(k);

@@ -88,8 +88,7 @@ TEST(ScalingConfigTest, SingleHostTpuNeedsNoTopology) {
 }
 
 TEST(ScalingConfigTest, BadTopologyListsTheValidOnes) {
-  ExpectInvalid(Tpu(4, "TPU-V6E", "3x3"),
-                {"topology='3x3'", "v6e", "1x1, 2x2, 2x4"});
+  ExpectInvalid(Tpu(4, "TPU-V6E", "3x3"), {"topology='3x3'", "v6e", "1x1, 2x2, 2x4"});
 }
 
 TEST(ScalingConfigTest, UnknownGenerationIsNamed) {

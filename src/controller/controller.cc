@@ -1,5 +1,6 @@
 #include "controller/controller.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -9,12 +10,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-
 #include <algorithm>
-#include <functional>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include "controller/report_collector.h"
 #include "launch/process.h"
@@ -179,8 +178,10 @@ struct Controller::Loop {
       int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
-      size_t unauthenticated = static_cast<size_t>(std::count_if(
-          conns.begin(), conns.end(), [](const auto& c) { return c->stage != Conn::Stage::kAuthed; }));
+      size_t unauthenticated =
+          static_cast<size_t>(std::count_if(conns.begin(), conns.end(), [](const auto& c) {
+            return c->stage != Conn::Stage::kAuthed;
+          }));
       if (unauthenticated >= ranks.size() * 2 + 64) {
         close(fd);  // a flood of peers that have not proven anything
         continue;
@@ -300,8 +301,7 @@ struct Controller::Loop {
         r.conn = &c;
         return;
       }
-      case Conn::Stage::kAuthed:
-        return OnWorkerMessage(c, f);
+      case Conn::Stage::kAuthed: return OnWorkerMessage(c, f);
     }
   }
 
@@ -337,12 +337,10 @@ struct Controller::Loop {
         Fail(std::move(failure));
         return;
       }
-      case MessageType::kDone:
-        r.done = true;
-        return;
+      case MessageType::kDone: r.done = true; return;
       default:
-        return ProtocolError(c, "unexpected message type " +
-                                    std::to_string(static_cast<int>(f.type)));
+        return ProtocolError(c,
+                             "unexpected message type " + std::to_string(static_cast<int>(f.type)));
     }
   }
 
@@ -396,20 +394,18 @@ struct Controller::Loop {
     // A frame sent just before exit may still be unread: read it first.
     if (r.conn) ReadConn(*r.conn);
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
+    RankFailure exit_failure{
+        .rank = p.rank,
+        .cause = p.exit.signal ? "signal" : "exit",
+        .message = "its process " + p.exit.ToString() +
+                   (p.exit.ok() ? " before its training function returned" : "")};
+    // The connection usually closes just before the exit is seen; the exit says more.
     if (failure && failure->rank == p.rank && failure->cause == "connection") {
-      failure->cause = p.exit.signal ? "signal" : "exit";
-      failure->message = "its process " + p.exit.ToString();
+      failure->cause = exit_failure.cause;
+      failure->message = exit_failure.message;
     }
     if (stopping || (p.exit.ok() && r.done)) return;
-    if (p.exit.ok()) {
-      Fail({.rank = p.rank,
-            .cause = "exit",
-            .message = "its process exited with status 0 before its training function returned"});
-    } else {
-      Fail({.rank = p.rank,
-            .cause = p.exit.signal ? "signal" : "exit",
-            .message = "its process " + p.exit.ToString()});
-    }
+    Fail(std::move(exit_failure));
   }
 
   void ReadOutput(Proc& p) {
@@ -581,8 +577,8 @@ struct Controller::Loop {
       out.state = Outcome::State::kFailed;
       failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
       std::string text = "rank " + std::to_string(failure->rank) + " (host " + failure->host +
-                         ", attempt " + std::to_string(failure->attempt) + "): " +
-                         failure->message + "\n";
+                         ", attempt " + std::to_string(failure->attempt) +
+                         "): " + failure->message + "\n";
       if (!failure->traceback.empty()) text += "\n" + failure->traceback;
       text += "\n--- last lines of " + failure->log_path + " ---\n" + failure->log_tail;
       Status s = store.WriteError(text);
@@ -601,9 +597,8 @@ struct Controller::Loop {
   }
 
   void WriteRunState(std::string_view status) {
-    nlohmann::json attempt_state = {{"attempt", attempt},
-                                    {"start_time", start_time},
-                                    {"status", status}};
+    nlohmann::json attempt_state = {
+        {"attempt", attempt}, {"start_time", start_time}, {"status", status}};
     if (status != "RUNNING") attempt_state["end_time"] = ctl.clock_.UnixSeconds();
     if (failure) {
       attempt_state["failure"] = {{"rank", failure->rank},
@@ -676,8 +671,8 @@ Status Controller::Start() {
     if (fd < 0) {
       for (auto& p : loop->procs) close(p.log_fd);
       close(loop->listen_fd);
-      return PermissionDeniedError("cannot open the log file '" + path + "': " +
-                                   std::strerror(errno));
+      return PermissionDeniedError("cannot open the log file '" + path +
+                                   "': " + std::strerror(errno));
     }
     loop->procs.push_back({.rank = r, .log_fd = fd});
   }

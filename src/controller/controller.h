@@ -24,12 +24,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "base/clock.h"
 #include "base/status.h"
@@ -43,11 +42,11 @@ struct ControllerOptions {
   std::string experiment_name;
   std::string listen_host = "127.0.0.1";
   placement::Plan plan;
-  std::vector<std::string> worker_argv;          // e.g. {"/usr/bin/python3", "-m", "jaxtrain.worker"}
-  std::string worker_cwd;                        // empty = the driver's
+  std::vector<std::string> worker_argv;  // e.g. {"/usr/bin/python3", "-m", "jaxtrain.worker"}
+  std::string worker_cwd;                // empty = the driver's
   std::map<std::string, std::string> worker_env;  // for every rank, on top of the plan's
-  std::string payload;                           // sent to every rank after kStart
-  nlohmann::json run_config;                     // recorded in run.json
+  std::string payload;                            // sent to every rank after kStart
+  nlohmann::json run_config;                      // recorded in run.json
   Duration terminate_grace = std::chrono::seconds(5);
   Duration handshake_timeout = std::chrono::seconds(10);
   Duration start_timeout = std::chrono::seconds(300);  // spawn to every rank registered
@@ -118,8 +117,8 @@ class Controller {
 
   std::mutex mu_;
   std::condition_variable done_cv_;
-  bool done_ = false;              // guarded by mu_
-  std::string abort_reason_;       // guarded by mu_
+  bool done_ = false;         // guarded by mu_
+  std::string abort_reason_;  // guarded by mu_
   std::atomic<bool> abort_requested_{false};
   Outcome outcome_;  // written by the loop thread before done_ is set; read-only afterwards
 };

@@ -79,8 +79,8 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
     posix_spawnattr_setsigmask(&attr, &empty);
     posix_spawnattr_setsigdefault(&attr, &all);
     posix_spawnattr_setpgroup(&attr, pgid_);  // 0 = a new group led by the first worker
-    posix_spawnattr_setflags(&attr,
-                             POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    posix_spawnattr_setflags(
+        &attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
 
     std::vector<std::string> argv_strings = spec.argv;
     std::vector<std::string> env_strings = BuildEnv(spec);

@@ -1,10 +1,9 @@
 #include "launch/local_launcher.h"
 
+#include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include "launch/process.h"
 
@@ -37,11 +36,12 @@ TEST(LocalLauncherTest, RunsProcessesWithEnvAndMergedOutput) {
   setenv("JT_LAUNCH_TEST_DROP", "x", 1);
   std::vector<ProcessSpec> specs;
   for (int r = 0; r < 2; ++r) {
-    specs.push_back({{r},
-                     {"/bin/sh", "-c", "echo out $JT_RANK ${JT_LAUNCH_TEST_DROP:-unset}; echo err >&2"},
-                     {{"JT_RANK", std::to_string(r)}},
-                     {"JT_LAUNCH_TEST_DROP"},
-                     "/"});
+    specs.push_back(
+        {{r},
+         {"/bin/sh", "-c", "echo out $JT_RANK ${JT_LAUNCH_TEST_DROP:-unset}; echo err >&2"},
+         {{"JT_RANK", std::to_string(r)}},
+         {"JT_LAUNCH_TEST_DROP"},
+         "/"});
   }
   auto procs = launcher.Launch(specs);
   ASSERT_TRUE(procs.ok()) << procs.status().ToString();

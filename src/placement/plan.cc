@@ -21,8 +21,7 @@ std::string Join(const std::vector<std::string>& items) {
 
 }  // namespace
 
-StatusOr<Plan> PlanLocal(const config::ScalingConfig& config,
-                         const accelerators::HostView& host) {
+StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators::HostView& host) {
   Plan plan;
   const int n = config.num_workers();
   auto simulate = host.GetEnv(kSimulateEnv);
@@ -38,7 +37,8 @@ StatusOr<Plan> PlanLocal(const config::ScalingConfig& config,
     if (chips == 0) {
       return FailedPreconditionError(
           "ScalingConfig(use_tpu=True) asks for TPU chips, but this machine has none (no "
-          "/dev/accel* devices, no Google /dev/vfio groups)" + how_to_simulate);
+          "/dev/accel* devices, no Google /dev/vfio groups)" +
+          how_to_simulate);
     }
     const auto& slice = config.tpu_slice();
     if (slice && slice->hosts > 1) {
@@ -46,14 +46,15 @@ StatusOr<Plan> PlanLocal(const config::ScalingConfig& config,
           "ScalingConfig(topology='" + slice->topology + "') is a " + slice->pod_type +
           " slice of " + std::to_string(slice->hosts) +
           " hosts; the local launcher runs on this one host only: run under Slurm, or use a "
-          "single-host topology" + how_to_simulate);
+          "single-host topology" +
+          how_to_simulate);
     }
     const int per_worker = static_cast<int>(config.resources_per_worker().at("TPU"));
     if (per_worker * n > chips) {
-      return FailedPreconditionError(
-          "ScalingConfig asks for " + std::to_string(n) + " workers x " +
-          std::to_string(per_worker) + " TPU chips, but this machine has " +
-          std::to_string(chips) + how_to_simulate);
+      return FailedPreconditionError("ScalingConfig asks for " + std::to_string(n) + " workers x " +
+                                     std::to_string(per_worker) +
+                                     " TPU chips, but this machine has " + std::to_string(chips) +
+                                     how_to_simulate);
     }
     for (int r = 0; r < n; ++r) {
       for (int c = 0; c < per_worker; ++c) devices[r].push_back(std::to_string(r * per_worker + c));
@@ -65,13 +66,14 @@ StatusOr<Plan> PlanLocal(const config::ScalingConfig& config,
     if (gpus.empty()) {
       return FailedPreconditionError(
           "ScalingConfig(use_gpu=True) asks for GPUs, but this machine has none visible (no "
-          "/dev/nvidia<N> devices, or CUDA_VISIBLE_DEVICES is empty)" + how_to_simulate);
+          "/dev/nvidia<N> devices, or CUDA_VISIBLE_DEVICES is empty)" +
+          how_to_simulate);
     }
     if (per_worker * n > static_cast<int>(gpus.size())) {
-      return FailedPreconditionError(
-          "ScalingConfig asks for " + std::to_string(n) + " workers x " +
-          std::to_string(per_worker) + " GPUs, but " + std::to_string(gpus.size()) +
-          " are visible (" + Join(gpus) + ")" + how_to_simulate);
+      return FailedPreconditionError("ScalingConfig asks for " + std::to_string(n) + " workers x " +
+                                     std::to_string(per_worker) + " GPUs, but " +
+                                     std::to_string(gpus.size()) + " are visible (" + Join(gpus) +
+                                     ")" + how_to_simulate);
     }
     for (int r = 0; r < n; ++r) {
       for (int g = 0; g < per_worker; ++g) devices[r].push_back(gpus[r * per_worker + g]);

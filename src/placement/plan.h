@@ -22,8 +22,8 @@ struct WorkerPlacement {
   int local_world_size = 0;
   int node_rank = 0;
   std::string host;
-  std::vector<std::string> devices;           // accelerator ids this rank owns
-  std::map<std::string, std::string> env;     // set in the worker's environment
+  std::vector<std::string> devices;        // accelerator ids this rank owns
+  std::map<std::string, std::string> env;  // set in the worker's environment
 };
 
 struct Plan {
@@ -37,7 +37,6 @@ struct Plan {
 // processes with the same world size.
 // Errors: kFailedPrecondition when the host lacks the accelerators asked for (the message names
 // what was looked for and the simulate switch), or has too few of them.
-StatusOr<Plan> PlanLocal(const config::ScalingConfig& config,
-                         const accelerators::HostView& host);
+StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators::HostView& host);
 
 }  // namespace jaxtrain::placement

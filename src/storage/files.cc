@@ -63,7 +63,8 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents) {
   Status s = WriteFd(fd, contents, tmp);
   if (s.ok() && fsync(fd) != 0) s = PathError("cannot fsync", tmp, errno);
   close(fd);
-  if (s.ok() && rename(tmp.c_str(), path.c_str()) != 0) s = PathError("cannot rename to", path, errno);
+  if (s.ok() && rename(tmp.c_str(), path.c_str()) != 0)
+    s = PathError("cannot rename to", path, errno);
   if (!s.ok()) {
     unlink(tmp.c_str());
     return s;

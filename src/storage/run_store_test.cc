@@ -31,9 +31,10 @@ TEST(RunStoreTest, AppendsRoundsToJsonlAndCsv) {
   ASSERT_TRUE(store.ok());
   ASSERT_TRUE(store->AppendRound(1, 10.5, R"({"loss":0.5,"epoch":0,"opt":{"lr":0.1}})").ok());
   ASSERT_TRUE(store->AppendRound(2, 11.0, R"({"loss":0.25,"epoch":1,"note":"a,b"})").ok());
-  EXPECT_EQ(*ReadFile(dir + "/result.jsonl"),
-            "{\"round\":1,\"time\":10.5,\"metrics\":{\"loss\":0.5,\"epoch\":0,\"opt\":{\"lr\":0.1}}}\n"
-            "{\"round\":2,\"time\":11,\"metrics\":{\"loss\":0.25,\"epoch\":1,\"note\":\"a,b\"}}\n");
+  EXPECT_EQ(
+      *ReadFile(dir + "/result.jsonl"),
+      "{\"round\":1,\"time\":10.5,\"metrics\":{\"loss\":0.5,\"epoch\":0,\"opt\":{\"lr\":0.1}}}\n"
+      "{\"round\":2,\"time\":11,\"metrics\":{\"loss\":0.25,\"epoch\":1,\"note\":\"a,b\"}}\n");
   EXPECT_EQ(*ReadFile(dir + "/progress.csv"),
             "round,time,epoch,loss,opt/lr\n"
             "1,10.5,0,0.5,0.1\n"
@@ -55,8 +56,9 @@ TEST(RunStoreTest, NonFiniteFloatsFromPythonAreKept) {
   std::string dir = TempDir();
   auto store = RunStore::Open(dir);
   ASSERT_TRUE(store->AppendRound(1, 1, R"({"loss":NaN,"g":-Infinity,"s":"NaN \" x"})").ok());
-  EXPECT_EQ(*ReadFile(dir + "/result.jsonl"),
-            "{\"round\":1,\"time\":1,\"metrics\":{\"loss\":NaN,\"g\":-Infinity,\"s\":\"NaN \\\" x\"}}\n");
+  EXPECT_EQ(
+      *ReadFile(dir + "/result.jsonl"),
+      "{\"round\":1,\"time\":1,\"metrics\":{\"loss\":NaN,\"g\":-Infinity,\"s\":\"NaN \\\" x\"}}\n");
   EXPECT_EQ(*ReadFile(dir + "/progress.csv"),
             "round,time,g,loss,s\n1,1,-Infinity,NaN,\"NaN \"\" x\"\n");
 }

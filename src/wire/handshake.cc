@@ -69,8 +69,8 @@ StatusOr<Hello> DecodeHello(std::string_view body) {
                                 std::to_string(kHelloSize));
   }
   if (body.substr(0, 4) != "JXTR") return UnauthenticatedError("hello without the JXTR magic");
-  uint16_t version = static_cast<uint16_t>((static_cast<uint8_t>(body[4]) << 8) |
-                                           static_cast<uint8_t>(body[5]));
+  uint16_t version =
+      static_cast<uint16_t>((static_cast<uint8_t>(body[4]) << 8) | static_cast<uint8_t>(body[5]));
   if (version != kProtocolVersion) {
     return UnauthenticatedError("protocol version " + std::to_string(version) + ", expected " +
                                 std::to_string(kProtocolVersion) +

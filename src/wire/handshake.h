@@ -1,8 +1,8 @@
 // Mutual authentication by the run's secret, before anything else crosses the connection.
 //
 //   worker -> controller  kHello:     magic "JXTR", version, rank, attempt, pid, worker nonce
-//   controller -> worker  kChallenge: controller nonce, HMAC(secret, "controller" | hello | nonce_c)
-//   worker -> controller  kAuth:      HMAC(secret, "worker" | hello | nonce_c)
+//   controller -> worker  kChallenge: controller nonce, HMAC(secret, "controller" | hello |
+//   nonce_c) worker -> controller  kAuth:      HMAC(secret, "worker" | hello | nonce_c)
 //
 // Each side proves it holds the secret without sending it, and each proof covers both fresh
 // nonces, so a recorded handshake cannot be replayed. The worker checks the controller's proof

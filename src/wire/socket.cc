@@ -21,7 +21,7 @@ struct AddrInfoDeleter {
 };
 
 StatusOr<std::unique_ptr<addrinfo, AddrInfoDeleter>> Resolve(const std::string& host, int port,
-                                                              bool passive) {
+                                                             bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -105,7 +105,8 @@ StatusOr<int> Connect(const HostPort& address, Duration timeout) {
     int rc = connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       pollfd p{fd, POLLOUT, 0};
-      int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count());
+      int ms =
+          static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count());
       int n;
       do {
         n = poll(&p, 1, ms);
@@ -138,7 +139,8 @@ Status WriteAll(int fd, std::string_view data) {
     ssize_t n = send(fd, data.data(), data.size(), MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return UnavailableError(std::string("connection lost while sending: ") + std::strerror(errno));
+      return UnavailableError(std::string("connection lost while sending: ") +
+                              std::strerror(errno));
     }
     data.remove_prefix(static_cast<size_t>(n));
   }

@@ -16,8 +16,8 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClient
   JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, o.timeout));
   std::unique_ptr<WorkerClient> client(new WorkerClient(fd));
   // Bound the handshake: a silent peer must not hold the worker forever.
-  timeval tv{static_cast<time_t>(std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()),
-             0};
+  timeval tv{
+      static_cast<time_t>(std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()), 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 
   wire::Hello hello{.rank = o.rank,
@@ -42,9 +42,9 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClient
                                 " could not prove it holds this run's secret; not trusting it");
   }
   wire::Mac proof = wire::WorkerProof(o.secret, hello, controller_nonce);
-  JT_RETURN_IF_ERROR(client->Send(
-      wire::MessageType::kAuth,
-      std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
+  JT_RETURN_IF_ERROR(
+      client->Send(wire::MessageType::kAuth,
+                   std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
   timeval none{0, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
   client->decoder_.set_max_body(size_t{1} << 31);

@@ -2,9 +2,9 @@
 //
 // Connect() authenticates both ways (wire/handshake.h): the client refuses a controller that
 // cannot prove it holds the run's secret, before reading anything else from it. After that:
-// Register(), WaitStart() for the coordinator and the payload, then Report()/SendError()/SendDone().
-// WatchController() turns the end of the connection into the end of the process, so a worker
-// never outlives its controller.
+// Register(), WaitStart() for the coordinator and the payload, then
+// Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
+// of the process, so a worker never outlives its controller.
 //
 // Thread-safety: the send methods may be called from any thread (they serialise on a mutex);
 // WaitStart() must be called by one thread, before WatchController().

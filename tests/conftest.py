@@ -1,0 +1,50 @@
+"""Shared helpers for the Python and end-to-end tests (real worker processes, real JAX)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> str:
+    """A fresh storage_path for one test's runs."""
+    path = tmp_path / "runs"
+    path.mkdir()
+    return str(path)
+
+
+def run_driver(code: str, tmp_path: Path, *, env: dict | None = None, timeout: float = 180):
+    """Runs `code` as a driver script (its functions live in __main__, as in users' scripts)."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes: it runs nothing and is only waiting to be reaped.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,38 @@
+"""jaxtrain._core lives in the same process as jaxlib (which bundles its own gRPC, protobuf and
+abseil): importing both, in either order, must leave JAX working."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ORDERS = {
+    "jax_first": "import jax, jax.numpy as jnp\nimport jaxtrain, jaxtrain._core\n",
+    "jaxtrain_first": "import jaxtrain, jaxtrain._core\nimport jax, jax.numpy as jnp\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_jax_and_jaxtrain_load_together_and_jax_computes(order):
+    code = ORDERS[order] + (
+        "x = jax.jit(lambda a: (a * 2).sum())(jnp.arange(4.0))\n"
+        "assert float(x) == 12.0, x\n"
+        "jaxtrain.ScalingConfig(num_workers=2)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
+def test_the_shipped_type_stubs_match_the_built_module(tmp_path):
+    fresh = tmp_path / "_core.pyi"
+    subprocess.run([sys.executable, "-m", "nanobind.stubgen", "-m", "jaxtrain._core", "-o",
+                    str(fresh)], check=True, capture_output=True, timeout=120)
+    shipped = Path(__file__).resolve().parent.parent / "python" / "jaxtrain" / "_core.pyi"
+    assert fresh.read_text() == shipped.read_text(), (
+        "python/jaxtrain/_core.pyi is stale: regenerate it with "
+        "`.venv/bin/python -m nanobind.stubgen -m jaxtrain._core -o python/jaxtrain/_core.pyi`"
+    )
