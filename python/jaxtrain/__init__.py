@@ -6,19 +6,24 @@ The package never imports ``jax`` on the driver: only the worker processes do.
 """
 
 from jaxtrain import train
-from jaxtrain.config import RunConfig, ScalingConfig
+from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result
-from jaxtrain.session import TrainContext, get_context, report
+from jaxtrain.session import TrainContext, get_checkpoint, get_context, report
 from jaxtrain.trainer import JaxTrainer
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointConfig",
+    "FailureConfig",
     "JaxTrainer",
     "Result",
     "RunConfig",
     "ScalingConfig",
     "TrainContext",
     "TrainingFailedError",
+    "get_checkpoint",
     "get_context",
     "report",
     "train",

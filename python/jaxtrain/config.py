@@ -104,23 +104,124 @@ class ScalingConfig:
         return isinstance(other, ScalingConfig) and self._as_dict() == other._as_dict()
 
 
+class CheckpointConfig:
+    """Which checkpoints to keep: the best ``num_to_keep`` by ``checkpoint_score_attribute`` (a
+    reported metric; nested keys joined with '/') in ``checkpoint_score_order`` ("max" or "min"),
+    or the newest ``num_to_keep`` without a score. The newest is never deleted. None keeps all."""
+
+    def __init__(
+        self,
+        num_to_keep: int | None = None,
+        checkpoint_score_attribute: str | None = None,
+        checkpoint_score_order: str = "max",
+    ) -> None:
+        owner = "CheckpointConfig"
+        if num_to_keep is not None:
+            _expect(owner, "num_to_keep", num_to_keep, (int,), "it must be a whole number >= 1")
+        if checkpoint_score_attribute is not None:
+            _expect(owner, "checkpoint_score_attribute", checkpoint_score_attribute, (str,),
+                    "it must be the name of a reported metric")
+        _expect(owner, "checkpoint_score_order", checkpoint_score_order, (str,),
+                "use 'max' or 'min'")
+        self._core = _core.CheckpointConfig(
+            num_to_keep=num_to_keep,
+            checkpoint_score_attribute=checkpoint_score_attribute,
+            checkpoint_score_order=checkpoint_score_order,
+        )
+        self.num_to_keep = num_to_keep
+        self.checkpoint_score_attribute = checkpoint_score_attribute
+        self.checkpoint_score_order = checkpoint_score_order
+
+    def _as_dict(self) -> dict:
+        return {
+            "num_to_keep": self.num_to_keep,
+            "checkpoint_score_attribute": self.checkpoint_score_attribute,
+            "checkpoint_score_order": self.checkpoint_score_order,
+        }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._as_dict().items())
+        return f"CheckpointConfig({fields})"
+
+
+class FailureConfig:
+    """How failures are handled. When a worker fails, the whole group is stopped and restarted from
+    the latest committed checkpoint, up to ``max_failures`` times (-1: without limit). A group that
+    cannot start (a start-up failure) is retried up to ``controller_failure_limit`` times.
+    ``progress_timeout_s`` turns on the progress watchdog: once a rank has called ``report()``,
+    going that many seconds without another call counts as a failure (alive but stuck)."""
+
+    def __init__(
+        self,
+        max_failures: int = 0,
+        controller_failure_limit: int = 3,
+        progress_timeout_s: float | None = None,
+    ) -> None:
+        owner = "FailureConfig"
+        _expect(owner, "max_failures", max_failures, (int,), "use 0, a positive number, or -1")
+        _expect(owner, "controller_failure_limit", controller_failure_limit, (int,),
+                "use 0, a positive number, or -1")
+        if progress_timeout_s is not None:
+            _expect(owner, "progress_timeout_s", progress_timeout_s, (int, float),
+                    "give a number of seconds > 0, or None")
+        self._core = _core.FailureConfig(
+            max_failures=max_failures,
+            controller_failure_limit=controller_failure_limit,
+            progress_timeout_s=None if progress_timeout_s is None else float(progress_timeout_s),
+        )
+        self.max_failures = max_failures
+        self.controller_failure_limit = controller_failure_limit
+        self.progress_timeout_s = progress_timeout_s
+
+    def _as_dict(self) -> dict:
+        return {
+            "max_failures": self.max_failures,
+            "controller_failure_limit": self.controller_failure_limit,
+            "progress_timeout_s": self.progress_timeout_s,
+        }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._as_dict().items())
+        return f"FailureConfig({fields})"
+
+
 class RunConfig:
-    """Where a run lives: ``<storage_path>/<name>``.
+    """Where a run lives (``<storage_path>/<name>``), how it keeps checkpoints and how it handles
+    failures.
 
     ``name`` defaults to ``jaxtrain_run-<UTC timestamp>``; ``storage_path`` to
-    ``~/jaxtrain_results``.
+    ``~/jaxtrain_results``. Running again with the same name and storage_path resumes the run
+    from its latest committed checkpoint.
     """
 
-    def __init__(self, name: str | None = None, storage_path: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        name: str | None = None,
+        storage_path: str | os.PathLike | None = None,
+        failure_config: FailureConfig | None = None,
+        checkpoint_config: CheckpointConfig | None = None,
+    ) -> None:
         if name is not None:
             _expect("RunConfig", "name", name, (str,), "it must be a string")
         if storage_path is not None:
             _expect("RunConfig", "storage_path", storage_path, (str, os.PathLike),
                     "it must be a path or a URL string")
             storage_path = os.fspath(storage_path)
+        if failure_config is not None:
+            _expect("RunConfig", "failure_config", failure_config, (FailureConfig,),
+                    "pass a jaxtrain.FailureConfig")
+        if checkpoint_config is not None:
+            _expect("RunConfig", "checkpoint_config", checkpoint_config, (CheckpointConfig,),
+                    "pass a jaxtrain.CheckpointConfig")
         core = _core.RunConfig(name=name, storage_path=storage_path)
         self.name: str = core.name
         self.storage_path: str = core.storage_path
+        self.failure_config = failure_config or FailureConfig()
+        self.checkpoint_config = checkpoint_config or CheckpointConfig()
 
     def __repr__(self) -> str:
-        return f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r})"
+        return (
+            f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r}, "
+            f"failure_config={self.failure_config!r}, "
+            f"checkpoint_config={self.checkpoint_config!r})"
+        )

@@ -33,9 +33,16 @@ class TrainingFailedError(RuntimeError):
         self.log_tail = log_tail
 
     @classmethod
-    def from_failure(cls, f: dict) -> TrainingFailedError:
+    def from_failure(cls, f: dict, attempts: list[dict] | None = None) -> TrainingFailedError:
+        """The error for the first failure `f`; `attempts` lists every failed attempt."""
         where = f"rank {f['rank']} (host {f['host'] or '?'}, attempt {f['attempt']})"
         lines = [f"Training failed: {where}: {f['message']}"]
+        if attempts and len(attempts) > 1:
+            lines += ["", f"Every failed attempt ({len(attempts)}; the restart budget is spent):"]
+            lines += [
+                f"  attempt {a['attempt']}: rank {a['rank']}, {a['cause']}: {a['message']}"
+                for a in attempts
+            ]
         if f["traceback"]:
             lines += ["", f"Traceback from rank {f['rank']}:", f["traceback"].rstrip()]
         elif f["log_tail"]:

@@ -1,4 +1,4 @@
-"""Result: what a run produced."""
+"""Result: what a run produced, read from its run directory."""
 
 from __future__ import annotations
 
@@ -7,20 +7,26 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.errors import TrainingFailedError
+
 
 @dataclass
 class Result:
-    """The outcome of ``JaxTrainer.fit()``.
+    """The outcome of ``JaxTrainer.fit()``, or of a run directory (``Result.from_path``).
 
-    ``metrics`` is rank 0's last reported metrics (None if nothing was reported), ``path`` the run
-    directory, ``error`` the TrainingFailedError when the run failed, ``checkpoint`` the latest
-    checkpoint (None: this version does not write checkpoints).
+    ``metrics``: rank 0's last reported metrics (None if nothing was reported); ``path``: the run
+    directory; ``error``: the TrainingFailedError when the run failed; ``checkpoint``: the latest
+    committed checkpoint (None if none); ``best_checkpoints``: every kept checkpoint with the
+    metrics of its round, best first by the run's CheckpointConfig score (newest first without
+    one).
     """
 
     metrics: dict[str, Any] | None
     path: str
     error: BaseException | None = None
-    checkpoint: Any = None
+    checkpoint: Checkpoint | None = None
+    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     _rounds: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -37,12 +43,70 @@ class Result:
         frame.insert(0, "round", [r["round"] for r in rows])
         return frame
 
+    @classmethod
+    def from_path(cls, path: str | os.PathLike) -> Result:
+        """Rebuilds the Result of a run from its directory, finished or not."""
+        path = os.path.abspath(os.fspath(path))
+        state_path = os.path.join(path, "run.json")
+        if not os.path.exists(state_path):
+            raise FileNotFoundError(f"'{path}' is not a jaxtrain run directory: it has no run.json")
+        with open(state_path, encoding="utf-8") as f:
+            state = json.load(f)
+        error = None
+        if state.get("status") == "ERRORED":
+            failed = [a for a in state.get("attempts", []) if a.get("failure")]
+            if failed:
+                f = failed[0]["failure"]
+                error = TrainingFailedError(
+                    f"Training failed: rank {f['rank']} (host {f['host'] or '?'}, attempt "
+                    f"{failed[0]['attempt']}): {f['message']}",
+                    rank=f["rank"], host=f["host"], attempt=failed[0]["attempt"],
+                    cause=f["cause"], log_path=os.path.join(path, "logs", f"rank-{f['rank']}.log"),
+                )
+        return _load(path, state.get("config", {}).get("checkpoint_config"), error)
+
     def _read_rounds(self) -> list[dict]:
         if self._rounds is None:
-            path = os.path.join(self.path, "result.jsonl")
-            rows = []
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    rows = [json.loads(line) for line in f if line.strip()]
-            self._rounds = rows
+            self._rounds = _read_rounds(self.path)
         return self._rounds
+
+
+def _read_rounds(path: str) -> list[dict]:
+    rows = []
+    jsonl = os.path.join(path, "result.jsonl")
+    if os.path.exists(jsonl):
+        with open(jsonl, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a line torn by a crash ends the record
+    return rows
+
+
+def _load(path: str, checkpoint_config: dict | None, error: BaseException | None) -> Result:
+    """The Result of the run directory `path`."""
+    from jaxtrain import _core
+
+    rounds = _read_rounds(path)
+    cc = checkpoint_config or {}
+    ranked = _core.ranked_checkpoints(
+        path, cc.get("checkpoint_score_attribute"), cc.get("checkpoint_score_order", "max") == "max"
+    )
+    best = [(Checkpoint(os.path.join(path, name)), json.loads(m)) for name, m in ranked]
+    latest = None
+    index = os.path.join(path, "checkpoints.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            name = json.load(f).get("latest")
+        # The index is rewritten atomically before any deletion; trust only what still exists.
+        if name and any(c.path == os.path.join(path, name) for c, _ in best):
+            latest = Checkpoint(os.path.join(path, name))
+    return Result(
+        metrics=rounds[-1]["metrics"] if rounds else None,
+        path=path,
+        error=error,
+        checkpoint=latest,
+        best_checkpoints=best,
+        _rounds=rounds,
+    )

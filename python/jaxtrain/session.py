@@ -1,4 +1,4 @@
-"""What the training function calls: ``report`` and ``get_context``.
+"""What the training function calls: ``report``, ``get_context`` and ``get_checkpoint``.
 
 A worker process installs one session before it runs the training function; outside a worker
 these functions raise a RuntimeError that says so.
@@ -7,9 +7,12 @@ these functions raise a RuntimeError that says so.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from jaxtrain.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,10 @@ class TrainContext:
 
 
 class _Session:
-    def __init__(self, client: Any, context: TrainContext) -> None:
+    def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None):
         self.client = client
         self.context = context
+        self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
 
@@ -85,24 +89,54 @@ def _to_json(value: Any) -> Any:
     )
 
 
-def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: str | None = None) -> None:
-    """Reports one round of metrics from this worker.
+def report(
+    metrics: dict,
+    checkpoint: Checkpoint | None = None,
+    checkpoint_dir_name: str | None = None,
+) -> None:
+    """Reports one round of metrics from this worker, and optionally its part of a checkpoint.
 
     Every worker must call ``report`` the same number of times; rank 0's metrics become the
     run's (``Result.metrics``, ``result.jsonl``, ``progress.csv``). A metrics-only call does not
-    wait for the controller.
+    wait for the controller. With ``checkpoint``, this rank's files are copied (and fsynced) before
+    ``report`` returns; when every rank has reported the round, the files of all the ranks that
+    passed a checkpoint are committed together as one checkpoint, named ``checkpoint_dir_name`` or
+    ``checkpoint_<round>``. Ranks must write different file names into one checkpoint.
     """
     session = _require("report")
     if not isinstance(metrics, dict):
         raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
-    if checkpoint is not None or checkpoint_dir_name is not None:
-        raise NotImplementedError(
-            "report(checkpoint=...) is not supported by this version of jaxtrain"
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        raise TypeError(
+            f"report(checkpoint=...) takes a jaxtrain.Checkpoint; got {type(checkpoint).__name__} "
+            "(use Checkpoint.from_directory(path))"
         )
+    if checkpoint_dir_name is not None and not isinstance(checkpoint_dir_name, str):
+        raise TypeError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}) takes a string")
     text = json.dumps(metrics, default=_to_json)
     with session.lock:
         session.round += 1
-        session.client.report(session.round, text)
+        if checkpoint is None:
+            session.client.report(session.round, text)
+            return
+        from jaxtrain import _core
+
+        ctx = session.context
+        staging = os.path.join(
+            ctx.run_dir, ".staging", f"a{ctx.attempt}-r{session.round}-rank{ctx.world_rank}"
+        )
+        try:
+            files = _core.stage_directory(checkpoint.path, staging)
+        except (FileNotFoundError, ValueError, PermissionError) as e:
+            raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
+        description = {"staging": staging, "files": files, "dir_name": checkpoint_dir_name}
+        session.client.report_checkpoint(session.round, json.dumps(description), text)
+
+
+def get_checkpoint() -> Checkpoint | None:
+    """The latest committed checkpoint of this run when this worker group started (after a
+    restart, or when a run is resumed by name), or None."""
+    return _require("get_checkpoint").checkpoint
 
 
 def get_context() -> TrainContext:

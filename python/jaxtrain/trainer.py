@@ -20,7 +20,7 @@ import cloudpickle
 from jaxtrain import _core
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
-from jaxtrain.result import Result
+from jaxtrain.result import Result, _load
 
 # Seconds a worker gets between SIGTERM and SIGKILL when the group is stopped.
 _TERMINATE_GRACE_S = 5.0
@@ -130,11 +130,16 @@ class JaxTrainer:
                         "name": self.run_config.name,
                         "storage_path": self.run_config.storage_path,
                     },
+                    "failure_config": self.run_config.failure_config._as_dict(),
+                    "checkpoint_config": self.run_config.checkpoint_config._as_dict(),
                     "train_loop_config": _describe(self.train_loop_config),
                 }
             ),
             terminate_grace_s=_TERMINATE_GRACE_S,
             start_timeout_s=_START_TIMEOUT_S,
+            failure_config=self.run_config.failure_config._core,
+            checkpoint_config=self.run_config.checkpoint_config._core,
+            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "") not in ("", "0"),
             console_fd=_console_fd(),
         )
         controller.start()
@@ -147,7 +152,7 @@ class JaxTrainer:
             while not controller.wait(1.0):
                 pass
             raise
-        return _result(controller.outcome(), run_dir)
+        return _result(controller.outcome(), run_dir, self.run_config.checkpoint_config)
 
 
 def _run_dir(run_config: RunConfig) -> str:
@@ -192,14 +197,13 @@ def _describe(config: dict | None) -> Any:
         return repr(config)
 
 
-def _result(outcome: dict, run_dir: str) -> Result:
-    metrics = json.loads(outcome["last_metrics_json"]) if outcome["last_metrics_json"] else None
+def _result(outcome: dict, run_dir: str, checkpoint_config) -> Result:
     error: BaseException | None = None
     if outcome["state"] == "ERRORED":
-        error = TrainingFailedError.from_failure(outcome["failure"])
+        error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    result = Result(metrics=metrics, path=run_dir, error=error)
+    result = _load(run_dir, checkpoint_config._as_dict(), error)
     if error is not None:
         raise error
     return result

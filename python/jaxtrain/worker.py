@@ -72,6 +72,7 @@ def main() -> None:
         )
         sys.exit(2)
     from jaxtrain import _core, session
+    from jaxtrain.checkpoint import Checkpoint
 
     rank = _env_int("JAXTRAIN_RANK")
     attempt = _env_int("JAXTRAIN_ATTEMPT")
@@ -121,6 +122,7 @@ def main() -> None:
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
 
+    checkpoint = Checkpoint(start["checkpoint"]) if start.get("checkpoint") else None
     session._install(
         session._Session(
             client,
@@ -134,6 +136,7 @@ def main() -> None:
                 attempt=attempt,
                 run_dir=start["run_dir"],
             ),
+            checkpoint,
         )
     )
     try:

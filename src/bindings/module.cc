@@ -17,6 +17,7 @@
 #include "controller/controller.h"
 #include "launch/local_launcher.h"
 #include "placement/plan.h"
+#include "storage/checkpoint.h"
 #include "wire/handshake.h"
 #include "worker/worker_client.h"
 
@@ -94,6 +95,8 @@ class PyController {
                std::vector<std::string> worker_argv, std::string worker_cwd,
                std::map<std::string, std::string> worker_env, nb::bytes payload,
                std::string run_config_json, double terminate_grace_s, double start_timeout_s,
+               const config::FailureConfig& failure_config,
+               const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
                int console_fd) {
     controller::ControllerOptions o;
     o.run_dir = std::move(run_dir);
@@ -106,6 +109,14 @@ class PyController {
     o.run_config = nlohmann::json::parse(run_config_json, nullptr, false);
     o.terminate_grace = Seconds(terminate_grace_s);
     o.start_timeout = Seconds(start_timeout_s);
+    o.progress_timeout = Seconds(failure_config.progress_timeout_s().value_or(0));
+    o.max_failures = failure_config.max_failures();
+    o.max_start_failures = failure_config.controller_failure_limit();
+    const auto& cc = checkpoint_config.input();
+    o.retention = {.num_to_keep = cc.num_to_keep,
+                   .score_attribute = cc.checkpoint_score_attribute,
+                   .higher_is_better = checkpoint_config.higher_is_better()};
+    o.verify_checksums = verify_checksums;
     o.console_fd = console_fd;
     controller_ = std::make_unique<controller::Controller>(
         std::move(o), std::make_unique<launch::LocalLauncher>());
@@ -136,6 +147,10 @@ class PyController {
     nb::dict d;
     d["state"] = std::string(controller::OutcomeStateName(o.state));
     d["failure"] = o.failure ? nb::object(FailureToDict(*o.failure)) : nb::none();
+    nb::list failures;
+    for (const auto& f : o.failures) failures.append(FailureToDict(f));
+    d["failures"] = failures;
+    d["attempts"] = o.attempts;
     d["rounds"] = o.rounds;
     d["last_metrics_json"] = o.last_metrics_json;
     d["warnings"] = o.warnings;
@@ -175,6 +190,16 @@ class PyWorkerClient {
     }
     worker::StartInfo i = Unwrap(std::move(info));
     return nb::make_tuple(i.json, nb::bytes(i.payload.data(), i.payload.size()));
+  }
+
+  void ReportCheckpoint(uint64_t round, std::string_view checkpoint_json,
+                        std::string_view metrics_json) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->ReportCheckpoint(round, checkpoint_json, metrics_json);
+    }
+    Check(s);
   }
 
   void Report(uint64_t round, std::string_view metrics_json) {
@@ -254,6 +279,82 @@ NB_MODULE(_core, m) {
       .def_prop_ro("name", &config::RunConfig::name)
       .def_prop_ro("storage_path", &config::RunConfig::storage_path);
 
+  nb::class_<config::CheckpointConfig>(m, "CheckpointConfig")
+      .def(
+          "__init__",
+          [](config::CheckpointConfig* self, std::optional<int> num_to_keep,
+             std::optional<std::string> checkpoint_score_attribute,
+             std::string checkpoint_score_order) {
+            new (self) config::CheckpointConfig(Unwrap(config::CheckpointConfig::Create(
+                {.num_to_keep = num_to_keep,
+                 .checkpoint_score_attribute = std::move(checkpoint_score_attribute),
+                 .checkpoint_score_order = std::move(checkpoint_score_order)})));
+          },
+          "num_to_keep"_a.none(), "checkpoint_score_attribute"_a.none(),
+          "checkpoint_score_order"_a);
+
+  nb::class_<config::FailureConfig>(m, "FailureConfig")
+      .def(
+          "__init__",
+          [](config::FailureConfig* self, int max_failures, int controller_failure_limit,
+             std::optional<double> progress_timeout_s) {
+            new (self) config::FailureConfig(Unwrap(
+                config::FailureConfig::Create({.max_failures = max_failures,
+                                               .controller_failure_limit = controller_failure_limit,
+                                               .progress_timeout_s = progress_timeout_s})));
+          },
+          "max_failures"_a, "controller_failure_limit"_a, "progress_timeout_s"_a.none());
+
+  m.def(
+      "stage_directory",
+      [](const std::string& src, const std::string& dst) {
+        StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
+        {
+          nb::gil_scoped_release release;
+          entries = storage::StageDirectory(src, dst);
+        }
+        nb::list out;
+        for (const auto& e : Unwrap(std::move(entries))) {
+          nb::dict d;
+          d["path"] = e.path;
+          d["size"] = e.size;
+          d["crc32c"] = e.crc32c;
+          out.append(d);
+        }
+        return out;
+      },
+      "src"_a, "dst"_a,
+      "Copies a checkpoint directory into staging; returns its files with sizes and CRC-32C.");
+
+  m.def(
+      "verify_checkpoint",
+      [](const std::string& dir, bool checksums) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = storage::VerifyCheckpoint(dir, checksums);
+        }
+        Check(s);
+      },
+      "dir"_a, "checksums"_a);
+
+  m.def(
+      "ranked_checkpoints",
+      [](const std::string& run_dir, std::optional<std::string> score_attribute,
+         bool higher_is_better) {
+        std::vector<std::string> warnings;
+        auto index = Unwrap(storage::CheckpointIndex::Load(run_dir, &warnings));
+        storage::RetentionPolicy policy{.score_attribute = std::move(score_attribute),
+                                        .higher_is_better = higher_is_better};
+        nb::list out;
+        for (const auto& r : storage::RankByScore(index.records(), policy)) {
+          out.append(nb::make_tuple(r.dir_name, r.metrics.dump()));
+        }
+        return out;
+      },
+      "run_dir"_a, "score_attribute"_a.none(), "higher_is_better"_a,
+      "The committed checkpoints of a run directory, best first: (dir_name, metrics JSON).");
+
   nb::class_<placement::Plan>(m, "Plan").def("to_dict", &PlanToDict);
 
   m.def("plan_local", [](const config::ScalingConfig& c) {
@@ -263,10 +364,12 @@ NB_MODULE(_core, m) {
   nb::class_<PyController>(m, "Controller")
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
-                    double, int>(),
+                    double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
+                    int>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
-           "start_timeout_s"_a, "console_fd"_a)
+           "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
+           "console_fd"_a)
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)
@@ -278,6 +381,8 @@ NB_MODULE(_core, m) {
       .def("register", &PyWorkerClient::Register, "json"_a)
       .def("wait_start", &PyWorkerClient::WaitStart)
       .def("report", &PyWorkerClient::Report, "round"_a, "metrics_json"_a)
+      .def("report_checkpoint", &PyWorkerClient::ReportCheckpoint, "round"_a, "checkpoint_json"_a,
+           "metrics_json"_a)
       .def("send_error", &PyWorkerClient::SendError, "json"_a)
       .def("send_done", &PyWorkerClient::SendDone, "json"_a)
       .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)

@@ -1,5 +1,6 @@
 #include "config/run_config.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <ctime>
 
@@ -33,6 +34,49 @@ StatusOr<RunConfig> RunConfig::Create(RunConfigInput in, const Clock& clock) {
     const char* home = std::getenv("HOME");
     c.storage_path_ = std::string(home ? home : "") + c.storage_path_.substr(1);
   }
+  return c;
+}
+
+StatusOr<CheckpointConfig> CheckpointConfig::Create(CheckpointConfigInput in) {
+  if (in.num_to_keep && *in.num_to_keep < 1) {
+    return InvalidArgumentError("CheckpointConfig.num_to_keep=" + std::to_string(*in.num_to_keep) +
+                                " is not allowed; keep at least 1 checkpoint, or leave it None to "
+                                "keep all");
+  }
+  if (in.checkpoint_score_attribute && in.checkpoint_score_attribute->empty()) {
+    return InvalidArgumentError(
+        "CheckpointConfig.checkpoint_score_attribute='' is not allowed; name a reported metric "
+        "(e.g. 'loss') or leave it None to rank checkpoints by recency");
+  }
+  if (in.checkpoint_score_order != "max" && in.checkpoint_score_order != "min") {
+    return InvalidArgumentError("CheckpointConfig.checkpoint_score_order='" +
+                                in.checkpoint_score_order + "' is not allowed; use 'max' or 'min'");
+  }
+  CheckpointConfig c;
+  c.input_ = std::move(in);
+  return c;
+}
+
+StatusOr<FailureConfig> FailureConfig::Create(FailureConfigInput in) {
+  if (in.max_failures < -1) {
+    return InvalidArgumentError("FailureConfig.max_failures=" + std::to_string(in.max_failures) +
+                                " is not allowed; use 0 (no restarts), a positive number, or -1 "
+                                "(restart without limit)");
+  }
+  if (in.controller_failure_limit < -1) {
+    return InvalidArgumentError(
+        "FailureConfig.controller_failure_limit=" + std::to_string(in.controller_failure_limit) +
+        " is not allowed; use 0, a positive number, or -1 (without limit)");
+  }
+  if (in.progress_timeout_s &&
+      !(*in.progress_timeout_s > 0 && std::isfinite(*in.progress_timeout_s))) {
+    return InvalidArgumentError(
+        "FailureConfig.progress_timeout_s=" + std::to_string(*in.progress_timeout_s) +
+        " is not allowed; give a number of seconds > 0, or None to turn "
+        "the progress watchdog off");
+  }
+  FailureConfig c;
+  c.input_ = in;
   return c;
 }
 

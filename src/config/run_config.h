@@ -31,6 +31,47 @@ class RunConfig {
   std::string storage_path_;
 };
 
+// How many checkpoints to keep, and which are best.
+struct CheckpointConfigInput {
+  std::optional<int> num_to_keep;                         // all when unset
+  std::optional<std::string> checkpoint_score_attribute;  // a reported metric; '/' for nesting
+  std::string checkpoint_score_order = "max";             // "max" or "min"
+};
+
+class CheckpointConfig {
+ public:
+  // Errors: kInvalidArgument for num_to_keep < 1, an empty score attribute, or a score order
+  // other than "max" / "min".
+  static StatusOr<CheckpointConfig> Create(CheckpointConfigInput input);
+  const CheckpointConfigInput& input() const { return input_; }
+  bool higher_is_better() const { return input_.checkpoint_score_order == "max"; }
+
+ private:
+  CheckpointConfigInput input_;
+};
+
+// How many times a failed worker group is restarted: training failures and start-up failures (a
+// group that could not start) have separate budgets.
+struct FailureConfigInput {
+  int max_failures = 0;              // -1: without limit
+  int controller_failure_limit = 3;  // start-up failures; -1: without limit
+  // The progress watchdog: a rank alive but without a report() for this long has failed.
+  std::optional<double> progress_timeout_s;  // off when unset
+};
+
+class FailureConfig {
+ public:
+  // Errors: kInvalidArgument for max_failures or controller_failure_limit < -1, or a
+  // progress_timeout_s that is not a positive number.
+  static StatusOr<FailureConfig> Create(FailureConfigInput input);
+  int max_failures() const { return input_.max_failures; }
+  int controller_failure_limit() const { return input_.controller_failure_limit; }
+  std::optional<double> progress_timeout_s() const { return input_.progress_timeout_s; }
+
+ private:
+  FailureConfigInput input_;
+};
+
 // "jaxtrain_run-2026-12-02_10-36-51" for the clock's current UTC time.
 std::string DefaultRunName(const Clock& clock);
 

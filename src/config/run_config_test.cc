@@ -43,5 +43,30 @@ TEST(RunConfigTest, RejectsEmptyStoragePath) {
   EXPECT_NE(c.status().message().find("RunConfig.storage_path=''"), std::string::npos);
 }
 
+TEST(CheckpointConfigTest, DefaultsKeepEverythingRankedByRecency) {
+  auto c = CheckpointConfig::Create({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->input().num_to_keep.has_value());
+  EXPECT_TRUE(c->higher_is_better());
+}
+
+TEST(CheckpointConfigTest, RejectsBadValuesNamingTheField) {
+  auto keep = CheckpointConfig::Create({.num_to_keep = 0});
+  EXPECT_EQ(keep.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(keep.status().message().find("CheckpointConfig.num_to_keep=0"), std::string::npos);
+  auto order = CheckpointConfig::Create({.checkpoint_score_order = "best"});
+  EXPECT_EQ(order.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(order.status().message().find("checkpoint_score_order='best'"), std::string::npos);
+  auto attr = CheckpointConfig::Create({.checkpoint_score_attribute = ""});
+  EXPECT_EQ(attr.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(FailureConfigTest, AcceptsMinusOneAndRejectsLess) {
+  EXPECT_TRUE(FailureConfig::Create({.max_failures = -1}).ok());
+  auto bad = FailureConfig::Create({.max_failures = -2});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("FailureConfig.max_failures=-2"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace jaxtrain::config

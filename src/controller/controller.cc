@@ -15,6 +15,7 @@
 #include <cstring>
 #include <functional>
 
+#include "controller/failure_policy.h"
 #include "controller/report_collector.h"
 #include "launch/process.h"
 #include "storage/files.h"
@@ -31,6 +32,41 @@ constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
+constexpr uint64_t kAlwaysChecksumBytes = 64 << 20;
+// TCP keepalive on worker connections: a host that vanishes without closing its connections is
+// noticed after about kKeepIdle + kKeepCount * kKeepInterval seconds.
+constexpr int kKeepIdleS = 5;
+constexpr int kKeepIntervalS = 1;
+constexpr int kKeepCount = 5;
+
+void EnableKeepAlive(int fd) {
+  int one = 1, idle = kKeepIdleS, interval = kKeepIntervalS, count = kKeepCount;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+}
+
+std::string SecondsText(Duration d) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", std::chrono::duration<double>(d).count());
+  return buf;
+}
+
+std::string DefaultCheckpointName(uint64_t round) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "checkpoint_%06llu", static_cast<unsigned long long>(round));
+  return buf;
+}
+
+// How many processes the kernel's out-of-memory killer has killed since boot. A SIGKILL that the
+// controller did not send, while this count rose, is most likely the OOM killer's.
+uint64_t OomKillCount() {
+  auto text = storage::ReadFile("/proc/vmstat");
+  if (!text.ok()) return 0;
+  size_t at = text->find("\noom_kill ");
+  return at == std::string::npos ? 0 : std::strtoull(text->c_str() + at + 10, nullptr, 10);
+}
 
 void WriteFully(int fd, std::string_view data) {
   while (!data.empty()) {
@@ -99,10 +135,16 @@ struct Controller::Loop {
     bool done = false;
     std::string host;
     std::string coordinator;
+    std::optional<TimePoint> last_progress;  // the last report(); arms the progress watchdog
   };
 
-  Loop(Controller& c, storage::RunStore s)
-      : ctl(c), opts(c.options_), store(std::move(s)), collector(WorldSize(c), 1) {}
+  Loop(Controller& c, storage::RunStore s, storage::CheckpointIndex index)
+      : ctl(c),
+        opts(c.options_),
+        store(std::move(s)),
+        checkpoints(std::move(index)),
+        collector(WorldSize(c), store.LastRound() + 1),
+        policy(c.options_.max_failures, c.options_.max_start_failures) {}
 
   static int WorldSize(const Controller& c) {
     return static_cast<int>(c.options_.plan.workers.size());
@@ -111,11 +153,22 @@ struct Controller::Loop {
   Controller& ctl;
   const ControllerOptions& opts;
   storage::RunStore store;
+  storage::CheckpointIndex checkpoints;
   ReportCollector collector;
+  FailurePolicy policy;
   std::string secret;
   int listen_fd = -1;
+  int first_attempt = 0;  // attempts of earlier runs of this run directory
   int attempt = 0;
   double start_time = 0;
+  double attempt_start_time = 0;
+  nlohmann::json attempt_log = nlohmann::json::array();  // run.json's attempts, earlier runs' too
+  std::string restore_from;  // the checkpoint this attempt starts from; "" for none
+  std::vector<launch::ProcessSpec> specs;
+  std::vector<RankFailure> failures;
+  bool sent_sigkill = false;
+  uint64_t oom_kills_before = 0;
+  std::vector<std::string> warnings;
   Phase phase = Phase::kStarting;
   std::vector<Proc> procs;
   std::vector<RankState> ranks;
@@ -155,12 +208,10 @@ struct Controller::Loop {
   void BeginStop() {
     if (phase == Phase::kStopping || phase == Phase::kDraining) return;
     phase = Phase::kStopping;
-    if (listen_fd >= 0) {
-      close(listen_fd);
-      listen_fd = -1;
-    }
     if (AnyUnreaped()) {
       ctl.launcher_->SignalGroup(SIGTERM);
+      // A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued.
+      ctl.launcher_->SignalGroup(SIGCONT);
       kill_deadline = Now() + opts.terminate_grace;
     }
   }
@@ -188,6 +239,7 @@ struct Controller::Loop {
       }
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      EnableKeepAlive(fd);
       auto conn = std::make_unique<Conn>();
       conn->fd = fd;
       conn->peer = PeerName(addr);
@@ -323,7 +375,31 @@ struct Controller::Loop {
         std::string_view metrics;
         Status s = wire::DecodeReportBody(f.body, &round, &metrics);
         if (!s.ok()) return ProtocolError(c, s.message());
+        r.last_progress = Now();
         for (Round& done : collector.Add(c.rank, std::string(metrics))) Record(done);
+        return;
+      }
+      case MessageType::kReportCheckpoint: {
+        uint64_t round = 0;
+        std::string_view checkpoint, metrics;
+        Status s = wire::DecodeCheckpointReportBody(f.body, &round, &checkpoint, &metrics);
+        if (!s.ok()) return ProtocolError(c, s.message());
+        auto j = nlohmann::json::parse(checkpoint, nullptr, false);
+        if (!j.is_object() || !j.contains("files")) {
+          return ProtocolError(c, "malformed checkpoint description");
+        }
+        CheckpointPart part;
+        part.staged.rank = c.rank;
+        part.staged.staging_dir = j.value("staging", "");
+        for (const auto& file : j["files"]) {
+          part.staged.files.push_back({file.value("path", ""), file.value("size", uint64_t{0}),
+                                       file.value("crc32c", uint32_t{0})});
+        }
+        if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
+        r.last_progress = Now();
+        for (Round& done : collector.Add(c.rank, std::string(metrics), std::move(part))) {
+          Record(done);
+        }
         return;
       }
       case MessageType::kError: {
@@ -359,26 +435,66 @@ struct Controller::Loop {
       return;
     }
     phase = Phase::kRunning;
-    nlohmann::json start = {{"coordinator", ranks[0].coordinator},
-                            {"world_size", ranks.size()},
-                            {"attempt", attempt},
-                            {"run_dir", store.dir()},
-                            {"experiment_name", opts.experiment_name}};
+    nlohmann::json start = {
+        {"coordinator", ranks[0].coordinator},
+        {"world_size", ranks.size()},
+        {"attempt", attempt},
+        {"run_dir", store.dir()},
+        {"experiment_name", opts.experiment_name},
+        {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
     std::string start_body = start.dump();
     for (RankState& r : ranks) {
-      Send(*r.conn, wire::MessageType::kStart, start_body);
+      if (r.conn) Send(*r.conn, wire::MessageType::kStart, start_body);
       if (r.conn) Send(*r.conn, wire::MessageType::kPayload, opts.payload);
     }
   }
 
   void Record(const Round& round) {
-    Status s = store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json);
+    std::string committed;
+    if (!round.checkpoints.empty()) {
+      auto record = Commit(round);
+      if (!record.ok()) {
+        Fail({.rank = round.checkpoints.front().staged.rank,
+              .cause = "checkpoint",
+              .message = "the checkpoint of round " + std::to_string(round.round) +
+                         " could not be committed: " + record.status().message()});
+        return;
+      }
+      committed = record->dir_name;
+    }
+    Status s =
+        store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json, committed);
     if (!s.ok()) {
       Say("cannot record report round " + std::to_string(round.round) + ": " + s.message());
       return;
     }
     rounds = round.round;
     last_metrics = round.metrics_json;
+  }
+
+  // Commits the round's checkpoint, updates the index, then applies retention: the index is saved
+  // before any directory is deleted, so it never names a deleted checkpoint.
+  StatusOr<storage::CheckpointRecord> Commit(const Round& round) {
+    std::optional<std::string> name;
+    std::vector<storage::RankCheckpoint> parts;
+    for (const auto& part : round.checkpoints) {
+      if (!name && part.dir_name) name = part.dir_name;
+      parts.push_back(part.staged);
+    }
+    JT_ASSIGN_OR_RETURN(storage::CheckpointRecord record,
+                        storage::CommitCheckpoint(
+                            store.dir(), name.value_or(DefaultCheckpointName(round.round)),
+                            round.round, ctl.clock_.UnixSeconds(), round.metrics_json, parts));
+    checkpoints.Add(record);
+    std::vector<std::string> doomed =
+        storage::SelectForDeletion(checkpoints.records(), opts.retention);
+    for (const auto& d : doomed) checkpoints.Remove(d);
+    JT_RETURN_IF_ERROR(checkpoints.Save());
+    for (const auto& d : doomed) {
+      Status s = storage::RemoveTree(storage::JoinPath(store.dir(), d));
+      if (!s.ok()) Say("cannot delete checkpoint " + d + ": " + s.message());
+    }
+    return record;
   }
 
   // --- processes -----------------------------------------------------------------------------
@@ -394,11 +510,15 @@ struct Controller::Loop {
     // A frame sent just before exit may still be unread: read it first.
     if (r.conn) ReadConn(*r.conn);
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
+    const bool oom = p.exit.signal == SIGKILL && !sent_sigkill && OomKillCount() > oom_kills_before;
     RankFailure exit_failure{
         .rank = p.rank,
-        .cause = p.exit.signal ? "signal" : "exit",
+        .cause = oom             ? "oom"
+                 : p.exit.signal ? "signal"
+                                 : "exit",
         .message = "its process " + p.exit.ToString() +
-                   (p.exit.ok() ? " before its training function returned" : "")};
+                   (p.exit.ok() ? " before its training function returned" : "") +
+                   (oom ? " by the kernel's out-of-memory killer" : "")};
     // The connection usually closes just before the exit is seen; the exit says more.
     if (failure && failure->rank == p.rank && failure->cause == "connection") {
       failure->cause = exit_failure.cause;
@@ -447,6 +567,28 @@ struct Controller::Loop {
 
   // --- the loop ------------------------------------------------------------------------------
 
+  // The progress watchdog: a rank armed by its first report() that has not reported since for
+  // the timeout has failed. Ranks waiting in a collective for a stuck one stall at the same time,
+  // so every stale rank is named; the one stale longest is blamed.
+  void CheckProgress(TimePoint now) {
+    int blamed = -1;
+    std::string stale;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const RankState& s = ranks[r];
+      if (s.done || !s.last_progress || now - *s.last_progress < opts.progress_timeout) continue;
+      stale += (stale.empty() ? "" : ", ") + std::to_string(r);
+      if (blamed < 0 || *s.last_progress < *ranks[static_cast<size_t>(blamed)].last_progress) {
+        blamed = static_cast<int>(r);
+      }
+    }
+    if (blamed < 0) return;
+    Fail({.rank = blamed,
+          .cause = "watchdog",
+          .message = "no report() for " + SecondsText(opts.progress_timeout) +
+                     " (the progress watchdog's limit) from rank(s) " + stale +
+                     ", alive but stuck"});
+  }
+
   void CheckTimers() {
     TimePoint now = Now();
     for (auto& c : conns) {
@@ -461,10 +603,12 @@ struct Controller::Loop {
             .cause = "start-up",
             .message = "it did not connect to the controller within the start-up timeout"});
     }
+    if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) CheckProgress(now);
     if (kill_deadline && now >= *kill_deadline) {
       kill_deadline.reset();
       if (AnyUnreaped()) {
         Say("workers did not stop within the grace period; sending SIGKILL");
+        sent_sigkill = true;
         ctl.launcher_->SignalGroup(SIGKILL);
       }
     }
@@ -477,6 +621,11 @@ struct Controller::Loop {
       if (!c->closed && c->stage != Conn::Stage::kAuthed) consider(c->deadline);
     }
     if (phase == Phase::kStarting) consider(start_deadline);
+    if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) {
+      for (const auto& r : ranks) {
+        if (!r.done && r.last_progress) consider(*r.last_progress + opts.progress_timeout);
+      }
+    }
     if (kill_deadline) consider(*kill_deadline);
     if (drain_deadline) consider(*drain_deadline);
     return next;
@@ -557,8 +706,114 @@ struct Controller::Loop {
     return false;
   }
 
-  Outcome Finish() {
+  // --- attempts ------------------------------------------------------------------------------
+
+  // The newest committed checkpoint that verifies, falling back to older ones with a warning.
+  std::string CheckpointToRestore() {
+    const auto& records = checkpoints.records();
+    for (auto it = records.rbegin(); it != records.rend(); ++it) {
+      std::string dir = storage::JoinPath(store.dir(), it->dir_name);
+      bool checksums = opts.verify_checksums || it->bytes < kAlwaysChecksumBytes;
+      Status s = storage::VerifyCheckpoint(dir, checksums);
+      if (s.ok()) return dir;
+      Say("warning: not restoring checkpoint " + it->dir_name + ": " + s.message() +
+          "; falling back to the one before it");
+    }
+    return "";
+  }
+
+  // Starts the worker group of the next attempt. Errors: as Launcher::Launch().
+  Status StartAttempt() {
+    const int world_size = static_cast<int>(ranks.size());
+    ranks.assign(ranks.size(), RankState{});
+    for (auto& c : conns) CloseConn(*c);
+    conns.clear();
+    failure.reset();
+    kill_deadline.reset();
+    drain_deadline.reset();
+    sent_sigkill = false;
+    oom_kills_before = OomKillCount();
+    collector = ReportCollector(world_size, collector.next_round());
+    JT_RETURN_IF_ERROR(SweepStaging());
+    restore_from = CheckpointToRestore();
+    attempt_start_time = ctl.clock_.UnixSeconds();
+    if (attempt > first_attempt) {
+      Say("restarting the worker group: attempt " + std::to_string(attempt) +
+          (restore_from.empty() ? ", from the start" : ", from checkpoint " + restore_from));
+    }
+    Status logged = store.AppendToLogs(
+        world_size, "===== jaxtrain: attempt " + std::to_string(attempt) + " =====\n");
+    if (!logged.ok()) Say("cannot write the logs: " + logged.message());
+    for (auto& spec : specs) spec.env["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
+    WriteRunState("RUNNING");
+    JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched,
+                        ctl.launcher_->Launch(specs));
+    for (size_t i = 0; i < launched.size(); ++i) {
+      procs[i].launched = launched[i];
+      procs[i].reaped = false;
+      procs[i].partial_line.clear();
+    }
+    phase = Phase::kStarting;
+    start_deadline = Now() + opts.start_timeout;
+    return OkStatus();
+  }
+
+  nlohmann::json AttemptState(std::string_view status) const {
+    nlohmann::json a = {
+        {"attempt", attempt},
+        {"start_time", attempt_start_time},
+        {"status", status},
+        {"restored_from", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
+    if (status != "RUNNING") a["end_time"] = ctl.clock_.UnixSeconds();
+    if (failure) {
+      a["failure"] = {{"rank", failure->rank},
+                      {"host", failure->host},
+                      {"cause", failure->cause},
+                      {"message", failure->message}};
+    }
+    return a;
+  }
+
+  // Ends the attempt whose processes are all reaped; true when a new attempt has started.
+  bool EndAttempt() {
     for (auto& p : procs) CloseOutput(p);
+    if (!failure && !aborted) {
+      for (Round& r : collector.TakeUnmatchedRank0()) Record(r);
+      std::string mismatch = collector.CountMismatchWarning();
+      if (!mismatch.empty()) {
+        Say("warning: " + mismatch);
+        warnings.push_back(mismatch);
+      }
+    }
+    std::string_view status = failure ? "ERRORED" : aborted ? "ABORTED" : "FINISHED";
+    attempt_log.push_back(AttemptState(status));
+    if (!failure || aborted) return false;
+    failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
+    failures.push_back(*failure);
+    if (!policy.ShouldRestart(failure->cause)) return false;
+    ++attempt;
+    Status s = StartAttempt();
+    if (!s.ok()) {
+      Say("cannot restart the worker group: " + s.message());
+      failures.push_back({.rank = -1,
+                          .attempt = attempt,
+                          .cause = "start-up",
+                          .message = "the worker group could not be started: " + s.message()});
+      attempt_log.push_back(AttemptState("ERRORED"));
+      return false;
+    }
+    return true;
+  }
+
+  // Staged files of rounds that never completed, and interrupted commits: never checkpoints.
+  // Called only while no worker process is alive.
+  Status SweepStaging() {
+    return storage::RemoveTree(storage::JoinPath(store.dir(), storage::kStagingDir));
+  }
+
+  Outcome Finish() {
+    Status swept = SweepStaging();
+    if (!swept.ok()) Say("cannot clean up: " + swept.message());
     for (auto& p : procs) {
       if (p.log_fd >= 0) close(p.log_fd);
     }
@@ -567,26 +822,27 @@ struct Controller::Loop {
     if (listen_fd >= 0) close(listen_fd);
 
     Outcome out;
-    for (Round& r : collector.TakeUnmatchedRank0()) Record(r);
-    std::string mismatch = collector.CountMismatchWarning();
-    if (!mismatch.empty()) {
-      Say("warning: " + mismatch);
-      out.warnings.push_back(mismatch);
-    }
-    if (failure) {
-      out.state = Outcome::State::kFailed;
-      failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
-      std::string text = "rank " + std::to_string(failure->rank) + " (host " + failure->host +
-                         ", attempt " + std::to_string(failure->attempt) +
-                         "): " + failure->message + "\n";
-      if (!failure->traceback.empty()) text += "\n" + failure->traceback;
-      text += "\n--- last lines of " + failure->log_path + " ---\n" + failure->log_tail;
-      Status s = store.WriteError(text);
-      if (!s.ok()) Say("cannot write error.txt: " + s.message());
-      out.failure = failure;
-    } else if (aborted) {
+    out.attempts = attempt - first_attempt + 1;
+    out.failures = failures;
+    out.warnings = warnings;
+    if (aborted) {
       out.state = Outcome::State::kAborted;
       out.abort_reason = abort_reason;
+    } else if (!failures.empty() && (failure || failures.back().rank < 0)) {
+      out.state = Outcome::State::kFailed;
+      out.failure = failures.front();
+      std::string text;
+      for (const auto& f : failures) {
+        text += "attempt " + std::to_string(f.attempt) + ": rank " + std::to_string(f.rank) +
+                " (host " + f.host + "), " + f.cause + ": " + f.message + "\n";
+      }
+      const RankFailure& first = failures.front();
+      if (!first.traceback.empty()) text += "\n" + first.traceback;
+      if (!first.log_path.empty()) {
+        text += "\n--- last lines of " + first.log_path + " ---\n" + first.log_tail;
+      }
+      Status s = store.WriteError(text);
+      if (!s.ok()) Say("cannot write error.txt: " + s.message());
     } else {
       out.state = Outcome::State::kSucceeded;
     }
@@ -597,15 +853,8 @@ struct Controller::Loop {
   }
 
   void WriteRunState(std::string_view status) {
-    nlohmann::json attempt_state = {
-        {"attempt", attempt}, {"start_time", start_time}, {"status", status}};
-    if (status != "RUNNING") attempt_state["end_time"] = ctl.clock_.UnixSeconds();
-    if (failure) {
-      attempt_state["failure"] = {{"rank", failure->rank},
-                                  {"host", failure->host},
-                                  {"cause", failure->cause},
-                                  {"message", failure->message}};
-    }
+    nlohmann::json attempts = attempt_log;
+    if (status == "RUNNING") attempts.push_back(AttemptState(status));
     nlohmann::json state = {{"name", opts.experiment_name},
                             {"status", status},
                             {"world_size", ranks.size()},
@@ -613,7 +862,7 @@ struct Controller::Loop {
                             {"simulated", opts.plan.simulated},
                             {"start_time", start_time},
                             {"rounds", rounds},
-                            {"attempts", nlohmann::json::array({attempt_state})},
+                            {"attempts", attempts},
                             {"config", opts.run_config}};
     if (status != "RUNNING") state["end_time"] = ctl.clock_.UnixSeconds();
     Status s = store.WriteRunState(state);
@@ -637,14 +886,24 @@ Status Controller::Start() {
   const int world_size = static_cast<int>(options_.plan.workers.size());
   if (world_size == 0) return InvalidArgumentError("the plan has no workers");
   JT_ASSIGN_OR_RETURN(storage::RunStore store, storage::RunStore::Open(options_.run_dir));
-  auto loop = std::make_unique<Loop>(*this, std::move(store));
+  std::vector<std::string> warnings;
+  JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
+                      storage::CheckpointIndex::Load(store.dir(), &warnings));
+  auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
+  for (const auto& w : warnings) loop->Say("warning: " + w);
+  nlohmann::json previous = loop->store.PreviousRunState();
+  if (previous.is_object() && previous.contains("attempts") && previous["attempts"].is_array()) {
+    loop->attempt_log = previous["attempts"];
+    loop->first_attempt = static_cast<int>(previous["attempts"].size());
+    loop->attempt = loop->first_attempt;
+  }
+  loop->rounds = loop->collector.next_round() - 1;
   JT_ASSIGN_OR_RETURN(loop->listen_fd, wire::Listen(options_.listen_host, 0, &port_));
   loop->secret = wire::GenerateSecret();
   loop->ranks.resize(static_cast<size_t>(world_size));
   loop->start_time = clock_.UnixSeconds();
 
   const std::string address = wire::HostPort{options_.listen_host, port_}.ToString();
-  std::vector<launch::ProcessSpec> specs;
   for (const auto& w : options_.plan.workers) {
     launch::ProcessSpec spec;
     spec.ranks = {w.rank};
@@ -659,41 +918,40 @@ Status Controller::Start() {
     spec.env["JAXTRAIN_LOCAL_RANK"] = std::to_string(w.local_rank);
     spec.env["JAXTRAIN_LOCAL_WORLD_SIZE"] = std::to_string(w.local_world_size);
     spec.env["JAXTRAIN_NODE_RANK"] = std::to_string(w.node_rank);
-    spec.env["JAXTRAIN_ATTEMPT"] = std::to_string(loop->attempt);
     spec.env["JAXTRAIN_RUN_DIR"] = loop->store.dir();
     spec.env["JAXTRAIN_EXPERIMENT_NAME"] = options_.experiment_name;
     spec.env["JAXTRAIN_PLATFORM"] = options_.plan.platform;
-    specs.push_back(std::move(spec));
+    loop->specs.push_back(std::move(spec));
   }
   for (int r = 0; r < world_size; ++r) {
     std::string path = loop->store.LogPath(r);
     int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) {
+      Status s =
+          PermissionDeniedError("cannot open the log file '" + path + "': " + std::strerror(errno));
       for (auto& p : loop->procs) close(p.log_fd);
       close(loop->listen_fd);
-      return PermissionDeniedError("cannot open the log file '" + path +
-                                   "': " + std::strerror(errno));
+      return s;
     }
     loop->procs.push_back({.rank = r, .log_fd = fd});
   }
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  loop->WriteRunState("RUNNING");
-  auto launched = launcher_->Launch(specs);
-  if (!launched.ok()) {
+  Status started = loop->StartAttempt();
+  if (!started.ok()) {
     for (auto& p : loop->procs) close(p.log_fd);
     close(loop->listen_fd);
-    return launched.status();
+    return started;
   }
-  for (size_t i = 0; i < launched->size(); ++i) loop->procs[i].launched = (*launched)[i];
-  loop->start_deadline = clock_.Now() + options_.start_timeout;
   loop_ = std::move(loop);
   thread_ = std::thread([this] { RunLoop(); });
   return OkStatus();
 }
 
 void Controller::RunLoop() {
-  while (!loop_->Step()) {
-  }
+  do {
+    while (!loop_->Step()) {
+    }
+  } while (loop_->EndAttempt());
   Outcome out = loop_->Finish();
   std::lock_guard<std::mutex> lock(mu_);
   outcome_ = std::move(out);

@@ -1,4 +1,5 @@
-// Controller: runs one training run's worker group, from spawn to the final outcome.
+// Controller: runs one training run's worker group, from spawn to the final outcome, restarting
+// the whole group from the latest committed checkpoint when a worker fails.
 //
 // It owns one event-loop thread that touches all of its state: the listening socket, every
 // worker connection, every worker process (reaped through its pidfd) and its output pipe, and the
@@ -8,11 +9,18 @@
 //
 //   kStarting ──all ranks authenticated and registered──> kRunning ──all ranks done──> (exits)
 //       │                                                     │
-//       └──── a rank fails / Abort() / start-up timeout ──────┴──> kStopping
-//                                                                    SIGTERM, then SIGKILL
-//                                                                    after the grace period
-//   Once every process is reaped and its output drained, the outcome is final:
-//   kSucceeded (every rank returned, every process exited 0), kFailed, or kAborted.
+//       └── a rank fails / Abort() / start-up timeout / ──────┴──> kStopping
+//           watchdog                                               SIGTERM, then SIGKILL
+//                                                                  after the grace period
+//   Once every process is reaped and its output drained (kDraining), the attempt is over:
+//   succeeded (every rank returned, every process exited 0) → the run is kSucceeded;
+//   aborted → kAborted; failed → FailurePolicy decides: a new attempt (fresh coordinator port,
+//   attempt number + 1, the latest committed checkpoint) or kFailed.
+//
+// Report rounds: a round is complete when every rank has reported it (ReportCollector); rank 0's
+// metrics are recorded, and the ranks' checkpoints, if any, are committed as one checkpoint
+// (storage/checkpoint.h) before the round is recorded. Rounds continue across attempts and across
+// runs that resume the same run directory.
 //
 // Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
 // timeout with a rank of this attempt that has no connection yet; anything else is closed without
@@ -34,6 +42,7 @@
 #include "base/status.h"
 #include "launch/launcher.h"
 #include "placement/plan.h"
+#include "storage/checkpoint.h"
 
 namespace jaxtrain::controller {
 
@@ -50,6 +59,12 @@ struct ControllerOptions {
   Duration terminate_grace = std::chrono::seconds(5);
   Duration handshake_timeout = std::chrono::seconds(10);
   Duration start_timeout = std::chrono::seconds(300);  // spawn to every rank registered
+  // A rank that sends no report for this long while training is treated as failed; 0 = off.
+  Duration progress_timeout = Duration::zero();
+  int max_failures = 0;        // training failures restarted; -1 = without limit
+  int max_start_failures = 3;  // start-up failures restarted; -1 = without limit
+  storage::RetentionPolicy retention;
+  bool verify_checksums = false;  // on restore; checkpoints under 64 MiB are always checksummed
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
 };
 
@@ -57,7 +72,9 @@ struct RankFailure {
   int rank = -1;
   std::string host;
   int attempt = 0;
-  std::string cause;      // "exception", "exit", "signal", "connection", "start-up"
+  // "exception", "exit", "signal", "oom" (SIGKILL while the host was out of memory), "connection",
+  // "watchdog", "start-up", "checkpoint"
+  std::string cause;
   std::string message;    // one line: what happened
   std::string traceback;  // the worker's Python traceback, when it sent one
   std::string log_path;
@@ -68,7 +85,9 @@ struct Outcome {
   enum class State { kSucceeded, kFailed, kAborted };
   State state = State::kAborted;
   std::optional<RankFailure> failure;  // the first failure of the run
-  uint64_t rounds = 0;                 // report rounds recorded
+  std::vector<RankFailure> failures;   // one per failed attempt, in order
+  int attempts = 0;                    // attempts of this Start(), restarts included
+  uint64_t rounds = 0;                 // the last report round recorded (rounds start at 1)
   std::string last_metrics_json;       // rank 0's metrics of the last round, "" if none
   std::vector<std::string> warnings;
   std::string abort_reason;

@@ -1,0 +1,456 @@
+// The controller against real worker processes (src/worker/testing/fake_worker.cc) on loopback
+// sockets. Nothing here sleeps: a test that must act at a known point of a run synchronises with
+// the workers through FIFOs (FAKE_EVENTS_FIFO, FAKE_GATE_FIFO), and the start-up timeout runs on a
+// FakeClock. kNoHang bounds every wait only so that a bug fails a test instead of hanging it.
+#include "controller/controller.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "accelerators/discovery.h"
+#include "config/scaling_config.h"
+#include "launch/local_launcher.h"
+#include "placement/plan.h"
+#include "wire/frame.h"
+#include "wire/handshake.h"
+#include "wire/socket.h"
+
+namespace jaxtrain::controller {
+namespace {
+
+using nlohmann::json;
+using State = Outcome::State;
+
+constexpr auto kNoHang = std::chrono::seconds(30);
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A FIFO that the test holds open read-write for the whole run, so that the workers' open() of it
+// never blocks, whichever side comes first.
+class Fifo {
+ public:
+  explicit Fifo(std::string path) : path_(std::move(path)) {
+    EXPECT_EQ(mkfifo(path_.c_str(), 0600), 0) << std::strerror(errno);
+    fd_ = open(path_.c_str(), O_RDWR | O_CLOEXEC);
+    EXPECT_GE(fd_, 0) << std::strerror(errno);
+  }
+  ~Fifo() { close(fd_); }
+  const std::string& path() const { return path_; }
+
+  // Reads the workers' events until `count` of them, in all, have been `event`; false when they
+  // stop coming.
+  bool WaitFor(char event, int count) {
+    while (seen_[event] < count) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(std::chrono::milliseconds(kNoHang).count())) != 1) {
+        return false;
+      }
+      char byte;
+      if (read(fd_, &byte, 1) != 1) return false;
+      ++seen_[byte];
+    }
+    return true;
+  }
+
+  // Lets `count` workers through the gate.
+  void Open(int count) { ASSERT_EQ(write(fd_, std::string(count, 'g').data(), count), count); }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::map<char, int> seen_;
+};
+
+// A raw TCP connection to the control port.
+class RawPeer {
+ public:
+  explicit RawPeer(int port) {
+    auto fd = wire::Connect({"127.0.0.1", port}, kNoHang);
+    EXPECT_TRUE(fd.ok()) << fd.status().ToString();
+    fd_ = fd.ok() ? *fd : -1;
+  }
+  ~RawPeer() { close(fd_); }
+
+  void Send(std::string_view bytes) { ASSERT_TRUE(wire::WriteAll(fd_, bytes).ok()); }
+
+  // The next frame the controller sends, read with a bound on its body.
+  std::optional<wire::Frame> ReadFrame(size_t max_body) {
+    wire::FrameDecoder decoder(max_body);
+    for (;;) {
+      auto f = decoder.Next();
+      if (!f.ok()) return std::nullopt;
+      if (f->has_value()) return **f;
+      std::string chunk = Receive();
+      if (chunk.empty() || !decoder.Feed(chunk).ok()) return std::nullopt;
+    }
+  }
+
+  // True once the controller has closed the connection (an end of file or a reset).
+  bool ClosedByController() {
+    for (;;) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(std::chrono::milliseconds(kNoHang).count())) != 1) {
+        return false;
+      }
+      char buf[256];
+      ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+      if (n < 0) return false;
+    }
+  }
+
+ private:
+  std::string Receive() {
+    pollfd p{fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(std::chrono::milliseconds(kNoHang).count())) != 1) return "";
+    char buf[256];
+    ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+  }
+
+  int fd_ = -1;
+};
+
+std::string RawHeader(uint32_t length, uint8_t type) {
+  std::string header;
+  for (int shift = 24; shift >= 0; shift -= 8) header.push_back(static_cast<char>(length >> shift));
+  header.push_back(static_cast<char>(type));
+  return header;
+}
+
+// Returns once the controller's event loop has handled every frame that had reached it before this
+// call: a peer it refuses is read only in a loop step that began after the peer connected, and a
+// step reads every connection that has data before it checks its timers.
+void SyncWithEventLoop(int port) {
+  RawPeer peer(port);
+  peer.Send(RawHeader(0, 0));  // a frame of length 0 is refused at once
+  EXPECT_TRUE(peer.ClosedByController());
+}
+
+class ControllerTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    std::string dir = testing::TempDir() + "/controller_test.XXXXXX";
+    ASSERT_NE(mkdtemp(dir.data()), nullptr) << std::strerror(errno);
+    dir_ = dir;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // A CPU plan of `workers` fake_worker processes started with `args`.
+  ControllerOptions Options(int workers, std::vector<std::string> args) {
+    auto config = config::ScalingConfig::Create({.num_workers = workers});
+    EXPECT_TRUE(config.ok()) << config.status().ToString();
+    accelerators::FakeHost host;
+    auto plan = placement::PlanLocal(*config, host);
+    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+    ControllerOptions options;
+    options.run_dir = RunDir();
+    options.experiment_name = "controller_test";
+    options.plan = *plan;
+    options.worker_argv = {FAKE_WORKER_PATH};
+    options.worker_argv.insert(options.worker_argv.end(), args.begin(), args.end());
+    options.console_fd = -1;
+    options.terminate_grace = std::chrono::seconds(1);
+    return options;
+  }
+
+  static std::unique_ptr<Controller> Make(ControllerOptions options,
+                                          const Clock& clock = RealClock()) {
+    return std::make_unique<Controller>(std::move(options),
+                                        std::make_unique<launch::LocalLauncher>(), clock);
+  }
+
+  static void StartAndWait(Controller& controller) {
+    Status s = controller.Start();
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    ASSERT_TRUE(controller.Wait(kNoHang)) << "the run did not end";
+  }
+
+  std::string RunDir() const { return dir_ + "/run"; }
+  std::string RunFile(const std::string& name) const { return ReadFile(RunDir() + "/" + name); }
+  json RunState() const { return json::parse(RunFile("run.json"), nullptr, false); }
+
+  // The pid of every worker that got as far as printing it ("fake_worker rank=R pid=P").
+  std::vector<pid_t> WorkerPids(int workers) const {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < workers; ++r) {
+      std::string log = RunFile("logs/rank-" + std::to_string(r) + ".log");
+      size_t at = log.find(" pid=");
+      if (at != std::string::npos) pids.push_back(std::atoi(log.c_str() + at + 5));
+    }
+    return pids;
+  }
+
+  // Every worker of the run has ended and been reaped: its pid no longer exists.
+  void ExpectWorkersGone(const std::vector<pid_t>& pids) const {
+    for (pid_t pid : pids) {
+      EXPECT_EQ(kill(pid, 0), -1) << "worker process " << pid << " is still there";
+      EXPECT_EQ(errno, ESRCH);
+    }
+  }
+
+  std::string dir_;
+};
+
+TEST_F(ControllerTest, SucceedsAndRecordsEveryRound) {
+  auto controller = Make(Options(4, {"ok", "5"}));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_FALSE(out.failure.has_value());
+  EXPECT_TRUE(out.warnings.empty());
+  EXPECT_EQ(out.rounds, 5u);
+  json last = json::parse(out.last_metrics_json, nullptr, false);
+  EXPECT_EQ(last.value("rank", -1), 0) << out.last_metrics_json;
+  EXPECT_DOUBLE_EQ(last.value("loss", 0.0), 1.0 / 5);
+
+  std::vector<std::string> results = Lines(RunFile("result.jsonl"));
+  ASSERT_EQ(results.size(), 5u);
+  for (size_t i = 0; i < results.size(); ++i) {
+    json line = json::parse(results[i], nullptr, false);
+    EXPECT_EQ(line.value("round", 0), static_cast<int>(i) + 1) << results[i];
+    EXPECT_EQ(line["metrics"].value("rank", -1), 0) << results[i];
+  }
+  std::vector<std::string> progress = Lines(RunFile("progress.csv"));
+  ASSERT_EQ(progress.size(), 6u);
+  EXPECT_EQ(progress[0], "round,time,loss,rank");
+
+  json state = RunState();
+  EXPECT_EQ(state.value("status", ""), "FINISHED");
+  EXPECT_EQ(state.value("rounds", 0), 5);
+  EXPECT_EQ(state.value("world_size", 0), 4);
+  EXPECT_FALSE(std::filesystem::exists(RunDir() + "/error.txt"));
+  EXPECT_EQ(WorkerPids(4).size(), 4u);
+}
+
+TEST_F(ControllerTest, ARankThatRaisesFailsTheRunWithItsTraceback) {
+  ControllerOptions options = Options(4, {"raise"});
+  options.worker_env["FAKE_FAIL_RANK"] = "2";
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  const RankFailure& f = *out.failure;
+  EXPECT_EQ(f.rank, 2);
+  EXPECT_EQ(f.attempt, 0);
+  EXPECT_EQ(f.cause, "exception");
+  EXPECT_EQ(f.message, "RuntimeError: fake failure on rank 2");
+  EXPECT_TRUE(Contains(f.traceback, "Traceback (most recent call last)")) << f.traceback;
+  EXPECT_EQ(f.log_path, RunDir() + "/logs/rank-2.log");
+  EXPECT_TRUE(Contains(f.log_tail, "RuntimeError: fake failure on rank 2")) << f.log_tail;
+
+  std::string error = RunFile("error.txt");
+  EXPECT_TRUE(Contains(error, "rank 2")) << error;
+  EXPECT_TRUE(Contains(error, f.traceback)) << error;
+  json state = RunState();
+  EXPECT_EQ(state.value("status", ""), "ERRORED");
+  EXPECT_EQ(state["attempts"][0]["failure"].value("rank", -1), 2);
+  EXPECT_EQ(state["attempts"][0]["failure"].value("cause", ""), "exception");
+
+  // The other ranks were waiting to be killed: the run ended, so they were.
+  std::vector<pid_t> pids = WorkerPids(4);
+  EXPECT_EQ(pids.size(), 4u);
+  ExpectWorkersGone(pids);
+}
+
+TEST_F(ControllerTest, AWorkerKilledBySignalIsNamed) {
+  ControllerOptions options = Options(3, {"crash"});
+  options.worker_env["FAKE_FAIL_RANK"] = "1";
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 1);
+  EXPECT_EQ(out.failure->cause, "signal");
+  EXPECT_TRUE(Contains(out.failure->message, "SIGKILL")) << out.failure->message;
+  ExpectWorkersGone(WorkerPids(3));
+}
+
+TEST_F(ControllerTest, AWorkerThatExitsZeroEarlyIsAFailure) {
+  ControllerOptions options = Options(2, {"exit0"});
+  options.worker_env["FAKE_FAIL_RANK"] = "1";
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 1);
+  EXPECT_EQ(out.failure->cause, "exit");
+  EXPECT_TRUE(Contains(out.failure->message, "before its training function returned"))
+      << out.failure->message;
+  ExpectWorkersGone(WorkerPids(2));
+}
+
+TEST_F(ControllerTest, AbortStopsEveryRunningWorker) {
+  Fifo events(dir_ + "/events");
+  ControllerOptions options = Options(3, {"hang"});
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  auto controller = Make(std::move(options));
+  ASSERT_TRUE(controller->Start().ok());
+  ASSERT_TRUE(events.WaitFor('S', 3)) << "the workers did not all start";
+
+  controller->Abort("test");
+  ASSERT_TRUE(controller->Wait(kNoHang));
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kAborted);
+  EXPECT_EQ(out.abort_reason, "test");
+  EXPECT_FALSE(out.failure.has_value());
+  EXPECT_EQ(RunState().value("status", ""), "ABORTED");
+  std::vector<pid_t> pids = WorkerPids(3);
+  EXPECT_EQ(pids.size(), 3u);
+  ExpectWorkersGone(pids);
+}
+
+TEST_F(ControllerTest, AbortRightAfterStartStopsEveryWorker) {
+  auto controller = Make(Options(3, {"hang"}));
+  ASSERT_TRUE(controller->Start().ok());
+  controller->Abort("test");
+  controller->Abort("a second reason is ignored");
+  ASSERT_TRUE(controller->Wait(kNoHang));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kAborted);
+  EXPECT_EQ(out.abort_reason, "test");
+  EXPECT_FALSE(out.failure.has_value());
+  ExpectWorkersGone(WorkerPids(3));
+}
+
+TEST_F(ControllerTest, DestroyingARunningControllerStopsEveryWorker) {
+  Fifo events(dir_ + "/events");
+  ControllerOptions options = Options(2, {"hang"});
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  auto controller = Make(std::move(options));
+  ASSERT_TRUE(controller->Start().ok());
+  ASSERT_TRUE(events.WaitFor('S', 2)) << "the workers did not all start";
+
+  controller.reset();
+  EXPECT_EQ(RunState().value("status", ""), "ABORTED");
+  std::vector<pid_t> pids = WorkerPids(2);
+  EXPECT_EQ(pids.size(), 2u);
+  ExpectWorkersGone(pids);
+}
+
+TEST_F(ControllerTest, StartUpTimeoutNamesTheMissingRank) {
+  FakeClock clock;
+  Fifo events(dir_ + "/events");
+  ControllerOptions options = Options(3, {"noconnect"});
+  options.worker_env["FAKE_FAIL_RANK"] = "1";
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  options.start_timeout = std::chrono::milliseconds(100);
+  options.max_start_failures = 0;
+  auto controller = Make(std::move(options), clock);
+  ASSERT_TRUE(controller->Start().ok());
+  ASSERT_TRUE(events.WaitFor('P', 3)) << "the worker processes did not all come up";
+  ASSERT_TRUE(events.WaitFor('R', 2)) << "ranks 0 and 2 did not register";
+  SyncWithEventLoop(controller->port());  // so that the controller has seen them register
+
+  clock.Advance(std::chrono::seconds(1));
+  ASSERT_TRUE(controller->Wait(kNoHang));
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 1);
+  EXPECT_EQ(out.failure->cause, "start-up");
+  EXPECT_TRUE(Contains(out.failure->message, "start-up timeout")) << out.failure->message;
+  std::vector<pid_t> pids = WorkerPids(3);
+  EXPECT_EQ(pids.size(), 3u);
+  ExpectWorkersGone(pids);
+}
+
+TEST_F(ControllerTest, APeerWithoutTheSecretIsRefusedAndTheRunIsUnaffected) {
+  // Each worker first connects with a wrong secret and exits 2 unless that is refused.
+  auto controller = Make(Options(2, {"wrong-secret", "3"}));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+  EXPECT_EQ(out.rounds, 3u);
+}
+
+TEST_F(ControllerTest, PeersThatFailTheHandshakeAreDisconnectedAndTheRunIsUnaffected) {
+  // The workers wait at the gate after the start, so the run is in progress throughout.
+  Fifo gate(dir_ + "/gate");
+  ControllerOptions options = Options(2, {"ok", "3"});
+  options.worker_env["FAKE_GATE_FIFO"] = gate.path();
+  auto controller = Make(std::move(options));
+  ASSERT_TRUE(controller->Start().ok());
+  const int port = controller->port();
+
+  RawPeer http(port);
+  http.Send("GET / HTTP/1.1\r\nHost: localhost\r\n\r\n");
+  RawPeer oversized(port);
+  oversized.Send(RawHeader(0xffffffff, static_cast<uint8_t>(wire::MessageType::kHello)));
+  RawPeer unknown_type(port);
+  unknown_type.Send(RawHeader(wire::kHelloSize + 1, 200));
+  RawPeer not_a_hello(port);
+  not_a_hello.Send(wire::EncodeFrame(wire::MessageType::kRegister, "{}"));
+  RawPeer bad_rank(port);
+  bad_rank.Send(wire::EncodeFrame(wire::MessageType::kHello,
+                                  wire::EncodeHello({.rank = 99, .nonce = wire::GenerateNonce()})));
+  // A valid hello gets a challenge; a proof made without the secret is refused.
+  RawPeer no_secret(port);
+  no_secret.Send(wire::EncodeFrame(wire::MessageType::kHello,
+                                   wire::EncodeHello({.rank = 0, .nonce = wire::GenerateNonce()})));
+  std::optional<wire::Frame> challenge = no_secret.ReadFrame(wire::kChallengeSize);
+  ASSERT_TRUE(challenge.has_value());
+  EXPECT_EQ(challenge->type, wire::MessageType::kChallenge);
+  no_secret.Send(wire::EncodeFrame(wire::MessageType::kAuth, std::string(wire::kAuthSize, 'x')));
+  // Peers that stop halfway through a hello, or say nothing, are left to the handshake timeout.
+  RawPeer truncated(port);
+  truncated.Send(wire::EncodeFrame(wire::MessageType::kHello, std::string(wire::kHelloSize, 'J'))
+                     .substr(0, 20));
+  RawPeer silent(port);
+
+  EXPECT_TRUE(http.ClosedByController());
+  EXPECT_TRUE(oversized.ClosedByController());
+  EXPECT_TRUE(unknown_type.ClosedByController());
+  EXPECT_TRUE(not_a_hello.ClosedByController());
+  EXPECT_TRUE(bad_rank.ClosedByController());
+  EXPECT_TRUE(no_secret.ClosedByController());
+
+  gate.Open(2);
+  ASSERT_TRUE(controller->Wait(kNoHang));
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+  EXPECT_EQ(out.rounds, 3u);
+}
+
+}  // namespace
+}  // namespace jaxtrain::controller

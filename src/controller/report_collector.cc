@@ -10,20 +10,25 @@ ReportCollector::ReportCollector(int world_size, uint64_t first_round)
       counts_(static_cast<size_t>(world_size), 0),
       next_round_(first_round) {}
 
-std::vector<Round> ReportCollector::Add(int rank, std::string metrics_json) {
-  pending_[static_cast<size_t>(rank)].push_back(std::move(metrics_json));
+std::vector<Round> ReportCollector::Add(int rank, std::string metrics_json,
+                                        std::optional<CheckpointPart> checkpoint) {
+  pending_[static_cast<size_t>(rank)].push_back({std::move(metrics_json), std::move(checkpoint)});
   ++counts_[static_cast<size_t>(rank)];
   std::vector<Round> done;
   while (std::all_of(pending_.begin(), pending_.end(), [](const auto& q) { return !q.empty(); })) {
-    done.push_back({next_round_++, std::move(pending_[0].front())});
-    for (auto& q : pending_) q.pop_front();
+    Round round{next_round_++, std::move(pending_[0].front().metrics_json), {}};
+    for (auto& q : pending_) {
+      if (q.front().checkpoint) round.checkpoints.push_back(std::move(*q.front().checkpoint));
+      q.pop_front();
+    }
+    done.push_back(std::move(round));
   }
   return done;
 }
 
 std::vector<Round> ReportCollector::TakeUnmatchedRank0() {
   std::vector<Round> out;
-  for (auto& m : pending_[0]) out.push_back({next_round_++, std::move(m)});
+  for (auto& p : pending_[0]) out.push_back({next_round_++, std::move(p.metrics_json), {}});
   pending_[0].clear();
   return out;
 }

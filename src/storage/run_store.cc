@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "storage/files.h"
+#include "storage/metrics.h"
 
 namespace jaxtrain::storage {
 namespace {
@@ -21,39 +22,6 @@ void Flatten(const nlohmann::json& j, const std::string& prefix,
       out->emplace_back(key, it->dump());
     }
   }
-}
-
-// Python's json writes NaN, Infinity and -Infinity for non-finite floats; strict JSON has no such
-// tokens. Outside string literals they become the strings "NaN", "Infinity", "-Infinity".
-std::string QuoteNonFinite(std::string_view json) {
-  std::string out;
-  out.reserve(json.size());
-  bool in_string = false;
-  for (size_t i = 0; i < json.size(); ++i) {
-    char c = json[i];
-    if (in_string) {
-      out.push_back(c);
-      if (c == '\\' && i + 1 < json.size()) {
-        out.push_back(json[++i]);
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    bool replaced = false;
-    for (std::string_view token : {"-Infinity", "Infinity", "NaN"}) {
-      if (json.substr(i, token.size()) == token) {
-        out += "\"" + std::string(token) + "\"";
-        i += token.size() - 1;
-        replaced = true;
-        break;
-      }
-    }
-    if (replaced) continue;
-    if (c == '"') in_string = true;
-    out.push_back(c);
-  }
-  return out;
 }
 
 std::string CsvField(const std::string& s) {
@@ -84,6 +52,34 @@ StatusOr<RunStore> RunStore::Open(std::string run_dir) {
   return store;
 }
 
+uint64_t RunStore::LastRound() const {
+  std::string tail = TailOfFile(JoinPath(dir_, "result.jsonl"), 1 << 16);
+  // The last whole line; a torn one (a crash mid-append) is not a round.
+  while (!tail.empty()) {
+    size_t end = tail.find_last_not_of('\n');
+    if (end == std::string::npos) break;
+    tail.resize(end + 1);
+    size_t start = tail.rfind('\n');
+    auto line = nlohmann::json::parse(tail.substr(start == std::string::npos ? 0 : start + 1),
+                                      nullptr, false);
+    if (line.is_object() && line.contains("round")) return line["round"].get<uint64_t>();
+    tail.resize(start == std::string::npos ? 0 : start);
+  }
+  return 0;
+}
+
+nlohmann::json RunStore::PreviousRunState() const {
+  auto text = ReadFile(JoinPath(dir_, "run.json"));
+  if (!text.ok()) return nullptr;
+  auto state = nlohmann::json::parse(*text, nullptr, false);
+  return state.is_object() ? state : nullptr;
+}
+
+Status RunStore::AppendToLogs(int world_size, std::string_view line) const {
+  for (int r = 0; r < world_size; ++r) JT_RETURN_IF_ERROR(AppendToFile(LogPath(r), line));
+  return OkStatus();
+}
+
 std::string RunStore::LogPath(int rank) const {
   return JoinPath(dir_, "logs/rank-" + std::to_string(rank) + ".log");
 }
@@ -92,17 +88,20 @@ Status RunStore::WriteRunState(const nlohmann::json& state) {
   return WriteFileAtomically(JoinPath(dir_, "run.json"), state.dump(2) + "\n");
 }
 
-Status RunStore::AppendRound(uint64_t round, double unix_time, std::string_view metrics_json) {
-  nlohmann::json metrics =
-      nlohmann::json::parse(QuoteNonFinite(metrics_json), nullptr, /*allow_exceptions=*/false);
+Status RunStore::AppendRound(uint64_t round, double unix_time, std::string_view metrics_json,
+                             std::string_view checkpoint_dir_name) {
+  nlohmann::json metrics = ParseMetricsJson(metrics_json);
   if (!metrics.is_object()) {
     return InvalidArgumentError("report() metrics must be a dict; got: " +
                                 std::string(metrics_json.substr(0, 200)));
   }
   std::ostringstream line;
   line.precision(17);
-  line << "{\"round\":" << round << ",\"time\":" << unix_time << ",\"metrics\":" << metrics_json
-       << "}\n";
+  line << "{\"round\":" << round << ",\"time\":" << unix_time << ",\"metrics\":" << metrics_json;
+  if (!checkpoint_dir_name.empty()) {
+    line << ",\"checkpoint\":" << nlohmann::json(std::string(checkpoint_dir_name)).dump();
+  }
+  line << "}\n";
   JT_RETURN_IF_ERROR(AppendToFile(JoinPath(dir_, "result.jsonl"), line.str()));
 
   std::vector<std::pair<std::string, std::string>> flat;

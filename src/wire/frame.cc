@@ -42,6 +42,29 @@ Status DecodeReportBody(std::string_view body, uint64_t* round, std::string_view
   return OkStatus();
 }
 
+std::string EncodeCheckpointReportBody(uint64_t round, std::string_view checkpoint_json,
+                                       std::string_view metrics_json) {
+  std::string out = EncodeReportBody(round, "");
+  PutU32(&out, static_cast<uint32_t>(checkpoint_json.size()));
+  out.append(checkpoint_json);
+  out.append(metrics_json);
+  return out;
+}
+
+Status DecodeCheckpointReportBody(std::string_view body, uint64_t* round,
+                                  std::string_view* checkpoint_json,
+                                  std::string_view* metrics_json) {
+  std::string_view rest;
+  JT_RETURN_IF_ERROR(DecodeReportBody(body, round, &rest));
+  if (rest.size() < 4 || rest.size() - 4 < GetU32(rest.data())) {
+    return DataLossError("checkpoint report frame too short for its checkpoint description");
+  }
+  uint32_t length = GetU32(rest.data());
+  *checkpoint_json = rest.substr(4, length);
+  *metrics_json = rest.substr(4 + length);
+  return OkStatus();
+}
+
 Status FrameDecoder::CheckHead() {
   if (head_checked_ || buffered() < kFrameHeaderSize) return OkStatus();
   const char* p = buffer_.data() + consumed_;

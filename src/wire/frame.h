@@ -3,9 +3,10 @@
 //   u32 big-endian length of what follows | u8 message type | body (length - 1 bytes)
 //
 // Bodies: kHello, kChallenge, kAuth are fixed-size binary (handshake.h); kReport is a u64
-// big-endian round number followed by the metrics as JSON; kPayload is opaque bytes; the rest
-// are JSON objects. The full message sequence is drawn in docs/wire.md.
-// FrameDecoder never allocates more than its limit, whatever the peer sends.
+// big-endian round number followed by the metrics as JSON; kReportCheckpoint adds the rank's
+// checkpoint (below); kPayload is opaque bytes; the rest are JSON objects. The full message
+// sequence is drawn in docs/wire.md. FrameDecoder never allocates more than its limit, whatever the
+// peer sends.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +28,9 @@ enum class MessageType : uint8_t {
   kReport = 7,     // worker -> controller: one report() round's metrics
   kError = 8,      // worker -> controller: the training function raised; traceback
   kDone = 9,       // worker -> controller: the training function returned
+  kReportCheckpoint = 10,  // worker -> controller: a report() round with this rank's checkpoint
 };
-constexpr uint8_t kMaxMessageType = 9;
+constexpr uint8_t kMaxMessageType = 10;
 
 constexpr size_t kFrameHeaderSize = 5;
 
@@ -43,6 +45,15 @@ std::string EncodeFrame(MessageType type, std::string_view body);
 std::string EncodeReportBody(uint64_t round, std::string_view metrics_json);
 // Errors: kDataLoss when the body is shorter than the round number.
 Status DecodeReportBody(std::string_view body, uint64_t* round, std::string_view* metrics_json);
+
+// The kReportCheckpoint body: u64 round, u32 length of the checkpoint JSON, the checkpoint JSON,
+// then the metrics JSON.
+std::string EncodeCheckpointReportBody(uint64_t round, std::string_view checkpoint_json,
+                                       std::string_view metrics_json);
+// Errors: kDataLoss when the body is too short for its lengths.
+Status DecodeCheckpointReportBody(std::string_view body, uint64_t* round,
+                                  std::string_view* checkpoint_json,
+                                  std::string_view* metrics_json);
 
 // Splits a byte stream into frames.
 class FrameDecoder {

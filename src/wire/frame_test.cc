@@ -88,6 +88,19 @@ TEST(FrameDecoderTest, TruncatedFrameYieldsNothing) {
   EXPECT_FALSE(next->has_value());
 }
 
+TEST(ReportBodyTest, CheckpointReportRoundTrips) {
+  std::string body = EncodeCheckpointReportBody(42, R"({"files":[]})", R"({"loss":1})");
+  uint64_t round = 0;
+  std::string_view checkpoint, metrics;
+  ASSERT_TRUE(DecodeCheckpointReportBody(body, &round, &checkpoint, &metrics).ok());
+  EXPECT_EQ(round, 42u);
+  EXPECT_EQ(checkpoint, R"({"files":[]})");
+  EXPECT_EQ(metrics, R"({"loss":1})");
+  body.resize(14);
+  EXPECT_EQ(DecodeCheckpointReportBody(body, &round, &checkpoint, &metrics).code(),
+            StatusCode::kDataLoss);
+}
+
 TEST(ReportBodyTest, ShortBodyIsDataLoss) {
   uint64_t round;
   std::string_view m;

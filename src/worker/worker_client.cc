@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -15,9 +16,11 @@ namespace jaxtrain::worker {
 StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClientOptions& o) {
   JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, o.timeout));
   std::unique_ptr<WorkerClient> client(new WorkerClient(fd));
-  // Bound the handshake: a silent peer must not hold the worker forever.
-  timeval tv{
-      static_cast<time_t>(std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count()), 0};
+  // Bound the handshake: a silent peer must not hold the worker forever. A zero timeval would
+  // mean no bound at all, so the microseconds count and the bound is at least one.
+  const auto usec = std::max<int64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(o.timeout).count(), 1);
+  timeval tv{static_cast<time_t>(usec / 1'000'000), static_cast<suseconds_t>(usec % 1'000'000)};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 
   wire::Hello hello{.rank = o.rank,
@@ -27,6 +30,13 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClient
   client->decoder_.set_max_body(wire::kChallengeSize);
   JT_RETURN_IF_ERROR(client->Send(wire::MessageType::kHello, wire::EncodeHello(hello)));
   auto challenge = client->ReadFrame();
+  if (!challenge.ok() && challenge.status().code() == StatusCode::kDeadlineExceeded) {
+    return DeadlineExceededError(
+        "the controller at " + o.controller.ToString() + " did not answer the hello of rank " +
+        std::to_string(o.rank) + " within " +
+        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(o.timeout).count()) +
+        " ms");
+  }
   if (!challenge.ok() || challenge->type != wire::MessageType::kChallenge ||
       challenge->body.size() != wire::kChallengeSize) {
     return UnauthenticatedError("the controller at " + o.controller.ToString() +
@@ -100,6 +110,12 @@ StatusOr<StartInfo> WorkerClient::WaitStart() {
 
 Status WorkerClient::Report(uint64_t round, std::string_view metrics_json) {
   return Send(wire::MessageType::kReport, wire::EncodeReportBody(round, metrics_json));
+}
+
+Status WorkerClient::ReportCheckpoint(uint64_t round, std::string_view checkpoint_json,
+                                      std::string_view metrics_json) {
+  return Send(wire::MessageType::kReportCheckpoint,
+              wire::EncodeCheckpointReportBody(round, checkpoint_json, metrics_json));
 }
 
 Status WorkerClient::SendError(std::string_view json) {

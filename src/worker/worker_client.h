@@ -48,6 +48,9 @@ class WorkerClient {
   StatusOr<StartInfo> WaitStart();
   // Queues one report; does not wait for the controller. Errors: kUnavailable.
   Status Report(uint64_t round, std::string_view metrics_json);
+  // A report round that carries this rank's staged checkpoint (described in JSON).
+  Status ReportCheckpoint(uint64_t round, std::string_view checkpoint_json,
+                          std::string_view metrics_json);
   Status SendError(std::string_view json);
   Status SendDone(std::string_view json);
 

@@ -1,0 +1,299 @@
+// WorkerClient against a controller reduced to the handshake, on a thread, over loopback TCP.
+#include "worker/worker_client.h"
+
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "wire/handshake.h"
+
+namespace jaxtrain::worker {
+namespace {
+
+using wire::Frame;
+using wire::MessageType;
+
+// Bounds every blocking read so that a bug fails a test instead of hanging it.
+constexpr timeval kNoHang{30, 0};
+
+// One controller connection on its own thread: it accepts a worker, answers its hello with a
+// challenge proven by `secret`, checks the worker's proof, sends `to_send`, and then records every
+// frame until the worker closes the connection; or it misbehaves as `Behaviour` says.
+class FakeController {
+ public:
+  enum class Behaviour {
+    kNormal,
+    kIgnoreHello,     // reads the hello and answers nothing until the worker closes
+    kRefuseHello,     // closes the connection after the hello
+    kCloseAfterAuth,  // closes the connection after the handshake and `to_send`
+  };
+
+  explicit FakeController(std::string secret) : secret_(std::move(secret)) {
+    auto fd = wire::Listen("127.0.0.1", 0, &port_);
+    EXPECT_TRUE(fd.ok()) << fd.status().ToString();
+    listen_fd_ = fd.ok() ? *fd : -1;
+  }
+  ~FakeController() {
+    Join();
+    close(listen_fd_);
+  }
+
+  WorkerClientOptions ClientOptions(std::string secret, uint32_t rank = 3) const {
+    return {.controller = {"127.0.0.1", port_},
+            .secret = std::move(secret),
+            .rank = rank,
+            .attempt = 2,
+            .timeout = std::chrono::seconds(10)};
+  }
+
+  void Serve(std::vector<Frame> to_send = {}, Behaviour behaviour = Behaviour::kNormal) {
+    thread_ = std::thread([this, to_send = std::move(to_send), behaviour] {
+      int fd = Accept();
+      if (fd < 0) return;
+      Session(fd, to_send, behaviour);
+      close(fd);
+    });
+  }
+
+  // Waits for the session to end; the results below are valid afterwards.
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  wire::Hello hello;                  // the worker's hello
+  bool got_auth = false;              // the worker sent a kAuth frame
+  bool worker_proved_secret = false;  // ... that proves `secret`
+  std::vector<Frame> received;        // after the handshake, in order
+
+ private:
+  // A blocking socket to the worker, or -1.
+  int Accept() {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(kNoHang.tv_sec * 1000)) != 1) return -1;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &kNoHang, sizeof(kNoHang));
+    return fd;
+  }
+
+  void Session(int fd, const std::vector<Frame>& to_send, Behaviour behaviour) {
+    wire::FrameDecoder decoder(size_t{1} << 20);
+    auto frame = Read(fd, decoder);
+    if (!frame || frame->type != MessageType::kHello) return;
+    hello = wire::DecodeHello(frame->body).value();
+    if (behaviour == Behaviour::kRefuseHello) return;
+    if (behaviour == Behaviour::kIgnoreHello) {
+      while (Read(fd, decoder)) {
+      }
+      return;
+    }
+    wire::Nonce nonce = wire::GenerateNonce();
+    wire::Mac proof = wire::ControllerProof(secret_, hello, nonce);
+    std::string body(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+    body.append(reinterpret_cast<const char*>(proof.data()), proof.size());
+    Write(fd, wire::EncodeFrame(MessageType::kChallenge, body));
+    frame = Read(fd, decoder);
+    got_auth = frame && frame->type == MessageType::kAuth;
+    worker_proved_secret =
+        got_auth && wire::MacEquals(wire::WorkerProof(secret_, hello, nonce), frame->body);
+    if (!worker_proved_secret) return;
+    for (const Frame& f : to_send) Write(fd, wire::EncodeFrame(f.type, f.body));
+    if (behaviour == Behaviour::kCloseAfterAuth) return;
+    while ((frame = Read(fd, decoder))) received.push_back(*std::move(frame));
+  }
+
+  static std::optional<Frame> Read(int fd, wire::FrameDecoder& decoder) {
+    for (;;) {
+      auto f = decoder.Next();
+      if (!f.ok()) return std::nullopt;
+      if (f->has_value()) return **f;
+      char buf[4096];
+      ssize_t n = recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0 || !decoder.Feed(std::string_view(buf, static_cast<size_t>(n))).ok()) {
+        return std::nullopt;
+      }
+    }
+  }
+
+  static void Write(int fd, const std::string& bytes) {
+    EXPECT_TRUE(wire::WriteAll(fd, bytes).ok());
+  }
+
+  std::string secret_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+TEST(WorkerClientTest, ConnectsWithTheRunsSecret) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+  }
+  controller.Join();
+  EXPECT_TRUE(controller.worker_proved_secret);
+  EXPECT_EQ(controller.hello.rank, 3u);
+  EXPECT_EQ(controller.hello.attempt, 2u);
+  EXPECT_EQ(controller.hello.pid, static_cast<uint32_t>(getpid()));
+}
+
+TEST(WorkerClientTest, RefusesAControllerThatCannotProveTheSecret) {
+  FakeController controller(wire::GenerateSecret());
+  controller.Serve();
+  auto client = WorkerClient::Connect(controller.ClientOptions(wire::GenerateSecret()));
+  EXPECT_EQ(client.status().code(), StatusCode::kUnauthenticated) << client.status().ToString();
+  controller.Join();
+  EXPECT_FALSE(controller.got_auth) << "the worker answered a controller it does not trust";
+}
+
+TEST(WorkerClientTest, AControllerThatRefusesTheHelloIsUnauthenticated) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve({}, FakeController::Behaviour::kRefuseHello);
+  auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+  EXPECT_EQ(client.status().code(), StatusCode::kUnauthenticated) << client.status().ToString();
+}
+
+TEST(WorkerClientTest, AControllerThatNeverAnswersTimesOut) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve({}, FakeController::Behaviour::kIgnoreHello);
+  WorkerClientOptions options = controller.ClientOptions(secret);
+  options.timeout = std::chrono::milliseconds(100);  // below a second, which must still count
+  auto client = WorkerClient::Connect(options);
+  EXPECT_EQ(client.status().code(), StatusCode::kDeadlineExceeded) << client.status().ToString();
+}
+
+TEST(WorkerClientTest, NoControllerListeningIsUnavailable) {
+  auto port = wire::PickFreePort("127.0.0.1");
+  ASSERT_TRUE(port.ok());
+  auto client = WorkerClient::Connect({.controller = {"127.0.0.1", *port},
+                                       .secret = wire::GenerateSecret(),
+                                       .timeout = std::chrono::seconds(10)});
+  EXPECT_EQ(client.status().code(), StatusCode::kUnavailable) << client.status().ToString();
+}
+
+TEST(WorkerClientTest, SendsRegisterReportsAndDoneInOrder) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    ASSERT_TRUE((*client)->Register(R"({"host":"h","pid":1})").ok());
+    ASSERT_TRUE((*client)->Report(1, R"({"loss":1.0})").ok());
+    ASSERT_TRUE((*client)->Report(2, R"({"loss":0.5})").ok());
+    ASSERT_TRUE((*client)->Report(uint64_t{1} << 40, "{}").ok());
+    ASSERT_TRUE((*client)->SendDone("{}").ok());
+  }
+  controller.Join();
+
+  const std::vector<Frame>& frames = controller.received;
+  ASSERT_EQ(frames.size(), 5u);
+  EXPECT_EQ(frames[0].type, MessageType::kRegister);
+  EXPECT_EQ(frames[0].body, R"({"host":"h","pid":1})");
+  const std::pair<uint64_t, std::string> reports[] = {
+      {1, R"({"loss":1.0})"}, {2, R"({"loss":0.5})"}, {uint64_t{1} << 40, "{}"}};
+  for (size_t i = 0; i < 3; ++i) {
+    const Frame& f = frames[i + 1];
+    EXPECT_EQ(f.type, MessageType::kReport);
+    uint64_t round = 0;
+    std::string_view metrics;
+    ASSERT_TRUE(wire::DecodeReportBody(f.body, &round, &metrics).ok());
+    EXPECT_EQ(round, reports[i].first);
+    EXPECT_EQ(metrics, reports[i].second);
+  }
+  EXPECT_EQ(frames[4].type, MessageType::kDone);
+  EXPECT_EQ(frames[4].body, "{}");
+}
+
+TEST(WorkerClientTest, SendsAnError) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    ASSERT_TRUE((*client)->SendError(R"({"message":"boom"})").ok());
+  }
+  controller.Join();
+  ASSERT_EQ(controller.received.size(), 1u);
+  EXPECT_EQ(controller.received[0].type, MessageType::kError);
+  EXPECT_EQ(controller.received[0].body, R"({"message":"boom"})");
+}
+
+TEST(WorkerClientTest, WaitStartReturnsTheStartMessageAndThePayload) {
+  const std::string secret = wire::GenerateSecret();
+  const std::string start = R"({"coordinator":"127.0.0.1:1234","world_size":4})";
+  const std::string payload("pickled\0function\xff", 17);
+  FakeController controller(secret);
+  controller.Serve({{MessageType::kStart, start}, {MessageType::kPayload, payload}});
+  auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto info = (*client)->WaitStart();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->json, start);
+  EXPECT_EQ(info->payload, payload);
+}
+
+TEST(WorkerClientTest, WaitStartIsUnavailableWhenTheControllerCloses) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve({}, FakeController::Behaviour::kCloseAfterAuth);
+  auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  EXPECT_EQ((*client)->WaitStart().status().code(), StatusCode::kUnavailable);
+}
+
+TEST(WorkerClientTest, AStartWithoutItsPayloadIsUnavailable) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve({{MessageType::kStart, "{}"}, {MessageType::kStart, "{}"}});
+  auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  EXPECT_EQ((*client)->WaitStart().status().code(), StatusCode::kUnavailable);
+}
+
+// A worker never outlives its controller: the end of the connection ends the process.
+TEST(WorkerClientDeathTest, WatchControllerExitsWhenTheConnectionEnds) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string secret = wire::GenerateSecret();
+  EXPECT_EXIT(
+      {
+        FakeController controller(secret);
+        controller.Serve({}, FakeController::Behaviour::kCloseAfterAuth);
+        auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+        if (!client.ok()) _exit(1);
+        (*client)->WatchController(7);
+        controller.Join();
+        for (;;) pause();
+      },
+      testing::ExitedWithCode(7), "lost the connection to the controller");
+}
+
+TEST(WorkerClientTest, StopDisarmsWatchController) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    (*client)->WatchController(7);
+    // Stop() ends the watcher by shutting down the reading side; that must not end the process.
+    (*client)->Stop();
+    ASSERT_TRUE((*client)->SendDone("{}").ok());
+  }
+  controller.Join();
+  ASSERT_EQ(controller.received.size(), 1u);
+  EXPECT_EQ(controller.received[0].type, MessageType::kDone);
+}
+
+}  // namespace
+}  // namespace jaxtrain::worker

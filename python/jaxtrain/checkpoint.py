@@ -1,0 +1,57 @@
+"""Checkpoint: a directory of files that a run saved (names and meanings as in Ray Train)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+MANIFEST_NAME = ".jaxtrain_manifest.json"
+
+
+class Checkpoint:
+    """A checkpoint directory.
+
+    In the training function, ``Checkpoint.from_directory(d)`` names files to save with
+    ``report(metrics, checkpoint=...)``: they are copied when ``report`` is called, so ``d`` may be
+    reused or deleted afterwards. ``get_checkpoint()``, ``Result.checkpoint`` and
+    ``Result.best_checkpoints`` return committed checkpoints, whose directory also holds the
+    manifest ``.jaxtrain_manifest.json`` (files, sizes, checksums).
+    """
+
+    def __init__(self, path: str | os.PathLike, filesystem: Any = None) -> None:
+        self.path: str = os.fspath(path)
+        # The fsspec filesystem of a remote checkpoint; None for a local (or NFS) path.
+        self.filesystem = filesystem
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
+        return cls(os.path.abspath(os.fspath(path)))
+
+    def to_directory(self, path: str | os.PathLike | None = None) -> str:
+        """Copies the checkpoint's files (not its manifest) into ``path`` (default: a new
+        temporary directory) and returns that path."""
+        target = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="checkpoint-")
+        shutil.copytree(self.path, target, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(MANIFEST_NAME))
+        return target
+
+    @contextlib.contextmanager
+    def as_directory(self) -> Iterator[str]:
+        """The checkpoint as a local directory, for reading; no copy for a local checkpoint."""
+        yield self.path
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(path={self.path!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Checkpoint) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)

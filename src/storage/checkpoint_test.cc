@@ -1,0 +1,1033 @@
+#include "storage/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "storage/crc32c.h"
+#include "storage/files.h"
+#include "storage/metrics.h"
+
+namespace jaxtrain::storage {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+::testing::AssertionResult HasText(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
+}
+
+void WriteTestFile(const std::string& path, std::string_view contents) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
+}
+
+std::string ReadTestFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0;
+}
+
+// Every regular file under `dir`, relative to it, sorted.
+std::vector<std::string> ListFiles(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) out.push_back(fs::relative(e.path(), dir).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Everything directly in `dir` (nothing when it does not exist).
+std::vector<std::string> ListEntries(const std::string& dir) {
+  std::vector<std::string> out;
+  if (!fs::exists(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+uint32_t CrcOf(std::string_view s) { return Crc32c(0, s.data(), s.size()); }
+
+// Bytes that are not all alike, so that copies and checksums are really compared.
+std::string Pattern(size_t n, unsigned seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (auto& c : s) {
+    x = x * 1103515245u + 12345u;
+    c = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
+std::vector<std::string> Sorted(std::vector<std::string> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+std::vector<std::string> Names(const std::vector<CheckpointRecord>& records) {
+  std::vector<std::string> out;
+  for (const auto& r : records) out.push_back(r.dir_name);
+  return out;
+}
+
+// A fresh directory under /tmp per test, removed with its contents afterwards.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/jaxtrain_checkpoint_XXXXXX";
+    const char* dir = mkdtemp(tmpl);
+    ASSERT_NE(dir, nullptr) << "mkdtemp failed";
+    root_ = dir;
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(root_, ignored);
+  }
+
+  std::string Path(std::string_view rel) const { return JoinPath(root_, rel); }
+
+  std::string root_;
+};
+
+// --- Crc32c --------------------------------------------------------------------------------------
+
+// An independent bit-at-a-time CRC-32C to check the library against.
+uint32_t BitwiseCrc32c(uint32_t crc, const unsigned char* p, size_t n) {
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) {
+    crc ^= p[i];
+    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0x82f63b78u & (0u - (crc & 1u)));
+  }
+  return ~crc;
+}
+
+TEST(Crc32cTest, MatchesKnownVectors) {
+  EXPECT_EQ(Crc32c(0, "123456789", 9), 0xE3069283u);
+  const std::string zeros(32, '\0');
+  EXPECT_EQ(CrcOf(zeros), 0x8A9136AAu);
+  // The other iSCSI vectors of RFC 3720 B.4.
+  const std::string ones(32, '\xff');
+  EXPECT_EQ(CrcOf(ones), 0x62A8AB43u);
+  std::string ascending(32, '\0');
+  for (int i = 0; i < 32; ++i) ascending[i] = static_cast<char>(i);
+  EXPECT_EQ(CrcOf(ascending), 0x46DD794Eu);
+  std::string descending(ascending.rbegin(), ascending.rend());
+  EXPECT_EQ(CrcOf(descending), 0x113FDB5Cu);
+}
+
+TEST(Crc32cTest, EmptyInputLeavesTheCrcUnchanged) {
+  EXPECT_EQ(Crc32c(0, nullptr, 0), 0u);
+  EXPECT_EQ(Crc32c(0xE3069283u, "", 0), 0xE3069283u);
+}
+
+TEST(Crc32cTest, IncrementalEqualsOneShot) {
+  const std::string data = Pattern(1000, 1);
+  const uint32_t whole = CrcOf(data);
+  for (size_t split = 0; split <= data.size(); ++split) {
+    uint32_t crc = Crc32c(0, data.data(), split);
+    crc = Crc32c(crc, data.data() + split, data.size() - split);
+    ASSERT_EQ(crc, whole) << "split at " << split;
+  }
+  // Many small uneven pieces.
+  uint32_t crc = 0;
+  for (size_t pos = 0, step = 1; pos < data.size(); pos += step, step = step % 13 + 1) {
+    crc = Crc32c(crc, data.data() + pos, std::min(step, data.size() - pos));
+  }
+  EXPECT_EQ(crc, whole);
+}
+
+// Crc32c takes the SSE4.2 path on CPUs that have it (it is not selectable through the API); a
+// software CRC written independently must agree with it for every length around the 8-byte word
+// size and for every misalignment of the start.
+TEST(Crc32cTest, MatchesABitwiseSoftwareCrcForEveryLengthAndAlignment) {
+  const std::string buffer = Pattern(128, 7);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(buffer.data());
+  for (size_t offset = 0; offset < 8; ++offset) {
+    for (size_t n = 0; n <= 100; ++n) {
+      ASSERT_EQ(Crc32c(0, bytes + offset, n), BitwiseCrc32c(0, bytes + offset, n))
+          << "offset " << offset << ", length " << n;
+      ASSERT_EQ(Crc32c(0x12345678u, bytes + offset, n),
+                BitwiseCrc32c(0x12345678u, bytes + offset, n))
+          << "continuing a crc, offset " << offset << ", length " << n;
+    }
+  }
+}
+
+// --- ParseMetricsJson / MetricValue --------------------------------------------------------------
+
+TEST(ParseMetricsJsonTest, NonFiniteTokensBecomeStrings) {
+  json m =
+      ParseMetricsJson(R"({"a": NaN, "b": Infinity, "c": -Infinity, "d": [NaN, 1, -Infinity]})");
+  ASSERT_FALSE(m.is_discarded());
+  EXPECT_EQ(m["a"], "NaN");
+  EXPECT_EQ(m["b"], "Infinity");
+  EXPECT_EQ(m["c"], "-Infinity");
+  EXPECT_EQ(m["d"], json::parse(R"(["NaN", 1, "-Infinity"])"));
+}
+
+TEST(ParseMetricsJsonTest, FiniteValuesAreKept) {
+  json m = ParseMetricsJson(R"({"loss": 0.25, "step": -3, "tiny": 1e-3, "ok": true, "n": null})");
+  ASSERT_FALSE(m.is_discarded());
+  EXPECT_EQ(m["loss"], 0.25);
+  EXPECT_EQ(m["step"], -3);
+  EXPECT_EQ(m["tiny"], 1e-3);
+  EXPECT_EQ(m["ok"], true);
+  EXPECT_TRUE(m["n"].is_null());
+}
+
+TEST(ParseMetricsJsonTest, TokensInsideStringsAreUntouched) {
+  json m = ParseMetricsJson(
+      R"({"s": "NaN Infinity -Infinity", "q": "say \"NaN\" Infinity", "k\"NaN": 1,)"
+      R"( "b": "ends with a backslash \\", "after": NaN})");
+  ASSERT_FALSE(m.is_discarded());
+  EXPECT_EQ(m["s"], "NaN Infinity -Infinity");
+  EXPECT_EQ(m["q"], "say \"NaN\" Infinity");
+  EXPECT_EQ(m["k\"NaN"], 1);
+  EXPECT_EQ(m["b"], "ends with a backslash \\");
+  // The escaped backslash must not leave the parser inside the string.
+  EXPECT_EQ(m["after"], "NaN");
+}
+
+TEST(ParseMetricsJsonTest, InvalidJsonIsDiscarded) {
+  for (std::string_view text :
+       {"", "{", "not json", R"({"a": nan})", R"({"a": 1,})", R"({"a": "unterminated})"}) {
+    EXPECT_TRUE(ParseMetricsJson(text).is_discarded()) << text;
+  }
+}
+
+TEST(MetricValueTest, ReadsATopLevelNumber) {
+  json m = {{"loss", 0.5}, {"step", 7}};
+  EXPECT_EQ(MetricValue(m, "loss"), 0.5);
+  EXPECT_EQ(MetricValue(m, "step"), 7.0);
+}
+
+TEST(MetricValueTest, ReadsNestedKeysJoinedWithSlash) {
+  json m = json::parse(R"({"eval": {"acc": 0.75, "deep": {"x": -2}}})");
+  EXPECT_EQ(MetricValue(m, "eval/acc"), 0.75);
+  EXPECT_EQ(MetricValue(m, "eval/deep/x"), -2.0);
+}
+
+TEST(MetricValueTest, ReadsAKeyThatItselfContainsASlash) {
+  json m = json::parse(R"({"val/loss": 0.5, "eval": {"acc/top1": 0.7}})");
+  EXPECT_EQ(MetricValue(m, "val/loss"), 0.5);
+  EXPECT_EQ(MetricValue(m, "eval/acc/top1"), 0.7);
+}
+
+// A metric "acc/top5" beside a metric "acc" (a common naming) is still found.
+TEST(MetricValueTest, ReadsAKeyWithASlashWhenItsFirstPartIsAlsoAMetric) {
+  json m = json::parse(R"({"acc": 0.9, "acc/top5": 0.99})");
+  EXPECT_EQ(MetricValue(m, "acc"), 0.9);
+  EXPECT_EQ(MetricValue(m, "acc/top5"), 0.99);
+}
+
+TEST(MetricValueTest, ReadsNonFiniteValuesStoredAsStrings) {
+  json m = ParseMetricsJson(R"({"a": NaN, "b": Infinity, "c": -Infinity})");
+  auto a = MetricValue(m, "a");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_TRUE(std::isnan(*a));
+  EXPECT_EQ(MetricValue(m, "b"), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(MetricValue(m, "c"), -std::numeric_limits<double>::infinity());
+}
+
+TEST(MetricValueTest, MissingKeyIsNullopt) {
+  json m = json::parse(R"({"a": {"b": 1}, "n": 2})");
+  EXPECT_EQ(MetricValue(m, "nope"), std::nullopt);
+  EXPECT_EQ(MetricValue(m, "a/nope"), std::nullopt);
+  EXPECT_EQ(MetricValue(m, "a/b/c"), std::nullopt);
+  EXPECT_EQ(MetricValue(m, "n/x"), std::nullopt);
+  EXPECT_EQ(MetricValue(json::object(), "a"), std::nullopt);
+  EXPECT_EQ(MetricValue(json::array({1, 2}), "0"), std::nullopt);
+}
+
+TEST(MetricValueTest, NonNumericValueIsNullopt) {
+  json m = json::parse(R"({"s": "hello", "b": true, "z": null, "o": {"x": 1}, "l": [1]})");
+  for (const char* key : {"s", "b", "z", "o", "l"}) {
+    EXPECT_EQ(MetricValue(m, key), std::nullopt) << key;
+  }
+}
+
+// --- StageDirectory ------------------------------------------------------------------------------
+
+class StageDirectoryTest : public TempDirTest {};
+
+TEST_F(StageDirectoryTest, CopiesNestedFilesByteExactWithSizesAndChecksums) {
+  const std::map<std::string, std::string> files = {
+      {"model.bin", Pattern(5000, 1)},
+      {"empty.txt", ""},
+      {"opt/state.txt", "step=12\n"},
+      {"opt/deep/er/x.bin", Pattern(77, 2)},
+  };
+  const std::string src = Path("src");
+  for (const auto& [rel, contents] : files) WriteTestFile(JoinPath(src, rel), contents);
+  fs::create_directories(JoinPath(src, "empty_dir"));
+
+  const std::string dst = Path("staged/rank0");
+  auto entries = StageDirectory(src, dst);
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+
+  std::map<std::string, FileEntry> by_path;
+  for (const auto& e : *entries) by_path[e.path] = e;
+  ASSERT_EQ(by_path.size(), files.size());
+  for (const auto& [rel, contents] : files) {
+    SCOPED_TRACE(rel);
+    ASSERT_EQ(by_path.count(rel), 1u);
+    EXPECT_EQ(by_path[rel].size, contents.size());
+    EXPECT_EQ(by_path[rel].crc32c, CrcOf(contents));
+    EXPECT_TRUE(ReadTestFile(JoinPath(dst, rel)) == contents);
+  }
+  std::vector<std::string> expected;
+  for (const auto& [rel, contents] : files) expected.push_back(rel);
+  EXPECT_EQ(ListFiles(dst), Sorted(expected));
+  // The source is left as it was.
+  EXPECT_TRUE(ReadTestFile(JoinPath(src, "model.bin")) == files.at("model.bin"));
+}
+
+// Larger than the 4 MiB copy chunk, so the copy and its checksum span several reads. (About 3 s,
+// most of it the fsync.)
+TEST_F(StageDirectoryTest, CopiesAFileLargerThanOneReadChunk) {
+  const std::string contents = Pattern((4 << 20) + 123, 3);
+  WriteTestFile(Path("src/big.bin"), contents);
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  ASSERT_EQ(entries->size(), 1u);
+  EXPECT_EQ((*entries)[0].size, contents.size());
+  EXPECT_EQ((*entries)[0].crc32c, CrcOf(contents));
+  EXPECT_TRUE(ReadTestFile(Path("dst/big.bin")) == contents);
+}
+
+TEST_F(StageDirectoryTest, EmptyDirectoryStagesNoFiles) {
+  fs::create_directories(Path("src"));
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  EXPECT_TRUE(entries->empty());
+  EXPECT_TRUE(fs::is_directory(Path("dst")));
+}
+
+TEST_F(StageDirectoryTest, MissingSourceIsNotFoundNamingThePath) {
+  const std::string src = Path("no_such_dir");
+  auto entries = StageDirectory(src, Path("dst"));
+  EXPECT_EQ(entries.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(HasText(entries.status().message(), src));
+}
+
+TEST_F(StageDirectoryTest, FileAsSourceIsInvalidArgumentNamingThePath) {
+  const std::string src = Path("model.bin");
+  WriteTestFile(src, "weights");
+  auto entries = StageDirectory(src, Path("dst"));
+  EXPECT_EQ(entries.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(entries.status().message(), src));
+  EXPECT_TRUE(HasText(entries.status().message(), "not a directory"));
+}
+
+TEST_F(StageDirectoryTest, FollowsASymlinkToAFile) {
+  WriteTestFile(Path("elsewhere/weights.bin"), "real contents");
+  fs::create_directories(Path("src"));
+  fs::create_symlink(Path("elsewhere/weights.bin"), Path("src/link.bin"));
+
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  ASSERT_EQ(entries->size(), 1u);
+  EXPECT_EQ((*entries)[0].path, "link.bin");
+  EXPECT_EQ((*entries)[0].size, 13u);
+  EXPECT_EQ((*entries)[0].crc32c, CrcOf("real contents"));
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(Path("dst/link.bin"))));
+  EXPECT_EQ(ReadTestFile(Path("dst/link.bin")), "real contents");
+}
+
+TEST_F(StageDirectoryTest, FollowsASymlinkToADirectory) {
+  WriteTestFile(Path("elsewhere/shard/0.bin"), "zero");
+  fs::create_directories(Path("src"));
+  fs::create_directory_symlink(Path("elsewhere/shard"), Path("src/shard"));
+
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  ASSERT_EQ(entries->size(), 1u);
+  EXPECT_EQ((*entries)[0].path, "shard/0.bin");
+  EXPECT_EQ(ReadTestFile(Path("dst/shard/0.bin")), "zero");
+}
+
+// --- CommitCheckpoint / ReadCheckpointRecord -----------------------------------------------------
+
+TEST(StagingPathTest, IsOneDirectoryPerAttemptRoundAndRankUnderStaging) {
+  EXPECT_EQ(StagingPath("/runs/r", 2, 7, 3), "/runs/r/.staging/a2-r7-rank3");
+  EXPECT_NE(StagingPath("/runs/r", 1, 7, 3), StagingPath("/runs/r", 2, 7, 3));
+  EXPECT_NE(StagingPath("/runs/r", 1, 7, 3), StagingPath("/runs/r", 1, 8, 3));
+  EXPECT_NE(StagingPath("/runs/r", 1, 7, 3), StagingPath("/runs/r", 1, 7, 4));
+}
+
+class CommitTest : public TempDirTest {
+ protected:
+  void SetUp() override {
+    TempDirTest::SetUp();
+    run_ = Path("run");
+    fs::create_directories(run_);
+  }
+
+  // Writes `files` (relative path -> contents) as `rank`'s checkpoint directory and stages it.
+  RankCheckpoint StageRank(int rank, uint64_t round,
+                           const std::map<std::string, std::string>& files) {
+    const std::string src = Path("src" + std::to_string(next_src_++));
+    fs::create_directories(src);
+    for (const auto& [rel, contents] : files) WriteTestFile(JoinPath(src, rel), contents);
+    RankCheckpoint rc{.rank = rank, .staging_dir = StagingPath(run_, 1, round, rank)};
+    auto entries = StageDirectory(src, rc.staging_dir);
+    EXPECT_TRUE(entries.ok()) << entries.status().ToString();
+    if (entries.ok()) rc.files = *entries;
+    return rc;
+  }
+
+  // Commits a one-rank checkpoint holding `file_name`.
+  CheckpointRecord CommitOne(const std::string& dir_name, uint64_t round,
+                             const std::string& metrics_json,
+                             const std::string& file_name = "model.bin") {
+    auto record =
+        CommitCheckpoint(run_, dir_name, round, 100.0 + static_cast<double>(round), metrics_json,
+                         {StageRank(0, round, {{file_name, "r" + std::to_string(round)}})});
+    EXPECT_TRUE(record.ok()) << record.status().ToString();
+    return record.ok() ? *record : CheckpointRecord{};
+  }
+
+  std::string Dir(const std::string& dir_name) const { return JoinPath(run_, dir_name); }
+
+  std::string run_;
+  int next_src_ = 0;
+};
+
+TEST_F(CommitTest, CommitsEveryRanksFilesAndTheManifest) {
+  RankCheckpoint rank0 = StageRank(0, 3, {{"model.bin", "weights"}, {"shared/a.txt", "aaa"}});
+  RankCheckpoint rank1 = StageRank(1, 3, {{"rank1.bin", "xyz"}, {"shared/b.txt", "bbbb"}});
+
+  auto record = CommitCheckpoint(run_, "checkpoint_000003", 3, 12.5,
+                                 R"({"loss": 0.25, "acc": NaN, "eval": {"x": 1}})", {rank0, rank1});
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+  EXPECT_EQ(record->dir_name, "checkpoint_000003");
+  EXPECT_EQ(record->round, 3u);
+  EXPECT_EQ(record->time, 12.5);
+  EXPECT_EQ(record->bytes, 7u + 3u + 3u + 4u);
+  EXPECT_EQ(record->files, 4u);
+  EXPECT_EQ(record->metrics, json::parse(R"({"loss": 0.25, "acc": "NaN", "eval": {"x": 1}})"));
+
+  const std::string dir = Dir("checkpoint_000003");
+  EXPECT_EQ(ListFiles(dir),
+            Sorted({kManifestName, "model.bin", "rank1.bin", "shared/a.txt", "shared/b.txt"}));
+  EXPECT_EQ(ReadTestFile(JoinPath(dir, "model.bin")), "weights");
+  EXPECT_EQ(ReadTestFile(JoinPath(dir, "shared/a.txt")), "aaa");
+  EXPECT_EQ(ReadTestFile(JoinPath(dir, "rank1.bin")), "xyz");
+  EXPECT_EQ(ReadTestFile(JoinPath(dir, "shared/b.txt")), "bbbb");
+
+  EXPECT_FALSE(Exists(rank0.staging_dir));
+  EXPECT_FALSE(Exists(rank1.staging_dir));
+  EXPECT_EQ(ListEntries(JoinPath(run_, kStagingDir)), std::vector<std::string>{});
+
+  auto read = ReadCheckpointRecord(dir);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->dir_name, "checkpoint_000003");
+  EXPECT_EQ(read->round, 3u);
+  EXPECT_EQ(read->time, 12.5);
+  EXPECT_EQ(read->bytes, 17u);
+  EXPECT_EQ(read->files, 4u);
+  EXPECT_EQ(read->metrics, record->metrics);
+
+  Status verified = VerifyCheckpoint(dir, /*checksums=*/true);
+  EXPECT_TRUE(verified.ok()) << verified.ToString();
+}
+
+TEST_F(CommitTest, RanksStagedFromParallelThreadsCommitTogether) {
+  constexpr int kRanks = 4;
+  std::vector<std::string> sources(kRanks);
+  std::vector<StatusOr<std::vector<FileEntry>>> staged(kRanks, InternalError("not run"));
+  for (int r = 0; r < kRanks; ++r) {
+    sources[r] = Path("src_rank" + std::to_string(r));
+    WriteTestFile(JoinPath(sources[r], "shard-" + std::to_string(r) + ".bin"), Pattern(1000, r));
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back(
+        [&, r] { staged[r] = StageDirectory(sources[r], StagingPath(run_, 1, 9, r)); });
+  }
+  for (auto& t : threads) t.join();
+
+  std::vector<RankCheckpoint> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(staged[r].ok()) << staged[r].status().ToString();
+    ranks.push_back({.rank = r, .staging_dir = StagingPath(run_, 1, 9, r), .files = *staged[r]});
+  }
+  auto record = CommitCheckpoint(run_, "ckpt", 9, 1.0, "{}", ranks);
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+  EXPECT_EQ(record->files, 4u);
+  EXPECT_EQ(record->bytes, 4000u);
+  EXPECT_EQ(ListFiles(Dir("ckpt")),
+            Sorted({kManifestName, "shard-0.bin", "shard-1.bin", "shard-2.bin", "shard-3.bin"}));
+  EXPECT_TRUE(VerifyCheckpoint(Dir("ckpt"), /*checksums=*/true).ok());
+}
+
+TEST_F(CommitTest, TwoRanksWritingTheSameFileIsInvalidArgumentNamingBothAndTheFile) {
+  RankCheckpoint rank0 = StageRank(0, 5, {{"model.bin", "a"}, {"only0.txt", "0"}});
+  RankCheckpoint rank3 = StageRank(3, 5, {{"model.bin", "b"}});
+
+  auto record = CommitCheckpoint(run_, "ckpt", 5, 1.0, "{}", {rank0, rank3});
+  EXPECT_EQ(record.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(record.status().message(), "rank 0"));
+  EXPECT_TRUE(HasText(record.status().message(), "rank 3"));
+  EXPECT_TRUE(HasText(record.status().message(), "'model.bin'"));
+  EXPECT_FALSE(Exists(Dir("ckpt")));
+}
+
+TEST_F(CommitTest, AFileNamedLikeTheManifestIsInvalidArgument) {
+  RankCheckpoint rank0 = StageRank(0, 5, {{"model.bin", "a"}});
+  RankCheckpoint rank1 = StageRank(1, 5, {{kManifestName, "{}"}});
+
+  auto record = CommitCheckpoint(run_, "ckpt", 5, 1.0, "{}", {rank0, rank1});
+  EXPECT_EQ(record.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(record.status().message(), "rank 1"));
+  EXPECT_TRUE(HasText(record.status().message(), kManifestName));
+  EXPECT_FALSE(Exists(Dir("ckpt")));
+}
+
+TEST_F(CommitTest, DirNameThatIsNotOnePlainNameIsInvalidArgument) {
+  for (const std::string name :
+       {"", ".", "..", "a/b", "/abs", ".hidden", ".staging", "logs", "checkpoints.json"}) {
+    SCOPED_TRACE("dir_name='" + name + "'");
+    RankCheckpoint rank0 = StageRank(0, 1, {{"model.bin", "a"}});
+    auto record = CommitCheckpoint(run_, name, 1, 1.0, "{}", {rank0});
+    EXPECT_EQ(record.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(HasText(record.status().message(), "checkpoint_dir_name='" + name + "'"));
+    EXPECT_TRUE(Exists(JoinPath(rank0.staging_dir, "model.bin")));
+  }
+  EXPECT_FALSE(Exists(Dir("a")));
+  EXPECT_FALSE(Exists(Dir("logs")));
+  EXPECT_FALSE(Exists(Dir("checkpoints.json")));
+  EXPECT_FALSE(Exists(Dir(".hidden")));
+}
+
+TEST_F(CommitTest, RecommittingANameReplacesItsContentsWithTheSecondCommitsFiles) {
+  ASSERT_TRUE(CommitCheckpoint(run_, "ckpt", 1, 1.0, R"({"loss": 2})",
+                               {StageRank(0, 1, {{"old.bin", "old"}, {"common.txt", "v1"}})})
+                  .ok());
+  auto second = CommitCheckpoint(run_, "ckpt", 2, 2.0, R"({"loss": 1})",
+                                 {StageRank(0, 2, {{"new.bin", "new!"}, {"common.txt", "v2"}})});
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+
+  EXPECT_EQ(ListFiles(Dir("ckpt")), Sorted({kManifestName, "common.txt", "new.bin"}));
+  EXPECT_EQ(ReadTestFile(JoinPath(Dir("ckpt"), "common.txt")), "v2");
+  EXPECT_EQ(ReadTestFile(JoinPath(Dir("ckpt"), "new.bin")), "new!");
+  auto read = ReadCheckpointRecord(Dir("ckpt"));
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->round, 2u);
+  EXPECT_EQ(read->files, 2u);
+  EXPECT_EQ(read->bytes, 6u);
+  EXPECT_EQ(read->metrics, json::parse(R"({"loss": 1})"));
+  EXPECT_TRUE(VerifyCheckpoint(Dir("ckpt"), /*checksums=*/true).ok());
+  // Neither the old contents nor the new ones are left behind in staging.
+  EXPECT_EQ(ListEntries(JoinPath(run_, kStagingDir)), std::vector<std::string>{});
+  EXPECT_EQ(ListEntries(run_), Sorted({kStagingDir, "ckpt"}));
+}
+
+TEST_F(CommitTest, MetricsThatAreNotAJsonObjectAreRecordedAsEmpty) {
+  for (const std::string metrics : {"not json", "[1, 2]", "3"}) {
+    SCOPED_TRACE(metrics);
+    CheckpointRecord record = CommitOne("ckpt", 1, metrics);
+    EXPECT_EQ(record.metrics, json::object());
+    auto read = ReadCheckpointRecord(Dir("ckpt"));
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    EXPECT_EQ(read->metrics, json::object());
+  }
+}
+
+TEST_F(CommitTest, ReadCheckpointRecordOfADirectoryWithoutManifestIsNotFound) {
+  WriteTestFile(Path("run/not_a_checkpoint/model.bin"), "x");
+  auto read = ReadCheckpointRecord(Dir("not_a_checkpoint"));
+  EXPECT_EQ(read.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(HasText(read.status().message(), Dir("not_a_checkpoint")));
+  EXPECT_EQ(ReadCheckpointRecord(Dir("missing")).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(CommitTest, ReadCheckpointRecordOfADamagedManifestIsDataLoss) {
+  CommitOne("ckpt", 1, "{}");
+  WriteTestFile(JoinPath(Dir("ckpt"), kManifestName), "{\"round\": 1,");
+  auto read = ReadCheckpointRecord(Dir("ckpt"));
+  EXPECT_EQ(read.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(HasText(read.status().message(), Dir("ckpt")));
+}
+
+// A damaged manifest must come back as an error value, not as an exception out of nlohmann::json.
+TEST_F(CommitTest, ReadCheckpointRecordOfAManifestWithWrongTypesIsDataLoss) {
+  CommitOne("ckpt", 1, "{}");
+  for (const char* manifest : {R"({"round": "one"})", R"({"dir_name": 7})", R"({"time": []})"}) {
+    SCOPED_TRACE(manifest);
+    WriteTestFile(JoinPath(Dir("ckpt"), kManifestName), manifest);
+    try {
+      auto read = ReadCheckpointRecord(Dir("ckpt"));
+      EXPECT_EQ(read.status().code(), StatusCode::kDataLoss);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "ReadCheckpointRecord threw: " << e.what();
+    }
+  }
+}
+
+// --- VerifyCheckpoint ----------------------------------------------------------------------------
+
+class VerifyTest : public CommitTest {
+ protected:
+  void SetUp() override {
+    CommitTest::SetUp();
+    ASSERT_TRUE(CommitCheckpoint(run_, "ckpt", 1, 1.0, "{}",
+                                 {StageRank(0, 1, {{"model.bin", "0123456789"}}),
+                                  StageRank(1, 1, {{"sub/rank1.bin", "abc"}})})
+                    .ok());
+    dir_ = Dir("ckpt");
+  }
+
+  std::string dir_;
+};
+
+TEST_F(VerifyTest, IntactCheckpointIsOkWithAndWithoutChecksums) {
+  EXPECT_TRUE(VerifyCheckpoint(dir_, /*checksums=*/false).ok());
+  EXPECT_TRUE(VerifyCheckpoint(dir_, /*checksums=*/true).ok());
+}
+
+TEST_F(VerifyTest, TruncatedFileIsDataLossNamingTheFileAndBothSizes) {
+  fs::resize_file(JoinPath(dir_, "model.bin"), 4);
+  for (bool checksums : {false, true}) {
+    Status s = VerifyCheckpoint(dir_, checksums);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(HasText(s.message(), JoinPath(dir_, "model.bin")));
+    EXPECT_TRUE(HasText(s.message(), "has 4 bytes"));
+    EXPECT_TRUE(HasText(s.message(), "says 10"));
+  }
+}
+
+TEST_F(VerifyTest, FlippedByteIsDataLossOnlyWithChecksums) {
+  const std::string path = JoinPath(dir_, "model.bin");
+  std::string contents = ReadTestFile(path);
+  contents[5] ^= 0x01;
+  WriteTestFile(path, contents);
+
+  EXPECT_TRUE(VerifyCheckpoint(dir_, /*checksums=*/false).ok());
+  Status s = VerifyCheckpoint(dir_, /*checksums=*/true);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(HasText(s.message(), path));
+  EXPECT_TRUE(HasText(s.message(), "checksum"));
+}
+
+TEST_F(VerifyTest, MissingFileIsDataLossNamingTheFile) {
+  const std::string path = JoinPath(dir_, "sub/rank1.bin");
+  ASSERT_TRUE(fs::remove(path));
+  Status s = VerifyCheckpoint(dir_, /*checksums=*/false);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(HasText(s.message(), path));
+  EXPECT_TRUE(HasText(s.message(), "missing"));
+}
+
+TEST_F(VerifyTest, DirectoryWithoutManifestIsNotFound) {
+  ASSERT_TRUE(fs::remove(JoinPath(dir_, kManifestName)));
+  Status s = VerifyCheckpoint(dir_, /*checksums=*/true);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_TRUE(HasText(s.message(), dir_));
+  EXPECT_EQ(VerifyCheckpoint(Dir("never_committed"), true).code(), StatusCode::kNotFound);
+}
+
+TEST_F(VerifyTest, ManifestThatIsNotJsonOrHasNoFileListIsDataLoss) {
+  for (const char* manifest : {"{", "[]", R"({"round": 1})"}) {
+    SCOPED_TRACE(manifest);
+    WriteTestFile(JoinPath(dir_, kManifestName), manifest);
+    Status s = VerifyCheckpoint(dir_, /*checksums=*/true);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(HasText(s.message(), dir_));
+  }
+}
+
+// A damaged manifest must come back as an error value, not as an exception out of nlohmann::json.
+TEST_F(VerifyTest, ManifestWithWrongTypesIsDataLoss) {
+  for (const char* manifest : {R"({"file_list": [5]})", R"({"file_list": [{"path": 5}]})",
+                               R"({"file_list": [{"path": "model.bin", "size": "ten"}]})"}) {
+    SCOPED_TRACE(manifest);
+    WriteTestFile(JoinPath(dir_, kManifestName), manifest);
+    Status s = OkStatus();
+    try {
+      s = VerifyCheckpoint(dir_, /*checksums=*/true);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "VerifyCheckpoint threw: " << e.what();
+      continue;
+    }
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  }
+}
+
+// --- CheckpointIndex -----------------------------------------------------------------------------
+
+class CheckpointIndexTest : public CommitTest {
+ protected:
+  CheckpointIndex LoadIndex(std::vector<std::string>* warnings) {
+    warnings->clear();
+    auto index = CheckpointIndex::Load(run_, warnings);
+    EXPECT_TRUE(index.ok()) << index.status().ToString();
+    return index.ok() ? *index : CheckpointIndex();
+  }
+
+  std::string IndexPath() const { return JoinPath(run_, "checkpoints.json"); }
+};
+
+TEST_F(CheckpointIndexTest, EmptyRunDirectoryLoadsNoRecordsAndNoWarnings) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  EXPECT_TRUE(index.records().empty());
+  EXPECT_TRUE(warnings.empty());
+}
+
+TEST_F(CheckpointIndexTest, AddRemoveSaveLoadRoundTripKeepsOrderAndMetrics) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  // Names in the reverse of their order, so that only the index can give the order back.
+  CheckpointRecord z = CommitOne("ckpt_z", 1, R"({"loss": 3, "eval": {"acc": 0.5}})");
+  CheckpointRecord y = CommitOne("ckpt_y", 2, R"({"loss": 2})");
+  CheckpointRecord x = CommitOne("ckpt_x", 3, R"({"loss": NaN})");
+  index.Add(z);
+  index.Add(y);
+  index.Add(x);
+  EXPECT_EQ(Names(index.records()), (std::vector<std::string>{"ckpt_z", "ckpt_y", "ckpt_x"}));
+  index.Remove("ckpt_y");
+  ASSERT_TRUE(RemoveTree(Dir("ckpt_y")).ok());
+  EXPECT_EQ(Names(index.records()), (std::vector<std::string>{"ckpt_z", "ckpt_x"}));
+  Status saved = index.Save();
+  ASSERT_TRUE(saved.ok()) << saved.ToString();
+
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  EXPECT_EQ(warnings, std::vector<std::string>{});
+  ASSERT_EQ(Names(loaded.records()), (std::vector<std::string>{"ckpt_z", "ckpt_x"}));
+  for (size_t i = 0; i < 2; ++i) {
+    const CheckpointRecord& want = i == 0 ? z : x;
+    const CheckpointRecord& got = loaded.records()[i];
+    SCOPED_TRACE(want.dir_name);
+    EXPECT_EQ(got.round, want.round);
+    EXPECT_EQ(got.time, want.time);
+    EXPECT_EQ(got.bytes, want.bytes);
+    EXPECT_EQ(got.files, want.files);
+    EXPECT_EQ(got.metrics, want.metrics);
+  }
+  EXPECT_EQ(loaded.records()[0].metrics["eval"]["acc"], 0.5);
+  EXPECT_EQ(loaded.records()[1].metrics["loss"], "NaN");
+}
+
+TEST_F(CheckpointIndexTest, AddingAnExistingNameReplacesItAsTheNewest) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  index.Add({.dir_name = "a", .round = 1});
+  index.Add({.dir_name = "b", .round = 2});
+  index.Add({.dir_name = "a", .round = 3});
+  EXPECT_EQ(Names(index.records()), (std::vector<std::string>{"b", "a"}));
+  EXPECT_EQ(index.records().back().round, 3u);
+  index.Remove("not_there");
+  EXPECT_EQ(index.records().size(), 2u);
+}
+
+TEST_F(CheckpointIndexTest, SaveWritesTheLatestCheckpointName) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  index.Add(CommitOne("first", 1, "{}"));
+  index.Add(CommitOne("second", 2, "{}"));
+  ASSERT_TRUE(index.Save().ok());
+  json saved = json::parse(ReadTestFile(IndexPath()));
+  EXPECT_EQ(saved["latest"], "second");
+  EXPECT_EQ(saved["checkpoints"].size(), 2u);
+}
+
+TEST_F(CheckpointIndexTest, LoadForgetsAnEntryWhoseDirectoryWasDeleted) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  index.Add(CommitOne("gone", 1, "{}"));
+  index.Add(CommitOne("kept", 2, "{}"));
+  ASSERT_TRUE(index.Save().ok());
+  fs::remove_all(Dir("gone"));
+
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  EXPECT_EQ(Names(loaded.records()), std::vector<std::string>{"kept"});
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(HasText(warnings[0], "'gone'"));
+}
+
+TEST_F(CheckpointIndexTest, LoadForgetsAnEntryWhoseManifestWasDeleted) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  index.Add(CommitOne("half", 1, "{}"));
+  index.Add(CommitOne("kept", 2, "{}"));
+  ASSERT_TRUE(index.Save().ok());
+  ASSERT_TRUE(fs::remove(JoinPath(Dir("half"), kManifestName)));
+
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  EXPECT_EQ(Names(loaded.records()), std::vector<std::string>{"kept"});
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(HasText(warnings[0], "'half'"));
+}
+
+TEST_F(CheckpointIndexTest, LoadAddsCommittedDirectoriesMissingFromTheIndexInRoundOrder) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  index.Add(CommitOne("ckpt_c", 1, R"({"loss": 3})"));
+  ASSERT_TRUE(index.Save().ok());
+  // Committed after the index was last saved (a crash between commit and Save).
+  CommitOne("ckpt_a", 3, R"({"loss": 1})");
+  CommitOne("ckpt_b", 2, R"({"loss": 2})");
+
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  ASSERT_EQ(Names(loaded.records()), (std::vector<std::string>{"ckpt_c", "ckpt_b", "ckpt_a"}));
+  EXPECT_EQ(loaded.records()[1].round, 2u);
+  EXPECT_EQ(loaded.records()[1].metrics, json::parse(R"({"loss": 2})"));
+  EXPECT_EQ(loaded.records()[2].round, 3u);
+  EXPECT_EQ(loaded.records()[2].time, 103.0);
+  EXPECT_EQ(loaded.records()[2].files, 1u);
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_TRUE(HasText(warnings[0] + warnings[1], "'ckpt_a'"));
+  EXPECT_TRUE(HasText(warnings[0] + warnings[1], "'ckpt_b'"));
+}
+
+TEST_F(CheckpointIndexTest, LoadWithoutAnIndexRebuildsItFromTheDirectoriesInRoundOrder) {
+  CommitOne("ckpt_c", 1, "{}");
+  CommitOne("ckpt_a", 3, "{}");
+  CommitOne("ckpt_b", 2, "{}");
+  std::vector<std::string> warnings;
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  EXPECT_EQ(Names(loaded.records()), (std::vector<std::string>{"ckpt_c", "ckpt_b", "ckpt_a"}));
+  EXPECT_EQ(warnings.size(), 3u);
+}
+
+// The controller saves the index before deleting the checkpoints retention dropped; when that
+// deletion fails or is interrupted, the next Load finds the old directory again. It is older than
+// the indexed ones and must not become the newest (the one retention protects and a restart uses).
+TEST_F(CheckpointIndexTest, LoadPlacesAnOlderUnindexedCheckpointBeforeTheNewerIndexedOnes) {
+  std::vector<std::string> warnings;
+  CheckpointIndex index = LoadIndex(&warnings);
+  CommitOne("old", 1, "{}");
+  index.Add(CommitOne("new", 2, "{}"));
+  ASSERT_TRUE(index.Save().ok());
+
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  EXPECT_EQ(Names(loaded.records()), (std::vector<std::string>{"old", "new"}));
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(HasText(warnings[0], "'old'"));
+}
+
+TEST_F(CheckpointIndexTest, LoadIgnoresDirectoriesThatAreNotCommittedCheckpoints) {
+  WriteTestFile(Path("run/logs/rank-0.log"), "hello");
+  WriteTestFile(Path("run/junk/model.bin"), "no manifest");
+  // An interrupted commit, complete with its manifest, still in staging.
+  WriteTestFile(JoinPath(Path("run/.staging/commit-r1-x"), kManifestName), R"({"round": 1})");
+  WriteTestFile(Path("run/result.jsonl"), "{}\n");
+  std::vector<std::string> warnings;
+  CheckpointIndex loaded = LoadIndex(&warnings);
+  EXPECT_TRUE(loaded.records().empty());
+  EXPECT_TRUE(warnings.empty());
+}
+
+TEST_F(CheckpointIndexTest, DamagedIndexIsDataLoss) {
+  for (const char* text : {"", "{", "not json", "[]", R"({"version": 1})"}) {
+    SCOPED_TRACE(text);
+    WriteTestFile(IndexPath(), text);
+    std::vector<std::string> warnings;
+    auto index = CheckpointIndex::Load(run_, &warnings);
+    EXPECT_EQ(index.status().code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(HasText(index.status().message(), IndexPath()));
+  }
+}
+
+// Valid JSON of the wrong shape is damage too, and must come back as an error value, not as an
+// exception out of nlohmann::json.
+TEST_F(CheckpointIndexTest, IndexWithWrongTypesIsDataLoss) {
+  CommitOne("ckpt", 1, "{}");
+  for (const char* text : {R"({"checkpoints": 5})", R"({"checkpoints": [5]})",
+                           R"({"checkpoints": [{"dir_name": "ckpt", "round": "one"}]})"}) {
+    SCOPED_TRACE(text);
+    WriteTestFile(IndexPath(), text);
+    std::vector<std::string> warnings;
+    try {
+      auto index = CheckpointIndex::Load(run_, &warnings);
+      EXPECT_EQ(index.status().code(), StatusCode::kDataLoss);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "CheckpointIndex::Load threw: " << e.what();
+    }
+  }
+}
+
+// --- SelectForDeletion / RankByScore -------------------------------------------------------------
+
+// Records c1..cN, oldest first, with `scores[i]` as the metric "score" (nullopt: not reported).
+std::vector<CheckpointRecord> Records(const std::vector<std::optional<json>>& scores) {
+  std::vector<CheckpointRecord> out;
+  for (size_t i = 0; i < scores.size(); ++i) {
+    CheckpointRecord r{.dir_name = "c" + std::to_string(i + 1), .round = i + 1};
+    r.metrics = json::object();
+    r.metrics["other"] = 1;
+    if (scores[i]) r.metrics["score"] = *scores[i];
+    out.push_back(r);
+  }
+  return out;
+}
+
+RetentionPolicy KeepBest(int n, bool higher_is_better) {
+  return {.num_to_keep = n, .score_attribute = "score", .higher_is_better = higher_is_better};
+}
+
+TEST(RetentionTest, WithoutNumToKeepNothingIsDeleted) {
+  auto records = Records({1, 2, 3, 4, 5});
+  EXPECT_TRUE(SelectForDeletion(records, {}).empty());
+  EXPECT_TRUE(SelectForDeletion(records, {.score_attribute = "score"}).empty());
+}
+
+TEST(RetentionTest, NoRecordsDeleteNothing) {
+  EXPECT_TRUE(SelectForDeletion({}, {.num_to_keep = 1}).empty());
+  EXPECT_TRUE(SelectForDeletion({}, KeepBest(1, true)).empty());
+}
+
+TEST(RetentionTest, ByRecencyKeepsTheNewest) {
+  auto records = Records({5, 4, 3, 2, 1});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, {.num_to_keep = 2})),
+            (std::vector<std::string>{"c1", "c2", "c3"}));
+  EXPECT_EQ(Sorted(SelectForDeletion(records, {.num_to_keep = 1})),
+            (std::vector<std::string>{"c1", "c2", "c3", "c4"}));
+}
+
+TEST(RetentionTest, KeepingAtLeastAsManyAsExistDeletesNothing) {
+  auto records = Records({1, 2, 3});
+  EXPECT_TRUE(SelectForDeletion(records, {.num_to_keep = 3}).empty());
+  EXPECT_TRUE(SelectForDeletion(records, {.num_to_keep = 10}).empty());
+  EXPECT_TRUE(SelectForDeletion(records, KeepBest(3, true)).empty());
+}
+
+TEST(RetentionTest, ByMaxScoreKeepsTheBestAndTheLatestEvenWhenItIsWorst) {
+  auto records = Records({0.9, 0.5, 0.95, 0.7, 0.1});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(2, true))),
+            (std::vector<std::string>{"c2", "c4"}));
+}
+
+TEST(RetentionTest, ByMinScoreKeepsTheBestAndTheLatestEvenWhenItIsWorst) {
+  auto records = Records({0.2, 0.9, 0.1, 0.5, 3.0});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(2, false))),
+            (std::vector<std::string>{"c2", "c4"}));
+}
+
+TEST(RetentionTest, LatestAmongTheBestIsNotKeptTwice) {
+  auto records = Records({0.9, 0.5, 0.1, 0.95});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(2, true))),
+            (std::vector<std::string>{"c2", "c3"}));
+}
+
+TEST(RetentionTest, RecordsWithoutTheScoreRankWorstInBothDirections) {
+  auto records = Records({std::nullopt, 0.1, 0.3, std::nullopt, 0.2});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(3, true))),
+            (std::vector<std::string>{"c1", "c4"}));
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(3, false))),
+            (std::vector<std::string>{"c1", "c4"}));
+  // A non-numeric score is no score.
+  auto strings = Records({json("high"), 0.1, 0.2});
+  EXPECT_EQ(SelectForDeletion(strings, KeepBest(2, true)), std::vector<std::string>{"c1"});
+}
+
+TEST(RetentionTest, NaNScoresRankWorstInBothDirections) {
+  // "NaN" as ParseMetricsJson stores it, and a NaN double.
+  auto records = Records({json("NaN"), 0.1, json(std::numeric_limits<double>::quiet_NaN()), 0.2});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(2, true))),
+            (std::vector<std::string>{"c1", "c3"}));
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(2, false))),
+            (std::vector<std::string>{"c1", "c3"}));
+}
+
+TEST(RetentionTest, InfiniteScoresRankAsInfinite) {
+  auto records = Records({json("-Infinity"), 0.5, json("Infinity"), std::nullopt, 0.1});
+  EXPECT_EQ(Names(RankByScore(records, KeepBest(1, true))),
+            (std::vector<std::string>{"c3", "c2", "c5", "c1", "c4"}));
+  EXPECT_EQ(Names(RankByScore(records, KeepBest(1, false))),
+            (std::vector<std::string>{"c1", "c5", "c2", "c3", "c4"}));
+}
+
+TEST(RetentionTest, TiesKeepTheNewer) {
+  auto records = Records({1.0, 1.0, 1.0, 0.5});
+  EXPECT_EQ(SelectForDeletion(records, KeepBest(2, true)), std::vector<std::string>{"c1"});
+  EXPECT_EQ(Names(RankByScore(records, KeepBest(2, true))),
+            (std::vector<std::string>{"c3", "c2", "c1", "c4"}));
+}
+
+TEST(RetentionTest, ScoreAttributeMayBeNested) {
+  std::vector<CheckpointRecord> records;
+  for (double acc : {0.3, 0.9, 0.6}) {
+    CheckpointRecord r{.dir_name = "c" + std::to_string(records.size() + 1),
+                       .round = records.size() + 1};
+    r.metrics = {{"eval", {{"acc", acc}}}};
+    records.push_back(r);
+  }
+  RetentionPolicy policy{.num_to_keep = 1, .score_attribute = "eval/acc"};
+  EXPECT_EQ(SelectForDeletion(records, policy), std::vector<std::string>{"c1"});
+}
+
+TEST(RankByScoreTest, WithoutAScoreAttributeIsNewestFirst) {
+  auto records = Records({3, 1, 2});
+  EXPECT_EQ(Names(RankByScore(records, {})), (std::vector<std::string>{"c3", "c2", "c1"}));
+  EXPECT_EQ(Names(RankByScore(records, {.num_to_keep = 1})),
+            (std::vector<std::string>{"c3", "c2", "c1"}));
+}
+
+TEST(RankByScoreTest, OrdersBestFirstWithMissingScoresLastNewestFirst) {
+  auto records = Records({std::nullopt, 2, 1, std::nullopt, 3, 2});
+  EXPECT_EQ(Names(RankByScore(records, KeepBest(1, true))),
+            (std::vector<std::string>{"c5", "c6", "c2", "c3", "c4", "c1"}));
+  EXPECT_EQ(Names(RankByScore(records, KeepBest(1, false))),
+            (std::vector<std::string>{"c3", "c6", "c2", "c5", "c4", "c1"}));
+}
+
+TEST(RankByScoreTest, EmptyInputGivesEmptyOutput) {
+  EXPECT_TRUE(RankByScore({}, KeepBest(1, true)).empty());
+}
+
+// --- RemoveTree ----------------------------------------------------------------------------------
+
+class RemoveTreeTest : public TempDirTest {};
+
+TEST_F(RemoveTreeTest, RemovesANestedTree) {
+  WriteTestFile(Path("tree/a/b/c/file.bin"), "x");
+  WriteTestFile(Path("tree/top.txt"), "y");
+  fs::create_directories(Path("tree/empty/dir"));
+  Status s = RemoveTree(Path("tree"));
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_FALSE(Exists(Path("tree")));
+  EXPECT_TRUE(Exists(root_));
+}
+
+TEST_F(RemoveTreeTest, MissingPathIsOk) {
+  EXPECT_TRUE(RemoveTree(Path("never_there")).ok());
+  EXPECT_TRUE(RemoveTree(Path("never/there/either")).ok());
+}
+
+TEST_F(RemoveTreeTest, RemovesSymlinksWithoutFollowingThem) {
+  WriteTestFile(Path("outside/precious.bin"), "keep me");
+  fs::create_directories(Path("tree"));
+  fs::create_directory_symlink(Path("outside"), Path("tree/link_to_dir"));
+  fs::create_symlink(Path("outside/precious.bin"), Path("tree/link_to_file"));
+  Status s = RemoveTree(Path("tree"));
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_FALSE(Exists(Path("tree")));
+  EXPECT_EQ(ReadTestFile(Path("outside/precious.bin")), "keep me");
+}
+
+}  // namespace
+}  // namespace jaxtrain::storage

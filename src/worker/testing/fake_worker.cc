@@ -1,0 +1,171 @@
+// fake_worker: a worker process without JAX or Python, for tests and benchmarks of the controller.
+// It follows the message sequence of python/jaxtrain/worker.py through the real WorkerClient.
+//
+//   fake_worker <mode> [rounds]
+//
+//   ok            register, wait for the start, report `rounds` rounds (default 1) of
+//                 {"loss": 1/round, "rank": R}, send done, exit 0
+//   raise         after the start, rank FAKE_FAIL_RANK sends an error with a traceback and exits 1
+//   exit0         after the start, rank FAKE_FAIL_RANK exits 0 without sending done
+//   crash         after the start, rank FAKE_FAIL_RANK kills itself with SIGKILL
+//   hang          every rank waits after the start
+//   wrong-secret  connects with a wrong secret first, which must fail with kUnauthenticated;
+//                 then runs as ok
+//   noconnect     rank FAKE_FAIL_RANK never connects; the others register and wait for the start
+//
+// Ranks that wait ("the others", hang) do so until a signal ends them, or until the controller's
+// connection ends (WorkerClient::WatchController), as a real worker does.
+//
+// Environment: the JAXTRAIN_* variables the controller sets, and
+//   FAKE_FAIL_RANK    the rank that fails (default 0)
+//   FAKE_EVENTS_FIFO  when set, each rank writes one byte to this FIFO at each step: 'P' once it
+//                     has printed its pid, 'R' once registered, 'S' once started; so a test can act
+//                     at a known point without sleeping
+//   FAKE_GATE_FIFO    when set, each rank reads one byte from this FIFO after the start, before
+//                     it reports or fails, so a test can hold the run at a known point
+// The test keeps both FIFOs open read-write for the whole run, so no open() here blocks.
+//
+// Every rank first prints "fake_worker rank=R pid=P" so a test can find its process.
+// Exit codes: 0 done; 1 failed as asked; 2 misuse or an unexpected error; 4 controller gone.
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "wire/handshake.h"
+#include "worker/worker_client.h"
+
+namespace jaxtrain::worker {
+namespace {
+
+constexpr int kExitFailed = 1;
+constexpr int kExitMisuse = 2;
+constexpr int kExitControllerLost = 4;
+
+int Misuse(const std::string& why) {
+  std::fprintf(stderr, "fake_worker: %s\n", why.c_str());
+  return kExitMisuse;
+}
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
+[[noreturn]] void WaitToBeKilled() {
+  for (;;) pause();
+}
+
+// One byte to or from a FIFO named by an environment variable; nothing when it is unset.
+void SignalEvent(char event) {
+  const char* path = std::getenv("FAKE_EVENTS_FIFO");
+  if (path == nullptr) return;
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  [[maybe_unused]] ssize_t n = write(fd, &event, 1);
+  close(fd);
+}
+
+void PassGate() {
+  const char* path = std::getenv("FAKE_GATE_FIFO");
+  if (path == nullptr) return;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  char byte;
+  [[maybe_unused]] ssize_t n = read(fd, &byte, 1);
+  close(fd);
+}
+
+StatusOr<WorkerClientOptions> OptionsFromEnv() {
+  const char* address = std::getenv("JAXTRAIN_CONTROLLER_ADDR");
+  const char* secret = std::getenv("JAXTRAIN_RUN_SECRET");
+  if (address == nullptr || secret == nullptr) {
+    return InvalidArgumentError("JAXTRAIN_CONTROLLER_ADDR and JAXTRAIN_RUN_SECRET must be set");
+  }
+  WorkerClientOptions options;
+  JT_ASSIGN_OR_RETURN(options.controller, wire::ParseHostPort(address));
+  JT_ASSIGN_OR_RETURN(options.secret, wire::FromHex(secret));
+  options.rank = static_cast<uint32_t>(EnvInt("JAXTRAIN_RANK", 0));
+  options.attempt = static_cast<uint32_t>(EnvInt("JAXTRAIN_ATTEMPT", 0));
+  return options;
+}
+
+int Run(const std::string& mode, int rounds) {
+  const int rank = EnvInt("JAXTRAIN_RANK", 0);
+  const bool failing_rank = rank == EnvInt("FAKE_FAIL_RANK", 0);
+  std::printf("fake_worker rank=%d pid=%d\n", rank, static_cast<int>(getpid()));
+  std::fflush(stdout);
+  SignalEvent('P');
+  if (mode == "noconnect" && failing_rank) WaitToBeKilled();
+
+  auto options = OptionsFromEnv();
+  if (!options.ok()) return Misuse(options.status().ToString());
+  if (mode == "wrong-secret") {
+    WorkerClientOptions wrong = *options;
+    wrong.secret[0] = static_cast<char>(wrong.secret[0] ^ 1);
+    auto refused = WorkerClient::Connect(wrong);
+    if (refused.ok() || refused.status().code() != StatusCode::kUnauthenticated) {
+      return Misuse("connecting with a wrong secret: expected kUnauthenticated, got " +
+                    refused.status().ToString());
+    }
+  }
+  auto client = WorkerClient::Connect(*options);
+  if (!client.ok()) return Misuse(client.status().ToString());
+
+  char host[256] = "";
+  gethostname(host, sizeof(host) - 1);
+  nlohmann::json registration = {{"host", host}, {"pid", getpid()}};
+  // Rank 0 publishes a coordinator, as the controller requires; no JAX runs here to use it.
+  if (rank == 0) registration["coordinator"] = "127.0.0.1:1";
+  Status s = (*client)->Register(registration.dump());
+  if (!s.ok()) return Misuse(s.ToString());
+  SignalEvent('R');
+  auto start = (*client)->WaitStart();
+  if (!start.ok()) return kExitControllerLost;
+  (*client)->WatchController(kExitControllerLost);
+  SignalEvent('S');
+  PassGate();
+
+  if (mode == "ok" || mode == "wrong-secret") {
+    for (int round = 1; round <= rounds; ++round) {
+      nlohmann::json metrics = {{"loss", 1.0 / round}, {"rank", rank}};
+      s = (*client)->Report(static_cast<uint64_t>(round), metrics.dump());
+      if (!s.ok()) return Misuse(s.ToString());
+    }
+    s = (*client)->SendDone("{}");
+    return s.ok() ? 0 : Misuse(s.ToString());
+  }
+  if (failing_rank && mode == "raise") {
+    const std::string message = "RuntimeError: fake failure on rank " + std::to_string(rank);
+    const std::string traceback =
+        "Traceback (most recent call last):\n  File \"fake_worker\", in train\n" + message + "\n";
+    std::fputs(traceback.c_str(), stderr);
+    nlohmann::json error = {{"message", message}, {"traceback", traceback}, {"phase", "training"}};
+    s = (*client)->SendError(error.dump());
+    return s.ok() ? kExitFailed : Misuse(s.ToString());
+  }
+  // As os._exit(0) would: the connection closes as part of the exit, whose status is then final.
+  if (failing_rank && mode == "exit0") _exit(0);
+  if (failing_rank && mode == "crash") raise(SIGKILL);
+  WaitToBeKilled();
+}
+
+}  // namespace
+}  // namespace jaxtrain::worker
+
+int main(int argc, char** argv) {
+  using jaxtrain::worker::Misuse;
+  static const char* const kModes[] = {"ok",   "raise",        "exit0",    "crash",
+                                       "hang", "wrong-secret", "noconnect"};
+  if (argc < 2 || argc > 3) return Misuse("usage: fake_worker <mode> [rounds]");
+  const std::string mode = argv[1];
+  bool known = false;
+  for (const char* m : kModes) known = known || mode == m;
+  if (!known) return Misuse("unknown mode '" + mode + "'");
+  const int rounds = argc == 3 ? std::atoi(argv[2]) : 1;
+  if (rounds < 0) return Misuse("rounds must be >= 0");
+  return jaxtrain::worker::Run(mode, rounds);
+}
