@@ -166,6 +166,7 @@ struct Controller::Loop {
   std::string restore_from;  // the checkpoint this attempt starts from; "" for none
   std::vector<launch::ProcessSpec> specs;
   std::vector<RankFailure> failures;
+  bool sent_sigterm = false;
   bool sent_sigkill = false;
   uint64_t oom_kills_before = 0;
   std::vector<std::string> warnings;
@@ -210,6 +211,7 @@ struct Controller::Loop {
     phase = Phase::kStopping;
     if (AnyUnreaped()) {
       ctl.launcher_->SignalGroup(SIGTERM);
+      sent_sigterm = true;
       // A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued.
       ctl.launcher_->SignalGroup(SIGCONT);
       kill_deadline = Now() + opts.terminate_grace;
@@ -516,11 +518,14 @@ struct Controller::Loop {
         .cause = oom             ? "oom"
                  : p.exit.signal ? "signal"
                                  : "exit",
-        .message = "its process " + p.exit.ToString() +
+        .message = std::string("its process ") + (p.exit.signal ? "was " : "") + p.exit.ToString() +
                    (p.exit.ok() ? " before its training function returned" : "") +
                    (oom ? " by the kernel's out-of-memory killer" : "")};
-    // The connection usually closes just before the exit is seen; the exit says more.
-    if (failure && failure->rank == p.rank && failure->cause == "connection") {
+    // The connection usually closes just before the exit is seen; the exit says more, unless the
+    // process died of the signal the controller sent to stop the group.
+    const bool our_signal =
+        (p.exit.signal == SIGTERM && sent_sigterm) || (p.exit.signal == SIGKILL && sent_sigkill);
+    if (failure && failure->rank == p.rank && failure->cause == "connection" && !our_signal) {
       failure->cause = exit_failure.cause;
       failure->message = exit_failure.message;
     }
@@ -731,6 +736,7 @@ struct Controller::Loop {
     failure.reset();
     kill_deadline.reset();
     drain_deadline.reset();
+    sent_sigterm = false;
     sent_sigkill = false;
     oom_kills_before = OomKillCount();
     collector = ReportCollector(world_size, collector.next_round());
