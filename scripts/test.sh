@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs every test: lint, the C++ unit tests under AddressSanitizer and
-# UndefinedBehaviorSanitizer (CTest), and the Python and end-to-end tests with real JAX workers
-# (pytest).
+# UndefinedBehaviorSanitizer (CTest), a short fuzz run of the control protocol (libFuzzer), and the
+# Python and end-to-end tests with real JAX workers (pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -16,6 +16,9 @@ cmake -S . -B build/test-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug \
   -DJAXTRAIN_BUILD_TESTS=ON -DJAXTRAIN_SANITIZE=ON >/dev/null
 ninja -C build/test-sanitize
 ctest --test-dir build/test-sanitize --output-on-failure -j2
+
+echo "test: fuzz the control protocol (short run; scripts/fuzz.sh 600 for a long one)"
+./scripts/fuzz.sh
 
 echo "test: Python and end-to-end tests"
 .venv/bin/python -m pytest tests

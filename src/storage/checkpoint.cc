@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdio.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -45,26 +46,60 @@ Status FsyncPath(const std::string& path, bool directory) {
   return OkStatus();
 }
 
+Status WriteFully(int fd, const char* data, size_t n, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = write(fd, data, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return IoError("cannot write", path, errno);
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+  return OkStatus();
+}
+
+// Copies one file and checksums it. The source is mapped, so the checksum reads the page cache in
+// place, and the data moves with copy_file_range inside the kernel where the filesystems allow;
+// a file that cannot be mapped is streamed through `buffer`. The source must not be truncated
+// while it is copied (report() copies before it returns).
 StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, const std::string& rel,
                              std::vector<char>& buffer) {
   Fd in{open(src.c_str(), O_RDONLY | O_CLOEXEC)};
   if (in.fd < 0) return IoError("cannot open", src, errno);
   Fd out{open(dst.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
   if (out.fd < 0) return IoError("cannot create", dst, errno);
-  posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  struct stat st;
+  if (fstat(in.fd, &st) != 0) return IoError("cannot stat", src, errno);
   FileEntry entry{.path = rel};
-  for (;;) {
-    ssize_t n = read(in.fd, buffer.data(), buffer.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return IoError("cannot read", src, errno);
-    if (n == 0) break;
-    entry.crc32c = Crc32c(entry.crc32c, buffer.data(), static_cast<size_t>(n));
-    entry.size += static_cast<uint64_t>(n);
-    for (ssize_t done = 0; done < n;) {
-      ssize_t w = write(out.fd, buffer.data() + done, static_cast<size_t>(n - done));
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return IoError("cannot write", dst, errno);
-      done += w;
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* map = size > 0 ? mmap(nullptr, size, PROT_READ, MAP_PRIVATE, in.fd, 0) : MAP_FAILED;
+  if (map != MAP_FAILED) {
+    madvise(map, size, MADV_SEQUENTIAL | MADV_WILLNEED);
+    const char* data = static_cast<const char*>(map);
+    entry.crc32c = Crc32c(0, data, size);
+    entry.size = size;
+    loff_t in_off = 0, out_off = 0;
+    Status copied;
+    while (static_cast<size_t>(in_off) < size) {
+      ssize_t n =
+          copy_file_range(in.fd, &in_off, out.fd, &out_off, size - static_cast<size_t>(in_off), 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {  // not supported between these filesystems: write from the mapping
+        copied = WriteFully(out.fd, data + in_off, size - static_cast<size_t>(in_off), dst);
+        break;
+      }
+    }
+    munmap(map, size);
+    JT_RETURN_IF_ERROR(copied);
+  } else {
+    posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    for (;;) {
+      ssize_t n = read(in.fd, buffer.data(), buffer.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return IoError("cannot read", src, errno);
+      if (n == 0) break;
+      entry.crc32c = Crc32c(entry.crc32c, buffer.data(), static_cast<size_t>(n));
+      entry.size += static_cast<uint64_t>(n);
+      JT_RETURN_IF_ERROR(WriteFully(out.fd, buffer.data(), static_cast<size_t>(n), dst));
     }
   }
   if (fsync(out.fd) != 0) return IoError("cannot fsync", dst, errno);

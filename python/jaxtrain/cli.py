@@ -1,0 +1,703 @@
+"""The ``jaxtrain`` command: run an unmodified JAX script SPMD, and inspect runs.
+
+    jaxtrain run -n 4 train.py --lr 3e-4     # like torchrun, on the same engine as JaxTrainer
+    jaxtrain ls | show RUN | logs RUN -f | metrics RUN --csv
+
+``run`` is a second front door to ``JaxTrainer``: its training function is ``_run_script``, which
+runs the script as ``__main__`` in every worker (jax.distributed already initialised). The other
+commands only read run directories (docs/architecture.md); they never import jax or start workers.
+
+Exit codes (docs/cli.md): 0 success; 1 the run failed or could not start; N a rank's script exited
+with status N; 2 bad usage (an option, a value, an unknown run or script); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import runpy
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# How often `logs -f` looks for new output and for the end of the run.
+_FOLLOW_POLL_S = 0.25
+
+
+class _UsageError(Exception):
+    """The command line asks for something that cannot be: exit status 2, message on stderr."""
+
+
+# --- the training function of `jaxtrain run` (runs in the workers) ------------------------------
+
+
+def _run_script(config: dict) -> None:
+    """Runs ``config["script"]`` (a path) or ``config["module"]`` as ``__main__`` with
+    ``sys.argv = [script, *config["args"]]``, in a worker where jax.distributed is initialised.
+
+    A script's ``sys.exit(0)`` is a success; ``sys.exit(n)`` ends the worker with status n, which
+    ``jaxtrain run`` returns.
+    """
+    _make_initialize_idempotent()
+    args = list(config.get("args") or [])
+    try:
+        if config.get("module"):
+            # As `python -m`: the working directory first on the path; run_module sets argv[0].
+            sys.path.insert(0, os.getcwd())
+            sys.argv = [config["module"], *args]
+            runpy.run_module(config["module"], run_name="__main__", alter_sys=True)
+        else:
+            # As `python script.py`: the script's directory first on the path.
+            script = config["script"]
+            sys.path.insert(0, os.path.dirname(script))
+            sys.argv = [script, *args]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        status = _python_exit_status(e.code)
+        if status:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
+
+def _python_exit_status(code: Any) -> int:
+    """The status `python script.py` exits with after ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code % 256
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def _make_initialize_idempotent() -> None:
+    """Scripts written for plain JAX call ``jax.distributed.initialize()`` themselves; in a
+    ``jaxtrain run`` worker it is already initialised, so a second call does nothing."""
+    import jax
+    import jax.distributed
+
+    original = jax.distributed.initialize
+    if getattr(original, "_jaxtrain_idempotent", False):
+        return
+
+    def initialize(*args: Any, **kwargs: Any) -> None:
+        if _distributed_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    initialize.__doc__ = original.__doc__
+    initialize._jaxtrain_idempotent = True  # type: ignore[attr-defined]
+    jax.distributed.initialize = initialize
+
+
+def _distributed_initialized() -> bool:
+    import jax.distributed
+
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    if is_initialized is not None:
+        return bool(is_initialized())
+    from jax._src import distributed  # jax < 0.6 has no public is_initialized()
+
+    return distributed.global_state.client is not None
+
+
+# --- jaxtrain run ---------------------------------------------------------------------------------
+
+
+def _parse_resources(text: str) -> dict[str, float]:
+    """``TPU=4,CPU=1`` or a JSON object; amounts are checked by ScalingConfig."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise _UsageError(f"--resources-per-worker={text!r} is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise _UsageError(f"--resources-per-worker={text!r} must be a JSON object")
+        return value
+    resources: dict[str, float] = {}
+    for item in text.split(","):
+        key, sep, amount = item.partition("=")
+        key = key.strip()
+        try:
+            number = float(amount)
+        except ValueError:
+            number = None
+        if not sep or not key or number is None:
+            raise _UsageError(
+                f"--resources-per-worker={text!r}: {item.strip()!r} is not NAME=AMOUNT; write "
+                "e.g. TPU=4,CPU=1 or {\"TPU\": 4}"
+            )
+        resources[key] = int(number) if number.is_integer() else number
+    return resources
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from jaxtrain.errors import TrainingFailedError
+    from jaxtrain.trainer import JaxTrainer, _run_dir
+
+    if args.target is None:
+        raise _UsageError("give the script to run: jaxtrain run [options] script.py [args ...] "
+                          "(or -m module)")
+    if args.module:
+        task: dict[str, Any] = {"module": args.target, "args": args.args}
+        _check_module(args.target)
+    else:
+        script = os.path.abspath(args.target)
+        if not os.path.isfile(script):
+            raise _UsageError(f"cannot find the script '{args.target}' (looked for {script})")
+        task = {"script": script, "args": args.args}
+    resources = (
+        _parse_resources(args.resources_per_worker) if args.resources_per_worker else None
+    )
+    try:
+        trainer = JaxTrainer(
+            _run_script,
+            train_loop_config=task,
+            scaling_config=ScalingConfig(
+                num_workers=args.num_workers,
+                use_tpu=args.use_tpu,
+                use_gpu=args.use_gpu,
+                topology=args.topology,
+                accelerator_type=args.accelerator_type,
+                resources_per_worker=resources,
+                placement_strategy=args.placement_strategy,
+            ),
+            run_config=RunConfig(
+                name=args.name,
+                storage_path=args.storage_path,
+                failure_config=FailureConfig(max_failures=args.max_failures),
+                checkpoint_config=CheckpointConfig(
+                    num_to_keep=args.num_to_keep,
+                    checkpoint_score_attribute=args.checkpoint_score_attribute,
+                    checkpoint_score_order=args.checkpoint_score_order,
+                ),
+            ),
+        )
+        run_dir = _run_dir(trainer.run_config)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+
+    name = trainer.run_config.name
+    _say(f"run '{name}' on {args.num_workers} worker(s); run directory {run_dir}")
+    try:
+        result = trainer.fit()
+    except KeyboardInterrupt:
+        _say(f"run '{name}' interrupted; every worker was stopped ({run_dir})")
+        return EXIT_INTERRUPTED
+    except TrainingFailedError as e:
+        sys.stderr.write(f"{e}\n")
+        _say(f"run '{name}' failed; see: jaxtrain show {run_dir}")
+        return _failed_run_status(e)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    except (RuntimeError, OSError) as e:
+        _say(f"run '{name}' could not start: {e}")
+        return EXIT_FAILED
+    rounds = len(result._read_rounds())
+    _say(f"run '{name}' finished ({rounds} report round(s)); results in {result.path}")
+    return EXIT_OK
+
+
+def _check_module(name: str) -> None:
+    import importlib.util
+
+    top = name.split(".")[0]
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path[:] = saved
+    if not found:
+        raise _UsageError(
+            f"cannot find the module '{name}': no '{top}' in the working directory or on "
+            "the Python path"
+        )
+
+
+def _failed_run_status(error: Any) -> int:
+    """The failing rank's exit status when its process exited with one, else 1."""
+    if getattr(error, "cause", "") == "exit":
+        first_line = str(error).split("\n", 1)[0]
+        match = re.search(r"exited with status (\d+)$", first_line)
+        if match and 0 < int(match.group(1)) < 256:
+            return int(match.group(1))
+    return EXIT_FAILED
+
+
+# --- reading run directories ------------------------------------------------------------------
+
+
+def _default_storage_path() -> str:
+    from jaxtrain.config import RunConfig
+
+    return RunConfig(name="_").storage_path
+
+
+def _local_path(path: str) -> str:
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _resolve_run(run: str, storage_path: str | None) -> str:
+    """A bare name is looked up under the storage path first, then as a path; anything with a
+    '/' (or '.', '..') is a path."""
+    storage = _local_path(storage_path or _default_storage_path())
+    candidates = []
+    if os.sep not in run and run not in (".", ".."):
+        candidates.append(os.path.join(storage, run))
+    candidates.append(_local_path(run))
+    for candidate in candidates:
+        if os.path.isfile(os.path.join(candidate, "run.json")):
+            return candidate
+    for candidate in candidates:
+        if os.path.isdir(candidate) and any(
+            os.path.isfile(os.path.join(e.path, "run.json")) for e in os.scandir(candidate)
+        ):
+            raise _UsageError(f"{candidate} is a storage path, not a run; list its runs with: "
+                              f"jaxtrain ls {candidate}")
+    looked = " nor ".join(f"{c}/run.json" for c in dict.fromkeys(candidates))
+    raise _UsageError(
+        f"no run '{run}': there is neither {looked}. List the runs with: jaxtrain ls {storage}"
+    )
+
+
+def _read_state(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise _UsageError(f"cannot read {run_dir}/run.json: {e}") from None
+
+
+def _round_count(run_dir: str, state: dict) -> int:
+    """run.json counts rounds when an attempt ends; while it runs, result.jsonl has them."""
+    if state.get("status") != "RUNNING":
+        return int(state.get("rounds", 0))
+    try:
+        with open(os.path.join(run_dir, "result.jsonl"), "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except FileNotFoundError:
+        return 0
+
+
+def _when(t: float | None) -> str:
+    if not t:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _duration(start: float | None, end: float | None) -> str:
+    if not start:
+        return "-"
+    s = (end or time.time()) - start
+    if s < 60:
+        text = f"{s:.1f}s"
+    elif s < 3600:
+        text = f"{int(s // 60)}m{int(s % 60):02d}s"
+    else:
+        text = f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+    return text if end else f"{text}+"
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    )
+
+
+def _flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(metrics, dict):
+        return {prefix: metrics} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float) and math.isfinite(v):
+        return f"{v:.6g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    return str(v)
+
+
+# --- jaxtrain ls ----------------------------------------------------------------------------------
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    storage = _local_path(args.storage_path or _default_storage_path())
+    if not os.path.isdir(storage):
+        raise _UsageError(f"the storage path {storage} does not exist (no run has used it)")
+    rows = []
+    for entry in os.scandir(storage):
+        if not os.path.isfile(os.path.join(entry.path, "run.json")):
+            continue
+        try:
+            state = _read_state(entry.path)
+        except _UsageError:
+            rows.append((0.0, [entry.name, "UNREADABLE", "-", "-", "-", "-", "-"]))
+            continue
+        start = state.get("start_time")
+        rows.append((start or 0.0, [
+            entry.name,
+            str(state.get("status", "?")),
+            str(len(state.get("attempts", []))),
+            str(state.get("world_size", "?")),
+            str(_round_count(entry.path, state)),
+            _when(start),
+            _duration(start, state.get("end_time")),
+        ]))
+    if not rows:
+        _say(f"no runs under {storage}")
+        return EXIT_OK
+    rows.sort(key=lambda r: (r[0], r[1][0]))
+    header = ["NAME", "STATUS", "ATTEMPTS", "WORKERS", "ROUNDS", "START", "DURATION"]
+    print(_table(header, [r for _, r in rows]))
+    return EXIT_OK
+
+
+# --- jaxtrain show --------------------------------------------------------------------------------
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from jaxtrain.result import Result
+
+    run_dir = _resolve_run(args.run, args.storage_path)
+    state = _read_state(run_dir)
+    result = Result.from_path(run_dir)
+    config = state.get("config", {})
+    out: list[str] = []
+
+    def field(key: str, value: Any) -> None:
+        out.append(f"{key:<11}{value}")
+
+    field("run", state.get("name", os.path.basename(run_dir)))
+    field("path", run_dir)
+    field("status", state.get("status", "?"))
+    field("started", _when(state.get("start_time")))
+    field("duration", _duration(state.get("start_time"), state.get("end_time")))
+    workers = f"{state.get('world_size', '?')} ({state.get('platform', '?')}"
+    field("workers", workers + (", simulated)" if state.get("simulated") else ")"))
+    field("rounds", _round_count(run_dir, state))
+
+    out.append("config")
+    for key in ("scaling_config", "run_config", "failure_config", "checkpoint_config"):
+        section = config.get(key) or {}
+        values = " ".join(f"{k}={_value(v)}" for k, v in section.items() if v is not None)
+        out.append(f"  {key:<19}{values}")
+    if config.get("train_loop_config") is not None:
+        out.append(f"  {'train_loop_config':<19}{json.dumps(config['train_loop_config'])}")
+
+    attempts = state.get("attempts", [])
+    out.append(f"attempts ({len(attempts)})")
+    for a in attempts:
+        start, end = a.get("start_time"), a.get("end_time")
+        line = (f"  {a.get('attempt', '?')}  {a.get('status', '?'):<9} {_when(start)}  "
+                f"{_duration(start, end)}")
+        if a.get("restored_from"):
+            restored = a["restored_from"]
+            if os.path.dirname(restored) == run_dir:
+                restored = os.path.basename(restored)
+            line += f"  restored from {restored}"
+        failure = a.get("failure")
+        if failure:
+            line += f"  rank {failure.get('rank')} {failure.get('cause')}: {failure.get('message')}"
+        out.append(line)
+
+    rounds = result._read_rounds()
+    if result.metrics is None:
+        out.append("last metrics  none reported")
+    else:
+        out.append(f"last metrics (round {rounds[-1].get('round', '?')})")
+        flat = _flatten(result.metrics)
+        width = max(len(k) for k in flat) if flat else 0
+        out += [f"  {k:<{width}}  {_value(v)}" for k, v in flat.items()]
+
+    out += _checkpoint_lines(run_dir, result, config.get("checkpoint_config") or {})
+
+    if result.error is not None:
+        out.append(f"error      {str(result.error).splitlines()[0]}")
+        try:
+            with open(os.path.join(run_dir, "error.txt"), encoding="utf-8",
+                      errors="replace") as f:
+                out += [f"  {line}".rstrip() for line in f.read().rstrip().splitlines()]
+        except FileNotFoundError:
+            pass
+        out.append(f"  logs: jaxtrain logs {run_dir} --rank {result.error.rank}")
+    print("\n".join(out))
+    return EXIT_OK
+
+
+def _checkpoint_lines(run_dir: str, result: Any, checkpoint_config: dict) -> list[str]:
+    if not result.best_checkpoints:
+        return ["checkpoints  none"]
+    rounds: dict[str, Any] = {}
+    try:
+        with open(os.path.join(run_dir, "checkpoints.json"), encoding="utf-8") as f:
+            rounds = {c["dir_name"]: c.get("round") for c in json.load(f).get("checkpoints", [])}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass
+    attribute = checkpoint_config.get("checkpoint_score_attribute")
+    order = checkpoint_config.get("checkpoint_score_order", "max")
+    by = f"best first by {attribute} ({order})" if attribute else "newest first"
+    lines = [f"checkpoints ({len(result.best_checkpoints)}, {by})"]
+    latest = result.checkpoint.path if result.checkpoint else None
+    rows = []
+    for checkpoint, metrics in result.best_checkpoints:
+        name = os.path.basename(checkpoint.path)
+        row = [name, f"round {rounds.get(name, '?')}"]
+        if attribute:
+            row.append(f"{attribute}={_value(_flatten(metrics).get(attribute, '-'))}")
+        row.append("latest" if checkpoint.path == latest else "")
+        rows.append(row)
+    lines += ["  " + line for line in _table([""] * len(rows[0]), rows).splitlines()[1:]]
+    return lines
+
+
+# --- jaxtrain logs --------------------------------------------------------------------------------
+
+
+def _log_files(run_dir: str, state: dict, rank: int | None) -> list[tuple[bytes, str]]:
+    logs = os.path.join(run_dir, "logs")
+    world_size = state.get("world_size")
+    if not isinstance(world_size, int) or world_size < 1:
+        found = [re.fullmatch(r"rank-(\d+)\.log", n) for n in os.listdir(logs)] \
+            if os.path.isdir(logs) else []
+        world_size = max((int(m.group(1)) + 1 for m in found if m), default=0)
+    if rank is None:
+        return [(f"(rank={r}) ".encode(), os.path.join(logs, f"rank-{r}.log"))
+                for r in range(world_size)]
+    if not 0 <= rank < world_size:
+        ranks = f"ranks 0-{world_size - 1}" if world_size > 1 else "rank 0"
+        raise _UsageError(f"--rank {rank}: run '{state.get('name')}' has {ranks}")
+    return [(b"", os.path.join(logs, f"rank-{rank}.log"))]
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    run_dir = _resolve_run(args.run, args.storage_path)
+    files = _log_files(run_dir, _read_state(run_dir), args.rank)
+    offsets = {path: 0 for _, path in files}
+    partial = {path: b"" for _, path in files}
+    out = sys.stdout.buffer
+    while True:
+        # The status is read before the logs: output written before the run ended is then
+        # always printed by the last pass.
+        running = args.follow and _read_state(run_dir).get("status") == "RUNNING"
+        for prefix, path in files:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offsets[path])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            offsets[path] += len(data)
+            lines = (partial[path] + data).split(b"\n")
+            partial[path] = lines.pop()
+            if not running and partial[path]:
+                lines.append(partial[path])
+                partial[path] = b""
+            out.write(b"".join(prefix + line + b"\n" for line in lines))
+        out.flush()
+        if not running:
+            return EXIT_OK
+        time.sleep(_FOLLOW_POLL_S)
+
+
+# --- jaxtrain metrics -----------------------------------------------------------------------------
+
+
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    from jaxtrain.result import Result
+
+    run_dir = _resolve_run(args.run, args.storage_path)
+    result = Result.from_path(run_dir)
+    rounds = result._read_rounds()
+    if args.json:
+        for row in rounds:
+            print(json.dumps(row))
+        return EXIT_OK
+    if not rounds:
+        _say(f"run '{os.path.basename(run_dir)}' has not reported any metrics")
+        return EXIT_OK
+    frame = result.metrics_dataframe
+    if args.csv:
+        frame.to_csv(sys.stdout, index=False)
+        return EXIT_OK
+    frame["time"] = [time.strftime("%H:%M:%S", time.localtime(t)) for t in frame["time"]]
+    print(frame.to_string(index=False))
+    return EXIT_OK
+
+
+# --- the parser -----------------------------------------------------------------------------------
+
+
+_EXIT_CODES = """\
+exit status:
+  0    success
+  1    the run failed (a rank raised, was killed or could not start)
+  N    a rank's script exited with status N (sys.exit(N))
+  2    bad usage: an unknown option or value, an unknown run, a missing script
+  130  interrupted (Ctrl-C); every worker was stopped
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from jaxtrain import __version__
+
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="jaxtrain",
+        description="Run a JAX script SPMD on N worker processes with jax.distributed "
+        "initialised, and inspect runs.",
+        epilog="examples:\n  jaxtrain run -n 4 train.py --lr 3e-4\n  jaxtrain ls\n"
+        "  jaxtrain show my_run\n\n" + _EXIT_CODES + "\nSee 'jaxtrain COMMAND --help'.",
+        formatter_class=formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"jaxtrain {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = commands.add_parser(
+        "run",
+        help="run a script (or -m module) on every worker",
+        usage="jaxtrain run [options] script.py [args ...]\n"
+        "       jaxtrain run [options] -m module [args ...]",
+        description="Starts the script on every worker with jax.distributed initialised before "
+        "its first line (a script's own jax.distributed.initialize() does nothing); "
+        "jaxtrain.report() and get_checkpoint() work inside it. Worker output is printed "
+        "prefixed '(rank=N) '. Everything after the script (or module) goes to it.",
+        epilog="example:\n  jaxtrain run -n 4 --name my_run train.py --epochs 10\n"
+        "  JAXTRAIN_SIMULATE=1 jaxtrain run --use-tpu --topology 4x4 -n 4 train.py\n\n"
+        + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    scaling = run.add_argument_group("scaling (ScalingConfig)")
+    scaling.add_argument("-n", "--num-workers", type=int, default=1, metavar="N",
+                         help="worker processes (default 1)")
+    scaling.add_argument("--use-tpu", action="store_true", help="run on TPUs")
+    scaling.add_argument("--use-gpu", action="store_true", help="run on GPUs")
+    scaling.add_argument("--topology", help="TPU slice topology, e.g. 4x4")
+    scaling.add_argument("--accelerator-type", help="e.g. TPU-V6E")
+    scaling.add_argument("--resources-per-worker", metavar="SPEC",
+                         help="e.g. TPU=4,CPU=1 or '{\"TPU\": 4}'")
+    scaling.add_argument("--placement-strategy", default="PACK",
+                         help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD")
+    where = run.add_argument_group("run directory (RunConfig)")
+    where.add_argument("--name", help="the run's name (default jaxtrain_run-<UTC time>); "
+                       "an existing run of this name is resumed from its latest checkpoint")
+    where.add_argument("--storage-path", metavar="PATH",
+                       help="where runs live (default ~/jaxtrain_results)")
+    policy = run.add_argument_group("failures and checkpoints")
+    policy.add_argument("--max-failures", type=int, default=0, metavar="N",
+                        help="restart the worker group up to N times (-1: no limit; default 0)")
+    policy.add_argument("--num-to-keep", type=int, metavar="N",
+                        help="checkpoints to keep (default all)")
+    policy.add_argument("--checkpoint-score-attribute", metavar="METRIC",
+                        help="keep the best checkpoints by this reported metric")
+    policy.add_argument("--checkpoint-score-order", default="max", metavar="ORDER",
+                        help="max (default) or min")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="run the target as a module, as python -m does")
+    run.add_argument("target", nargs="?", metavar="script.py | module")
+    run.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    run.set_defaults(handler=_cmd_run)
+
+    ls = commands.add_parser(
+        "ls", help="list the runs under a storage path",
+        description="Lists the runs under STORAGE_PATH (default ~/jaxtrain_results), oldest "
+        "first: status, attempts, workers, report rounds, start and duration ('+': running).",
+        epilog="example:\n  jaxtrain ls /mnt/nfs/runs\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    ls.add_argument("storage_path", nargs="?", metavar="STORAGE_PATH")
+    ls.set_defaults(handler=_cmd_ls)
+
+    run_help = ("a run's name (under --storage-path, default ~/jaxtrain_results) or its "
+                "directory")
+
+    show = commands.add_parser(
+        "show", help="a run's config, status, attempts, last metrics, checkpoints and error",
+        description="Shows a run, running or finished: config, status, attempts, rank 0's last "
+        "metrics, the kept checkpoints (best first, with their scores) and the error, if any.",
+        epilog="example:\n  jaxtrain show my_run\n  jaxtrain show /mnt/nfs/runs/my_run\n\n"
+        + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    show.add_argument("run", metavar="RUN", help=run_help)
+    show.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    show.set_defaults(handler=_cmd_show)
+
+    logs = commands.add_parser(
+        "logs", help="print (or follow) the workers' output",
+        description="Prints the output of every rank, each line prefixed '(rank=N) ', or of one "
+        "rank as it is. Each attempt begins with a '===== jaxtrain: attempt N =====' line.",
+        epilog="example:\n  jaxtrain logs my_run --rank 1\n  jaxtrain logs my_run -f\n\n"
+        + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    logs.add_argument("run", metavar="RUN", help=run_help)
+    logs.add_argument("--rank", type=int, metavar="R", help="only this rank, without prefix")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="keep printing new output until the run is no longer RUNNING")
+    logs.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    logs.set_defaults(handler=_cmd_logs)
+
+    metrics = commands.add_parser(
+        "metrics", help="rank 0's reported metrics, one row per report round",
+        description="Prints rank 0's metrics per report round: a table (nested keys joined "
+        "with '/'), CSV with --csv (unix times), or JSON Lines with --json (one "
+        '{"round", "time", "metrics"} object per round, as in result.jsonl).',
+        epilog="example:\n  jaxtrain metrics my_run --csv > my_run.csv\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    metrics.add_argument("run", metavar="RUN", help=run_help)
+    form = metrics.add_mutually_exclusive_group()
+    form.add_argument("--csv", action="store_true", help="CSV")
+    form.add_argument("--json", action="store_true", help="JSON Lines")
+    metrics.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    metrics.set_defaults(handler=_cmd_metrics)
+    return parser
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"jaxtrain: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``jaxtrain`` command; returns its exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or argparse's own usage errors (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return args.handler(args)
+    except _UsageError as e:
+        sys.stderr.write(f"jaxtrain {args.command}: error: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`jaxtrain logs RUN | head`): stop quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK

@@ -1,0 +1,186 @@
+// Writes the fuzzers' seed corpus: valid conversations of the control protocol (docs/wire.md) and
+// the classic hostile openings, each in its own small file.
+//
+//   make_corpus <dir>   writes <dir>/frame_decoder/* and <dir>/handshake/*
+//
+// The checked-in corpus (src/wire/fuzz/corpus) is this program's output plus the inputs of crashes
+// the fuzzers found; when the wire format changes, rebuild and rerun it after scripts/fuzz.sh:
+//   ninja -C build/fuzz make_corpus && build/fuzz/src/wire/fuzz/make_corpus src/wire/fuzz/corpus
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <string_view>
+
+#include "wire/frame.h"
+#include "wire/fuzz/fuzz_support.h"
+#include "wire/handshake.h"
+
+namespace jaxtrain::wire::fuzz {
+namespace {
+
+// frame_decoder_fuzzer.cc's variant bits.
+constexpr uint8_t kStrict = 0;
+constexpr uint8_t kStartAuthenticated = 1;
+constexpr uint8_t kLenient = 2;
+constexpr uint8_t kOneByteChunks = 4;
+
+std::string Header(uint32_t length, uint8_t type) {
+  std::string out;
+  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>(length >> shift));
+  out.push_back(static_cast<char>(type));
+  return out;
+}
+
+std::string Bytes(const Mac& mac) {
+  return std::string(reinterpret_cast<const char*>(mac.data()), mac.size());
+}
+
+// frame_decoder_fuzzer.cc's input: the variant, the chunking seed, the stream.
+std::string FrameInput(uint8_t variant, uint64_t seed, std::string_view stream) {
+  std::string out(1, static_cast<char>(variant));
+  for (int shift = 56; shift >= 0; shift -= 8) out.push_back(static_cast<char>(seed >> shift));
+  out.append(stream);
+  return out;
+}
+
+bool Write(const std::filesystem::path& dir, const std::string& name, std::string_view bytes) {
+  std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out.good()) {
+    std::fprintf(stderr, "make_corpus: cannot write %s\n", (dir / name).c_str());
+    return false;
+  }
+  return true;
+}
+
+bool WriteCorpus(const std::filesystem::path& root) {
+  const std::string hello_body = EncodeHello(SeedHello());
+  const std::string proof = Bytes(WorkerProof(FixedSecret(), SeedHello(), FixedControllerNonce()));
+  const std::string hello = EncodeFrame(MessageType::kHello, hello_body);
+  const std::string auth = EncodeFrame(MessageType::kAuth, proof);
+  const std::string reg = EncodeFrame(
+      MessageType::kRegister, R"({"host":"node-1","pid":4242,"coordinator":"10.0.0.1:1234"})");
+  const std::string report =
+      EncodeFrame(MessageType::kReport, EncodeReportBody(7, R"({"loss":0.25,"acc":NaN})"));
+  const std::string checkpoint_report =
+      EncodeFrame(MessageType::kReportCheckpoint,
+                  EncodeCheckpointReportBody(
+                      8,
+                      R"({"staging":"/tmp/s","files":[{"path":"a.bin","size":12,"crc32c":99}],)"
+                      R"("dir_name":"checkpoint_000008"})",
+                      R"({"loss":0.2})"));
+  const std::string error = EncodeFrame(
+      MessageType::kError, R"({"message":"boom","traceback":"Traceback ...","phase":"training"})");
+  const std::string done = EncodeFrame(MessageType::kDone, "{}");
+  const std::string handshake = hello + auth;
+  const std::string conversation = handshake + reg + report + checkpoint_report + done;
+  std::string controller_frames =
+      EncodeFrame(MessageType::kChallenge, std::string(kChallengeSize, '\x11')) +
+      EncodeFrame(MessageType::kStart, R"({"coordinator":"10.0.0.1:1234","world_size":2})") +
+      EncodeFrame(MessageType::kPayload, std::string(40, '\x80'));
+  std::string empty_bodies;
+  for (uint8_t type = 1; type <= kMaxMessageType; ++type) {
+    empty_bodies += EncodeFrame(static_cast<MessageType>(type), "");
+  }
+  std::string bad_checkpoint_length = EncodeReportBody(9, "") + "\xff\xff\xff\xf0{}";
+
+  const std::filesystem::path frames = root / "frame_decoder";
+  const std::filesystem::path hs = root / "handshake";
+  std::filesystem::create_directories(frames);
+  std::filesystem::create_directories(hs);
+  const struct {
+    const char* name;
+    uint8_t variant;
+    uint64_t seed;
+    std::string stream;
+  } frame_seeds[] = {
+      {"hello", kStrict, 0, hello},
+      {"hello_one_byte_chunks", kOneByteChunks, 0, hello},
+      {"handshake", kStrict, 1, handshake},
+      {"handshake_one_byte_chunks", kOneByteChunks, 0, handshake},
+      {"conversation", kStrict, 2, conversation},
+      {"conversation_other_chunks", kStrict, 0x0123456789abcdef, conversation},
+      {"conversation_one_byte_chunks", kOneByteChunks, 0, conversation},
+      {"conversation_lenient", kLenient, 3, conversation},
+      {"conversation_with_error", kStrict, 4, handshake + reg + report + error},
+      {"authed_register", kStartAuthenticated, 5, reg},
+      {"authed_report", kStartAuthenticated, 6, report},
+      {"authed_checkpoint_report", kStartAuthenticated, 7, checkpoint_report},
+      {"authed_error", kStartAuthenticated, 8, error},
+      {"authed_done", kStartAuthenticated, 9, done},
+      {"authed_every_frame", kStartAuthenticated | kLenient, 10,
+       reg + report + checkpoint_report + error + done + controller_frames},
+      {"authed_empty_bodies", kStartAuthenticated | kLenient, 11, empty_bodies},
+      {"authed_short_report", kStartAuthenticated, 12, EncodeFrame(MessageType::kReport, "1234")},
+      {"authed_bad_checkpoint_length", kStartAuthenticated, 13,
+       EncodeFrame(MessageType::kReportCheckpoint, bad_checkpoint_length)},
+      {"authed_over_limit", kStartAuthenticated, 14,
+       Header((16 << 20) + 2, static_cast<uint8_t>(MessageType::kReport))},
+      {"hello_then_unproven_auth", kStrict, 15,
+       hello + EncodeFrame(MessageType::kAuth, std::string(kAuthSize, 'x'))},
+      {"hello_then_oversized_auth", kStrict, 16,
+       hello + Header(kAuthSize + 2, static_cast<uint8_t>(MessageType::kAuth))},
+      {"hello_truncated", kStrict, 17, hello.substr(0, 20)},
+      {"hello_over_limit", kStrict, 18,
+       Header(kHelloSize + 2, static_cast<uint8_t>(MessageType::kHello))},
+      {"length_ffffffff", kStrict, 19,
+       Header(0xffffffff, static_cast<uint8_t>(MessageType::kHello))},
+      {"length_zero", kStrict, 20, Header(0, static_cast<uint8_t>(MessageType::kHello))},
+      {"type_zero", kStrict, 21, Header(kHelloSize + 1, 0)},
+      {"type_eleven", kStrict, 22, Header(kHelloSize + 1, kMaxMessageType + 1)},
+      {"type_200", kStrict, 23, Header(kHelloSize + 1, 200)},
+      {"http_get", kStrict, 24, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"},
+      {"register_before_hello", kStrict, 25, reg},
+      {"hellos_repeated", kLenient, 26, hello + hello + hello},
+      {"conversation_then_oversized", kStrict, 27,
+       conversation + Header(0xfffffff0, static_cast<uint8_t>(MessageType::kReport))},
+  };
+  for (const auto& s : frame_seeds) {
+    if (!Write(frames, s.name, FrameInput(s.variant, s.seed, s.stream))) return false;
+  }
+
+  std::string wrong_version = hello_body;
+  wrong_version[5] = 2;
+  std::string wrong_magic = hello_body;
+  wrong_magic[0] = 'X';
+  std::string wrong_proof = proof;
+  wrong_proof[31] ^= 1;
+  const std::string secret_hex = ToHex(FixedSecret());
+  const struct {
+    const char* name;
+    std::string bytes;
+  } handshake_seeds[] = {
+      {"hello", hello_body},
+      {"hello_and_proof", hello_body + proof},
+      {"proof", proof},
+      {"hello_and_wrong_proof", hello_body + wrong_proof},
+      {"hello_and_short_proof", hello_body + proof.substr(0, kMacSize - 1)},
+      {"hello_and_long_proof", hello_body + proof + "x"},
+      {"hello_wrong_version", wrong_version},
+      {"hello_wrong_magic", wrong_magic},
+      {"hello_short", hello_body.substr(0, kHelloSize - 1)},
+      {"secret_hex", secret_hex},
+      {"hex_upper", "00FFa5B7c9"},
+      {"hex_odd_length", secret_hex.substr(0, 7)},
+      {"hex_bad_digit", "0g"},
+      {"empty", ""},
+  };
+  for (const auto& s : handshake_seeds) {
+    if (!Write(hs, s.name, s.bytes)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace jaxtrain::wire::fuzz
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr,
+                 "usage: make_corpus <dir>  (writes <dir>/frame_decoder, <dir>/handshake)\n");
+    return 2;
+  }
+  return jaxtrain::wire::fuzz::WriteCorpus(argv[1]) ? 0 : 1;
+}

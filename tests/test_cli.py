@@ -1,0 +1,379 @@
+"""The `jaxtrain` command end to end: real runs of unmodified scripts with real JAX workers, and the
+inspection commands on the run directories those runs made."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import TrainingFailedError
+from jaxtrain.cli import _failed_run_status, _parse_resources, _UsageError, main
+
+REPO = Path(__file__).resolve().parent.parent
+PLAIN_SCRIPT = REPO / "examples" / "plain_jax_script.py"
+PSUM_SCRIPT = REPO / "tests" / "helpers" / "cli_psum_script.py"
+_CONSOLE_SCRIPT = Path(sys.executable).parent / "jaxtrain"
+JAXTRAIN = (
+    [str(_CONSOLE_SCRIPT)] if _CONSOLE_SCRIPT.exists() else [sys.executable, "-m", "jaxtrain"]
+)
+
+# Reports a checkpoint per step (rank 0: the step; every rank: a shard) and resumes from the
+# checkpoint it is given. Rank 1 raises at --fail-at (unless resumed) or exits at --exit-at, after
+# a barrier, so every earlier report has reached the controller.
+CHECKPOINT_SCRIPT = """\
+import argparse
+import os
+import sys
+import tempfile
+
+import jax
+from jax.experimental import multihost_utils
+
+import jaxtrain
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--fail-at", type=int, default=-1)
+parser.add_argument("--exit-at", type=int, default=-1)
+parser.add_argument("--exit-code", type=int, default=3)
+args = parser.parse_args()
+
+rank = jax.process_index()
+restored = jaxtrain.get_checkpoint()
+start = 0
+if restored is not None:
+    start = int(open(os.path.join(restored.path, "step.txt")).read()) + 1
+    print(f"resumed at step {start}")
+for step in range(start, args.steps):
+    loss = 1.0 / (step + 1)
+    with tempfile.TemporaryDirectory() as d:
+        if rank == 0:
+            open(os.path.join(d, "step.txt"), "w").write(str(step))
+        open(os.path.join(d, f"shard-{rank}.txt"), "w").write(str(step))
+        jaxtrain.report({"loss": loss, "step": step},
+                        checkpoint=jaxtrain.Checkpoint.from_directory(d))
+    print(f"step {step} loss {loss}")
+    if step in (args.fail_at, args.exit_at):
+        multihost_utils.sync_global_devices("before rank 1 fails")
+    if rank == 1 and step == args.fail_at and restored is None:
+        raise RuntimeError(f"planned failure at step {step}")
+    if rank == 1 and step == args.exit_at:
+        sys.exit(args.exit_code)
+sys.exit(0)  # a script's sys.exit(0) is a success
+"""
+
+# Prints "ready", waits for the marker file, prints "go on", then waits until it is stopped.
+WAITING_SCRIPT = """\
+import os
+import sys
+import time
+
+print("ready", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+print("go on", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def jaxtrain(*args, env: dict | None = None, cwd=None, timeout: float = 120):
+    return subprocess.run([*JAXTRAIN, *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+
+
+def lines_of(proc: subprocess.Popen) -> queue.Queue:
+    """The lines of `proc`'s stdout, as they come (None at the end)."""
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def wait_for_line(q: queue.Queue, text: str, timeout: float = 120) -> list[str]:
+    seen = []
+    while True:
+        line = q.get(timeout=timeout)
+        assert line is not None, f"the output ended without {text!r}: {''.join(seen)}"
+        seen.append(line)
+        if line.rstrip("\n") == text:
+            return seen
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run directories made by real `jaxtrain run`s: finished (with scored checkpoints), failed
+    (rank 1 exits with status 3), and resumed (fails, then runs again by name and finishes)."""
+    root = tmp_path_factory.mktemp("cli")
+    script = root / "checkpoints.py"
+    script.write_text(CHECKPOINT_SCRIPT)
+    storage = root / "runs"
+    common = ["-n", "2", "--storage-path", storage]
+    procs = {
+        "finished": jaxtrain("run", *common, "--name", "finished", "--num-to-keep", "2",
+                             "--checkpoint-score-attribute", "loss",
+                             "--checkpoint-score-order", "min", script),
+        "failed": jaxtrain("run", *common, "--name", "failed", script, "--exit-at", "1"),
+        "resumed_first": jaxtrain("run", *common, "--name", "resumed", script, "--fail-at", "1"),
+        "resumed": jaxtrain("run", *common, "--name", "resumed", script, "--fail-at", "1"),
+    }
+    return storage, procs
+
+
+# --- jaxtrain run -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers, how", [(2, "module"), (4, "path")])
+def test_run_starts_the_unmodified_plain_jax_script_on_every_worker(workers, how, tmp_path):
+    # As a module: found in the working directory, as `python -m` finds it.
+    shutil.copy(PLAIN_SCRIPT, tmp_path)
+    target = ["-m", "plain_jax_script"] if how == "module" else [PLAIN_SCRIPT]
+    proc = jaxtrain("run", "-n", workers, "--storage-path", tmp_path / "runs", "--name", "plain",
+                    *target, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(workers):
+        assert f"(rank={rank}) Starting training..." in proc.stdout
+        assert re.search(rf"^\(rank={rank}\) Learned parameters: w=", proc.stdout, re.M)
+    state = json.loads((tmp_path / "runs" / "plain" / "run.json").read_text())
+    assert (state["status"], state["world_size"]) == ("FINISHED", workers)
+    assert state["config"]["train_loop_config"] == (
+        {"module": "plain_jax_script", "args": []} if how == "module"
+        else {"script": str(PLAIN_SCRIPT), "args": []})
+
+
+def test_processes_of_a_run_form_one_jax_job_and_report(tmp_path):
+    # Through `python -m jaxtrain`; the script calls jax.distributed.initialize() itself.
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxtrain", "run", "-n", "4", "--storage-path", str(tmp_path),
+         "--name", "psum", str(PSUM_SCRIPT)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(4):
+        assert f"(rank={rank}) psum=6 process_count=4" in proc.stdout
+    rounds = jaxtrain("metrics", tmp_path / "psum", "--json").stdout.splitlines()
+    assert [json.loads(r)["metrics"] for r in rounds] == [{"psum": 6, "process_count": 4}]
+
+
+def test_run_returns_the_status_a_rank_exited_with_and_names_the_rank(runs):
+    proc = runs[1]["failed"]
+    assert proc.returncode == 3, proc.stderr
+    assert "rank 1" in proc.stderr and "exited with status 3" in proc.stderr
+
+
+def test_run_returns_1_when_a_rank_raises_and_names_the_rank(runs):
+    proc = runs[1]["resumed_first"]
+    assert proc.returncode == 1, proc.stderr
+    assert "Training failed: rank 1" in proc.stderr
+    assert "RuntimeError: planned failure at step 1" in proc.stderr
+
+
+def test_run_again_by_name_resumes_from_the_latest_checkpoint(runs):
+    proc = runs[1]["resumed"]
+    assert proc.returncode == 0, proc.stderr
+    assert "(rank=0) resumed at step 2" in proc.stdout
+
+
+def test_logs_follow_prints_new_output_and_ctrl_c_stops_the_run(tmp_path):
+    script = tmp_path / "waiting.py"
+    script.write_text(WAITING_SCRIPT)
+    marker = tmp_path / "go"
+    run = subprocess.Popen([*JAXTRAIN, "run", "-n", "1", "--storage-path", str(tmp_path),
+                            "--name", "live", str(script), str(marker)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follow = None
+    try:
+        wait_for_line(lines_of(run), "(rank=0) ready")
+        follow = subprocess.Popen([*JAXTRAIN, "logs", str(tmp_path / "live"), "--rank", "0",
+                                   "-f"], stdout=subprocess.PIPE, text=True)
+        followed = lines_of(follow)
+        wait_for_line(followed, "ready")
+        marker.touch()
+        wait_for_line(followed, "go on")  # written after `logs -f` started
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=60) == 130
+        assert follow.wait(timeout=60) == 0  # it ends with the run
+    finally:
+        for p in (run, follow):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "interrupted" in run.stderr.read()
+    assert json.loads((tmp_path / "live" / "run.json").read_text())["status"] == "ABORTED"
+
+
+# --- inspection -----------------------------------------------------------------------------
+
+
+def test_ls_lists_each_run_with_status_and_attempts(runs):
+    storage, _ = runs
+    proc = jaxtrain("ls", storage)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:]}
+    assert proc.stdout.split()[:7] == ["NAME", "STATUS", "ATTEMPTS", "WORKERS", "ROUNDS", "START",
+                                       "DURATION"]
+    assert rows["finished"][1:5] == ["FINISHED", "1", "2", "4"]
+    assert rows["failed"][1:3] == ["ERRORED", "1"]
+    assert rows["resumed"][1:3] == ["FINISHED", "2"]
+
+
+def test_names_resolve_under_the_default_storage_path(runs, tmp_path):
+    storage, _ = runs
+    shutil.copytree(storage / "finished", tmp_path / "jaxtrain_results" / "finished")
+    env = dict(os.environ, HOME=str(tmp_path))
+    listed = jaxtrain("ls", env=env)
+    assert listed.returncode == 0 and listed.stdout.splitlines()[1].split()[:2] == [
+        "finished", "FINISHED"]
+    shown = jaxtrain("show", "finished", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert f"path       {tmp_path}/jaxtrain_results/finished" in shown.stdout
+
+
+def test_show_gives_config_last_metrics_and_checkpoints_best_first(runs):
+    storage, _ = runs
+    proc = jaxtrain("show", storage / "finished")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "status     FINISHED" in out
+    assert "num_workers=2" in out and "checkpoint_score_attribute=loss" in out
+    assert re.search(r"last metrics \(round 4\)\n  loss\s+0\.25\n  step\s+3\n", out)
+    # num_to_keep=2, the lowest loss first; the newest is also the best.
+    assert "checkpoints (2, best first by loss (min))" in out
+    assert re.search(r"checkpoint_000004\s+round 4\s+loss=0\.25\s+latest\n"
+                     r"\s+checkpoint_000003\s+round 3\s+loss=0\.333333\n", out)
+    assert "error" not in out
+
+
+def test_show_of_a_failed_run_names_the_rank_and_gives_the_error(runs):
+    storage, _ = runs
+    proc = jaxtrain("show", storage / "failed")
+    assert proc.returncode == 0, proc.stderr
+    assert "status     ERRORED" in proc.stdout
+    assert ("error      Training failed: rank 1 (host " in proc.stdout
+            and "its process exited with status 3" in proc.stdout)
+    assert f"logs: jaxtrain logs {storage / 'failed'} --rank 1" in proc.stdout
+
+
+def test_show_of_a_resumed_run_lists_both_attempts(runs):
+    storage, _ = runs
+    out = jaxtrain("show", storage / "resumed").stdout
+    assert "attempts (2)" in out
+    assert re.search(r"  0  ERRORED .* rank 1 exception: RuntimeError: planned failure", out)
+    assert re.search(r"  1  FINISHED .* restored from checkpoint_000002\n", out)
+    assert "status     FINISHED" in out and "error      " not in out
+
+
+def test_logs_prefix_every_rank_or_print_one_rank_as_it_is(runs):
+    storage, _ = runs
+    every = jaxtrain("logs", storage / "resumed")
+    assert every.returncode == 0, every.stderr
+    assert every.stdout.count("(rank=0) ===== jaxtrain: attempt ") == 2
+    assert "(rank=1) step 0 loss 1.0\n" in every.stdout
+    one = jaxtrain("logs", storage / "resumed", "--rank", "1")
+    assert one.stdout.startswith("===== jaxtrain: attempt 0 =====\n")
+    assert "RuntimeError: planned failure at step 1" in one.stdout and "(rank=" not in one.stdout
+
+
+def test_metrics_as_table_csv_and_json_lines(runs):
+    storage, _ = runs
+    table = jaxtrain("metrics", storage / "finished")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.split("\n")[0].split() == ["round", "time", "loss", "step"]
+    rows = list(csv.DictReader(io.StringIO(jaxtrain("metrics", storage / "finished",
+                                                    "--csv").stdout)))
+    assert [(r["round"], float(r["loss"])) for r in rows] == [
+        ("1", 1.0), ("2", 0.5), ("3", 1 / 3), ("4", 0.25)]
+    lines = jaxtrain("metrics", storage / "resumed", "--json").stdout.splitlines()
+    assert [json.loads(line)["metrics"]["step"] for line in lines] == [0, 1, 2, 3]
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_unknown_run_is_named_with_where_it_was_looked_for(tmp_path):
+    proc = jaxtrain("show", "nope", "--storage-path", tmp_path, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no run 'nope'" in proc.stderr and f"{tmp_path}/nope/run.json" in proc.stderr
+
+
+@pytest.mark.parametrize("option, message", [
+    (["-n", "0"], "ScalingConfig.num_workers=0 is not allowed"),
+    (["--placement-strategy", "RANDOM"], "ScalingConfig.placement_strategy='RANDOM'"),
+    (["--resources-per-worker", "TPU=four"], "'TPU=four' is not NAME=AMOUNT"),
+    (["--max-failures", "-2"], "FailureConfig.max_failures=-2 is not allowed"),
+])
+def test_bad_run_options_exit_2_with_the_config_validation_message(option, message, tmp_path):
+    proc = jaxtrain("run", *option, "--storage-path", tmp_path, PLAIN_SCRIPT)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("jaxtrain run: error: ") and message in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing started
+
+
+def test_missing_script_and_missing_storage_path_exit_2(tmp_path):
+    proc = jaxtrain("run", tmp_path / "nope.py")
+    assert proc.returncode == 2 and "cannot find the script" in proc.stderr
+    proc = jaxtrain("ls", tmp_path / "nowhere")
+    assert proc.returncode == 2 and f"{tmp_path}/nowhere does not exist" in proc.stderr
+
+
+def test_logs_of_a_rank_the_run_does_not_have_exit_2(runs):
+    storage, _ = runs
+    proc = jaxtrain("logs", storage / "finished", "--rank", "5")
+    assert proc.returncode == 2 and "has ranks 0-1" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "ls", "show", "logs", "metrics"])
+def test_every_subcommand_has_help_with_an_example_and_exit_codes(command, capsys):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"jaxtrain {command}" in out and "example:" in out and "130" in out
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    assert main(["fly"]) == 2
+    assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+def test_resources_per_worker_read_as_pairs_or_json():
+    assert _parse_resources("TPU=4,CPU=0.5") == {"TPU": 4, "CPU": 0.5}
+    assert _parse_resources('{"TPU": 4}') == {"TPU": 4}
+    for bad in ("TPU", "TPU=", "=4", '{"TPU": 4', "[4]"):
+        with pytest.raises(_UsageError, match="--resources-per-worker"):
+            _parse_resources(bad)
+
+
+def test_the_exit_status_of_a_failed_run_is_the_rank_s_when_it_exited_with_one():
+    def error(cause, message):
+        return TrainingFailedError(
+            f"Training failed: rank 1 (host h, attempt 0): {message}\n\nFull log: x", cause=cause)
+
+    assert _failed_run_status(error("exit", "its process exited with status 3")) == 3
+    assert _failed_run_status(error("exit", "its process exited with status 0 before its "
+                                            "training function returned")) == 1
+    assert _failed_run_status(error("signal", "its process was killed by signal 9 (SIGKILL)")) == 1
+    assert _failed_run_status(error("exception", "SystemExit: 3")) == 1
+
+
+def test_script_arguments_are_not_taken_for_jaxtrain_options():
+    from jaxtrain.cli import _parser
+
+    args = _parser().parse_args(["run", "-n", "2", "train.py", "-n", "5", "--help"])
+    assert (args.num_workers, args.target, args.args) == (2, "train.py", ["-n", "5", "--help"])
+    args = _parser().parse_args(["run", "-m", "pkg.train", "--lr", "3"])
+    assert (args.module, args.target, args.args) == (True, "pkg.train", ["--lr", "3"])
