@@ -83,12 +83,14 @@ def test_four_workers_form_one_jax_job_and_report(storage, tmp_path):
 
 
 def _fail_on_rank_2(config):
-    import jax  # noqa: F401  (a real JAX worker)
+
+    from jax.experimental import multihost_utils
 
     from jaxtrain import get_context, report
 
     rank = get_context().get_world_rank()
     Path(config["out"], f"pid-{rank}").write_text(str(os.getpid()))
+    multihost_utils.sync_global_devices("every rank has written its pid")
     report({"ok": 1})
     if rank == 2:
         raise ValueError("boom at rank 2")

@@ -2,6 +2,7 @@
 
 from collections.abc import Mapping, Sequence
 
+
 class ScalingConfig:
     def __init__(self, num_workers: int, use_tpu: bool, use_gpu: bool, topology: str | None, accelerator_type: str | None, resources_per_worker: Mapping[str, float] | None, placement_strategy: str) -> None: ...
 
@@ -45,12 +46,36 @@ def ranked_checkpoints(run_dir: str, score_attribute: str | None, higher_is_bett
     """
 
 class Plan:
-    def to_dict(self) -> dict: ...
+    def to_dict(self) -> dict:
+        """
+        platform, accelerator, simulated, hosts_source, num_slices, and per rank: rank, local_rank, local_world_size, node_rank, host, address, slice, devices, env, unset_env.
+        """
 
-def plan_local(arg: ScalingConfig, /) -> Plan: ...
+def plan_local(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the local launcher: the hosts of JAXTRAIN_HOSTS, the simulated hosts (JAXTRAIN_SIMULATE=1), or this machine.
+    """
+
+def plan(scaling_config: ScalingConfig, hosts_json: str, environ: Mapping[str, str], simulate: bool) -> Plan:
+    """
+    Plans over the hosts of a JSON host description, as inherited from `environ`; reads nothing of this machine.
+    """
+
+def choose_launcher() -> str:
+    """
+    'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.
+    """
+
+def plan_slurm(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the Slurm launcher: one environment for every rank; Slurm places them.
+    """
+
+def check_shared_storage(path: str) -> None:
+    """Raises ValueError when `path` is on storage local to this host."""
 
 class Controller:
-    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int) -> None: ...
+    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None) -> None: ...
 
     def start(self) -> None: ...
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -105,7 +106,14 @@ class JaxTrainer:
         worker when the driver is interrupted.
         """
         run_dir = _run_dir(self.run_config)
-        plan = _core.plan_local(self.scaling_config._core)
+        launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
+        if launcher == "slurm":
+            if _slurm_spans_hosts():
+                # Refused before Slurm is asked for anything: other hosts could not see it.
+                _core.check_shared_storage(os.path.dirname(run_dir))
+            plan = _core.plan_slurm(self.scaling_config._core)
+        else:
+            plan = _core.plan_local(self.scaling_config._core)
         payload = cloudpickle.dumps(
             {
                 "fn": self.train_loop_per_worker,
@@ -141,6 +149,8 @@ class JaxTrainer:
             checkpoint_config=self.run_config.checkpoint_config._core,
             verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "") not in ("", "0"),
             console_fd=_console_fd(),
+            launcher=launcher,
+            scaling_config=self.scaling_config._core,
         )
         controller.start()
         try:
@@ -153,6 +163,11 @@ class JaxTrainer:
                 pass
             raise
         return _result(controller.outcome(), run_dir, self.run_config.checkpoint_config)
+
+
+def _slurm_spans_hosts() -> bool:
+    """A Slurm run's workers are on other hosts unless its allocation is this one host."""
+    return os.environ.get("SLURM_JOB_NODELIST", "") != socket.gethostname().split(".")[0]
 
 
 def _run_dir(run_config: RunConfig) -> str:

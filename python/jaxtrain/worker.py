@@ -38,14 +38,45 @@ def _pick_coordinator(host: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _local_device_ids(platform: str) -> list[int]:
+def _address_towards(address: str) -> str:
+    """This host's address on its route to ``address`` (host:port, the controller's): the other
+    ranks reach the controller, and so this host, the same way. 127.0.0.1 for a local run."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))  # picks the route and the source address; sends nothing
+        return s.getsockname()[0]
+
+
+def _place_from_slurm() -> None:
+    """Under the Slurm launcher one srun step runs every rank: task r is rank r, and its place
+    comes from Slurm's task variables (SLURM_STEP_TASKS_PER_NODE reads like "2(x3),1")."""
+    if "JAXTRAIN_RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    node = int(os.environ["SLURM_NODEID"])
+    per_node: list[int] = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","):
+        count, _, repeat = part.partition("(x")
+        per_node += [int(count)] * int(repeat.rstrip(")") or 1)
+    os.environ["JAXTRAIN_RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["JAXTRAIN_LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
+    os.environ["JAXTRAIN_NODE_RANK"] = str(node)
+    os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = str(per_node[node])
+
+
+def _local_device_ids(platform: str) -> list[int] | None:
+    """The ``local_device_ids`` for ``jax.distributed.initialize`` (placement set the variables).
+
+    cpu: the JAX_NUM_CPU_DEVICES devices. cuda: 0..k-1 for the k GPUs of CUDA_VISIBLE_DEVICES,
+    which CUDA renumbers from 0 in the order given. tpu: None; libtpu already sees only this
+    worker's chips, and a chip holds two JAX devices on v2, v3 and v7x, so chip counts are not ids.
+    """
     if platform == "cpu":
         return list(range(int(os.environ.get("JAX_NUM_CPU_DEVICES", "1"))))
     if platform == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        return list(range(len([d for d in visible.split(",") if d])))
-    visible = os.environ.get("TPU_VISIBLE_CHIPS", "")
-    return list(range(len([d for d in visible.split(",") if d])))
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return list(range(len(visible)))
+    return None
 
 
 def _fail(client, phase: str, exit_code: int) -> None:
@@ -74,6 +105,7 @@ def main() -> None:
     from jaxtrain import _core, session
     from jaxtrain.checkpoint import Checkpoint
 
+    _place_from_slurm()
     rank = _env_int("JAXTRAIN_RANK")
     attempt = _env_int("JAXTRAIN_ATTEMPT")
     world_size = _env_int("JAXTRAIN_WORLD_SIZE")
@@ -82,7 +114,9 @@ def main() -> None:
         os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
     )
     try:
-        coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST", "127.0.0.1")
+        coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST") or _address_towards(
+            os.environ["JAXTRAIN_CONTROLLER_ADDR"]
+        )
         coordinator = _pick_coordinator(coordinator_host) if rank == 0 else ""
         host = socket.gethostname()
         client.register(json.dumps({"host": host, "pid": os.getpid(), "coordinator": coordinator}))

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -146,6 +147,12 @@ class RealHostView : public HostView {
     }
     return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   }
+
+  std::string HostName() const override {
+    char name[HOST_NAME_MAX + 1] = {};
+    if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+    return name;
+  }
 };
 
 }  // namespace
@@ -201,19 +208,15 @@ int CountTpuChips(const HostView& host) {
   return tpu_groups;
 }
 
-// CUDA_VISIBLE_DEVICES is read as CUDA reads it: entries are device indices or "GPU-"/"MIG-"
-// UUIDs, and the first entry that is neither a present device nor a UUID hides itself and every
-// entry after it ("-1" hides all GPUs).
-std::vector<std::string> VisibleGpus(const HostView& host) {
-  const std::vector<int> present = DeviceIndices(host, "nvidia");
-  if (present.empty()) return {};
-  const std::optional<std::string> inherited = host.GetEnv("CUDA_VISIBLE_DEVICES");
+std::vector<std::string> MapCudaVisibleDevices(
+    const std::vector<int>& present, const std::optional<std::string>& cuda_visible_devices) {
   std::vector<std::string> visible;
-  if (!inherited.has_value()) {
+  if (present.empty()) return visible;
+  if (!cuda_visible_devices.has_value()) {
     for (int index : present) visible.push_back(std::to_string(index));
     return visible;
   }
-  for (const std::string_view raw : SplitCommas(*inherited)) {
+  for (const std::string_view raw : SplitCommas(*cuda_visible_devices)) {
     const std::string_view entry = Trim(raw);
     const bool is_uuid = entry.starts_with("GPU-") || entry.starts_with("MIG-");
     const std::optional<int> index = ParseIndex(entry);
@@ -223,6 +226,10 @@ std::vector<std::string> VisibleGpus(const HostView& host) {
     visible.emplace_back(entry);
   }
   return visible;
+}
+
+std::vector<std::string> VisibleGpus(const HostView& host) {
+  return MapCudaVisibleDevices(DeviceIndices(host, "nvidia"), host.GetEnv("CUDA_VISIBLE_DEVICES"));
 }
 
 TpuHostIdentity ReadTpuHostIdentity(const HostView& host) {

@@ -23,6 +23,8 @@ class HostView {
   virtual std::optional<std::string> ReadFile(const std::string& path) const = 0;
   virtual std::optional<std::string> GetEnv(const std::string& name) const = 0;
   virtual int CpuCount() const = 0;
+  // This machine's host name (gethostname).
+  virtual std::string HostName() const = 0;
 };
 
 // The real machine.
@@ -36,6 +38,7 @@ class FakeHost : public HostView {
   std::vector<std::string> directories;      // paths
   std::map<std::string, std::string> env;
   int cpus = 2;
+  std::string hostname = "fake-host";
 
   std::vector<std::string> ListDir(const std::string& path) const override;
   bool IsCharDevice(const std::string& path) const override;
@@ -43,6 +46,7 @@ class FakeHost : public HostView {
   std::optional<std::string> ReadFile(const std::string& path) const override;
   std::optional<std::string> GetEnv(const std::string& name) const override;
   int CpuCount() const override { return cpus; }
+  std::string HostName() const override { return hostname; }
 };
 
 // TPU chips: the number of /dev/accel<N> character devices (directories such as NVIDIA's
@@ -53,6 +57,13 @@ int CountTpuChips(const HostView& host);
 // NVIDIA GPUs usable by this process: /dev/nvidia<N> devices, narrowed and ordered by an
 // inherited CUDA_VISIBLE_DEVICES when it is set (its entries are returned as given).
 std::vector<std::string> VisibleGpus(const HostView& host);
+
+// The GPUs a process sees on a host whose devices have the indices `present` (ascending) when it
+// inherits `cuda_visible_devices` (nullopt: unset), read as CUDA reads it: entries are device
+// indices or "GPU-"/"MIG-" UUIDs, and the first entry that is neither a present device nor a UUID
+// hides itself and every entry after it ("-1" hides all GPUs). Entries are returned as given.
+std::vector<std::string> MapCudaVisibleDevices(
+    const std::vector<int>& present, const std::optional<std::string>& cuda_visible_devices);
 
 // TPU identity provided by GKE and TPU VMs through the environment; fields are empty when unset.
 struct TpuHostIdentity {

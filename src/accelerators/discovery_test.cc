@@ -165,6 +165,14 @@ TEST(VisibleGpusTest, FollowsInheritedCudaVisibleDevices) {
   }
 }
 
+TEST(MapCudaVisibleDevicesTest, MapsAHostsDeviceIndicesThroughTheInheritedList) {
+  const std::vector<int> present = {0, 1, 2, 3};
+  EXPECT_EQ(MapCudaVisibleDevices(present, std::nullopt), (Strings{"0", "1", "2", "3"}));
+  EXPECT_EQ(MapCudaVisibleDevices(present, "3,1,2,0"), (Strings{"3", "1", "2", "0"}));
+  EXPECT_EQ(MapCudaVisibleDevices(present, "1,9,2"), (Strings{"1"}));
+  EXPECT_EQ(MapCudaVisibleDevices({}, "0"), Strings{});
+}
+
 TEST(ReadTpuHostIdentityTest, ReadsGkeEnvironment) {
   FakeHost host;
   host.env = {{"TPU_NAME", "my-slice"},
@@ -221,6 +229,7 @@ TEST(RealHostTest, ReadsThisMachine) {
   EXPECT_EQ(host.ReadFile("/nonexistent-jaxtrain-file"), std::nullopt);
   EXPECT_EQ(host.ReadFile("/dev"), std::nullopt);  // a directory is not a readable file
   EXPECT_EQ(host.GetEnv("JAXTRAIN_SURELY_UNSET_VARIABLE"), std::nullopt);
+  EXPECT_FALSE(host.HostName().empty());
 }
 
 TEST(RealHostTest, ListsAndReadsFiles) {

@@ -16,6 +16,7 @@
 #include "config/scaling_config.h"
 #include "controller/controller.h"
 #include "launch/local_launcher.h"
+#include "launch/slurm_launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "wire/handshake.h"
@@ -65,13 +66,19 @@ nb::dict PlanToDict(const placement::Plan& plan) {
     d["local_world_size"] = w.local_world_size;
     d["node_rank"] = w.node_rank;
     d["host"] = w.host;
+    d["address"] = w.address;
+    d["slice"] = w.slice.empty() ? nb::object(nb::none()) : nb::object(nb::str(w.slice.c_str()));
     d["devices"] = w.devices;
     d["env"] = w.env;
+    d["unset_env"] = w.unset_env;
     workers.append(d);
   }
   nb::dict out;
   out["platform"] = plan.platform;
+  out["accelerator"] = plan.accelerator;
   out["simulated"] = plan.simulated;
+  out["hosts_source"] = plan.hosts_source;
+  out["num_slices"] = plan.num_slices;
   out["workers"] = workers;
   return out;
 }
@@ -97,8 +104,10 @@ class PyController {
                std::string run_config_json, double terminate_grace_s, double start_timeout_s,
                const config::FailureConfig& failure_config,
                const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
-               int console_fd) {
-    controller::ControllerOptions o;
+               int console_fd, std::string launcher,
+               std::optional<config::ScalingConfig> scaling_config)
+      : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
+    controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
     o.experiment_name = std::move(experiment_name);
     o.plan = plan;
@@ -118,11 +127,17 @@ class PyController {
                    .higher_is_better = checkpoint_config.higher_is_better()};
     o.verify_checksums = verify_checksums;
     o.console_fd = console_fd;
-    controller_ = std::make_unique<controller::Controller>(
-        std::move(o), std::make_unique<launch::LocalLauncher>());
+    if (launcher_ == "local") {
+      controller_ = std::make_unique<controller::Controller>(
+          std::move(o), std::make_unique<launch::LocalLauncher>());
+    } else if (launcher_ != "slurm" || !scaling_config_) {
+      PyErr_SetString(PyExc_ValueError, "launcher must be 'local', or 'slurm' with scaling_config");
+      throw nb::python_error();
+    }
   }
 
   void Start() {
+    if (!controller_) StartOnSlurm();
     Status s;
     {
       nb::gil_scoped_release release;
@@ -132,11 +147,17 @@ class PyController {
   }
 
   bool Wait(double timeout_s) {
+    if (!controller_) {
+      PyErr_SetString(PyExc_RuntimeError, "the run has not been started");
+      throw nb::python_error();
+    }
     nb::gil_scoped_release release;
     return controller_->Wait(Seconds(timeout_s));
   }
 
-  void Abort(std::string reason) { controller_->Abort(std::move(reason)); }
+  void Abort(std::string reason) {
+    if (controller_) controller_->Abort(std::move(reason));
+  }
 
   nb::dict Outcome() {
     if (!controller_->Wait(Duration::zero())) {
@@ -159,6 +180,57 @@ class PyController {
   }
 
  private:
+  // The allocation (the driver's own, or one requested and waited for), the address the nodes
+  // reach the controller at, and the Slurm launcher; then the controller is made as for local runs.
+  void StartOnSlurm() {
+    const accelerators::HostView& env = accelerators::RealHost();
+    launch::SlurmShape shape = Unwrap(launch::SlurmShapeFor(*scaling_config_, env));
+    std::unique_ptr<launch::SlurmAllocation> allocation;
+    auto job = env.GetEnv("SLURM_JOB_ID");
+    if (job && !job->empty()) {
+      allocation = Unwrap(launch::SlurmAllocation::Current(env));
+    } else {
+      StatusOr<std::unique_ptr<launch::SlurmAllocation>> requested = AbortedError("");
+      {
+        nb::gil_scoped_release release;
+        requested =
+            launch::SlurmAllocation::Request(shape, "jaxtrain-" + options_.experiment_name, [] {
+              nb::gil_scoped_acquire acquire;
+              return PyErr_CheckSignals() != 0;  // Ctrl-C: KeyboardInterrupt is then pending
+            });
+      }
+      if (PyErr_Occurred()) throw nb::python_error();
+      allocation = Unwrap(std::move(requested));
+    }
+    std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
+    if (host.empty()) {
+      StatusOr<std::string> chosen = UnavailableError("");
+      {
+        nb::gil_scoped_release release;
+        chosen = [&]() -> StatusOr<std::string> {
+          JT_ASSIGN_OR_RETURN(std::vector<std::string> nodes, allocation->Nodes());
+          JT_ASSIGN_OR_RETURN(std::string address, allocation->NodeAddress(nodes.front()));
+          return launch::AddressTowards(address);
+        }();
+      }
+      if (!chosen.ok()) {
+        Raise(UnavailableError("cannot choose the address the Slurm nodes reach this driver at: " +
+                               chosen.status().message() + "; set " + launch::kListenHostEnv));
+      }
+      host = *chosen;
+    }
+    options_.listen_host = host;
+    launch::SlurmLauncherOptions lo{.job_id = allocation->job_id(),
+                                    .shape = shape,
+                                    .step_name = "jaxtrain-" + options_.experiment_name};
+    controller_ = std::make_unique<controller::Controller>(
+        std::move(options_),
+        std::make_unique<launch::SlurmLauncher>(std::move(lo), std::move(allocation)));
+  }
+
+  std::string launcher_;
+  std::optional<config::ScalingConfig> scaling_config_;
+  controller::ControllerOptions options_;  // until the controller is made
   std::unique_ptr<controller::Controller> controller_;
 };
 
@@ -355,21 +427,61 @@ NB_MODULE(_core, m) {
       "run_dir"_a, "score_attribute"_a.none(), "higher_is_better"_a,
       "The committed checkpoints of a run directory, best first: (dir_name, metrics JSON).");
 
-  nb::class_<placement::Plan>(m, "Plan").def("to_dict", &PlanToDict);
+  nb::class_<placement::Plan>(m, "Plan").def(
+      "to_dict", &PlanToDict,
+      "platform, accelerator, simulated, hosts_source, num_slices, and per rank: rank, "
+      "local_rank, local_world_size, node_rank, host, address, slice, devices, env, "
+      "unset_env.");
 
-  m.def("plan_local", [](const config::ScalingConfig& c) {
-    return Unwrap(placement::PlanLocal(c, accelerators::RealHost()));
-  });
+  m.def(
+      "plan_local",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(placement::PlanLocal(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the local launcher: the hosts of JAXTRAIN_HOSTS, the simulated hosts "
+      "(JAXTRAIN_SIMULATE=1), or this machine.");
+
+  m.def(
+      "plan",
+      [](const config::ScalingConfig& c, const std::string& hosts_json,
+         const std::map<std::string, std::string>& environ, bool simulate) {
+        placement::HostDescription hosts =
+            Unwrap(placement::ParseHostDescription(hosts_json, "hosts_json", environ, ""));
+        return Unwrap(placement::PlanOnHosts(c, hosts, environ, simulate));
+      },
+      "scaling_config"_a, "hosts_json"_a, "environ"_a, "simulate"_a,
+      "Plans over the hosts of a JSON host description, as inherited from `environ`; reads "
+      "nothing of this machine.");
+
+  m.def(
+      "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
+      "'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.");
+
+  m.def(
+      "plan_slurm",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(launch::PlanForSlurm(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the Slurm launcher: one environment for every rank; Slurm places them.");
+
+  m.def(
+      "check_shared_storage",
+      [](const std::string& path) {
+        Check(launch::CheckSharedStorage(path, accelerators::RealHost()));
+      },
+      "path"_a, "Raises ValueError when `path` is on storage local to this host.");
 
   nb::class_<PyController>(m, "Controller")
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
                     double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
-                    int>(),
+                    int, std::string, std::optional<config::ScalingConfig>>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
-           "console_fd"_a)
+           "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none())
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

@@ -18,6 +18,7 @@
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
 #include "launch/process.h"
+#include "launch/slurm_launcher.h"
 #include "storage/files.h"
 #include "storage/run_store.h"
 #include "wire/frame.h"
@@ -77,6 +78,20 @@ void WriteFully(int fd, std::string_view data) {
   }
 }
 
+// "12: text" (srun --label; the number may be padded with spaces) -> "text" and *rank = 12;
+// anything else is returned whole, with *rank = -1.
+std::string_view StripRankLabel(std::string_view line, int* rank) {
+  *rank = -1;
+  size_t i = line.find_first_not_of(' ');
+  size_t digits = i == std::string_view::npos ? 0 : line.find_first_not_of("0123456789", i);
+  if (i == std::string_view::npos || digits == i || digits == std::string_view::npos ||
+      digits - i > 7 || line.substr(digits, 2) != ": ") {
+    return line;
+  }
+  *rank = std::atoi(std::string(line.substr(i, digits - i)).c_str());
+  return line.substr(digits + 2);
+}
+
 std::string PeerName(const sockaddr_storage& addr) {
   char host[64] = "?";
   int port = 0;
@@ -120,13 +135,16 @@ struct Controller::Loop {
     bool closed = false;
   };
 
+  // One launched process: one rank (local) or several (a Slurm job step, whose srun labels each
+  // line of its ranks' output "<rank>: " and writes its own lines unlabelled). What the launcher
+  // says once the group is being stopped is a consequence of the stop, never kept as a cause.
   struct Proc {
     launch::LaunchedProcess launched;
-    int rank = -1;
-    int log_fd = -1;
     bool reaped = false;
     launch::ExitStatus exit;
     std::string partial_line;
+    std::vector<std::pair<int, launch::SrunTaskEnd>> task_ends;  // by rank, as srun reported them
+    std::string launcher_error;  // the first error line of the launcher's own
   };
 
   struct RankState {
@@ -172,6 +190,7 @@ struct Controller::Loop {
   std::vector<std::string> warnings;
   Phase phase = Phase::kStarting;
   std::vector<Proc> procs;
+  std::vector<int> log_fds;  // by rank
   std::vector<RankState> ranks;
   std::vector<std::unique_ptr<Conn>> conns;
   TimePoint start_deadline;
@@ -197,10 +216,11 @@ struct Controller::Loop {
     if (!failure) {
       f.attempt = attempt;
       if (f.rank >= 0) {
-        f.host = ranks[static_cast<size_t>(f.rank)].host;
+        if (!ranks[static_cast<size_t>(f.rank)].host.empty()) {
+          f.host = ranks[static_cast<size_t>(f.rank)].host;
+        }
         f.log_path = store.LogPath(f.rank);
       }
-      Say("rank " + std::to_string(f.rank) + " failed: " + f.message);
       failure = std::move(f);
     }
     BeginStop();
@@ -359,7 +379,18 @@ struct Controller::Loop {
     }
   }
 
+  // A body of the wrong shape from an authenticated worker fails that rank; it never escapes as
+  // an exception into the loop.
   void OnWorkerMessage(Conn& c, const wire::Frame& f) {
+    try {
+      HandleWorkerMessage(c, f);
+    } catch (const nlohmann::json::exception& e) {
+      ProtocolError(c, "malformed message of type " + std::to_string(static_cast<int>(f.type)) +
+                           ": " + e.what());
+    }
+  }
+
+  void HandleWorkerMessage(Conn& c, const wire::Frame& f) {
     using wire::MessageType;
     RankState& r = ranks[static_cast<size_t>(c.rank)];
     switch (f.type) {
@@ -508,13 +539,15 @@ struct Controller::Loop {
     p.exit = *status;
     close(p.launched.pidfd);
     p.launched.pidfd = -1;
-    RankState& r = ranks[static_cast<size_t>(p.rank)];
+    if (p.launched.ranks.size() > 1) return OnStepExit(p);
+    const int rank = p.launched.ranks.front();
+    RankState& r = ranks[static_cast<size_t>(rank)];
     // A frame sent just before exit may still be unread: read it first.
     if (r.conn) ReadConn(*r.conn);
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
     const bool oom = p.exit.signal == SIGKILL && !sent_sigkill && OomKillCount() > oom_kills_before;
     RankFailure exit_failure{
-        .rank = p.rank,
+        .rank = rank,
         .cause = oom             ? "oom"
                  : p.exit.signal ? "signal"
                                  : "exit",
@@ -525,12 +558,67 @@ struct Controller::Loop {
     // process died of the signal the controller sent to stop the group.
     const bool our_signal =
         (p.exit.signal == SIGTERM && sent_sigterm) || (p.exit.signal == SIGKILL && sent_sigkill);
-    if (failure && failure->rank == p.rank && failure->cause == "connection" && !our_signal) {
+    if (failure && failure->rank == rank && failure->cause == "connection" && !our_signal) {
       failure->cause = exit_failure.cause;
       failure->message = exit_failure.message;
     }
     if (stopping || (p.exit.ok() && r.done)) return;
     Fail(std::move(exit_failure));
+  }
+
+  // The process that ran several ranks (srun) has ended. How each rank ended is known from srun's
+  // own lines ("task 1: Killed") when it said; the first rank that failed is blamed.
+  void OnStepExit(Proc& p) {
+    for (int rank : p.launched.ranks) {
+      RankState& r = ranks[static_cast<size_t>(rank)];
+      if (r.conn) ReadConn(*r.conn);
+    }
+    auto ours = [this](const launch::ExitStatus& e) {
+      return (e.signal == SIGTERM && sent_sigterm) || (e.signal == SIGKILL && sent_sigkill);
+    };
+    // srun reports the task that failed first first, and then those it killed for it: a better
+    // witness than the order in which one loop step saw several connections close.
+    const std::pair<int, launch::SrunTaskEnd>* first = nullptr;
+    for (const auto& task : p.task_ends) {
+      if (!task.second.exit.ok() && !ours(task.second.exit)) {
+        first = &task;
+        break;
+      }
+    }
+    auto blame_first = [&](RankFailure& f) {
+      const launch::SrunTaskEnd& end = first->second;
+      f.rank = first->first;
+      f.host = end.node;
+      f.log_path = store.LogPath(f.rank);
+      f.cause = end.exit.signal ? "signal" : "exit";
+      f.message = std::string("its process ") + (end.exit.signal ? "was " : "") +
+                  end.exit.ToString() + " on " + end.node;
+    };
+    if (failure && failure->cause == "connection") {
+      if (first) {
+        blame_first(*failure);
+      } else if (!p.launcher_error.empty()) {
+        failure->message += " (" + p.launcher_error + ")";
+      }
+    }
+    const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
+    const auto not_done =
+        std::find_if(p.launched.ranks.begin(), p.launched.ranks.end(),
+                     [this](int r) { return !ranks[static_cast<size_t>(r)].done; });
+    if (stopping || (p.exit.ok() && not_done == p.launched.ranks.end())) return;
+    RankFailure f;
+    if (first) {
+      blame_first(f);
+    } else {
+      f = {.rank = not_done != p.launched.ranks.end() ? *not_done : p.launched.ranks.front(),
+           .cause = p.exit.signal ? "signal" : "exit",
+           .message = "its job step ended (" + p.exit.ToString() +
+                      ") before its training function returned" +
+                      (p.launcher_error.empty() ? "" : ": " + p.launcher_error)};
+    }
+    // A step that ends before its ranks have registered could not start (srun refused it).
+    if (phase == Phase::kStarting) f.cause = "start-up";
+    Fail(std::move(f));
   }
 
   void ReadOutput(Proc& p) {
@@ -544,9 +632,58 @@ struct Controller::Loop {
         return;
       }
       std::string_view chunk(buf, static_cast<size_t>(n));
-      WriteFully(p.log_fd, chunk);
+      if (p.launched.ranks.size() > 1) {
+        SplitLabelledLines(p, chunk);
+        continue;
+      }
+      WriteFully(log_fds[static_cast<size_t>(p.launched.ranks.front())], chunk);
       EchoLines(p, chunk);
     }
+  }
+
+  // Output of a process that runs several ranks: a "<rank>: text" line goes to that rank's log
+  // and, prefixed, to the console; the launcher's own lines go to the console as they are, and to
+  // the log of the rank they name (srun's "task 1: Killed"), or else of every rank.
+  void SplitLabelledLines(Proc& p, std::string_view chunk) {
+    p.partial_line.append(chunk);
+    std::string console;
+    size_t start = 0;
+    for (size_t nl; (nl = p.partial_line.find('\n', start)) != std::string::npos; start = nl + 1) {
+      std::string_view line(p.partial_line.data() + start, nl + 1 - start);
+      auto is_ours = [&](int r) {
+        return std::find(p.launched.ranks.begin(), p.launched.ranks.end(), r) !=
+               p.launched.ranks.end();
+      };
+      int rank = -1;
+      std::string_view text = StripRankLabel(line, &rank);
+      if (is_ours(rank)) {
+        // Slurm's own messages on a task's output: "slurmstepd-node1: error: *** STEP 8.0 ..."
+        if (p.launcher_error.empty() && !sent_sigterm && text.substr(0, 10) == "slurmstepd" &&
+            text.find("error") != std::string_view::npos) {
+          p.launcher_error = std::string(text.substr(0, text.size() - 1));
+        }
+        WriteFully(log_fds[static_cast<size_t>(rank)], text);
+        console += "(rank=" + std::to_string(rank) + ") ";
+        console += text;
+        continue;
+      }
+      std::vector<int> targets;
+      if (auto end = launch::ParseSrunTaskEnd(line)) {
+        for (int t : end->tasks) {
+          if (!is_ours(t)) continue;
+          targets.push_back(t);
+          p.task_ends.emplace_back(t, *end);
+        }
+      } else if (p.launcher_error.empty() && !sent_sigterm &&
+                 line.find("error") != std::string_view::npos) {
+        p.launcher_error = std::string(line.substr(0, line.size() - 1));
+      }
+      if (targets.empty()) targets = p.launched.ranks;
+      for (int r : targets) WriteFully(log_fds[static_cast<size_t>(r)], line);
+      console += line;
+    }
+    p.partial_line.erase(0, start);
+    if (opts.console_fd >= 0) WriteFully(opts.console_fd, console);
   }
 
   void EchoLines(Proc& p, std::string_view chunk) {
@@ -554,7 +691,7 @@ struct Controller::Loop {
     p.partial_line.append(chunk);
     size_t start = 0;
     std::string text;
-    const std::string prefix = "(rank=" + std::to_string(p.rank) + ") ";
+    const std::string prefix = "(rank=" + std::to_string(p.launched.ranks.front()) + ") ";
     for (size_t nl; (nl = p.partial_line.find('\n', start)) != std::string::npos; start = nl + 1) {
       text += prefix;
       text.append(p.partial_line, start, nl + 1 - start);
@@ -565,6 +702,7 @@ struct Controller::Loop {
 
   void CloseOutput(Proc& p) {
     if (p.launched.output_fd < 0) return;
+    if (!p.partial_line.empty() && p.launched.ranks.size() > 1) SplitLabelledLines(p, "\n");
     if (!p.partial_line.empty()) EchoLines(p, "\n");
     close(p.launched.output_fd);
     p.launched.output_fd = -1;
@@ -754,11 +892,8 @@ struct Controller::Loop {
     WriteRunState("RUNNING");
     JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched,
                         ctl.launcher_->Launch(specs));
-    for (size_t i = 0; i < launched.size(); ++i) {
-      procs[i].launched = launched[i];
-      procs[i].reaped = false;
-      procs[i].partial_line.clear();
-    }
+    procs.clear();
+    for (auto& l : launched) procs.push_back({.launched = l});
     phase = Phase::kStarting;
     start_deadline = Now() + opts.start_timeout;
     return OkStatus();
@@ -794,6 +929,9 @@ struct Controller::Loop {
     std::string_view status = failure ? "ERRORED" : aborted ? "ABORTED" : "FINISHED";
     attempt_log.push_back(AttemptState(status));
     if (!failure || aborted) return false;
+    // Said now rather than when first noticed: by now the exit status has refined the cause.
+    Say("attempt " + std::to_string(attempt) + " failed: rank " + std::to_string(failure->rank) +
+        " (host " + (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     failures.push_back(*failure);
     if (!policy.ShouldRestart(failure->cause)) return false;
@@ -820,9 +958,7 @@ struct Controller::Loop {
   Outcome Finish() {
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
-    for (auto& p : procs) {
-      if (p.log_fd >= 0) close(p.log_fd);
-    }
+    for (int fd : log_fds) close(fd);
     for (auto& c : conns) CloseConn(*c);
     conns.clear();
     if (listen_fd >= 0) close(listen_fd);
@@ -916,6 +1052,7 @@ Status Controller::Start() {
     spec.argv = options_.worker_argv;
     spec.cwd = options_.worker_cwd;
     spec.env = w.env;
+    spec.unset_env = w.unset_env;
     for (const auto& [k, v] : options_.worker_env) spec.env[k] = v;
     spec.env["JAXTRAIN_CONTROLLER_ADDR"] = address;
     spec.env["JAXTRAIN_RUN_SECRET"] = wire::ToHex(loop->secret);
@@ -935,16 +1072,16 @@ Status Controller::Start() {
     if (fd < 0) {
       Status s =
           PermissionDeniedError("cannot open the log file '" + path + "': " + std::strerror(errno));
-      for (auto& p : loop->procs) close(p.log_fd);
+      for (int open_fd : loop->log_fds) close(open_fd);
       close(loop->listen_fd);
       return s;
     }
-    loop->procs.push_back({.rank = r, .log_fd = fd});
+    loop->log_fds.push_back(fd);
   }
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   Status started = loop->StartAttempt();
   if (!started.ok()) {
-    for (auto& p : loop->procs) close(p.log_fd);
+    for (int fd : loop->log_fds) close(fd);
     close(loop->listen_fd);
     return started;
   }

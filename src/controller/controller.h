@@ -22,6 +22,11 @@
 // (storage/checkpoint.h) before the round is recorded. Rounds continue across attempts and across
 // runs that resume the same run directory.
 //
+// Worker processes: a launched process runs one rank (local) or several (one Slurm step, srun).
+// A process with several ranks labels each line of its output "<rank>: " (srun --label); those
+// lines go to that rank's log and console prefix, and its unlabelled lines (srun's own) to the
+// ranks they name. How each of its ranks ended is read from srun's reports (ParseSrunTaskEnd).
+//
 // Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
 // timeout with a rank of this attempt that has no connection yet; anything else is closed without
 // a reply beyond the handshake. See docs/wire.md.

@@ -316,6 +316,22 @@ TEST_F(ControllerTest, AWorkerThatExitsZeroEarlyIsAFailure) {
   ExpectWorkersGone(WorkerPids(2));
 }
 
+TEST_F(ControllerTest, AMalformedMessageFromAnAuthenticatedWorkerFailsItsRank) {
+  ControllerOptions options = Options(2, {"malformed"});
+  options.worker_env["FAKE_FAIL_RANK"] = "1";
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 1);
+  EXPECT_EQ(out.failure->cause, "connection");
+  EXPECT_TRUE(Contains(out.failure->message, "protocol error: malformed message of type 8"))
+      << out.failure->message;
+  ExpectWorkersGone(WorkerPids(2));
+}
+
 TEST_F(ControllerTest, AbortStopsEveryRunningWorker) {
   Fifo events(dir_ + "/events");
   ControllerOptions options = Options(3, {"hang"});

@@ -148,6 +148,11 @@ int Run(const std::string& mode, int rounds) {
     return s.ok() ? kExitFailed : Misuse(s.ToString());
   }
   // As os._exit(0) would: the connection closes as part of the exit, whose status is then final.
+  if (failing_rank && mode == "malformed") {
+    // Well-framed, authenticated, and of the wrong shape: a string where a number belongs.
+    s = (*client)->SendError(R"({"message": 5, "traceback": [], "phase": {}})");
+    if (!s.ok()) return Misuse(s.ToString());
+  }
   if (failing_rank && mode == "exit0") _exit(0);
   if (failing_rank && mode == "crash") raise(SIGKILL);
   WaitToBeKilled();
@@ -158,8 +163,8 @@ int Run(const std::string& mode, int rounds) {
 
 int main(int argc, char** argv) {
   using jaxtrain::worker::Misuse;
-  static const char* const kModes[] = {"ok",   "raise",        "exit0",    "crash",
-                                       "hang", "wrong-secret", "noconnect"};
+  static const char* const kModes[] = {"ok",   "raise",        "exit0",     "crash",
+                                       "hang", "wrong-secret", "noconnect", "malformed"};
   if (argc < 2 || argc > 3) return Misuse("usage: fake_worker <mode> [rounds]");
   const std::string mode = argv[1];
   bool known = false;

@@ -1,0 +1,721 @@
+#include "launch/slurm_launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+
+extern char** environ;
+
+namespace jaxtrain::launch {
+namespace {
+
+// Set per task by each worker from Slurm's variables (SLURM_PROCID, ...), never by the launcher.
+const std::set<std::string> kPerRankEnv = {"JAXTRAIN_RANK", "JAXTRAIN_LOCAL_RANK",
+                                           "JAXTRAIN_LOCAL_WORLD_SIZE", "JAXTRAIN_NODE_RANK"};
+
+constexpr auto kReasonPollInterval = std::chrono::seconds(5);
+
+void Say(const std::string& line) {
+  std::string text = "jaxtrain: " + line + "\n";
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    ssize_t n = write(2, rest.data(), rest.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+std::string Trim(std::string_view s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) {
+    s.remove_suffix(1);
+  }
+  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+  return std::string(s);
+}
+
+std::vector<std::string> SplitLines(std::string_view text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t nl = text.find('\n', start);
+    if (nl == std::string_view::npos) nl = text.size();
+    std::string line = Trim(text.substr(start, nl - start));
+    if (!line.empty()) out.push_back(std::move(line));
+    start = nl + 1;
+  }
+  return out;
+}
+
+std::optional<int> ParseWhole(std::string_view s) {
+  if (s.empty() || s.size() > 9) return std::nullopt;
+  int v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
+std::map<std::string, std::string> CurrentEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    size_t eq = entry.find('=');
+    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return env;
+}
+
+struct Spawned {
+  pid_t pid = -1;
+  int output_fd = -1;
+};
+
+// Starts argv (looked up in PATH) with stdin from /dev/null and stdout and stderr on one pipe,
+// in a new process group when `new_group`. Errors: kUnavailable naming the program and why.
+StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
+                        const std::map<std::string, std::string>* env, bool new_group) {
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t empty, all;
+  sigemptyset(&empty);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &empty);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
+  if (new_group) {
+    posix_spawnattr_setpgroup(&attr, 0);
+    flags |= POSIX_SPAWN_SETPGROUP;
+  }
+  posix_spawnattr_setflags(&attr, flags);
+
+  std::vector<std::string> args = argv;
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  cargs.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  std::vector<char*> cenv;
+  if (env != nullptr) {
+    for (const auto& [k, v] : *env) env_strings.push_back(k + "=" + v);
+    for (auto& e : env_strings) cenv.push_back(e.data());
+    cenv.push_back(nullptr);
+  }
+  pid_t pid = -1;
+  int rc = posix_spawnp(&pid, cargs[0], &actions, &attr, cargs.data(),
+                        env != nullptr ? cenv.data() : environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close(pipefd[1]);
+  if (rc != 0) {
+    close(pipefd[0]);
+    return UnavailableError("cannot start '" + argv[0] + "': " + std::strerror(rc) +
+                            (rc == ENOENT ? " (is Slurm's client installed and on PATH?)" : ""));
+  }
+  return Spawned{pid, pipefd[0]};
+}
+
+ExitStatus WaitFor(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  ExitStatus s;
+  if (WIFEXITED(status)) s.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) s.signal = WTERMSIG(status);
+  return s;
+}
+
+// Runs a short Slurm command to its end. Errors: kUnavailable with its output when it cannot be
+// started or exits non-zero.
+StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
+  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, nullptr, false));
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = read(p.output_fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  close(p.output_fd);
+  ExitStatus exit = WaitFor(p.pid);
+  if (!exit.ok()) {
+    std::string command;
+    for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
+    return UnavailableError("'" + command + "' " + exit.ToString() + ": " + Trim(out));
+  }
+  return out;
+}
+
+std::string FilesystemName(int64_t type) {
+  switch (static_cast<uint32_t>(type)) {
+    case 0xEF53: return "ext2/ext3/ext4";
+    case 0x58465342: return "xfs";
+    case 0x9123683E: return "btrfs";
+    case 0x01021994: return "tmpfs";
+    case 0x794C7630: return "overlayfs";
+    case 0x2FC12FC1: return "zfs";
+    case 0xF2F52010: return "f2fs";
+    default: break;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "type 0x%llx", static_cast<unsigned long long>(type));
+  return buf;
+}
+
+bool IsNetworkFilesystem(int64_t type) {
+  switch (static_cast<uint32_t>(type)) {
+    case 0x6969:      // NFS
+    case 0x517B:      // SMB
+    case 0xFF534D42:  // CIFS
+    case 0xFE534D42:  // SMB2
+    case 0x0BD00BD0:  // Lustre
+    case 0x47504653:  // GPFS
+    case 0x19830326:  // BeeGFS
+    case 0x00C36400:  // CephFS
+    case 0x01021997:  // 9p
+    case 0x5346414F:  // AFS
+    case 0x6B414653:  // kAFS
+    case 0x7461636F:  // OCFS2
+    case 0xAAD7AAEA:  // PanFS
+    case 0x65735546:  // FUSE (sshfs, gcsfuse, s3fs, GlusterFS, JuiceFS, ...)
+      return true;
+    default: return false;
+  }
+}
+
+// "0-1,3" -> {0, 1, 3}.
+std::optional<std::vector<int>> ParseTaskList(std::string_view text) {
+  std::vector<int> out;
+  while (!text.empty()) {
+    size_t comma = text.find(',');
+    std::string_view item = text.substr(0, comma);
+    size_t dash = item.find('-');
+    auto first = ParseWhole(item.substr(0, dash));
+    auto last = dash == std::string_view::npos ? first : ParseWhole(item.substr(dash + 1));
+    if (!first || !last || *last < *first || *last - *first > 100000) return std::nullopt;
+    for (int t = *first; t <= *last; ++t) out.push_back(t);
+    text = comma == std::string_view::npos ? std::string_view() : text.substr(comma + 1);
+  }
+  if (out.empty()) return std::nullopt;
+  return out;
+}
+
+StatusOr<std::optional<int>> PositiveSetting(const accelerators::HostView& env, const char* name) {
+  auto value = env.GetEnv(name);
+  if (!value || value->empty()) return std::optional<int>();
+  auto v = ParseWhole(*value);
+  if (!v || *v < 1) {
+    return InvalidArgumentError(std::string(name) + "='" + *value +
+                                "' is not allowed; it must be a whole number >= 1");
+  }
+  return std::optional<int>(*v);
+}
+
+bool IsTrue(const std::optional<std::string>& v) {
+  return v && !v->empty() && *v != "0" && *v != "false" && *v != "no";
+}
+
+bool Simulated(const accelerators::HostView& env) {
+  auto v = env.GetEnv(placement::kSimulateEnv);
+  return v && !v->empty() && *v != "0";
+}
+
+}  // namespace
+
+StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env) {
+  std::string kind = env.GetEnv(kLauncherEnv).value_or("");
+  if (kind == "local" || kind == "slurm") return kind;
+  if (!kind.empty() && kind != "auto") {
+    return InvalidArgumentError(std::string(kLauncherEnv) + "='" + kind +
+                                "' is not allowed; use local, slurm or auto (the default: slurm "
+                                "inside a Slurm allocation, local elsewhere)");
+  }
+  auto job = env.GetEnv("SLURM_JOB_ID");
+  return std::string(job && !job->empty() ? "slurm" : "local");
+}
+
+std::vector<std::string> SlurmShape::SrunArgs() const {
+  std::vector<std::string> args = {"--ntasks=" + std::to_string(tasks),
+                                   "--cpus-per-task=" + std::to_string(cpus_per_task)};
+  if (nodes) args.push_back("--nodes=" + std::to_string(*nodes));
+  if (tasks_per_node) args.push_back("--ntasks-per-node=" + std::to_string(*tasks_per_node));
+  if (gpus_per_task > 0) args.push_back("--gpus-per-task=" + std::to_string(gpus_per_task));
+  if (exclusive) args.push_back("--exclusive");
+  if (spread) args.push_back("--distribution=cyclic");
+  return args;
+}
+
+std::vector<std::string> SlurmShape::SallocArgs() const {
+  std::vector<std::string> args = SrunArgs();
+  if (spread) args.back() = "--spread-job";
+  return args;
+}
+
+std::string SlurmShape::Describe() const {
+  std::string out = std::to_string(tasks) + (tasks == 1 ? " task" : " tasks");
+  if (nodes) out += " on " + std::to_string(*nodes) + (*nodes == 1 ? " node" : " nodes");
+  if (tasks_per_node) out += ", " + std::to_string(*tasks_per_node) + " per node";
+  out += ", " + std::to_string(cpus_per_task) + (cpus_per_task == 1 ? " CPU" : " CPUs");
+  if (gpus_per_task > 0) {
+    out += " and " + std::to_string(gpus_per_task) + (gpus_per_task == 1 ? " GPU" : " GPUs");
+  }
+  out += " each";
+  if (exclusive) out += ", whole nodes";
+  return out;
+}
+
+StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
+                                   const accelerators::HostView& env) {
+  SlurmShape shape;
+  const int n = config.num_workers();
+  shape.tasks = n;
+  const auto& resources = config.resources_per_worker();
+  const bool simulated = Simulated(env);
+  if (auto cpu = resources.find("CPU"); cpu != resources.end()) {
+    shape.cpus_per_task = std::max(1, static_cast<int>(std::ceil(cpu->second)));
+  }
+  if (config.use_gpu() && !simulated) {
+    double gpus = resources.at("GPU");
+    if (gpus != std::floor(gpus)) {
+      return InvalidArgumentError(
+          "ScalingConfig.resources_per_worker['GPU']=" + std::to_string(gpus) +
+          " is not allowed on Slurm, which gives whole GPUs to a task; use a whole number");
+    }
+    shape.gpus_per_task = static_cast<int>(gpus);
+  }
+  if (config.use_tpu() && !simulated) {
+    // Whole TPU hosts: as many tasks on each as the host's chips hold.
+    const auto& slice = config.tpu_slice();
+    int per_host = n;
+    if (slice && slice->hosts > 0)
+      per_host = std::max(1, config.workers_per_slice() / slice->hosts);
+    shape.tasks_per_node = std::min(per_host, n);
+    shape.nodes = (n + *shape.tasks_per_node - 1) / *shape.tasks_per_node;
+    shape.exclusive = true;
+  }
+  switch (config.placement_strategy()) {
+    case config::PlacementStrategy::kStrictSpread:
+      shape.nodes = n;
+      shape.tasks_per_node = 1;
+      break;
+    case config::PlacementStrategy::kStrictPack:
+      shape.nodes = 1;
+      shape.tasks_per_node = n;
+      break;
+    case config::PlacementStrategy::kSpread: shape.spread = true; break;
+    case config::PlacementStrategy::kPack: break;
+  }
+  JT_ASSIGN_OR_RETURN(std::optional<int> nodes, PositiveSetting(env, kSlurmNodesEnv));
+  JT_ASSIGN_OR_RETURN(std::optional<int> per_node, PositiveSetting(env, kSlurmTasksPerNodeEnv));
+  if (nodes) {
+    shape.nodes = nodes;
+    if (!per_node && shape.tasks_per_node && *nodes * *shape.tasks_per_node != n) {
+      shape.tasks_per_node.reset();
+    }
+  }
+  if (per_node) shape.tasks_per_node = per_node;
+  if (IsTrue(env.GetEnv(kSlurmExclusiveEnv))) shape.exclusive = true;
+  if (shape.nodes && *shape.nodes > n) {
+    return InvalidArgumentError(std::string(kSlurmNodesEnv) + "=" + std::to_string(*shape.nodes) +
+                                " is more nodes than ScalingConfig.num_workers=" +
+                                std::to_string(n) + "; every node must run at least one worker");
+  }
+  if (shape.nodes && shape.tasks_per_node && *shape.nodes * *shape.tasks_per_node != n) {
+    return InvalidArgumentError(
+        "the Slurm shape has " + std::to_string(*shape.nodes) + " nodes x " +
+        std::to_string(*shape.tasks_per_node) +
+        " tasks per node, which is not ScalingConfig.num_workers=" + std::to_string(n) +
+        "; change " + kSlurmNodesEnv + " or " + kSlurmTasksPerNodeEnv);
+  }
+  return shape;
+}
+
+StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
+                                       const accelerators::HostView& env) {
+  placement::Plan plan;
+  plan.simulated = Simulated(env) && (config.use_gpu() || config.use_tpu());
+  plan.platform = plan.simulated || (!config.use_gpu() && !config.use_tpu()) ? "cpu"
+                  : config.use_gpu()                                         ? "cuda"
+                                                                             : "tpu";
+  auto unless_set = [&](placement::WorkerPlacement& w, const std::string& name,
+                        const std::string& value) {
+    auto user = env.GetEnv(name);
+    if (!user || user->empty()) w.env[name] = value;
+  };
+  // One environment for every rank; what differs per rank (devices) is Slurm's to give.
+  for (int r = 0; r < config.num_workers(); ++r) {
+    placement::WorkerPlacement w;
+    w.rank = r;
+    if (plan.platform == "cpu") {
+      if (plan.simulated) {
+        w.env["JAX_PLATFORMS"] = "cpu";  // whatever the user set for the real hardware
+      } else {
+        unless_set(w, "JAX_PLATFORMS", "cpu");
+      }
+      unless_set(w, "JAX_NUM_CPU_DEVICES", "1");
+      unless_set(w, "JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo");
+    } else {
+      unless_set(w, "JAX_PLATFORMS", plan.platform);
+    }
+    plan.workers.push_back(std::move(w));
+  }
+  return plan;
+}
+
+std::optional<SrunTaskEnd> ParseSrunTaskEnd(std::string_view line) {
+  constexpr std::string_view kPrefix = "srun: error: ";
+  if (line.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  std::string text = Trim(line.substr(kPrefix.size()));
+  std::string_view rest = text;
+  size_t colon = rest.find(": ");
+  if (colon == std::string_view::npos) return std::nullopt;
+  SrunTaskEnd end;
+  end.node = std::string(rest.substr(0, colon));
+  rest.remove_prefix(colon + 2);
+  if (rest.substr(0, 6) == "tasks ") {
+    rest.remove_prefix(6);
+  } else if (rest.substr(0, 5) == "task ") {
+    rest.remove_prefix(5);
+  } else {
+    return std::nullopt;
+  }
+  colon = rest.find(": ");
+  if (colon == std::string_view::npos) return std::nullopt;
+  auto tasks = ParseTaskList(rest.substr(0, colon));
+  if (!tasks) return std::nullopt;
+  end.tasks = std::move(*tasks);
+  std::string_view what = rest.substr(colon + 2);
+  constexpr std::string_view kExited = "Exited with exit code ";
+  if (what.substr(0, kExited.size()) == kExited) {
+    auto code = ParseWhole(what.substr(kExited.size()));
+    if (!code) return std::nullopt;
+    end.exit.exit_code = *code;
+    return end;
+  }
+  constexpr std::string_view kCore = " (core dumped)";
+  if (what.size() > kCore.size() && what.substr(what.size() - kCore.size()) == kCore) {
+    end.exit.core_dumped = true;
+    what.remove_suffix(kCore.size());
+  }
+  for (int sig = 1; sig < NSIG; ++sig) {
+    const char* name = strsignal(sig);
+    if (name != nullptr && what == name) {
+      end.exit.signal = sig;
+      return end;
+    }
+  }
+  return std::nullopt;
+}
+
+Status CheckSharedStorage(const std::string& path, const accelerators::HostView& env) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path target = fs::weakly_canonical(fs::absolute(path), ec);
+  if (ec) target = fs::absolute(path);
+  std::string declared = env.GetEnv(kSharedStorageEnv).value_or("");
+  size_t start = 0;
+  while (start <= declared.size()) {
+    size_t colon = declared.find(':', start);
+    if (colon == std::string::npos) colon = declared.size();
+    std::string dir = declared.substr(start, colon - start);
+    start = colon + 1;
+    if (dir.empty()) continue;
+    fs::path shared = fs::weakly_canonical(fs::absolute(dir), ec);
+    if (ec) continue;
+    auto [end, ignored] = std::mismatch(shared.begin(), shared.end(), target.begin(), target.end());
+    if (end == shared.end()) return OkStatus();
+  }
+  fs::path probe = target;
+  struct statfs st {};
+  while (statfs(probe.c_str(), &st) != 0) {
+    if (!probe.has_parent_path() || probe.parent_path() == probe) {
+      return InvalidArgumentError("RunConfig.storage_path '" + path +
+                                  "': cannot inspect its filesystem: " + std::strerror(errno));
+    }
+    probe = probe.parent_path();
+  }
+  if (IsNetworkFilesystem(st.f_type)) return OkStatus();
+  char host[256] = "this host";
+  gethostname(host, sizeof(host) - 1);
+  return InvalidArgumentError(
+      "RunConfig.storage_path '" + path + "' is on a local filesystem (" +
+      FilesystemName(st.f_type) + ") of the driver's host (" + host +
+      "), but this run's workers are on other hosts, where checkpoints written there cannot be "
+      "seen: use shared storage (an NFS or other network filesystem mounted on every node, "
+      "s3://, gs://). If this directory is in fact shared with every node, list it in " +
+      kSharedStorageEnv);
+}
+
+StatusOr<std::string> AddressTowards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  int rc = getaddrinfo(host.c_str(), "9", &hints, &found);
+  if (rc != 0) {
+    return UnavailableError("cannot resolve '" + host + "': " + gai_strerror(rc));
+  }
+  std::string error = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    // connect() on a UDP socket only picks the route and the source address.
+    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) {
+      error = std::strerror(errno);
+      close(fd);
+      continue;
+    }
+    close(fd);
+    char text[INET6_ADDRSTRLEN] = "";
+    const void* addr =
+        local.ss_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+    inet_ntop(local.ss_family, addr, text, sizeof(text));
+    freeaddrinfo(found);
+    return std::string(text);
+  }
+  freeaddrinfo(found);
+  return UnavailableError("no route from this host to '" + host + "': " + error);
+}
+
+// --- SlurmAllocation ----------------------------------------------------------------------------
+
+StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Current(
+    const accelerators::HostView& env) {
+  auto job = env.GetEnv("SLURM_JOB_ID");
+  if (!job || job->empty()) {
+    return FailedPreconditionError("not inside a Slurm allocation (SLURM_JOB_ID is unset)");
+  }
+  return std::unique_ptr<SlurmAllocation>(new SlurmAllocation(*job, false));
+}
+
+StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Request(
+    const SlurmShape& shape, const std::string& job_name, const std::function<bool()>& cancelled) {
+  std::vector<std::string> argv = {"salloc", "--no-shell", "--job-name=" + job_name};
+  for (auto& a : shape.SallocArgs()) argv.push_back(a);
+  Say("asking Slurm for an allocation: " + shape.Describe());
+  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, nullptr, true));
+  fcntl(p.output_fd, F_SETFL, fcntl(p.output_fd, F_GETFL) | O_NONBLOCK);
+  std::string job_id, partial, said_state, all_output;
+  std::chrono::steady_clock::time_point last_check;  // the first check comes at once
+  bool open = true;
+  while (open) {
+    pollfd pfd{p.output_fd, POLLIN, 0};
+    poll(&pfd, 1, 200);
+    char buf[4096];
+    for (;;) {
+      ssize_t n = read(p.output_fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) break;  // EAGAIN
+      if (n == 0) {
+        open = false;
+        break;
+      }
+      partial.append(buf, static_cast<size_t>(n));
+    }
+    size_t nl;
+    while ((nl = partial.find('\n')) != std::string::npos) {
+      std::string line = Trim(partial.substr(0, nl));
+      partial.erase(0, nl + 1);
+      if (line.empty()) continue;
+      all_output += line + "\n";
+      Say("slurm: " + line);
+      for (std::string_view marker : {"Pending job allocation ", "Granted job allocation "}) {
+        size_t at = line.find(marker);
+        if (at != std::string::npos && job_id.empty())
+          job_id = Trim(line.substr(at + marker.size()));
+      }
+    }
+    if (cancelled()) {
+      if (!job_id.empty()) (void)RunCommand({"scancel", "--quiet", job_id});
+      kill(p.pid, SIGTERM);
+      close(p.output_fd);
+      WaitFor(p.pid);
+      return AbortedError("the request for a Slurm allocation" +
+                          (job_id.empty() ? std::string() : " (job " + job_id + ")") +
+                          " was withdrawn");
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (open && !job_id.empty() && now - last_check >= kReasonPollInterval) {
+      last_check = now;
+      auto state = RunCommand({"squeue", "--noheader", "--jobs=" + job_id, "--format=%T %r"});
+      if (state.ok() && !Trim(*state).empty() && Trim(*state) != said_state &&
+          Trim(*state).substr(0, 7) != "RUNNING") {
+        said_state = Trim(*state);
+        size_t space = said_state.find(' ');
+        Say("waiting for Slurm job " + job_id + " (" + shape.Describe() + "): state " +
+            said_state.substr(0, space) +
+            (space == std::string::npos ? "" : ", reason " + said_state.substr(space + 1)));
+      }
+    }
+  }
+  close(p.output_fd);
+  ExitStatus exit = WaitFor(p.pid);
+  if (!exit.ok() || job_id.empty()) {
+    if (!job_id.empty()) (void)RunCommand({"scancel", "--quiet", job_id});
+    return UnavailableError("Slurm did not grant the allocation (salloc " + exit.ToString() +
+                            "): " + Trim(all_output));
+  }
+  Say("Slurm granted job " + job_id);
+  return std::unique_ptr<SlurmAllocation>(new SlurmAllocation(job_id, true));
+}
+
+SlurmAllocation::~SlurmAllocation() {
+  if (!owned_) return;
+  auto s = RunCommand({"scancel", "--quiet", job_id_});
+  if (!s.ok()) Say("cannot release Slurm job " + job_id_ + ": " + s.status().message());
+}
+
+StatusOr<std::vector<std::string>> SlurmAllocation::Nodes() const {
+  JT_ASSIGN_OR_RETURN(std::string list,
+                      RunCommand({"squeue", "--noheader", "--jobs=" + job_id_, "--format=%N"}));
+  list = Trim(list);
+  if (list.empty()) return UnavailableError("Slurm lists no nodes for job " + job_id_);
+  JT_ASSIGN_OR_RETURN(std::string names, RunCommand({"scontrol", "show", "hostnames", list}));
+  return SplitLines(names);
+}
+
+StatusOr<std::string> SlurmAllocation::NodeAddress(const std::string& node) const {
+  JT_ASSIGN_OR_RETURN(std::string text,
+                      RunCommand({"scontrol", "--oneliner", "show", "node", node}));
+  size_t at = text.find("NodeAddr=");
+  if (at == std::string::npos) return UnavailableError("Slurm shows no NodeAddr for " + node);
+  size_t end = text.find_first_of(" \n", at);
+  return text.substr(at + 9, end == std::string::npos ? std::string::npos : end - at - 9);
+}
+
+// --- SlurmLauncher ------------------------------------------------------------------------------
+
+SlurmLauncher::SlurmLauncher(SlurmLauncherOptions options,
+                             std::unique_ptr<SlurmAllocation> allocation)
+    : options_(std::move(options)), allocation_(std::move(allocation)) {}
+
+SlurmLauncher::~SlurmLauncher() = default;
+
+StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
+    const std::vector<ProcessSpec>& specs) {
+  pgid_ = 0;
+  if (specs.empty()) return InvalidArgumentError("no processes to launch");
+  const ProcessSpec& first = specs.front();
+  std::map<std::string, std::string> shared = first.env;
+  std::set<std::string> unset(first.unset_env.begin(), first.unset_env.end());
+  std::vector<int> ranks;
+  for (const auto& spec : specs) {
+    if (spec.argv != first.argv || spec.cwd != first.cwd) {
+      return InvalidArgumentError(
+          "the Slurm launcher runs one command for every rank; the ranks' commands or working "
+          "directories differ");
+    }
+    for (const auto& name : spec.unset_env) unset.insert(name);
+    std::set<std::string> names;
+    for (const auto& [k, v] : spec.env) names.insert(k);
+    for (const auto& [k, v] : first.env) names.insert(k);
+    for (const auto& name : names) {
+      if (kPerRankEnv.count(name)) continue;
+      auto a = first.env.find(name);
+      auto b = spec.env.find(name);
+      if (a == first.env.end() || b == spec.env.end() || a->second != b->second) {
+        return InvalidArgumentError("the environment variable " + name +
+                                    " differs between ranks, which one Slurm step cannot give");
+      }
+    }
+    ranks.insert(ranks.end(), spec.ranks.begin(), spec.ranks.end());
+  }
+
+  std::map<std::string, std::string> env = CurrentEnvironment();
+  for (const auto& name : unset) env.erase(name);
+  for (const auto& name : kPerRankEnv) env.erase(name);
+  for (const auto& [k, v] : shared) {
+    if (!kPerRankEnv.count(k)) env[k] = v;
+  }
+
+  // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
+  // start: say so once instead of failing every retry.
+  auto state =
+      RunCommand({options_.squeue, "--noheader", "--jobs=" + options_.job_id, "--format=%T %r"});
+  if (!state.ok() || Trim(*state).substr(0, 7) != "RUNNING") {
+    return FailedPreconditionError(
+        "Slurm job " + options_.job_id + ", this run's allocation, is no longer running (" +
+        (state.ok() ? (Trim(*state).empty() ? std::string("gone") : Trim(*state))
+                    : state.status().message()) +
+        "): Slurm ended it (a node failed, its time ran out, or it was cancelled)");
+  }
+
+  step_name_ = options_.step_name + "-" + std::to_string(++steps_);
+  std::vector<std::string> argv = {options_.srun, "--jobid=" + options_.job_id,
+                                   "--job-name=" + step_name_};
+  for (auto& a : options_.shape.SrunArgs()) argv.push_back(a);
+  argv.insert(argv.end(), {"--kill-on-bad-exit=1", "--export=ALL"});
+  // One rank's output needs no labels: the controller reads it as a local process's.
+  if (ranks.size() > 1) argv.push_back("--label");
+  if (!first.cwd.empty()) argv.push_back("--chdir=" + first.cwd);
+  argv.insert(argv.end(), first.argv.begin(), first.argv.end());
+
+  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, &env, true));
+  pgid_ = p.pid;
+  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
+  if (pidfd < 0) {
+    int err = errno;
+    killpg(p.pid, SIGKILL);
+    WaitFor(p.pid);
+    close(p.output_fd);
+    pgid_ = 0;
+    return ErrnoError("pidfd_open", err);
+  }
+  fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+  fcntl(p.output_fd, F_SETFL, fcntl(p.output_fd, F_GETFL) | O_NONBLOCK);
+  return std::vector<LaunchedProcess>{{ranks, p.pid, pidfd, p.output_fd}};
+}
+
+void SlurmLauncher::SignalGroup(int signal) {
+  if (pgid_ > 0) killpg(pgid_, signal);
+  if (signal == SIGKILL) CancelStep();
+}
+
+void SlurmLauncher::CancelStep() {
+  if (step_name_.empty()) return;
+  auto steps = RunCommand(
+      {options_.squeue, "--noheader", "--steps", "--jobs=" + options_.job_id, "--format=%i|%j"});
+  if (!steps.ok()) {
+    Say("cannot find the job step to cancel: " + steps.status().message());
+    return;
+  }
+  for (const auto& line : SplitLines(*steps)) {
+    size_t bar = line.find('|');
+    if (bar == std::string::npos || line.substr(bar + 1) != step_name_) continue;
+    auto s = RunCommand({options_.scancel, "--quiet", line.substr(0, bar)});
+    if (!s.ok()) Say("cannot cancel job step " + line.substr(0, bar) + ": " + s.status().message());
+  }
+}
+
+}  // namespace jaxtrain::launch

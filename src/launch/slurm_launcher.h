@@ -1,0 +1,172 @@
+// SlurmLauncher: the worker group as one Slurm job step. Launch() runs one `srun` in the run's
+// allocation, in a new process group, with its stdout and stderr on one pipe: srun starts every
+// rank (task r = rank r, SLURM_PROCID), labels each line of their output with "<rank>: "
+// (--label; not for a single rank), and kills the whole step when one task fails
+// (--kill-on-bad-exit). The one LaunchedProcess carries every rank; srun's own lines
+// ("srun: error: node2: task 1: Killed") are unlabelled, and ParseSrunTaskEnd() reads them.
+//
+// The worker environment: what every ProcessSpec shares is exported to the tasks (--export=ALL,
+// so secrets never appear on a command line); the per-rank placement variables (JAXTRAIN_RANK,
+// _LOCAL_RANK, _LOCAL_WORLD_SIZE, _NODE_RANK) are left out, and each task derives them from
+// Slurm's (python/jaxtrain/worker.py). Any other per-rank difference is refused.
+//
+// Where the allocation comes from (SlurmAllocation): the one the driver runs inside
+// (SLURM_JOB_ID: an sbatch script, salloc), or one requested with `salloc --no-shell` and
+// released when the SlurmAllocation is destroyed. A retry runs a new step in the same allocation.
+//
+// The mapping from ScalingConfig to Slurm options (SlurmShapeFor) is documented in docs/slurm.md.
+//
+// Thread-safety: SlurmLauncher is used by the controller's event loop only. The free functions
+// are thread-safe. SignalGroup(SIGKILL) blocks for the time of one squeue and one scancel.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "accelerators/discovery.h"
+#include "base/status.h"
+#include "config/scaling_config.h"
+#include "launch/launcher.h"
+#include "launch/process.h"
+#include "placement/plan.h"
+
+namespace jaxtrain::launch {
+
+// Environment settings (docs/slurm.md).
+inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local | slurm | auto
+inline constexpr char kListenHostEnv[] = "JAXTRAIN_LISTEN_HOST";  // the controller's address
+inline constexpr char kSharedStorageEnv[] =
+    "JAXTRAIN_SHARED_STORAGE";  // shared dirs, ':'-separated
+inline constexpr char kSlurmNodesEnv[] = "JAXTRAIN_SLURM_NODES";
+inline constexpr char kSlurmTasksPerNodeEnv[] = "JAXTRAIN_SLURM_TASKS_PER_NODE";
+inline constexpr char kSlurmExclusiveEnv[] = "JAXTRAIN_SLURM_EXCLUSIVE";
+
+// "local" or "slurm": JAXTRAIN_LAUNCHER when set to one of them; otherwise ("auto" or unset)
+// "slurm" inside a Slurm allocation (SLURM_JOB_ID set) and "local" elsewhere.
+// Errors: kInvalidArgument for any other value of JAXTRAIN_LAUNCHER.
+StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env);
+
+// The shape of the worker group in Slurm's terms.
+struct SlurmShape {
+  int tasks = 1;                      // --ntasks: one task per worker
+  std::optional<int> nodes;           // --nodes
+  std::optional<int> tasks_per_node;  // --ntasks-per-node
+  int cpus_per_task = 1;              // --cpus-per-task
+  int gpus_per_task = 0;              // --gpus-per-task (0: not passed)
+  bool exclusive = false;             // --exclusive (whole nodes)
+  bool spread = false;                // steps: --distribution=cyclic; allocations: --spread-job
+
+  std::vector<std::string> SrunArgs() const;
+  std::vector<std::string> SallocArgs() const;
+  std::string Describe() const;  // "4 tasks on 2 nodes, 1 CPU each"
+};
+
+// ScalingConfig -> SlurmShape, with JAXTRAIN_SLURM_NODES, _TASKS_PER_NODE and _EXCLUSIVE from
+// `env` overriding what the ScalingConfig implies.
+// Errors: kInvalidArgument naming the field or setting: a fractional GPU count, a setting that is
+// not a whole number >= 1, nodes x tasks per node != num_workers.
+StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
+                                   const accelerators::HostView& env);
+
+// The plan of a Slurm run: the world size and each rank's environment. The hosts, local ranks and
+// devices are Slurm's to choose (GPUs through --gpus-per-task), so none is assigned here; the
+// simulate switch runs any ScalingConfig as CPU processes, as for local runs.
+StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
+                                       const accelerators::HostView& env);
+
+// One task's end as srun reports it: "srun: error: node2: task 1: Killed",
+// "srun: error: node1: tasks 0-1,3: Exited with exit code 3". nullopt for any other line.
+struct SrunTaskEnd {
+  std::vector<int> tasks;
+  std::string node;
+  ExitStatus exit;
+};
+std::optional<SrunTaskEnd> ParseSrunTaskEnd(std::string_view line);
+
+// Storage check for multi-host runs: OK when `path` (or its nearest existing parent) is on a
+// network filesystem (NFS, Lustre, GPFS, BeeGFS, CephFS, SMB, 9p, AFS, FUSE) or under one of the
+// directories of JAXTRAIN_SHARED_STORAGE in `env`.
+// Errors: kInvalidArgument naming the path and its filesystem, saying to use shared storage.
+Status CheckSharedStorage(const std::string& path, const accelerators::HostView& env);
+
+// The address of this host on the interface that routes to `host` (an address or a name): what
+// `host` and its neighbours can reach this host at. No packet is sent.
+// Errors: kUnavailable when `host` cannot be resolved or there is no route to it.
+StatusOr<std::string> AddressTowards(const std::string& host);
+
+// A Slurm job allocation that the worker group's steps run in.
+class SlurmAllocation {
+ public:
+  // The allocation the driver runs inside (SLURM_JOB_ID in `env`); never released by jaxtrain.
+  // Errors: kFailedPrecondition when SLURM_JOB_ID is unset.
+  static StatusOr<std::unique_ptr<SlurmAllocation>> Current(const accelerators::HostView& env);
+
+  // Asks Slurm for an allocation of `shape` (salloc --no-shell) and waits until it is granted,
+  // saying on stderr that it waits and why (the job's state and pending reason, when they change).
+  // `cancelled` is polled about every 200 ms; when it returns true, the request is withdrawn.
+  // Errors: kUnavailable when salloc cannot be started or Slurm refuses (the message quotes it),
+  // kAborted when cancelled.
+  static StatusOr<std::unique_ptr<SlurmAllocation>> Request(const SlurmShape& shape,
+                                                            const std::string& job_name,
+                                                            const std::function<bool()>& cancelled);
+
+  ~SlurmAllocation();  // releases (scancel) an allocation that Request() obtained
+  SlurmAllocation(const SlurmAllocation&) = delete;
+  SlurmAllocation& operator=(const SlurmAllocation&) = delete;
+
+  const std::string& job_id() const { return job_id_; }
+  bool owned() const { return owned_; }
+
+  // The allocation's nodes, in Slurm's order. Errors: kUnavailable when Slurm cannot say.
+  StatusOr<std::vector<std::string>> Nodes() const;
+  // The address of a node (its NodeAddr). Errors: kUnavailable when Slurm cannot say.
+  StatusOr<std::string> NodeAddress(const std::string& node) const;
+
+ private:
+  SlurmAllocation(std::string job_id, bool owned) : job_id_(std::move(job_id)), owned_(owned) {}
+  std::string job_id_;
+  bool owned_ = false;
+};
+
+struct SlurmLauncherOptions {
+  std::string job_id;         // the allocation the steps run in
+  SlurmShape shape;           // the step's shape
+  std::string step_name;      // every step gets this name and a serial number
+  std::string srun = "srun";  // found through PATH unless absolute; tests pass a fake
+  std::string scancel = "scancel";
+  std::string squeue = "squeue";
+};
+
+class SlurmLauncher : public Launcher {
+ public:
+  // `allocation`, when given, is kept until the launcher is destroyed.
+  explicit SlurmLauncher(SlurmLauncherOptions options,
+                         std::unique_ptr<SlurmAllocation> allocation = nullptr);
+  ~SlurmLauncher() override;
+
+  // Starts one srun step for every spec (one task per rank, in rank order).
+  // Errors: kUnavailable when srun cannot be started; kFailedPrecondition when the allocation is
+  // no longer running (Slurm ended it: a node failed, its time ran out, it was cancelled);
+  // kInvalidArgument when the specs differ in their command, working directory or an environment
+  // variable other than the per-rank ones.
+  StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
+
+  // Sends `signal` to srun, which forwards it to every task. SIGKILL also cancels the step in
+  // Slurm (scancel), since a killed srun leaves its tasks running.
+  void SignalGroup(int signal) override;
+
+ private:
+  void CancelStep();
+
+  SlurmLauncherOptions options_;
+  std::unique_ptr<SlurmAllocation> allocation_;
+  pid_t pgid_ = 0;
+  int steps_ = 0;
+  std::string step_name_;  // of the last Launch()
+};
+
+}  // namespace jaxtrain::launch

@@ -1,0 +1,456 @@
+// The Slurm launcher without Slurm: its pure parts as functions, and Launch() and the controller
+// against a fake srun (a shell script that runs --ntasks copies of the command with SLURM_PROCID
+// set, labels their lines "<task>: " and reports a failed task as srun does) over fake_worker
+// processes. tests/test_slurm.py runs the real thing on a real cluster.
+#include "launch/slurm_launcher.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "controller/controller.h"
+
+namespace jaxtrain::launch {
+namespace {
+
+using Strings = std::vector<std::string>;
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+config::ScalingConfig Config(config::ScalingConfigInput input) {
+  auto c = config::ScalingConfig::Create(std::move(input));
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return *c;
+}
+
+TEST(ChooseLauncherTest, SlurmInsideAnAllocationLocalElsewhereUnlessSetExplicitly) {
+  accelerators::FakeHost host;
+  EXPECT_EQ(*ChooseLauncher(host), "local");
+  host.env["SLURM_JOB_ID"] = "12";
+  EXPECT_EQ(*ChooseLauncher(host), "slurm");
+  host.env[kLauncherEnv] = "local";
+  EXPECT_EQ(*ChooseLauncher(host), "local");
+  host.env.erase("SLURM_JOB_ID");
+  host.env[kLauncherEnv] = "slurm";
+  EXPECT_EQ(*ChooseLauncher(host), "slurm");
+  host.env[kLauncherEnv] = "k8s";
+  auto bad = ChooseLauncher(host);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(), "JAXTRAIN_LAUNCHER='k8s'"));
+}
+
+TEST(SlurmShapeTest, CpuWorkersAreTasksOfOneCpuEach) {
+  accelerators::FakeHost host;
+  auto shape = SlurmShapeFor(Config({.num_workers = 4}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1"}));
+  EXPECT_EQ(shape->SallocArgs(), shape->SrunArgs());
+  EXPECT_EQ(shape->Describe(), "4 tasks, 1 CPU each");
+}
+
+TEST(SlurmShapeTest, PlacementStrategiesBecomeNodeCountsAndDistributions) {
+  accelerators::FakeHost host;
+  auto spread = SlurmShapeFor(Config({.num_workers = 4, .placement_strategy = "SPREAD"}), host);
+  EXPECT_EQ(spread->SrunArgs(),
+            (Strings{"--ntasks=4", "--cpus-per-task=1", "--distribution=cyclic"}));
+  EXPECT_EQ(spread->SallocArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1", "--spread-job"}));
+  auto strict_spread =
+      SlurmShapeFor(Config({.num_workers = 3, .placement_strategy = "STRICT_SPREAD"}), host);
+  EXPECT_EQ(strict_spread->SrunArgs(),
+            (Strings{"--ntasks=3", "--cpus-per-task=1", "--nodes=3", "--ntasks-per-node=1"}));
+  auto strict_pack =
+      SlurmShapeFor(Config({.num_workers = 3, .placement_strategy = "STRICT_PACK"}), host);
+  EXPECT_EQ(strict_pack->SrunArgs(),
+            (Strings{"--ntasks=3", "--cpus-per-task=1", "--nodes=1", "--ntasks-per-node=3"}));
+}
+
+TEST(SlurmShapeTest, ResourcesPerWorkerBecomeCpusAndGpusPerTask) {
+  accelerators::FakeHost host;
+  auto shape = SlurmShapeFor(
+      Config(
+          {.num_workers = 2, .use_gpu = true, .resources_per_worker = {{"GPU", 2}, {"CPU", 3.5}}}),
+      host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=2", "--cpus-per-task=4", "--gpus-per-task=2"}));
+  EXPECT_EQ(shape->Describe(), "2 tasks, 4 CPUs and 2 GPUs each");
+
+  auto half = SlurmShapeFor(
+      Config({.num_workers = 2, .use_gpu = true, .resources_per_worker = {{"GPU", 0.5}}}), host);
+  EXPECT_EQ(half.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(half.status().message(), "resources_per_worker['GPU']=0.5"));
+}
+
+TEST(SlurmShapeTest, ATpuSliceTakesWholeHostsUnlessSimulated) {
+  accelerators::FakeHost host;
+  auto config =
+      Config({.num_workers = 4, .use_tpu = true, .topology = "4x4", .accelerator_type = "TPU-V6E"});
+  auto shape = SlurmShapeFor(config, host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1", "--nodes=4",
+                                        "--ntasks-per-node=1", "--exclusive"}));
+  host.env[placement::kSimulateEnv] = "1";
+  EXPECT_EQ(SlurmShapeFor(config, host)->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1"}));
+}
+
+TEST(SlurmShapeTest, SettingsOverrideTheShapeAndAreChecked) {
+  accelerators::FakeHost host;
+  host.env[kSlurmNodesEnv] = "2";
+  host.env[kSlurmTasksPerNodeEnv] = "2";
+  host.env[kSlurmExclusiveEnv] = "1";
+  auto shape = SlurmShapeFor(Config({.num_workers = 4}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1", "--nodes=2",
+                                        "--ntasks-per-node=2", "--exclusive"}));
+
+  host.env[kSlurmTasksPerNodeEnv] = "3";
+  auto mismatch = SlurmShapeFor(Config({.num_workers = 4}), host);
+  EXPECT_EQ(mismatch.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(mismatch.status().message(), "2 nodes x 3 tasks per node"));
+
+  host.env[kSlurmNodesEnv] = "two";
+  auto garbled = SlurmShapeFor(Config({.num_workers = 4}), host);
+  EXPECT_EQ(garbled.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(garbled.status().message(), "JAXTRAIN_SLURM_NODES='two'"));
+
+  host.env.erase(kSlurmTasksPerNodeEnv);
+  host.env[kSlurmNodesEnv] = "5";
+  EXPECT_EQ(SlurmShapeFor(Config({.num_workers = 4}), host).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(PlanForSlurmTest, OneEnvironmentForEveryRankAndNoDevices) {
+  accelerators::FakeHost host;
+  auto cpu = PlanForSlurm(Config({.num_workers = 3}), host);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  EXPECT_EQ(cpu->platform, "cpu");
+  ASSERT_EQ(cpu->workers.size(), 3u);
+  for (const auto& w : cpu->workers) {
+    EXPECT_EQ(w.env,
+              (std::map<std::string, std::string>{{"JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"},
+                                                  {"JAX_NUM_CPU_DEVICES", "1"},
+                                                  {"JAX_PLATFORMS", "cpu"}}));
+    EXPECT_TRUE(w.devices.empty());
+  }
+  auto gpu = PlanForSlurm(Config({.num_workers = 2, .use_gpu = true}), host);
+  EXPECT_EQ(gpu->platform, "cuda");
+  EXPECT_EQ(gpu->workers[1].env, (std::map<std::string, std::string>{{"JAX_PLATFORMS", "cuda"}}));
+  host.env[placement::kSimulateEnv] = "1";
+  EXPECT_EQ(PlanForSlurm(Config({.num_workers = 2, .use_gpu = true}), host)->platform, "cpu");
+}
+
+TEST(ParseSrunTaskEndTest, ReadsSignalsExitCodesAndTaskRanges) {
+  auto killed = ParseSrunTaskEnd("srun: error: node2: task 3: Killed\n");
+  ASSERT_TRUE(killed.has_value());
+  EXPECT_EQ(killed->tasks, std::vector<int>{3});
+  EXPECT_EQ(killed->node, "node2");
+  EXPECT_EQ(killed->exit.signal, SIGKILL);
+
+  auto exited = ParseSrunTaskEnd("srun: error: node1: tasks 0-1,4: Exited with exit code 3");
+  ASSERT_TRUE(exited.has_value());
+  EXPECT_EQ(exited->tasks, (std::vector<int>{0, 1, 4}));
+  EXPECT_EQ(exited->exit.exit_code, 3);
+  EXPECT_EQ(exited->exit.signal, 0);
+
+  auto segv = ParseSrunTaskEnd("srun: error: n7: task 0: Segmentation fault (core dumped)");
+  ASSERT_TRUE(segv.has_value());
+  EXPECT_EQ(segv->exit.signal, SIGSEGV);
+  EXPECT_TRUE(segv->exit.core_dumped);
+
+  for (const char* other :
+       {"srun: error: Unable to create step for job 12: Invalid",
+        "0: srun: error: node2: task 1: Killed", "srun: error: node2: task x: Killed",
+        "srun: error: node2: task 1: Something else", "hello"}) {
+    EXPECT_FALSE(ParseSrunTaskEnd(other).has_value()) << other;
+  }
+}
+
+class TempDirTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    std::string dir = testing::TempDir() + "/slurm_launcher_test.XXXXXX";
+    ASSERT_NE(mkdtemp(dir.data()), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Writes an executable script.
+  std::string Script(const std::string& name, const std::string& text) {
+    std::string path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    chmod(path.c_str(), 0755);
+    return path;
+  }
+
+  std::string dir_;
+};
+
+using CheckSharedStorageTest = TempDirTest;
+
+TEST_F(CheckSharedStorageTest, ALocalDirectoryIsRefusedUnlessDeclaredShared) {
+  struct statfs st {};
+  ASSERT_EQ(statfs(dir_.c_str(), &st), 0);
+  if (st.f_type == 0x6969) GTEST_SKIP() << "the test's temporary directory is on NFS";
+  accelerators::FakeHost host;
+  Status refused = CheckSharedStorage(dir_ + "/runs/not-yet", host);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(refused.message(), "'" + dir_ + "/runs/not-yet' is on a local filesystem"));
+  EXPECT_TRUE(Contains(refused.message(), "use shared storage"));
+  EXPECT_TRUE(Contains(refused.message(), "s3://, gs://"));
+
+  host.env[kSharedStorageEnv] = "/nonexistent/a:" + dir_ + "/runs";
+  EXPECT_TRUE(CheckSharedStorage(dir_ + "/runs/not-yet", host).ok());
+  EXPECT_TRUE(CheckSharedStorage(dir_ + "/runs", host).ok());
+  EXPECT_FALSE(CheckSharedStorage(dir_ + "/runs-other", host).ok());  // a sibling, not inside
+}
+
+TEST(AddressTowardsTest, IsTheSourceAddressOfTheRoute) {
+  EXPECT_EQ(*AddressTowards("127.0.0.1"), "127.0.0.1");
+  EXPECT_EQ(AddressTowards("no-such-host.invalid").status().code(), StatusCode::kUnavailable);
+}
+
+// srun's behaviour that the launcher and the controller rely on, for tests: --ntasks copies of
+// the command with SLURM_PROCID (and, as python/jaxtrain/worker.py derives them, JAXTRAIN_RANK
+// ...), each line labelled "<task>: " with --label; every task that fails is reported as srun
+// reports it, and the first one's failure kills the others (--kill-on-bad-exit); a SIGTERM, which
+// the tasks get as well, does not stop it from reporting. Its arguments go to $FAKE_SRUN_ARGS.
+constexpr char kFakeSrun[] = R"(#!/usr/bin/python3
+import os, signal, subprocess, sys, threading
+
+# Like srun, outlive a SIGTERM (the tasks get it too) to report how the tasks ended.
+signal.signal(signal.SIGTERM, lambda *_: None)
+
+with open(os.environ["FAKE_SRUN_ARGS"], "w") as f:
+    f.write("\n".join(sys.argv[1:]) + "\n")
+args, n, labelled = sys.argv[1:], 1, False
+while args and args[0].startswith("--"):
+    arg = args.pop(0)
+    labelled = labelled or arg == "--label"
+    if arg.startswith("--ntasks="):
+        n = int(arg.split("=", 1)[1])
+    elif arg.startswith("--chdir="):
+        os.chdir(arg.split("=", 1)[1])
+lock = threading.Lock()
+
+
+def label(i, out):
+    for line in out:
+        with lock:
+            sys.stdout.write(f"{i}: {line}" if labelled else line)
+            sys.stdout.flush()
+
+
+tasks, pumps = {}, []
+for i in range(n):
+    place = {"SLURM_PROCID": i, "SLURM_LOCALID": i, "SLURM_NODEID": 0, "JAXTRAIN_RANK": i,
+             "JAXTRAIN_LOCAL_RANK": i, "JAXTRAIN_LOCAL_WORLD_SIZE": n, "JAXTRAIN_NODE_RANK": 0}
+    env = dict(os.environ, **{k: str(v) for k, v in place.items()})
+    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tasks[p.pid] = (i, p)
+    pumps.append(threading.Thread(target=label, args=(i, p.stdout)))
+    pumps[-1].start()
+rc, running = 0, set(tasks)
+while running:
+    pid, status = os.wait()
+    running.discard(pid)
+    i, p = tasks[pid]
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        continue
+    what = f"Exited with exit code {code}" if code > 0 else signal.strsignal(-code)
+    with lock:
+        sys.stderr.write(f"srun: error: fakehost: task {i}: {what}\n")
+        sys.stderr.flush()
+    if rc == 0:
+        rc = code if code > 0 else 128 - code
+        for other in running:
+            os.kill(other, signal.SIGKILL)  # not Popen.kill(), which would reap it here
+for t in pumps:
+    t.join()
+sys.exit(rc)
+)";
+
+class SlurmLauncherTest : public TempDirTest {
+ protected:
+  SlurmLauncherOptions Options(const std::string& state = "RUNNING None") {
+    setenv("FAKE_SRUN_ARGS", (dir_ + "/srun-args").c_str(), 1);
+    return {.job_id = "42",
+            .shape = {.tasks = 2},
+            .step_name = "jaxtrain-test",
+            .srun = Script("srun", kFakeSrun),
+            .scancel = Script("scancel", "#!/bin/sh\necho \"$@\" >> " + dir_ + "/scancel-args\n"),
+            .squeue = Script("squeue", "#!/bin/sh\necho '" + state + "'\n")};
+  }
+};
+
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    poll(&p, 1, 10000);
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EAGAIN) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+TEST_F(SlurmLauncherTest, OneStepRunsEveryRankWithTheSharedEnvironmentOnly) {
+  SlurmLauncher launcher(Options());
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back({{r},
+                     {"/bin/sh", "-c", "echo rank=$JAXTRAIN_RANK secret=$SECRET"},
+                     {{"SECRET", "s3cr3t"}, {"JAXTRAIN_RANK", std::to_string(r)}},
+                     {},
+                     dir_});
+  }
+  auto launched = launcher.Launch(specs);
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  ASSERT_EQ(launched->size(), 1u);
+  const LaunchedProcess& step = launched->front();
+  EXPECT_EQ(step.ranks, (std::vector<int>{0, 1}));
+  std::string output = ReadAll(step.output_fd);
+  EXPECT_TRUE(Contains(output, "0: rank=0 secret=s3cr3t\n")) << output;
+  EXPECT_TRUE(Contains(output, "1: rank=1 secret=s3cr3t\n")) << output;
+  auto exit = [&] {
+    pollfd p{step.pidfd, POLLIN, 0};
+    poll(&p, 1, 10000);
+    return TryReap(step.pid);
+  }();
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_TRUE(exit->ok()) << exit->ToString();
+  close(step.pidfd);
+  close(step.output_fd);
+
+  std::string args = ReadFile(dir_ + "/srun-args");
+  for (const char* arg : {"--jobid=42", "--job-name=jaxtrain-test-1", "--ntasks=2",
+                          "--kill-on-bad-exit=1", "--label", "--export=ALL"}) {
+    EXPECT_TRUE(Contains(args, std::string(arg) + "\n")) << args;
+  }
+  EXPECT_TRUE(Contains(args, "--chdir=" + dir_ + "\n")) << args;
+  EXPECT_FALSE(Contains(args, "s3cr3t")) << "the environment never goes on a command line";
+}
+
+TEST_F(SlurmLauncherTest, OneRanksOutputIsNotLabelled) {
+  SlurmLauncherOptions options = Options();
+  options.shape.tasks = 1;
+  SlurmLauncher launcher(options);
+  auto launched = launcher.Launch({{{0}, {"/bin/echo", "hello"}, {}, {}, ""}});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  EXPECT_EQ(ReadAll(launched->front().output_fd), "hello\n");
+  EXPECT_FALSE(Contains(ReadFile(dir_ + "/srun-args"), "--label"));
+  pollfd p{launched->front().pidfd, POLLIN, 0};
+  poll(&p, 1, 10000);
+  EXPECT_TRUE(TryReap(launched->front().pid)->ok());
+  close(launched->front().pidfd);
+  close(launched->front().output_fd);
+}
+
+TEST_F(SlurmLauncherTest, RefusesRanksWhoseEnvironmentsDifferBeyondTheirPlace) {
+  SlurmLauncher launcher(Options());
+  std::vector<ProcessSpec> specs = {{{0}, {"/bin/true"}, {{"CUDA_VISIBLE_DEVICES", "0"}}, {}, ""},
+                                    {{1}, {"/bin/true"}, {{"CUDA_VISIBLE_DEVICES", "1"}}, {}, ""}};
+  auto launched = launcher.Launch(specs);
+  EXPECT_EQ(launched.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(launched.status().message(), "CUDA_VISIBLE_DEVICES differs"));
+}
+
+TEST_F(SlurmLauncherTest, NoStepInAnAllocationThatSlurmHasEnded) {
+  SlurmLauncher launcher(Options("COMPLETING NodeDown"));
+  auto launched = launcher.Launch({{{0}, {"/bin/true"}, {}, {}, ""}});
+  EXPECT_EQ(launched.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(launched.status().message(), "Slurm job 42"));
+  EXPECT_TRUE(Contains(launched.status().message(), "COMPLETING NodeDown"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/srun-args")) << "srun was started";
+}
+
+// The controller with the Slurm launcher: one process for all ranks, its output split by label.
+class ControllerOnSlurmTest : public SlurmLauncherTest {
+ protected:
+  controller::ControllerOptions ControllerOptions(int workers, Strings args) {
+    accelerators::FakeHost host;
+    controller::ControllerOptions o;
+    o.run_dir = dir_ + "/run";
+    o.experiment_name = "slurm_test";
+    o.plan = *PlanForSlurm(Config({.num_workers = workers}), host);
+    o.worker_argv = {FAKE_WORKER_PATH};
+    o.worker_argv.insert(o.worker_argv.end(), args.begin(), args.end());
+    console_path_ = dir_ + "/console";
+    console_fd_ = open(console_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    o.console_fd = console_fd_;
+    o.terminate_grace = std::chrono::seconds(2);
+    return o;
+  }
+  void TearDown() override {
+    if (console_fd_ >= 0) close(console_fd_);
+    SlurmLauncherTest::TearDown();
+  }
+  std::string Log(int rank) {
+    return ReadFile(dir_ + "/run/logs/rank-" + std::to_string(rank) + ".log");
+  }
+
+  std::string console_path_;
+  int console_fd_ = -1;
+};
+
+TEST_F(ControllerOnSlurmTest, EveryRankRunsInOneStepAndGetsItsOwnLog) {
+  controller::ControllerOptions o = ControllerOptions(3, {"ok", "2"});
+  SlurmLauncherOptions lo = Options();
+  lo.shape.tasks = 3;
+  controller::Controller c(std::move(o), std::make_unique<SlurmLauncher>(lo));
+  ASSERT_TRUE(c.Start().ok());
+  ASSERT_TRUE(c.Wait(std::chrono::seconds(30)));
+  EXPECT_EQ(c.outcome().state, controller::Outcome::State::kSucceeded)
+      << (c.outcome().failure ? c.outcome().failure->message : "");
+  EXPECT_EQ(c.outcome().rounds, 2u);
+  for (int r = 0; r < 3; ++r) {
+    std::string log = Log(r);
+    EXPECT_TRUE(Contains(log, "fake_worker rank=" + std::to_string(r) + " pid=")) << log;
+    EXPECT_FALSE(Contains(log, "fake_worker rank=" + std::to_string((r + 1) % 3))) << log;
+    EXPECT_FALSE(Contains(log, std::to_string(r) + ": ")) << "the label is not in the log";
+  }
+  std::string console = ReadFile(console_path_);
+  EXPECT_TRUE(Contains(console, "(rank=2) fake_worker rank=2 pid=")) << console;
+}
+
+TEST_F(ControllerOnSlurmTest, ATaskKilledIsBlamedAsSrunReportsItAndTheGroupRestarts) {
+  controller::ControllerOptions o = ControllerOptions(2, {"crash"});
+  o.worker_env["FAKE_FAIL_RANK"] = "1";
+  o.max_failures = 1;
+  controller::Controller c(std::move(o), std::make_unique<SlurmLauncher>(Options()));
+  ASSERT_TRUE(c.Start().ok());
+  ASSERT_TRUE(c.Wait(std::chrono::seconds(30)));
+  const controller::Outcome& out = c.outcome();
+  EXPECT_EQ(out.state, controller::Outcome::State::kFailed);
+  EXPECT_EQ(out.attempts, 2);
+  ASSERT_EQ(out.failures.size(), 2u);
+  for (const auto& f : out.failures) {
+    EXPECT_EQ(f.rank, 1);
+    EXPECT_EQ(f.cause, "signal");
+    EXPECT_EQ(f.message, "its process was killed by signal 9 (SIGKILL) on fakehost");
+  }
+  std::string log = Log(1);
+  EXPECT_TRUE(Contains(log, "srun: error: fakehost: task 1: Killed")) << log;
+  EXPECT_FALSE(Contains(Log(0), "task 1: Killed")) << "srun's line goes to the rank it names";
+}
+
+}  // namespace
+}  // namespace jaxtrain::launch

@@ -1,0 +1,385 @@
+"""JaxTrainer on a real Slurm cluster: several nodes on this machine, each slurmd in its own network
+namespace with its own address and hostname (tests/slurm_fixtures.py, scripts/slurm_cluster.sh).
+
+Every driver runs in the root namespace, as on a login node: inside an allocation (salloc ...
+python driver.py, where the Slurm launcher is chosen automatically) or outside one (then
+JAXTRAIN_LAUNCHER=slurm asks Slurm for the allocation and waits for it). The workers run on the
+nodes and reach the driver's controller over the bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slurm_fixtures import SlurmCluster
+
+pytest_plugins = ["slurm_fixtures"]  # the fixtures slurm_cluster and shared_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+SEED = (REPO / "examples" / "linear_regression.py").read_text()
+
+# Injected into the seed's program before its ScalingConfig: the seed's training function runs
+# after a cross-process psum, which only a single JAX job across all workers can compute.
+PSUM_FIRST = '''
+_seed_train_func = train_func
+
+
+def train_func():
+    import json, os, socket
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jaxtrain import get_context
+
+    ctx = get_context()
+    mesh = Mesh(np.array(jax.devices()), ("workers",))
+    local = np.array([float(ctx.get_world_rank())])
+    arr = jax.make_array_from_process_local_data(NamedSharding(mesh, P("workers")), local)
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(arr)
+    seen = {
+        "rank": ctx.get_world_rank(), "world_size": ctx.get_world_size(),
+        "local_rank": ctx.get_local_rank(), "local_world_size": ctx.get_local_world_size(),
+        "node_rank": ctx.get_node_rank(), "host": socket.gethostname(),
+        "process_count": jax.process_count(), "psum": float(total),
+        "job": os.environ.get("SLURM_JOB_ID"),
+    }
+    with open(f"seen-rank-{ctx.get_world_rank()}.json", "w") as f:
+        json.dump(seen, f)
+    _seed_train_func()
+
+'''
+MARK = "# Define the hardware configuration"
+
+
+def seed_program(num_workers: int | None) -> str:
+    """The seed's linear-regression program with the psum first; with `num_workers`, its
+    ScalingConfig becomes num_workers CPU workers spread over the nodes."""
+    program = SEED.replace(MARK, PSUM_FIRST + MARK, 1)
+    if num_workers is not None:
+        program, n = re.subn(
+            r"scaling_config = ScalingConfig\(.*?\n\)",
+            f'scaling_config = ScalingConfig(num_workers={num_workers}, '
+            f'placement_strategy="SPREAD")',
+            program, count=1, flags=re.S)
+        assert n == 1
+    return program
+
+
+def drive(cluster: SlurmCluster, cwd: Path, program: str, *, allocation: list[str] | None = None,
+        timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
+    """Runs `program` as a driver in `cwd`: under `salloc <allocation>` when given."""
+    (cwd / "driver.py").write_text(program)
+    argv = [sys.executable, str(cwd / "driver.py")]
+    if allocation is not None:
+        argv = ["salloc", *allocation, *argv]
+    return subprocess.run(argv, cwd=cwd, env=cluster.env(HOME=str(cwd), **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def seen(cwd: Path, world_size: int) -> list[dict]:
+    return [json.loads((cwd / f"seen-rank-{r}.json").read_text()) for r in range(world_size)]
+
+
+def jobs(cluster: SlurmCluster) -> list[str]:
+    return cluster.run("squeue", "--noheader", "--format=%i %j %T").splitlines()
+
+
+def run_dir(cwd: Path) -> Path:
+    runs = list((cwd / "jaxtrain_results").iterdir())
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_two_workers_inside_an_allocation_are_one_jax_job_across_the_nodes(slurm_cluster,
+                                                                           shared_dir):
+    proc = drive(slurm_cluster, shared_dir, seed_program(2), allocation=["-N2", "-n2"])
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"Training finished\. Final loss: \d+\.\d{4}", proc.stdout), proc.stdout
+    ranks = seen(shared_dir, 2)
+    assert [r["psum"] for r in ranks] == [1.0, 1.0]
+    assert [r["process_count"] for r in ranks] == [2, 2]
+    assert {r["host"] for r in ranks} == {"node1", "node2"}
+    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in ranks] == [
+        (0, 0, 1), (1, 0, 1)]
+    assert len({r["job"] for r in ranks}) == 1  # the driver's own allocation
+    # The console carries each rank's lines with its prefix; the run directory its own log.
+    assert "(rank=0) [Gloo] Rank 0 is connected" in proc.stdout
+    assert "(rank=1) [Gloo] Rank 1 is connected" in proc.stdout
+    rundir = run_dir(shared_dir)
+    for rank in range(2):
+        log = (rundir / "logs" / f"rank-{rank}.log").read_text()
+        assert f"[Gloo] Rank {rank} is connected" in log
+        assert f"Rank {1 - rank} is connected" not in log
+    assert len((rundir / "result.jsonl").read_text().splitlines()) == 100
+
+
+def test_four_workers_outside_an_allocation_wait_for_their_own(slurm_cluster, shared_dir):
+    # Every CPU of the cluster is taken for a few seconds: the request must wait, and say so.
+    blocker = slurm_cluster.run("sbatch", "--parsable", "--ntasks=4", "--nodes=2",
+                                "--job-name=blocker", "--output=/dev/null",
+                                "--wrap=sleep 4").strip()
+    proc = drive(slurm_cluster, shared_dir, seed_program(None), JAXTRAIN_LAUNCHER="slurm",
+               JAXTRAIN_SIMULATE="1")
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jaxtrain: asking Slurm for an allocation: 4 tasks, 1 CPU each" in proc.stderr
+    waiting = re.search(r"jaxtrain: waiting for Slurm job (\d+) \(4 tasks.*\): state PENDING, "
+                        r"reason (\w+)", proc.stderr)
+    assert waiting, proc.stderr[-3000:]
+    assert waiting.group(1) != blocker
+    assert f"jaxtrain: Slurm granted job {waiting.group(1)}" in proc.stderr
+    assert re.search(r"Training finished\. Final loss: \d+\.\d{4}", proc.stdout)
+    ranks = seen(shared_dir, 4)
+    assert [r["psum"] for r in ranks] == [6.0] * 4
+    assert {r["host"] for r in ranks} == {"node1", "node2"}
+    assert {r["job"] for r in ranks} == {waiting.group(1)}
+    # The allocation jaxtrain asked for is released when the run ends.
+    assert not [j for j in jobs(slurm_cluster) if j.startswith(waiting.group(1) + " ")]
+
+
+def test_ctrl_c_while_waiting_for_an_allocation_withdraws_the_request(slurm_cluster, shared_dir):
+    blocker = slurm_cluster.run("sbatch", "--parsable", "--ntasks=4", "--nodes=2",
+                                "--job-name=blocker", "--output=/dev/null",
+                                "--wrap=sleep 60").strip()
+    try:
+        (shared_dir / "driver.py").write_text(textwrap.dedent('''
+            import os
+            from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+            JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
+                       run_config=RunConfig(name="never", storage_path=os.getcwd())).fit()
+        '''))
+        driver = subprocess.Popen([sys.executable, "driver.py"], cwd=shared_dir,
+                                  env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
+                                  stderr=subprocess.PIPE, text=True)
+        said = []
+        for line in driver.stderr:
+            said.append(line)
+            if "jaxtrain: waiting for Slurm job" in line:
+                driver.send_signal(signal.SIGINT)
+                break
+        said.append(driver.stderr.read())
+        assert driver.wait(timeout=30) != 0
+        said = "".join(said)
+        job = re.search(r"waiting for Slurm job (\d+)", said).group(1)
+        assert said.rstrip().endswith("KeyboardInterrupt"), said
+        assert not [j for j in jobs(slurm_cluster) if j.startswith(job + " ")]
+    finally:
+        slurm_cluster.run("scancel", blocker)
+
+
+KILLED_ON_NODE2 = '''
+import json, os, signal, socket, time
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, get_context, report
+
+
+def train():
+    ctx = get_context()
+    with open(f"attempt-{ctx.get_attempt()}-rank-{ctx.get_world_rank()}.json", "w") as f:
+        json.dump({"host": socket.gethostname(), "job": os.environ["SLURM_JOB_ID"],
+                   "step": os.environ["SLURM_STEP_ID"]}, f)
+    report({"step": 0})
+    if ctx.get_attempt() == 0 and socket.gethostname() == "node2":
+        print("killing myself on node2", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    report({"step": 1, "attempt": ctx.get_attempt()})
+
+
+result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD"),
+                    run_config=RunConfig(name="killed", storage_path=os.getcwd(),
+                                         failure_config=FailureConfig(max_failures=1))).fit()
+print("final", json.dumps(result.metrics))
+'''
+
+
+def test_a_worker_killed_on_one_node_restarts_the_group_in_the_same_allocation(slurm_cluster,
+                                                                                shared_dir):
+    proc = drive(slurm_cluster, shared_dir, KILLED_ON_NODE2, allocation=["-N2", "-n2"])
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'final {"step": 1, "attempt": 1}' in proc.stdout
+    assert ("jaxtrain: attempt 0 failed: rank 1 (host node2): its process was killed by signal 9 "
+            "(SIGKILL) on node2") in proc.stderr
+    assert "srun: error: node2: task 1: Killed" in proc.stdout
+    assert "(rank=1) killing myself on node2" in proc.stdout
+    first = [json.loads((shared_dir / f"attempt-0-rank-{r}.json").read_text()) for r in range(2)]
+    second = [json.loads((shared_dir / f"attempt-1-rank-{r}.json").read_text()) for r in range(2)]
+    assert [a["host"] for a in first] == ["node1", "node2"]
+    assert len({a["job"] for a in first + second}) == 1  # one allocation ...
+    assert {a["step"] for a in first} != {a["step"] for a in second}  # ... a new step per attempt
+    run_state = json.loads((shared_dir / "killed" / "run.json").read_text())
+    assert [a["status"] for a in run_state["attempts"]] == ["ERRORED", "FINISHED"]
+    assert run_state["attempts"][0]["failure"]["host"] == "node2"
+    rank1 = (shared_dir / "killed" / "logs" / "rank-1.log").read_text()
+    assert "killing myself on node2" in rank1
+    assert "srun: error: node2: task 1: Killed" in rank1
+    assert "killing myself" not in (shared_dir / "killed" / "logs" / "rank-0.log").read_text()
+
+
+def test_a_node_local_storage_path_is_refused_before_slurm_is_asked(slurm_cluster, shared_dir,
+                                                                    tmp_path):
+    # tmp_path is under /tmp, which every node has a private one of.
+    program = textwrap.dedent(f'''
+        from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+        JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name="refused", storage_path={str(tmp_path)!r})).fit()
+    ''')
+    before = jobs(slurm_cluster)
+    proc = drive(slurm_cluster, shared_dir, program, JAXTRAIN_LAUNCHER="slurm")
+
+    assert proc.returncode != 0
+    assert "ValueError: RunConfig.storage_path" in proc.stderr
+    assert f"'{tmp_path}' is on a local filesystem" in proc.stderr
+    assert "use shared storage (an NFS or other network filesystem mounted on every node, " \
+           "s3://, gs://)" in proc.stderr
+    assert "asking Slurm" not in proc.stderr
+    assert jobs(slurm_cluster) == before
+    assert not (tmp_path / "refused").exists()
+
+
+WAITS_FOR_PROBE = '''
+import os, time
+from pathlib import Path
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, get_context
+
+
+def train():
+    if get_context().get_world_rank() == 0:
+        Path("controller.txt").write_text(os.environ["JAXTRAIN_CONTROLLER_ADDR"])
+    deadline = time.time() + 60
+    while not Path("probed").exists() and time.time() < deadline:
+        time.sleep(0.1)
+
+
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+           run_config=RunConfig(name="probe-run", storage_path=os.getcwd())).fit()
+print("run finished")
+'''
+
+# A peer on node2 that knows the protocol but not the secret: a well-formed hello, then an auth
+# frame with a made-up proof. Prints what the controller did with it.
+PROBE = '''
+import os, socket, struct, sys
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=10)
+hello = b"JXTR" + struct.pack(">HIII", 1, 0, 0, os.getpid()) + os.urandom(32)
+s.sendall(struct.pack(">IB", len(hello) + 1, 1) + hello)
+challenge = b""
+while len(challenge) < 5 + 64:
+    challenge += s.recv(100)
+s.sendall(struct.pack(">IB", 33, 3) + os.urandom(32))
+print("closed" if s.recv(100) == b"" else "answered")
+'''
+
+
+def test_a_connection_from_a_node_without_the_secret_is_refused(slurm_cluster, shared_dir):
+    (shared_dir / "driver.py").write_text(WAITS_FOR_PROBE)
+    driver = subprocess.Popen(["salloc", "-N2", "-n2", sys.executable, "driver.py"],
+                              cwd=shared_dir, env=slurm_cluster.env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        address = shared_dir / "controller.txt"
+        deadline = time.monotonic() + 120
+        while not address.exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert address.exists(), driver.communicate(timeout=30)
+        controller = address.read_text()
+        assert controller.startswith("198.18.0.1:")  # the bridge: where the nodes reach the driver
+        probe = subprocess.run(
+            ["ip", "netns", "exec", slurm_cluster.namespace("node2"), sys.executable, "-c",
+             PROBE, controller], capture_output=True, text=True, timeout=30)
+        assert probe.stdout.strip() == "closed", probe.stderr
+    finally:
+        (shared_dir / "probed").write_text("")
+        out, err = driver.communicate(timeout=120)
+    assert driver.returncode == 0, err[-3000:]
+    assert "run finished" in out
+    assert re.search(r"jaxtrain: refused a control connection from 198\.18\.0\.12:\d+: failed "
+                     r"authentication \(it does not hold this run's secret\)", err), err[-3000:]
+
+
+# Reports every 0.1 s; rank 0 marks each attempt's progress in ready-<attempt> after 3 rounds.
+LONG_RUN = '''
+import os, time
+from pathlib import Path
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, get_context, report
+
+
+def train():
+    ctx = get_context()
+    for i in range(30):
+        report({"i": i, "attempt": ctx.get_attempt()})
+        if i == 3 and ctx.get_world_rank() == 0:
+            Path(f"ready-{ctx.get_attempt()}").write_text("")
+        time.sleep(0.1)
+
+
+result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+                    run_config=RunConfig(name="long", storage_path=os.getcwd(),
+                                         failure_config=FailureConfig(max_failures=2))).fit()
+print("final", result.metrics)
+'''
+
+
+def start_long_run(cluster: SlurmCluster, cwd: Path) -> subprocess.Popen:
+    (cwd / "driver.py").write_text(LONG_RUN)
+    driver = subprocess.Popen(["salloc", "-N2", "-n2", sys.executable, "driver.py"], cwd=cwd,
+                              env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    deadline = time.monotonic() + 120
+    while not (cwd / "ready-0").exists() and driver.poll() is None:
+        assert time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.1)
+    assert (cwd / "ready-0").exists(), driver.communicate(timeout=30)
+    return driver
+
+
+def test_a_step_cancelled_by_slurm_fails_the_attempt_and_a_new_step_finishes(slurm_cluster,
+                                                                             shared_dir):
+    driver = start_long_run(slurm_cluster, shared_dir)
+    steps = [line.split() for line in slurm_cluster.run(
+        "squeue", "--noheader", "--steps", "--format=%i %j").splitlines()]
+    ours = [step for step, name in steps if name.startswith("jaxtrain-long-")]
+    assert len(ours) == 1, steps
+    slurm_cluster.run("scancel", ours[0])  # as an administrator or a time limit would
+    out, err = driver.communicate(timeout=120)
+
+    assert driver.returncode == 0, err[-3000:]
+    assert "final {'i': 29, 'attempt': 1}" in out
+    assert re.search(r"jaxtrain: attempt 0 failed: rank \d \(host node\d\)", err), err[-3000:]
+    assert "jaxtrain: restarting the worker group: attempt 1" in err
+    state = json.loads((shared_dir / "long" / "run.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["ERRORED", "FINISHED"]
+
+
+def test_a_lost_node_fails_the_attempt_and_the_run_says_that_slurm_ended_the_job(slurm_cluster,
+                                                                                  shared_dir):
+    driver = start_long_run(slurm_cluster, shared_dir)
+    try:
+        # A power cut on node2: its slurmd, the step's slurmstepd and the worker, all at once.
+        pids = subprocess.run(["ip", "netns", "pids", slurm_cluster.namespace("node2")],
+                              capture_output=True, text=True, check=True).stdout.split()
+        subprocess.run(["kill", "-9", *pids], check=True)
+        out, err = driver.communicate(timeout=120)
+        state = json.loads((shared_dir / "long" / "run.json").read_text())
+    finally:
+        slurm_cluster.restore()  # a new cluster: the shared directory too
+
+    assert driver.returncode != 0
+    assert "jaxtrain: attempt 0 failed: rank 1 (host node2): its control connection closed" in err
+    assert "TrainingFailedError" in err
+    assert state["status"] == "ERRORED"
+    assert state["attempts"][0]["failure"]["host"] == "node2"
+    # Once Slurm has ended the allocation (node failure), no retry is made in it: at most one
+    # attempt started while Slurm was still ending the job fails before the run gives up.
+    assert "this run's allocation, is no longer running" in err, err[-3000:]
+    assert len(state["attempts"]) in (2, 3)
