@@ -377,3 +377,28 @@ def test_script_arguments_are_not_taken_for_jaxtrain_options():
     assert (args.num_workers, args.target, args.args) == (2, "train.py", ["-n", "5", "--help"])
     args = _parser().parse_args(["run", "-m", "pkg.train", "--lr", "3"])
     assert (args.module, args.target, args.args) == (True, "pkg.train", ["--lr", "3"])
+
+
+def test_plan_prints_the_placement_without_starting_anything(tmp_path):
+    proc = jaxtrain("plan", "-n", "4", "--use-tpu", "--topology", "2x2x2",
+                    "--accelerator-type", "TPU-V4", "--json",
+                    env={**os.environ, "JAXTRAIN_SIMULATE": "1", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["simulated"] and plan["num_slices"] == 2
+    assert [w["env"]["MEGASCALE_SLICE_ID"] for w in plan["workers"]] == ["0", "0", "1", "1"]
+    assert not (tmp_path / "jaxtrain_results").exists()
+    table = jaxtrain("plan", "-n", "2", env={**os.environ, "HOME": str(tmp_path)})
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[1].split() == ["RANK", "HOST", "SLICE", "DEVICES", "LOCAL",
+                                                    "NODE"]
+
+
+def test_plan_refuses_bad_values_and_missing_hardware():
+    bad = jaxtrain("plan", "-n", "0")
+    assert bad.returncode == 2
+    assert "ScalingConfig.num_workers=0" in bad.stderr
+    no_tpu = jaxtrain("plan", "-n", "4", "--use-tpu", "--topology", "4x4",
+                      "--accelerator-type", "TPU-V6E", env={**os.environ, "JAXTRAIN_SIMULATE": "0"})
+    assert no_tpu.returncode == 1
+    assert "JAXTRAIN_SIMULATE=1" in no_tpu.stderr

@@ -141,7 +141,7 @@ def _parse_resources(text: str) -> dict[str, float]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig
     from jaxtrain.errors import TrainingFailedError
     from jaxtrain.trainer import JaxTrainer, _run_dir
 
@@ -156,22 +156,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not os.path.isfile(script):
             raise _UsageError(f"cannot find the script '{args.target}' (looked for {script})")
         task = {"script": script, "args": args.args}
-    resources = (
-        _parse_resources(args.resources_per_worker) if args.resources_per_worker else None
-    )
     try:
         trainer = JaxTrainer(
             _run_script,
             train_loop_config=task,
-            scaling_config=ScalingConfig(
-                num_workers=args.num_workers,
-                use_tpu=args.use_tpu,
-                use_gpu=args.use_gpu,
-                topology=args.topology,
-                accelerator_type=args.accelerator_type,
-                resources_per_worker=resources,
-                placement_strategy=args.placement_strategy,
-            ),
+            scaling_config=_scaling_config(args),
             run_config=RunConfig(
                 name=args.name,
                 storage_path=args.storage_path,
@@ -205,6 +194,50 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     rounds = len(result._read_rounds())
     _say(f"run '{name}' finished ({rounds} report round(s)); results in {result.path}")
+    return EXIT_OK
+
+
+def _scaling_config(args: argparse.Namespace) -> Any:
+    """The ScalingConfig of the scaling options; its own validation reports bad values."""
+    from jaxtrain.config import ScalingConfig
+
+    resources = (
+        _parse_resources(args.resources_per_worker) if args.resources_per_worker else None
+    )
+    return ScalingConfig(
+        num_workers=args.num_workers,
+        use_tpu=args.use_tpu,
+        use_gpu=args.use_gpu,
+        topology=args.topology,
+        accelerator_type=args.accelerator_type,
+        resources_per_worker=resources,
+        placement_strategy=args.placement_strategy,
+    )
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from jaxtrain import _core
+
+    try:
+        plan = _core.plan_local(_scaling_config(args)._core).to_dict()
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    except (RuntimeError, OSError) as e:
+        _say(f"no plan: {e}")
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return EXIT_OK
+    simulated = " (simulated on local CPU processes)" if plan["simulated"] else ""
+    print(f"platform {plan['platform']}{simulated}; hosts from {plan['hosts_source']}; "
+          f"{plan['num_slices']} slice(s)")
+    rows = [[str(w["rank"]), w["host"], w["slice"] or "-", ",".join(w["devices"]) or "-",
+             str(w["local_rank"]), str(w["node_rank"])] for w in plan["workers"]]
+    print(_table(["RANK", "HOST", "SLICE", "DEVICES", "LOCAL", "NODE"], rows))
+    for w in plan["workers"]:
+        env = " ".join(f"{k}={v}" for k, v in sorted(w["env"].items()))
+        unset = "".join(f" -{k}" for k in w["unset_env"])
+        print(f"rank {w['rank']} env: {env}{unset}")
     return EXIT_OK
 
 
@@ -562,6 +595,20 @@ exit status:
 """
 
 
+def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
+    scaling = parser.add_argument_group("scaling (ScalingConfig)")
+    scaling.add_argument("-n", "--num-workers", type=int, default=1, metavar="N",
+                         help="worker processes (default 1)")
+    scaling.add_argument("--use-tpu", action="store_true", help="run on TPUs")
+    scaling.add_argument("--use-gpu", action="store_true", help="run on GPUs")
+    scaling.add_argument("--topology", help="TPU slice topology, e.g. 4x4")
+    scaling.add_argument("--accelerator-type", help="e.g. TPU-V6E")
+    scaling.add_argument("--resources-per-worker", metavar="SPEC",
+                         help="e.g. TPU=4,CPU=1 or '{\"TPU\": 4}'")
+    scaling.add_argument("--placement-strategy", default="PACK",
+                         help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD")
+
+
 def _parser() -> argparse.ArgumentParser:
     from jaxtrain import __version__
 
@@ -591,17 +638,7 @@ def _parser() -> argparse.ArgumentParser:
         + _EXIT_CODES,
         formatter_class=formatter,
     )
-    scaling = run.add_argument_group("scaling (ScalingConfig)")
-    scaling.add_argument("-n", "--num-workers", type=int, default=1, metavar="N",
-                         help="worker processes (default 1)")
-    scaling.add_argument("--use-tpu", action="store_true", help="run on TPUs")
-    scaling.add_argument("--use-gpu", action="store_true", help="run on GPUs")
-    scaling.add_argument("--topology", help="TPU slice topology, e.g. 4x4")
-    scaling.add_argument("--accelerator-type", help="e.g. TPU-V6E")
-    scaling.add_argument("--resources-per-worker", metavar="SPEC",
-                         help="e.g. TPU=4,CPU=1 or '{\"TPU\": 4}'")
-    scaling.add_argument("--placement-strategy", default="PACK",
-                         help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD")
+    _add_scaling_options(run)
     where = run.add_argument_group("run directory (RunConfig)")
     where.add_argument("--name", help="the run's name (default jaxtrain_run-<UTC time>); "
                        "an existing run of this name is resumed from its latest checkpoint")
@@ -621,6 +658,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("target", nargs="?", metavar="script.py | module")
     run.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     run.set_defaults(handler=_cmd_run)
+
+    plan = commands.add_parser(
+        "plan", help="print where each rank would run, its devices and environment",
+        description="Prints the placement that 'run' (and JaxTrainer.fit) would use for these "
+        "scaling options, without starting anything: rank -> host, slice, devices, and the "
+        "environment each worker starts with. Honours JAXTRAIN_HOSTS (a host description) and "
+        "JAXTRAIN_SIMULATE=1, as runs do.",
+        epilog="example:\n  JAXTRAIN_SIMULATE=1 jaxtrain plan -n 4 --use-tpu --topology 2x2x2 "
+        "--accelerator-type TPU-V4\n  JAXTRAIN_HOSTS=hosts.json jaxtrain plan -n 2 --use-gpu "
+        "--json\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    _add_scaling_options(plan)
+    plan.add_argument("--json", action="store_true", help="the whole plan as JSON")
+    plan.set_defaults(handler=_cmd_plan)
 
     ls = commands.add_parser(
         "ls", help="list the runs under a storage path",
