@@ -8,9 +8,10 @@
 #
 # Each node is its own host: a network namespace joined to a bridge by a veth pair, with its own
 # address (198.18.0.1N; the bridge, where slurmctld and the driver live, is 198.18.0.1), its own
-# hostname (a UTS namespace), its own /etc/hosts (so that Gloo finds its address) and its own
-# /tmp (a mount namespace): a path under /tmp on the driver's host is node-local, as on a real
-# cluster, while $STATE/shared is visible on every node, like an NFS mount. Addresses are in
+# hostname (a UTS namespace) and its own /etc/hosts (so that Gloo finds its address). The nodes
+# share this machine's filesystems, so the driver's virtual environment (wherever the checkout is)
+# runs on every node; $STATE/shared stands for an NFS mount, and a path on a local filesystem
+# counts as node-local by its filesystem type, as jaxtrain judges it on a real cluster. Addresses are in
 # 198.18.0.0/15 (reserved for benchmark testing); the namespaces have no route beyond the bridge,
 # so no traffic leaves the machine. Needs root. `start` is idempotent: a running cluster is left
 # as it is, a half-started one is stopped first.
@@ -145,11 +146,10 @@ setup_network() {
 start_daemons() {
   slurmctld -f "$CONF" -c
   for i in $(seq "$NODES"); do
-    # A new UTS namespace for the node's hostname, a new mount namespace for its own /tmp; the
-    # daemon keeps them alive, and every task it starts inherits them.
-    ip netns exec "$(node_ns "$i")" unshare --uts --mount --propagation private sh -c \
-      "hostname $(node_name "$i") && mount -t tmpfs -o mode=1777 tmpfs /tmp &&
-       exec slurmd -f $CONF -N $(node_name "$i")"
+    # A new UTS namespace for the node's hostname; the daemon keeps it alive, and every task it
+    # starts inherits it.
+    ip netns exec "$(node_ns "$i")" unshare --uts sh -c \
+      "hostname $(node_name "$i") && exec slurmd -f $CONF -N $(node_name "$i")"
   done
 }
 

@@ -26,7 +26,7 @@ NODES = int(os.environ.get("JAXTRAIN_SLURM_TEST_NODES", "2"))
 @dataclass
 class SlurmCluster:
     conf: str  # SLURM_CONF for the clients
-    shared: Path  # seen by every node, like an NFS mount; /tmp is node-local
+    shared: Path  # stands for an NFS mount seen by every node
     nodes: list[str] = field(default_factory=list)
 
     def namespace(self, node: str) -> str:

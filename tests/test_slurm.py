@@ -227,7 +227,7 @@ def test_a_worker_killed_on_one_node_restarts_the_group_in_the_same_allocation(s
 
 def test_a_node_local_storage_path_is_refused_before_slurm_is_asked(slurm_cluster, shared_dir,
                                                                     tmp_path):
-    # tmp_path is under /tmp, which every node has a private one of.
+    # tmp_path is under /tmp, on this machine's local disk: node-local as far as a cluster goes.
     program = textwrap.dedent(f'''
         from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
         JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
