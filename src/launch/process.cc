@@ -1,10 +1,16 @@
 #include "launch/process.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
+
+extern char** environ;
 
 namespace jaxtrain::launch {
 
@@ -41,6 +47,55 @@ std::optional<ExitStatus> TryReap(pid_t pid) {
     s.core_dumped = WCOREDUMP(status);
   }
   return s;
+}
+
+StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
+  if (!options.cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, options.cwd.c_str());
+
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t empty, all;
+  sigemptyset(&empty);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &empty);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
+  if (options.process_group) {
+    posix_spawnattr_setpgroup(&attr, *options.process_group);
+    flags |= POSIX_SPAWN_SETPGROUP;
+  }
+  posix_spawnattr_setflags(&attr, flags);
+
+  std::vector<std::string> args = options.argv;
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings = options.env ? *options.env : std::vector<std::string>{};
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  char** child_env = options.env ? envp.data() : environ;
+
+  pid_t pid = -1;
+  int rc = options.search_path
+               ? posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), child_env)
+               : posix_spawn(&pid, argv[0], &actions, &attr, argv.data(), child_env);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close(pipefd[1]);
+  if (rc != 0) {
+    close(pipefd[0]);
+    return Status(rc == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
+                  std::strerror(rc));
+  }
+  return Spawned{pid, pipefd[0]};
 }
 
 }  // namespace jaxtrain::launch

@@ -5,6 +5,9 @@
 
 #include <optional>
 #include <string>
+#include <vector>
+
+#include "base/status.h"
 
 namespace jaxtrain::launch {
 
@@ -22,5 +25,24 @@ std::optional<ExitStatus> TryReap(pid_t pid);
 
 // "SIGKILL" for 9, "signal 64" when unnamed.
 std::string SignalName(int signal);
+
+struct SpawnOptions {
+  std::vector<std::string> argv;                  // argv[0]: a path, or a name when search_path
+  const std::vector<std::string>* env = nullptr;  // "NAME=value" entries; null: this process's
+  std::string cwd;                                // empty: this process's
+  std::optional<pid_t> process_group;             // join it (0: a new group led by the child)
+  bool search_path = false;                       // look argv[0] up in PATH
+};
+
+struct Spawned {
+  pid_t pid = -1;
+  int output_fd = -1;  // the read end of the child's stdout and stderr, blocking, close-on-exec
+};
+
+// Starts a child with stdin from /dev/null, stdout and stderr on one pipe, no blocked signals
+// and every signal's default action. The caller owns the pid and the descriptor.
+// Errors: kNotFound when argv[0] does not exist, kUnavailable when it cannot be started
+// otherwise (the message is the system's reason; callers add what they were starting).
+StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);
 
 }  // namespace jaxtrain::launch

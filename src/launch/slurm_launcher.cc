@@ -5,7 +5,6 @@
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/statfs.h>
@@ -85,59 +84,25 @@ std::map<std::string, std::string> CurrentEnvironment() {
   return env;
 }
 
-struct Spawned {
-  pid_t pid = -1;
-  int output_fd = -1;
-};
-
-// Starts argv (looked up in PATH) with stdin from /dev/null and stdout and stderr on one pipe,
-// in a new process group when `new_group`. Errors: kUnavailable naming the program and why.
+// Starts a Slurm command (looked up in PATH), in a new process group when `new_group`.
+// Errors: kUnavailable naming the program and why.
 StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
                         const std::map<std::string, std::string>* env, bool new_group) {
-  int pipefd[2];
-  if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t empty, all;
-  sigemptyset(&empty);
-  sigfillset(&all);
-  posix_spawnattr_setsigmask(&attr, &empty);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
-  if (new_group) {
-    posix_spawnattr_setpgroup(&attr, 0);
-    flags |= POSIX_SPAWN_SETPGROUP;
-  }
-  posix_spawnattr_setflags(&attr, flags);
-
-  std::vector<std::string> args = argv;
-  std::vector<char*> cargs;
-  for (auto& a : args) cargs.push_back(a.data());
-  cargs.push_back(nullptr);
   std::vector<std::string> env_strings;
-  std::vector<char*> cenv;
   if (env != nullptr) {
     for (const auto& [k, v] : *env) env_strings.push_back(k + "=" + v);
-    for (auto& e : env_strings) cenv.push_back(e.data());
-    cenv.push_back(nullptr);
   }
-  pid_t pid = -1;
-  int rc = posix_spawnp(&pid, cargs[0], &actions, &attr, cargs.data(),
-                        env != nullptr ? cenv.data() : environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  close(pipefd[1]);
-  if (rc != 0) {
-    close(pipefd[0]);
-    return UnavailableError("cannot start '" + argv[0] + "': " + std::strerror(rc) +
-                            (rc == ENOENT ? " (is Slurm's client installed and on PATH?)" : ""));
+  SpawnOptions options{
+      .argv = argv, .env = env != nullptr ? &env_strings : nullptr, .search_path = true};
+  if (new_group) options.process_group = 0;
+  auto spawned = SpawnWithOutputPipe(options);
+  if (!spawned.ok()) {
+    return UnavailableError("cannot start '" + argv[0] + "': " + spawned.status().message() +
+                            (spawned.status().code() == StatusCode::kNotFound
+                                 ? " (is Slurm's client installed and on PATH?)"
+                                 : ""));
   }
-  return Spawned{pid, pipefd[0]};
+  return *spawned;
 }
 
 ExitStatus WaitFor(pid_t pid) {
