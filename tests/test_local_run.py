@@ -310,6 +310,6 @@ def test_a_storage_path_blocked_by_a_file_fails_before_any_worker_starts(tmp_pat
     assert "is a file, not a directory" in str(e.value) or "Not a directory" in str(e.value)
 
 
-def test_an_unsupported_storage_scheme_is_refused_at_fit():
+def test_an_unsupported_storage_scheme_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="storage_path='gopher://x'.*scheme 'gopher://'"):
         JaxTrainer(lambda: None, run_config=RunConfig(name="r", storage_path="gopher://x")).fit()

@@ -33,25 +33,41 @@ class Checkpoint:
 
     def to_directory(self, path: str | os.PathLike | None = None) -> str:
         """Copies the checkpoint's files (not its manifest) into ``path`` (default: a new
-        temporary directory) and returns that path."""
+        temporary directory) and returns that path; a remote checkpoint is downloaded."""
         target = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="checkpoint-")
+        if self.filesystem is not None:
+            from jaxtrain.storage import download_tree
+
+            download_tree(self.filesystem, self.path, target, skip=(MANIFEST_NAME,))
+            return target
         shutil.copytree(self.path, target, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(MANIFEST_NAME))
         return target
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
-        """The checkpoint as a local directory, for reading; no copy for a local checkpoint."""
-        yield self.path
+        """The checkpoint as a local directory, for reading: a local checkpoint's own directory
+        (no copy), or a temporary download of a remote one, removed afterwards."""
+        if self.filesystem is None:
+            yield self.path
+            return
+        target = self.to_directory()
+        try:
+            yield target
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
 
     def __fspath__(self) -> str:
         return self.path
 
     def __repr__(self) -> str:
-        return f"Checkpoint(path={self.path!r})"
+        if self.filesystem is None:
+            return f"Checkpoint(path={self.path!r})"
+        return f"Checkpoint(filesystem={type(self.filesystem).__name__}, path={self.path!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Checkpoint) and other.path == self.path
+        return (isinstance(other, Checkpoint) and other.path == self.path
+                and other.filesystem is self.filesystem)
 
     def __hash__(self) -> int:
         return hash(self.path)

@@ -285,9 +285,44 @@ def _local_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+# Local copies of remote runs (their records, logs and manifests), by the URL they show.
+_REMOTE_VIEWS: dict[str, str] = {}
+
+
+def _remote(path: str, what: str) -> tuple[Any, str] | None:
+    from jaxtrain import storage
+
+    try:
+        return storage.remote_filesystem(path, field=what)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+
+
+def _remote_view(fs: Any, root: str) -> str:
+    """A temporary local copy of the remote run `root`, removed when the command exits."""
+    import atexit
+    import shutil
+
+    from jaxtrain import storage
+
+    try:
+        view = storage.local_view(fs, root)
+    except FileNotFoundError:
+        raise _UsageError(f"no run at {storage.url(fs, root)}: it has no run.json") from None
+    atexit.register(shutil.rmtree, view, True)
+    _REMOTE_VIEWS[view] = storage.url(fs, root)
+    return view
+
+
 def _resolve_run(run: str, storage_path: str | None) -> str:
     """A bare name is looked up under the storage path first, then as a path; anything with a
-    '/' (or '.', '..') is a path."""
+    '/' (or '.', '..') is a path. A URL, or a name under a URL storage path, is read from the
+    remote storage into a temporary local copy."""
+    if "://" in run and not run.startswith("file://"):
+        return _remote_view(*_remote(run, "RUN"))
+    if storage_path and "://" in storage_path and not storage_path.startswith("file://"):
+        fs, base = _remote(storage_path, "--storage-path")
+        return _remote_view(fs, f"{base}/{run}")
     storage = _local_path(storage_path or _default_storage_path())
     candidates = []
     if os.sep not in run and run not in (".", ".."):
@@ -379,6 +414,9 @@ def _value(v: Any) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    remote = _remote(args.storage_path, "STORAGE_PATH") if args.storage_path else None
+    if remote is not None:
+        return _ls_remote(*remote)
     storage = _local_path(args.storage_path or _default_storage_path())
     if not os.path.isdir(storage):
         raise _UsageError(f"the storage path {storage} does not exist (no run has used it)")
@@ -410,6 +448,30 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _ls_remote(fs: Any, base: str) -> int:
+    """Lists the runs under a remote storage path from a local copy of their records."""
+    import atexit
+    import shutil
+    import tempfile
+
+    view = tempfile.mkdtemp(prefix="jaxtrain-ls-")
+    atexit.register(shutil.rmtree, view, True)
+    try:
+        entries = fs.ls(base, detail=True)
+    except FileNotFoundError:
+        entries = []
+    for entry in entries:
+        run = entry["name"].rstrip("/")
+        if entry["type"] != "directory" or not fs.exists(f"{run}/run.json"):
+            continue
+        local = os.path.join(view, run.rsplit("/", 1)[-1])
+        os.makedirs(local)
+        for name in ("run.json", "result.jsonl"):
+            if fs.exists(f"{run}/{name}"):
+                fs.get_file(f"{run}/{name}", os.path.join(local, name))
+    return _cmd_ls(argparse.Namespace(storage_path=view))
+
+
 # --- jaxtrain show --------------------------------------------------------------------------------
 
 
@@ -426,7 +488,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         out.append(f"{key:<11}{value}")
 
     field("run", state.get("name", os.path.basename(run_dir)))
-    field("path", run_dir)
+    field("path", _REMOTE_VIEWS.get(run_dir, run_dir))
     field("status", state.get("status", "?"))
     field("started", _when(state.get("start_time")))
     field("duration", _duration(state.get("start_time"), state.get("end_time")))

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxtrain import _core
+from jaxtrain import _core, storage
 
 
 def _expect(owner: str, field: str, value: Any, types: tuple, allowed: str) -> None:
@@ -192,12 +192,17 @@ class RunConfig:
     ``name`` defaults to ``jaxtrain_run-<UTC timestamp>``; ``storage_path`` to
     ``~/jaxtrain_results``. Running again with the same name and storage_path resumes the run
     from its latest committed checkpoint.
+
+    ``storage_path`` is a local or shared (NFS) directory, or a URL of any fsspec filesystem
+    (``s3://bucket/prefix``, ``gs://...``, ``memory://...``); ``storage_filesystem``, an fsspec or
+    pyarrow filesystem object, makes ``storage_path`` a path on that filesystem instead.
     """
 
     def __init__(
         self,
         name: str | None = None,
         storage_path: str | os.PathLike | None = None,
+        storage_filesystem: Any = None,
         failure_config: FailureConfig | None = None,
         checkpoint_config: CheckpointConfig | None = None,
     ) -> None:
@@ -216,12 +221,17 @@ class RunConfig:
         core = _core.RunConfig(name=name, storage_path=storage_path)
         self.name: str = core.name
         self.storage_path: str = core.storage_path
+        self.storage_filesystem = storage_filesystem
+        # A URL's scheme or a filesystem object is checked now, without touching the storage.
+        storage.remote_filesystem(self.storage_path, storage_filesystem)
         self.failure_config = failure_config or FailureConfig()
         self.checkpoint_config = checkpoint_config or CheckpointConfig()
 
     def __repr__(self) -> str:
+        fs = ("" if self.storage_filesystem is None
+              else f"storage_filesystem={self.storage_filesystem!r}, ")
         return (
-            f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r}, "
+            f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r}, {fs}"
             f"failure_config={self.failure_config!r}, "
             f"checkpoint_config={self.checkpoint_config!r})"
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,8 @@ class Result:
     directory; ``error``: the TrainingFailedError when the run failed; ``checkpoint``: the latest
     committed checkpoint (None if none); ``best_checkpoints``: every kept checkpoint with the
     metrics of its round, best first by the run's CheckpointConfig score (newest first without
-    one).
+    one); ``filesystem``: the fsspec filesystem of a run on remote storage (``path`` and the
+    checkpoints' paths are then paths on it), None for a local or shared directory.
     """
 
     metrics: dict[str, Any] | None
@@ -27,6 +30,7 @@ class Result:
     error: BaseException | None = None
     checkpoint: Checkpoint | None = None
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
+    filesystem: Any = None
     _rounds: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -44,31 +48,46 @@ class Result:
         return frame
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike) -> Result:
-        """Rebuilds the Result of a run from its directory, finished or not."""
-        path = os.path.abspath(os.fspath(path))
-        state_path = os.path.join(path, "run.json")
-        if not os.path.exists(state_path):
-            raise FileNotFoundError(f"'{path}' is not a jaxtrain run directory: it has no run.json")
-        with open(state_path, encoding="utf-8") as f:
-            state = json.load(f)
-        error = None
-        if state.get("status") == "ERRORED":
-            failed = [a for a in state.get("attempts", []) if a.get("failure")]
-            if failed:
-                f = failed[0]["failure"]
-                error = TrainingFailedError(
-                    f"Training failed: rank {f['rank']} (host {f['host'] or '?'}, attempt "
-                    f"{failed[0]['attempt']}): {f['message']}",
-                    rank=f["rank"], host=f["host"], attempt=failed[0]["attempt"],
-                    cause=f["cause"], log_path=os.path.join(path, "logs", f"rank-{f['rank']}.log"),
-                )
-        return _load(path, state.get("config", {}).get("checkpoint_config"), error)
+    def from_path(cls, path: str | os.PathLike, storage_filesystem: Any = None) -> Result:
+        """Rebuilds the Result of a run from its directory, finished or not: a local or shared
+        path, or a URL / a path on ``storage_filesystem`` (fsspec or pyarrow) for remote storage."""
+        from jaxtrain import storage
+
+        path = os.fspath(path)
+        remote = storage.remote_filesystem(path, storage_filesystem, field="Result.from_path path")
+        if remote is None:
+            return _from_local(os.path.abspath(path.removeprefix("file://")))
+        view = storage.local_view(*remote)
+        try:
+            return _from_local(view, remote)
+        finally:
+            shutil.rmtree(view, ignore_errors=True)
 
     def _read_rounds(self) -> list[dict]:
         if self._rounds is None:
             self._rounds = _read_rounds(self.path)
         return self._rounds
+
+
+def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
+    state_path = os.path.join(path, "run.json")
+    if not os.path.exists(state_path):
+        raise FileNotFoundError(f"'{path}' is not a jaxtrain run directory: it has no run.json")
+    with open(state_path, encoding="utf-8") as f:
+        state = json.load(f)
+    error = None
+    if state.get("status") == "ERRORED":
+        failed = [a for a in state.get("attempts", []) if a.get("failure")]
+        if failed:
+            f = failed[0]["failure"]
+            logs = remote[1] if remote else path
+            error = TrainingFailedError(
+                f"Training failed: rank {f['rank']} (host {f['host'] or '?'}, attempt "
+                f"{failed[0]['attempt']}): {f['message']}",
+                rank=f["rank"], host=f["host"], attempt=failed[0]["attempt"],
+                cause=f["cause"], log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
+            )
+    return _load(path, state.get("config", {}).get("checkpoint_config"), error, remote)
 
 
 def _read_rounds(path: str) -> list[dict]:
@@ -84,8 +103,10 @@ def _read_rounds(path: str) -> list[dict]:
     return rows
 
 
-def _load(path: str, checkpoint_config: dict | None, error: BaseException | None) -> Result:
-    """The Result of the run directory `path`."""
+def _load(path: str, checkpoint_config: dict | None, error: BaseException | None,
+          remote: tuple[Any, str] | None = None) -> Result:
+    """The Result of the run directory `path`; with `remote` (filesystem, run directory), `path`
+    is a local copy of that remote run directory, and the Result names the remote one."""
     from jaxtrain import _core
 
     rounds = _read_rounds(path)
@@ -102,11 +123,22 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
         # The index is rewritten atomically before any deletion; trust only what still exists.
         if name and any(c.path == os.path.join(path, name) for c, _ in best):
             latest = Checkpoint(os.path.join(path, name))
+    filesystem = None
+    if remote is not None:
+        filesystem, root = remote
+
+        def rebase(c: Checkpoint) -> Checkpoint:
+            return Checkpoint(posixpath.join(root, os.path.basename(c.path)), filesystem)
+
+        best = [(rebase(c), m) for c, m in best]
+        latest = rebase(latest) if latest is not None else None
+        path = root
     return Result(
         metrics=rounds[-1]["metrics"] if rounds else None,
         path=path,
         error=error,
         checkpoint=latest,
         best_checkpoints=best,
+        filesystem=filesystem,
         _rounds=rounds,
     )

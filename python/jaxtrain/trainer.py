@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import posixpath
 import socket
 import sys
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core
+from jaxtrain import _core, storage
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, _load
@@ -105,15 +106,18 @@ class JaxTrainer:
         Raises TrainingFailedError when a worker fails, and KeyboardInterrupt after stopping every
         worker when the driver is interrupted.
         """
-        run_dir = _run_dir(self.run_config)
+        mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
+        run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
         if launcher == "slurm":
             if _slurm_spans_hosts():
                 # Refused before Slurm is asked for anything: other hosts could not see it.
-                _core.check_shared_storage(os.path.dirname(run_dir))
+                _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
         else:
             plan = _core.plan_local(self.scaling_config._core)
+        if mirror is not None:
+            mirror.pull()
         payload = cloudpickle.dumps(
             {
                 "fn": self.train_loop_per_worker,
@@ -153,6 +157,8 @@ class JaxTrainer:
             scaling_config=self.scaling_config._core,
         )
         controller.start()
+        if mirror is not None:
+            mirror.start()
         try:
             # Short waits let Python deliver Ctrl-C; the wait returns at once when the run ends.
             while not controller.wait(0.2):
@@ -162,7 +168,11 @@ class JaxTrainer:
             while not controller.wait(1.0):
                 pass
             raise
-        return _result(controller.outcome(), run_dir, self.run_config.checkpoint_config)
+        finally:
+            if mirror is not None:
+                mirror.close()  # what was committed reaches the storage, even after Ctrl-C
+        remote = (mirror.fs, mirror.root) if mirror is not None else None
+        return _result(controller.outcome(), run_dir, self.run_config.checkpoint_config, remote)
 
 
 def _slurm_spans_hosts() -> bool:
@@ -171,16 +181,32 @@ def _slurm_spans_hosts() -> bool:
 
 
 def _run_dir(run_config: RunConfig) -> str:
-    path = run_config.storage_path
-    if "://" in path:
-        scheme = path.split("://", 1)[0]
-        if scheme != "file":
-            raise ValueError(
-                f"RunConfig.storage_path={path!r} uses the scheme '{scheme}://', which this "
-                "version of jaxtrain cannot write to; use a local or shared (NFS) directory"
-            )
-        path = path.split("://", 1)[1]
+    path = run_config.storage_path.removeprefix("file://")
     return os.path.abspath(os.path.join(path, run_config.name))
+
+
+def _mirror(run_config: RunConfig) -> storage.Mirror | None:
+    """For remote storage, the Mirror of the run (its staging copy is rebuilt by ``pull()``)."""
+    remote = storage.remote_filesystem(run_config.storage_path, run_config.storage_filesystem)
+    if remote is None:
+        return None
+    fs, base = remote
+    root = posixpath.join(base, run_config.name)
+    return storage.Mirror(fs, root, storage.staging_dir(fs, root))
+
+
+def _check_shared(run_dir: str, mirror: storage.Mirror | None) -> None:
+    try:
+        _core.check_shared_storage(os.path.dirname(run_dir))
+    except ValueError as e:
+        if mirror is None:
+            raise
+        raise ValueError(
+            f"RunConfig.storage_path: a run on {mirror.url} stages its files in a local copy "
+            f"that every node must see, and '{os.path.dirname(run_dir)}' is not shared: set "
+            "JAXTRAIN_STAGING_DIR to a directory shared with every node"
+            f" ({str(e).split(': ', 1)[-1]})"
+        ) from None
 
 
 def _worker_env() -> dict[str, str]:
@@ -212,13 +238,14 @@ def _describe(config: dict | None) -> Any:
         return repr(config)
 
 
-def _result(outcome: dict, run_dir: str, checkpoint_config) -> Result:
+def _result(outcome: dict, run_dir: str, checkpoint_config,
+            remote: tuple[Any, str] | None) -> Result:
     error: BaseException | None = None
     if outcome["state"] == "ERRORED":
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    result = _load(run_dir, checkpoint_config._as_dict(), error)
+    result = _load(run_dir, checkpoint_config._as_dict(), error, remote)
     if error is not None:
         raise error
     return result

@@ -1,0 +1,423 @@
+"""Run directories on fsspec filesystems: ``s3://``, ``gs://``, ``memory://`` and the like.
+
+The C++ engine writes a run to a POSIX directory (local disk or NFS), where a checkpoint commits by
+an atomic rename. For any other storage the driver keeps that directory as a local *staging copy*
+and mirrors it to the remote run directory with a ``Mirror``:
+
+* at the start, ``pull()`` checks that the remote run directory can be written, deletes what an
+  interrupted upload left there, and rebuilds the staging copy from it (the run's records, its logs,
+  every kept checkpoint's manifest, and the files of the newest checkpoint whose remote files
+  match their manifest), so that the engine resumes exactly as from a local run directory;
+* while the run goes on and once more at its end, ``push()`` uploads each newly committed
+  checkpoint (its files, streamed; then its manifest), then the records, then the index
+  ``checkpoints.json`` in one PUT, and only then deletes the checkpoints the index no longer holds.
+
+On the remote side a checkpoint therefore exists once the index names it: a reader
+(``Result.from_path``, the next ``fit()``) never sees a partial upload, and the next ``pull()``
+sweeps one away. Files are copied in chunks, never read whole into memory; an upload that takes
+longer than a few seconds reports its progress on the driver's stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from jaxtrain.checkpoint import MANIFEST_NAME
+
+INDEX_NAME = "checkpoints.json"
+_RECORDS = ("run.json", "result.jsonl")
+_CHUNK = 8 << 20
+_BLOCK = 16 << 20
+_PROGRESS_AFTER_S = 3.0
+_PROGRESS_EVERY_S = 5.0
+_PUSH_EVERY_S = 1.0
+_PROBE_NAME = ".jaxtrain_write_probe"
+
+
+def remote_filesystem(storage_path: str, storage_filesystem: Any = None,
+                      field: str = "RunConfig.storage_path") -> tuple[Any, str] | None:
+    """The fsspec filesystem and path of a storage path, or None when it is a POSIX path that the
+    engine writes itself. ``storage_filesystem`` (fsspec or pyarrow) overrides the URL's scheme.
+    Raises ValueError naming the field, the value and what is allowed."""
+    if storage_filesystem is not None:
+        fs = as_fsspec(storage_filesystem)
+        if "file" in _protocols(fs) or "local" in _protocols(fs):
+            return None
+        return fs, fs._strip_protocol(storage_path).rstrip("/")
+    if "://" not in storage_path or storage_path.startswith("file://"):
+        return None
+    scheme = storage_path.split("://", 1)[0]
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(
+            f"{field}={storage_path!r} is a URL, which needs the fsspec package (and the one for "
+            f"'{scheme}://', e.g. s3fs or gcsfs); install them, or use a local or shared directory"
+        ) from None
+    try:
+        fs, path = fsspec.core.url_to_fs(storage_path)
+    except ValueError:
+        known = ", ".join(f"{p}://" for p in sorted(fsspec.available_protocols())[:12])
+        raise ValueError(
+            f"{field}={storage_path!r} uses the scheme '{scheme}://', which no fsspec filesystem "
+            f"handles (known: {known}, ...); use one of those or a local or shared directory"
+        ) from None
+    except ImportError as e:
+        raise ValueError(
+            f"{field}={storage_path!r} needs a package that is not installed for "
+            f"'{scheme}://': {e}"
+        ) from None
+    return fs, path.rstrip("/")
+
+
+def as_fsspec(filesystem: Any) -> Any:
+    """An fsspec filesystem for an fsspec or pyarrow filesystem object (Ray accepts pyarrow's)."""
+    try:
+        import fsspec
+    except ImportError:
+        fsspec = None
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        return filesystem
+    if type(filesystem).__module__.startswith("pyarrow"):
+        from fsspec.implementations.arrow import ArrowFSWrapper
+
+        return ArrowFSWrapper(filesystem)
+    raise ValueError(
+        f"RunConfig.storage_filesystem={filesystem!r} is not allowed; pass an fsspec filesystem "
+        "(fsspec.AbstractFileSystem) or a pyarrow.fs.FileSystem"
+    )
+
+
+def url(fs: Any, path: str) -> str:
+    """`path` on `fs` as a URL, for messages."""
+    protocol = _protocols(fs)[0]
+    return f"{protocol}://{path}"
+
+
+def staging_dir(fs: Any, root: str) -> str:
+    """The local staging copy of the remote run directory `root`: under $JAXTRAIN_STAGING_DIR, by
+    default ~/.cache/jaxtrain/staging (on Slurm across hosts it must be a shared directory)."""
+    base = os.environ.get("JAXTRAIN_STAGING_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxtrain", "staging")
+    safe = re.sub(r"[^A-Za-z0-9._/-]", "_", root).strip("/").replace("..", "_")
+    return os.path.abspath(os.path.join(base, _protocols(fs)[0], safe))
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+class _Progress:
+    """Bytes moved in one pass, shown on stderr once the pass has run for a few seconds."""
+
+    def __init__(self, verb: str, where: str) -> None:
+        self.verb, self.where = verb, where
+        self.start = self.last = time.monotonic()
+        self.done = 0
+        self.total = 0
+        self.what = ""
+        self.shown = False
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.start >= _PROGRESS_AFTER_S and (not self.shown
+                                                      or now - self.last >= _PROGRESS_EVERY_S):
+            self.last, self.shown = now, True
+            self._say(f"{_size(self.done)} of {_size(self.total)} ({self._rate(now)})")
+
+    def finish(self) -> None:
+        if self.shown:
+            now = time.monotonic()
+            self._say(f"{_size(self.done)} in {now - self.start:.1f} s ({self._rate(now)}), done")
+
+    def _rate(self, now: float) -> str:
+        return f"{_size(self.done / max(now - self.start, 1e-9))}/s"
+
+    def _say(self, text: str) -> None:
+        print(f"jaxtrain: {self.verb} {self.what} {self.where}: {text}", file=sys.stderr,
+              flush=True)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _copy(read, write, progress: _Progress | None) -> None:
+    while chunk := read(_CHUNK):
+        write(chunk)
+        if progress is not None:
+            progress.add(len(chunk))
+
+
+class Mirror:
+    """Keeps the remote run directory `root` on `fs` a copy of the committed state of the local
+    run directory `local`; see the module docstring for the order of writes."""
+
+    def __init__(self, fs: Any, root: str, local: str) -> None:
+        self.fs, self.root, self.local = fs, root, local
+        self.url = url(fs, root)
+        self._uploaded: dict[str, int] = {}  # checkpoint -> its round, as the remote index may name
+        self._sent: dict[str, tuple[int, int]] = {}  # record/log file -> (size, mtime_ns) sent
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # --- start: from remote to staging ------------------------------------------------------
+
+    def pull(self) -> None:
+        """Checks the remote run directory is writable, sweeps interrupted uploads from it, and
+        rebuilds the local staging copy from it. Raises ValueError when it cannot be written."""
+        self.fs.invalidate_cache()
+        self._check_writable()
+        index = self._remote_index()
+        records = index.get("checkpoints", [])
+        kept = [c["dir_name"] for c in records]
+        self._sweep(set(kept))
+        if os.path.exists(self.local):
+            shutil.rmtree(self.local)
+        os.makedirs(self.local)
+        self._download_records(with_logs=True)
+        restore = None
+        for name in reversed(kept):
+            manifest = self._download_manifest(name)
+            if manifest is not None and restore is None and self._matches(name, manifest):
+                restore = name
+                self._download_checkpoint(name, manifest)
+        self._uploaded = {c["dir_name"]: c["round"] for c in records}
+
+    def _check_writable(self) -> None:
+        probe = posixpath.join(self.root, _PROBE_NAME)
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(probe, b"")
+            self.fs.rm_file(probe)
+        except Exception as e:  # noqa: BLE001 - any backend's failure is the same answer
+            raise ValueError(
+                f"RunConfig.storage_path: the run directory {self.url!r} cannot be written: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+
+    def _remote_index(self) -> dict:
+        path = posixpath.join(self.root, INDEX_NAME)
+        if not self.fs.exists(path):
+            return {}
+        try:
+            return json.loads(self.fs.cat_file(path))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"the checkpoint index {url(self.fs, path)!r} is damaged: {e}") from None
+
+    def _sweep(self, kept: set[str]) -> None:
+        """Deletes remote directories that the index does not name: interrupted uploads."""
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:  # object stores have no empty directories
+            return
+        for entry in entries:
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if entry["type"] == "directory" and name not in kept and name != "logs":
+                print(f"jaxtrain: removing {url(self.fs, entry['name'])}: an upload that did "
+                      "not finish", file=sys.stderr)
+                self.fs.rm(entry["name"], recursive=True)
+
+    def _download_records(self, with_logs: bool) -> None:
+        names = [*_RECORDS, INDEX_NAME]
+        for name in names:
+            self._get(posixpath.join(self.root, name), os.path.join(self.local, name))
+        logs = posixpath.join(self.root, "logs")
+        if with_logs and self.fs.exists(logs):
+            for path in self.fs.find(logs):
+                rel = posixpath.relpath(path, logs)
+                self._get(path, os.path.join(self.local, "logs", *rel.split("/")))
+
+    def _download_manifest(self, name: str) -> dict | None:
+        remote = posixpath.join(self.root, name, MANIFEST_NAME)
+        local = os.path.join(self.local, name, MANIFEST_NAME)
+        if not self._get(remote, local):
+            return None
+        try:
+            with open(local, encoding="utf-8") as f:
+                return json.load(f)
+        except ValueError:
+            return None
+
+    def _matches(self, name: str, manifest: dict) -> bool:
+        """Whether every file of the remote checkpoint `name` has its manifest's size."""
+        base = posixpath.join(self.root, name)
+        sizes = {posixpath.relpath(e["name"], base): e["size"]
+                 for e in self.fs.find(base, detail=True).values()}
+        for f in manifest.get("file_list", []):
+            if sizes.get(f["path"]) != f["size"]:
+                print(f"jaxtrain: warning: checkpoint {url(self.fs, base)} is not restorable: "
+                      f"'{f['path']}' has {sizes.get(f['path'], 'no')} bytes, its manifest says "
+                      f"{f['size']}; trying the one before", file=sys.stderr)
+                return False
+        return True
+
+    def _download_checkpoint(self, name: str, manifest: dict) -> None:
+        progress = _Progress("downloading", f"from {self.url}")
+        progress.what = name
+        progress.total = manifest.get("bytes", 0)
+        for f in manifest.get("file_list", []):
+            self._get(posixpath.join(self.root, name, f["path"]),
+                      os.path.join(self.local, name, *f["path"].split("/")), progress)
+        progress.finish()
+
+    def _get(self, remote: str, local: str, progress: _Progress | None = None) -> bool:
+        try:
+            src = self.fs.open(remote, "rb")
+        except FileNotFoundError:
+            return False
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with src, open(local, "wb") as dst:
+            _copy(src.read, dst.write, progress)
+        return True
+
+    # --- during and after the run: from staging to remote -----------------------------------
+
+    def start(self) -> None:
+        """Pushes in a background thread until ``close()``."""
+        self._thread = threading.Thread(target=self._loop, name="jaxtrain-mirror", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops the background pushes, then pushes the final state, logs included. Raises what
+        a background push raised."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"uploading the run to {self.url} failed: {self._error}") \
+                from self._error
+        self.push(with_logs=True)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(_PUSH_EVERY_S):
+                self.push()
+        except BaseException as e:  # noqa: BLE001 - reported by close()
+            self._error = e
+
+    def push(self, with_logs: bool = False) -> None:
+        """One pass: new checkpoints (files, then manifest), records, the index, deletions."""
+        index = self._local_index()
+        records = index.get("checkpoints", [])
+        progress = _Progress("uploading", f"to {self.url}")
+        for r in records:
+            if self._uploaded.get(r["dir_name"]) != r["round"]:
+                self._uploaded.pop(r["dir_name"], None)
+                if self._upload_checkpoint(r, progress):
+                    self._uploaded[r["dir_name"]] = r["round"]
+        progress.finish()
+        for name in _RECORDS:
+            self._put_if_changed(name)
+        if with_logs:
+            logs = os.path.join(self.local, "logs")
+            for dirpath, _, files in os.walk(logs):
+                for f in files:
+                    self._put_if_changed(os.path.relpath(os.path.join(dirpath, f), self.local))
+        kept = [r for r in records if self._uploaded.get(r["dir_name"]) == r["round"]]
+        named = {r["dir_name"] for r in kept}
+        if records or self._uploaded:
+            remote_index = dict(index, checkpoints=kept,
+                                latest=kept[-1]["dir_name"] if kept else None)
+            self.fs.pipe_file(posixpath.join(self.root, INDEX_NAME),
+                              (json.dumps(remote_index, indent=1) + "\n").encode())
+        for gone in sorted(set(self._uploaded) - named):
+            self.fs.rm(posixpath.join(self.root, gone), recursive=True)
+            del self._uploaded[gone]
+
+    def _local_index(self) -> dict:
+        try:
+            with open(os.path.join(self.local, INDEX_NAME), encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+
+    def _upload_checkpoint(self, record: dict, progress: _Progress) -> bool:
+        """Uploads one committed checkpoint, manifest last. False when retention deleted it
+        locally before it was uploaded: it will not be in the index again."""
+        name = record["dir_name"]
+        local = os.path.join(self.local, name)
+        remote = posixpath.join(self.root, name)
+        try:
+            with open(os.path.join(local, MANIFEST_NAME), encoding="utf-8") as f:
+                manifest = json.load(f)
+            if self.fs.exists(remote):  # a directory name reused by a later round
+                self.fs.rm(remote, recursive=True)
+            progress.what = name
+            progress.total += manifest.get("bytes", 0)
+            for f in manifest.get("file_list", []):
+                self._put(os.path.join(local, *f["path"].split("/")),
+                          posixpath.join(remote, f["path"]), progress)
+            self._put(os.path.join(local, MANIFEST_NAME), posixpath.join(remote, MANIFEST_NAME))
+        except FileNotFoundError:
+            if self.fs.exists(remote):
+                self.fs.rm(remote, recursive=True)
+            return False
+        return True
+
+    def _put_if_changed(self, rel: str) -> None:
+        local = os.path.join(self.local, rel)
+        try:
+            st = os.stat(local)
+        except FileNotFoundError:
+            return
+        if self._sent.get(rel) != (st.st_size, st.st_mtime_ns):
+            self._put(local, posixpath.join(self.root, *rel.split(os.sep)))
+            self._sent[rel] = (st.st_size, st.st_mtime_ns)
+
+    def _put(self, local: str, remote: str, progress: _Progress | None = None) -> None:
+        # Object stores upload in parts of block_size, which the client buffers: small parts keep
+        # the driver's memory flat; S3 allows at most 10,000 parts to an object.
+        block = max(_BLOCK, -(-os.path.getsize(local) // 9000))
+        with open(local, "rb") as src, self.fs.open(remote, "wb", block_size=block) as dst:
+            _copy(src.read, dst.write, progress)
+
+
+def local_view(fs: Any, root: str) -> str:
+    """A temporary local copy of a remote run directory's records, logs and checkpoint manifests
+    (no checkpoint files), for reading it as a local run directory. The caller removes it."""
+    view = tempfile.mkdtemp(prefix="jaxtrain-run-")
+    mirror = Mirror(fs, root, view)
+    fs.invalidate_cache()
+    if not fs.exists(posixpath.join(root, "run.json")):
+        shutil.rmtree(view)
+        raise FileNotFoundError(f"{url(fs, root)!r} is not a jaxtrain run directory: it has no "
+                                "run.json")
+    mirror._download_records(with_logs=True)
+    for c in mirror._remote_index().get("checkpoints", []):
+        mirror._download_manifest(c["dir_name"])
+    return view
+
+
+def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -> None:
+    """Copies every file under `root` on `fs` into the local directory `target`, streaming."""
+    progress = _Progress("downloading", f"from {url(fs, root)}")
+    files = fs.find(root, detail=True)
+    progress.total = sum(e["size"] for e in files.values())
+    progress.what = posixpath.basename(root)
+    for path in files:
+        rel = posixpath.relpath(path, root)
+        if rel in skip:
+            continue
+        local = os.path.join(target, *rel.split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with fs.open(path, "rb") as src, open(local, "wb") as dst:
+            _copy(src.read, dst.write, progress)
+    progress.finish()
