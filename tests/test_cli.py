@@ -171,6 +171,73 @@ def test_processes_of_a_run_form_one_jax_job_and_report(tmp_path):
     assert [json.loads(r)["metrics"] for r in rounds] == [{"psum": 6, "process_count": 4}]
 
 
+STATUS_SCRIPT = """\
+import time
+import jaxtrain
+for step in range(3):
+    print("training step", step)
+    time.sleep(0.3)
+    jaxtrain.report({"loss": 1.0 / (step + 1), "step": step})
+"""
+
+
+def _run_on_a_terminal(args: list, cwd: Path, columns: int = 200) -> str:
+    """Everything `jaxtrain run` writes to a pseudo-terminal of `columns` columns."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main_fd, term_fd = pty.openpty()
+    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen([*JAXTRAIN, *map(str, args)], cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=term_fd, stderr=term_fd)
+    os.close(term_fd)
+    out = b""
+    while True:
+        try:
+            data = os.read(main_fd, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not data:
+            break
+        out += data
+    os.close(main_fd)
+    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+    return out.decode(errors="replace")
+
+
+def test_run_keeps_a_live_status_line_on_a_terminal_and_none_on_a_pipe(tmp_path):
+    script = tmp_path / "status.py"
+    script.write_text(STATUS_SCRIPT)
+    out = _run_on_a_terminal(["run", "-n", "2", "--storage-path", tmp_path / "runs", "--name",
+                              "tty", script], tmp_path)
+    erase = "\r\x1b[K"
+    drawn = [part.split("\r")[0].split("\n")[0] for part in out.split(erase)[1:]]
+    statuses = [d for d in drawn if d.startswith("[jaxtrain] ")]
+    assert "[jaxtrain] attempt 0 | 0/2 ranks up" in statuses
+    assert "[jaxtrain] attempt 0 | 2/2 ranks up" in statuses
+    assert "[jaxtrain] attempt 0 | 2/2 ranks up | round 1 | loss=1 step=0" in statuses
+    last = [d for d in statuses if "round 3" in d]
+    assert last and re.fullmatch(r"\[jaxtrain\] attempt 0 \| 2/2 ranks up \| round 3 \| "
+                                 r"loss=0.3333 step=2 \| [0-9.]+ rounds/s", last[-1]), statuses
+    # Rank output is written on a fresh line, with the status line redrawn below it.
+    assert re.search(r"\r\x1b\[K\(rank=[01]\) training step 2\r?\n\[jaxtrain\] attempt 0",
+                     out), out
+    # The status line is erased at the end, before the closing message.
+    assert re.search(r"\r\x1b\[Kjaxtrain: run 'tty' finished", out), out[-500:]
+
+    piped = jaxtrain("run", "-n", "2", "--storage-path", tmp_path / "runs", "--name", "pipe",
+                     script)
+    assert piped.returncode == 0, piped.stderr
+    assert "\x1b[" not in piped.stdout + piped.stderr
+    assert "(rank=1) training step 2" in piped.stdout
+
+    plain = _run_on_a_terminal(["run", "-n", "1", "--no-status-line", "--storage-path",
+                                tmp_path / "runs", "--name", "plain", script], tmp_path)
+    assert "\x1b[" not in plain and "(rank=0) training step 2" in plain
+
+
 def test_run_returns_the_status_a_rank_exited_with_and_names_the_rank(runs):
     proc = runs[1]["failed"]
     assert proc.returncode == 3, proc.stderr

@@ -143,7 +143,7 @@ def _parse_resources(text: str) -> dict[str, float]:
 def _cmd_run(args: argparse.Namespace) -> int:
     from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig
     from jaxtrain.errors import TrainingFailedError
-    from jaxtrain.trainer import JaxTrainer, _run_dir
+    from jaxtrain.trainer import JaxTrainer
 
     if args.target is None:
         raise _UsageError("give the script to run: jaxtrain run [options] script.py [args ...] "
@@ -172,9 +172,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 ),
             ),
         )
-        run_dir = _run_dir(trainer.run_config)
+        run_dir = _shown_run_dir(trainer.run_config)
     except ValueError as e:
         raise _UsageError(str(e)) from None
+    trainer._status_line = not args.no_status_line
 
     name = trainer.run_config.name
     _say(f"run '{name}' on {args.num_workers} worker(s); run directory {run_dir}")
@@ -195,6 +196,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     rounds = len(result._read_rounds())
     _say(f"run '{name}' finished ({rounds} report round(s)); results in {result.path}")
     return EXIT_OK
+
+
+def _shown_run_dir(run_config: Any) -> str:
+    """The run directory as users name it: a path, or a URL on remote storage."""
+    from jaxtrain.trainer import _run_dir
+
+    path = run_config.storage_path
+    if "://" in path and not path.startswith("file://"):
+        return f"{path.rstrip('/')}/{run_config.name}"
+    return _run_dir(run_config)
 
 
 def _scaling_config(args: argparse.Namespace) -> Any:
@@ -694,7 +705,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Starts the script on every worker with jax.distributed initialised before "
         "its first line (a script's own jax.distributed.initialize() does nothing); "
         "jaxtrain.report() and get_checkpoint() work inside it. Worker output is printed "
-        "prefixed '(rank=N) '. Everything after the script (or module) goes to it.",
+        "prefixed '(rank=N) '; on a terminal a live status line stays below it. Everything "
+        "after the script (or module) goes to it.",
         epilog="example:\n  jaxtrain run -n 4 --name my_run train.py --epochs 10\n"
         "  JAXTRAIN_SIMULATE=1 jaxtrain run --use-tpu --topology 4x4 -n 4 train.py\n\n"
         + _EXIT_CODES,
@@ -715,6 +727,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep the best checkpoints by this reported metric")
     policy.add_argument("--checkpoint-score-order", default="max", metavar="ORDER",
                         help="max (default) or min")
+    run.add_argument("--no-status-line", action="store_true",
+                     help="on a terminal, do not keep the live status line (attempt, ranks up, "
+                     "last round, rank 0's metrics, rounds/s) below the output")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the target as a module, as python -m does")
     run.add_argument("target", nargs="?", metavar="script.py | module")

@@ -99,6 +99,8 @@ class JaxTrainer:
         self.train_loop_config = train_loop_config
         self.scaling_config = scaling_config
         self.run_config = run_config
+        # `jaxtrain run` sets this: a live status line under the output, when it is a terminal.
+        self._status_line = False
 
     def fit(self) -> Result:
         """Runs the training function on every worker and returns the Result.
@@ -127,6 +129,7 @@ class JaxTrainer:
         )
         sys.stdout.flush()
         sys.stderr.flush()
+        console_fd = _console_fd()
         controller = _core.Controller(
             run_dir=run_dir,
             experiment_name=self.run_config.name,
@@ -152,9 +155,10 @@ class JaxTrainer:
             failure_config=self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
             verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "") not in ("", "0"),
-            console_fd=_console_fd(),
+            console_fd=console_fd,
             launcher=launcher,
             scaling_config=self.scaling_config._core,
+            status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
         )
         controller.start()
         if mirror is not None:

@@ -105,7 +105,7 @@ class PyController {
                const config::FailureConfig& failure_config,
                const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
                int console_fd, std::string launcher,
-               std::optional<config::ScalingConfig> scaling_config)
+               std::optional<config::ScalingConfig> scaling_config, bool status_line)
       : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
     controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
@@ -126,6 +126,7 @@ class PyController {
                    .score_attribute = cc.checkpoint_score_attribute,
                    .higher_is_better = checkpoint_config.higher_is_better()};
     o.verify_checksums = verify_checksums;
+    o.status_line = status_line;
     o.console_fd = console_fd;
     if (launcher_ == "local") {
       controller_ = std::make_unique<controller::Controller>(
@@ -477,11 +478,12 @@ NB_MODULE(_core, m) {
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
                     double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
-                    int, std::string, std::optional<config::ScalingConfig>>(),
+                    int, std::string, std::optional<config::ScalingConfig>, bool>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
-           "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none())
+           "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none(),
+           "status_line"_a = false)
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
+#include "controller/status_line.h"
 #include "launch/process.h"
 #include "launch/slurm_launcher.h"
 #include "storage/files.h"
@@ -46,6 +48,13 @@ void EnableKeepAlive(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+}
+
+// The columns of the terminal on `fd`, or 100 when it is not a terminal.
+size_t TerminalWidth(int fd) {
+  winsize ws{};
+  if (ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
+  return 100;
 }
 
 std::string SecondsText(Duration d) {
@@ -207,7 +216,45 @@ struct Controller::Loop {
 
   void Say(const std::string& line) {
     std::string text = "jaxtrain: " + line + "\n";
+    if (!status.empty()) WriteFully(opts.console_fd, kEraseLine);
     WriteFully(2, text);
+    if (!status.empty()) WriteFully(opts.console_fd, status);
+  }
+
+  // --- the console and its status line -------------------------------------------------------
+
+  std::string status;  // the status line on the console now; "" = none
+  uint64_t attempt_rounds = 0;
+  std::optional<TimePoint> attempt_first_round;
+
+  // Writes rank output to the console, under the status line when there is one.
+  void Console(std::string text) {
+    if (opts.console_fd < 0 || text.empty()) return;
+    if (!status.empty()) text = kEraseLine + text + status;
+    WriteFully(opts.console_fd, text);
+  }
+
+  void RefreshStatus() {
+    if (!opts.status_line || opts.console_fd < 0 || phase == Phase::kDraining) return;
+    StatusView view{.attempt = attempt,
+                    .world_size = static_cast<int>(ranks.size()),
+                    .round = rounds,
+                    .metrics_json = last_metrics};
+    for (const auto& r : ranks) view.ranks_up += r.registered ? 1 : 0;
+    if (attempt_rounds > 1) {
+      double s = std::chrono::duration<double>(Now() - *attempt_first_round).count();
+      if (s > 0) view.rounds_per_s = static_cast<double>(attempt_rounds - 1) / s;
+    }
+    std::string line = FormatStatus(view, TerminalWidth(opts.console_fd) - 1);
+    if (line == status) return;
+    status = line;
+    WriteFully(opts.console_fd, kEraseLine + status);
+  }
+
+  void ClearStatus() {
+    if (status.empty()) return;
+    WriteFully(opts.console_fd, kEraseLine);
+    status.clear();
   }
 
   // --- failures and stopping -------------------------------------------------------------------
@@ -400,6 +447,7 @@ struct Controller::Loop {
         r.registered = true;
         r.host = j.value("host", "");
         r.coordinator = j.value("coordinator", "");
+        RefreshStatus();
         MaybeStartTraining();
         return;
       }
@@ -503,6 +551,8 @@ struct Controller::Loop {
     }
     rounds = round.round;
     last_metrics = round.metrics_json;
+    if (attempt_rounds++ == 0) attempt_first_round = Now();
+    RefreshStatus();
   }
 
   // Commits the round's checkpoint, updates the index, then applies retention: the index is saved
@@ -683,7 +733,7 @@ struct Controller::Loop {
       console += line;
     }
     p.partial_line.erase(0, start);
-    if (opts.console_fd >= 0) WriteFully(opts.console_fd, console);
+    Console(std::move(console));
   }
 
   void EchoLines(Proc& p, std::string_view chunk) {
@@ -697,7 +747,7 @@ struct Controller::Loop {
       text.append(p.partial_line, start, nl + 1 - start);
     }
     p.partial_line.erase(0, start);
-    WriteFully(opts.console_fd, text);
+    Console(std::move(text));
   }
 
   void CloseOutput(Proc& p) {
@@ -878,6 +928,8 @@ struct Controller::Loop {
     sent_sigkill = false;
     oom_kills_before = OomKillCount();
     collector = ReportCollector(world_size, collector.next_round());
+    attempt_rounds = 0;
+    attempt_first_round.reset();
     JT_RETURN_IF_ERROR(SweepStaging());
     restore_from = CheckpointToRestore();
     attempt_start_time = ctl.clock_.UnixSeconds();
@@ -896,6 +948,7 @@ struct Controller::Loop {
     for (auto& l : launched) procs.push_back({.launched = l});
     phase = Phase::kStarting;
     start_deadline = Now() + opts.start_timeout;
+    RefreshStatus();
     return OkStatus();
   }
 
@@ -1095,6 +1148,7 @@ void Controller::RunLoop() {
     while (!loop_->Step()) {
     }
   } while (loop_->EndAttempt());
+  loop_->ClearStatus();
   Outcome out = loop_->Finish();
   std::lock_guard<std::mutex> lock(mu_);
   outcome_ = std::move(out);

@@ -71,6 +71,8 @@ struct ControllerOptions {
   storage::RetentionPolicy retention;
   bool verify_checksums = false;  // on restore; checkpoints under 64 MiB are always checksummed
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
+  // Keep a live status line (status_line.h) below the rank output on console_fd: for a terminal.
+  bool status_line = false;
 };
 
 struct RankFailure {
