@@ -182,6 +182,15 @@ def test_bad_remote_storage_is_refused_before_any_worker_starts(tmp_path):
     with pytest.raises(ValueError, match=r"RunConfig.storage_path='gopher://x' uses the scheme "
                                          r"'gopher://', which no fsspec filesystem handles"):
         RunConfig(storage_path="gopher://x")
+    with pytest.raises(ValueError, match=r"RunConfig.storage_path='gs://b/x' needs a package "
+                                         r"that is not installed for 'gs://': .*gcsfs"):
+        RunConfig(storage_path="gs://b/x")  # gcsfs is not installed here
+    # HDFS (through pyarrow) needs a JVM, libhdfs and a namenode, which this machine lacks: the
+    # filesystem fails as it opens, at fit(), in one line.
+    config = RunConfig(name="r", storage_path="hdfs://namenode/runs")
+    with pytest.raises(ValueError, match=r"^RunConfig.storage_path='hdfs://namenode/runs' cannot "
+                                         r"be opened: OSError: [^\n]+$"):
+        JaxTrainer(lambda: None, run_config=config).fit()
     with pytest.raises(ValueError, match=r"RunConfig.storage_filesystem=42 is not allowed; pass "
                                          r"an fsspec filesystem"):
         RunConfig(storage_path="b/p", storage_filesystem=42)

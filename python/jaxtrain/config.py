@@ -223,7 +223,7 @@ class RunConfig:
         self.storage_path: str = core.storage_path
         self.storage_filesystem = storage_filesystem
         # A URL's scheme or a filesystem object is checked now, without touching the storage.
-        storage.remote_filesystem(self.storage_path, storage_filesystem)
+        storage.remote_filesystem(self.storage_path, storage_filesystem, connect=False)
         self.failure_config = failure_config or FailureConfig()
         self.checkpoint_config = checkpoint_config or CheckpointConfig()
 

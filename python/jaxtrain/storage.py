@@ -44,13 +44,15 @@ _PROBE_NAME = ".jaxtrain_write_probe"
 
 
 def remote_filesystem(storage_path: str, storage_filesystem: Any = None,
-                      field: str = "RunConfig.storage_path") -> tuple[Any, str] | None:
+                      field: str = "RunConfig.storage_path",
+                      connect: bool = True) -> tuple[Any, str] | None:
     """The fsspec filesystem and path of a storage path, or None when it is a POSIX path that the
     engine writes itself. ``storage_filesystem`` (fsspec or pyarrow) overrides the URL's scheme.
-    Raises ValueError naming the field, the value and what is allowed."""
+    With ``connect=False`` only the scheme is checked and nothing is opened (the result is then
+    None). Raises ValueError naming the field, the value and what is allowed."""
     if storage_filesystem is not None:
         fs = as_fsspec(storage_filesystem)
-        if "file" in _protocols(fs) or "local" in _protocols(fs):
+        if "file" in _protocols(fs) or "local" in _protocols(fs) or not connect:
             return None
         return fs, fs._strip_protocol(storage_path).rstrip("/")
     if "://" not in storage_path or storage_path.startswith("file://"):
@@ -64,7 +66,7 @@ def remote_filesystem(storage_path: str, storage_filesystem: Any = None,
             f"'{scheme}://', e.g. s3fs or gcsfs); install them, or use a local or shared directory"
         ) from None
     try:
-        fs, path = fsspec.core.url_to_fs(storage_path)
+        fsspec.get_filesystem_class(scheme)
     except ValueError:
         known = ", ".join(f"{p}://" for p in sorted(fsspec.available_protocols())[:12])
         raise ValueError(
@@ -75,6 +77,15 @@ def remote_filesystem(storage_path: str, storage_filesystem: Any = None,
         raise ValueError(
             f"{field}={storage_path!r} needs a package that is not installed for "
             f"'{scheme}://': {e}"
+        ) from None
+    if not connect:
+        return None
+    try:
+        fs, path = fsspec.core.url_to_fs(storage_path)
+    except Exception as e:  # noqa: BLE001 - a backend may fail in any way when it connects
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise ValueError(
+            f"{field}={storage_path!r} cannot be opened: {type(e).__name__}: {reason}"
         ) from None
     return fs, path.rstrip("/")
 
