@@ -36,7 +36,7 @@ from jaxtrain.checkpoint import MANIFEST_NAME
 INDEX_NAME = "checkpoints.json"
 _RECORDS = ("run.json", "result.jsonl")
 _CHUNK = 8 << 20
-_BLOCK = 16 << 20
+_BLOCK = 8 << 20
 _PROGRESS_AFTER_S = 3.0
 _PROGRESS_EVERY_S = 5.0
 _PUSH_EVERY_S = 1.0
