@@ -257,3 +257,31 @@ def test_the_command_line_reads_a_run_on_s3(bucket, tmp_path):
     missing = cli("show", f"{url}/nope")
     assert missing.returncode == 2
     assert f"no run at {url}/nope: it has no run.json" in missing.stderr
+
+
+def test_checkpoints_that_never_reached_the_storage_are_uploaded_by_the_next_fit(bucket,
+                                                                                 tmp_path, capfd):
+    url = f"s3://{bucket}/exp"
+    result = _trainer(url, tmp_path, "run", steps=4, every=1, keep=2).fit()
+    fs, root = result.filesystem, result.path
+    # As if the driver had died before its last upload: the storage's index lacks the newest
+    # checkpoint, whose files never arrived; the local staging copy has it.
+    index = json.loads(fs.cat_file(f"{root}/checkpoints.json"))
+    index["checkpoints"] = index["checkpoints"][:-1]
+    index["latest"] = index["checkpoints"][-1]["dir_name"]
+    fs.pipe_file(f"{root}/checkpoints.json", json.dumps(index).encode())
+    fs.rm(f"{root}/checkpoint_000004", recursive=True)
+    capfd.readouterr()
+
+    resumed = _trainer(url, tmp_path, "run", steps=6, every=1, keep=2).fit()
+    assert "lacks (an upload that did not finish); uploading them first" in capfd.readouterr().err
+    assert _restored_from(tmp_path, 1).endswith("checkpoint_000004")
+    assert resumed.metrics == {"step": 5, "score": 5}
+    assert resumed.metrics_dataframe["step"].tolist() == list(range(6))
+
+    # A run deleted from the storage starts afresh, whatever the staging copy holds.
+    fs.rm(root, recursive=True)
+    Path(tmp_path, "started-attempt-0").unlink()  # written by the first fit
+    fresh = _trainer(url, tmp_path, "run", steps=2, every=1, keep=2).fit()
+    assert _restored_from(tmp_path, 0) == ""
+    assert fresh.metrics_dataframe["round"].tolist() == [1, 2]

@@ -186,19 +186,29 @@ class Mirror:
         self._sent: dict[str, tuple[int, int]] = {}  # record/log file -> (size, mtime_ns) sent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
     # --- start: from remote to staging ------------------------------------------------------
 
     def pull(self) -> None:
         """Checks the remote run directory is writable, sweeps interrupted uploads from it, and
-        rebuilds the local staging copy from it. Raises ValueError when it cannot be written."""
+        rebuilds the local staging copy from it. When the staging copy left by an earlier run
+        holds a checkpoint newer than any on the storage (its driver died, or the storage failed,
+        before the upload), that copy is uploaded first instead. Raises ValueError when the
+        storage cannot be written."""
         self.fs.invalidate_cache()
         self._check_writable()
         index = self._remote_index()
         records = index.get("checkpoints", [])
         kept = [c["dir_name"] for c in records]
         self._sweep(set(kept))
+        self._uploaded = {c["dir_name"]: c["round"] for c in records}
+        # Only for a run the storage still has: a run deleted there starts afresh.
+        if (self._newest_round(self._local_index()) > self._newest_round(index)
+                and self.fs.exists(posixpath.join(self.root, "run.json"))):
+            print(f"jaxtrain: {self.local} holds checkpoints that {self.url} lacks (an upload "
+                  "that did not finish); uploading them first", file=sys.stderr)
+            self.push(with_logs=True)
+            return
         if os.path.exists(self.local):
             shutil.rmtree(self.local)
         os.makedirs(self.local)
@@ -209,7 +219,10 @@ class Mirror:
             if manifest is not None and restore is None and self._matches(name, manifest):
                 restore = name
                 self._download_checkpoint(name, manifest)
-        self._uploaded = {c["dir_name"]: c["round"] for c in records}
+
+    @staticmethod
+    def _newest_round(index: dict) -> int:
+        return max((c["round"] for c in index.get("checkpoints", [])), default=0)
 
     def _check_writable(self) -> None:
         probe = posixpath.join(self.root, _PROBE_NAME)
@@ -307,22 +320,33 @@ class Mirror:
         self._thread.start()
 
     def close(self) -> None:
-        """Stops the background pushes, then pushes the final state, logs included. Raises what
-        a background push raised."""
+        """Stops the background pushes, then pushes the final state, logs included. Raises
+        RuntimeError when that fails: the run is then complete in the staging copy, and the next
+        ``fit()`` of the same run uploads it before anything else."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        if self._error is not None:
-            raise RuntimeError(f"uploading the run to {self.url} failed: {self._error}") \
-                from self._error
-        self.push(with_logs=True)
+        try:
+            self.push(with_logs=True)
+        except Exception as e:  # noqa: BLE001 - any backend's failure is the same answer
+            raise RuntimeError(
+                f"uploading the run to {self.url} failed: {type(e).__name__}: {e}; everything "
+                f"is in {self.local}, and running it again by name uploads it first"
+            ) from e
 
     def _loop(self) -> None:
-        try:
-            while not self._stop.wait(_PUSH_EVERY_S):
+        """Pushes every second; a failed push (the storage unreachable for a while) is reported
+        once and retried, since the run itself goes on."""
+        failing = ""
+        while not self._stop.wait(_PUSH_EVERY_S):
+            try:
                 self.push()
-        except BaseException as e:  # noqa: BLE001 - reported by close()
-            self._error = e
+                failing = ""
+            except Exception as e:  # noqa: BLE001 - retried; close() reports a lasting failure
+                if not failing:
+                    print(f"jaxtrain: warning: uploading to {self.url} failed "
+                          f"({type(e).__name__}: {e}); retrying", file=sys.stderr)
+                failing = str(e)
 
     def push(self, with_logs: bool = False) -> None:
         """One pass: new checkpoints (files, then manifest), records, the index, deletions."""
