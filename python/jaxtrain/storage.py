@@ -161,11 +161,13 @@ class _Progress:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return ""
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
 
 
 def _copy(read, write, progress: _Progress | None) -> None:
@@ -303,14 +305,7 @@ class Mirror:
         progress.finish()
 
     def _get(self, remote: str, local: str, progress: _Progress | None = None) -> bool:
-        try:
-            src = self.fs.open(remote, "rb")
-        except FileNotFoundError:
-            return False
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        with src, open(local, "wb") as dst:
-            _copy(src.read, dst.write, progress)
-        return True
+        return _download(self.fs, remote, local, progress)
 
     # --- during and after the run: from staging to remote -----------------------------------
 
@@ -451,8 +446,17 @@ def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -
         rel = posixpath.relpath(path, root)
         if rel in skip:
             continue
-        local = os.path.join(target, *rel.split("/"))
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        with fs.open(path, "rb") as src, open(local, "wb") as dst:
-            _copy(src.read, dst.write, progress)
+        _download(fs, path, os.path.join(target, *rel.split("/")), progress)
     progress.finish()
+
+
+def _download(fs: Any, remote: str, local: str, progress: _Progress | None) -> bool:
+    """Streams one file from `fs` to a local path; False when it does not exist."""
+    try:
+        src = fs.open(remote, "rb")
+    except FileNotFoundError:
+        return False
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    with src, open(local, "wb") as dst:
+        _copy(src.read, dst.write, progress)
+    return True
