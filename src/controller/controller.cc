@@ -152,7 +152,7 @@ struct Controller::Loop {
     bool reaped = false;
     launch::ExitStatus exit;
     std::string partial_line;
-    std::vector<std::pair<int, launch::SrunTaskEnd>> task_ends;  // by rank, as srun reported them
+    std::vector<std::pair<int, launch::TaskEnd>> task_ends;  // by rank, as srun reported them
     std::string launcher_error;  // the first error line of the launcher's own
   };
 
@@ -628,7 +628,7 @@ struct Controller::Loop {
     };
     // srun reports the task that failed first first, and then those it killed for it: a better
     // witness than the order in which one loop step saw several connections close.
-    const std::pair<int, launch::SrunTaskEnd>* first = nullptr;
+    const std::pair<int, launch::TaskEnd>* first = nullptr;
     for (const auto& task : p.task_ends) {
       if (!task.second.exit.ok() && !ours(task.second.exit)) {
         first = &task;
@@ -636,7 +636,7 @@ struct Controller::Loop {
       }
     }
     auto blame_first = [&](RankFailure& f) {
-      const launch::SrunTaskEnd& end = first->second;
+      const launch::TaskEnd& end = first->second;
       f.rank = first->first;
       f.host = end.node;
       f.log_path = store.LogPath(f.rank);
@@ -718,7 +718,7 @@ struct Controller::Loop {
         continue;
       }
       std::vector<int> targets;
-      if (auto end = launch::ParseSrunTaskEnd(line)) {
+      if (auto end = ctl.launcher_->ParseTaskEnd(line)) {
         for (int t : end->tasks) {
           if (!is_ours(t)) continue;
           targets.push_back(t);

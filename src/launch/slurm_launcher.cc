@@ -21,8 +21,6 @@
 #include <map>
 #include <set>
 
-extern char** environ;
-
 namespace jaxtrain::launch {
 namespace {
 
@@ -72,16 +70,6 @@ std::optional<int> ParseWhole(std::string_view s) {
     v = v * 10 + (c - '0');
   }
   return v;
-}
-
-std::map<std::string, std::string> CurrentEnvironment() {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    size_t eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
-  return env;
 }
 
 // Starts a Slurm command (looked up in PATH), in a new process group when `new_group`.
@@ -323,44 +311,17 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
 
 StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
                                        const accelerators::HostView& env) {
-  placement::Plan plan;
-  plan.simulated = Simulated(env) && (config.use_gpu() || config.use_tpu());
-  plan.platform = plan.simulated || (!config.use_gpu() && !config.use_tpu()) ? "cpu"
-                  : config.use_gpu()                                         ? "cuda"
-                                                                             : "tpu";
-  auto unless_set = [&](placement::WorkerPlacement& w, const std::string& name,
-                        const std::string& value) {
-    auto user = env.GetEnv(name);
-    if (!user || user->empty()) w.env[name] = value;
-  };
-  // One environment for every rank; what differs per rank (devices) is Slurm's to give.
-  for (int r = 0; r < config.num_workers(); ++r) {
-    placement::WorkerPlacement w;
-    w.rank = r;
-    if (plan.platform == "cpu") {
-      if (plan.simulated) {
-        w.env["JAX_PLATFORMS"] = "cpu";  // whatever the user set for the real hardware
-      } else {
-        unless_set(w, "JAX_PLATFORMS", "cpu");
-      }
-      unless_set(w, "JAX_NUM_CPU_DEVICES", "1");
-      unless_set(w, "JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo");
-    } else {
-      unless_set(w, "JAX_PLATFORMS", plan.platform);
-    }
-    plan.workers.push_back(std::move(w));
-  }
-  return plan;
+  return placement::PlanForScheduler(config, env);
 }
 
-std::optional<SrunTaskEnd> ParseSrunTaskEnd(std::string_view line) {
+std::optional<TaskEnd> ParseSrunTaskEnd(std::string_view line) {
   constexpr std::string_view kPrefix = "srun: error: ";
   if (line.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
   std::string text = Trim(line.substr(kPrefix.size()));
   std::string_view rest = text;
   size_t colon = rest.find(": ");
   if (colon == std::string_view::npos) return std::nullopt;
-  SrunTaskEnd end;
+  TaskEnd end;
   end.node = std::string(rest.substr(0, colon));
   rest.remove_prefix(colon + 2);
   if (rest.substr(0, 6) == "tasks ") {
@@ -590,39 +551,12 @@ SlurmLauncher::~SlurmLauncher() = default;
 StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pgid_ = 0;
-  if (specs.empty()) return InvalidArgumentError("no processes to launch");
-  const ProcessSpec& first = specs.front();
-  std::map<std::string, std::string> shared = first.env;
-  std::set<std::string> unset(first.unset_env.begin(), first.unset_env.end());
-  std::vector<int> ranks;
-  for (const auto& spec : specs) {
-    if (spec.argv != first.argv || spec.cwd != first.cwd) {
-      return InvalidArgumentError(
-          "the Slurm launcher runs one command for every rank; the ranks' commands or working "
-          "directories differ");
-    }
-    for (const auto& name : spec.unset_env) unset.insert(name);
-    std::set<std::string> names;
-    for (const auto& [k, v] : spec.env) names.insert(k);
-    for (const auto& [k, v] : first.env) names.insert(k);
-    for (const auto& name : names) {
-      if (kPerRankEnv.count(name)) continue;
-      auto a = first.env.find(name);
-      auto b = spec.env.find(name);
-      if (a == first.env.end() || b == spec.env.end() || a->second != b->second) {
-        return InvalidArgumentError("the environment variable " + name +
-                                    " differs between ranks, which one Slurm step cannot give");
-      }
-    }
-    ranks.insert(ranks.end(), spec.ranks.begin(), spec.ranks.end());
-  }
-
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm"));
+  const std::vector<int>& ranks = group.ranks;
   std::map<std::string, std::string> env = CurrentEnvironment();
-  for (const auto& name : unset) env.erase(name);
+  for (const auto& name : group.unset_env) env.erase(name);
   for (const auto& name : kPerRankEnv) env.erase(name);
-  for (const auto& [k, v] : shared) {
-    if (!kPerRankEnv.count(k)) env[k] = v;
-  }
+  for (const auto& [k, v] : group.env) env[k] = v;
 
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
@@ -643,8 +577,8 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   argv.insert(argv.end(), {"--kill-on-bad-exit=1", "--export=ALL"});
   // One rank's output needs no labels: the controller reads it as a local process's.
   if (ranks.size() > 1) argv.push_back("--label");
-  if (!first.cwd.empty()) argv.push_back("--chdir=" + first.cwd);
-  argv.insert(argv.end(), first.argv.begin(), first.argv.end());
+  if (!group.cwd.empty()) argv.push_back("--chdir=" + group.cwd);
+  argv.insert(argv.end(), group.argv.begin(), group.argv.end());
 
   JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, &env, true));
   pgid_ = p.pid;

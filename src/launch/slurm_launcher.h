@@ -80,12 +80,7 @@ StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
 
 // One task's end as srun reports it: "srun: error: node2: task 1: Killed",
 // "srun: error: node1: tasks 0-1,3: Exited with exit code 3". nullopt for any other line.
-struct SrunTaskEnd {
-  std::vector<int> tasks;
-  std::string node;
-  ExitStatus exit;
-};
-std::optional<SrunTaskEnd> ParseSrunTaskEnd(std::string_view line);
+std::optional<TaskEnd> ParseSrunTaskEnd(std::string_view line);
 
 // Storage check for multi-host runs: OK when `path` (or its nearest existing parent) is on a
 // network filesystem (NFS, Lustre, GPFS, BeeGFS, CephFS, SMB, 9p, AFS, FUSE) or under one of the
@@ -158,6 +153,10 @@ class SlurmLauncher : public Launcher {
   // Sends `signal` to srun, which forwards it to every task. SIGKILL also cancels the step in
   // Slurm (scancel), since a killed srun leaves its tasks running.
   void SignalGroup(int signal) override;
+
+  std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
+    return ParseSrunTaskEnd(line);
+  }
 
  private:
   void CancelStep();
