@@ -601,6 +601,16 @@ def _log_files(run_dir: str, state: dict, rank: int | None) -> list[tuple[bytes,
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
+    if args.kubernetes:
+        from jaxtrain import kubernetes
+
+        try:
+            return kubernetes.logs(args.namespace, args.run, args.follow, _say)
+        except LookupError as e:
+            raise _UsageError(str(e)) from None
+        except (ValueError, PermissionError, ConnectionError, ImportError) as e:
+            _say(f"cannot read the logs: {e}")
+            return EXIT_FAILED
     run_dir = _resolve_run(args.run, args.storage_path)
     files = _log_files(run_dir, _read_state(run_dir), args.rank)
     offsets = {path: 0 for _, path in files}
@@ -682,6 +692,87 @@ def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
                          help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD")
 
 
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("run directory (RunConfig)")
+    where.add_argument("--name", help="the run's name (default jaxtrain_run-<UTC time>); "
+                       "an existing run of this name is resumed from its latest checkpoint")
+    where.add_argument("--storage-path", metavar="PATH",
+                       help="where runs live (default ~/jaxtrain_results)")
+    policy = parser.add_argument_group("failures and checkpoints")
+    policy.add_argument("--max-failures", type=int, default=0, metavar="N",
+                        help="restart the worker group up to N times (-1: no limit; default 0)")
+    policy.add_argument("--num-to-keep", type=int, metavar="N",
+                        help="checkpoints to keep (default all)")
+    policy.add_argument("--checkpoint-score-attribute", metavar="METRIC",
+                        help="keep the best checkpoints by this reported metric")
+    policy.add_argument("--checkpoint-score-order", default="max", metavar="ORDER",
+                        help="max (default) or min")
+
+
+def _add_kubernetes_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", metavar="NS",
+                        help="the namespace (default: JAXTRAIN_K8S_NAMESPACE, the kubeconfig "
+                        "context's, or default)")
+
+
+# `jaxtrain run` options a submitted run passes on to the driver pod's `jaxtrain run`.
+_RUN_VALUE_OPTIONS = ("num_workers", "topology", "accelerator_type", "resources_per_worker",
+                      "placement_strategy", "name", "storage_path", "max_failures",
+                      "num_to_keep", "checkpoint_score_attribute", "checkpoint_score_order")
+
+
+def _run_argv(args: argparse.Namespace) -> list[str]:
+    argv = [f"--{flag}" for flag in ("use_tpu", "use_gpu") if getattr(args, flag)]
+    for dest in _RUN_VALUE_OPTIONS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [f"--{dest}", str(value)]
+    return [a.replace("_", "-") if a.startswith("--") else a for a in argv]
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from jaxtrain import kubernetes
+
+    if args.target is None:
+        raise _UsageError("give the script to run: jaxtrain submit --kubernetes --image IMAGE "
+                          "[options] script.py [args ...]")
+    if not os.path.isfile(args.target):
+        raise _UsageError(f"cannot find the script '{args.target}'")
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise _UsageError(f"--env '{item}' is not allowed; it must be NAME=VALUE")
+        env[name] = value
+    try:
+        _scaling_config(args)  # bad options are refused here, not in the pod
+        return kubernetes.submit(args.target, args.args, _run_argv(args), args.image,
+                                 args.namespace, args.service_account, args.name,
+                                 args.pod_template, env, not args.detach, _say)
+    except (ValueError, LookupError) as e:
+        raise _UsageError(str(e)) from None
+    except (PermissionError, ConnectionError, ImportError) as e:
+        _say(f"cannot submit: {e}")
+        return EXIT_FAILED
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from jaxtrain import kubernetes
+
+    try:
+        rows = kubernetes.status(args.namespace, args.name)
+    except LookupError as e:
+        raise _UsageError(str(e)) from None
+    except (ValueError, PermissionError, ConnectionError, ImportError) as e:
+        _say(f"cannot list the submitted runs: {e}")
+        return EXIT_FAILED
+    print(_table(["NAME", "PHASE", "EXIT", "SCRIPT", "CREATED"],
+                 [[r["name"], r["phase"] + (f" ({r['detail']})" if r["detail"] else ""),
+                   "-" if r["exit_code"] is None else str(r["exit_code"]), r["script"],
+                   r["created"]] for r in rows]))
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     from jaxtrain import __version__
 
@@ -713,20 +804,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_scaling_options(run)
-    where = run.add_argument_group("run directory (RunConfig)")
-    where.add_argument("--name", help="the run's name (default jaxtrain_run-<UTC time>); "
-                       "an existing run of this name is resumed from its latest checkpoint")
-    where.add_argument("--storage-path", metavar="PATH",
-                       help="where runs live (default ~/jaxtrain_results)")
-    policy = run.add_argument_group("failures and checkpoints")
-    policy.add_argument("--max-failures", type=int, default=0, metavar="N",
-                        help="restart the worker group up to N times (-1: no limit; default 0)")
-    policy.add_argument("--num-to-keep", type=int, metavar="N",
-                        help="checkpoints to keep (default all)")
-    policy.add_argument("--checkpoint-score-attribute", metavar="METRIC",
-                        help="keep the best checkpoints by this reported metric")
-    policy.add_argument("--checkpoint-score-order", default="max", metavar="ORDER",
-                        help="max (default) or min")
+    _add_run_options(run)
     run.add_argument("--no-status-line", action="store_true",
                      help="on a terminal, do not keep the live status line (attempt, ranks up, "
                      "last round, rank 0's metrics, rounds/s) below the output")
@@ -735,6 +813,56 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("target", nargs="?", metavar="script.py | module")
     run.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     run.set_defaults(handler=_cmd_run)
+
+    submit = commands.add_parser(
+        "submit",
+        help="run a script on a Kubernetes cluster, its driver in a pod",
+        usage="jaxtrain submit --kubernetes --image IMAGE [options] script.py [args ...]",
+        description="Creates a driver pod that runs 'jaxtrain run [options] script.py [args]' "
+        "in the cluster of the current kubeconfig; its workers are one JobSet (see "
+        "docs/kubernetes.md). The script travels in a ConfigMap, mounted in the driver's and "
+        "the workers' pods. The console is streamed until the run ends (Ctrl-C only stops the "
+        "streaming; --detach returns at once); 'jaxtrain status --kubernetes' and 'jaxtrain "
+        "logs --kubernetes NAME' find the run again.",
+        epilog="example:\n  jaxtrain submit --kubernetes --image us-docker.pkg.dev/p/r/train:1 "
+        "\\\n      --use-tpu --topology 4x4 --accelerator-type TPU-V6E -n 4 \\\n"
+        "      --storage-path gs://bucket/runs train.py --epochs 10\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    submit.add_argument("--kubernetes", action="store_true",
+                        help="submit to Kubernetes (the only target today; the default)")
+    _add_kubernetes_options(submit)
+    submit.add_argument("--image", required=True,
+                        help="the driver's image, also the workers' unless JAXTRAIN_K8S_IMAGE "
+                        "is given with --env; it must have jaxtrain[kubernetes] and jax")
+    submit.add_argument("--service-account", metavar="NAME",
+                        help="the driver pod's service account (see the Role in "
+                        "docs/kubernetes.md)")
+    submit.add_argument("--pod-template", metavar="FILE",
+                        help="a Pod (YAML or JSON) merged into the driver's and the workers' "
+                        "pods: volumes for the storage, tolerations, ...")
+    submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable of the driver (repeatable)")
+    submit.add_argument("--detach", action="store_true",
+                        help="return once the driver pod is created")
+    _add_scaling_options(submit)
+    _add_run_options(submit)
+    submit.add_argument("target", nargs="?", metavar="script.py")
+    submit.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    submit.set_defaults(handler=_cmd_submit)
+
+    status = commands.add_parser(
+        "status", help="the runs submitted to Kubernetes (jaxtrain submit)",
+        description="Lists the driver pods that 'jaxtrain submit' created in the namespace, "
+        "oldest first: name, phase, exit status, script and creation time; or one of them.",
+        epilog="example:\n  jaxtrain status --kubernetes\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    status.add_argument("--kubernetes", action="store_true",
+                        help="look on Kubernetes (the only place today; the default)")
+    _add_kubernetes_options(status)
+    status.add_argument("name", nargs="?", metavar="NAME", help="one submitted run")
+    status.set_defaults(handler=_cmd_status)
 
     plan = commands.add_parser(
         "plan", help="print where each rank would run, its devices and environment",
@@ -789,6 +917,9 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing new output until the run is no longer RUNNING")
     logs.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    logs.add_argument("--kubernetes", action="store_true",
+                      help="RUN is a run submitted to Kubernetes: its driver pod's output")
+    _add_kubernetes_options(logs)
     logs.set_defaults(handler=_cmd_logs)
 
     metrics = commands.add_parser(

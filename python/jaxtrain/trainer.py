@@ -111,11 +111,21 @@ class JaxTrainer:
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
+        launcher_options = ""
+        worker_env = _worker_env()
         if launcher == "slurm":
             if _slurm_spans_hosts():
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
+        elif launcher == "kubernetes":
+            from jaxtrain import kubernetes
+
+            plan = _core.plan_kubernetes(self.scaling_config._core)
+            # Refused before the cluster is asked for anything (docs/kubernetes.md).
+            launcher_options = json.dumps(
+                kubernetes.launch_options(self.run_config.name, run_dir))
+            worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         else:
             plan = _core.plan_local(self.scaling_config._core)
         if mirror is not None:
@@ -136,7 +146,7 @@ class JaxTrainer:
             plan=plan,
             worker_argv=[sys.executable, "-m", "jaxtrain.worker"],
             worker_cwd=os.getcwd(),
-            worker_env=_worker_env(),
+            worker_env=worker_env,
             payload=payload,
             run_config_json=json.dumps(
                 {
@@ -159,6 +169,7 @@ class JaxTrainer:
             launcher=launcher,
             scaling_config=self.scaling_config._core,
             status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
+            launcher_options_json=launcher_options,
         )
         controller.start()
         if mirror is not None:

@@ -64,6 +64,34 @@ def _place_from_slurm() -> None:
     os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = str(per_node[node])
 
 
+def _place_from_kubernetes() -> None:
+    """Under the Kubernetes launcher each pod is one rank of a JobSet: its Job's index (a TPU
+    slice) times the pods per Job, plus its completion index; one rank per pod and host."""
+    if "JAXTRAIN_RANK" in os.environ or "JAXTRAIN_K8S_PODS_PER_JOB" not in os.environ:
+        return
+    rank = _env_int("JAXTRAIN_K8S_JOB_INDEX") * _env_int("JAXTRAIN_K8S_PODS_PER_JOB") + _env_int(
+        "JOB_COMPLETION_INDEX")
+    os.environ["JAXTRAIN_RANK"] = str(rank)
+    os.environ["JAXTRAIN_LOCAL_RANK"] = "0"
+    os.environ["JAXTRAIN_NODE_RANK"] = str(rank)
+    os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = "1"
+
+
+def _read_secret() -> str | None:
+    """The run's key: JAXTRAIN_RUN_SECRET, or the file JAXTRAIN_RUN_SECRET_FILE names (a
+    Kubernetes Secret volume)."""
+    secret = os.environ.pop("JAXTRAIN_RUN_SECRET", None)
+    path = os.environ.pop("JAXTRAIN_RUN_SECRET_FILE", None)
+    if secret or not path:
+        return secret
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        sys.stderr.write(f"jaxtrain worker: cannot read the run's key from {path}: {e}\n")
+        return None
+
+
 def _local_device_ids(platform: str) -> list[int] | None:
     """The ``local_device_ids`` for ``jax.distributed.initialize`` (placement set the variables).
 
@@ -96,7 +124,7 @@ def _fail(client, phase: str, exit_code: int) -> None:
 
 
 def main() -> None:
-    secret = os.environ.pop("JAXTRAIN_RUN_SECRET", None)
+    secret = _read_secret()
     if not secret:
         sys.stderr.write(
             "jaxtrain.worker is started by jaxtrain (JaxTrainer.fit); it is not run by hand\n"
@@ -106,6 +134,7 @@ def main() -> None:
     from jaxtrain.checkpoint import Checkpoint
 
     _place_from_slurm()
+    _place_from_kubernetes()
     rank = _env_int("JAXTRAIN_RANK")
     attempt = _env_int("JAXTRAIN_ATTEMPT")
     world_size = _env_int("JAXTRAIN_WORLD_SIZE")

@@ -15,6 +15,7 @@
 #include "config/run_config.h"
 #include "config/scaling_config.h"
 #include "controller/controller.h"
+#include "launch/kubernetes_launcher.h"
 #include "launch/local_launcher.h"
 #include "launch/slurm_launcher.h"
 #include "placement/plan.h"
@@ -105,7 +106,8 @@ class PyController {
                const config::FailureConfig& failure_config,
                const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
                int console_fd, std::string launcher,
-               std::optional<config::ScalingConfig> scaling_config, bool status_line)
+               std::optional<config::ScalingConfig> scaling_config, bool status_line,
+               std::string launcher_options_json)
       : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
     controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
@@ -131,8 +133,22 @@ class PyController {
     if (launcher_ == "local") {
       controller_ = std::make_unique<controller::Controller>(
           std::move(o), std::make_unique<launch::LocalLauncher>());
+    } else if (launcher_ == "kubernetes" && scaling_config_) {
+      // The workers run in pods: the command of the image, the listen address the Python layer
+      // chose (one the pods reach), no working directory of this host.
+      auto json = nlohmann::json::parse(launcher_options_json, nullptr, false);
+      launch::KubernetesOptions k = Unwrap(launch::KubernetesOptions::FromJson(json));
+      if (json.contains("listen_host") && json["listen_host"].is_string()) {
+        o.listen_host = json["listen_host"].get<std::string>();
+      }
+      o.worker_argv = k.worker_command;
+      o.worker_cwd.clear();
+      controller_ = std::make_unique<controller::Controller>(
+          std::move(o),
+          std::make_unique<launch::KubernetesLauncher>(std::move(k), *scaling_config_, plan));
     } else if (launcher_ != "slurm" || !scaling_config_) {
-      PyErr_SetString(PyExc_ValueError, "launcher must be 'local', or 'slurm' with scaling_config");
+      PyErr_SetString(PyExc_ValueError,
+                      "launcher must be 'local', or 'slurm' or 'kubernetes' with scaling_config");
       throw nb::python_error();
     }
   }
@@ -468,6 +484,26 @@ NB_MODULE(_core, m) {
       "Plans for the Slurm launcher: one environment for every rank; Slurm places them.");
 
   m.def(
+      "plan_kubernetes",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(launch::PlanForKubernetes(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the Kubernetes launcher: one environment for every rank, one pod each.");
+
+  m.def(
+      "kubernetes_jobset",
+      [](const config::ScalingConfig& c, const std::string& options_json,
+         const std::string& jobset_name, const std::map<std::string, std::string>& env) {
+        auto json = nlohmann::json::parse(options_json, nullptr, false);
+        launch::KubernetesOptions k = Unwrap(launch::KubernetesOptions::FromJson(json));
+        placement::Plan plan = Unwrap(launch::PlanForKubernetes(c, accelerators::RealHost()));
+        return Unwrap(launch::JobSetManifest(c, plan, k, jobset_name, env)).dump();
+      },
+      "scaling_config"_a, "options_json"_a, "jobset_name"_a, "env"_a,
+      "The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.");
+
+  m.def(
       "check_shared_storage",
       [](const std::string& path) {
         Check(launch::CheckSharedStorage(path, accelerators::RealHost()));
@@ -478,12 +514,12 @@ NB_MODULE(_core, m) {
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
                     double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
-                    int, std::string, std::optional<config::ScalingConfig>, bool>(),
+                    int, std::string, std::optional<config::ScalingConfig>, bool, std::string>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
            "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none(),
-           "status_line"_a = false)
+           "status_line"_a = false, "launcher_options_json"_a = "")
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

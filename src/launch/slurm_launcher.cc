@@ -203,11 +203,11 @@ bool Simulated(const accelerators::HostView& env) {
 
 StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env) {
   std::string kind = env.GetEnv(kLauncherEnv).value_or("");
-  if (kind == "local" || kind == "slurm") return kind;
+  if (kind == "local" || kind == "slurm" || kind == "kubernetes") return kind;
   if (!kind.empty() && kind != "auto") {
     return InvalidArgumentError(std::string(kLauncherEnv) + "='" + kind +
-                                "' is not allowed; use local, slurm or auto (the default: slurm "
-                                "inside a Slurm allocation, local elsewhere)");
+                                "' is not allowed; use local, slurm, kubernetes or auto (the "
+                                "default: slurm inside a Slurm allocation, local elsewhere)");
   }
   auto job = env.GetEnv("SLURM_JOB_ID");
   return std::string(job && !job->empty() ? "slurm" : "local");
