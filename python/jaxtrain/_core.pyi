@@ -63,7 +63,7 @@ def plan(scaling_config: ScalingConfig, hosts_json: str, environ: Mapping[str, s
 
 def choose_launcher() -> str:
     """
-    'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.
+    'local', 'slurm' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.
     """
 
 def plan_slurm(scaling_config: ScalingConfig) -> Plan:
@@ -71,11 +71,21 @@ def plan_slurm(scaling_config: ScalingConfig) -> Plan:
     Plans for the Slurm launcher: one environment for every rank; Slurm places them.
     """
 
+def plan_kubernetes(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the Kubernetes launcher: one environment for every rank, one pod each.
+    """
+
+def kubernetes_jobset(scaling_config: ScalingConfig, options_json: str, jobset_name: str, env: Mapping[str, str]) -> str:
+    """
+    The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.
+    """
+
 def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 
 class Controller:
-    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False) -> None: ...
+    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False, launcher_options_json: str = '') -> None: ...
 
     def start(self) -> None: ...
 

@@ -229,6 +229,8 @@ def _scaling_config(args: argparse.Namespace) -> Any:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from jaxtrain import _core
 
+    if args.kubernetes:
+        return _plan_kubernetes(args)
     try:
         plan = _core.plan_local(_scaling_config(args)._core).to_dict()
     except ValueError as e:
@@ -249,6 +251,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         env = " ".join(f"{k}={v}" for k, v in sorted(w["env"].items()))
         unset = "".join(f" -{k}" for k in w["unset_env"])
         print(f"rank {w['rank']} env: {env}{unset}")
+    return EXIT_OK
+
+
+def _plan_kubernetes(args: argparse.Namespace) -> int:
+    """The JobSet of attempt 1, as the Kubernetes launcher would create it; no cluster asked."""
+    from jaxtrain import _core, kubernetes
+
+    try:
+        scaling = _scaling_config(args)._core
+        plan = _core.plan_kubernetes(scaling)
+        options = {
+            "namespace": os.environ.get("JAXTRAIN_K8S_NAMESPACE", "default"),
+            "name": kubernetes.dns_name(args.name or "jaxtrain-run", 30) + "-xxxxx",
+            "image": os.environ.get("JAXTRAIN_K8S_IMAGE", "IMAGE"),
+            "image_pull_policy": os.environ.get("JAXTRAIN_K8S_IMAGE_PULL_POLICY", ""),
+            "service_account": os.environ.get("JAXTRAIN_K8S_SERVICE_ACCOUNT", ""),
+            "request_dir": "/unused",
+            "worker_command": [os.environ.get("JAXTRAIN_K8S_PYTHON", "python"), "-m",
+                               "jaxtrain.worker"],
+            "supervisor_argv": ["unused"],
+            "pod_template": kubernetes.load_pod_template(
+                os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE")),
+        }
+        env = dict(plan.to_dict()["workers"][0]["env"])
+        env["JAXTRAIN_WORLD_SIZE"] = str(args.num_workers)
+        jobset = _core.kubernetes_jobset(scaling, json.dumps(options), options["name"] + "-1", env)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    print(json.dumps(json.loads(jobset), indent=2))
     return EXIT_OK
 
 
@@ -877,6 +908,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_scaling_options(plan)
     plan.add_argument("--json", action="store_true", help="the whole plan as JSON")
+    plan.add_argument("--kubernetes", action="store_true",
+                      help="print the JobSet the Kubernetes launcher would create (JSON; "
+                      "honours JAXTRAIN_K8S_IMAGE, _NAMESPACE, _POD_TEMPLATE; asks no cluster)")
     plan.set_defaults(handler=_cmd_plan)
 
     ls = commands.add_parser(

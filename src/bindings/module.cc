@@ -473,7 +473,7 @@ NB_MODULE(_core, m) {
 
   m.def(
       "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
-      "'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.");
+      "'local', 'slurm' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.");
 
   m.def(
       "plan_slurm",
