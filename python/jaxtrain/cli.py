@@ -263,7 +263,7 @@ def _plan_kubernetes(args: argparse.Namespace) -> int:
         plan = _core.plan_kubernetes(scaling)
         options = {
             "namespace": os.environ.get("JAXTRAIN_K8S_NAMESPACE", "default"),
-            "name": kubernetes.dns_name(args.name or "jaxtrain-run", 30) + "-xxxxx",
+            "name": "jaxtrain-run-xxxxx",
             "image": os.environ.get("JAXTRAIN_K8S_IMAGE", "IMAGE"),
             "image_pull_policy": os.environ.get("JAXTRAIN_K8S_IMAGE_PULL_POLICY", ""),
             "service_account": os.environ.get("JAXTRAIN_K8S_SERVICE_ACCOUNT", ""),

@@ -473,7 +473,8 @@ NB_MODULE(_core, m) {
 
   m.def(
       "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
-      "'local', 'slurm' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.");
+      "'local', 'slurm' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm "
+      "allocation.");
 
   m.def(
       "plan_slurm",
