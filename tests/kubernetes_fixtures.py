@@ -58,7 +58,8 @@ class KubernetesCluster:
         template.write_text(json.dumps({"spec": {
             "volumes": [{"name": "runs", "hostPath": {"path": str(storage),
                                                       "type": "DirectoryOrCreate"}}],
-            "containers": [{"volumeMounts": [{"name": "runs", "mountPath": str(storage)}]}]}}))
+            "containers": [{"workingDir": str(storage),
+                            "volumeMounts": [{"name": "runs", "mountPath": str(storage)}]}]}}))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTRAIN_", "KUBE"))}
         env.update(KUBECONFIG=self.kubeconfig, JAXTRAIN_LAUNCHER="kubernetes",
                    JAXTRAIN_K8S_NAMESPACE=namespace, JAXTRAIN_K8S_IMAGE=IMAGE,
