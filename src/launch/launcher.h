@@ -21,6 +21,10 @@ struct ProcessSpec {
   std::map<std::string, std::string> env;  // set on top of the launcher's own environment
   std::vector<std::string> unset_env;      // removed from it
   std::string cwd;                         // empty = the launcher's
+  // The run's secret: handed to the process neither in its environment nor in its argv, where
+  // /proc/PID/environ and ps would show it for the process's whole life. How is the launcher's
+  // (LocalLauncher: an inherited pipe named by JAXTRAIN_RUN_SECRET_FD).
+  std::string secret;
 };
 
 struct LaunchedProcess {

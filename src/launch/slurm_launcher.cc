@@ -623,6 +623,8 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   for (const auto& [k, v] : shared) {
     if (!kPerRankEnv.count(k)) env[k] = v;
   }
+  // srun hands its environment to every task (--export=ALL), never a command line.
+  if (!first.secret.empty()) env["JAXTRAIN_RUN_SECRET"] = first.secret;
 
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
