@@ -71,6 +71,18 @@ def plan_slurm(scaling_config: ScalingConfig) -> Plan:
     Plans for the Slurm launcher: one environment for every rank; Slurm places them.
     """
 
+MAX_WORKERS: int
+
+def check_local_workers(scaling_config: ScalingConfig) -> None:
+    """
+    Raises ValueError when a local run of `scaling_config` has more workers than this machine starts (config::LocalWorkerLimit).
+    """
+
+def run_lock_holder(run_dir: str) -> str | None:
+    """
+    The driver holding the run directory's lock ('host H, pid P, since T'), or None when no live driver holds it.
+    """
+
 def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 
@@ -84,6 +96,8 @@ class Controller:
     def abort(self, reason: str) -> None: ...
 
     def outcome(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 class WorkerClient:
     @staticmethod
