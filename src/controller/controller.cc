@@ -1012,8 +1012,9 @@ struct Controller::Loop {
     attempt_log.push_back(AttemptState(status));
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
-    Say("attempt " + std::to_string(attempt) + " failed: rank " + std::to_string(failure->rank) +
-        " (host " + (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
+    Say("attempt " + std::to_string(attempt) + " failed: " +
+        (failure->rank >= 0 ? "rank " + std::to_string(failure->rank) : "the driver") + " (host " +
+        (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     failures.push_back(*failure);
     if (!policy.ShouldRestart(failure->cause)) return false;
@@ -1076,15 +1077,19 @@ struct Controller::Loop {
     if (!written.ok()) {
       // The run's record says RUNNING, not how it ended: never report that as a success.
       Say("cannot write run.json: " + written.message());
-      RankFailure f =
-          StorageFailure("the run ended (" + std::string(OutcomeStateName(out.state)) +
-                         "), but its record could not be written: " + written.message());
-      f.attempt = attempt;
-      out.failures.push_back(f);
-      if (out.state != Outcome::State::kFailed) out.failure = f;
-      out.state = Outcome::State::kFailed;
+      if (out.state == Outcome::State::kFailed) {
+        out.warnings.push_back("run.json could not be written: " + written.message());
+      } else {
+        RankFailure f =
+            StorageFailure("the run ended (" + std::string(OutcomeStateName(out.state)) +
+                           "), but its record could not be written: " + written.message());
+        f.attempt = attempt;
+        out.failures.push_back(f);
+        out.failure = f;
+        out.state = Outcome::State::kFailed;
+      }
     }
-    store.Unlock();  // the run's last record is written: another driver may resume it
+    store.Unlock();  // the run is over: another driver may resume it
     return out;
   }
 
