@@ -71,7 +71,7 @@ def plan_slurm(scaling_config: ScalingConfig) -> Plan:
     Plans for the Slurm launcher: one environment for every rank; Slurm places them.
     """
 
-MAX_WORKERS: int
+MAX_WORKERS: int = 100000
 
 def check_local_workers(scaling_config: ScalingConfig) -> None:
     """
