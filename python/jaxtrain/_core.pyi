@@ -81,6 +81,18 @@ def kubernetes_jobset(scaling_config: ScalingConfig, options_json: str, jobset_n
     The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.
     """
 
+MAX_WORKERS: int = 100000
+
+def check_local_workers(scaling_config: ScalingConfig) -> None:
+    """
+    Raises ValueError when a local run of `scaling_config` has more workers than this machine starts (config::LocalWorkerLimit).
+    """
+
+def run_lock_holder(run_dir: str) -> str | None:
+    """
+    The driver holding the run directory's lock ('host H, pid P, since T'), or None when no live driver holds it.
+    """
+
 def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 
@@ -94,6 +106,8 @@ class Controller:
     def abort(self, reason: str) -> None: ...
 
     def outcome(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 class WorkerClient:
     @staticmethod

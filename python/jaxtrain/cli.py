@@ -393,6 +393,23 @@ def _read_state(run_dir: str) -> dict:
         raise _UsageError(f"cannot read {run_dir}/run.json: {e}") from None
 
 
+def _status(run_dir: str, state: dict, lock_known: bool = True) -> tuple[str, str | None]:
+    """run.json's status and, for a RUNNING one, its driver ("host H, pid P, since T"). A RUNNING
+    run whose lock no live driver holds is CRASHED: its driver was killed, or its machine went
+    down, before it could record how the run ended. A copy of a remote run has no lock to ask
+    (`lock_known` False): its status is run.json's."""
+    status = str(state.get("status", "?"))
+    if status != "RUNNING" or not lock_known:
+        return status, None
+    from jaxtrain import _core
+
+    try:
+        holder = _core.run_lock_holder(run_dir)
+    except OSError:
+        return status, None
+    return ("RUNNING", holder) if holder is not None else ("CRASHED", None)
+
+
 def _round_count(run_dir: str, state: dict) -> int:
     """run.json counts rounds when an attempt ends; while it runs, result.jsonl has them."""
     if state.get("status") != "RUNNING":
@@ -474,7 +491,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         start = state.get("start_time")
         rows.append((start or 0.0, [
             entry.name,
-            str(state.get("status", "?")),
+            _status(entry.path, state, not getattr(args, "remote_copy", False))[0],
             str(len(state.get("attempts", []))),
             str(state.get("world_size", "?")),
             str(_round_count(entry.path, state)),
@@ -511,7 +528,7 @@ def _ls_remote(fs: Any, base: str) -> int:
         for name in ("run.json", "result.jsonl"):
             if fs.exists(f"{run}/{name}"):
                 fs.get_file(f"{run}/{name}", os.path.join(local, name))
-    return _cmd_ls(argparse.Namespace(storage_path=view))
+    return _cmd_ls(argparse.Namespace(storage_path=view, remote_copy=True))
 
 
 # --- jaxtrain show --------------------------------------------------------------------------------
@@ -531,7 +548,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     field("run", state.get("name", os.path.basename(run_dir)))
     field("path", _REMOTE_VIEWS.get(run_dir, run_dir))
-    field("status", state.get("status", "?"))
+    status, holder = _status(run_dir, state, run_dir not in _REMOTE_VIEWS)
+    if holder:
+        status += f" (driver: {holder})"
+    elif status == "CRASHED":
+        status += (" (its driver ended without recording how the run ended: it was killed, or "
+                   "its machine went down; run it again to resume it)")
+    field("status", status)
     field("started", _when(state.get("start_time")))
     field("duration", _duration(state.get("start_time"), state.get("end_time")))
     workers = f"{state.get('world_size', '?')} ({state.get('platform', '?')}"
@@ -650,7 +673,9 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     while True:
         # The status is read before the logs: output written before the run ended is then
         # always printed by the last pass.
-        running = args.follow and _read_state(run_dir).get("status") == "RUNNING"
+        state = _read_state(run_dir)
+        running = args.follow and _status(run_dir, state, run_dir not in _REMOTE_VIEWS)[0] == (
+            "RUNNING")
         for prefix, path in files:
             try:
                 with open(path, "rb") as f:

@@ -36,6 +36,11 @@ class ScalingConfig:
     ) -> None:
         owner = "ScalingConfig"
         _expect(owner, "num_workers", num_workers, (int,), "it must be a whole number >= 1")
+        if num_workers > _core.MAX_WORKERS:  # checked here too: the core takes a C int
+            raise ValueError(
+                f"{owner}.num_workers={num_workers} is not allowed; it must be a whole number "
+                f">= 1 and at most {_core.MAX_WORKERS}"
+            )
         _expect(owner, "use_tpu", use_tpu, (bool,), "it must be True or False")
         _expect(owner, "use_gpu", use_gpu, (bool,), "it must be True or False")
         if topology is not None:
@@ -189,7 +194,8 @@ class RunConfig:
     """Where a run lives (``<storage_path>/<name>``), how it keeps checkpoints and how it handles
     failures.
 
-    ``name`` defaults to ``jaxtrain_run-<UTC timestamp>``; ``storage_path`` to
+    ``name`` defaults to ``jaxtrain_run-<UTC timestamp, ms>-<random>``, new for every run;
+    ``storage_path`` to
     ``~/jaxtrain_results``. Running again with the same name and storage_path resumes the run
     from its latest committed checkpoint.
 

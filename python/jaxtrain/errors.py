@@ -7,8 +7,10 @@ class TrainingFailedError(RuntimeError):
     """A run ended because a worker failed. ``fit()`` raises it; ``Result.error`` holds it.
 
     Attributes name the first failing rank: ``rank``, ``host``, ``attempt``, ``cause`` (one of
-    "exception", "exit", "signal", "connection", "start-up"), ``worker_traceback`` (the worker's
-    Python traceback, when it raised), ``log_path`` and ``log_tail``.
+    "exception", "exit", "signal", "oom", "connection", "watchdog", "start-up", "checkpoint",
+    "storage"), ``worker_traceback`` (the worker's Python traceback, when it raised),
+    ``log_path`` and ``log_tail``. ``rank`` is -1 when no rank failed but the driver did: its
+    run directory could not be written ("storage"), or the group could not be started.
     """
 
     def __init__(
@@ -35,12 +37,15 @@ class TrainingFailedError(RuntimeError):
     @classmethod
     def from_failure(cls, f: dict, attempts: list[dict] | None = None) -> TrainingFailedError:
         """The error for the first failure `f`; `attempts` lists every failed attempt."""
-        where = f"rank {f['rank']} (host {f['host'] or '?'}, attempt {f['attempt']})"
+        who = f"rank {f['rank']}" if f["rank"] >= 0 else "the driver"
+        where = f"{who} (host {f['host'] or '?'}, attempt {f['attempt']})"
         lines = [f"Training failed: {where}: {f['message']}"]
         if attempts and len(attempts) > 1:
             lines += ["", f"Every failed attempt ({len(attempts)}; the restart budget is spent):"]
             lines += [
-                f"  attempt {a['attempt']}: rank {a['rank']}, {a['cause']}: {a['message']}"
+                f"  attempt {a['attempt']}: "
+                f"{'rank ' + str(a['rank']) if a['rank'] >= 0 else 'the driver'}, "
+                f"{a['cause']}: {a['message']}"
                 for a in attempts
             ]
         if f["traceback"]:

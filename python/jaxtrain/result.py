@@ -77,7 +77,9 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
         state = json.load(f)
     error = None
     if state.get("status") == "ERRORED":
-        failed = [a for a in state.get("attempts", []) if a.get("failure")]
+        # CRASHED: an attempt of an earlier driver of this run, which ended without a record.
+        failed = [a for a in state.get("attempts", [])
+                  if a.get("failure") and a.get("status") != "CRASHED"]
         if failed:
             f = failed[0]["failure"]
             logs = remote[1] if remote else path

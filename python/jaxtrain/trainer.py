@@ -12,8 +12,10 @@ import inspect
 import json
 import os
 import posixpath
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -106,8 +108,12 @@ class JaxTrainer:
         """Runs the training function on every worker and returns the Result.
 
         Raises TrainingFailedError when a worker fails, and KeyboardInterrupt after stopping every
-        worker when the driver is interrupted.
+        worker when the driver is interrupted. On SIGTERM (when no other handler is installed) the
+        run is stopped the same way, and the driver then ends as SIGTERM ends it. Raises
+        RuntimeError when another driver has this run open.
         """
+        payload = _pickle_task(self.train_loop_per_worker, self.train_loop_config,
+                               self._takes_config)
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
@@ -127,16 +133,13 @@ class JaxTrainer:
                 kubernetes.launch_options(self.run_config.name, run_dir))
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         else:
+            _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
         if mirror is not None:
+            # pull() rebuilds the staging copy, which a live driver of this run is writing; the
+            # controller takes the run's lock only later (RunStore::Open).
+            _refuse_live_run(run_dir)
             mirror.pull()
-        payload = cloudpickle.dumps(
-            {
-                "fn": self.train_loop_per_worker,
-                "config": self.train_loop_config,
-                "takes_config": self._takes_config,
-            }
-        )
         sys.stdout.flush()
         sys.stderr.flush()
         console_fd = _console_fd()
@@ -171,23 +174,152 @@ class JaxTrainer:
             status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
             launcher_options_json=launcher_options,
         )
-        controller.start()
-        if mirror is not None:
-            mirror.start()
+        sigterm = _SigtermAsException()
         try:
-            # Short waits let Python deliver Ctrl-C; the wait returns at once when the run ends.
-            while not controller.wait(0.2):
-                pass
-        except KeyboardInterrupt:
-            controller.abort("the driver was interrupted (KeyboardInterrupt)")
-            while not controller.wait(1.0):
-                pass
+            controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
+            if mirror is not None:
+                mirror.start()
+            try:
+                # Short waits let Python deliver signals; the wait returns at once when the run
+                # ends.
+                while not controller.wait(0.2):
+                    pass
+            except BaseException as e:  # Ctrl-C, SIGTERM, or a handler of the user's that raised
+                controller.abort(_interruption(e))
+                while not controller.wait(1.0):
+                    pass
+                raise
+            finally:
+                if mirror is not None:
+                    mirror.close()  # what was committed reaches the storage, even after Ctrl-C
+            outcome = controller.outcome()
+        except _Terminated:
+            controller.close()
+            sigterm.restore()
+            sigterm.redeliver()  # ends the driver as SIGTERM would have, now that all is stopped
             raise
         finally:
-            if mirror is not None:
-                mirror.close()  # what was committed reaches the storage, even after Ctrl-C
+            controller.close()  # releases a Slurm allocation jaxtrain requested, now
+            sigterm.restore()
         remote = (mirror.fs, mirror.root) if mirror is not None else None
-        return _result(controller.outcome(), run_dir, self.run_config.checkpoint_config, remote)
+        return _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
+
+
+class _Terminated(BaseException):
+    """Raised in the driver's main thread on SIGTERM, to stop the run as Ctrl-C does."""
+
+
+class _SigtermAsException:
+    """While a run is in progress, SIGTERM raises _Terminated in the main thread, so the run is
+    stopped cleanly (workers terminated, run.json final, a requested Slurm allocation released)
+    instead of the driver dying with its workers orphaned until they notice. Installed only where
+    SIGTERM has its default action: a handler of the user's is left alone."""
+
+    def __init__(self) -> None:
+        self._installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, self._raise)
+        self._installed = True
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    def restore(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._installed = False
+
+    @staticmethod
+    def redeliver() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _interruption(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "the driver was interrupted (KeyboardInterrupt)"
+    if isinstance(e, _Terminated):
+        return "the driver got SIGTERM"
+    return f"the driver stopped waiting for the run: {type(e).__name__}: {e}"
+
+
+def _refuse_live_run(run_dir: str) -> None:
+    holder = _core.run_lock_holder(run_dir)
+    if holder is not None:
+        raise RuntimeError(
+            f"the run directory '{run_dir}' is in use by another driver ({holder}): a run has "
+            "one driver at a time. Wait for that run to end or stop it, or choose another "
+            "RunConfig.name"
+        )
+
+
+def _pickle_task(fn: Callable, config: dict | None, takes_config: bool) -> bytes:
+    """The payload every worker runs. Raises ValueError naming the training function and, where
+    it can be found, the captured variable that cannot be pickled."""
+    try:
+        return cloudpickle.dumps({"fn": fn, "config": config, "takes_config": takes_config})
+    except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        raise ValueError(_why_unpicklable(fn, config, e)) from e
+
+
+def _unpicklable(value: Any) -> bool:
+    try:
+        cloudpickle.dumps(value)
+    except Exception:
+        return True
+    return False
+
+
+def _captured(fn: Any) -> list[tuple[str, Any]]:
+    """What pickling `fn` by value pickles with it: its closure, defaults, the globals it names
+    and, for a bound method, its object."""
+    if inspect.ismethod(fn):
+        return [("self", fn.__self__), *_captured(fn.__func__)]
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    out = list(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ()),
+                   strict=False))
+    out += [(f"default of {fn.__name__}", d) for d in fn.__defaults__ or ()]
+    out += [(f"default {k!r} of {fn.__name__}", d) for k, d in (fn.__kwdefaults__ or {}).items()]
+    fn_globals = getattr(fn, "__globals__", {})
+    out += [(name, fn_globals[name]) for name in code.co_names if name in fn_globals]
+    return out
+
+
+def _culprit(fn: Any, depth: int = 0) -> str | None:
+    """'lock (a _thread.lock)' or 'helper -> lock (...)': the first captured value of `fn`
+    that cannot be pickled, followed into captured functions."""
+    for name, value in _captured(fn):
+        if not _unpicklable(value):
+            continue
+        if depth < 3 and (inspect.isfunction(value) or inspect.ismethod(value)):
+            inner = _culprit(value, depth + 1)
+            if inner:
+                return f"{name} -> {inner}"
+        kind = type(value)
+        return f"{name!r} (a {kind.__module__}.{kind.__qualname__})"
+    return None
+
+
+def _why_unpicklable(fn: Callable, config: dict | None, error: Exception) -> str:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    reason = f"{type(error).__name__}: {error}"
+    if config is not None and _unpicklable(config):
+        bad = [k for k, v in config.items() if _unpicklable(v)]
+        where = f" (key {bad[0]!r})" if bad else ""
+        return (f"train_loop_config cannot be sent to the workers{where}: it cannot be pickled "
+                f"({reason}); pass values that pickle, such as numbers, strings and arrays")
+    culprit = _culprit(fn)
+    what = f"it captures {culprit}, which" if culprit else "it"
+    return (f"train_loop_per_worker={name!r} cannot be sent to the workers: {what} cannot be "
+            f"pickled ({reason}). Create such objects inside the training function, or pass "
+            "picklable values through train_loop_config")
 
 
 def _slurm_spans_hosts() -> bool:

@@ -77,21 +77,6 @@ def _place_from_kubernetes() -> None:
     os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = "1"
 
 
-def _read_secret() -> str | None:
-    """The run's key: JAXTRAIN_RUN_SECRET, or the file JAXTRAIN_RUN_SECRET_FILE names (a
-    Kubernetes Secret volume)."""
-    secret = os.environ.pop("JAXTRAIN_RUN_SECRET", None)
-    path = os.environ.pop("JAXTRAIN_RUN_SECRET_FILE", None)
-    if secret or not path:
-        return secret
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        sys.stderr.write(f"jaxtrain worker: cannot read the run's key from {path}: {e}\n")
-        return None
-
-
 def _local_device_ids(platform: str) -> list[int] | None:
     """The ``local_device_ids`` for ``jax.distributed.initialize`` (placement set the variables).
 
@@ -123,8 +108,32 @@ def _fail(client, phase: str, exit_code: int) -> None:
     os._exit(exit_code)
 
 
+def _take_secret() -> str | None:
+    """The run's secret, from where the launcher put it: an inherited pipe (JAXTRAIN_RUN_SECRET_FD,
+    the local launcher), a file this worker may delete after reading
+    (JAXTRAIN_RUN_SECRET_FILE), or the environment (JAXTRAIN_RUN_SECRET, Slurm). Neither the pipe
+    nor the file leaves it in /proc/PID/environ for the worker's life."""
+    fd = os.environ.pop("JAXTRAIN_RUN_SECRET_FD", None)
+    path = os.environ.pop("JAXTRAIN_RUN_SECRET_FILE", None)
+    secret = os.environ.pop("JAXTRAIN_RUN_SECRET", None)
+    if fd:
+        chunks = []
+        with os.fdopen(int(fd), "rb", closefd=True) as f:
+            while chunk := f.read():
+                chunks.append(chunk)
+        return b"".join(chunks).decode().strip()
+    if path:
+        with open(path, encoding="ascii") as f:
+            secret = f.read().strip()
+        try:
+            os.unlink(path)
+        except OSError:  # a read-only mount (e.g. a Kubernetes Secret): its owner removes it
+            pass
+    return secret
+
+
 def main() -> None:
-    secret = _read_secret()
+    secret = _take_secret()
     if not secret:
         sys.stderr.write(
             "jaxtrain.worker is started by jaxtrain (JaxTrainer.fit); it is not run by hand\n"

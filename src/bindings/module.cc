@@ -20,6 +20,7 @@
 #include "launch/slurm_launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
+#include "storage/run_store.h"
 #include "wire/handshake.h"
 #include "worker/worker_client.h"
 
@@ -176,7 +177,18 @@ class PyController {
     if (controller_) controller_->Abort(std::move(reason));
   }
 
+  // Destroys the controller once the run has ended: a Slurm allocation it requested is released
+  // now, not whenever Python collects this object.
+  void Close() {
+    nb::gil_scoped_release release;
+    controller_.reset();
+  }
+
   nb::dict Outcome() {
+    if (!controller_) {
+      PyErr_SetString(PyExc_RuntimeError, "the run has not been started, or is closed");
+      throw nb::python_error();
+    }
     if (!controller_->Wait(Duration::zero())) {
       PyErr_SetString(PyExc_RuntimeError, "the run has not ended yet");
       throw nb::python_error();
@@ -484,6 +496,23 @@ NB_MODULE(_core, m) {
       "scaling_config"_a,
       "Plans for the Slurm launcher: one environment for every rank; Slurm places them.");
 
+  m.attr("MAX_WORKERS") = config::kMaxWorkers;
+  m.def(
+      "check_local_workers",
+      [](const config::ScalingConfig& c) {
+        Check(config::CheckLocalWorkerCount(c, accelerators::RealHost().CpuCount()));
+      },
+      "scaling_config"_a,
+      "Raises ValueError when a local run of `scaling_config` has more workers than this "
+      "machine starts (config::LocalWorkerLimit).");
+
+  m.def(
+      "run_lock_holder",
+      [](const std::string& run_dir) { return Unwrap(storage::RunStore::LockHolder(run_dir)); },
+      "run_dir"_a,
+      "The driver holding the run directory's lock ('host H, pid P, since T'), or None when no "
+      "live driver holds it.");
+
   m.def(
       "plan_kubernetes",
       [](const config::ScalingConfig& c) {
@@ -524,7 +553,8 @@ NB_MODULE(_core, m) {
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)
-      .def("outcome", &PyController::Outcome);
+      .def("outcome", &PyController::Outcome)
+      .def("close", &PyController::Close);
 
   nb::class_<PyWorkerClient>(m, "WorkerClient")
       .def_static("connect", &PyWorkerClient::Connect, "address"_a, "secret_hex"_a, "rank"_a,

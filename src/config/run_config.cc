@@ -1,17 +1,29 @@
 #include "config/run_config.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <random>
 
 namespace jaxtrain::config {
 
 std::string DefaultRunName(const Clock& clock) {
-  std::time_t t = static_cast<std::time_t>(clock.UnixSeconds());
+  const double now = clock.UnixSeconds();
+  std::time_t t = static_cast<std::time_t>(now);
   std::tm tm{};
   gmtime_r(&t, &tm);
   char buf[64];
-  std::strftime(buf, sizeof(buf), "jaxtrain_run-%Y-%m-%d_%H-%M-%S", &tm);
+  size_t n = std::strftime(buf, sizeof(buf), "jaxtrain_run-%Y-%m-%d_%H-%M-%S", &tm);
+  // Milliseconds keep names in start order; the random part keeps runs started in the same
+  // millisecond (or on other machines sharing the storage) out of each other's directory.
+  const int ms = static_cast<int>((now - static_cast<double>(t)) * 1000);
+  // A random start per process, then a counter: two names of one process always differ.
+  static std::atomic<unsigned> next{std::random_device{}()};
+  std::snprintf(buf + n, sizeof(buf) - n, ".%03d-%06x", std::clamp(ms, 0, 999),
+                next.fetch_add(1) & 0xffffffu);
   return buf;
 }
 

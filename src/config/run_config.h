@@ -11,7 +11,7 @@
 namespace jaxtrain::config {
 
 struct RunConfigInput {
-  std::optional<std::string> name;          // default: jaxtrain_run-<UTC timestamp>
+  std::optional<std::string> name;          // default: DefaultRunName()
   std::optional<std::string> storage_path;  // default: ~/jaxtrain_results
 };
 
@@ -72,7 +72,8 @@ class FailureConfig {
   FailureConfigInput input_;
 };
 
-// "jaxtrain_run-2026-12-02_10-36-51" for the clock's current UTC time.
+// "jaxtrain_run-2026-12-02_10-36-51.042-3fa9c1" for the clock's current UTC time (to the
+// millisecond), and 24 random bits: a new name for every call.
 std::string DefaultRunName(const Clock& clock);
 
 }  // namespace jaxtrain::config

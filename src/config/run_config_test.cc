@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <regex>
+
 namespace jaxtrain::config {
 namespace {
 
@@ -9,7 +11,17 @@ TEST(RunConfigTest, DefaultNameIsUtcTimestamp) {
   FakeClock clock;  // 1.7e9 s = 2023-11-14 22:13:20 UTC
   auto c = RunConfig::Create({}, clock);
   ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->name(), "jaxtrain_run-2023-11-14_22-13-20");
+  EXPECT_TRUE(std::regex_match(c->name(),
+                               std::regex(R"(jaxtrain_run-2023-11-14_22-13-20\.000-[0-9a-f]{6})")))
+      << c->name();
+}
+
+TEST(RunConfigTest, RunsStartedAtTheSameMomentGetTheirOwnNames) {
+  FakeClock clock;  // the clock does not move between the two
+  auto a = RunConfig::Create({}, clock);
+  auto b = RunConfig::Create({}, clock);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(a->name(), b->name());
 }
 
 TEST(RunConfigTest, DefaultStoragePathIsUnderHome) {

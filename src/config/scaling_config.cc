@@ -1,5 +1,6 @@
 #include "config/scaling_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -34,11 +35,27 @@ std::string_view PlacementStrategyName(PlacementStrategy strategy) {
   return "PACK";
 }
 
+int LocalWorkerLimit(int cpus) {
+  return std::max(kLocalWorkersFloor, kLocalWorkersPerCpu * std::max(cpus, 1));
+}
+
+Status CheckLocalWorkerCount(const ScalingConfig& config, int cpus) {
+  const int limit = LocalWorkerLimit(cpus);
+  if (config.num_workers() <= limit) return OkStatus();
+  return InvalidArgumentError(
+      "ScalingConfig.num_workers=" + std::to_string(config.num_workers()) +
+      " is more than a local run starts on this machine: at most " + std::to_string(limit) +
+      " worker processes (" + std::to_string(kLocalWorkersPerCpu) + " per CPU, " +
+      std::to_string(cpus) + " CPUs, and never fewer than " + std::to_string(kLocalWorkersFloor) +
+      "); ask for fewer workers, or run on a cluster (Slurm: docs/slurm.md)");
+}
+
 StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
   ScalingConfig c;
-  if (in.num_workers < 1) {
+  if (in.num_workers < 1 || in.num_workers > kMaxWorkers) {
     return InvalidArgumentError("ScalingConfig.num_workers=" + std::to_string(in.num_workers) +
-                                " is not allowed; it must be a whole number >= 1");
+                                " is not allowed; it must be a whole number >= 1 and at most " +
+                                std::to_string(kMaxWorkers));
   }
   if (in.use_tpu && in.use_gpu) {
     return InvalidArgumentError(

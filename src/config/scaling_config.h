@@ -15,6 +15,17 @@ namespace jaxtrain::config {
 enum class PlacementStrategy { kPack, kSpread, kStrictPack, kStrictSpread };
 std::string_view PlacementStrategyName(PlacementStrategy strategy);
 
+// The most workers a ScalingConfig may ask for, whatever the launcher: more than any cluster
+// jaxtrain is meant for, and far fewer than would exhaust the driver's memory while planning.
+inline constexpr int kMaxWorkers = 100'000;
+
+// A local run starts every worker process on this machine: at most
+// max(kLocalWorkersFloor, kLocalWorkersPerCpu x its CPUs). The floor lets a simulated TPU pod
+// slice (JAXTRAIN_SIMULATE) of up to 64 hosts run on a laptop.
+inline constexpr int kLocalWorkersPerCpu = 8;
+inline constexpr int kLocalWorkersFloor = 64;
+int LocalWorkerLimit(int cpus);
+
 struct ScalingConfigInput {
   int num_workers = 1;
   bool use_tpu = false;
@@ -29,12 +40,12 @@ class ScalingConfig {
  public:
   // Validates every field and the rules between them.
   // Errors: kInvalidArgument whose message names the field, the value given and what is allowed:
-  //   num_workers < 1; use_tpu together with use_gpu; an unknown placement_strategy; a negative or
-  //   non-finite resource; a "TPU" resource without use_tpu, or use_tpu with TPU = 0; a "GPU"
-  //   resource without use_gpu; topology without use_tpu; use_tpu with more than one worker but no
-  //   topology or accelerator_type; an unknown TPU generation or a topology invalid for it; a TPU
-  //   count per worker that does not divide the chips of a host; num_workers not a multiple of
-  //   the workers one slice holds ("must be a multiple of ...").
+  //   num_workers < 1 or > kMaxWorkers; use_tpu together with use_gpu; an unknown
+  //   placement_strategy; a negative or non-finite resource; a "TPU" resource without use_tpu, or
+  //   use_tpu with TPU = 0; a "GPU" resource without use_gpu; topology without use_tpu; use_tpu
+  //   with more than one worker but no topology or accelerator_type; an unknown TPU generation or a
+  //   topology invalid for it; a TPU count per worker that does not divide the chips of a host;
+  //   num_workers not a multiple of the workers one slice holds ("must be a multiple of ...").
   static StatusOr<ScalingConfig> Create(ScalingConfigInput input);
 
   const ScalingConfigInput& input() const { return input_; }
@@ -59,5 +70,9 @@ class ScalingConfig {
   std::optional<accelerators::TpuSlice> slice_;
   int workers_per_slice_ = 0;
 };
+
+// Whether a local run of `config` fits this machine of `cpus` CPUs (LocalWorkerLimit).
+// Errors: kInvalidArgument naming ScalingConfig.num_workers, its value and the limit.
+Status CheckLocalWorkerCount(const ScalingConfig& config, int cpus);
 
 }  // namespace jaxtrain::config

@@ -108,6 +108,29 @@ TEST(ScalingConfigTest, NumWorkersMustBePositive) {
   ExpectInvalid(in, {"ScalingConfig.num_workers=0", ">= 1"});
 }
 
+TEST(ScalingConfigTest, NumWorkersHasAnUpperBound) {
+  ScalingConfigInput in;
+  in.num_workers = 1'000'000'000;
+  ExpectInvalid(in, {"ScalingConfig.num_workers=1000000000", "at most 100000"});
+  in.num_workers = kMaxWorkers;
+  EXPECT_TRUE(ScalingConfig::Create(in).ok());
+}
+
+TEST(ScalingConfigTest, ALocalRunIsBoundedByTheMachinesCpus) {
+  auto fits = ScalingConfig::Create({.num_workers = 64});
+  ASSERT_TRUE(fits.ok());
+  EXPECT_TRUE(CheckLocalWorkerCount(*fits, 2).ok());  // the floor: 64 whatever the CPUs
+  auto big = ScalingConfig::Create({.num_workers = 129});
+  ASSERT_TRUE(big.ok());
+  EXPECT_TRUE(CheckLocalWorkerCount(*big, 17).ok());  // 8 per CPU
+  Status s = CheckLocalWorkerCount(*big, 16);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  for (const char* part : {"ScalingConfig.num_workers=129", "at most 128", "16 CPUs"}) {
+    EXPECT_NE(s.message().find(part), std::string::npos)
+        << "missing '" << part << "' in " << s.message();
+  }
+}
+
 TEST(ScalingConfigTest, PlacementStrategyMustBeKnown) {
   ScalingConfigInput in;
   in.placement_strategy = "RANDOM";

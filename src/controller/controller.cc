@@ -78,13 +78,21 @@ uint64_t OomKillCount() {
   return at == std::string::npos ? 0 : std::strtoull(text->c_str() + at + 10, nullptr, 10);
 }
 
-void WriteFully(int fd, std::string_view data) {
+// False (errno set) when `data` could not be written whole.
+bool WriteFully(int fd, std::string_view data) {
   while (!data.empty()) {
     ssize_t n = write(fd, data.data(), data.size());
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
+    if (n <= 0) return false;
     data.remove_prefix(static_cast<size_t>(n));
   }
+  return true;
+}
+
+std::string HostName() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
 }
 
 // "12: text" (srun --label; the number may be padded with spaces) -> "text" and *rank = 12;
@@ -196,6 +204,7 @@ struct Controller::Loop {
   bool sent_sigterm = false;
   bool sent_sigkill = false;
   uint64_t oom_kills_before = 0;
+  bool log_failed = false;
   std::vector<std::string> warnings;
   Phase phase = Phase::kStarting;
   std::vector<Proc> procs;
@@ -271,6 +280,22 @@ struct Controller::Loop {
       failure = std::move(f);
     }
     BeginStop();
+  }
+
+  // A failure of the driver's own records (the run directory), blamed on no rank.
+  static RankFailure StorageFailure(std::string message) {
+    return {.rank = -1, .host = HostName(), .cause = "storage", .message = std::move(message)};
+  }
+
+  // Rank output to its log. A log that cannot be written is said once, not fatal: the output
+  // still reaches the console, and the metrics and checkpoints are recorded elsewhere.
+  void WriteLog(int rank, std::string_view text) {
+    if (WriteFully(log_fds[static_cast<size_t>(rank)], text) || log_failed) return;
+    log_failed = true;
+    const std::string why = std::strerror(errno);
+    Say("warning: cannot write " + store.LogPath(rank) + " (" + why +
+        "); rank output is missing from the logs from here on");
+    warnings.push_back("cannot write " + store.LogPath(rank) + ": " + why);
   }
 
   void BeginStop() {
@@ -546,7 +571,10 @@ struct Controller::Loop {
     Status s =
         store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json, committed);
     if (!s.ok()) {
-      Say("cannot record report round " + std::to_string(round.round) + ": " + s.message());
+      // A round that is not on disk must not be counted as done: the attempt fails, and a
+      // restart (FailureConfig.max_failures) repeats the round from the latest checkpoint.
+      Fail(StorageFailure("report round " + std::to_string(round.round) +
+                          " could not be recorded in the run directory: " + s.message()));
       return;
     }
     rounds = round.round;
@@ -686,7 +714,7 @@ struct Controller::Loop {
         SplitLabelledLines(p, chunk);
         continue;
       }
-      WriteFully(log_fds[static_cast<size_t>(p.launched.ranks.front())], chunk);
+      WriteLog(p.launched.ranks.front(), chunk);
       EchoLines(p, chunk);
     }
   }
@@ -712,7 +740,7 @@ struct Controller::Loop {
             text.find("error") != std::string_view::npos) {
           p.launcher_error = std::string(text.substr(0, text.size() - 1));
         }
-        WriteFully(log_fds[static_cast<size_t>(rank)], text);
+        WriteLog(rank, text);
         console += "(rank=" + std::to_string(rank) + ") ";
         console += text;
         continue;
@@ -729,7 +757,7 @@ struct Controller::Loop {
         p.launcher_error = std::string(line.substr(0, line.size() - 1));
       }
       if (targets.empty()) targets = p.launched.ranks;
-      for (int r : targets) WriteFully(log_fds[static_cast<size_t>(r)], line);
+      for (int r : targets) WriteLog(r, line);
       console += line;
     }
     p.partial_line.erase(0, start);
@@ -941,7 +969,8 @@ struct Controller::Loop {
         world_size, "===== jaxtrain: attempt " + std::to_string(attempt) + " =====\n");
     if (!logged.ok()) Say("cannot write the logs: " + logged.message());
     for (auto& spec : specs) spec.env["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
-    WriteRunState("RUNNING");
+    // An attempt that run.json does not show must not run: its rounds would be lost with it.
+    JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
     JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched,
                         ctl.launcher_->Launch(specs));
     procs.clear();
@@ -983,8 +1012,9 @@ struct Controller::Loop {
     attempt_log.push_back(AttemptState(status));
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
-    Say("attempt " + std::to_string(attempt) + " failed: rank " + std::to_string(failure->rank) +
-        " (host " + (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
+    Say("attempt " + std::to_string(attempt) + " failed: " +
+        (failure->rank >= 0 ? "rank " + std::to_string(failure->rank) : "the driver") + " (host " +
+        (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     failures.push_back(*failure);
     if (!policy.ShouldRestart(failure->cause)) return false;
@@ -1043,11 +1073,42 @@ struct Controller::Loop {
     }
     out.rounds = rounds;
     out.last_metrics_json = last_metrics;
-    WriteRunState(OutcomeStateName(out.state));
+    Status written = WriteRunState(OutcomeStateName(out.state));
+    if (!written.ok()) {
+      // The run's record says RUNNING, not how it ended: never report that as a success.
+      Say("cannot write run.json: " + written.message());
+      if (out.state == Outcome::State::kFailed) {
+        out.warnings.push_back("run.json could not be written: " + written.message());
+      } else {
+        RankFailure f =
+            StorageFailure("the run ended (" + std::string(OutcomeStateName(out.state)) +
+                           "), but its record could not be written: " + written.message());
+        f.attempt = attempt;
+        out.failures.push_back(f);
+        out.failure = f;
+        out.state = Outcome::State::kFailed;
+      }
+    }
+    store.Unlock();  // the run is over: another driver may resume it
     return out;
   }
 
-  void WriteRunState(std::string_view status) {
+  // Attempts of an earlier driver of this run that run.json shows as RUNNING: that driver ended
+  // (it was killed, or its machine went down) without recording how; they are marked CRASHED.
+  void MarkCrashedAttempts() {
+    for (auto& a : attempt_log) {
+      if (!a.is_object() || a.value("status", "") != "RUNNING") continue;
+      const std::string& who = store.previous_holder();
+      a["status"] = "CRASHED";
+      a["failure"] = {{"rank", -1},
+                      {"host", ""},
+                      {"cause", "driver"},
+                      {"message", "its driver (" + (who.empty() ? "unknown" : who) +
+                                      ") ended without recording how the attempt ended"}};
+    }
+  }
+
+  Status WriteRunState(std::string_view status) {
     nlohmann::json attempts = attempt_log;
     if (status == "RUNNING") attempts.push_back(AttemptState(status));
     nlohmann::json state = {{"name", opts.experiment_name},
@@ -1060,8 +1121,7 @@ struct Controller::Loop {
                             {"attempts", attempts},
                             {"config", opts.run_config}};
     if (status != "RUNNING") state["end_time"] = ctl.clock_.UnixSeconds();
-    Status s = store.WriteRunState(state);
-    if (!s.ok()) Say("cannot write run.json: " + s.message());
+    return store.WriteRunState(state);
   }
 };
 
@@ -1091,6 +1151,7 @@ Status Controller::Start() {
     loop->attempt_log = previous["attempts"];
     loop->first_attempt = static_cast<int>(previous["attempts"].size());
     loop->attempt = loop->first_attempt;
+    loop->MarkCrashedAttempts();
   }
   loop->rounds = loop->collector.next_round() - 1;
   JT_ASSIGN_OR_RETURN(loop->listen_fd, wire::Listen(options_.listen_host, 0, &port_));
@@ -1108,7 +1169,7 @@ Status Controller::Start() {
     spec.unset_env = w.unset_env;
     for (const auto& [k, v] : options_.worker_env) spec.env[k] = v;
     spec.env["JAXTRAIN_CONTROLLER_ADDR"] = address;
-    spec.env["JAXTRAIN_RUN_SECRET"] = wire::ToHex(loop->secret);
+    spec.secret = wire::ToHex(loop->secret);
     spec.env["JAXTRAIN_RANK"] = std::to_string(w.rank);
     spec.env["JAXTRAIN_WORLD_SIZE"] = std::to_string(world_size);
     spec.env["JAXTRAIN_LOCAL_RANK"] = std::to_string(w.local_rank);
@@ -1134,6 +1195,15 @@ Status Controller::Start() {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   Status started = loop->StartAttempt();
   if (!started.ok()) {
+    // run.json may already say RUNNING; it must say how the run ended instead.
+    loop->failure =
+        RankFailure{.rank = -1,
+                    .host = HostName(),
+                    .cause = "start-up",
+                    .message = "the worker group could not be started: " + started.message()};
+    loop->attempt_log.push_back(loop->AttemptState("ERRORED"));
+    Status recorded = loop->WriteRunState("ERRORED");
+    if (!recorded.ok()) loop->Say("cannot write run.json: " + recorded.message());
     for (int fd : loop->log_fds) close(fd);
     close(loop->listen_fd);
     return started;

@@ -468,5 +468,84 @@ TEST_F(ControllerTest, PeersThatFailTheHandshakeAreDisconnectedAndTheRunIsUnaffe
   EXPECT_EQ(out.rounds, 3u);
 }
 
+TEST_F(ControllerTest, ASecondControllerOfALiveRunIsRefusedNamingTheFirst) {
+  Fifo events(dir_ + "/events");
+  ControllerOptions options = Options(2, {"hang"});
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  auto first = Make(options);
+  ASSERT_TRUE(first->Start().ok());
+  ASSERT_TRUE(events.WaitFor('S', 2)) << "the workers did not all start";
+
+  auto second = Make(Options(2, {"ok"}));
+  Status s = second->Start();
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_TRUE(Contains(s.message(), "pid " + std::to_string(getpid()))) << s.message();
+  // The first run's files are untouched: still its RUNNING record.
+  EXPECT_EQ(RunState().value("status", ""), "RUNNING");
+
+  first->Abort("test");
+  ASSERT_TRUE(first->Wait(kNoHang));
+  EXPECT_EQ(RunState().value("status", ""), "ABORTED");
+  // Once the first has ended, the run can be resumed at once, in the same process.
+  auto third = Make(Options(2, {"ok"}));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*third));
+  EXPECT_EQ(third->outcome().state, State::kSucceeded);
+}
+
+TEST_F(ControllerTest, AnAttemptLeftRunningByAKilledDriverIsMarkedCrashed) {
+  ASSERT_TRUE(std::filesystem::create_directories(RunDir()));
+  {
+    std::ofstream run_json(RunDir() + "/run.json");
+    run_json << json{{"status", "RUNNING"},
+                     {"attempts", json::array({{{"attempt", 0}, {"status", "RUNNING"}}})}}
+                    .dump();
+    std::ofstream lock(RunDir() + "/LOCK");
+    lock << R"({"host":"gone-host","pid":4242,"since":0})";
+  }
+  auto controller = Make(Options(2, {"ok"}));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+  EXPECT_EQ(controller->outcome().state, State::kSucceeded);
+  json state = RunState();
+  EXPECT_EQ(state.value("status", ""), "FINISHED");
+  ASSERT_EQ(state["attempts"].size(), 2u) << state.dump();
+  const json& crashed = state["attempts"][0];
+  EXPECT_EQ(crashed.value("status", ""), "CRASHED");
+  EXPECT_EQ(crashed["failure"].value("cause", ""), "driver");
+  EXPECT_TRUE(Contains(crashed["failure"].value("message", ""), "host gone-host, pid 4242"))
+      << crashed.dump();
+  EXPECT_EQ(state["attempts"][1].value("status", ""), "FINISHED");
+}
+
+TEST_F(ControllerTest, AReportRoundThatCannotBeRecordedFailsTheRun) {
+  // result.jsonl on a device that is always full (ENOSPC), as on a full disk.
+  ASSERT_TRUE(std::filesystem::create_directories(RunDir()));
+  ASSERT_EQ(symlink("/dev/full", (RunDir() + "/result.jsonl").c_str()), 0);
+  auto controller = Make(Options(2, {"ok", "3"}));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+  const Outcome& out = controller->outcome();
+  ASSERT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->cause, "storage");
+  EXPECT_EQ(out.failure->rank, -1);
+  EXPECT_TRUE(Contains(out.failure->message, "report round 1 could not be recorded"))
+      << out.failure->message;
+  EXPECT_TRUE(Contains(out.failure->message, "result.jsonl")) << out.failure->message;
+  EXPECT_EQ(out.rounds, 0u);
+  EXPECT_EQ(out.last_metrics_json, "");
+  json state = RunState();
+  EXPECT_EQ(state.value("status", ""), "ERRORED");
+  EXPECT_EQ(state["attempts"][0]["failure"].value("cause", ""), "storage");
+}
+
+TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {
+  // run.json's temporary file cannot be created: every write of run.json fails.
+  ASSERT_TRUE(std::filesystem::create_directories(RunDir()));
+  auto controller = Make(Options(1, {"ok"}));
+  ASSERT_EQ(mkdir((RunDir() + "/run.json.tmp." + std::to_string(getpid())).c_str(), 0755), 0);
+  Status s = controller->Start();
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(Contains(s.message(), "run.json")) << s.ToString();
+}
+
 }  // namespace
 }  // namespace jaxtrain::controller

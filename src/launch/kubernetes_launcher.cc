@@ -20,7 +20,9 @@ using nlohmann::json;
 // Set per pod by each worker from its Job's index and completion index, never by the launcher.
 const std::set<std::string> kPerRankEnv = {"JAXTRAIN_RANK", "JAXTRAIN_LOCAL_RANK",
                                            "JAXTRAIN_LOCAL_WORLD_SIZE", "JAXTRAIN_NODE_RANK"};
-constexpr char kSecretEnv[] = "JAXTRAIN_RUN_SECRET";
+// Never handed on to the supervisor: a driver that is itself a worker of another run has these.
+const std::set<std::string> kSecretEnv = {"JAXTRAIN_RUN_SECRET", "JAXTRAIN_RUN_SECRET_FILE",
+                                          "JAXTRAIN_RUN_SECRET_FD"};
 constexpr char kSecretDir[] = "/var/run/jaxtrain";
 constexpr char kJobIndexLabel[] = "jobset.sigs.k8s.io/job-index";
 constexpr char kDefaultMegascalePort[] = "8081";
@@ -359,13 +361,8 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   pid_ = 0;
   kills_ = 0;
   JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes"));
-  auto secret = group.env.find(kSecretEnv);
-  if (secret == group.env.end()) {
-    return InternalError("the Kubernetes launcher was given no run key (" +
-                         std::string(kSecretEnv) + ")");
-  }
-  const std::string key = secret->second;
-  group.env.erase(secret);
+  if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");
+  const std::string key = group.secret;
 
   const std::string jobset_name = options_.name + "-" + std::to_string(++attempts_);
   JT_ASSIGN_OR_RETURN(json jobset,
@@ -401,7 +398,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   argv.push_back(path);
   std::vector<std::string> env_strings;
   for (const auto& [k, v] : CurrentEnvironment()) {
-    if (k != kSecretEnv) env_strings.push_back(k + "=" + v);
+    if (!kSecretEnv.count(k)) env_strings.push_back(k + "=" + v);
   }
   auto spawned = SpawnWithOutputPipe(
       {.argv = argv, .env = &env_strings, .process_group = 0, .search_path = true});

@@ -9,9 +9,9 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
                                     std::string_view engine) {
   if (specs.empty()) return InvalidArgumentError("no processes to launch");
   const ProcessSpec& first = specs.front();
-  UniformGroup group{.argv = first.argv, .cwd = first.cwd};
+  UniformGroup group{.argv = first.argv, .cwd = first.cwd, .secret = first.secret};
   for (const auto& spec : specs) {
-    if (spec.argv != first.argv || spec.cwd != first.cwd) {
+    if (spec.argv != first.argv || spec.cwd != first.cwd || spec.secret != first.secret) {
       return InvalidArgumentError("the " + std::string(engine) +
                                   " launcher runs one command for every rank; the ranks' commands "
                                   "or working directories differ");

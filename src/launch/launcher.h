@@ -26,6 +26,10 @@ struct ProcessSpec {
   std::map<std::string, std::string> env;  // set on top of the launcher's own environment
   std::vector<std::string> unset_env;      // removed from it
   std::string cwd;                         // empty = the launcher's
+  // The run's secret: handed to the process neither in its environment nor in its argv, where
+  // /proc/PID/environ and ps would show it for the process's whole life. How is the launcher's
+  // (LocalLauncher: an inherited pipe named by JAXTRAIN_RUN_SECRET_FD).
+  std::string secret;
 };
 
 struct LaunchedProcess {
@@ -69,6 +73,7 @@ struct UniformGroup {
   std::string cwd;
   std::map<std::string, std::string> env;  // shared, without the per-rank names
   std::set<std::string> unset_env;
+  std::string secret;  // ProcessSpec::secret, the same for every rank
 };
 
 // Merges `specs` into one command. `per_rank` names the variables each rank derives itself from

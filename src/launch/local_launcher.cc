@@ -16,12 +16,18 @@ extern char** environ;
 namespace jaxtrain::launch {
 namespace {
 
+constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
+
 std::vector<std::string> BuildEnv(const ProcessSpec& spec) {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string entry(*e);
     size_t eq = entry.find('=');
     if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  // A driver that is itself a worker of another run must not hand that run's secret on.
+  for (const char* name : {"JAXTRAIN_RUN_SECRET", "JAXTRAIN_RUN_SECRET_FILE", kSecretFdEnv}) {
+    env.erase(name);
   }
   for (const auto& name : spec.unset_env) env.erase(name);
   for (const auto& [k, v] : spec.env) env[k] = v;
@@ -35,6 +41,27 @@ std::string RanksText(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
   return out;
+}
+
+// The read end (>= 3, close-on-exec) of a pipe that holds `secret` and then ends: the child reads
+// it to EOF. The secret is smaller than a pipe's buffer, so writing it never blocks.
+StatusOr<int> SecretPipe(const std::string& secret) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  ssize_t n = write(fds[1], secret.data(), secret.size());
+  const int err = errno;
+  close(fds[1]);
+  if (n != static_cast<ssize_t>(secret.size())) {
+    close(fds[0]);
+    return ErrnoError("writing the run secret to its pipe", n < 0 ? err : EPIPE);
+  }
+  if (fds[0] >= 3) return fds[0];
+  // 0-2 are the child's stdio: move the pipe above them (a driver started with stdin closed).
+  int moved = fcntl(fds[0], F_DUPFD_CLOEXEC, 3);
+  const int dup_err = errno;
+  close(fds[0]);
+  if (moved < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", dup_err);
+  return moved;
 }
 
 }  // namespace
@@ -56,8 +83,22 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
 
   for (const auto& spec : specs) {
     std::vector<std::string> env = BuildEnv(spec);
-    auto spawned = SpawnWithOutputPipe(
-        {.argv = spec.argv, .env = &env, .cwd = spec.cwd, .process_group = pgid_});
+    int secret_fd = -1;
+    if (!spec.secret.empty()) {
+      auto fd = SecretPipe(spec.secret);
+      if (!fd.ok()) {
+        return fail(UnavailableError("cannot start the process of rank " + RanksText(spec.ranks) +
+                                     ": " + fd.status().message()));
+      }
+      secret_fd = *fd;
+      env.push_back(std::string(kSecretFdEnv) + "=" + std::to_string(secret_fd));
+    }
+    auto spawned = SpawnWithOutputPipe({.argv = spec.argv,
+                                        .env = &env,
+                                        .cwd = spec.cwd,
+                                        .process_group = pgid_,
+                                        .inherit_fd = secret_fd});
+    if (secret_fd >= 0) close(secret_fd);
     if (!spawned.ok()) {
       return fail(UnavailableError("cannot start the process of rank " + RanksText(spec.ranks) +
                                    " (" + spec.argv[0] + "): " + spawned.status().message()));

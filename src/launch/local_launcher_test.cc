@@ -54,6 +54,30 @@ TEST(LocalLauncherTest, RunsProcessesWithEnvAndMergedOutput) {
   }
 }
 
+TEST(LocalLauncherTest, TheSecretArrivesOnAnInheritedPipeAndNotInTheEnvironment) {
+  LocalLauncher launcher;
+  setenv("JAXTRAIN_RUN_SECRET", "inherited-from-an-outer-run", 1);
+  ProcessSpec spec{
+      {0},
+      {"/bin/sh", "-c", "cat <&$JAXTRAIN_RUN_SECRET_FD; echo; tr '\\0' '\\n' < /proc/self/environ"},
+      {},
+      {},
+      ""};
+  spec.secret = "0123abcd";
+  auto procs = launcher.Launch({spec});
+  unsetenv("JAXTRAIN_RUN_SECRET");
+  ASSERT_TRUE(procs.ok()) << procs.status().ToString();
+  std::string out = ReadAll((*procs)[0].output_fd);
+  EXPECT_TRUE(WaitExit((*procs)[0]).ok());
+  close((*procs)[0].pidfd);
+  close((*procs)[0].output_fd);
+  ASSERT_EQ(out.substr(0, 9), "0123abcd\n") << out;
+  const std::string environ_text = out.substr(9);
+  EXPECT_EQ(environ_text.find("0123abcd"), std::string::npos) << environ_text;
+  EXPECT_EQ(environ_text.find("JAXTRAIN_RUN_SECRET="), std::string::npos) << environ_text;
+  EXPECT_NE(environ_text.find("JAXTRAIN_RUN_SECRET_FD="), std::string::npos) << environ_text;
+}
+
 TEST(LocalLauncherTest, SignalGroupReachesEveryProcess) {
   LocalLauncher launcher;
   std::vector<ProcessSpec> specs(3, ProcessSpec{{0}, {"/bin/sleep", "30"}, {}, {}, ""});

@@ -58,6 +58,10 @@ StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
   if (!options.cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, options.cwd.c_str());
+  // dup2 onto itself clears close-on-exec in the child only (POSIX.1-2024; glibc >= 2.29).
+  if (options.inherit_fd >= 3) {
+    posix_spawn_file_actions_adddup2(&actions, options.inherit_fd, options.inherit_fd);
+  }
 
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);

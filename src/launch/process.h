@@ -32,6 +32,8 @@ struct SpawnOptions {
   std::string cwd;                                // empty: this process's
   std::optional<pid_t> process_group;             // join it (0: a new group led by the child)
   bool search_path = false;                       // look argv[0] up in PATH
+  // A descriptor (>= 3) the child inherits under the same number; it stays close-on-exec here.
+  int inherit_fd = -1;
 };
 
 struct Spawned {

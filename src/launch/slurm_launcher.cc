@@ -557,6 +557,8 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   for (const auto& name : group.unset_env) env.erase(name);
   for (const auto& name : kPerRankEnv) env.erase(name);
   for (const auto& [k, v] : group.env) env[k] = v;
+  // srun hands its environment to every task (--export=ALL), never a command line.
+  if (!group.secret.empty()) env["JAXTRAIN_RUN_SECRET"] = group.secret;
 
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.

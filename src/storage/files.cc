@@ -8,14 +8,36 @@
 #include <cstring>
 
 namespace jaxtrain::storage {
-namespace {
 
 Status PathError(std::string_view what, const std::string& path, int err) {
   std::string message = std::string(what) + " '" + path + "': " + std::strerror(err);
   if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(message);
   if (err == ENOTDIR || err == EEXIST) return FailedPreconditionError(message);
   if (err == ENOENT) return NotFoundError(message);
+  // A full disk or quota may be freed, and an I/O error may pass (a storage server that
+  // restarts): neither says that retrying cannot help.
+  if (err == ENOSPC || err == EDQUOT) return ResourceExhaustedError(message);
+  if (err == EIO) return UnavailableError(message);
   return InternalError(message);
+}
+
+namespace {
+
+// Makes the entries of `dir` (a new or renamed file or directory) durable.
+Status FsyncDir(const std::string& dir) {
+  const std::string path = dir.empty() ? "." : dir;
+  int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return PathError("cannot open directory", path, errno);
+  Status s;
+  if (fsync(fd) != 0 && errno != EINVAL) s = PathError("cannot fsync directory", path, errno);
+  close(fd);
+  return s;
+}
+
+std::string ParentDir(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
 }
 
 Status WriteFd(int fd, std::string_view data, const std::string& path) {
@@ -44,7 +66,10 @@ Status MakeDirs(const std::string& path) {
   for (size_t pos = 1; pos <= path.size(); ++pos) {
     if (pos != path.size() && path[pos] != '/') continue;
     std::string prefix = path.substr(0, pos);
-    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+    if (mkdir(prefix.c_str(), 0755) == 0) {
+      // A new directory survives a crash only once its parent's entry is on disk.
+      JT_RETURN_IF_ERROR(FsyncDir(ParentDir(prefix)));
+    } else if (errno != EEXIST) {
       return PathError("cannot create directory", prefix, errno);
     }
     struct stat st;
@@ -69,21 +94,35 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents) {
     unlink(tmp.c_str());
     return s;
   }
-  std::string dir = path.substr(0, path.find_last_of('/') + 1);
-  int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    fsync(dfd);
-    close(dfd);
-  }
-  return OkStatus();
+  // The rename is durable only once the directory is.
+  return FsyncDir(ParentDir(path));
 }
 
 Status AppendToFile(const std::string& path, std::string_view contents) {
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) return PathError("cannot open", path, errno);
+  struct stat st;
+  const off_t before = fstat(fd, &st) == 0 ? st.st_size : -1;
   Status s = WriteFd(fd, contents, path);
+  // A short write (a full disk) would leave a torn line that the next append continues.
+  if (!s.ok() && before >= 0 && ftruncate(fd, before) != 0) {
+    s = Status(s.code(), s.message() + "; its last line may be torn (cannot truncate it: " +
+                             std::strerror(errno) + ")");
+  }
   close(fd);
   return s;
+}
+
+Status TruncateFile(const std::string& path, uint64_t size) {
+  if (truncate(path.c_str(), static_cast<off_t>(size)) != 0) {
+    return PathError("cannot truncate", path, errno);
+  }
+  return OkStatus();
+}
+
+uint64_t FileSize(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
 }
 
 StatusOr<std::string> ReadFile(const std::string& path) {

@@ -2,6 +2,7 @@
 // Thread-safe (no shared state).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -9,17 +10,33 @@
 
 namespace jaxtrain::storage {
 
-// mkdir -p. Errors: kPermissionDenied, kFailedPrecondition (a file is in the way), kInternal.
+// Errors of the functions below that write, by errno: kPermissionDenied (EACCES, EPERM, EROFS),
+// kFailedPrecondition (ENOTDIR, EEXIST), kNotFound (ENOENT), kResourceExhausted (ENOSPC, EDQUOT:
+// the disk or quota is full; space may be freed), kUnavailable (EIO), kInternal (anything else).
 // Each message names the path and the reason.
+
+// "<what> '<path>': <errno's text>" with the code above for `err`.
+Status PathError(std::string_view what, const std::string& path, int err);
+
+// mkdir -p; each directory it creates is made durable (its parent is fsynced).
+// Errors: as above; kFailedPrecondition also when a file is in the way.
 Status MakeDirs(const std::string& path);
 
 // Replaces `path` with `contents` so that a reader sees the old or the new file, never a mix:
-// write a temporary beside it, fsync, rename over, fsync the directory.
+// write a temporary beside it, fsync, rename over, fsync the directory. On error the old file is
+// in place (or, when only the directory's fsync failed, the new one may not survive a crash).
 Status WriteFileAtomically(const std::string& path, std::string_view contents);
 
 // Appends and flushes (no fsync: used for logs and metrics lines, which may lose their tail on a
-// machine crash, never their order).
+// machine crash, never their order). On error the file is cut back to its length before the
+// call, so that a failed append never leaves a torn line for the next one to continue.
 Status AppendToFile(const std::string& path, std::string_view contents);
+
+// Cuts `path` to `size` bytes (undoes appends).
+Status TruncateFile(const std::string& path, uint64_t size);
+
+// The size of `path`; 0 when it does not exist.
+uint64_t FileSize(const std::string& path);
 
 // The whole file. Errors: kNotFound, kInternal.
 StatusOr<std::string> ReadFile(const std::string& path);

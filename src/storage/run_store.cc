@@ -1,8 +1,12 @@
 #include "storage/run_store.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <ctime>
 #include <sstream>
+#include <utility>
 
 #include "storage/files.h"
 #include "storage/metrics.h"
@@ -34,6 +38,52 @@ std::string CsvField(const std::string& s) {
   return out + "\"";
 }
 
+constexpr char kLockName[] = "LOCK";
+
+struct flock WholeFile(short type) {
+  struct flock lock {};
+  lock.l_type = type;
+  lock.l_whence = SEEK_SET;
+  return lock;  // l_start = l_len = 0: the whole file, however long
+}
+
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[512];
+  for (off_t at = 0;;) {
+    ssize_t n = pread(fd, buf, sizeof(buf), at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || out.size() > 4096) return out;
+    out.append(buf, static_cast<size_t>(n));
+    at += n;
+  }
+}
+
+// LOCK's contents, {"host", "pid", "since"}, as "host H, pid P, since 2026-12-03 07:30:00 UTC".
+std::string DescribeHolder(const std::string& text) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("host") || !j["host"].is_string() || !j.contains("pid")) {
+    return "";
+  }
+  std::string out = "host " + j["host"].get<std::string>() + ", pid " + j["pid"].dump();
+  if (j.contains("since") && j["since"].is_number()) {
+    std::time_t t = static_cast<std::time_t>(j["since"].get<double>());
+    std::tm tm{};
+    gmtime_r(&t, &tm);
+    char buf[48];
+    std::strftime(buf, sizeof(buf), ", since %Y-%m-%d %H:%M:%S UTC", &tm);
+    out += buf;
+  }
+  return out;
+}
+
+std::string ThisDriver() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return nlohmann::json{{"host", host}, {"pid", getpid()}, {"since", std::time(nullptr)}}.dump() +
+         "\n";
+}
+
 }  // namespace
 
 StatusOr<RunStore> RunStore::Open(std::string run_dir) {
@@ -42,7 +92,32 @@ StatusOr<RunStore> RunStore::Open(std::string run_dir) {
     return PermissionDeniedError("cannot write to the run directory '" + run_dir +
                                  "'; choose a RunConfig.storage_path you can write to");
   }
+  const std::string lock_path = JoinPath(run_dir, kLockName);
+  int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return PathError("cannot open the run's lock", lock_path, errno);
+  struct flock lock = WholeFile(F_WRLCK);
+  if (fcntl(fd, F_OFD_SETLK, &lock) != 0) {
+    const int err = errno;
+    std::string holder = DescribeHolder(ReadAll(fd));
+    close(fd);
+    if (err != EAGAIN && err != EACCES) return PathError("cannot lock", lock_path, err);
+    return FailedPreconditionError(
+        "the run directory '" + run_dir + "' is in use by another driver (" +
+        (holder.empty() ? "its LOCK does not say which" : holder) +
+        "): a run has one driver at a time. Wait for that run to end or stop it, or choose "
+        "another RunConfig.name");
+  }
   RunStore store(std::move(run_dir));
+  store.lock_fd_ = fd;
+  store.previous_holder_ = DescribeHolder(ReadAll(fd));
+  const std::string me = ThisDriver();
+  if (ftruncate(fd, 0) != 0) return PathError("cannot write", lock_path, errno);
+  for (std::string_view rest = me; !rest.empty();) {
+    ssize_t n = pwrite(fd, rest.data(), rest.size(), static_cast<off_t>(me.size() - rest.size()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return PathError("cannot write", lock_path, n < 0 ? errno : ENOSPC);
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
   // A resumed run keeps the columns progress.csv already has.
   auto csv = ReadFile(JoinPath(store.dir_, "progress.csv"));
   if (csv.ok() && !csv->empty()) {
@@ -50,6 +125,52 @@ StatusOr<RunStore> RunStore::Open(std::string run_dir) {
     for (std::string col; std::getline(header, col, ',');) store.csv_columns_.push_back(col);
   }
   return store;
+}
+
+StatusOr<std::optional<std::string>> RunStore::LockHolder(const std::string& run_dir) {
+  const std::string lock_path = JoinPath(run_dir, kLockName);
+  int fd = open(lock_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return std::optional<std::string>();
+    return PathError("cannot open the run's lock", lock_path, errno);
+  }
+  struct flock lock = WholeFile(F_WRLCK);
+  if (fcntl(fd, F_OFD_GETLK, &lock) != 0) {
+    const int err = errno;
+    close(fd);
+    return PathError("cannot query the lock", lock_path, err);
+  }
+  std::optional<std::string> holder;
+  if (lock.l_type != F_UNLCK) {
+    holder = DescribeHolder(ReadAll(fd));
+    if (holder->empty()) holder = "a driver that LOCK does not name";
+  }
+  close(fd);
+  return holder;
+}
+
+RunStore::RunStore(RunStore&& other) noexcept
+    : dir_(std::move(other.dir_)),
+      lock_fd_(std::exchange(other.lock_fd_, -1)),
+      previous_holder_(std::move(other.previous_holder_)),
+      csv_columns_(std::move(other.csv_columns_)) {}
+
+RunStore& RunStore::operator=(RunStore&& other) noexcept {
+  if (this != &other) {
+    Unlock();
+    dir_ = std::move(other.dir_);
+    lock_fd_ = std::exchange(other.lock_fd_, -1);
+    previous_holder_ = std::move(other.previous_holder_);
+    csv_columns_ = std::move(other.csv_columns_);
+  }
+  return *this;
+}
+
+RunStore::~RunStore() { Unlock(); }
+
+void RunStore::Unlock() {
+  if (lock_fd_ >= 0) close(lock_fd_);  // closing the last descriptor of the OFD releases it
+  lock_fd_ = -1;
 }
 
 uint64_t RunStore::LastRound() const {
@@ -102,12 +223,15 @@ Status RunStore::AppendRound(uint64_t round, double unix_time, std::string_view 
     line << ",\"checkpoint\":" << nlohmann::json(std::string(checkpoint_dir_name)).dump();
   }
   line << "}\n";
-  JT_RETURN_IF_ERROR(AppendToFile(JoinPath(dir_, "result.jsonl"), line.str()));
+  const std::string jsonl = JoinPath(dir_, "result.jsonl");
+  const uint64_t jsonl_size = FileSize(jsonl);
+  JT_RETURN_IF_ERROR(AppendToFile(jsonl, line.str()));
 
   std::vector<std::pair<std::string, std::string>> flat;
   Flatten(metrics, "", &flat);
   std::string csv;
-  if (csv_columns_.empty()) {
+  const bool new_columns = csv_columns_.empty();
+  if (new_columns) {
     csv_columns_ = {"round", "time"};
     for (const auto& [k, v] : flat) csv_columns_.push_back(k);
     for (size_t i = 0; i < csv_columns_.size(); ++i) {
@@ -132,7 +256,13 @@ Status RunStore::AppendRound(uint64_t round, double unix_time, std::string_view 
     csv += (i ? "," : "") + CsvField(value);
   }
   csv += "\n";
-  return AppendToFile(JoinPath(dir_, "progress.csv"), csv);
+  Status s = AppendToFile(JoinPath(dir_, "progress.csv"), csv);
+  if (!s.ok()) {
+    if (new_columns) csv_columns_.clear();  // the header was not written either
+    Status undone = TruncateFile(jsonl, jsonl_size);
+    if (!undone.ok()) return Status(s.code(), s.message() + "; and " + undone.message());
+  }
+  return s;
 }
 
 Status RunStore::WriteError(std::string_view text) {

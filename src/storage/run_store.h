@@ -6,12 +6,22 @@
 //     progress.csv    the same, flat, for spreadsheets
 //     logs/rank-<r>.log
 //     error.txt       on failure: the first failing rank's traceback
+//     LOCK            held by the driver that has the run open; says which one (host, pid)
+//
+// One writer per run directory (LevelDB's LOCK file): Open() takes a lock on LOCK and the store
+// keeps it until Unlock() or destruction, so a second driver of the same run is refused instead
+// of sweeping the first one's files. The lock is an open-file-description lock (fcntl
+// F_OFD_SETLK): the kernel drops it when its holder dies, however it dies, so a lock left by a
+// killed driver is simply taken over; it conflicts within one process too; it works on NFS
+// (where it becomes a POSIX lock on the server); and LockHolder() can ask who holds it without
+// taking it, so `jaxtrain ls` never blocks a driver that starts at the same moment.
 //
 // Owned by the controller's event loop; not thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,11 +31,33 @@ namespace jaxtrain::storage {
 
 class RunStore {
  public:
-  // Creates the directory and logs/ if needed and checks that files can be written there.
-  // Errors: kPermissionDenied / kFailedPrecondition / kInternal naming the path and the reason.
+  // Creates the directory and logs/ if needed, checks that files can be written there and takes
+  // the run's lock, writing this driver's host and pid into LOCK.
+  // Errors: kFailedPrecondition when another driver holds the lock (the message names its host
+  // and pid); kPermissionDenied / kFailedPrecondition / kResourceExhausted / kInternal naming the
+  // path and the reason (storage/files.h).
   static StatusOr<RunStore> Open(std::string run_dir);
 
+  // Who holds the lock of `run_dir`: "host H, pid P, since <UTC time>" (as LOCK says), or
+  // nullopt when no live process holds it (no LOCK, or its driver is gone). Thread-safe.
+  // Errors: kPermissionDenied / kInternal when LOCK exists but cannot be opened or queried.
+  static StatusOr<std::optional<std::string>> LockHolder(const std::string& run_dir);
+
+  RunStore(RunStore&& other) noexcept;
+  RunStore& operator=(RunStore&& other) noexcept;
+  RunStore(const RunStore&) = delete;
+  RunStore& operator=(const RunStore&) = delete;
+  ~RunStore();  // releases the lock
+
+  // Releases the lock: the run's last record is written and another driver may open the run.
+  void Unlock();
+
   const std::string& dir() const { return dir_; }
+
+  // What LOCK said when Open() found it free: the driver that had the run open before this one
+  // ("host H, pid P, since T"), or "" for a new LOCK. When run.json still says RUNNING, that
+  // driver ended without recording how its attempt ended.
+  const std::string& previous_holder() const { return previous_holder_; }
 
   // For a resumed run: the last round in result.jsonl (0 if none) and the previous run.json
   // (null if none or unreadable).
@@ -33,13 +65,16 @@ class RunStore {
   nlohmann::json PreviousRunState() const;
   std::string LogPath(int rank) const;
 
-  // Rewrites run.json atomically.
+  // Rewrites run.json atomically. Errors: as WriteFileAtomically (storage/files.h).
   Status WriteRunState(const nlohmann::json& state);
 
   // Appends one report round (rank 0's metrics, a JSON object, and the checkpoint committed in
   // the round, if any) to result.jsonl and progress.csv. progress.csv takes its columns from the
   // first round it sees; nested objects are flattened with '/'; later keys that are not columns
-  // appear only in result.jsonl. Errors: kInvalidArgument when `metrics_json` is not an object.
+  // appear only in result.jsonl. A round is recorded in both files or in neither: on error, what
+  // was appended is cut off again. Errors: kInvalidArgument when `metrics_json` is not an object;
+  // as AppendToFile (storage/files.h) when a file cannot be written, e.g. kResourceExhausted for
+  // a full disk.
   Status AppendRound(uint64_t round, double unix_time, std::string_view metrics_json,
                      std::string_view checkpoint_dir_name = "");
 
@@ -52,6 +87,8 @@ class RunStore {
   explicit RunStore(std::string dir) : dir_(std::move(dir)) {}
 
   std::string dir_;
+  int lock_fd_ = -1;
+  std::string previous_holder_;
   std::vector<std::string> csv_columns_;
 };
 

@@ -1,7 +1,9 @@
 #include "storage/run_store.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -84,6 +86,93 @@ TEST(RunStoreTest, AFileInTheWayIsFailedPrecondition) {
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(store.status().message().find(dir + "/file"), std::string::npos);
+}
+
+TEST(RunStoreTest, ASecondOpenOfALiveRunIsRefusedNamingTheHolder) {
+  std::string dir = TempDir();
+  auto first = RunStore::Open(dir);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto second = RunStore::Open(dir);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  const std::string pid = "pid " + std::to_string(getpid());
+  EXPECT_NE(second.status().message().find(pid), std::string::npos) << second.status().message();
+  EXPECT_NE(second.status().message().find("RunConfig.name"), std::string::npos);
+  auto holder = RunStore::LockHolder(dir);
+  ASSERT_TRUE(holder.ok());
+  ASSERT_TRUE(holder->has_value());
+  EXPECT_NE((*holder)->find(pid), std::string::npos) << **holder;
+}
+
+TEST(RunStoreTest, UnlockLetsTheNextDriverOpenTheRun) {
+  std::string dir = TempDir();
+  auto first = RunStore::Open(dir);
+  ASSERT_TRUE(first.ok());
+  first->Unlock();
+  EXPECT_FALSE(RunStore::LockHolder(dir)->has_value());
+  auto second = RunStore::Open(dir);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_NE(second->previous_holder().find("pid " + std::to_string(getpid())), std::string::npos);
+}
+
+TEST(RunStoreTest, TheLockOfAKilledDriverIsTakenOver) {
+  std::string dir = TempDir();
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto store = RunStore::Open(dir);
+    char c = store.ok() ? 'y' : 'n';
+    if (write(ready[1], &c, 1) != 1) _exit(1);
+    pause();  // holds the lock until killed
+    _exit(0);
+  }
+  close(ready[1]);
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  close(ready[0]);
+  ASSERT_EQ(c, 'y');
+  const std::string child_pid = "pid " + std::to_string(child);
+  auto refused = RunStore::Open(dir);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(child_pid), std::string::npos);
+
+  kill(child, SIGKILL);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  EXPECT_FALSE(RunStore::LockHolder(dir)->has_value());
+  auto taken = RunStore::Open(dir);
+  ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+  EXPECT_NE(taken->previous_holder().find(child_pid), std::string::npos)
+      << taken->previous_holder();
+}
+
+TEST(RunStoreTest, ANewRunHasNoPreviousHolder) {
+  auto store = RunStore::Open(TempDir());
+  ASSERT_TRUE(store.ok());
+  EXPECT_EQ(store->previous_holder(), "");
+  EXPECT_FALSE(RunStore::LockHolder(TempDir() + "/missing").value().has_value());
+}
+
+TEST(RunStoreTest, ARoundThatCannotBeWrittenWholeIsInNeitherFile) {
+  std::string dir = TempDir();
+  auto store = RunStore::Open(dir);
+  ASSERT_TRUE(store->AppendRound(1, 1, R"({"loss":1})").ok());
+  // progress.csv on a device that is always full: the round's line in result.jsonl is undone.
+  ASSERT_EQ(unlink((dir + "/progress.csv").c_str()), 0);
+  ASSERT_EQ(symlink("/dev/full", (dir + "/progress.csv").c_str()), 0);
+  Status s = store->AppendRound(2, 2, R"({"loss":0.5})");
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find("progress.csv"), std::string::npos) << s.message();
+  EXPECT_EQ(*ReadFile(dir + "/result.jsonl"),
+            "{\"round\":1,\"time\":1,\"metrics\":{\"loss\":1}}\n");
+  EXPECT_EQ(store->LastRound(), 1u);
+}
+
+TEST(FilesTest, AFullDiskIsResourceExhaustedNotInternal) {
+  Status s = AppendToFile("/dev/full", "x\n");
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find("/dev/full"), std::string::npos);
 }
 
 TEST(FilesTest, TailStartsAtALineBoundary) {

@@ -1,5 +1,6 @@
 #include "worker/worker_client.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -7,11 +8,53 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "wire/handshake.h"
 
 namespace jaxtrain::worker {
+
+StatusOr<std::string> TakeRunSecret() {
+  auto take = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    std::string out = v ? v : "";
+    unsetenv(name);
+    return out;
+  };
+  const std::string fd_text = take("JAXTRAIN_RUN_SECRET_FD");
+  const std::string path = take("JAXTRAIN_RUN_SECRET_FILE");
+  std::string hex = take("JAXTRAIN_RUN_SECRET");
+  int fd = -1;
+  if (!fd_text.empty()) {
+    fd = std::atoi(fd_text.c_str());
+  } else if (!path.empty()) {
+    fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoError("open " + path, errno);
+  }
+  if (fd >= 0) {
+    hex.clear();
+    char buf[256];
+    for (ssize_t n; (n = read(fd, buf, sizeof(buf))) != 0;) {
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int err = errno;
+        close(fd);
+        return ErrnoError("reading the run secret", err);
+      }
+      hex.append(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+    if (!path.empty()) unlink(path.c_str());  // best effort: a read-only mount keeps it
+  }
+  while (!hex.empty() && (hex.back() == '\n' || hex.back() == ' ')) hex.pop_back();
+  if (hex.empty()) {
+    return InvalidArgumentError(
+        "no run secret: JAXTRAIN_RUN_SECRET_FD, JAXTRAIN_RUN_SECRET_FILE or JAXTRAIN_RUN_SECRET "
+        "must be set (workers are started by jaxtrain)");
+  }
+  return wire::FromHex(hex);
+}
 
 StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClientOptions& o) {
   JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, o.timeout));

@@ -31,6 +31,14 @@ struct WorkerClientOptions {
   Duration timeout = std::chrono::seconds(60);  // connect, handshake
 };
 
+// The run's secret (raw bytes) where the launcher put it for this process: the inherited pipe
+// JAXTRAIN_RUN_SECRET_FD (read to EOF and closed), the file JAXTRAIN_RUN_SECRET_FILE, or the
+// variable JAXTRAIN_RUN_SECRET; the variables are removed. The C++ twin of the Python worker's
+// _take_secret(), for workers without Python. Not thread-safe (it changes the environment).
+// Errors: kInvalidArgument when none is set or the secret is not hex; kInternal when the pipe
+// or file cannot be read.
+StatusOr<std::string> TakeRunSecret();
+
 struct StartInfo {
   std::string json;     // the kStart body
   std::string payload;  // the kPayload body

@@ -81,13 +81,10 @@ void PassGate() {
 
 StatusOr<WorkerClientOptions> OptionsFromEnv() {
   const char* address = std::getenv("JAXTRAIN_CONTROLLER_ADDR");
-  const char* secret = std::getenv("JAXTRAIN_RUN_SECRET");
-  if (address == nullptr || secret == nullptr) {
-    return InvalidArgumentError("JAXTRAIN_CONTROLLER_ADDR and JAXTRAIN_RUN_SECRET must be set");
-  }
+  if (address == nullptr) return InvalidArgumentError("JAXTRAIN_CONTROLLER_ADDR must be set");
   WorkerClientOptions options;
   JT_ASSIGN_OR_RETURN(options.controller, wire::ParseHostPort(address));
-  JT_ASSIGN_OR_RETURN(options.secret, wire::FromHex(secret));
+  JT_ASSIGN_OR_RETURN(options.secret, TakeRunSecret());
   options.rank = static_cast<uint32_t>(EnvInt("JAXTRAIN_RANK", 0));
   options.attempt = static_cast<uint32_t>(EnvInt("JAXTRAIN_ATTEMPT", 0));
   return options;

@@ -58,17 +58,16 @@ int Run(int rounds, double rounds_per_second) {
   const double spawned = UnixNow();
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   const char* address = std::getenv("JAXTRAIN_CONTROLLER_ADDR");
-  const char* secret = std::getenv("JAXTRAIN_RUN_SECRET");
+  auto key = TakeRunSecret();
   const char* times_file = std::getenv("FAKE_TIMES_FILE");
-  if (address == nullptr || secret == nullptr || times_file == nullptr) {
-    return Misuse("JAXTRAIN_CONTROLLER_ADDR, JAXTRAIN_RUN_SECRET and FAKE_TIMES_FILE must be set");
+  if (address == nullptr || !key.ok() || times_file == nullptr) {
+    return Misuse("JAXTRAIN_CONTROLLER_ADDR, the run secret and FAKE_TIMES_FILE must be set");
   }
   const int first = EnvInt("FAKE_FIRST_RANK", 0);
   const int count = EnvInt("FAKE_RANK_COUNT", 1);
   WorkerClientOptions options;
   auto controller = wire::ParseHostPort(address);
-  auto key = wire::FromHex(secret);
-  if (!controller.ok() || !key.ok()) return Misuse("bad JAXTRAIN_CONTROLLER_ADDR or _RUN_SECRET");
+  if (!controller.ok()) return Misuse("bad JAXTRAIN_CONTROLLER_ADDR");
   options.controller = *controller;
   options.secret = *key;
   options.attempt = static_cast<uint32_t>(EnvInt("JAXTRAIN_ATTEMPT", 0));
