@@ -135,7 +135,7 @@ bool WriteCorpus(const std::filesystem::path& root) {
        Header(0xffffffff, static_cast<uint8_t>(MessageType::kHello))},
       {"length_zero", kStrict, 20, Header(0, static_cast<uint8_t>(MessageType::kHello))},
       {"type_zero", kStrict, 21, Header(kHelloSize + 1, 0)},
-      {"type_eleven", kStrict, 22, Header(kHelloSize + 1, kMaxMessageType + 1)},
+      {"type_after_the_last", kStrict, 22, Header(kHelloSize + 1, kMaxMessageType + 1)},
       {"type_200", kStrict, 23, Header(kHelloSize + 1, 200)},
       {"http_get", kStrict, 24, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"},
       {"register_before_hello", kStrict, 25, reg},
