@@ -6,6 +6,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -35,6 +36,7 @@ namespace {
 
 constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kMaxRefusalText = 200;  // the reason in a kRefused frame
+constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
@@ -150,6 +152,7 @@ struct Controller::Loop {
     TimePoint deadline;
     int rank = -1;
     bool closed = false;
+    bool watching_out = false;  // EPOLLOUT is in its interest set
   };
 
   // One launched process: one rank (local) or several (a Slurm job step, whose srun labels each
@@ -179,7 +182,11 @@ struct Controller::Loop {
         store(std::move(s)),
         checkpoints(std::move(index)),
         collector(WorldSize(c), store.LastRound() + 1),
-        policy(c.options_.max_failures, c.options_.max_start_failures) {}
+        policy(c.options_.max_failures, c.options_.max_start_failures),
+        conn_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
+  ~Loop() {
+    if (conn_epoll >= 0) close(conn_epoll);
+  }
 
   static int WorldSize(const Controller& c) {
     return static_cast<int>(c.options_.plan.workers.size());
@@ -210,9 +217,17 @@ struct Controller::Loop {
   std::vector<int> log_fds;  // by rank
   std::vector<RankState> ranks;
   std::vector<std::unique_ptr<Conn>> conns;
+  // Every open connection is in this epoll set (data.ptr: its Conn), so a wake costs O(ready
+  // connections), not O(connections); the loop polls the set's descriptor.
+  int conn_epoll = -1;
+  // Connections not yet authenticated, in accept order, which is their handshake deadlines'
+  // order (the same timeout from a monotonic clock); closed or authenticated ones are skipped.
+  std::deque<Conn*> handshaking;
+  bool any_closed = false;     // a connection was closed since the last clean-up
   std::deque<Conn*> unproven;  // Stage::kHello connections, oldest first; stale entries skipped
   size_t unproven_count = 0;   // the live ones among them
   std::set<wire::Nonce> hello_nonces;  // of this attempt's answered hellos: a replay is refused
+  std::vector<Conn*> answered;  // by rank: the connection whose hello was answered, until auth
   int dropped = 0;  // unproven connections dropped in this attempt (evicted or timed out)
   std::string payload_header;                  // the kPayload frame's header
   std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
@@ -334,7 +349,13 @@ struct Controller::Loop {
       conn->peer = PeerName(addr);
       conn->deadline = Now() + opts.handshake_timeout;
       Conn* c = conn.get();
+      epoll_event ev{.events = EPOLLIN, .data = {.ptr = c}};
+      if (epoll_ctl(conn_epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        close(fd);  // out of memory for the set: as if the peer had not connected
+        continue;
+      }
       conns.push_back(std::move(conn));
+      handshaking.push_back(c);
       unproven.push_back(c);
       ++unproven_count;
       ReadConn(*c);
@@ -380,7 +401,12 @@ struct Controller::Loop {
   void CloseConn(Conn& c) {
     if (c.closed) return;
     c.closed = true;
+    any_closed = true;
     if (c.stage == Conn::Stage::kHello) --unproven_count;
+    if (c.stage == Conn::Stage::kAuth && answered[c.hello.rank] == &c) {
+      answered[c.hello.rank] = nullptr;
+    }
+    epoll_ctl(conn_epoll, EPOLL_CTL_DEL, c.fd, nullptr);
     close(c.fd);
     if (c.rank >= 0 && ranks[static_cast<size_t>(c.rank)].conn == &c) {
       RankState& r = ranks[static_cast<size_t>(c.rank)];
@@ -399,9 +425,27 @@ struct Controller::Loop {
     Flush(c);
   }
 
+  // Writes what the socket takes now; the rest waits for EPOLLOUT.
   void Flush(Conn& c) {
     if (c.closed) return;
-    if (!c.out.Flush(c.fd).ok()) CloseConn(c);
+    if (!c.out.Flush(c.fd).ok()) return CloseConn(c);
+    if (c.watching_out == c.out.empty()) {
+      c.watching_out = !c.out.empty();
+      epoll_event ev{.events = EPOLLIN | (c.watching_out ? EPOLLOUT : 0u), .data = {.ptr = &c}};
+      epoll_ctl(conn_epoll, EPOLL_CTL_MOD, c.fd, &ev);
+    }
+  }
+
+  // The connections that are ready, at most kMaxReadyConns per wake (the rest stay ready).
+  void OnConnsReady() {
+    epoll_event events[kMaxReadyConns];
+    int n = epoll_wait(conn_epoll, events, kMaxReadyConns, 0);
+    for (int i = 0; i < n; ++i) {
+      Conn* conn = static_cast<Conn*>(events[i].data.ptr);
+      if (conn->closed) continue;  // closed by an earlier event of this wake
+      if (events[i].events & EPOLLOUT) Flush(*conn);
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ReadConn(*conn);
+    }
   }
 
   void ReadConn(Conn& c) {
@@ -455,6 +499,13 @@ struct Controller::Loop {
         if (!hello_nonces.insert(hello->nonce).second) {
           return Refuse(c, "a replayed hello (its nonce was seen before)");
         }
+        if (answered[hello->rank] != nullptr) {
+          // The rank is authenticating on another connection; this one may be its worker's retry
+          // after a drop, so it is closed without a reason: the worker tries again, and is told
+          // "already connected" once the other connection has authenticated.
+          return Refuse(c, "rank " + std::to_string(hello->rank) + " is in a handshake already");
+        }
+        answered[hello->rank] = &c;
         c.hello = *hello;
         c.nonce = wire::GenerateNonce();
         wire::Mac proof = wire::ControllerProof(secret, c.hello, c.nonce);
@@ -471,11 +522,10 @@ struct Controller::Loop {
             !wire::MacEquals(wire::WorkerProof(secret, c.hello, c.nonce), f.body)) {
           return Refuse(c, "failed authentication (it does not hold this run's secret)");
         }
+        // The hello was answered only because the rank had no connection and no other answered
+        // hello (answered): this connection is now the rank's.
         RankState& r = ranks[c.hello.rank];
-        if (r.conn != nullptr) {
-          return Refuse(c, "rank " + std::to_string(c.hello.rank) + " is already connected",
-                        /*tell=*/true);
-        }
+        answered[c.hello.rank] = nullptr;
         c.stage = Conn::Stage::kAuthed;
         c.rank = static_cast<int>(c.hello.rank);
         c.decoder.set_max_body(wire::kMaxWorkerFrameBody);
@@ -853,11 +903,12 @@ struct Controller::Loop {
 
   void CheckTimers() {
     TimePoint now = Now();
-    for (auto& c : conns) {
-      if (!c->closed && c->stage != Conn::Stage::kAuthed && now >= c->deadline) {
-        if (c->stage == Conn::Stage::kHello) ++dropped;
-        Refuse(*c, "did not complete the handshake within " + SecondsText(opts.handshake_timeout));
-      }
+    while (const Conn* c = OldestHandshaking()) {
+      if (now < c->deadline) break;
+      Conn& conn = *handshaking.front();
+      handshaking.pop_front();
+      if (conn.stage == Conn::Stage::kHello) ++dropped;
+      Refuse(conn, "did not complete the handshake within " + SecondsText(opts.handshake_timeout));
     }
     if (phase == Phase::kStarting && now >= start_deadline) {
       int missing = 0;
@@ -878,12 +929,20 @@ struct Controller::Loop {
     }
   }
 
-  std::optional<TimePoint> NextDeadline() const {
+  // The connection still in its handshake that was accepted first (its deadline is the next), or
+  // null; drops the entries of connections that have since closed or authenticated.
+  const Conn* OldestHandshaking() {
+    while (!handshaking.empty() &&
+           (handshaking.front()->closed || handshaking.front()->stage == Conn::Stage::kAuthed)) {
+      handshaking.pop_front();
+    }
+    return handshaking.empty() ? nullptr : handshaking.front();
+  }
+
+  std::optional<TimePoint> NextDeadline() {
     std::optional<TimePoint> next;
     auto consider = [&](TimePoint t) { next = next ? std::min(*next, t) : t; };
-    for (const auto& c : conns) {
-      if (!c->closed && c->stage != Conn::Stage::kAuthed) consider(c->deadline);
-    }
+    if (const Conn* c = OldestHandshaking()) consider(c->deadline);
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) {
       for (const auto& r : ranks) {
@@ -926,15 +985,8 @@ struct Controller::Loop {
     });
     // Connections before the listener: a hello that has arrived is handled before new
     // connections can push its connection out (Accept()).
-    for (auto& c : conns) {
-      if (c->closed) continue;
-      Conn* conn = c.get();
-      fds.push_back({conn->fd, static_cast<short>(POLLIN | (conn->out.empty() ? 0 : POLLOUT)), 0});
-      handlers.push_back([this, conn](short ev) {
-        if (ev & POLLOUT) Flush(*conn);
-        if (ev & (POLLIN | POLLHUP | POLLERR)) ReadConn(*conn);
-      });
-    }
+    fds.push_back({conn_epoll, POLLIN, 0});
+    handlers.push_back([this](short) { OnConnsReady(); });
     if (listen_fd >= 0) {
       fds.push_back({listen_fd, POLLIN, 0});
       handlers.push_back([this](short) { Accept(); });
@@ -967,10 +1019,14 @@ struct Controller::Loop {
       }
     }
     CheckTimers();
-    std::erase_if(unproven,
-                  [](const Conn* c) { return c->closed || c->stage != Conn::Stage::kHello; });
-    conns.erase(std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
-                conns.end());
+    if (any_closed) {
+      any_closed = false;
+      std::erase_if(handshaking, [](const Conn* c) { return c->closed; });
+      std::erase_if(unproven, [](const Conn* c) { return c->closed; });
+      conns.erase(
+          std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
+          conns.end());
+    }
     return false;
   }
 
@@ -996,8 +1052,10 @@ struct Controller::Loop {
     ranks.assign(ranks.size(), RankState{});
     for (auto& c : conns) CloseConn(*c);
     conns.clear();
+    handshaking.clear();
     unproven.clear();
     hello_nonces.clear();
+    answered.assign(ranks.size(), nullptr);
     dropped = 0;
     failure.reset();
     kill_deadline.reset();
@@ -1170,6 +1228,7 @@ Status Controller::Start() {
   JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
                       storage::CheckpointIndex::Load(store.dir(), &warnings));
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
+  if (loop->conn_epoll < 0) return ErrnoError("cannot create the controller's epoll set", errno);
   for (const auto& w : warnings) loop->Say("warning: " + w);
   nlohmann::json previous = loop->store.PreviousRunState();
   if (previous.is_object() && previous.contains("attempts") && previous["attempts"].is_array()) {

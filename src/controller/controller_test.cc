@@ -564,7 +564,8 @@ TEST_F(ControllerTest, AHelloForARankAlreadyConnectedIsRefusedAtOnce) {
   ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
   const Outcome& out = controller->outcome();
   EXPECT_EQ(out.state, State::kSucceeded);
-  EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+  EXPECT_FALSE(out.failure.has_value()) << out.failure->message << "\n"
+                                        << RunFile("logs/rank-0.log") << RunFile("logs/rank-1.log");
   EXPECT_EQ(out.rounds, 2u);
 }
 

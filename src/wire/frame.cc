@@ -3,6 +3,8 @@
 namespace jaxtrain::wire {
 namespace {
 
+constexpr size_t kKeptCapacity = 4096;  // what an empty FrameDecoder may keep allocated
+
 void PutU32(std::string* out, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>(v >> shift));
 }
@@ -118,6 +120,8 @@ StatusOr<std::optional<Frame>> FrameDecoder::Next() {
   if (consumed_ == buffer_.size()) {
     buffer_.clear();
     consumed_ = 0;
+    // A connection between frames keeps no large buffer, so thousands of them stay small.
+    if (buffer_.capacity() > kKeptCapacity) std::string().swap(buffer_);
   }
   return std::optional<Frame>(std::move(f));
 }

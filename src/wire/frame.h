@@ -90,6 +90,8 @@ class FrameDecoder {
   StatusOr<std::optional<Frame>> Next();
 
   size_t buffered() const { return buffer_.size() - consumed_; }
+  // Bytes allocated for the buffer; at most a few KiB while no frame is partly received.
+  size_t capacity() const { return buffer_.capacity(); }
 
  private:
   Status CheckHead();

@@ -146,6 +146,15 @@ TEST(FrameDecoderTest, BuffersAtMostOneFrameWhateverThePeerSends) {
   }
 }
 
+TEST(FrameDecoderTest, KeepsNoLargeBufferBetweenFrames) {
+  FrameDecoder d(1 << 20);
+  ASSERT_TRUE(d.Feed(F(MessageType::kReport, std::string(100000, 'x'))).ok());
+  auto f = d.Next();
+  ASSERT_TRUE(f.ok() && f->has_value());
+  EXPECT_EQ(d.buffered(), 0u);
+  EXPECT_LE(d.capacity(), 4096u);
+}
+
 TEST(ReportBodyTest, ShortBodyIsDataLoss) {
   uint64_t round;
   std::string_view m;
