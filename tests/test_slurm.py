@@ -227,19 +227,16 @@ JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
 print("run finished")
 '''
 
-# A peer on node2 that knows the protocol but not the secret: a well-formed hello, then an auth
-# frame with a made-up proof. Prints what the controller did with it.
+# A peer on node2 that knows the protocol but not the secret: a well-formed hello with a made-up
+# MAC. Prints what the controller did with it.
 PROBE = '''
 import os, socket, struct, sys
 host, port = sys.argv[1].rsplit(":", 1)
 s = socket.create_connection((host, int(port)), timeout=10)
-hello = b"JXTR" + struct.pack(">HIII", 1, 0, 0, os.getpid()) + os.urandom(32)
+hello = b"JXTR" + struct.pack(">HIII", 2, 0, 0, os.getpid()) + os.urandom(64)
 s.sendall(struct.pack(">IB", len(hello) + 1, 1) + hello)
-challenge = b""
-while len(challenge) < 5 + 64:
-    challenge += s.recv(100)
-s.sendall(struct.pack(">IB", 33, 3) + os.urandom(32))
-print("closed" if s.recv(100) == b"" else "answered")
+answer = s.recv(100)
+print("closed" if answer[4:5] == b"\\x0b" and s.recv(100) == b"" else "answered")
 '''
 
 
@@ -265,8 +262,8 @@ def test_a_connection_from_a_node_without_the_secret_is_refused(slurm_cluster, s
         out, err = driver.communicate(timeout=120)
     assert driver.returncode == 0, err[-3000:]
     assert "run finished" in out
-    assert re.search(r"jaxtrain: refused a control connection from 198\.18\.0\.12:\d+: failed "
-                     r"authentication \(it does not hold this run's secret\)", err), err[-3000:]
+    assert re.search(r"jaxtrain: refused a control connection from 198\.18\.0\.12:\d+: the "
+                     r"hello's MAC was not made with this run's secret", err), err[-3000:]
 
 
 # Reports every 0.1 s; rank 0 marks each attempt's progress in ready-<attempt> after 3 rounds.

@@ -148,9 +148,13 @@ def main() -> None:
     attempt = _env_int("JAXTRAIN_ATTEMPT")
     world_size = _env_int("JAXTRAIN_WORLD_SIZE")
     platform = os.environ.get("JAXTRAIN_PLATFORM", "cpu")
-    client = _core.WorkerClient.connect(
-        os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
-    )
+    try:
+        client = _core.WorkerClient.connect(
+            os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
+        )
+    except OSError as e:  # refused, unreachable, or no handshake within the timeout
+        sys.stderr.write(f"jaxtrain worker: rank {rank} could not join the run: {e}\n")
+        sys.exit(EXIT_START_UP)
     try:
         coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST") or _address_towards(
             os.environ["JAXTRAIN_CONTROLLER_ADDR"]

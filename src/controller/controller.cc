@@ -6,6 +6,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -14,7 +15,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <set>
 
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
@@ -25,13 +28,15 @@
 #include "storage/run_store.h"
 #include "wire/frame.h"
 #include "wire/handshake.h"
+#include "wire/out_queue.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
 namespace {
 
-constexpr size_t kMaxAuthedBody = 16 << 20;  // reports and tracebacks; far above real use
 constexpr size_t kReadChunk = 64 << 10;
+constexpr size_t kMaxRefusalText = 200;  // the reason in a kRefused frame
+constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
@@ -139,17 +144,23 @@ std::string_view OutcomeStateName(Outcome::State state) {
 struct Controller::Loop {
   enum class Phase { kStarting, kRunning, kStopping, kDraining };
 
+  // A control connection. Its buffers are bounded: the decoder holds at most one frame under the
+  // limit of its stage plus one read chunk, and `out` only frames the controller queued (the
+  // payload's body is shared by every connection, not copied).
   struct Conn {
     int fd = -1;
     std::string peer;
     wire::FrameDecoder decoder{wire::kHelloSize};
-    std::string out;
+    wire::OutQueue out;
+    // kHello: nothing valid received yet; such a connection is "unproven", counted against the
+    // cap and the first to be dropped. kAuth: its hello was made with the secret and answered.
     enum class Stage { kHello, kAuth, kAuthed } stage = Stage::kHello;
     wire::Hello hello;
     wire::Nonce nonce{};
     TimePoint deadline;
     int rank = -1;
     bool closed = false;
+    bool watching_out = false;  // EPOLLOUT is in its interest set
   };
 
   // One launched process: one rank (local) or several (a Slurm job step, whose srun labels each
@@ -179,7 +190,11 @@ struct Controller::Loop {
         store(std::move(s)),
         checkpoints(std::move(index)),
         collector(WorldSize(c), store.LastRound() + 1),
-        policy(c.options_.max_failures, c.options_.max_start_failures) {}
+        policy(c.options_.max_failures, c.options_.max_start_failures),
+        conn_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
+  ~Loop() {
+    if (conn_epoll >= 0) close(conn_epoll);
+  }
 
   static int WorldSize(const Controller& c) {
     return static_cast<int>(c.options_.plan.workers.size());
@@ -211,6 +226,20 @@ struct Controller::Loop {
   std::vector<int> log_fds;  // by rank
   std::vector<RankState> ranks;
   std::vector<std::unique_ptr<Conn>> conns;
+  // Every open connection is in this epoll set (data.ptr: its Conn), so a wake costs O(ready
+  // connections), not O(connections); the loop polls the set's descriptor.
+  int conn_epoll = -1;
+  // Connections not yet authenticated, in accept order, which is their handshake deadlines'
+  // order (the same timeout from a monotonic clock); closed or authenticated ones are skipped.
+  std::deque<Conn*> handshaking;
+  bool any_closed = false;     // a connection was closed since the last clean-up
+  std::deque<Conn*> unproven;  // Stage::kHello connections, oldest first; stale entries skipped
+  size_t unproven_count = 0;   // the live ones among them
+  std::set<wire::Nonce> hello_nonces;  // of this attempt's answered hellos: a replay is refused
+  std::vector<Conn*> answered;  // by rank: the connection whose hello was answered, until auth
+  int dropped = 0;  // unproven connections dropped in this attempt (evicted or timed out)
+  std::string payload_header;                  // the kPayload frame's header
+  std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
   TimePoint start_deadline;
   std::optional<TimePoint> kill_deadline;
   std::optional<TimePoint> drain_deadline;
@@ -274,6 +303,8 @@ struct Controller::Loop {
       if (f.rank >= 0) {
         if (!ranks[static_cast<size_t>(f.rank)].host.empty()) {
           f.host = ranks[static_cast<size_t>(f.rank)].host;
+        } else if (f.host.empty() && static_cast<size_t>(f.rank) < opts.plan.workers.size()) {
+          f.host = opts.plan.workers[static_cast<size_t>(f.rank)].host;  // it never registered
         }
         f.log_path = store.LogPath(f.rank);
       }
@@ -316,21 +347,25 @@ struct Controller::Loop {
 
   // --- connections ---------------------------------------------------------------------------
 
+  // At most this many unproven connections are held; when one more arrives, the oldest is
+  // dropped. A real worker sends its hello as soon as it has connected, so the oldest unproven
+  // connections are those of peers that send nothing valid; a worker whose connection is dropped
+  // all the same connects again (WorkerClient::Connect).
+  size_t MaxUnproven() const { return ranks.size() * 2 + 64; }
+
+  // Accepts waiting connections: at most half the unproven cap per wake, and each is read at once
+  // (its hello is often there already). Step() reads the connections before it accepts, so a
+  // connection accepted in one wake is read again before enough newer ones can arrive to push it
+  // out.
   void Accept() {
-    for (;;) {
+    const size_t cap = MaxUnproven();
+    for (size_t accepted = 0; accepted < std::max<size_t>(cap / 2, 1); ++accepted) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
       int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
-      size_t unauthenticated =
-          static_cast<size_t>(std::count_if(conns.begin(), conns.end(), [](const auto& c) {
-            return c->stage != Conn::Stage::kAuthed;
-          }));
-      if (unauthenticated >= ranks.size() * 2 + 64) {
-        close(fd);  // a flood of peers that have not proven anything
-        continue;
-      }
+      while (unproven_count >= cap) DropOldestUnproven();
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       EnableKeepAlive(fd);
@@ -338,13 +373,52 @@ struct Controller::Loop {
       conn->fd = fd;
       conn->peer = PeerName(addr);
       conn->deadline = Now() + opts.handshake_timeout;
+      Conn* c = conn.get();
+      epoll_event ev{.events = EPOLLIN, .data = {.ptr = c}};
+      if (epoll_ctl(conn_epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        close(fd);  // out of memory for the set: as if the peer had not connected
+        continue;
+      }
       conns.push_back(std::move(conn));
+      handshaking.push_back(c);
+      unproven.push_back(c);
+      ++unproven_count;
+      ReadConn(*c);
     }
   }
 
-  void Refuse(Conn& c, const std::string& why) {
+  void DropOldestUnproven() {
+    while (unproven.front()->closed || unproven.front()->stage != Conn::Stage::kHello) {
+      unproven.pop_front();
+    }
+    if (dropped++ == 0) {
+      Say("more than " + std::to_string(MaxUnproven()) +
+          " connections to the control port have not sent a valid hello; dropping the oldest "
+          "(is another process flooding the port?)");
+    }
+    CloseConn(*unproven.front());
+    unproven.pop_front();
+  }
+
+  // What a start-up failure adds when connections were dropped meanwhile.
+  std::string FloodNote() const {
+    if (dropped == 0) return "";
+    return "; meanwhile the controller dropped " + std::to_string(dropped) +
+           " connection(s) to its control port that sent no valid hello (is another process "
+           "flooding it?)";
+  }
+
+  // Closes a connection that has not authenticated. `tell`: the peer proved it holds the secret,
+  // or at least sent a well-framed hello, so it gets the reason in a kRefused frame (one
+  // non-blocking send; a worker then stops trying instead of reconnecting).
+  void Refuse(Conn& c, const std::string& why, bool tell = false) {
     if (refusals++ < kMaxRefusalsLogged) {
       Say("refused a control connection from " + c.peer + ": " + why);
+    }
+    if (tell) {
+      // The reason is short: never over the frame limit.
+      c.out.Push(*wire::EncodeFrame(wire::MessageType::kRefused, why.substr(0, kMaxRefusalText)));
+      Flush(c);
     }
     CloseConn(c);
   }
@@ -352,6 +426,12 @@ struct Controller::Loop {
   void CloseConn(Conn& c) {
     if (c.closed) return;
     c.closed = true;
+    any_closed = true;
+    if (c.stage == Conn::Stage::kHello) --unproven_count;
+    if (c.stage == Conn::Stage::kAuth && answered[c.hello.rank] == &c) {
+      answered[c.hello.rank] = nullptr;
+    }
+    epoll_ctl(conn_epoll, EPOLL_CTL_DEL, c.fd, nullptr);
     close(c.fd);
     if (c.rank >= 0 && ranks[static_cast<size_t>(c.rank)].conn == &c) {
       RankState& r = ranks[static_cast<size_t>(c.rank)];
@@ -364,21 +444,32 @@ struct Controller::Loop {
     }
   }
 
+  // `body` is one of the controller's own small messages (challenge, start): never over the limit.
   void Send(Conn& c, wire::MessageType type, std::string_view body) {
-    c.out += wire::EncodeFrame(type, body);
+    c.out.Push(*wire::EncodeFrame(type, body));
     Flush(c);
   }
 
+  // Writes what the socket takes now; the rest waits for EPOLLOUT.
   void Flush(Conn& c) {
-    while (!c.out.empty() && !c.closed) {
-      ssize_t n = send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n < 0) {
-        CloseConn(c);
-        return;
-      }
-      c.out.erase(0, static_cast<size_t>(n));
+    if (c.closed) return;
+    if (!c.out.Flush(c.fd).ok()) return CloseConn(c);
+    if (c.watching_out == c.out.empty()) {
+      c.watching_out = !c.out.empty();
+      epoll_event ev{.events = EPOLLIN | (c.watching_out ? EPOLLOUT : 0u), .data = {.ptr = &c}};
+      epoll_ctl(conn_epoll, EPOLL_CTL_MOD, c.fd, &ev);
+    }
+  }
+
+  // The connections that are ready, at most kMaxReadyConns per wake (the rest stay ready).
+  void OnConnsReady() {
+    epoll_event events[kMaxReadyConns];
+    int n = epoll_wait(conn_epoll, events, kMaxReadyConns, 0);
+    for (int i = 0; i < n; ++i) {
+      Conn* conn = static_cast<Conn*>(events[i].data.ptr);
+      if (conn->closed) continue;  // closed by an earlier event of this wake
+      if (events[i].events & EPOLLOUT) Flush(*conn);
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ReadConn(*conn);
     }
   }
 
@@ -416,18 +507,37 @@ struct Controller::Loop {
     switch (c.stage) {
       case Conn::Stage::kHello: {
         if (f.type != MessageType::kHello) return Refuse(c, "did not start with a hello");
-        auto hello = wire::DecodeHello(f.body);
-        if (!hello.ok()) return Refuse(c, hello.status().message());
+        auto hello = wire::DecodeHello(f.body, secret);
+        if (!hello.ok()) return Refuse(c, hello.status().message(), /*tell=*/true);
+        // From here on the hello was made with the secret: a worker of this run, or a replay.
         if (hello->rank >= ranks.size() || static_cast<int>(hello->attempt) != attempt) {
-          return Refuse(c, "rank " + std::to_string(hello->rank) + " of attempt " +
-                               std::to_string(hello->attempt) + " is not part of this attempt");
+          return Refuse(c,
+                        "rank " + std::to_string(hello->rank) + " of attempt " +
+                            std::to_string(hello->attempt) + " is not part of this attempt (" +
+                            std::to_string(attempt) + ")",
+                        /*tell=*/true);
         }
+        if (ranks[hello->rank].conn != nullptr) {
+          return Refuse(c, "rank " + std::to_string(hello->rank) + " is already connected",
+                        /*tell=*/true);
+        }
+        if (!hello_nonces.insert(hello->nonce).second) {
+          return Refuse(c, "a replayed hello (its nonce was seen before)");
+        }
+        if (answered[hello->rank] != nullptr) {
+          // The rank is authenticating on another connection; this one may be its worker's retry
+          // after a drop, so it is closed without a reason: the worker tries again, and is told
+          // "already connected" once the other connection has authenticated.
+          return Refuse(c, "rank " + std::to_string(hello->rank) + " is in a handshake already");
+        }
+        answered[hello->rank] = &c;
         c.hello = *hello;
         c.nonce = wire::GenerateNonce();
         wire::Mac proof = wire::ControllerProof(secret, c.hello, c.nonce);
         std::string body(reinterpret_cast<const char*>(c.nonce.data()), c.nonce.size());
         body.append(reinterpret_cast<const char*>(proof.data()), proof.size());
         c.stage = Conn::Stage::kAuth;
+        --unproven_count;
         c.decoder.set_max_body(wire::kAuthSize);
         Send(c, MessageType::kChallenge, body);
         return;
@@ -437,13 +547,13 @@ struct Controller::Loop {
             !wire::MacEquals(wire::WorkerProof(secret, c.hello, c.nonce), f.body)) {
           return Refuse(c, "failed authentication (it does not hold this run's secret)");
         }
+        // The hello was answered only because the rank had no connection and no other answered
+        // hello (answered): this connection is now the rank's.
         RankState& r = ranks[c.hello.rank];
-        if (r.conn != nullptr) {
-          return Refuse(c, "rank " + std::to_string(c.hello.rank) + " is already connected");
-        }
+        answered[c.hello.rank] = nullptr;
         c.stage = Conn::Stage::kAuthed;
         c.rank = static_cast<int>(c.hello.rank);
-        c.decoder.set_max_body(kMaxAuthedBody);
+        c.decoder.set_max_body(wire::kMaxWorkerFrameBody);
         r.conn = &c;
         return;
       }
@@ -550,8 +660,11 @@ struct Controller::Loop {
         {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
     std::string start_body = start.dump();
     for (RankState& r : ranks) {
-      if (r.conn) Send(*r.conn, wire::MessageType::kStart, start_body);
-      if (r.conn) Send(*r.conn, wire::MessageType::kPayload, opts.payload);
+      if (!r.conn) continue;
+      r.conn->out.Push(*wire::EncodeFrame(wire::MessageType::kStart, start_body));
+      r.conn->out.Push(payload_header);
+      r.conn->out.PushShared(payload);
+      Flush(*r.conn);
     }
   }
 
@@ -634,6 +747,12 @@ struct Controller::Loop {
                    (oom ? " by the kernel's out-of-memory killer" : "")};
     // The connection usually closes just before the exit is seen; the exit says more, unless the
     // process died of the signal the controller sent to stop the group.
+    // A rank that ends before it has registered could not start: a start-up failure, with its
+    // own budget. Among them a worker that could not get through a flood of its control port.
+    if (phase == Phase::kStarting && !r.registered) {
+      exit_failure.cause = "start-up";
+      exit_failure.message += FloodNote();
+    }
     const bool our_signal =
         (p.exit.signal == SIGTERM && sent_sigterm) || (p.exit.signal == SIGKILL && sent_sigkill);
     if (failure && failure->rank == rank && failure->cause == "connection" && !our_signal) {
@@ -812,17 +931,20 @@ struct Controller::Loop {
 
   void CheckTimers() {
     TimePoint now = Now();
-    for (auto& c : conns) {
-      if (!c->closed && c->stage != Conn::Stage::kAuthed && now >= c->deadline) {
-        Refuse(*c, "did not complete the handshake in time");
-      }
+    while (const Conn* c = OldestHandshaking()) {
+      if (now < c->deadline) break;
+      Conn& conn = *handshaking.front();
+      handshaking.pop_front();
+      if (conn.stage == Conn::Stage::kHello) ++dropped;
+      Refuse(conn, "did not complete the handshake within " + SecondsText(opts.handshake_timeout));
     }
     if (phase == Phase::kStarting && now >= start_deadline) {
       int missing = 0;
       while (missing < static_cast<int>(ranks.size()) && ranks[missing].registered) ++missing;
       Fail({.rank = missing,
             .cause = "start-up",
-            .message = "it did not connect to the controller within the start-up timeout"});
+            .message =
+                "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
     if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) CheckProgress(now);
     if (kill_deadline && now >= *kill_deadline) {
@@ -835,12 +957,20 @@ struct Controller::Loop {
     }
   }
 
-  std::optional<TimePoint> NextDeadline() const {
+  // The connection still in its handshake that was accepted first (its deadline is the next), or
+  // null; drops the entries of connections that have since closed or authenticated.
+  const Conn* OldestHandshaking() {
+    while (!handshaking.empty() &&
+           (handshaking.front()->closed || handshaking.front()->stage == Conn::Stage::kAuthed)) {
+      handshaking.pop_front();
+    }
+    return handshaking.empty() ? nullptr : handshaking.front();
+  }
+
+  std::optional<TimePoint> NextDeadline() {
     std::optional<TimePoint> next;
     auto consider = [&](TimePoint t) { next = next ? std::min(*next, t) : t; };
-    for (const auto& c : conns) {
-      if (!c->closed && c->stage != Conn::Stage::kAuthed) consider(c->deadline);
-    }
+    if (const Conn* c = OldestHandshaking()) consider(c->deadline);
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) {
       for (const auto& r : ranks) {
@@ -881,18 +1011,13 @@ struct Controller::Loop {
       uint64_t v;
       [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
     });
+    // Connections before the listener: a hello that has arrived is handled before new
+    // connections can push its connection out (Accept()).
+    fds.push_back({conn_epoll, POLLIN, 0});
+    handlers.push_back([this](short) { OnConnsReady(); });
     if (listen_fd >= 0) {
       fds.push_back({listen_fd, POLLIN, 0});
       handlers.push_back([this](short) { Accept(); });
-    }
-    for (auto& c : conns) {
-      if (c->closed) continue;
-      Conn* conn = c.get();
-      fds.push_back({conn->fd, static_cast<short>(POLLIN | (conn->out.empty() ? 0 : POLLOUT)), 0});
-      handlers.push_back([this, conn](short ev) {
-        if (ev & POLLOUT) Flush(*conn);
-        if (ev & (POLLIN | POLLHUP | POLLERR)) ReadConn(*conn);
-      });
     }
     // Connections before processes: a worker's last frames are handled before its exit.
     for (auto& p : procs) {
@@ -922,8 +1047,14 @@ struct Controller::Loop {
       }
     }
     CheckTimers();
-    conns.erase(std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
-                conns.end());
+    if (any_closed) {
+      any_closed = false;
+      std::erase_if(handshaking, [](const Conn* c) { return c->closed; });
+      std::erase_if(unproven, [](const Conn* c) { return c->closed; });
+      conns.erase(
+          std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
+          conns.end());
+    }
     return false;
   }
 
@@ -949,6 +1080,11 @@ struct Controller::Loop {
     ranks.assign(ranks.size(), RankState{});
     for (auto& c : conns) CloseConn(*c);
     conns.clear();
+    handshaking.clear();
+    unproven.clear();
+    hello_nonces.clear();
+    answered.assign(ranks.size(), nullptr);
+    dropped = 0;
     failure.reset();
     kill_deadline.reset();
     drain_deadline.reset();
@@ -1140,11 +1276,19 @@ Controller::~Controller() {
 Status Controller::Start() {
   const int world_size = static_cast<int>(options_.plan.workers.size());
   if (world_size == 0) return InvalidArgumentError("the plan has no workers");
+  if (options_.payload.size() > wire::kMaxControllerFrameBody) {
+    return InvalidArgumentError("the pickled training function and its train_loop_config are " +
+                                std::to_string(options_.payload.size()) +
+                                " bytes, more than the limit of " +
+                                std::to_string(wire::kMaxControllerFrameBody) +
+                                "; pass large data as files, not in train_loop_config");
+  }
   JT_ASSIGN_OR_RETURN(storage::RunStore store, storage::RunStore::Open(options_.run_dir));
   std::vector<std::string> warnings;
   JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
                       storage::CheckpointIndex::Load(store.dir(), &warnings));
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
+  if (loop->conn_epoll < 0) return ErrnoError("cannot create the controller's epoll set", errno);
   for (const auto& w : warnings) loop->Say("warning: " + w);
   nlohmann::json previous = loop->store.PreviousRunState();
   if (previous.is_object() && previous.contains("attempts") && previous["attempts"].is_array()) {
@@ -1156,6 +1300,11 @@ Status Controller::Start() {
   loop->rounds = loop->collector.next_round() - 1;
   JT_ASSIGN_OR_RETURN(loop->listen_fd, wire::Listen(options_.listen_host, 0, &port_));
   loop->secret = wire::GenerateSecret();
+  // The payload's size was checked above: its header always encodes.
+  loop->payload_header =
+      *wire::EncodeFrameHeader(wire::MessageType::kPayload, options_.payload.size());
+  // options_ outlives the loop: the payload is shared without a copy (an owner-less alias).
+  loop->payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(), &options_.payload);
   loop->ranks.resize(static_cast<size_t>(world_size));
   loop->start_time = clock_.UnixSeconds();
 

@@ -30,7 +30,9 @@
 //
 // Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
 // timeout with a rank of this attempt that has no connection yet; anything else is closed without
-// a reply beyond the handshake. See docs/wire.md.
+// a reply beyond the handshake. Connections that have not sent a hello made with the run's secret
+// are capped (2 x world size + 64), the oldest dropped first, so a flood of them never keeps a
+// worker out; a rank that ends before registering is a start-up failure. See docs/wire.md.
 #pragma once
 
 #include <atomic>
