@@ -106,8 +106,14 @@ class JaxTrainer:
         """Runs the training function on every worker and returns the Result.
 
         Raises TrainingFailedError when a worker fails, and KeyboardInterrupt after stopping every
-        worker when the driver is interrupted.
+        worker when the driver is interrupted. With JAXTRAIN_PRIVATE=1 the run is private: its
+        directory is 0700 and what the run writes is 0700/0600 (the umask gains 077 meanwhile).
         """
+        private = storage.private_requested()
+        with storage.private_files(private):
+            return self._fit(private)
+
+    def _fit(self, private: bool) -> Result:
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
@@ -120,6 +126,8 @@ class JaxTrainer:
             plan = _core.plan_local(self.scaling_config._core)
         if mirror is not None:
             mirror.pull()
+        if private:
+            storage.make_private(run_dir)
         payload = cloudpickle.dumps(
             {
                 "fn": self.train_loop_per_worker,
@@ -154,7 +162,7 @@ class JaxTrainer:
             start_timeout_s=_START_TIMEOUT_S,
             failure_config=self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
-            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "") not in ("", "0"),
+            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "1") != "0",
             console_fd=console_fd,
             launcher=launcher,
             scaling_config=self.scaling_config._core,
