@@ -38,7 +38,7 @@ def stage_directory(src: str, dst: str) -> list:
     Copies a checkpoint directory into staging; returns its files with sizes and CRC-32C.
     """
 
-def verify_checkpoint(dir: str, checksums: bool) -> None: ...
+def verify_checkpoint(dir: str, checksums: bool, threads: int = 0) -> None: ...
 
 def ranked_checkpoints(run_dir: str, score_attribute: str | None, higher_is_better: bool) -> list:
     """

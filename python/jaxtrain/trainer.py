@@ -110,8 +110,15 @@ class JaxTrainer:
         Raises TrainingFailedError when a worker fails, and KeyboardInterrupt after stopping every
         worker when the driver is interrupted. On SIGTERM (when no other handler is installed) the
         run is stopped the same way, and the driver then ends as SIGTERM ends it. Raises
-        RuntimeError when another driver has this run open.
+        RuntimeError when another driver has this run open. With JAXTRAIN_PRIVATE=1 the run is
+        private: its directory is 0700 and what the run writes is 0700/0600 (the umask gains 077
+        meanwhile).
         """
+        private = storage.private_requested()
+        with storage.private_files(private):
+            return self._fit(private)
+
+    def _fit(self, private: bool) -> Result:
         payload = _pickle_task(self.train_loop_per_worker, self.train_loop_config,
                                self._takes_config)
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
@@ -140,6 +147,8 @@ class JaxTrainer:
             # controller takes the run's lock only later (RunStore::Open).
             _refuse_live_run(run_dir)
             mirror.pull()
+        if private:
+            storage.make_private(run_dir)
         sys.stdout.flush()
         sys.stderr.flush()
         console_fd = _console_fd()
@@ -167,7 +176,7 @@ class JaxTrainer:
             start_timeout_s=_START_TIMEOUT_S,
             failure_config=self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
-            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "") not in ("", "0"),
+            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "1") != "0",
             console_fd=console_fd,
             launcher=launcher,
             scaling_config=self.scaling_config._core,

@@ -420,24 +420,27 @@ NB_MODULE(_core, m) {
           d["path"] = e.path;
           d["size"] = e.size;
           d["crc32c"] = e.crc32c;
+          d["mode"] = e.mode;
+          if (!e.link.empty()) d["link"] = e.link;
           out.append(d);
         }
         return out;
       },
       "src"_a, "dst"_a,
-      "Copies a checkpoint directory into staging; returns its files with sizes and CRC-32C.");
+      "Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and "
+      "kept links.");
 
   m.def(
       "verify_checkpoint",
-      [](const std::string& dir, bool checksums) {
+      [](const std::string& dir, bool checksums, int threads) {
         Status s;
         {
           nb::gil_scoped_release release;
-          s = storage::VerifyCheckpoint(dir, checksums);
+          s = storage::VerifyCheckpoint(dir, checksums, threads);
         }
         Check(s);
       },
-      "dir"_a, "checksums"_a);
+      "dir"_a, "checksums"_a, "threads"_a = 0);
 
   m.def(
       "ranked_checkpoints",

@@ -40,7 +40,6 @@ constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
-constexpr uint64_t kAlwaysChecksumBytes = 64 << 20;
 // TCP keepalive on worker connections: a host that vanishes without closing its connections is
 // noticed after about kKeepIdle + kKeepCount * kKeepInterval seconds.
 constexpr int kKeepIdleS = 5;
@@ -607,9 +606,21 @@ struct Controller::Loop {
         CheckpointPart part;
         part.staged.rank = c.rank;
         part.staged.staging_dir = j.value("staging", "");
+        // Only this rank's own staging directory of this round may be moved from and deleted.
+        const std::string expected = storage::StagingPath(store.dir(), attempt, round, c.rank);
+        if (part.staged.staging_dir != expected || !j["files"].is_array()) {
+          return ProtocolError(c, "rank " + std::to_string(c.rank) + "'s checkpoint of round " +
+                                      std::to_string(round) + " names the staging directory '" +
+                                      part.staged.staging_dir + "', not its own ('" + expected +
+                                      "'); refused, nothing was moved or deleted");
+        }
         for (const auto& file : j["files"]) {
-          part.staged.files.push_back({file.value("path", ""), file.value("size", uint64_t{0}),
-                                       file.value("crc32c", uint32_t{0})});
+          if (!file.is_object()) return ProtocolError(c, "malformed checkpoint description");
+          part.staged.files.push_back({.path = file.value("path", ""),
+                                       .size = file.value("size", uint64_t{0}),
+                                       .crc32c = file.value("crc32c", uint32_t{0}),
+                                       .mode = file.value("mode", uint32_t{0644}),
+                                       .link = file.value("link", "")});
         }
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
         r.last_progress = Now();
@@ -671,15 +682,27 @@ struct Controller::Loop {
   void Record(const Round& round) {
     std::string committed;
     if (!round.checkpoints.empty()) {
-      auto record = Commit(round);
-      if (!record.ok()) {
+      Committed commit = Commit(round);
+      if (!commit.record.ok()) {
         Fail({.rank = round.checkpoints.front().staged.rank,
               .cause = "checkpoint",
               .message = "the checkpoint of round " + std::to_string(round.round) +
-                         " could not be committed: " + record.status().message()});
+                         " could not be committed: " + commit.record.status().message()});
         return;
       }
-      committed = record->dir_name;
+      committed = commit.record->dir_name;
+      if (!commit.index.ok()) {
+        // The directory is committed (complete, with its manifest) and the next start adds it
+        // back to the index; say exactly that, record the round, and stop the run.
+        Fail({.rank = round.checkpoints.front().staged.rank,
+              .cause = "checkpoint",
+              .message = "the checkpoint of round " + std::to_string(round.round) +
+                         " is committed as '" + storage::JoinPath(store.dir(), committed) +
+                         "', but the index checkpoints.json could not be updated (" +
+                         commit.index.message() +
+                         "); the run stops here, and resuming it by name adds the checkpoint "
+                         "back to the index and restores from it"});
+      }
     }
     Status s =
         store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json, committed);
@@ -696,29 +719,51 @@ struct Controller::Loop {
     RefreshStatus();
   }
 
+  struct Committed {
+    StatusOr<storage::CheckpointRecord> record;  // not ok: nothing of the round is visible
+    Status index;  // not ok: the checkpoint is committed, but checkpoints.json is not updated
+  };
+
   // Commits the round's checkpoint, updates the index, then applies retention: the index is saved
-  // before any directory is deleted, so it never names a deleted checkpoint.
-  StatusOr<storage::CheckpointRecord> Commit(const Round& round) {
+  // before any directory is deleted, so it never names a deleted checkpoint. Ranks that ask for
+  // different names are at different steps (e.g. they restored different states): such a round
+  // is an error and nothing of it is committed.
+  Committed Commit(const Round& round) {
     std::optional<std::string> name;
+    int name_rank = -1;
     std::vector<storage::RankCheckpoint> parts;
     for (const auto& part : round.checkpoints) {
-      if (!name && part.dir_name) name = part.dir_name;
+      if (part.dir_name && name && *part.dir_name != *name) {
+        return {InvalidArgumentError(
+                    "rank " + std::to_string(name_rank) + " names it '" + *name + "' and rank " +
+                    std::to_string(part.staged.rank) + " '" + *part.dir_name +
+                    "': the ranks are at different steps, so their files are not one "
+                    "checkpoint and none of them was committed; every rank must call report() "
+                    "the same number of times, with the same checkpoint_dir_name"),
+                OkStatus()};
+      }
+      if (!name && part.dir_name) {
+        name = part.dir_name;
+        name_rank = part.staged.rank;
+      }
       parts.push_back(part.staged);
     }
-    JT_ASSIGN_OR_RETURN(storage::CheckpointRecord record,
-                        storage::CommitCheckpoint(
-                            store.dir(), name.value_or(DefaultCheckpointName(round.round)),
-                            round.round, ctl.clock_.UnixSeconds(), round.metrics_json, parts));
-    checkpoints.Add(record);
+    Committed out{
+        storage::CommitCheckpoint(store.dir(), name.value_or(DefaultCheckpointName(round.round)),
+                                  round.round, ctl.clock_.UnixSeconds(), round.metrics_json, parts),
+        OkStatus()};
+    if (!out.record.ok()) return out;
+    checkpoints.Add(*out.record);
     std::vector<std::string> doomed =
         storage::SelectForDeletion(checkpoints.records(), opts.retention);
     for (const auto& d : doomed) checkpoints.Remove(d);
-    JT_RETURN_IF_ERROR(checkpoints.Save());
+    out.index = checkpoints.Save();
+    if (!out.index.ok()) return out;  // keep every directory: the index may still name them
     for (const auto& d : doomed) {
       Status s = storage::RemoveTree(storage::JoinPath(store.dir(), d));
       if (!s.ok()) Say("cannot delete checkpoint " + d + ": " + s.message());
     }
-    return record;
+    return out;
   }
 
   // --- processes -----------------------------------------------------------------------------
@@ -1061,15 +1106,19 @@ struct Controller::Loop {
   // --- attempts ------------------------------------------------------------------------------
 
   // The newest committed checkpoint that verifies, falling back to older ones with a warning.
+  // Checksums are checked unless turned off (opts.verify_checksums false), then sizes only.
   std::string CheckpointToRestore() {
     const auto& records = checkpoints.records();
     for (auto it = records.rbegin(); it != records.rend(); ++it) {
       std::string dir = storage::JoinPath(store.dir(), it->dir_name);
-      bool checksums = opts.verify_checksums || it->bytes < kAlwaysChecksumBytes;
-      Status s = storage::VerifyCheckpoint(dir, checksums);
+      Status s = storage::VerifyCheckpoint(dir, opts.verify_checksums);
       if (s.ok()) return dir;
       Say("warning: not restoring checkpoint " + it->dir_name + ": " + s.message() +
-          "; falling back to the one before it");
+          (std::next(it) == records.rend() ? "" : "; falling back to the one before it"));
+    }
+    if (!records.empty()) {
+      Say("warning: none of the run's " + std::to_string(records.size()) +
+          " checkpoints can be restored; the run starts from scratch");
     }
     return "";
   }
@@ -1287,9 +1336,14 @@ Status Controller::Start() {
   std::vector<std::string> warnings;
   JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
                       storage::CheckpointIndex::Load(store.dir(), &warnings));
+  // An index that disagreed with the directory is rewritten now, so that readers of the run
+  // (Result.from_path, the CLI) see what the controller restores from.
+  Status reindexed = warnings.empty() ? OkStatus() : index.Save();
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
   if (loop->conn_epoll < 0) return ErrnoError("cannot create the controller's epoll set", errno);
   for (const auto& w : warnings) loop->Say("warning: " + w);
+  if (!reindexed.ok())
+    loop->Say("warning: cannot rewrite checkpoints.json: " + reindexed.message());
   nlohmann::json previous = loop->store.PreviousRunState();
   if (previous.is_object() && previous.contains("attempts") && previous["attempts"].is_array()) {
     loop->attempt_log = previous["attempts"];

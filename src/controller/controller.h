@@ -72,7 +72,7 @@ struct ControllerOptions {
   int max_failures = 0;        // training failures restarted; -1 = without limit
   int max_start_failures = 3;  // start-up failures restarted; -1 = without limit
   storage::RetentionPolicy retention;
-  bool verify_checksums = false;  // on restore; checkpoints under 64 MiB are always checksummed
+  bool verify_checksums = true;  // on restore: CRC-32C of every file; false: sizes only
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
   // Keep a live status line (status_line.h) below the rank output on console_fd: for a terminal.
   bool status_line = false;
