@@ -63,12 +63,17 @@ def plan(scaling_config: ScalingConfig, hosts_json: str, environ: Mapping[str, s
 
 def choose_launcher() -> str:
     """
-    'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.
+    'local', 'slurm' or 'ssh': JAXTRAIN_LAUNCHER, or by default ssh when hosts are listed, slurm inside a Slurm allocation.
     """
 
 def plan_slurm(scaling_config: ScalingConfig) -> Plan:
     """
     Plans for the Slurm launcher: one environment for every rank; Slurm places them.
+    """
+
+def plan_ssh(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTS.
     """
 
 def check_shared_storage(path: str) -> None:

@@ -116,6 +116,10 @@ class JaxTrainer:
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
+        elif launcher == "ssh":
+            plan = _core.plan_ssh(self.scaling_config._core)
+            if _plan_spans_hosts(plan):
+                _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             plan = _core.plan_local(self.scaling_config._core)
         if mirror is not None:
@@ -182,6 +186,13 @@ class JaxTrainer:
 def _slurm_spans_hosts() -> bool:
     """A Slurm run's workers are on other hosts unless its allocation is this one host."""
     return os.environ.get("SLURM_JOB_NODELIST", "") != socket.gethostname().split(".")[0]
+
+
+def _plan_spans_hosts(plan) -> bool:
+    """A plan's workers are on other hosts unless every one is on this host, by name or address."""
+    here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    return any(w["address"] not in here and w["host"] not in here
+               for w in plan.to_dict()["workers"])
 
 
 def _run_dir(run_config: RunConfig) -> str:

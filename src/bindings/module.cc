@@ -10,6 +10,8 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <set>
+
 #include "accelerators/discovery.h"
 #include "accelerators/tpu.h"
 #include "config/run_config.h"
@@ -17,6 +19,7 @@
 #include "controller/controller.h"
 #include "launch/local_launcher.h"
 #include "launch/slurm_launcher.h"
+#include "launch/ssh_launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "wire/handshake.h"
@@ -131,14 +134,19 @@ class PyController {
     if (launcher_ == "local") {
       controller_ = std::make_unique<controller::Controller>(
           std::move(o), std::make_unique<launch::LocalLauncher>());
-    } else if (launcher_ != "slurm" || !scaling_config_) {
-      PyErr_SetString(PyExc_ValueError, "launcher must be 'local', or 'slurm' with scaling_config");
+    } else if ((launcher_ != "slurm" && launcher_ != "ssh") || !scaling_config_) {
+      PyErr_SetString(PyExc_ValueError,
+                      "launcher must be 'local', or 'slurm' or 'ssh' with scaling_config");
       throw nb::python_error();
     }
   }
 
   void Start() {
-    if (!controller_) StartOnSlurm();
+    if (!controller_ && launcher_ == "ssh") {
+      StartOnSsh();
+    } else if (!controller_) {
+      StartOnSlurm();
+    }
     Status s;
     {
       nb::gil_scoped_release release;
@@ -227,6 +235,41 @@ class PyController {
     controller_ = std::make_unique<controller::Controller>(
         std::move(options_),
         std::make_unique<launch::SlurmLauncher>(std::move(lo), std::move(allocation)));
+  }
+
+  // The address the hosts reach the controller at (its address on the route to the first host
+  // that is not this one, as ~/.ssh/config names it), and the ssh launcher with each rank's host.
+  // Blocks for one `ssh -G` per rank until a host other than this one is found.
+  void StartOnSsh() {
+    const accelerators::HostView& env = accelerators::RealHost();
+    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env)};
+    for (const auto& w : options_.plan.workers) lo.targets.push_back(w.host);
+    std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
+    if (host.empty()) {
+      StatusOr<std::string> chosen = UnavailableError("");
+      {
+        nb::gil_scoped_release release;
+        chosen = [&]() -> StatusOr<std::string> {
+          std::string address;
+          std::set<std::string> tried;
+          for (const auto& target : lo.targets) {
+            if (!tried.insert(target).second) continue;
+            JT_ASSIGN_OR_RETURN(std::string name, launch::SshHostName(lo.ssh, target));
+            JT_ASSIGN_OR_RETURN(address, launch::AddressTowards(name));
+            if (address.rfind("127.", 0) != 0 && address != "::1") break;  // not this host
+          }
+          return address;
+        }();
+      }
+      if (!chosen.ok()) {
+        Raise(UnavailableError("cannot choose the address the hosts reach this driver at: " +
+                               chosen.status().message() + "; set " + launch::kListenHostEnv));
+      }
+      host = *chosen;
+    }
+    options_.listen_host = host;
+    controller_ = std::make_unique<controller::Controller>(
+        std::move(options_), std::make_unique<launch::SshLauncher>(std::move(lo)));
   }
 
   std::string launcher_;
@@ -457,7 +500,8 @@ NB_MODULE(_core, m) {
 
   m.def(
       "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
-      "'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.");
+      "'local', 'slurm' or 'ssh': JAXTRAIN_LAUNCHER, or by default ssh when hosts are listed, "
+      "slurm inside a Slurm allocation.");
 
   m.def(
       "plan_slurm",
@@ -466,6 +510,15 @@ NB_MODULE(_core, m) {
       },
       "scaling_config"_a,
       "Plans for the Slurm launcher: one environment for every rank; Slurm places them.");
+
+  m.def(
+      "plan_ssh",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(launch::PlanForSsh(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or "
+      "JAXTRAIN_HOSTS.");
 
   m.def(
       "check_shared_storage",
