@@ -83,10 +83,10 @@ os._exit(rc)
 constexpr int kProbeNoPython = 97;
 constexpr int kProbeNoCwd = 98;
 
-// Driver variables passed to every worker unless JAXTRAIN_SSH_ENV names more: JAX's, XLA's and
-// the accelerator runtimes' own settings. The rest of the environment is the host's login one.
-constexpr std::string_view kForwardedPrefixes[] = {"JAX_", "XLA_",  "LIBTPU_",
-                                                   "TPU_", "NCCL_", "TF_CPP_"};
+// Driver variables passed to every worker, besides those JAXTRAIN_SSH_ENV names: JAX's, XLA's
+// and the accelerator runtimes' own settings. Not TPU_*: those describe one host, and placement
+// computes them per rank. The rest of the environment is the host's login one.
+constexpr std::string_view kForwardedPrefixes[] = {"JAX_", "XLA_", "LIBTPU_", "NCCL_", "TF_CPP_"};
 
 // ssh options that make it fit to run a worker: never prompt, no terminal, notice a dead
 // connection within about 15 s. The user's own options (JAXTRAIN_SSH_COMMAND, ~/.ssh/config)
