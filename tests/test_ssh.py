@@ -329,3 +329,19 @@ def test_a_host_without_a_join_secret_is_refused_before_it_joins(tmp_path):
     assert proc.returncode == 2
     assert "needs a join secret that every host holds: give --join-secret-file FILE" \
            in proc.stderr
+
+
+def test_joined_tpu_hosts_that_do_not_name_their_slice_are_planned_as_one_slice():
+    from jaxtrain import ScalingConfig, _core
+    from jaxtrain.hosts import host_entry
+
+    has = {"name": "x", "gpus": 0, "tpu_chips": 4, "tpu_slice": "", "tpu_worker_id": 0,
+           "tpu_accelerator_type": "v4-16", "tpu_topology": ""}
+    described = [host_entry(f"t{k}", f"10.0.0.{k + 1}", has, k, "t0") for k in range(2)]
+    config = ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2",
+                           accelerator_type="TPU-V4")
+    plan = _core.plan(config._core, json.dumps({"hosts": described}), {}, False).to_dict()
+
+    assert [w["host"] for w in plan["workers"]] == ["t0", "t1"]
+    assert [w["env"]["TPU_WORKER_ID"] for w in plan["workers"]] == ["0", "1"]
+    assert plan["workers"][1]["env"]["TPU_WORKER_HOSTNAMES"] == "10.0.0.1,10.0.0.2"

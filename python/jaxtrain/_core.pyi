@@ -76,6 +76,11 @@ def plan_ssh(scaling_config: ScalingConfig) -> Plan:
     Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTS.
     """
 
+def describe_this_host() -> dict:
+    """
+    This machine as placement sees it: name, gpus (count), tpu_chips, and its TPU identity.
+    """
+
 def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 

@@ -32,10 +32,12 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 SECRET_ENV = "JAXTRAIN_JOIN_SECRET"
 # target -> [address, agent port] of every host of the run; set on host 0 for its relays.
@@ -258,6 +260,36 @@ def relay(argv: list[str]) -> int:
 # --- the hosts of a run started on every host ----------------------------------------------------
 
 
+def self_description() -> dict:
+    """What this host has, as placement sees it (_core.describe_this_host)."""
+    from jaxtrain import _core
+
+    return dict(_core.describe_this_host())
+
+
+def host_entry(name: str, address: str, has: dict, host_rank: int, slice_name: str) -> dict:
+    """A host of the JAXTRAIN_HOSTS description (docs/accelerators.md) for a joined host. A TPU
+    host that does not say which slice it is in (TPU_NAME unset) is worker `host_rank` of one
+    slice named after the coordinator, with the TPU VM's accelerator type when it can tell."""
+    entry: dict = {"name": name, "address": address}
+    if has.get("gpus"):
+        entry["gpus"] = int(has["gpus"])
+    if has.get("tpu_chips"):
+        tpu: dict = {"chips": int(has["tpu_chips"])}
+        if has.get("tpu_slice"):
+            tpu.update(slice=has["tpu_slice"], worker_id=int(has.get("tpu_worker_id", 0)))
+        else:
+            tpu.update(slice=f"{slice_name}-slice", worker_id=host_rank)
+        kind = has.get("tpu_accelerator_type") or (_tpu_metadata("accelerator-type") or "")
+        if kind.strip():
+            tpu["accelerator_type"] = kind.strip()
+        if has.get("tpu_topology"):
+            tpu["topology"] = has["tpu_topology"]
+        entry["tpu"] = tpu
+    return entry
+
+
+
 def _tpu_metadata(name: str) -> str | None:
     try:
         request = urllib.request.Request(_TPU_METADATA + name,
@@ -298,6 +330,7 @@ class SameCommand:
     secret: bytes
     _joiners: list[socket.socket] = field(default_factory=list)
     _agents: AgentServer | None = None
+    _description: Any = None  # the joined hosts' description file, while the run lasts
 
     @staticmethod
     def from_args(coordinator: str, host_rank: int | None, num_hosts: int | None,
@@ -331,6 +364,7 @@ class SameCommand:
         listener = socket.create_server(("", self.coordinator[1]))
         listener.settimeout(1.0)
         hosts: dict[int, tuple[str, str, int]] = {}  # host rank -> (name, address, agent port)
+        has: dict[int, dict] = {0: self_description()}  # host rank -> what it has
         here = None
         deadline = time.monotonic() + timeout_s
         if self.num_hosts > 1:
@@ -360,21 +394,32 @@ class SameCommand:
                 continue
             here = conn.getsockname()[0]
             hosts[rank] = (str(hello["hostname"]), peer[0], int(hello["agent_port"]))
+            has[rank] = dict(hello.get("has") or {})
             _send(conn, {"joined": True})
             self._joiners.append(conn)
             _say(f"host {rank} ({hello['hostname']}, {peer[0]}) joined")
         listener.close()
         hosts[0] = (socket.gethostname(), here or "127.0.0.1", self._agents.port)
         targets: dict[str, list] = {}
+        described = []
         for rank in sorted(hosts):
             name, address, port = hosts[rank]
             target = name if name not in targets else f"{name}-{rank}"
             targets[target] = [address, port]
+            described.append(host_entry(target, address, has[rank], rank, self.coordinator[0]))
         os.environ[SECRET_ENV] = self.secret.decode()  # for the relays; never passed on to workers
         os.environ[JOINED_HOSTS_ENV] = json.dumps(targets)
         os.environ["JAXTRAIN_LAUNCHER"] = "ssh"
-        os.environ["JAXTRAIN_SSH_HOSTS"] = ",".join(targets)
         os.environ["JAXTRAIN_SSH_COMMAND"] = f"{sys.executable} -m jaxtrain.hosts relay"
+        if any("tpu" in h or "gpus" in h for h in described):
+            # Accelerators: placed by what each host has (docs/accelerators.md).
+            self._description = tempfile.NamedTemporaryFile(
+                "w", prefix="jaxtrain-joined-hosts-", suffix=".json")
+            json.dump({"hosts": described}, self._description)
+            self._description.flush()
+            os.environ["JAXTRAIN_HOSTS"] = self._description.name
+        else:
+            os.environ["JAXTRAIN_SSH_HOSTS"] = ",".join(targets)  # equal shares of CPU workers
 
     def end(self, status: int, run_dir: str) -> None:
         """Host 0: tells every other host that the run has ended."""
@@ -405,7 +450,7 @@ class SameCommand:
         try:
             _authenticate(conn, self.secret, joining=True)
             _send(conn, {"host_rank": self.host_rank, "hostname": socket.gethostname(),
-                         "agent_port": self._agents.port})
+                         "agent_port": self._agents.port, "has": self_description()})
             answer = _receive(conn)
             if "refused" in answer:
                 raise PermissionError(answer["refused"])

@@ -521,6 +521,25 @@ NB_MODULE(_core, m) {
       "JAXTRAIN_HOSTS.");
 
   m.def(
+      "describe_this_host",
+      [] {
+        const accelerators::HostView& view = accelerators::RealHost();
+        const placement::Host host = placement::DescribeThisHost(view).hosts.front();
+        nb::dict d;
+        d["name"] = host.name;
+        d["gpus"] = host.gpus.size();
+        d["tpu_chips"] = host.tpu_chips;
+        // The slice this host says it is in (TPU_NAME, TPU_WORKER_ID); empty when it does not say.
+        const accelerators::TpuHostIdentity identity = accelerators::ReadTpuHostIdentity(view);
+        d["tpu_slice"] = identity.name;
+        d["tpu_worker_id"] = host.tpu_worker_id;
+        d["tpu_accelerator_type"] = host.tpu_accelerator_type;
+        d["tpu_topology"] = host.tpu_topology;
+        return d;
+      },
+      "This machine as placement sees it: name, gpus (count), tpu_chips, and its TPU identity.");
+
+  m.def(
       "check_shared_storage",
       [](const std::string& path) {
         Check(launch::CheckSharedStorage(path, accelerators::RealHost()));
