@@ -171,16 +171,7 @@ JaxTrainer(train, scaling_config=ScalingConfig(num_workers=4),
 
 
 def test_a_driver_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, shared_dir):
-    (shared_dir / "driver.py").write_text(LONG_RUN)
-    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=shared_dir,
-                              env=ssh_hosts.env(HOME=str(shared_dir),
-                                                JAXTRAIN_SSH_HOSTS="host1,host2"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (shared_dir / "ready").exists() and driver.poll() is None:
-        assert time.monotonic() < deadline, "the run did not get going"
-        time.sleep(0.1)
-    assert (shared_dir / "ready").exists(), driver.communicate(timeout=30)
+    driver = start_long_run(ssh_hosts, shared_dir)
     assert len(ssh_hosts.processes("host2")) >= 2  # the run is there: sessions, agents, workers
 
     driver.kill()
@@ -194,6 +185,41 @@ def test_a_driver_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, sha
             break
         time.sleep(0.1)
     assert not any(left.values()), f"still running 5 s after the driver was killed: {left}"
+
+
+def start_long_run(hosts: SshHosts, cwd: Path) -> subprocess.Popen:
+    (cwd / "driver.py").write_text(LONG_RUN)
+    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=cwd,
+                              env=hosts.env(HOME=str(cwd), JAXTRAIN_SSH_HOSTS="host1,host2"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (cwd / "ready").exists() and driver.poll() is None:
+        assert time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.1)
+    assert (cwd / "ready").exists(), driver.communicate(timeout=30)
+    return driver
+
+
+def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_hosts, shared_dir):
+    driver = start_long_run(ssh_hosts, shared_dir)
+    veth = "jtssh-v2"  # host2's link to the bridge (scripts/ssh_hosts.sh)
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    try:
+        _, err = driver.communicate(timeout=120)
+        # The workers on host2 cannot hear from anyone: each ends once its control connection
+        # times out (30 s of unacknowledged reports), and its agent with it.
+        deadline = time.monotonic() + 90
+        left = ssh_hosts.processes("host2")
+        while any("python" in p for p in left) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = ssh_hosts.processes("host2")
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+    assert driver.returncode != 0
+    assert re.search(r"jaxtrain: attempt 0 failed: rank [23] \(host host2\)", err), err[-3000:]
+    assert not [p for p in left if "python" in p], left
+    assert ssh_hosts.processes("host1") == []
 
 
 @pytest.mark.parametrize(("host", "says"), [
