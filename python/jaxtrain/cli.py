@@ -257,7 +257,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from jaxtrain import _core
 
     try:
-        plan = _core.plan_local(_scaling_config(args)._core).to_dict()
+        config = _scaling_config(args)._core
+        ssh = _core.choose_launcher() == "ssh"  # listed hosts (docs/hosts.md)
+        plan = (_core.plan_ssh(config) if ssh else _core.plan_local(config)).to_dict()
     except ValueError as e:
         raise _UsageError(str(e)) from None
     except (RuntimeError, OSError) as e:

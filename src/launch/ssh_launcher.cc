@@ -527,8 +527,8 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     fcntl(pidfd, F_SETFD, FD_CLOEXEC);
     fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
     launched.push_back({spec.ranks, spawned->pid, pidfd, spawned->output_fd});
-    // The header fits the pipe's buffer (64 KiB) unless the environment is huge; a short write
-    // leaves the agent waiting for the rest, and the start-up timeout then ends the attempt.
+    // Blocking: the header fits the pipe's buffer (64 KiB) unless the environment is huge, and
+    // then waits for ssh to connect and read it.
     std::string_view rest = header;
     while (!rest.empty()) {
       ssize_t n = WriteNoSigpipe(in[1], rest);
