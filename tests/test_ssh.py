@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -371,3 +372,52 @@ def test_joined_tpu_hosts_that_do_not_name_their_slice_are_planned_as_one_slice(
     assert [w["host"] for w in plan["workers"]] == ["t0", "t1"]
     assert [w["env"]["TPU_WORKER_ID"] for w in plan["workers"]] == ["0", "1"]
     assert plan["workers"][1]["env"]["TPU_WORKER_HOSTNAMES"] == "10.0.0.1,10.0.0.2"
+
+
+LONG_SCRIPT = """\
+import time
+from pathlib import Path
+import jaxtrain
+
+for i in range(600):
+    jaxtrain.report({"i": i})
+    if i == 3 and jaxtrain.get_context().get_world_rank() == 0:
+        Path("ready").write_text("")
+    time.sleep(0.1)
+"""
+
+
+def test_host_0_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, shared_dir):
+    (shared_dir / "long.py").write_text(LONG_SCRIPT)
+    good = secret_file(shared_dir / "secret", "0123456789abcdef-the-right-one")
+    common = ["--coordinator", "host1:8490", "--num-hosts", "2", "-n", "4",
+              "--join-secret-file", good]
+    started = [on_host(ssh_hosts, host, shared_dir, *common, "--host-rank", str(rank), "long.py")
+               for rank, host in enumerate(["host1", "host2"])]
+    try:
+        deadline = time.monotonic() + 120
+        while not (shared_dir / "ready").exists() and all(p.poll() is None for p in started):
+            assert time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.1)
+        assert (shared_dir / "ready").exists(), [p.communicate(timeout=30) for p in started]
+        host0 = [p.split()[0] for p in ssh_hosts.processes("host1")
+                 if "jaxtrain run" in p and "--host-rank 0" in p]
+        assert len(host0) == 1, ssh_hosts.processes("host1")
+        os.kill(int(host0[0]), signal.SIGKILL)
+        killed_at = time.monotonic()
+        left: dict[str, list[str]] = {}
+        while time.monotonic() - killed_at < 5:
+            left = {h: [p for p in ssh_hosts.processes(h) if "python" in p]
+                    for h in ("host1", "host2")}
+            if not any(left.values()):
+                break
+            time.sleep(0.1)
+        assert not any(left.values()), f"still running 5 s after host 0 was killed: {left}"
+        _, joined_err = started[1].communicate(timeout=30)
+        assert started[1].returncode == 1
+        assert "lost the connection to host 0 (host1:8490)" in joined_err
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
