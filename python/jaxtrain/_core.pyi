@@ -63,7 +63,7 @@ def plan(scaling_config: ScalingConfig, hosts_json: str, environ: Mapping[str, s
 
 def choose_launcher() -> str:
     """
-    'local', 'slurm' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.
+    'local', 'slurm', 'ssh' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default ssh when hosts are listed, slurm inside a Slurm allocation.
     """
 
 def plan_slurm(scaling_config: ScalingConfig) -> Plan:
@@ -91,6 +91,16 @@ def check_local_workers(scaling_config: ScalingConfig) -> None:
 def run_lock_holder(run_dir: str) -> str | None:
     """
     The driver holding the run directory's lock ('host H, pid P, since T'), or None when no live driver holds it.
+    """
+
+def plan_ssh(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTS.
+    """
+
+def describe_this_host() -> dict:
+    """
+    This machine as placement sees it: name, gpus (count), tpu_chips, and its TPU identity.
     """
 
 def check_shared_storage(path: str) -> None:

@@ -142,7 +142,6 @@ def _parse_resources(text: str) -> dict[str, float]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig
-    from jaxtrain.errors import TrainingFailedError
     from jaxtrain.trainer import JaxTrainer
 
     if args.target is None:
@@ -176,6 +175,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise _UsageError(str(e)) from None
     trainer._status_line = not args.no_status_line
+    if args.hosts:
+        os.environ["JAXTRAIN_SSH_HOSTS"] = args.hosts
+    if args.hostfile:
+        os.environ["JAXTRAIN_HOSTFILE"] = os.path.abspath(args.hostfile)
+    if args.coordinator is None:
+        return _fit(trainer, args, run_dir)
+    from jaxtrain.hosts import SameCommand
+
+    try:
+        same = SameCommand.from_args(args.coordinator, args.host_rank, args.num_hosts,
+                                     args.join_secret_file)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    if same.host_rank != 0:
+        return same.join()
+    status = EXIT_FAILED
+    try:
+        same.gather()
+        status = _fit(trainer, args, run_dir)
+    except (TimeoutError, OSError) as e:
+        _say(f"run '{trainer.run_config.name}' could not start: {e}")
+    finally:
+        same.end(status, run_dir)
+    return status
+
+
+def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
+    from jaxtrain.errors import TrainingFailedError
 
     name = trainer.run_config.name
     _say(f"run '{name}' on {args.num_workers} worker(s); run directory {run_dir}")
@@ -232,7 +259,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.kubernetes:
         return _plan_kubernetes(args)
     try:
-        plan = _core.plan_local(_scaling_config(args)._core).to_dict()
+        config = _scaling_config(args)._core
+        ssh = _core.choose_launcher() == "ssh"  # listed hosts (docs/hosts.md)
+        plan = (_core.plan_ssh(config) if ssh else _core.plan_local(config)).to_dict()
     except ValueError as e:
         raise _UsageError(str(e)) from None
     except (RuntimeError, OSError) as e:
@@ -860,6 +889,24 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_scaling_options(run)
+    hosts = run.add_argument_group("hosts (ssh; docs/hosts.md)")
+    listed = hosts.add_mutually_exclusive_group()
+    listed.add_argument("--hosts", metavar="H1,H2",
+                        help="start the workers over ssh on these hosts (h1:4 gives h1 4 workers; "
+                        "without counts they share -n equally); sets JAXTRAIN_SSH_HOSTS")
+    listed.add_argument("--hostfile", metavar="FILE",
+                        help="the hosts as MPI and DeepSpeed list them, 'host slots=N' per line; "
+                        "sets JAXTRAIN_HOSTFILE")
+    listed.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="the same command runs on every host: host 0 (at HOST:PORT) drives "
+                        "the run, the others join it; 'tpu': host 0 of this TPU VM slice, port "
+                        "8490, and --host-rank/--num-hosts from the slice")
+    hosts.add_argument("--host-rank", type=int, metavar="K", help="with --coordinator: this "
+                       "host's index, 0 for the host that drives the run")
+    hosts.add_argument("--num-hosts", type=int, metavar="M",
+                       help="with --coordinator: how many hosts run this command")
+    hosts.add_argument("--join-secret-file", metavar="FILE", help="with --coordinator: the secret "
+                       "every host holds (mode 600), else JAXTRAIN_JOIN_SECRET")
     _add_run_options(run)
     run.add_argument("--no-status-line", action="store_true",
                      help="on a terminal, do not keep the live status line (attempt, ranks up, "

@@ -139,6 +139,10 @@ class JaxTrainer:
             launcher_options = json.dumps(
                 kubernetes.launch_options(self.run_config.name, run_dir))
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
+        elif launcher == "ssh":
+            plan = _core.plan_ssh(self.scaling_config._core)
+            if _plan_spans_hosts(plan):
+                _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
@@ -334,6 +338,13 @@ def _why_unpicklable(fn: Callable, config: dict | None, error: Exception) -> str
 def _slurm_spans_hosts() -> bool:
     """A Slurm run's workers are on other hosts unless its allocation is this one host."""
     return os.environ.get("SLURM_JOB_NODELIST", "") != socket.gethostname().split(".")[0]
+
+
+def _plan_spans_hosts(plan) -> bool:
+    """A plan's workers are on other hosts unless every one is on this host, by name or address."""
+    here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    return any(w["address"] not in here and w["host"] not in here
+               for w in plan.to_dict()["workers"])
 
 
 def _run_dir(run_config: RunConfig) -> str:

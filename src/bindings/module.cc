@@ -10,6 +10,8 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <set>
+
 #include "accelerators/discovery.h"
 #include "accelerators/tpu.h"
 #include "config/run_config.h"
@@ -18,6 +20,7 @@
 #include "launch/kubernetes_launcher.h"
 #include "launch/local_launcher.h"
 #include "launch/slurm_launcher.h"
+#include "launch/ssh_launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "storage/run_store.h"
@@ -147,15 +150,20 @@ class PyController {
       controller_ = std::make_unique<controller::Controller>(
           std::move(o),
           std::make_unique<launch::KubernetesLauncher>(std::move(k), *scaling_config_, plan));
-    } else if (launcher_ != "slurm" || !scaling_config_) {
+    } else if ((launcher_ != "slurm" && launcher_ != "ssh") || !scaling_config_) {
       PyErr_SetString(PyExc_ValueError,
-                      "launcher must be 'local', or 'slurm' or 'kubernetes' with scaling_config");
+                      "launcher must be 'local', or 'slurm', 'ssh' or 'kubernetes' with "
+                      "scaling_config");
       throw nb::python_error();
     }
   }
 
   void Start() {
-    if (!controller_) StartOnSlurm();
+    if (!controller_ && launcher_ == "ssh") {
+      StartOnSsh();
+    } else if (!controller_) {
+      StartOnSlurm();
+    }
     Status s;
     {
       nb::gil_scoped_release release;
@@ -255,6 +263,41 @@ class PyController {
     controller_ = std::make_unique<controller::Controller>(
         std::move(options_),
         std::make_unique<launch::SlurmLauncher>(std::move(lo), std::move(allocation)));
+  }
+
+  // The address the hosts reach the controller at (its address on the route to the first host
+  // that is not this one, as ~/.ssh/config names it), and the ssh launcher with each rank's host.
+  // Blocks for one `ssh -G` per rank until a host other than this one is found.
+  void StartOnSsh() {
+    const accelerators::HostView& env = accelerators::RealHost();
+    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env)};
+    for (const auto& w : options_.plan.workers) lo.targets.push_back(w.host);
+    std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
+    if (host.empty()) {
+      StatusOr<std::string> chosen = UnavailableError("");
+      {
+        nb::gil_scoped_release release;
+        chosen = [&]() -> StatusOr<std::string> {
+          std::string address;
+          std::set<std::string> tried;
+          for (const auto& target : lo.targets) {
+            if (!tried.insert(target).second) continue;
+            JT_ASSIGN_OR_RETURN(std::string name, launch::SshHostName(lo.ssh, target));
+            JT_ASSIGN_OR_RETURN(address, launch::AddressTowards(name));
+            if (address.rfind("127.", 0) != 0 && address != "::1") break;  // not this host
+          }
+          return address;
+        }();
+      }
+      if (!chosen.ok()) {
+        Raise(UnavailableError("cannot choose the address the hosts reach this driver at: " +
+                               chosen.status().message() + "; set " + launch::kListenHostEnv));
+      }
+      host = *chosen;
+    }
+    options_.listen_host = host;
+    controller_ = std::make_unique<controller::Controller>(
+        std::move(options_), std::make_unique<launch::SshLauncher>(std::move(lo)));
   }
 
   std::string launcher_;
@@ -488,8 +531,8 @@ NB_MODULE(_core, m) {
 
   m.def(
       "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
-      "'local', 'slurm' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm "
-      "allocation.");
+      "'local', 'slurm', 'ssh' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default ssh when hosts "
+      "are listed, slurm inside a Slurm allocation.");
 
   m.def(
       "plan_slurm",
@@ -535,6 +578,34 @@ NB_MODULE(_core, m) {
       },
       "scaling_config"_a, "options_json"_a, "jobset_name"_a, "env"_a,
       "The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.");
+
+  m.def(
+      "plan_ssh",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(launch::PlanForSsh(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or "
+      "JAXTRAIN_HOSTS.");
+
+  m.def(
+      "describe_this_host",
+      [] {
+        const accelerators::HostView& view = accelerators::RealHost();
+        const placement::Host host = placement::DescribeThisHost(view).hosts.front();
+        nb::dict d;
+        d["name"] = host.name;
+        d["gpus"] = host.gpus.size();
+        d["tpu_chips"] = host.tpu_chips;
+        // The slice this host says it is in (TPU_NAME, TPU_WORKER_ID); empty when it does not say.
+        const accelerators::TpuHostIdentity identity = accelerators::ReadTpuHostIdentity(view);
+        d["tpu_slice"] = identity.name;
+        d["tpu_worker_id"] = host.tpu_worker_id;
+        d["tpu_accelerator_type"] = host.tpu_accelerator_type;
+        d["tpu_topology"] = host.tpu_topology;
+        return d;
+      },
+      "This machine as placement sees it: name, gpus (count), tpu_chips, and its TPU identity.");
 
   m.def(
       "check_shared_storage",

@@ -40,20 +40,6 @@ constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
-// TCP keepalive on worker connections: a host that vanishes without closing its connections is
-// noticed after about kKeepIdle + kKeepCount * kKeepInterval seconds.
-constexpr int kKeepIdleS = 5;
-constexpr int kKeepIntervalS = 1;
-constexpr int kKeepCount = 5;
-
-void EnableKeepAlive(int fd) {
-  int one = 1, idle = kKeepIdleS, interval = kKeepIntervalS, count = kKeepCount;
-  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
-}
-
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
 size_t TerminalWidth(int fd) {
   winsize ws{};
@@ -367,7 +353,8 @@ struct Controller::Loop {
       while (unproven_count >= cap) DropOldestUnproven();
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      EnableKeepAlive(fd);
+      // A host that vanishes without closing its connections is noticed in about 10 s.
+      wire::EnableKeepAlive(fd);
       auto conn = std::make_unique<Conn>();
       conn->fd = fd;
       conn->peer = PeerName(addr);

@@ -1,7 +1,5 @@
 #include "launch/launcher.h"
 
-extern char** environ;
-
 namespace jaxtrain::launch {
 
 StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
@@ -36,16 +34,6 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
     if (!per_rank.count(k)) group.env[k] = v;
   }
   return group;
-}
-
-std::map<std::string, std::string> CurrentEnvironment() {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    size_t eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
-  return env;
 }
 
 }  // namespace jaxtrain::launch

@@ -83,7 +83,4 @@ struct UniformGroup {
 StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
                                     const std::set<std::string>& per_rank, std::string_view engine);
 
-// This process's environment as a map.
-std::map<std::string, std::string> CurrentEnvironment();
-
 }  // namespace jaxtrain::launch

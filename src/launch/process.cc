@@ -49,12 +49,39 @@ std::optional<ExitStatus> TryReap(pid_t pid) {
   return s;
 }
 
+ExitStatus WaitForExit(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  ExitStatus s;
+  if (WIFEXITED(status)) s.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) {
+    s.signal = WTERMSIG(status);
+    s.core_dumped = WCOREDUMP(status);
+  }
+  return s;
+}
+
+std::map<std::string, std::string> CurrentEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    size_t eq = entry.find('=');
+    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return env;
+}
+
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  if (options.stdin_fd >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, options.stdin_fd, 0);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  }
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
   if (!options.cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, options.cwd.c_str());

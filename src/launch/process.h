@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,6 +24,12 @@ struct ExitStatus {
 // waitpid(pid, WNOHANG): the status if the process has exited, nullopt while it runs.
 std::optional<ExitStatus> TryReap(pid_t pid);
 
+// waitpid(pid) until it has exited (EINTR retried).
+ExitStatus WaitForExit(pid_t pid);
+
+// This process's environment: name -> value.
+std::map<std::string, std::string> CurrentEnvironment();
+
 // "SIGKILL" for 9, "signal 64" when unnamed.
 std::string SignalName(int signal);
 
@@ -34,6 +41,7 @@ struct SpawnOptions {
   bool search_path = false;                       // look argv[0] up in PATH
   // A descriptor (>= 3) the child inherits under the same number; it stays close-on-exec here.
   int inherit_fd = -1;
+  int stdin_fd = -1;  // the child's stdin (the caller keeps and closes it); -1: /dev/null
 };
 
 struct Spawned {
@@ -41,8 +49,8 @@ struct Spawned {
   int output_fd = -1;  // the read end of the child's stdout and stderr, blocking, close-on-exec
 };
 
-// Starts a child with stdin from /dev/null, stdout and stderr on one pipe, no blocked signals
-// and every signal's default action. The caller owns the pid and the descriptor.
+// Starts a child with stdin from /dev/null (or options.stdin_fd), stdout and stderr on one pipe, no
+// blocked signals and every signal's default action. The caller owns the pid and the descriptor.
 // Errors: kNotFound when argv[0] does not exist, kUnavailable when it cannot be started
 // otherwise (the message is the system's reason; callers add what they were starting).
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);

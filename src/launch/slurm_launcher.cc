@@ -21,6 +21,8 @@
 #include <map>
 #include <set>
 
+#include "launch/ssh_launcher.h"
+
 namespace jaxtrain::launch {
 namespace {
 
@@ -93,16 +95,6 @@ StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
   return *spawned;
 }
 
-ExitStatus WaitFor(pid_t pid) {
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  ExitStatus s;
-  if (WIFEXITED(status)) s.exit_code = WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) s.signal = WTERMSIG(status);
-  return s;
-}
-
 // Runs a short Slurm command to its end. Errors: kUnavailable with its output when it cannot be
 // started or exits non-zero.
 StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
@@ -116,7 +108,7 @@ StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
     out.append(buf, static_cast<size_t>(n));
   }
   close(p.output_fd);
-  ExitStatus exit = WaitFor(p.pid);
+  ExitStatus exit = WaitForExit(p.pid);
   if (!exit.ok()) {
     std::string command;
     for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
@@ -203,11 +195,16 @@ bool Simulated(const accelerators::HostView& env) {
 
 StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env) {
   std::string kind = env.GetEnv(kLauncherEnv).value_or("");
-  if (kind == "local" || kind == "slurm" || kind == "kubernetes") return kind;
+  if (kind == "local" || kind == "slurm" || kind == "ssh" || kind == "kubernetes") return kind;
   if (!kind.empty() && kind != "auto") {
     return InvalidArgumentError(std::string(kLauncherEnv) + "='" + kind +
-                                "' is not allowed; use local, slurm, kubernetes or auto (the "
-                                "default: slurm inside a Slurm allocation, local elsewhere)");
+                                "' is not allowed; use local, slurm, ssh, kubernetes or auto (the "
+                                "default: ssh when hosts are listed, slurm inside a Slurm "
+                                "allocation, local elsewhere)");
+  }
+  for (const char* hosts : {kSshHostsEnv, kHostfileEnv}) {
+    auto listed = env.GetEnv(hosts);
+    if (listed && !listed->empty()) return std::string("ssh");
   }
   auto job = env.GetEnv("SLURM_JOB_ID");
   return std::string(job && !job->empty() ? "slurm" : "local");
@@ -486,7 +483,7 @@ StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Request(
       if (!job_id.empty()) (void)RunCommand({"scancel", "--quiet", job_id});
       kill(p.pid, SIGTERM);
       close(p.output_fd);
-      WaitFor(p.pid);
+      WaitForExit(p.pid);
       return AbortedError("the request for a Slurm allocation" +
                           (job_id.empty() ? std::string() : " (job " + job_id + ")") +
                           " was withdrawn");
@@ -506,7 +503,7 @@ StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Request(
     }
   }
   close(p.output_fd);
-  ExitStatus exit = WaitFor(p.pid);
+  ExitStatus exit = WaitForExit(p.pid);
   if (!exit.ok() || job_id.empty()) {
     if (!job_id.empty()) (void)RunCommand({"scancel", "--quiet", job_id});
     return UnavailableError("Slurm did not grant the allocation (salloc " + exit.ToString() +
@@ -588,7 +585,7 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   if (pidfd < 0) {
     int err = errno;
     killpg(p.pid, SIGKILL);
-    WaitFor(p.pid);
+    WaitForExit(p.pid);
     close(p.output_fd);
     pgid_ = 0;
     return ErrnoError("pidfd_open", err);

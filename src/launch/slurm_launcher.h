@@ -37,7 +37,7 @@
 namespace jaxtrain::launch {
 
 // Environment settings (docs/slurm.md).
-inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";  // local | slurm | kubernetes | auto
+inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";  // local|slurm|ssh|kubernetes|auto
 inline constexpr char kListenHostEnv[] = "JAXTRAIN_LISTEN_HOST";  // the controller's address
 inline constexpr char kSharedStorageEnv[] =
     "JAXTRAIN_SHARED_STORAGE";  // shared dirs, ':'-separated
@@ -45,9 +45,10 @@ inline constexpr char kSlurmNodesEnv[] = "JAXTRAIN_SLURM_NODES";
 inline constexpr char kSlurmTasksPerNodeEnv[] = "JAXTRAIN_SLURM_TASKS_PER_NODE";
 inline constexpr char kSlurmExclusiveEnv[] = "JAXTRAIN_SLURM_EXCLUSIVE";
 
-// "local", "slurm" or "kubernetes": JAXTRAIN_LAUNCHER when set to one of them; otherwise ("auto"
-// or unset) "slurm" inside a Slurm allocation (SLURM_JOB_ID set) and "local" elsewhere. Kubernetes
-// is never chosen by itself: a driver pod may well run its workers locally.
+// "local", "slurm", "ssh" or "kubernetes": JAXTRAIN_LAUNCHER when set to one of them; otherwise
+// ("auto" or unset) "ssh" when JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTFILE lists hosts
+// (ssh_launcher.h), "slurm" inside a Slurm allocation (SLURM_JOB_ID set) and "local" elsewhere.
+// Kubernetes is never chosen by itself: a driver pod may well run its workers locally.
 // Errors: kInvalidArgument for any other value of JAXTRAIN_LAUNCHER.
 StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env);
 

@@ -145,6 +145,10 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
                    std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
   timeval none{0, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+  // A controller whose host vanishes (a network cut between hosts) ends this worker as a closed
+  // connection does (WatchController), instead of leaving it behind. The controller reads
+  // everything a worker sends at once, so unacknowledged reports mean it is gone.
+  wire::EnableKeepAlive(fd, std::chrono::seconds(30));
   client->decoder_.set_max_body(wire::kMaxControllerFrameBody);
   return client;
 }
