@@ -37,7 +37,7 @@
 namespace jaxtrain::launch {
 
 // Environment settings (docs/slurm.md).
-inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";  // local|slurm|ssh|kubernetes|auto
+inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local|slurm|ssh|kubernetes|auto
 inline constexpr char kListenHostEnv[] = "JAXTRAIN_LISTEN_HOST";  // the controller's address
 inline constexpr char kSharedStorageEnv[] =
     "JAXTRAIN_SHARED_STORAGE";  // shared dirs, ':'-separated
