@@ -266,7 +266,7 @@ def test_a_flood_of_idle_connections_keeps_no_worker_of_a_restart_out(tmp_path, 
     assert result["losses"] == [6.0, 10.0, 14.0]
 
 
-# during a live 4-rank run, 1,000 connections that never finish the handshake, garbage,
+# During a live 4-rank run, 1,000 connections that never finish the handshake, garbage,
 # a handshake of an earlier run and a forged frame: the run finishes with the metrics of an
 # undisturbed one, and the controller's memory and descriptors stay bounded.
 def test_a_live_run_survives_floods_garbage_replays_and_forgeries(tmp_path, storage):
@@ -323,7 +323,7 @@ def test_a_live_run_survives_floods_garbage_replays_and_forgeries(tmp_path, stor
     assert result["losses"] == undisturbed["losses"]
 
 
-# restarts release everything the previous group held.
+# Restarts release everything the previous group held.
 def test_twenty_restarts_in_a_row_do_not_grow_the_controllers_fds_or_memory(tmp_path, storage):
     samples = tmp_path / "samples.jsonl"
     settings = _settings(storage, 2, samples=str(samples), fail_attempts=20)
@@ -343,7 +343,7 @@ def test_twenty_restarts_in_a_row_do_not_grow_the_controllers_fds_or_memory(tmp_
     assert rss[-1] - rss[1] <= 16 * 1024, rss
 
 
-# a report of a 20 MiB metric failed with a framing message from the controller.
+# A report of a 20 MiB metric failed with a framing message from the controller.
 def test_metrics_too_large_for_the_wire_fail_in_report_with_their_size(storage):
     def train():
         from jaxtrain import report
