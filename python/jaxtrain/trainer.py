@@ -19,9 +19,10 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, storage
+from jaxtrain import _core, callbacks, storage
+from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
-from jaxtrain.errors import TrainingFailedError
+from jaxtrain.errors import ControllerError, TrainingFailedError
 from jaxtrain.result import Result, _load
 
 # Seconds a worker gets between SIGTERM and SIGKILL when the group is stopped.
@@ -56,6 +57,9 @@ class JaxTrainer:
     ``jax.distributed`` initialised before the function starts.
 
     The function takes no argument, or one dict (``train_loop_config``).
+    ``resume_from_checkpoint``: the checkpoint that ``get_checkpoint()`` returns in the first
+    attempt when the run has no committed checkpoint of its own yet (a run's own checkpoints
+    win: a restart, or a run resumed by name, starts from its latest).
     """
 
     def __init__(
@@ -65,7 +69,18 @@ class JaxTrainer:
         train_loop_config: dict | None = None,
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+        jax_config: Any = None,
+        datasets: Any = None,
+        dataset_config: Any = None,
     ) -> None:
+        _refuse_ray_only(jax_config, datasets, dataset_config)
+        if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint,
+                                                                 Checkpoint):
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not allowed; pass a "
+                "jaxtrain.Checkpoint (Checkpoint.from_directory(path), or Result.checkpoint)"
+            )
         if not callable(train_loop_per_worker):
             raise ValueError(
                 f"train_loop_per_worker={train_loop_per_worker!r} is not callable; pass the "
@@ -99,6 +114,7 @@ class JaxTrainer:
         self.train_loop_config = train_loop_config
         self.scaling_config = scaling_config
         self.run_config = run_config
+        self.resume_from_checkpoint = resume_from_checkpoint
         # `jaxtrain run` sets this: a live status line under the output, when it is a terminal.
         self._status_line = False
 
@@ -120,9 +136,12 @@ class JaxTrainer:
             plan = _core.plan_local(self.scaling_config._core)
         if mirror is not None:
             mirror.pull()
+        fn = self.train_loop_per_worker
+        if self.resume_from_checkpoint is not None:
+            fn = _StartFrom(fn, self.resume_from_checkpoint)
         payload = cloudpickle.dumps(
             {
-                "fn": self.train_loop_per_worker,
+                "fn": fn,
                 "config": self.train_loop_config,
                 "takes_config": self._takes_config,
             }
@@ -135,8 +154,8 @@ class JaxTrainer:
             experiment_name=self.run_config.name,
             plan=plan,
             worker_argv=[sys.executable, "-m", "jaxtrain.worker"],
-            worker_cwd=os.getcwd(),
-            worker_env=_worker_env(),
+            worker_cwd=_working_dir(self.run_config) or os.getcwd(),
+            worker_env=_worker_env(self.run_config, plan),
             payload=payload,
             run_config_json=json.dumps(
                 {
@@ -160,13 +179,20 @@ class JaxTrainer:
             scaling_config=self.scaling_config._core,
             status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
         )
+        events = None
+        if self.run_config.callbacks:
+            events = callbacks.Dispatcher.start(self.run_config.callbacks, callbacks.RunContext(
+                name=self.run_config.name, path=run_dir, world_size=self.scaling_config.num_workers,
+                run_config=self.run_config, scaling_config=self.scaling_config,
+                train_loop_config=self.train_loop_config))
         controller.start()
         if mirror is not None:
             mirror.start()
         try:
             # Short waits let Python deliver Ctrl-C; the wait returns at once when the run ends.
             while not controller.wait(0.2):
-                pass
+                if events is not None and events.poll():
+                    controller.abort(events.fatal_reason())
         except KeyboardInterrupt:
             controller.abort("the driver was interrupted (KeyboardInterrupt)")
             while not controller.wait(1.0):
@@ -176,7 +202,51 @@ class JaxTrainer:
             if mirror is not None:
                 mirror.close()  # what was committed reaches the storage, even after Ctrl-C
         remote = (mirror.fs, mirror.root) if mirror is not None else None
-        return _result(controller.outcome(), run_dir, self.run_config.checkpoint_config, remote)
+        result = _result(controller.outcome(), run_dir, self.run_config.checkpoint_config, remote)
+        if events is not None:
+            events.finish(result)
+            if events.fatal is not None:
+                f = events.fatal
+                raise ControllerError(
+                    f"Training stopped: {events.fatal_reason()} (the callback has "
+                    "raise_on_error=True)", controller_failure=f.error) from f.error
+        if result.error is not None:
+            raise result.error
+        return result
+
+
+class _StartFrom:
+    """The training function of a trainer given ``resume_from_checkpoint``: runs in the worker,
+    where it makes ``get_checkpoint()`` return that checkpoint while the run has none of its
+    own."""
+
+    def __init__(self, fn: Callable[..., Any], checkpoint: Checkpoint) -> None:
+        self.fn = fn
+        self.checkpoint = checkpoint
+
+    def __call__(self, *args: Any) -> Any:
+        from jaxtrain import session
+
+        current = session._require("get_checkpoint")
+        if current.checkpoint is None:
+            current.checkpoint = self.checkpoint
+        return self.fn(*args)
+
+
+def _refuse_ray_only(jax_config: Any, datasets: Any, dataset_config: Any) -> None:
+    if jax_config is not None:
+        raise ValueError(
+            f"JaxTrainer(jax_config={jax_config!r}) is not supported: jaxtrain sets up "
+            "jax.distributed on every worker from scaling_config (use_tpu / use_gpu, or CPU "
+            "processes by default); drop jax_config"
+        )
+    if datasets is not None or dataset_config is not None:
+        given = "datasets" if datasets is not None else "dataset_config"
+        raise ValueError(
+            f"JaxTrainer({given}=...) is not supported: jaxtrain has no Ray Data. Pass arrays, "
+            "file lists or a loader in train_loop_config and give each process its shard with "
+            "jaxtrain.data.shard() / jaxtrain.data.iter_batches() (see docs/data.md)"
+        )
 
 
 def _slurm_spans_hosts() -> bool:
@@ -213,10 +283,22 @@ def _check_shared(run_dir: str, mirror: storage.Mirror | None) -> None:
         ) from None
 
 
-def _worker_env() -> dict[str, str]:
+def _working_dir(run_config: RunConfig) -> str | None:
+    return (run_config.worker_runtime_env or {}).get("working_dir")
+
+
+def _worker_env(run_config: RunConfig, plan: Any) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    # Workers import what the driver can import (the driver's script directory included).
+    runtime_env = run_config.worker_runtime_env or {}
+    # The user's variables, but not over what placement set for the hardware (e.g. the
+    # JAX_PLATFORMS of a simulated TPU slice): placement knows what this run can see.
+    placed = {k for w in plan.to_dict()["workers"] for k in w["env"]}
+    env.update({k: v for k, v in runtime_env.get("env_vars", {}).items() if k not in placed})
+    # Workers import what the driver can import (the driver's script directory included), and
+    # first what the runtime env's working_dir holds, as in Ray.
     entries = [p or os.getcwd() for p in sys.path]
+    if "working_dir" in runtime_env:
+        entries.insert(0, runtime_env["working_dir"])
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entries))
     # A proxy must never see the loopback traffic of the control channel or of jax.distributed.
     if any(os.environ.get(p) for p in _PROXY_VARIABLES):
@@ -249,7 +331,4 @@ def _result(outcome: dict, run_dir: str, checkpoint_config,
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    result = _load(run_dir, checkpoint_config._as_dict(), error, remote)
-    if error is not None:
-        raise error
-    return result
+    return _load(run_dir, checkpoint_config._as_dict(), error, remote)
