@@ -184,3 +184,40 @@ def test_tensorboard_logger_can_step_by_a_metric(storage, tmp_path):
     _fit(storage, "tbstep", [TensorBoardLogger(tmp_path / "tb", step_metric="step")])
     steps = [e.step for e in _events(tmp_path / "tb") for v in e.summary.value if v.tag == "loss"]
     assert steps == [0, 1, 2, 3, 4]
+
+
+def test_mlflow_logger_writes_a_local_store_that_the_mlflow_client_reads(storage):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from jaxtrain.loggers import MLflowLogger
+
+    result = _fit(storage, "mlf", [MLflowLogger()], fail_at=3)
+    run_dir = Path(result.path)
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.get_run((run_dir / "mlflow_run_id").read_text())
+    assert run.info.status == "FINISHED" and run.info.run_name == "mlf"
+    assert run.data.params == {"num_workers": "2", "steps": "5", "fail_at": "3"}
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(history) == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.25), (5, 0.2)]
+    assert client.get_metric_history(run.info.run_id, "opt/lr")[0].value == 0.1
+
+    # Resumed by name: the same MLflow run goes on.
+    JaxTrainer(_train, train_loop_config={"steps": 7}, scaling_config=ScalingConfig(num_workers=2),
+               run_config=RunConfig(name="mlf", storage_path=storage,
+                                    callbacks=[MLflowLogger()])).fit()
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert steps == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_wandb_logger_writes_an_offline_run(storage):
+    pytest.importorskip("wandb")
+    from jaxtrain.loggers import WandbLogger
+
+    result = _fit(storage, "wb", [WandbLogger(mode="offline")])
+    run_dir = Path(result.path)
+    run_id = (run_dir / "wandb_run_id").read_text()
+    [offline] = (run_dir / "wandb").glob(f"offline-run-*-{run_id}")
+    data = (offline / f"run-{run_id}.wandb").read_bytes()  # the records `wandb sync` uploads
+    for key in (b"loss", b"opt/lr", b"num_workers", b"steps"):
+        assert key in data, key

@@ -17,9 +17,9 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
 
 
 def _blocks():
-    for page in ("callbacks.md", "data.md", "orbax.md"):
-        for i, code in enumerate(_BLOCK.findall((DOCS / page).read_text())):
-            yield pytest.param(code, id=f"{page}-{i}")
+    return [pytest.param(code, id=f"{page}-{i}")
+            for page in ("callbacks.md", "data.md", "orbax.md")
+            for i, code in enumerate(_BLOCK.findall((DOCS / page).read_text()))]
 
 
 @pytest.mark.parametrize("code", _blocks())
@@ -28,6 +28,8 @@ def test_docs_snippet_runs(code, tmp_path):
         pytest.importorskip("orbax.checkpoint")
     if "TensorBoardLogger" in code:
         pytest.importorskip("tensorboardX")
+    if "MLflowLogger" in code:
+        pytest.importorskip("mlflow")
     script = tmp_path / "snippet.py"
     script.write_text(code)
     env = dict(os.environ, HOME=str(tmp_path))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.errors import ControllerError
 
 if TYPE_CHECKING:
     from jaxtrain.config import RunConfig, ScalingConfig
@@ -103,12 +104,16 @@ class Dispatcher:
     fatal: _CallbackFailure | None = None
 
     @classmethod
-    def start(cls, callbacks: list[UserCallback], context: RunContext) -> Dispatcher:
+    def start(cls, trainer: Any, run_dir: str) -> Dispatcher:
         """Called before the controller starts: what the run directory holds now (rounds and
         attempts of earlier runs of the same name) is not delivered again."""
-        d = cls(list(callbacks), context)
-        d._jsonl_offset = _complete_length(os.path.join(context.path, "result.jsonl"))
-        state = _read_json(os.path.join(context.path, "run.json")) or {}
+        context = RunContext(name=trainer.run_config.name, path=run_dir,
+                             world_size=trainer.scaling_config.num_workers,
+                             run_config=trainer.run_config, scaling_config=trainer.scaling_config,
+                             train_loop_config=trainer.train_loop_config)
+        d = cls(list(trainer.run_config.callbacks), context)
+        d._jsonl_offset = _complete_length(os.path.join(run_dir, "result.jsonl"))
+        state = _read_json(os.path.join(run_dir, "run.json")) or {}
         d._attempts_seen = len(state.get("attempts", []))
         d.context.attempt = d._started = d._attempts_seen
         d._call("on_run_start", context)
@@ -130,10 +135,15 @@ class Dispatcher:
         return self.fatal is not None
 
     def finish(self, result: Result) -> None:
-        """Delivers the rest, then ``on_run_end``."""
+        """Delivers the rest, then ``on_run_end``. Raises ControllerError when a callback with
+        ``raise_on_error`` failed."""
         self.poll()
         if self.fatal is None:
             self._call("on_run_end", self.context, result)
+        if self.fatal is not None:
+            raise ControllerError(
+                f"Training stopped: {self.fatal_reason()} (the callback has raise_on_error=True)",
+                controller_failure=self.fatal.error) from self.fatal.error
 
     def _new_rounds(self) -> list[tuple]:
         path = os.path.join(self.context.path, "result.jsonl")

@@ -89,8 +89,7 @@ class Result:
                 f"Result.get_best_checkpoint metric={metric!r}: no kept checkpoint has a number "
                 f"for it; its rounds reported {names}")
         pick = max if mode == "max" else min
-        # Of equal scores the newest wins, as in Ray's ordering.
-        return pick(reversed(scored), key=lambda pair: pair[0])[1]
+        return pick(scored, key=lambda pair: pair[0])[1]  # of equal scores, the first, as Ray
 
     def plot(self, path: str | os.PathLike | None = None,
              metrics: list[str] | None = None) -> str:

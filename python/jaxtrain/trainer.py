@@ -19,10 +19,10 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, storage
+from jaxtrain import _core, callbacks, ray_args, storage
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
-from jaxtrain.errors import ControllerError, TrainingFailedError
+from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, _load
 
 # Seconds a worker gets between SIGTERM and SIGKILL when the group is stopped.
@@ -74,13 +74,7 @@ class JaxTrainer:
         datasets: Any = None,
         dataset_config: Any = None,
     ) -> None:
-        _refuse_ray_only(jax_config, datasets, dataset_config)
-        if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint,
-                                                                 Checkpoint):
-            raise ValueError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} is not allowed; pass a "
-                "jaxtrain.Checkpoint (Checkpoint.from_directory(path), or Result.checkpoint)"
-            )
+        ray_args.check(resume_from_checkpoint, jax_config, datasets, dataset_config)
         if not callable(train_loop_per_worker):
             raise ValueError(
                 f"train_loop_per_worker={train_loop_per_worker!r} is not callable; pass the "
@@ -138,7 +132,7 @@ class JaxTrainer:
             mirror.pull()
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
-            fn = _StartFrom(fn, self.resume_from_checkpoint)
+            fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
         payload = cloudpickle.dumps(
             {
                 "fn": fn,
@@ -179,12 +173,7 @@ class JaxTrainer:
             scaling_config=self.scaling_config._core,
             status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
         )
-        events = None
-        if self.run_config.callbacks:
-            events = callbacks.Dispatcher.start(self.run_config.callbacks, callbacks.RunContext(
-                name=self.run_config.name, path=run_dir, world_size=self.scaling_config.num_workers,
-                run_config=self.run_config, scaling_config=self.scaling_config,
-                train_loop_config=self.train_loop_config))
+        events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         controller.start()
         if mirror is not None:
             mirror.start()
@@ -204,49 +193,10 @@ class JaxTrainer:
         remote = (mirror.fs, mirror.root) if mirror is not None else None
         result = _result(controller.outcome(), run_dir, self.run_config.checkpoint_config, remote)
         if events is not None:
-            events.finish(result)
-            if events.fatal is not None:
-                f = events.fatal
-                raise ControllerError(
-                    f"Training stopped: {events.fatal_reason()} (the callback has "
-                    "raise_on_error=True)", controller_failure=f.error) from f.error
+            events.finish(result)  # raises ControllerError if a raise_on_error callback failed
         if result.error is not None:
             raise result.error
         return result
-
-
-class _StartFrom:
-    """The training function of a trainer given ``resume_from_checkpoint``: runs in the worker,
-    where it makes ``get_checkpoint()`` return that checkpoint while the run has none of its
-    own."""
-
-    def __init__(self, fn: Callable[..., Any], checkpoint: Checkpoint) -> None:
-        self.fn = fn
-        self.checkpoint = checkpoint
-
-    def __call__(self, *args: Any) -> Any:
-        from jaxtrain import session
-
-        current = session._require("get_checkpoint")
-        if current.checkpoint is None:
-            current.checkpoint = self.checkpoint
-        return self.fn(*args)
-
-
-def _refuse_ray_only(jax_config: Any, datasets: Any, dataset_config: Any) -> None:
-    if jax_config is not None:
-        raise ValueError(
-            f"JaxTrainer(jax_config={jax_config!r}) is not supported: jaxtrain sets up "
-            "jax.distributed on every worker from scaling_config (use_tpu / use_gpu, or CPU "
-            "processes by default); drop jax_config"
-        )
-    if datasets is not None or dataset_config is not None:
-        given = "datasets" if datasets is not None else "dataset_config"
-        raise ValueError(
-            f"JaxTrainer({given}=...) is not supported: jaxtrain has no Ray Data. Pass arrays, "
-            "file lists or a loader in train_loop_config and give each process its shard with "
-            "jaxtrain.data.shard() / jaxtrain.data.iter_batches() (see docs/data.md)"
-        )
 
 
 def _slurm_spans_hosts() -> bool:
