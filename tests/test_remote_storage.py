@@ -70,7 +70,7 @@ def test_an_s3_run_commits_keeps_two_and_resumes_by_name(bucket, tmp_path):
     assert again.metrics == result.metrics == {"step": 5, "score": 5}
     assert again.checkpoint.path == result.checkpoint.path
     assert [c.path.rsplit("/", 1)[1] for c, _ in again.best_checkpoints] == [
-        "checkpoint_000006", "checkpoint_000005"]
+        "checkpoint_000005", "checkpoint_000006"]
 
     resumed = _trainer(url, tmp_path, "run", steps=9, every=1, keep=2).fit()
     assert _restored_from(tmp_path, 1).endswith("checkpoint_000006")
@@ -92,7 +92,7 @@ def test_an_interrupted_upload_is_swept_and_a_damaged_checkpoint_skipped(bucket,
     fs.pipe_file(f"{root}/checkpoint_000099/shard-0.npy", b"partial")
     fs.pipe_file(f"{root}/checkpoint_000004/step.txt", b"31")
     assert [c.path.rsplit("/", 1)[1] for c, _ in Result.from_path(f"{url}/run").best_checkpoints
-            ] == ["checkpoint_000004", "checkpoint_000003"]
+            ] == ["checkpoint_000003", "checkpoint_000004"]
     capfd.readouterr()
 
     resumed = _trainer(url, tmp_path, "run", steps=6, every=1, keep=2).fit()
@@ -219,7 +219,7 @@ def test_remote_storage_keeps_the_checkpoint_config(bucket, tmp_path):
     ).fit()
     # The best (lowest score, round 2) and the latest (round 3) are kept.
     assert [(c.path.rsplit("/", 1)[1], m["score"]) for c, m in result.best_checkpoints] == [
-        ("checkpoint_000002", 1), ("checkpoint_000003", 2)]
+        ("checkpoint_000003", 2), ("checkpoint_000002", 1)]
     assert _listing(result.filesystem, result.path)[:2] == [
         "checkpoint_000002/.jaxtrain_manifest.json", "checkpoint_000002/x"]
 

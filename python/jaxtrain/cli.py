@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxtrain.result import _flatten
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -477,19 +479,6 @@ def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
     )
 
 
-def _flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(metrics, dict):
-        return {prefix: metrics} if prefix else {}
-    flat: dict[str, Any] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name))
-        else:
-            flat[name] = value
-    return flat
-
-
 def _value(v: Any) -> str:
     if isinstance(v, float) and math.isfinite(v):
         return f"{v:.6g}"
@@ -634,8 +623,23 @@ def _cmd_show(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             pass
         out.append(f"  logs: jaxtrain logs {run_dir} --rank {result.error.rank}")
+    if args.plot is not None:
+        out.append(f"plot       {_plot(run_dir, result, args.plot)}")
     print("\n".join(out))
     return EXIT_OK
+
+
+def _plot(run_dir: str, result: Any, path: str) -> str:
+    from jaxtrain.plot import plot_metrics
+
+    if not path:  # beside the run's files; a remote run's view is temporary, so here instead
+        name = os.path.basename(run_dir.rstrip("/"))
+        path = (f"{name}-metrics.png" if run_dir in _REMOTE_VIEWS
+                else os.path.join(run_dir, "metrics.png"))
+    try:
+        return plot_metrics(result.metrics_dataframe, path, title=os.path.basename(run_dir))
+    except (ImportError, ValueError) as e:
+        raise _UsageError(f"--plot: {e}") from None
 
 
 def _checkpoint_lines(run_dir: str, result: Any, checkpoint_config: dict) -> list[str]:
@@ -653,7 +657,7 @@ def _checkpoint_lines(run_dir: str, result: Any, checkpoint_config: dict) -> lis
     lines = [f"checkpoints ({len(result.best_checkpoints)}, {by})"]
     latest = result.checkpoint.path if result.checkpoint else None
     rows = []
-    for checkpoint, metrics in result.best_checkpoints:
+    for checkpoint, metrics in reversed(result.best_checkpoints):  # Ray's order: best last
         name = os.path.basename(checkpoint.path)
         row = [name, f"round {rounds.get(name, '?')}"]
         if attribute:
@@ -1008,6 +1012,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("run", metavar="RUN", help=run_help)
     show.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    show.add_argument("--plot", nargs="?", const="", metavar="FILE",
+                      help="also draw the metrics per round as a PNG (default RUN/metrics.png; "
+                      "needs matplotlib)")
     show.set_defaults(handler=_cmd_show)
 
     logs = commands.add_parser(
