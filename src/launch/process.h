@@ -23,7 +23,7 @@ struct ExitStatus {
 // waitpid(pid, WNOHANG): the status if the process has exited, nullopt while it runs.
 std::optional<ExitStatus> TryReap(pid_t pid);
 
-// "SIGKILL" for 9, "signal 64" when unnamed.
+// "SIGKILL" for 9, "signal 64" when unnamed (and every signal on glibc before 2.32).
 std::string SignalName(int signal);
 
 struct SpawnOptions {
@@ -43,6 +43,11 @@ struct Spawned {
 // and every signal's default action. The caller owns the pid and the descriptor.
 // Errors: kNotFound when argv[0] does not exist, kUnavailable when it cannot be started
 // otherwise (the message is the system's reason; callers add what they were starting).
+// On glibc before 2.29, which cannot change a spawned child's directory, a child with a cwd runs
+// through ChdirThroughShell: then a missing argv[0] is the shell's exit status 127, not kNotFound.
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);
+
+// The same child started as /bin/sh, which changes to options.cwd and then execs options.argv.
+SpawnOptions ChdirThroughShell(const SpawnOptions& options);
 
 }  // namespace jaxtrain::launch
