@@ -12,10 +12,15 @@
 
 extern char** environ;
 
+// Both are newer than glibc 2.28, the oldest the wheels run on (docs/packaging.md): weak, so the
+// module loads there too, and each use first checks that the running glibc has it.
+#pragma weak sigabbrev_np                          // glibc 2.32
+#pragma weak posix_spawn_file_actions_addchdir_np  // glibc 2.29
+
 namespace jaxtrain::launch {
 
 std::string SignalName(int signal) {
-  const char* abbrev = sigabbrev_np(signal);
+  const char* abbrev = sigabbrev_np ? sigabbrev_np(signal) : nullptr;
   return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(signal);
 }
 
@@ -72,7 +77,19 @@ std::map<std::string, std::string> CurrentEnvironment() {
   return env;
 }
 
+SpawnOptions ChdirThroughShell(const SpawnOptions& options) {
+  SpawnOptions shell = options;
+  shell.argv = {"/bin/sh", "-c", R"(cd -- "$0" && exec "$@")", options.cwd};
+  shell.argv.insert(shell.argv.end(), options.argv.begin(), options.argv.end());
+  shell.cwd.clear();
+  shell.search_path = false;
+  return shell;
+}
+
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
+  if (!options.cwd.empty() && !posix_spawn_file_actions_addchdir_np) {
+    return SpawnWithOutputPipe(ChdirThroughShell(options));
+  }
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
   posix_spawn_file_actions_t actions;

@@ -30,7 +30,7 @@ ExitStatus WaitForExit(pid_t pid);
 // This process's environment: name -> value.
 std::map<std::string, std::string> CurrentEnvironment();
 
-// "SIGKILL" for 9, "signal 64" when unnamed.
+// "SIGKILL" for 9, "signal 64" when unnamed (and every signal on glibc before 2.32).
 std::string SignalName(int signal);
 
 struct SpawnOptions {
@@ -53,6 +53,11 @@ struct Spawned {
 // blocked signals and every signal's default action. The caller owns the pid and the descriptor.
 // Errors: kNotFound when argv[0] does not exist, kUnavailable when it cannot be started
 // otherwise (the message is the system's reason; callers add what they were starting).
+// On glibc before 2.29, which cannot change a spawned child's directory, a child with a cwd runs
+// through ChdirThroughShell: then a missing argv[0] is the shell's exit status 127, not kNotFound.
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);
+
+// The same child started as /bin/sh, which changes to options.cwd and then execs options.argv.
+SpawnOptions ChdirThroughShell(const SpawnOptions& options);
 
 }  // namespace jaxtrain::launch
