@@ -31,6 +31,10 @@ _LEFT_OUT = {"pyarrow", "moto", "cfnlint", "sympy", "networkx", "botocore", "bot
              "pyparsing", "regex", "jsonpath_ng", "ply"}
 
 
+# Changes whenever what goes into the base layer changes, so that a cached one is not reused.
+_FORMAT = 2
+
+
 class _Layer:
     """A deterministic layer tar written to a file: sorted entries, root-owned, mtime 0."""
 
@@ -110,7 +114,8 @@ def write_image(out: str, name: str, layers: list[str], env: list[str],
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
                            "digest": config_digest, "size": len(config_data)},
                 "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d,
-                            "size": os.path.getsize(p)} for d, p in zip(diff_ids, layers, strict=True)]}
+                            "size": os.path.getsize(p)}
+                           for d, p in zip(diff_ids, layers, strict=True)]}
     manifest_data = json.dumps(manifest, sort_keys=True).encode()
     manifest_digest = "sha256:" + hashlib.sha256(manifest_data).hexdigest()
     index = {"schemaVersion": 2, "manifests": [{
@@ -168,7 +173,7 @@ def worker_image(venv: str, out: str, cache: str) -> None:
         return name.lower() in _LEFT_OUT or entry == "__pycache__"
 
     listing = sorted(e for e in os.listdir(site) if not left_out(e))
-    key = hashlib.sha256(json.dumps([prefix, version, listing]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([_FORMAT, prefix, version, listing]).encode()).hexdigest()[:16]
     os.makedirs(cache, exist_ok=True)
     base_layer = os.path.join(cache, f"worker-base-{key}.tar")
     if not os.path.exists(base_layer):
@@ -193,7 +198,7 @@ def worker_image(venv: str, out: str, cache: str) -> None:
         layer.add_tree(site, target_site.lstrip("/"),
                        skip=lambda rel: rel.split("/")[0] not in listing)
         binaries = [f"{prefix}/bin/python{version}"]
-        for dirpath, _, filenames in os.walk(site):
+        for dirpath, _, filenames in (*os.walk(f"{lib_dir}/lib-dynload"), *os.walk(site)):
             binaries += [os.path.join(dirpath, f) for f in filenames if ".so" in f]
         for lib in sorted(_libraries(binaries)):
             if not lib.startswith((prefix, site)):
