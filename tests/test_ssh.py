@@ -45,6 +45,12 @@ def run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
+def workers_left(hosts: SshHosts, host: str) -> list[str]:
+    """jaxtrain's processes on `host` (agents, workers, joined hosts): all Python. Once a run has
+    ended they are gone; sshd's own per-session processes may still be finishing."""
+    return [p for p in hosts.processes(host) if "python" in p]
+
+
 def local_ssh_clients(hosts: SshHosts) -> list[str]:
     """The ssh processes on this machine that use the test hosts' config."""
     config = str(hosts.state / "ssh_config").encode()
@@ -78,7 +84,7 @@ def test_the_seeds_program_on_two_hosts_by_two_workers_is_one_jax_job(ssh_hosts,
         log = (rundir / "logs" / f"rank-{rank}.log").read_text()
         assert f"[Gloo] Rank {rank} is connected" in log
     assert len((rundir / "result.jsonl").read_text().splitlines()) == 100
-    assert ssh_hosts.processes("host1") == [] and ssh_hosts.processes("host2") == []
+    assert workers_left(ssh_hosts, "host1") == [] and workers_left(ssh_hosts, "host2") == []
 
 
 # Each step adds the psum of (rank + 1) over 4 workers (10) times (step + 1) to a value that is
@@ -220,7 +226,7 @@ def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_host
     assert driver.returncode != 0
     assert re.search(r"jaxtrain: attempt 0 failed: rank [23] \(host host2\)", err), err[-3000:]
     assert not [p for p in left if "python" in p], left
-    assert ssh_hosts.processes("host1") == []
+    assert workers_left(ssh_hosts, "host1") == []
 
 
 @pytest.mark.parametrize(("host", "says"), [
@@ -240,7 +246,7 @@ def test_a_host_that_refuses_ssh_fails_the_run_at_once_naming_it(ssh_hosts, shar
            in proc.stderr, proc.stderr[-3000:]
     assert says in proc.stderr
     assert not (shared_dir / "seen-rank-0.json").exists()  # no worker started anywhere
-    assert ssh_hosts.processes("host1") == []
+    assert workers_left(ssh_hosts, "host1") == []
 
 
 def test_a_local_storage_path_is_refused_before_any_host_is_contacted(ssh_hosts, shared_dir,
@@ -342,7 +348,7 @@ def test_the_same_command_on_two_hosts_is_one_run_and_a_wrong_secret_is_refused(
     assert json.loads((rundir / "run.json").read_text())["status"] == "FINISHED"
     assert sorted(p.name for p in (rundir / "logs").iterdir()) == [
         f"rank-{r}.log" for r in range(4)]
-    assert ssh_hosts.processes("host2") == []
+    assert workers_left(ssh_hosts, "host2") == []
 
 
 def test_a_host_without_a_join_secret_is_refused_before_it_joins(tmp_path):

@@ -50,9 +50,18 @@ except OSError as e:
 def orphan_guard():
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+fds = ()
+if h.get("secret"):
+    r, w = os.pipe()
+    os.write(w, h["secret"].encode())
+    os.close(w)
+    env["JAXTRAIN_RUN_SECRET_FD"] = str(r)
+    fds = (r,)
 try:
     p = subprocess.Popen(h["argv"], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                         preexec_fn=orphan_guard)
+                         preexec_fn=orphan_guard, pass_fds=fds)
+    for fd in fds:
+        os.close(fd)
 except OSError as e:
     sys.stderr.write(f"jaxtrain: cannot start {h['argv'][0]} on {host}: {e}\n")
     sys.exit(127)
@@ -495,11 +504,13 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     nlohmann::json env = forwarded;
     for (const auto& name : spec.unset_env) env.erase(name);
     for (const auto& [k, v] : spec.env) env[k] = v;
-    const std::string header =
-        nlohmann::json{
-            {"argv", spec.argv}, {"env", env}, {"unset", spec.unset_env}, {"cwd", spec.cwd}}
-            .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
-        "\n";
+    const std::string header = nlohmann::json{{"argv", spec.argv},
+                                              {"env", env},
+                                              {"unset", spec.unset_env},
+                                              {"cwd", spec.cwd},
+                                              {"secret", spec.secret}}
+                                   .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
+                               "\n";
     int in[2];
     if (pipe2(in, O_CLOEXEC) != 0) return fail(ErrnoError("pipe2", errno));
     std::vector<std::string> argv = options_.ssh;

@@ -4,14 +4,15 @@
 //
 // One ssh per rank, all in one new local process group. Each runs, on its host, a small agent in
 // the worker's Python (`python -c`, kAgentSource in ssh_launcher.cc) that reads one JSON line on
-// its stdin — the worker's command, working directory and environment, the run's secret
-// included — and starts the worker in a new session. Nothing of the environment is put on a
-// command line. After that line, ssh's stdin stays open and carries signals ("TERM", "CONT",
-// "KILL", one per line) to the worker's process group; when it ends — the driver closed it, the
-// driver died, the ssh connection dropped (ServerAliveInterval) — the agent kills the worker's
-// whole process group. When the worker exits, the agent kills what it left in its process group
-// and exits with the worker's status (128 + n for signal n, as a shell reports it, since ssh
-// cannot pass a signal on).
+// its stdin — the worker's command, working directory, environment and the run's secret
+// (ProcessSpec::secret) — and starts the worker in a new session, handing it the secret on an
+// inherited pipe (JAXTRAIN_RUN_SECRET_FD) as the local launcher does. Nothing of the environment
+// or the secret is put on a command line or in an environment. After that line, ssh's stdin stays
+// open and carries signals ("TERM", "CONT", "KILL", one per line) to the worker's process group;
+// when it ends — the driver closed it, the driver died, the ssh connection dropped
+// (ServerAliveInterval) — the agent kills the worker's whole process group. When the worker exits,
+// the agent kills what it left in its process group and exits with the worker's status (128 + n for
+// signal n, as a shell reports it, since ssh cannot pass a signal on).
 //
 // Before the processes of an attempt are started, every host is probed once (in parallel, one
 // deadline): ssh must connect without prompting (BatchMode) and the worker's Python and working

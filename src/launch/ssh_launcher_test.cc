@@ -202,10 +202,13 @@ TEST_F(FakeSshTest, EveryRankGetsItsEnvironmentOnStdinAndNeverOnACommandLine) {
   SshLauncher launcher(Options({"h1", "h2"}));
   std::vector<ProcessSpec> specs;
   for (int r = 0; r < 2; ++r) {
-    specs.push_back(Python(
-        r,
-        "import os; print('rank', os.environ['JAXTRAIN_RANK'], os.environ['JAXTRAIN_RUN_SECRET'])",
-        {{"JAXTRAIN_RANK", std::to_string(r)}, {"JAXTRAIN_RUN_SECRET", "s3cr3t-value"}}));
+    specs.push_back(Python(r,
+                           "import os\n"
+                           "secret = os.read(int(os.environ['JAXTRAIN_RUN_SECRET_FD']), 100)\n"
+                           "print('rank', os.environ['JAXTRAIN_RANK'], secret.decode(),\n"
+                           "      'JAXTRAIN_RUN_SECRET' in os.environ)\n",
+                           {{"JAXTRAIN_RANK", std::to_string(r)}}));
+    specs.back().secret = "s3cr3t-value";
   }
   auto launched = launcher.Launch(specs);
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
@@ -213,7 +216,8 @@ TEST_F(FakeSshTest, EveryRankGetsItsEnvironmentOnStdinAndNeverOnACommandLine) {
   for (int r = 0; r < 2; ++r) {
     const auto& p = (*launched)[static_cast<size_t>(r)];
     EXPECT_EQ(p.ranks, std::vector<int>{r});
-    EXPECT_TRUE(Contains(ReadOutput(p), "rank " + std::to_string(r) + " s3cr3t-value"));
+    // On an inherited pipe, not in the worker's environment.
+    EXPECT_TRUE(Contains(ReadOutput(p), "rank " + std::to_string(r) + " s3cr3t-value False"));
     EXPECT_TRUE(Finish(p).ok());
   }
   std::string argv = ArgvLog();
