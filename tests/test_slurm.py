@@ -177,6 +177,42 @@ def test_ctrl_c_while_waiting_for_an_allocation_withdraws_the_request(slurm_clus
         slurm_cluster.run("scancel", blocker)
 
 
+def test_sigterm_of_the_driver_stops_the_run_and_releases_the_allocation_it_requested(
+        slurm_cluster, shared_dir):
+    (shared_dir / "driver.py").write_text(textwrap.dedent('''
+        import os, threading
+        from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, report
+
+        def train():
+            report({"step": 1})
+            print("training", flush=True)
+            threading.Event().wait()  # until the run is stopped
+
+        JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name="terminated", storage_path=os.getcwd())).fit()
+    '''))
+    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=shared_dir,
+                              env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in driver.stdout:
+            if line.endswith("training\n"):
+                break
+        job = [j.split()[0] for j in jobs(slurm_cluster) if "jaxtrain-terminated" in j]
+        assert len(job) == 1, jobs(slurm_cluster)
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=60)
+        assert driver.returncode == -signal.SIGTERM, err[-3000:]
+        # The allocation jaxtrain asked for is gone with the run, not left to its time limit.
+        assert not [j for j in jobs(slurm_cluster) if j.startswith(job[0] + " ")]
+        state = json.loads((shared_dir / "terminated" / "run.json").read_text())
+        assert state["status"] == "ABORTED"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+
+
 KILLED_ON_NODE2 = '''
 import json, os, signal, socket, time
 from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, get_context, report
