@@ -18,6 +18,12 @@ in turn (ABAB... so that machine noise hits both):
 * bare cp (informational): the same ``cp`` without ``sync``; its dirty pages are flushed after
   the clock stops.
 
+After each jaxtrain run, restoring is measured on its committed checkpoint, as a resume does it
+before handing the checkpoint to the workers: ``verify_checkpoint`` (every file's CRC-32C, files in
+parallel) and the same on one thread, against the floor of reading the files (``cat`` of each, one
+after the other, to /dev/null); the files are in the page cache, so these measure CPU and memory
+bandwidth, which is what the parallel check divides.
+
 All data are deleted as soon as they are measured (and the filesystem synced, outside the timed
 regions), and the sources at the end. The table printed last gives each figure as median
 [min-max] over the repeats, and the ratio jaxtrain/floor (per repeat, then the median).
@@ -41,7 +47,7 @@ from dataclasses import dataclass
 
 from startup_and_report import console_to, measure, spread
 
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError, _core
 
 BLOCK_BYTES = 4 << 20
 TARGET_RATIO = 1.25  # commit <= 1.25 x (cp + sync)
@@ -54,6 +60,9 @@ class CommitFigures:
     total_s: float  # jaxtrain: first report() call -> committed; floor: cp (+ sync)
     staged_s: float = 0.0  # jaxtrain: first report() call -> last rank's report() returned
     skew_s: float = 0.0  # jaxtrain: first to last rank's report() call
+    verify_s: float = 0.0  # jaxtrain: verify_checkpoint of the committed checkpoint, parallel
+    verify_1_s: float = 0.0  # the same on one thread
+    read_s: float = 0.0  # cat of the checkpoint's files to /dev/null
 
 
 def write_sources(src_root: str, workers: int, shard_bytes: int) -> list[str]:
@@ -123,9 +132,22 @@ def run_jaxtrain(sources: list[str], shard_bytes: int, out_dir: str) -> CommitFi
         staged_s=max(r["t_staged"] for r in ranks) - first_call,
         skew_s=max(r["t_call"] for r in ranks) - first_call,
     )
+    ckpt = os.path.join(run_dir, record["dir_name"])
+    figures.verify_s = timed(lambda: _core.verify_checkpoint(ckpt, True))
+    figures.verify_1_s = timed(lambda: _core.verify_checkpoint(ckpt, True, 1))
+    shards = [os.path.join(ckpt, name) for name in sorted(os.listdir(ckpt))
+              if name.startswith("shard-")]
+    figures.read_s = timed(lambda: subprocess.run(["cat", *shards], check=True,
+                                                  stdout=subprocess.DEVNULL))
     shutil.rmtree(run_dir)
     sync_filesystem(out_dir)
     return figures
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def run_copy(sources: list[str], durable: bool, out_dir: str) -> CommitFigures:
@@ -217,6 +239,13 @@ def main() -> None:
     for title, values in rows:
         ratios = [a / b for a, b in zip(values, floor, strict=True)]
         print(f"{title:<28}{spread(values, 's'):<24}{spread(floor, 's'):<24}{spread(ratios, 'x')}")
+    read = [f.read_s for f in results["jaxtrain"]]
+    print("\nrestore check of the committed checkpoint (page cache); floor: cat of its files")
+    print(f"{'figure':<28}{'value':<24}{'floor (cat)':<24}value/floor")
+    for title, values in [("verify, parallel", [f.verify_s for f in results["jaxtrain"]]),
+                          ("verify, one thread", [f.verify_1_s for f in results["jaxtrain"]])]:
+        ratios = [a / b for a, b in zip(values, read, strict=True)]
+        print(f"{title:<28}{spread(values, 's'):<24}{spread(read, 's'):<24}{spread(ratios, 'x')}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@
 # so no traffic leaves the machine. Needs root. `start` is idempotent: a running cluster is left
 # as it is, a half-started one is stopped first.
 set -euo pipefail
+# shellcheck source=lib/netns.sh
+source "$(dirname "$0")/lib/netns.sh"
 
 NODES=${JAXTRAIN_SLURM_TEST_NODES:-2}
 CPUS_PER_NODE=${JAXTRAIN_SLURM_TEST_CPUS:-2}
@@ -51,8 +53,6 @@ install_packages() {
       >/dev/null
   fi
 }
-
-pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 start_munge() {
   if munge -n </dev/null >/dev/null 2>&1; then return; fi
@@ -122,24 +122,12 @@ EOF
 }
 
 setup_network() {
-  ip link add "$BRIDGE" type bridge
-  ip addr add "$BRIDGE_ADDR/$PREFIX" dev "$BRIDGE"
-  ip link set "$BRIDGE" up
+  netns_bridge_up "$BRIDGE" "$BRIDGE_ADDR" "$PREFIX"
   local hosts="127.0.0.1 localhost"$'\n'"$BRIDGE_ADDR $(hostname)"
   for i in $(seq "$NODES"); do hosts+=$'\n'"$(node_addr "$i") $(node_name "$i")"; done
   for i in $(seq "$NODES"); do
-    local ns veth
-    ns=$(node_ns "$i")
-    veth=$(node_veth "$i")
-    ip netns add "$ns"
-    ip link add "$veth" type veth peer name eth0 netns "$ns"
-    ip link set "$veth" master "$BRIDGE" up
-    ip -n "$ns" addr add "$(node_addr "$i")/$PREFIX" dev eth0
-    ip -n "$ns" link set eth0 up
-    ip -n "$ns" link set lo up
-    # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts.
-    mkdir -p "/etc/netns/$ns"
-    printf '%s\n' "$hosts" >"/etc/netns/$ns/hosts"
+    netns_host_add "$(node_ns "$i")" "$(node_veth "$i")" "$(node_addr "$i")" "$PREFIX" "$BRIDGE" \
+      "$hosts"
   done
 }
 
@@ -177,35 +165,15 @@ is_up() {
   [[ $(SLURM_CONF=$CONF sinfo -h -N -o '%t' 2>/dev/null | grep -cE '^(idle|alloc|mix)') -eq $NODES ]]
 }
 
-stop_pidfile() {
-  local f=$1
-  pid_alive "$f" || return 0
-  local pid
-  pid=$(cat "$f")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do
-    kill -0 "$pid" 2>/dev/null || return 0
-    sleep 0.1
-  done
-  kill -9 "$pid" 2>/dev/null || true
-}
-
 cmd_stop() {
   need_root
   for i in $(seq "$NODES"); do
-    local ns
-    ns=$(node_ns "$i")
     stop_pidfile "$STATE/run/slurmd-$(node_name "$i").pid"
-    if ip netns list | grep -qw "$ns"; then
-      # Whatever still runs on the node (steps' tasks, slurmstepd) goes with it.
-      for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
-      ip netns del "$ns"
-    fi
-    ip link del "$(node_veth "$i")" 2>/dev/null || true
-    rm -rf "/etc/netns/$ns"
+    # Whatever still runs on the node (steps' tasks, slurmstepd) goes with it.
+    netns_host_del "$(node_ns "$i")" "$(node_veth "$i")"
   done
   stop_pidfile "$STATE/run/slurmctld.pid"
-  ip link del "$BRIDGE" 2>/dev/null || true
+  netns_bridge_del "$BRIDGE"
   if [[ -f $STATE/started-munged ]]; then
     local munged_pid
     munged_pid=$(cat /run/munge/munged.pid 2>/dev/null || true)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs every test: lint, the C++ unit tests under AddressSanitizer and
 # UndefinedBehaviorSanitizer (CTest), a short fuzz run of the control protocol (libFuzzer), and the
-# Python and end-to-end tests with real JAX workers (pytest).
+# Python and end-to-end tests with real JAX workers (pytest), on real Slurm and Kubernetes clusters
+# that the tests start on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -20,5 +21,10 @@ ctest --test-dir build/test-sanitize --output-on-failure -j2
 echo "test: fuzz the control protocol (short run; scripts/fuzz.sh 600 for a long one)"
 ./scripts/fuzz.sh
 
-echo "test: Python and end-to-end tests"
+echo "test: the Kubernetes test cluster's binaries (built from the Go module proxy once per version:"
+echo "      about 15 minutes on a fresh 2-core machine, then cached; scripts/kubernetes/build.sh)"
+./scripts/kubernetes/build.sh >/dev/null
+
+echo "test: Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)"
+export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1
 .venv/bin/python -m pytest tests

@@ -21,6 +21,14 @@ def storage(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.fixture
+def umask_022():
+    """Runs the test under umask 022 (the common default), whatever the caller's is."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
 def run_driver(code: str, tmp_path: Path, *, env: dict | None = None, timeout: float = 180):
     """Runs `code` as a driver script (its functions live in __main__, as in users' scripts)."""
     script = tmp_path / "driver.py"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from netns_hosts import namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
@@ -51,39 +52,18 @@ class SlurmCluster:
                               text=True).stdout
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "the Slurm test cluster needs root (network namespaces, slurmd)"
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            return f"the Slurm test cluster needs '{tool}' (iproute2, util-linux)"
-    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True,
-                           text=True)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        return "Slurm is not installed and there is no apt-get to install slurm-wlm and munge"
-    return None
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    why = _why_not()
-    if why:
-        if os.environ.get("JAXTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"JAXTRAIN_REQUIRE_SLURM=1, but {why}")
-        pytest.skip(why)
-    started = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True)
-    if started.returncode != 0:
-        pytest.fail(f"scripts/slurm_cluster.sh start failed:\n{started.stdout}{started.stderr}")
-    try:
+    with namespace_hosts(SCRIPT, what="the Slurm test cluster",
+                         root_for="network namespaces, slurmd",
+                         installed=shutil.which("slurmctld") is not None,
+                         not_installed="Slurm is not installed and there is no apt-get to install "
+                         "slurm-wlm and munge", require="JAXTRAIN_REQUIRE_SLURM"):
         yield SlurmCluster(
             conf=str(STATE / "etc" / "slurm.conf"),
             shared=STATE / "shared",
             nodes=[f"node{i}" for i in range(1, NODES + 1)],
         )
-    finally:
-        subprocess.run([str(SCRIPT), "stop"], capture_output=True, text=True, check=False)
 
 
 @pytest.fixture

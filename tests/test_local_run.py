@@ -210,14 +210,13 @@ def _probe_the_control_port():
     if get_context().get_world_rank() == 0:
         host, port = os.environ["JAXTRAIN_CONTROLLER_ADDR"].rsplit(":", 1)
         outcomes = []
-        # 1. A well-formed hello, then a forged proof.
-        hello = b"JXTR\x00\x01" + (1).to_bytes(4, "big") + (0).to_bytes(4, "big") + \
-            (4242).to_bytes(4, "big") + b"n" * 32
+        # 1. A well-formed hello whose MAC is forged.
+        hello = b"JXTR\x00\x02" + (1).to_bytes(4, "big") + (0).to_bytes(4, "big") + \
+            (4242).to_bytes(4, "big") + b"n" * 32 + b"f" * 32
         with socket.create_connection((host, int(port))) as s:
             s.sendall(len(hello + b"x").to_bytes(4, "big") + b"\x01" + hello)
-            challenge = s.recv(1024)
-            s.sendall((33).to_bytes(4, "big") + b"\x03" + b"f" * 32)
-            outcomes.append((len(challenge), s.recv(1024)))
+            answer = s.recv(1024)
+            outcomes.append((answer[4], s.recv(1024)))
         # 2. Garbage.
         with socket.create_connection((host, int(port))) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -238,9 +237,9 @@ def test_connections_without_the_secret_are_refused_and_the_run_is_unaffected(st
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="probe", storage_path=storage),
     ).fit()
-    # The forged peer got a challenge (5-byte header + 64 bytes) and then a closed connection;
-    # the others got nothing but the close.
-    assert result.metrics == {"outcomes": [[69, ""], "", ""]}
+    # The forged peer got a refusal (type 11) instead of a challenge, and then a closed
+    # connection; the others got nothing but the close.
+    assert result.metrics == {"outcomes": [[11, ""], "", ""]}
 
 
 def test_report_count_mismatch_is_named_in_a_warning(tmp_path):

@@ -23,6 +23,7 @@ from jaxtrain import (
     Result,
     RunConfig,
     ScalingConfig,
+    TrainingFailedError,
     storage,
 )
 
@@ -69,7 +70,7 @@ def test_an_s3_run_commits_keeps_two_and_resumes_by_name(bucket, tmp_path):
     assert again.metrics == result.metrics == {"step": 5, "score": 5}
     assert again.checkpoint.path == result.checkpoint.path
     assert [c.path.rsplit("/", 1)[1] for c, _ in again.best_checkpoints] == [
-        "checkpoint_000006", "checkpoint_000005"]
+        "checkpoint_000005", "checkpoint_000006"]
 
     resumed = _trainer(url, tmp_path, "run", steps=9, every=1, keep=2).fit()
     assert _restored_from(tmp_path, 1).endswith("checkpoint_000006")
@@ -91,7 +92,7 @@ def test_an_interrupted_upload_is_swept_and_a_damaged_checkpoint_skipped(bucket,
     fs.pipe_file(f"{root}/checkpoint_000099/shard-0.npy", b"partial")
     fs.pipe_file(f"{root}/checkpoint_000004/step.txt", b"31")
     assert [c.path.rsplit("/", 1)[1] for c, _ in Result.from_path(f"{url}/run").best_checkpoints
-            ] == ["checkpoint_000004", "checkpoint_000003"]
+            ] == ["checkpoint_000003", "checkpoint_000004"]
     capfd.readouterr()
 
     resumed = _trainer(url, tmp_path, "run", steps=6, every=1, keep=2).fit()
@@ -218,7 +219,7 @@ def test_remote_storage_keeps_the_checkpoint_config(bucket, tmp_path):
     ).fit()
     # The best (lowest score, round 2) and the latest (round 3) are kept.
     assert [(c.path.rsplit("/", 1)[1], m["score"]) for c, m in result.best_checkpoints] == [
-        ("checkpoint_000002", 1), ("checkpoint_000003", 2)]
+        ("checkpoint_000003", 2), ("checkpoint_000002", 1)]
     assert _listing(result.filesystem, result.path)[:2] == [
         "checkpoint_000002/.jaxtrain_manifest.json", "checkpoint_000002/x"]
 
@@ -285,3 +286,119 @@ def test_checkpoints_that_never_reached_the_storage_are_uploaded_by_the_next_fit
     fresh = _trainer(url, tmp_path, "run", steps=2, every=1, keep=2).fit()
     assert _restored_from(tmp_path, 0) == ""
     assert fresh.metrics_dataframe["round"].tolist() == [1, 2]
+
+
+def test_modes_and_links_survive_s3_and_a_resume_by_name(bucket, tmp_path, umask_022):
+    from test_checkpoint_contents import MANIFEST, _contents_trainer, mode
+
+    url = f"s3://{bucket}/exp"
+    result = _contents_trainer(url, "modes", out=str(tmp_path)).fit()
+    fs, root = result.filesystem, result.checkpoint.path
+    listing = _listing(fs, root)
+    assert "secret-0.key" in listing and "current-0.key" not in listing  # no link objects
+    manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
+    assert {x["path"]: x["target"] for x in manifest["links"]}["current-1.key"] == "secret-1.key"
+
+    copy = Path(result.checkpoint.to_directory(tmp_path / "copy"))
+    assert mode(copy / "secret-1.key") == 0o600
+    assert mode(copy / "run-0.sh") == 0o755
+    assert mode(copy / "keys-0") == 0o700
+    assert os.readlink(copy / "current-0.key") == "secret-0.key"
+    assert Path(copy, "keys-alias-1", "inner.bin").read_bytes() == b"inner"
+    with result.checkpoint.as_directory() as d:
+        assert os.readlink(Path(d, "keys-alias-0")) == "keys-0"
+
+    # The staging copy that pull() rebuilds has the links again, so the checkpoint verifies and
+    # is restored (the workers check the links they get).
+    _contents_trainer(url, "modes", out=str(tmp_path)).fit()
+    assert Path(tmp_path, "restored-1").read_text().endswith("checkpoint_000001")
+
+
+def test_a_link_out_of_an_s3_checkpoint_is_never_created_on_download(bucket, tmp_path):
+    from test_checkpoint_contents import MANIFEST, _contents_trainer
+
+    result = _contents_trainer(f"s3://{bucket}/exp", "tampered", out=str(tmp_path)).fit()
+    fs, root = result.filesystem, result.checkpoint.path
+    manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
+    manifest["links"].append({"path": "escape", "target": "../../../../etc", "rank": 0})
+    fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest).encode())
+    with pytest.raises(ValueError, match=r"'escape' -> '../../../../etc'.*outside"):
+        result.checkpoint.to_directory(tmp_path / "copy")
+    assert not os.path.lexists(tmp_path / "copy" / "escape")
+
+
+def test_a_link_out_of_the_checkpoint_is_refused_on_s3_too(bucket, tmp_path):
+    import fsspec
+    from test_checkpoint_contents import _contents_trainer
+
+    with pytest.raises(TrainingFailedError) as e:
+        _contents_trainer(f"s3://{bucket}/exp", "escape", out=str(tmp_path), outside="/etc",
+                          bad_rank=0).fit()
+    assert "symbolic link 'escape-0' -> '/etc'" in str(e.value)
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert not [p for p in _listing(fs, f"{bucket}/exp/escape") if "checkpoint_" in p]
+
+
+def test_a_private_run_on_s3_keeps_its_staging_copy_private(bucket, tmp_path, umask_022,
+                                                            monkeypatch):
+    from test_checkpoint_contents import _contents_trainer, mode
+
+    monkeypatch.setenv("JAXTRAIN_PRIVATE", "1")
+    monkeypatch.setenv("JAXTRAIN_STAGING_DIR", str(tmp_path / "staging"))
+    result = _contents_trainer(f"s3://{bucket}/exp", "private", out=str(tmp_path)).fit()
+    local = Path(storage.staging_dir(result.filesystem, result.path))
+    assert mode(local) == 0o700
+    for path in [local / "run.json", local / "result.jsonl", local / "logs" / "rank-0.log"]:
+        assert mode(path) == 0o600, path
+    assert mode(local / "checkpoint_000001" / "run-0.sh") == 0o700
+    # Downloads in private mode are private too: the umask applies to the recorded modes.
+    with storage.private_files(True):
+        copy = Path(result.checkpoint.to_directory(tmp_path / "copy"))
+    assert mode(copy / "run-1.sh") == 0o700 and mode(copy / "secret-1.key") == 0o600
+
+
+def _reused_name(config):
+    import tempfile
+
+    from jaxtrain import get_context, report
+
+    rank = get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, f"s-{rank}.txt").write_text(config["tag"])
+        report({"tag": config["tag"]}, checkpoint=Checkpoint.from_directory(d),
+               checkpoint_dir_name="latest")
+
+
+def test_a_reused_checkpoint_name_leaves_the_remote_index_before_it_is_deleted(tmp_path):
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    deleted_while_named: list[str] = []
+
+    class IndexCheckingFS(MemoryFileSystem):
+        """Records every deletion of a checkpoint directory that the index still names."""
+
+        def rm(self, path, recursive=False, maxdepth=None):
+            for p in [path] if isinstance(path, str) else path:
+                p = p.rstrip("/")
+                index = posixpath.join(posixpath.dirname(p), "checkpoints.json")
+                if self.exists(index):
+                    named = [c["dir_name"] for c in json.loads(self.cat_file(index))["checkpoints"]]
+                    if posixpath.basename(p) in named:
+                        deleted_while_named.append(p)
+            return super().rm(path, recursive=recursive, maxdepth=maxdepth)
+
+    fs = IndexCheckingFS()
+
+    def fit(tag):
+        return JaxTrainer(_reused_name, train_loop_config={"tag": tag},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="reuse", storage_path="/reuse-runs",
+                                               storage_filesystem=fs)).fit()
+
+    fit("first")
+    result = fit("second")  # commits "latest" again, replacing the first run's upload
+    assert deleted_while_named == []
+    assert fs.cat_file(f"{result.path}/latest/s-1.txt") == b"second"
+    index = json.loads(fs.cat_file(f"{result.path}/checkpoints.json"))
+    assert [(c["dir_name"], c["round"]) for c in index["checkpoints"]] == [("latest", 2)]

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from seed_program import with_psum_first
+
 if TYPE_CHECKING:
     from slurm_fixtures import SlurmCluster
 
@@ -26,52 +28,12 @@ pytest_plugins = ["slurm_fixtures"]  # the fixtures slurm_cluster and shared_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
-SEED = (REPO / "examples" / "linear_regression.py").read_text()
-
-# Injected into the seed's program before its ScalingConfig: the seed's training function runs
-# after a cross-process psum, which only a single JAX job across all workers can compute.
-PSUM_FIRST = '''
-_seed_train_func = train_func
-
-
-def train_func():
-    import json, os, socket
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jaxtrain import get_context
-
-    ctx = get_context()
-    mesh = Mesh(np.array(jax.devices()), ("workers",))
-    local = np.array([float(ctx.get_world_rank())])
-    arr = jax.make_array_from_process_local_data(NamedSharding(mesh, P("workers")), local)
-    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(arr)
-    seen = {
-        "rank": ctx.get_world_rank(), "world_size": ctx.get_world_size(),
-        "local_rank": ctx.get_local_rank(), "local_world_size": ctx.get_local_world_size(),
-        "node_rank": ctx.get_node_rank(), "host": socket.gethostname(),
-        "process_count": jax.process_count(), "psum": float(total),
-        "job": os.environ.get("SLURM_JOB_ID"),
-    }
-    with open(f"seen-rank-{ctx.get_world_rank()}.json", "w") as f:
-        json.dump(seen, f)
-    _seed_train_func()
-
-'''
-MARK = "# Define the hardware configuration"
 
 
 def seed_program(num_workers: int | None) -> str:
-    """The seed's linear-regression program with the psum first; with `num_workers`, its
-    ScalingConfig becomes num_workers CPU workers spread over the nodes."""
-    program = SEED.replace(MARK, PSUM_FIRST + MARK, 1)
-    if num_workers is not None:
-        program, n = re.subn(
-            r"scaling_config = ScalingConfig\(.*?\n\)",
-            f'scaling_config = ScalingConfig(num_workers={num_workers}, '
-            f'placement_strategy="SPREAD")',
-            program, count=1, flags=re.S)
-        assert n == 1
-    return program
+    """The seed's program with the psum first; with `num_workers`, num_workers CPU workers
+    spread over the nodes."""
+    return with_psum_first(num_workers, 'placement_strategy="SPREAD"')
 
 
 def drive(cluster: SlurmCluster, cwd: Path, program: str, *, allocation: list[str] | None = None,
@@ -301,19 +263,16 @@ JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
 print("run finished")
 '''
 
-# A peer on node2 that knows the protocol but not the secret: a well-formed hello, then an auth
-# frame with a made-up proof. Prints what the controller did with it.
+# A peer on node2 that knows the protocol but not the secret: a well-formed hello with a made-up
+# MAC. Prints what the controller did with it.
 PROBE = '''
 import os, socket, struct, sys
 host, port = sys.argv[1].rsplit(":", 1)
 s = socket.create_connection((host, int(port)), timeout=10)
-hello = b"JXTR" + struct.pack(">HIII", 1, 0, 0, os.getpid()) + os.urandom(32)
+hello = b"JXTR" + struct.pack(">HIII", 2, 0, 0, os.getpid()) + os.urandom(64)
 s.sendall(struct.pack(">IB", len(hello) + 1, 1) + hello)
-challenge = b""
-while len(challenge) < 5 + 64:
-    challenge += s.recv(100)
-s.sendall(struct.pack(">IB", 33, 3) + os.urandom(32))
-print("closed" if s.recv(100) == b"" else "answered")
+answer = s.recv(100)
+print("closed" if answer[4:5] == b"\\x0b" and s.recv(100) == b"" else "answered")
 '''
 
 
@@ -339,8 +298,8 @@ def test_a_connection_from_a_node_without_the_secret_is_refused(slurm_cluster, s
         out, err = driver.communicate(timeout=120)
     assert driver.returncode == 0, err[-3000:]
     assert "run finished" in out
-    assert re.search(r"jaxtrain: refused a control connection from 198\.18\.0\.12:\d+: failed "
-                     r"authentication \(it does not hold this run's secret\)", err), err[-3000:]
+    assert re.search(r"jaxtrain: refused a control connection from 198\.18\.0\.12:\d+: the "
+                     r"hello's MAC was not made with this run's secret", err), err[-3000:]
 
 
 # Reports every 0.1 s; rank 0 marks each attempt's progress in ready-<attempt> after 3 rounds.

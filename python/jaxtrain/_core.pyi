@@ -38,7 +38,7 @@ def stage_directory(src: str, dst: str) -> list:
     Copies a checkpoint directory into staging; returns its files with sizes and CRC-32C.
     """
 
-def verify_checkpoint(dir: str, checksums: bool) -> None: ...
+def verify_checkpoint(dir: str, checksums: bool, threads: int = 0) -> None: ...
 
 def ranked_checkpoints(run_dir: str, score_attribute: str | None, higher_is_better: bool) -> list:
     """
@@ -63,12 +63,22 @@ def plan(scaling_config: ScalingConfig, hosts_json: str, environ: Mapping[str, s
 
 def choose_launcher() -> str:
     """
-    'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.
+    'local', 'slurm', 'ssh' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default ssh when hosts are listed, slurm inside a Slurm allocation.
     """
 
 def plan_slurm(scaling_config: ScalingConfig) -> Plan:
     """
     Plans for the Slurm launcher: one environment for every rank; Slurm places them.
+    """
+
+def plan_kubernetes(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the Kubernetes launcher: one environment for every rank, one pod each.
+    """
+
+def kubernetes_jobset(scaling_config: ScalingConfig, options_json: str, jobset_name: str, env: Mapping[str, str]) -> str:
+    """
+    The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.
     """
 
 MAX_WORKERS: int = 100000
@@ -83,11 +93,21 @@ def run_lock_holder(run_dir: str) -> str | None:
     The driver holding the run directory's lock ('host H, pid P, since T'), or None when no live driver holds it.
     """
 
+def plan_ssh(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTS.
+    """
+
+def describe_this_host() -> dict:
+    """
+    This machine as placement sees it: name, gpus (count), tpu_chips, and its TPU identity.
+    """
+
 def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 
 class Controller:
-    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False) -> None: ...
+    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False, launcher_options_json: str = '') -> None: ...
 
     def start(self) -> None: ...
 

@@ -33,15 +33,24 @@ class Checkpoint:
 
     def to_directory(self, path: str | os.PathLike | None = None) -> str:
         """Copies the checkpoint's files (not its manifest) into ``path`` (default: a new
-        temporary directory) and returns that path; a remote checkpoint is downloaded."""
+        temporary directory) and returns that path; a remote checkpoint is downloaded.
+
+        Files keep their modes (never wider than the umask) and symbolic links that point inside
+        the checkpoint stay links; a link that points outside it is refused with a ValueError
+        naming the link and its target, and never followed."""
         target = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="checkpoint-")
         if self.filesystem is not None:
             from jaxtrain.storage import download_tree
 
             download_tree(self.filesystem, self.path, target, skip=(MANIFEST_NAME,))
             return target
-        shutil.copytree(self.path, target, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(MANIFEST_NAME))
+        from jaxtrain import _core
+
+        had_manifest = os.path.lexists(os.path.join(target, MANIFEST_NAME))
+        # The engine's copy: the same rules for modes and links as report(checkpoint=...).
+        _core.stage_directory(self.path, target)
+        if not had_manifest and os.path.lexists(os.path.join(target, MANIFEST_NAME)):
+            os.unlink(os.path.join(target, MANIFEST_NAME))
         return target
 
     @contextlib.contextmanager

@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxtrain.result import _flatten
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -142,7 +144,6 @@ def _parse_resources(text: str) -> dict[str, float]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig
-    from jaxtrain.errors import TrainingFailedError
     from jaxtrain.trainer import JaxTrainer
 
     if args.target is None:
@@ -176,6 +177,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise _UsageError(str(e)) from None
     trainer._status_line = not args.no_status_line
+    if args.hosts:
+        os.environ["JAXTRAIN_SSH_HOSTS"] = args.hosts
+    if args.hostfile:
+        os.environ["JAXTRAIN_HOSTFILE"] = os.path.abspath(args.hostfile)
+    if args.coordinator is None:
+        return _fit(trainer, args, run_dir)
+    from jaxtrain.hosts import SameCommand
+
+    try:
+        same = SameCommand.from_args(args.coordinator, args.host_rank, args.num_hosts,
+                                     args.join_secret_file)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    if same.host_rank != 0:
+        return same.join()
+    status = EXIT_FAILED
+    try:
+        same.gather()
+        status = _fit(trainer, args, run_dir)
+    except (TimeoutError, OSError) as e:
+        _say(f"run '{trainer.run_config.name}' could not start: {e}")
+    finally:
+        same.end(status, run_dir)
+    return status
+
+
+def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
+    from jaxtrain.errors import TrainingFailedError
 
     name = trainer.run_config.name
     _say(f"run '{name}' on {args.num_workers} worker(s); run directory {run_dir}")
@@ -229,8 +258,12 @@ def _scaling_config(args: argparse.Namespace) -> Any:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from jaxtrain import _core
 
+    if args.kubernetes:
+        return _plan_kubernetes(args)
     try:
-        plan = _core.plan_local(_scaling_config(args)._core).to_dict()
+        config = _scaling_config(args)._core
+        ssh = _core.choose_launcher() == "ssh"  # listed hosts (docs/hosts.md)
+        plan = (_core.plan_ssh(config) if ssh else _core.plan_local(config)).to_dict()
     except ValueError as e:
         raise _UsageError(str(e)) from None
     except (RuntimeError, OSError) as e:
@@ -249,6 +282,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         env = " ".join(f"{k}={v}" for k, v in sorted(w["env"].items()))
         unset = "".join(f" -{k}" for k in w["unset_env"])
         print(f"rank {w['rank']} env: {env}{unset}")
+    return EXIT_OK
+
+
+def _plan_kubernetes(args: argparse.Namespace) -> int:
+    """The JobSet of attempt 1, as the Kubernetes launcher would create it; no cluster asked."""
+    from jaxtrain import _core, kubernetes
+
+    try:
+        scaling = _scaling_config(args)._core
+        plan = _core.plan_kubernetes(scaling)
+        options = {
+            "namespace": os.environ.get("JAXTRAIN_K8S_NAMESPACE", "default"),
+            "name": "jaxtrain-run-xxxxx",
+            "image": os.environ.get("JAXTRAIN_K8S_IMAGE", "IMAGE"),
+            "image_pull_policy": os.environ.get("JAXTRAIN_K8S_IMAGE_PULL_POLICY", ""),
+            "service_account": os.environ.get("JAXTRAIN_K8S_SERVICE_ACCOUNT", ""),
+            "request_dir": "/unused",
+            "worker_command": [os.environ.get("JAXTRAIN_K8S_PYTHON", "python"), "-m",
+                               "jaxtrain.worker"],
+            "supervisor_argv": ["unused"],
+            "pod_template": kubernetes.load_pod_template(
+                os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE")),
+        }
+        env = dict(plan.to_dict()["workers"][0]["env"])
+        env["JAXTRAIN_WORLD_SIZE"] = str(args.num_workers)
+        jobset = _core.kubernetes_jobset(scaling, json.dumps(options), options["name"] + "-1", env)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    print(json.dumps(json.loads(jobset), indent=2))
     return EXIT_OK
 
 
@@ -417,19 +479,6 @@ def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
     )
 
 
-def _flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(metrics, dict):
-        return {prefix: metrics} if prefix else {}
-    flat: dict[str, Any] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name))
-        else:
-            flat[name] = value
-    return flat
-
-
 def _value(v: Any) -> str:
     if isinstance(v, float) and math.isfinite(v):
         return f"{v:.6g}"
@@ -574,8 +623,23 @@ def _cmd_show(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             pass
         out.append(f"  logs: jaxtrain logs {run_dir} --rank {result.error.rank}")
+    if args.plot is not None:
+        out.append(f"plot       {_plot(run_dir, result, args.plot)}")
     print("\n".join(out))
     return EXIT_OK
+
+
+def _plot(run_dir: str, result: Any, path: str) -> str:
+    from jaxtrain.plot import plot_metrics
+
+    if not path:  # beside the run's files; a remote run's view is temporary, so here instead
+        name = os.path.basename(run_dir.rstrip("/"))
+        path = (f"{name}-metrics.png" if run_dir in _REMOTE_VIEWS
+                else os.path.join(run_dir, "metrics.png"))
+    try:
+        return plot_metrics(result.metrics_dataframe, path, title=os.path.basename(run_dir))
+    except (ImportError, ValueError) as e:
+        raise _UsageError(f"--plot: {e}") from None
 
 
 def _checkpoint_lines(run_dir: str, result: Any, checkpoint_config: dict) -> list[str]:
@@ -593,7 +657,7 @@ def _checkpoint_lines(run_dir: str, result: Any, checkpoint_config: dict) -> lis
     lines = [f"checkpoints ({len(result.best_checkpoints)}, {by})"]
     latest = result.checkpoint.path if result.checkpoint else None
     rows = []
-    for checkpoint, metrics in result.best_checkpoints:
+    for checkpoint, metrics in reversed(result.best_checkpoints):  # Ray's order: best last
         name = os.path.basename(checkpoint.path)
         row = [name, f"round {rounds.get(name, '?')}"]
         if attribute:
@@ -624,6 +688,16 @@ def _log_files(run_dir: str, state: dict, rank: int | None) -> list[tuple[bytes,
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
+    if args.kubernetes:
+        from jaxtrain import kubernetes
+
+        try:
+            return kubernetes.logs(args.namespace, args.run, args.follow, _say)
+        except LookupError as e:
+            raise _UsageError(str(e)) from None
+        except (ValueError, PermissionError, ConnectionError, ImportError) as e:
+            _say(f"cannot read the logs: {e}")
+            return EXIT_FAILED
     run_dir = _resolve_run(args.run, args.storage_path)
     files = _log_files(run_dir, _read_state(run_dir), args.rank)
     offsets = {path: 0 for _, path in files}
@@ -707,6 +781,87 @@ def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
                          help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD")
 
 
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("run directory (RunConfig)")
+    where.add_argument("--name", help="the run's name (default jaxtrain_run-<UTC time>); "
+                       "an existing run of this name is resumed from its latest checkpoint")
+    where.add_argument("--storage-path", metavar="PATH",
+                       help="where runs live (default ~/jaxtrain_results)")
+    policy = parser.add_argument_group("failures and checkpoints")
+    policy.add_argument("--max-failures", type=int, default=0, metavar="N",
+                        help="restart the worker group up to N times (-1: no limit; default 0)")
+    policy.add_argument("--num-to-keep", type=int, metavar="N",
+                        help="checkpoints to keep (default all)")
+    policy.add_argument("--checkpoint-score-attribute", metavar="METRIC",
+                        help="keep the best checkpoints by this reported metric")
+    policy.add_argument("--checkpoint-score-order", default="max", metavar="ORDER",
+                        help="max (default) or min")
+
+
+def _add_kubernetes_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", metavar="NS",
+                        help="the namespace (default: JAXTRAIN_K8S_NAMESPACE, the kubeconfig "
+                        "context's, or default)")
+
+
+# `jaxtrain run` options a submitted run passes on to the driver pod's `jaxtrain run`.
+_RUN_VALUE_OPTIONS = ("num_workers", "topology", "accelerator_type", "resources_per_worker",
+                      "placement_strategy", "name", "storage_path", "max_failures",
+                      "num_to_keep", "checkpoint_score_attribute", "checkpoint_score_order")
+
+
+def _run_argv(args: argparse.Namespace) -> list[str]:
+    argv = [f"--{flag}" for flag in ("use_tpu", "use_gpu") if getattr(args, flag)]
+    for dest in _RUN_VALUE_OPTIONS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [f"--{dest}", str(value)]
+    return [a.replace("_", "-") if a.startswith("--") else a for a in argv]
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from jaxtrain import kubernetes
+
+    if args.target is None:
+        raise _UsageError("give the script to run: jaxtrain submit --kubernetes --image IMAGE "
+                          "[options] script.py [args ...]")
+    if not os.path.isfile(args.target):
+        raise _UsageError(f"cannot find the script '{args.target}'")
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise _UsageError(f"--env '{item}' is not allowed; it must be NAME=VALUE")
+        env[name] = value
+    try:
+        _scaling_config(args)  # bad options are refused here, not in the pod
+        return kubernetes.submit(args.target, args.args, _run_argv(args), args.image,
+                                 args.namespace, args.service_account, args.name,
+                                 args.pod_template, env, not args.detach, _say)
+    except (ValueError, LookupError) as e:
+        raise _UsageError(str(e)) from None
+    except (PermissionError, ConnectionError, ImportError) as e:
+        _say(f"cannot submit: {e}")
+        return EXIT_FAILED
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from jaxtrain import kubernetes
+
+    try:
+        rows = kubernetes.status(args.namespace, args.name)
+    except LookupError as e:
+        raise _UsageError(str(e)) from None
+    except (ValueError, PermissionError, ConnectionError, ImportError) as e:
+        _say(f"cannot list the submitted runs: {e}")
+        return EXIT_FAILED
+    print(_table(["NAME", "PHASE", "EXIT", "SCRIPT", "CREATED"],
+                 [[r["name"], r["phase"] + (f" ({r['detail']})" if r["detail"] else ""),
+                   "-" if r["exit_code"] is None else str(r["exit_code"]), r["script"],
+                   r["created"]] for r in rows]))
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     from jaxtrain import __version__
 
@@ -738,20 +893,25 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_scaling_options(run)
-    where = run.add_argument_group("run directory (RunConfig)")
-    where.add_argument("--name", help="the run's name (default jaxtrain_run-<UTC time>); "
-                       "an existing run of this name is resumed from its latest checkpoint")
-    where.add_argument("--storage-path", metavar="PATH",
-                       help="where runs live (default ~/jaxtrain_results)")
-    policy = run.add_argument_group("failures and checkpoints")
-    policy.add_argument("--max-failures", type=int, default=0, metavar="N",
-                        help="restart the worker group up to N times (-1: no limit; default 0)")
-    policy.add_argument("--num-to-keep", type=int, metavar="N",
-                        help="checkpoints to keep (default all)")
-    policy.add_argument("--checkpoint-score-attribute", metavar="METRIC",
-                        help="keep the best checkpoints by this reported metric")
-    policy.add_argument("--checkpoint-score-order", default="max", metavar="ORDER",
-                        help="max (default) or min")
+    hosts = run.add_argument_group("hosts (ssh; docs/hosts.md)")
+    listed = hosts.add_mutually_exclusive_group()
+    listed.add_argument("--hosts", metavar="H1,H2",
+                        help="start the workers over ssh on these hosts (h1:4 gives h1 4 workers; "
+                        "without counts they share -n equally); sets JAXTRAIN_SSH_HOSTS")
+    listed.add_argument("--hostfile", metavar="FILE",
+                        help="the hosts as MPI and DeepSpeed list them, 'host slots=N' per line; "
+                        "sets JAXTRAIN_HOSTFILE")
+    listed.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="the same command runs on every host: host 0 (at HOST:PORT) drives "
+                        "the run, the others join it; 'tpu': host 0 of this TPU VM slice, port "
+                        "8490, and --host-rank/--num-hosts from the slice")
+    hosts.add_argument("--host-rank", type=int, metavar="K", help="with --coordinator: this "
+                       "host's index, 0 for the host that drives the run")
+    hosts.add_argument("--num-hosts", type=int, metavar="M",
+                       help="with --coordinator: how many hosts run this command")
+    hosts.add_argument("--join-secret-file", metavar="FILE", help="with --coordinator: the secret "
+                       "every host holds (mode 600), else JAXTRAIN_JOIN_SECRET")
+    _add_run_options(run)
     run.add_argument("--no-status-line", action="store_true",
                      help="on a terminal, do not keep the live status line (attempt, ranks up, "
                      "last round, rank 0's metrics, rounds/s) below the output")
@@ -760,6 +920,56 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("target", nargs="?", metavar="script.py | module")
     run.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     run.set_defaults(handler=_cmd_run)
+
+    submit = commands.add_parser(
+        "submit",
+        help="run a script on a Kubernetes cluster, its driver in a pod",
+        usage="jaxtrain submit --kubernetes --image IMAGE [options] script.py [args ...]",
+        description="Creates a driver pod that runs 'jaxtrain run [options] script.py [args]' "
+        "in the cluster of the current kubeconfig; its workers are one JobSet (see "
+        "docs/kubernetes.md). The script travels in a ConfigMap, mounted in the driver's and "
+        "the workers' pods. The console is streamed until the run ends (Ctrl-C only stops the "
+        "streaming; --detach returns at once); 'jaxtrain status --kubernetes' and 'jaxtrain "
+        "logs --kubernetes NAME' find the run again.",
+        epilog="example:\n  jaxtrain submit --kubernetes --image us-docker.pkg.dev/p/r/train:1 "
+        "\\\n      --use-tpu --topology 4x4 --accelerator-type TPU-V6E -n 4 \\\n"
+        "      --storage-path gs://bucket/runs train.py --epochs 10\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    submit.add_argument("--kubernetes", action="store_true",
+                        help="submit to Kubernetes (the only target today; the default)")
+    _add_kubernetes_options(submit)
+    submit.add_argument("--image", required=True,
+                        help="the driver's image, also the workers' unless JAXTRAIN_K8S_IMAGE "
+                        "is given with --env; it must have jaxtrain[kubernetes] and jax")
+    submit.add_argument("--service-account", metavar="NAME",
+                        help="the driver pod's service account (see the Role in "
+                        "docs/kubernetes.md)")
+    submit.add_argument("--pod-template", metavar="FILE",
+                        help="a Pod (YAML or JSON) merged into the driver's and the workers' "
+                        "pods: volumes for the storage, tolerations, ...")
+    submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable of the driver (repeatable)")
+    submit.add_argument("--detach", action="store_true",
+                        help="return once the driver pod is created")
+    _add_scaling_options(submit)
+    _add_run_options(submit)
+    submit.add_argument("target", nargs="?", metavar="script.py")
+    submit.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    submit.set_defaults(handler=_cmd_submit)
+
+    status = commands.add_parser(
+        "status", help="the runs submitted to Kubernetes (jaxtrain submit)",
+        description="Lists the driver pods that 'jaxtrain submit' created in the namespace, "
+        "oldest first: name, phase, exit status, script and creation time; or one of them.",
+        epilog="example:\n  jaxtrain status --kubernetes\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    status.add_argument("--kubernetes", action="store_true",
+                        help="look on Kubernetes (the only place today; the default)")
+    _add_kubernetes_options(status)
+    status.add_argument("name", nargs="?", metavar="NAME", help="one submitted run")
+    status.set_defaults(handler=_cmd_status)
 
     plan = commands.add_parser(
         "plan", help="print where each rank would run, its devices and environment",
@@ -774,6 +984,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_scaling_options(plan)
     plan.add_argument("--json", action="store_true", help="the whole plan as JSON")
+    plan.add_argument("--kubernetes", action="store_true",
+                      help="print the JobSet the Kubernetes launcher would create (JSON; "
+                      "honours JAXTRAIN_K8S_IMAGE, _NAMESPACE, _POD_TEMPLATE; asks no cluster)")
     plan.set_defaults(handler=_cmd_plan)
 
     ls = commands.add_parser(
@@ -799,6 +1012,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("run", metavar="RUN", help=run_help)
     show.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    show.add_argument("--plot", nargs="?", const="", metavar="FILE",
+                      help="also draw the metrics per round as a PNG (default RUN/metrics.png; "
+                      "needs matplotlib)")
     show.set_defaults(handler=_cmd_show)
 
     logs = commands.add_parser(
@@ -814,6 +1030,9 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing new output until the run is no longer RUNNING")
     logs.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    logs.add_argument("--kubernetes", action="store_true",
+                      help="RUN is a run submitted to Kubernetes: its driver pod's output")
+    _add_kubernetes_options(logs)
     logs.set_defaults(handler=_cmd_logs)
 
     metrics = commands.add_parser(

@@ -3,8 +3,9 @@ only checks Python types so that a wrong type gets the same kind of message as a
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxtrain import _core, storage
@@ -16,6 +17,12 @@ def _expect(owner: str, field: str, value: Any, types: tuple, allowed: str) -> N
         raise ValueError(f"{owner}.{field}={value!r} is not allowed; {allowed}")
 
 
+# The configs are dataclasses, as in Ray (``==``, ``dataclasses.replace``, ``asdict``), with their
+# own __init__ so that every field is validated when one is made, replaced ones too.
+_config = dataclasses.dataclass(init=False, repr=False, eq=True)
+
+
+@_config
 class ScalingConfig:
     """How many workers, on which hardware (names and meanings as in Ray Train V2).
 
@@ -23,6 +30,14 @@ class ScalingConfig:
     allowed. ``num_workers`` is the number of worker processes (for TPU: hosts of the slice, or
     more with ``resources_per_worker={"TPU": k}``).
     """
+
+    num_workers: int
+    use_tpu: bool
+    use_gpu: bool
+    topology: str | None
+    accelerator_type: str | None
+    resources_per_worker: dict[str, float] | None
+    placement_strategy: str
 
     def __init__(
         self,
@@ -105,14 +120,17 @@ class ScalingConfig:
         fields = ", ".join(f"{k}={v!r}" for k, v in self._as_dict().items())
         return f"ScalingConfig({fields})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ScalingConfig) and self._as_dict() == other._as_dict()
 
 
+@_config
 class CheckpointConfig:
     """Which checkpoints to keep: the best ``num_to_keep`` by ``checkpoint_score_attribute`` (a
     reported metric; nested keys joined with '/') in ``checkpoint_score_order`` ("max" or "min"),
     or the newest ``num_to_keep`` without a score. The newest is never deleted. None keeps all."""
+
+    num_to_keep: int | None
+    checkpoint_score_attribute: str | None
+    checkpoint_score_order: str
 
     def __init__(
         self,
@@ -149,12 +167,18 @@ class CheckpointConfig:
         return f"CheckpointConfig({fields})"
 
 
+@_config
 class FailureConfig:
     """How failures are handled. When a worker fails, the whole group is stopped and restarted from
     the latest committed checkpoint, up to ``max_failures`` times (-1: without limit). A group that
-    cannot start (a start-up failure) is retried up to ``controller_failure_limit`` times.
+    cannot start (a start-up failure) is retried up to ``controller_failure_limit`` times (-1:
+    without limit; Ray's default is -1, jaxtrain's 3, see docs/ray-differences.md).
     ``progress_timeout_s`` turns on the progress watchdog: once a rank has called ``report()``,
     going that many seconds without another call counts as a failure (alive but stuck)."""
+
+    max_failures: int
+    controller_failure_limit: int
+    progress_timeout_s: float | None
 
     def __init__(
         self,
@@ -190,6 +214,7 @@ class FailureConfig:
         return f"FailureConfig({fields})"
 
 
+@_config
 class RunConfig:
     """Where a run lives (``<storage_path>/<name>``), how it keeps checkpoints and how it handles
     failures.
@@ -202,7 +227,21 @@ class RunConfig:
     ``storage_path`` is a local or shared (NFS) directory, or a URL of any fsspec filesystem
     (``s3://bucket/prefix``, ``gs://...``, ``memory://...``); ``storage_filesystem``, an fsspec or
     pyarrow filesystem object, makes ``storage_path`` a path on that filesystem instead.
+
+    ``callbacks``: driver-side ``jaxtrain.UserCallback`` objects told of every report round,
+    failed attempt and restart, and of the end of the run (see docs/callbacks.md).
+    ``worker_runtime_env``: as Ray's, a dict with ``env_vars`` (environment variables set in
+    every worker) and ``working_dir`` (the workers' working directory, also put first on their
+    import path); Ray's other keys (``pip``, ``conda``, ...) are refused.
     """
+
+    name: str
+    storage_path: str
+    storage_filesystem: Any
+    failure_config: FailureConfig
+    checkpoint_config: CheckpointConfig
+    callbacks: list
+    worker_runtime_env: dict[str, Any] | None
 
     def __init__(
         self,
@@ -211,6 +250,8 @@ class RunConfig:
         storage_filesystem: Any = None,
         failure_config: FailureConfig | None = None,
         checkpoint_config: CheckpointConfig | None = None,
+        callbacks: Sequence[Any] | None = None,
+        worker_runtime_env: Mapping[str, Any] | None = None,
     ) -> None:
         if name is not None:
             _expect("RunConfig", "name", name, (str,), "it must be a string")
@@ -232,6 +273,8 @@ class RunConfig:
         storage.remote_filesystem(self.storage_path, storage_filesystem, connect=False)
         self.failure_config = failure_config or FailureConfig()
         self.checkpoint_config = checkpoint_config or CheckpointConfig()
+        self.callbacks = _callbacks(callbacks)
+        self.worker_runtime_env = _runtime_env(worker_runtime_env)
 
     def __repr__(self) -> str:
         fs = ("" if self.storage_filesystem is None
@@ -239,5 +282,69 @@ class RunConfig:
         return (
             f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r}, {fs}"
             f"failure_config={self.failure_config!r}, "
-            f"checkpoint_config={self.checkpoint_config!r})"
+            f"checkpoint_config={self.checkpoint_config!r}, callbacks={self.callbacks!r}, "
+            f"worker_runtime_env={self.worker_runtime_env!r})"
         )
+
+
+def _callbacks(callbacks: Sequence[Any] | None) -> list:
+    from jaxtrain.callbacks import UserCallback
+
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, (str, bytes, Mapping)) or not isinstance(callbacks, Sequence):
+        raise ValueError(f"RunConfig.callbacks={callbacks!r} is not allowed; pass a list of "
+                         "jaxtrain.UserCallback objects")
+    for i, callback in enumerate(callbacks):
+        if not isinstance(callback, UserCallback):
+            raise ValueError(
+                f"RunConfig.callbacks[{i}]={callback!r} is not allowed; a callback must be a "
+                "jaxtrain.UserCallback (subclass it and override the hooks you need)")
+    return list(callbacks)
+
+
+_RUNTIME_ENV_KEYS = ("env_vars", "working_dir")
+
+
+def _runtime_env(env: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    owner = "RunConfig.worker_runtime_env"
+    if env is None:
+        return None
+    if not isinstance(env, Mapping):
+        raise ValueError(f"{owner}={env!r} is not allowed; it must be a dict with 'env_vars' "
+                         "and/or 'working_dir'")
+    unknown = [k for k in env if k not in _RUNTIME_ENV_KEYS]
+    if unknown:
+        raise ValueError(
+            f"{owner} key {unknown[0]!r} is not supported; allowed: 'env_vars', 'working_dir' "
+            "(jaxtrain runs workers from the driver's Python environment: install packages "
+            "there, or on every host)")
+    out: dict[str, Any] = {}
+    if env.get("env_vars") is not None:
+        variables = env["env_vars"]
+        if not isinstance(variables, Mapping):
+            raise ValueError(f"{owner}['env_vars']={variables!r} is not allowed; it must be a "
+                             "dict of strings")
+        for key, value in variables.items():
+            if not isinstance(key, str) or not key or "=" in key:
+                raise ValueError(f"{owner}['env_vars'] key {key!r} is not allowed; names are "
+                                 "non-empty strings without '='")
+            if key.startswith("JAXTRAIN_"):
+                raise ValueError(f"{owner}['env_vars'] key {key!r} is not allowed; JAXTRAIN_* "
+                                 "variables are set by jaxtrain for each worker")
+            if not isinstance(value, str):
+                raise ValueError(f"{owner}['env_vars'][{key!r}]={value!r} is not allowed; "
+                                 "values are strings")
+        out["env_vars"] = dict(variables)
+    if env.get("working_dir") is not None:
+        working_dir = env["working_dir"]
+        if not isinstance(working_dir, (str, os.PathLike)):
+            raise ValueError(f"{owner}['working_dir']={working_dir!r} is not allowed; it must be "
+                             "a local directory path")
+        working_dir = os.path.abspath(os.fspath(working_dir))
+        if not os.path.isdir(working_dir):
+            raise ValueError(f"{owner}['working_dir']={working_dir!r} is not a directory; give "
+                             "an existing local (or shared, for other hosts) directory; URLs of "
+                             "zip files are not supported")
+        out["working_dir"] = working_dir
+    return out

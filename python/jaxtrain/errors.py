@@ -36,7 +36,9 @@ class TrainingFailedError(RuntimeError):
 
     @classmethod
     def from_failure(cls, f: dict, attempts: list[dict] | None = None) -> TrainingFailedError:
-        """The error for the first failure `f`; `attempts` lists every failed attempt."""
+        """The error for the first failure `f`; `attempts` lists every failed attempt. It is a
+        ControllerError when the failure that ended the run was a group that could not start,
+        a WorkerGroupError otherwise."""
         who = f"rank {f['rank']}" if f["rank"] >= 0 else "the driver"
         where = f"{who} (host {f['host'] or '?'}, attempt {f['attempt']})"
         lines = [f"Training failed: {where}: {f['message']}"]
@@ -54,7 +56,11 @@ class TrainingFailedError(RuntimeError):
             lines += ["", f"Last lines of rank {f['rank']}'s log:", f["log_tail"].rstrip()]
         if f["log_path"]:
             lines += ["", f"Full log: {f['log_path']}"]
-        return cls(
+        last = attempts[-1] if attempts else f
+        kind = cls
+        if cls is TrainingFailedError:
+            kind = ControllerError if last["cause"] == "start-up" else WorkerGroupError
+        return kind(
             "\n".join(lines),
             rank=f["rank"],
             host=f["host"],
@@ -64,3 +70,31 @@ class TrainingFailedError(RuntimeError):
             log_path=f["log_path"],
             log_tail=f["log_tail"],
         )
+
+
+class WorkerGroupError(TrainingFailedError):
+    """A run ended because a worker failed: its function raised, it exited or was killed, it lost
+    its connection or made no progress (as Ray Train V2's ``WorkerGroupError``).
+
+    ``worker_failures`` maps the failing rank to an exception that carries its message and, when
+    the function raised, its traceback.
+    """
+
+    @property
+    def worker_failures(self) -> dict[int, Exception]:
+        text = str(self).split("\n", 1)[0]
+        if self.worker_traceback:
+            text += "\n\n" + self.worker_traceback.rstrip()
+        return {self.rank: RuntimeError(text)} if self.rank >= 0 else {}
+
+
+class ControllerError(TrainingFailedError):
+    """A run ended because its worker group could not be started, more often than
+    ``FailureConfig.controller_failure_limit`` allows, or because a callback marked
+    ``raise_on_error`` failed (as Ray Train V2's ``ControllerError``). ``controller_failure``
+    is the underlying exception."""
+
+    def __init__(self, message: str, *, controller_failure: BaseException | None = None,
+                 **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.controller_failure: BaseException = controller_failure or RuntimeError(message)

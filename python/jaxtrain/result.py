@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.errors import TrainingFailedError
+from jaxtrain.errors import ControllerError, WorkerGroupError
 
 
 @dataclass
@@ -20,8 +20,9 @@ class Result:
     ``metrics``: rank 0's last reported metrics (None if nothing was reported); ``path``: the run
     directory; ``error``: the TrainingFailedError when the run failed; ``checkpoint``: the latest
     committed checkpoint (None if none); ``best_checkpoints``: every kept checkpoint with the
-    metrics of its round, best first by the run's CheckpointConfig score (newest first without
-    one); ``filesystem``: the fsspec filesystem of a run on remote storage (``path`` and the
+    metrics of its round, in Ray's order: by the run's CheckpointConfig score with the best
+    last (oldest first without a score), so ``best_checkpoints[-1]`` is the best;
+    ``filesystem``: the fsspec filesystem of a run on remote storage (``path`` and the
     checkpoints' paths are then paths on it), None for a local or shared directory.
     """
 
@@ -63,6 +64,49 @@ class Result:
         finally:
             shutil.rmtree(view, ignore_errors=True)
 
+    def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
+        """The kept checkpoint whose round has the highest (``mode="max"``) or lowest
+        (``mode="min"``) ``metric`` (nested keys joined with '/'), as Ray's
+        ``Result.get_best_checkpoint``. None when the run kept no checkpoint; a ValueError when
+        no kept checkpoint's metrics have ``metric``."""
+        if mode not in ("max", "min"):
+            raise ValueError(
+                f"Result.get_best_checkpoint mode={mode!r} is not allowed; use 'max' or 'min'")
+        if not isinstance(metric, str):
+            raise ValueError(
+                f"Result.get_best_checkpoint metric={metric!r} is not allowed; it must be the "
+                "name of a reported metric")
+        if not self.best_checkpoints:
+            return None
+        scored = []
+        for checkpoint, metrics in self.best_checkpoints:
+            value = _flatten(metrics).get(metric)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+                scored.append((value, checkpoint))
+        if not scored:
+            names = sorted({k for _, m in self.best_checkpoints for k in _flatten(m)})
+            raise ValueError(
+                f"Result.get_best_checkpoint metric={metric!r}: no kept checkpoint has a number "
+                f"for it; its rounds reported {names}")
+        pick = max if mode == "max" else min
+        return pick(scored, key=lambda pair: pair[0])[1]  # of equal scores, the first, as Ray
+
+    def plot(self, path: str | os.PathLike | None = None,
+             metrics: list[str] | None = None) -> str:
+        """Draws the reported metrics against the round as a PNG (needs matplotlib:
+        ``pip install 'jaxtrain[plot]'``) and returns its path, ``<run>/metrics.png`` by
+        default. ``metrics``: the metric names to draw (nested keys joined with '/'); default
+        every numeric metric."""
+        from jaxtrain.plot import plot_metrics
+
+        if path is None:
+            if self.filesystem is not None:
+                raise ValueError(
+                    "Result.plot(path=None): the run is on remote storage; give a local path")
+            path = os.path.join(self.path, "metrics.png")
+        return plot_metrics(self.metrics_dataframe, os.fspath(path), metrics=metrics,
+                            title=os.path.basename(self.path.rstrip("/")))
+
     def _read_rounds(self) -> list[dict]:
         if self._rounds is None:
             self._rounds = _read_rounds(self.path)
@@ -83,7 +127,9 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
         if failed:
             f = failed[0]["failure"]
             logs = remote[1] if remote else path
-            error = TrainingFailedError(
+            last = failed[-1]["failure"]
+            kind = ControllerError if last.get("cause") == "start-up" else WorkerGroupError
+            error = kind(
                 f"Training failed: rank {f['rank']} (host {f['host'] or '?'}, attempt "
                 f"{failed[0]['attempt']}): {f['message']}",
                 rank=f["rank"], host=f["host"], attempt=failed[0]["attempt"],
@@ -116,7 +162,8 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
     ranked = _core.ranked_checkpoints(
         path, cc.get("checkpoint_score_attribute"), cc.get("checkpoint_score_order", "max") == "max"
     )
-    best = [(Checkpoint(os.path.join(path, name)), json.loads(m)) for name, m in ranked]
+    # The core ranks best first; Ray's checkpoint manager keeps the best last.
+    best = [(Checkpoint(os.path.join(path, name)), json.loads(m)) for name, m in reversed(ranked)]
     latest = None
     index = os.path.join(path, "checkpoints.json")
     if os.path.exists(index):
@@ -144,3 +191,17 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
         filesystem=filesystem,
         _rounds=rounds,
     )
+
+
+def _flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested metrics as one level, keys joined with '/'."""
+    if not isinstance(metrics, dict):
+        return {prefix: metrics} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name))
+        else:
+            flat[name] = value
+    return flat

@@ -10,7 +10,13 @@ and mirrors it to the remote run directory with a ``Mirror``:
   match their manifest), so that the engine resumes exactly as from a local run directory;
 * while the run goes on and once more at its end, ``push()`` uploads each newly committed
   checkpoint (its files, streamed; then its manifest), then the records, then the index
-  ``checkpoints.json`` in one PUT, and only then deletes the checkpoints the index no longer holds.
+  ``checkpoints.json`` in one PUT, and only then deletes the checkpoints the index no longer holds;
+  a directory name that a later round reuses is first dropped from the remote index, then deleted
+  and uploaded again, so the index never names a directory that is being replaced.
+
+Object stores keep neither file modes nor symbolic links: each checkpoint's manifest records them
+(every file's mode, every kept link with its target), and a download applies them again, never
+wider than the umask, recreating only links that stay inside the checkpoint.
 
 On the remote side a checkpoint therefore exists once the index names it: a reader
 (``Result.from_path``, the next ``fit()``) never sees a partial upload, and the next ``pull()``
@@ -20,6 +26,7 @@ longer than a few seconds reports its progress on the driver's stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -29,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from jaxtrain.checkpoint import MANIFEST_NAME
@@ -185,6 +193,7 @@ class Mirror:
         self.fs, self.root, self.local = fs, root, local
         self.url = url(fs, root)
         self._uploaded: dict[str, int] = {}  # checkpoint -> its round, as the remote index may name
+        self._remote: list[dict] = []  # the records the remote index names now
         self._sent: dict[str, tuple[int, int]] = {}  # record/log file -> (size, mtime_ns) sent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -204,6 +213,7 @@ class Mirror:
         kept = [c["dir_name"] for c in records]
         self._sweep(set(kept))
         self._uploaded = {c["dir_name"]: c["round"] for c in records}
+        self._remote = list(records)
         # Only for a run the storage still has: a run deleted there starts afresh.
         if (self._newest_round(self._local_index()) > self._newest_round(index)
                 and self.fs.exists(posixpath.join(self.root, "run.json"))):
@@ -299,9 +309,11 @@ class Mirror:
         progress = _Progress("downloading", f"from {self.url}")
         progress.what = name
         progress.total = manifest.get("bytes", 0)
+        where = url(self.fs, posixpath.join(self.root, name))
         for f in manifest.get("file_list", []):
             self._get(posixpath.join(self.root, name, f["path"]),
-                      os.path.join(self.local, name, *f["path"].split("/")), progress)
+                      os.path.join(self.local, name, *_clean_parts(f["path"], where)), progress)
+        apply_manifest(manifest, os.path.join(self.local, name), where)
         progress.finish()
 
     def _get(self, remote: str, local: str, progress: _Progress | None = None) -> bool:
@@ -350,6 +362,9 @@ class Mirror:
         progress = _Progress("uploading", f"to {self.url}")
         for r in records:
             if self._uploaded.get(r["dir_name"]) != r["round"]:
+                if r["dir_name"] in self._uploaded:  # a name reused by a later round
+                    self._write_index(index, [c for c in self._remote
+                                              if c["dir_name"] != r["dir_name"]])
                 self._uploaded.pop(r["dir_name"], None)
                 if self._upload_checkpoint(r, progress):
                     self._uploaded[r["dir_name"]] = r["round"]
@@ -364,13 +379,17 @@ class Mirror:
         kept = [r for r in records if self._uploaded.get(r["dir_name"]) == r["round"]]
         named = {r["dir_name"] for r in kept}
         if records or self._uploaded:
-            remote_index = dict(index, checkpoints=kept,
-                                latest=kept[-1]["dir_name"] if kept else None)
-            self.fs.pipe_file(posixpath.join(self.root, INDEX_NAME),
-                              (json.dumps(remote_index, indent=1) + "\n").encode())
+            self._write_index(index, kept)
         for gone in sorted(set(self._uploaded) - named):
             self.fs.rm(posixpath.join(self.root, gone), recursive=True)
             del self._uploaded[gone]
+
+    def _write_index(self, index: dict, kept: list[dict]) -> None:
+        """The remote index, naming exactly `kept`, in one PUT."""
+        remote_index = dict(index, checkpoints=kept, latest=kept[-1]["dir_name"] if kept else None)
+        self.fs.pipe_file(posixpath.join(self.root, INDEX_NAME),
+                          (json.dumps(remote_index, indent=1) + "\n").encode())
+        self._remote = list(kept)
 
     def _local_index(self) -> dict:
         try:
@@ -437,17 +456,106 @@ def local_view(fs: Any, root: str) -> str:
 
 
 def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -> None:
-    """Copies every file under `root` on `fs` into the local directory `target`, streaming."""
+    """Copies every file under `root` on `fs` into the local directory `target`, streaming; when
+    `root` is a committed checkpoint, its files then get their recorded modes and its kept links
+    are recreated (apply_manifest). Raises ValueError for a remote name that would land outside
+    `target`."""
     progress = _Progress("downloading", f"from {url(fs, root)}")
     files = fs.find(root, detail=True)
     progress.total = sum(e["size"] for e in files.values())
     progress.what = posixpath.basename(root)
+    manifest = None
     for path in files:
         rel = posixpath.relpath(path, root)
+        parts = _clean_parts(rel, url(fs, root))
+        if rel == MANIFEST_NAME:
+            with fs.open(path, "rb") as f:
+                manifest = json.loads(f.read())
         if rel in skip:
             continue
-        _download(fs, path, os.path.join(target, *rel.split("/")), progress)
+        _download(fs, path, os.path.join(target, *parts), progress)
+    if manifest is not None:
+        apply_manifest(manifest, target, url(fs, root))
     progress.finish()
+
+
+def _clean_parts(rel: str, where: str) -> list[str]:
+    """The parts of a checkpoint-relative path, refusing one that would leave the checkpoint."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"checkpoint {where} names the file {rel!r}, which is not a plain "
+                         "relative path inside it (no leading '/', no '..'); refusing to copy it")
+    return parts
+
+
+def link_inside(path: str, target: str) -> bool:
+    """Whether a link at `path` (relative to a checkpoint) to `target` stays inside it by name."""
+    if not target or target.startswith("/"):
+        return False
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
+    return resolved != ".." and not resolved.startswith("../")
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting it back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_manifest(manifest: dict, target: str, where: str) -> None:
+    """Gives the files of a checkpoint copied into `target` the modes its manifest records (never
+    wider than the umask; the owner keeps read) and recreates its kept links. Raises ValueError,
+    naming the link and its target, for a link that would point outside the checkpoint."""
+    mask = current_umask()
+    for f in manifest.get("file_list", []):
+        local = os.path.join(target, *_clean_parts(f["path"], where))
+        if "mode" in f and os.path.lexists(local) and not os.path.islink(local):
+            os.chmod(local, (int(f["mode"]) | 0o400) & 0o777 & ~mask)
+    for link in manifest.get("links", []):
+        path, link_target = link["path"], link["target"]
+        local = os.path.join(target, *_clean_parts(path, where))
+        if not link_inside(path, link_target):
+            raise ValueError(
+                f"checkpoint {where} lists a symbolic link {path!r} -> {link_target!r}, which "
+                "points outside the checkpoint; refusing to create it")
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        if os.path.lexists(local):
+            os.unlink(local)
+        os.symlink(link_target, local)
+
+
+def private_requested() -> bool:
+    """Whether JAXTRAIN_PRIVATE asks for a private run (any value but "" and "0")."""
+    return os.environ.get("JAXTRAIN_PRIVATE", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def private_files(private: bool) -> Iterator[None]:
+    """With `private`, the umask gains 077 while the run lasts, so that every directory the run
+    creates is 0700 and every file 0600 (worker processes inherit it); restored afterwards."""
+    if not private:
+        yield
+        return
+    old = os.umask(0o077)
+    os.umask(old | 0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def make_private(run_dir: str) -> None:
+    """Makes the run directory 0700, also when an earlier, non-private run created it."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
 
 
 def _download(fs: Any, remote: str, local: str, progress: _Progress | None) -> bool:

@@ -21,7 +21,8 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, storage
+from jaxtrain import _core, callbacks, ray_args, storage
+from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, _load
@@ -58,6 +59,9 @@ class JaxTrainer:
     ``jax.distributed`` initialised before the function starts.
 
     The function takes no argument, or one dict (``train_loop_config``).
+    ``resume_from_checkpoint``: the checkpoint that ``get_checkpoint()`` returns in the first
+    attempt when the run has no committed checkpoint of its own yet (a run's own checkpoints
+    win: a restart, or a run resumed by name, starts from its latest).
     """
 
     def __init__(
@@ -67,7 +71,12 @@ class JaxTrainer:
         train_loop_config: dict | None = None,
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+        jax_config: Any = None,
+        datasets: Any = None,
+        dataset_config: Any = None,
     ) -> None:
+        ray_args.check(resume_from_checkpoint, jax_config, datasets, dataset_config)
         if not callable(train_loop_per_worker):
             raise ValueError(
                 f"train_loop_per_worker={train_loop_per_worker!r} is not callable; pass the "
@@ -101,6 +110,7 @@ class JaxTrainer:
         self.train_loop_config = train_loop_config
         self.scaling_config = scaling_config
         self.run_config = run_config
+        self.resume_from_checkpoint = resume_from_checkpoint
         # `jaxtrain run` sets this: a live status line under the output, when it is a terminal.
         self._status_line = False
 
@@ -110,18 +120,39 @@ class JaxTrainer:
         Raises TrainingFailedError when a worker fails, and KeyboardInterrupt after stopping every
         worker when the driver is interrupted. On SIGTERM (when no other handler is installed) the
         run is stopped the same way, and the driver then ends as SIGTERM ends it. Raises
-        RuntimeError when another driver has this run open.
+        RuntimeError when another driver has this run open. With JAXTRAIN_PRIVATE=1 the run is
+        private: its directory is 0700 and what the run writes is 0700/0600 (the umask gains 077
+        meanwhile).
         """
-        payload = _pickle_task(self.train_loop_per_worker, self.train_loop_config,
-                               self._takes_config)
+        private = storage.private_requested()
+        with storage.private_files(private):
+            return self._fit(private)
+
+    def _fit(self, private: bool) -> Result:
+        fn = self.train_loop_per_worker
+        if self.resume_from_checkpoint is not None:
+            fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
+        payload = _pickle_task(fn, self.train_loop_config, self._takes_config)
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
+        launcher_options = ""
         if launcher == "slurm":
             if _slurm_spans_hosts():
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
+        elif launcher == "kubernetes":
+            from jaxtrain import kubernetes
+
+            plan = _core.plan_kubernetes(self.scaling_config._core)
+            # Refused before the cluster is asked for anything (docs/kubernetes.md).
+            launcher_options = json.dumps(
+                kubernetes.launch_options(self.run_config.name, run_dir))
+        elif launcher == "ssh":
+            plan = _core.plan_ssh(self.scaling_config._core)
+            if _plan_spans_hosts(plan):
+                _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
@@ -130,6 +161,11 @@ class JaxTrainer:
             # controller takes the run's lock only later (RunStore::Open).
             _refuse_live_run(run_dir)
             mirror.pull()
+        if private:
+            storage.make_private(run_dir)
+        worker_env = _worker_env(self.run_config, plan)
+        if launcher == "kubernetes":
+            worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         sys.stdout.flush()
         sys.stderr.flush()
         console_fd = _console_fd()
@@ -138,8 +174,8 @@ class JaxTrainer:
             experiment_name=self.run_config.name,
             plan=plan,
             worker_argv=[sys.executable, "-m", "jaxtrain.worker"],
-            worker_cwd=os.getcwd(),
-            worker_env=_worker_env(),
+            worker_cwd=_working_dir(self.run_config) or os.getcwd(),
+            worker_env=worker_env,
             payload=payload,
             run_config_json=json.dumps(
                 {
@@ -157,22 +193,25 @@ class JaxTrainer:
             start_timeout_s=_START_TIMEOUT_S,
             failure_config=self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
-            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "") not in ("", "0"),
+            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "1") != "0",
             console_fd=console_fd,
             launcher=launcher,
             scaling_config=self.scaling_config._core,
             status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
+            launcher_options_json=launcher_options,
         )
+        events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         sigterm = _SigtermAsException()
         try:
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
             if mirror is not None:
                 mirror.start()
             try:
-                # Short waits let Python deliver signals; the wait returns at once when the run
-                # ends.
+                # Short waits let Python deliver signals and the callbacks run; the wait returns
+                # at once when the run ends.
                 while not controller.wait(0.2):
-                    pass
+                    if events is not None and events.poll():
+                        controller.abort(events.fatal_reason())
             except BaseException as e:  # Ctrl-C, SIGTERM, or a handler of the user's that raised
                 controller.abort(_interruption(e))
                 while not controller.wait(1.0):
@@ -191,7 +230,13 @@ class JaxTrainer:
             controller.close()  # releases a Slurm allocation jaxtrain requested, now
             sigterm.restore()
         remote = (mirror.fs, mirror.root) if mirror is not None else None
-        return _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
+        result = _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
+        if events is not None:
+            events.finish(result)  # raises ControllerError if a raise_on_error callback failed
+        if result.error is not None:
+            raise result.error
+        return result
+
 
 
 class _Terminated(BaseException):
@@ -316,6 +361,13 @@ def _slurm_spans_hosts() -> bool:
     return os.environ.get("SLURM_JOB_NODELIST", "") != socket.gethostname().split(".")[0]
 
 
+def _plan_spans_hosts(plan) -> bool:
+    """A plan's workers are on other hosts unless every one is on this host, by name or address."""
+    here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    return any(w["address"] not in here and w["host"] not in here
+               for w in plan.to_dict()["workers"])
+
+
 def _run_dir(run_config: RunConfig) -> str:
     path = run_config.storage_path.removeprefix("file://")
     return os.path.abspath(os.path.join(path, run_config.name))
@@ -345,10 +397,22 @@ def _check_shared(run_dir: str, mirror: storage.Mirror | None) -> None:
         ) from None
 
 
-def _worker_env() -> dict[str, str]:
+def _working_dir(run_config: RunConfig) -> str | None:
+    return (run_config.worker_runtime_env or {}).get("working_dir")
+
+
+def _worker_env(run_config: RunConfig, plan: Any) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    # Workers import what the driver can import (the driver's script directory included).
+    runtime_env = run_config.worker_runtime_env or {}
+    # The user's variables, but not over what placement set for the hardware (e.g. the
+    # JAX_PLATFORMS of a simulated TPU slice): placement knows what this run can see.
+    placed = {k for w in plan.to_dict()["workers"] for k in w["env"]}
+    env.update({k: v for k, v in runtime_env.get("env_vars", {}).items() if k not in placed})
+    # Workers import what the driver can import (the driver's script directory included), and
+    # first what the runtime env's working_dir holds, as in Ray.
     entries = [p or os.getcwd() for p in sys.path]
+    if "working_dir" in runtime_env:
+        entries.insert(0, runtime_env["working_dir"])
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entries))
     # A proxy must never see the loopback traffic of the control channel or of jax.distributed.
     if any(os.environ.get(p) for p in _PROXY_VARIABLES):
@@ -381,7 +445,4 @@ def _result(outcome: dict, run_dir: str, checkpoint_config,
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    result = _load(run_dir, checkpoint_config._as_dict(), error, remote)
-    if error is not None:
-        raise error
-    return result
+    return _load(run_dir, checkpoint_config._as_dict(), error, remote)

@@ -64,6 +64,19 @@ def _place_from_slurm() -> None:
     os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = str(per_node[node])
 
 
+def _place_from_kubernetes() -> None:
+    """Under the Kubernetes launcher each pod is one rank of a JobSet: its Job's index (a TPU
+    slice) times the pods per Job, plus its completion index; one rank per pod and host."""
+    if "JAXTRAIN_RANK" in os.environ or "JAXTRAIN_K8S_PODS_PER_JOB" not in os.environ:
+        return
+    rank = _env_int("JAXTRAIN_K8S_JOB_INDEX") * _env_int("JAXTRAIN_K8S_PODS_PER_JOB") + _env_int(
+        "JOB_COMPLETION_INDEX")
+    os.environ["JAXTRAIN_RANK"] = str(rank)
+    os.environ["JAXTRAIN_LOCAL_RANK"] = "0"
+    os.environ["JAXTRAIN_NODE_RANK"] = str(rank)
+    os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = "1"
+
+
 def _local_device_ids(platform: str) -> list[int] | None:
     """The ``local_device_ids`` for ``jax.distributed.initialize`` (placement set the variables).
 
@@ -130,13 +143,18 @@ def main() -> None:
     from jaxtrain.checkpoint import Checkpoint
 
     _place_from_slurm()
+    _place_from_kubernetes()
     rank = _env_int("JAXTRAIN_RANK")
     attempt = _env_int("JAXTRAIN_ATTEMPT")
     world_size = _env_int("JAXTRAIN_WORLD_SIZE")
     platform = os.environ.get("JAXTRAIN_PLATFORM", "cpu")
-    client = _core.WorkerClient.connect(
-        os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
-    )
+    try:
+        client = _core.WorkerClient.connect(
+            os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
+        )
+    except OSError as e:  # refused, unreachable, or no handshake within the timeout
+        sys.stderr.write(f"jaxtrain worker: rank {rank} could not join the run: {e}\n")
+        sys.exit(EXIT_START_UP)
     try:
         coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST") or _address_towards(
             os.environ["JAXTRAIN_CONTROLLER_ADDR"]

@@ -10,13 +10,17 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <set>
+
 #include "accelerators/discovery.h"
 #include "accelerators/tpu.h"
 #include "config/run_config.h"
 #include "config/scaling_config.h"
 #include "controller/controller.h"
+#include "launch/kubernetes_launcher.h"
 #include "launch/local_launcher.h"
 #include "launch/slurm_launcher.h"
+#include "launch/ssh_launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "storage/run_store.h"
@@ -106,7 +110,8 @@ class PyController {
                const config::FailureConfig& failure_config,
                const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
                int console_fd, std::string launcher,
-               std::optional<config::ScalingConfig> scaling_config, bool status_line)
+               std::optional<config::ScalingConfig> scaling_config, bool status_line,
+               std::string launcher_options_json)
       : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
     controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
@@ -132,14 +137,33 @@ class PyController {
     if (launcher_ == "local") {
       controller_ = std::make_unique<controller::Controller>(
           std::move(o), std::make_unique<launch::LocalLauncher>());
-    } else if (launcher_ != "slurm" || !scaling_config_) {
-      PyErr_SetString(PyExc_ValueError, "launcher must be 'local', or 'slurm' with scaling_config");
+    } else if (launcher_ == "kubernetes" && scaling_config_) {
+      // The workers run in pods: the command of the image, the listen address the Python layer
+      // chose (one the pods reach), no working directory of this host.
+      auto json = nlohmann::json::parse(launcher_options_json, nullptr, false);
+      launch::KubernetesOptions k = Unwrap(launch::KubernetesOptions::FromJson(json));
+      if (json.contains("listen_host") && json["listen_host"].is_string()) {
+        o.listen_host = json["listen_host"].get<std::string>();
+      }
+      o.worker_argv = k.worker_command;
+      o.worker_cwd.clear();
+      controller_ = std::make_unique<controller::Controller>(
+          std::move(o),
+          std::make_unique<launch::KubernetesLauncher>(std::move(k), *scaling_config_, plan));
+    } else if ((launcher_ != "slurm" && launcher_ != "ssh") || !scaling_config_) {
+      PyErr_SetString(PyExc_ValueError,
+                      "launcher must be 'local', or 'slurm', 'ssh' or 'kubernetes' with "
+                      "scaling_config");
       throw nb::python_error();
     }
   }
 
   void Start() {
-    if (!controller_) StartOnSlurm();
+    if (!controller_ && launcher_ == "ssh") {
+      StartOnSsh();
+    } else if (!controller_) {
+      StartOnSlurm();
+    }
     Status s;
     {
       nb::gil_scoped_release release;
@@ -239,6 +263,41 @@ class PyController {
     controller_ = std::make_unique<controller::Controller>(
         std::move(options_),
         std::make_unique<launch::SlurmLauncher>(std::move(lo), std::move(allocation)));
+  }
+
+  // The address the hosts reach the controller at (its address on the route to the first host
+  // that is not this one, as ~/.ssh/config names it), and the ssh launcher with each rank's host.
+  // Blocks for one `ssh -G` per rank until a host other than this one is found.
+  void StartOnSsh() {
+    const accelerators::HostView& env = accelerators::RealHost();
+    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env)};
+    for (const auto& w : options_.plan.workers) lo.targets.push_back(w.host);
+    std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
+    if (host.empty()) {
+      StatusOr<std::string> chosen = UnavailableError("");
+      {
+        nb::gil_scoped_release release;
+        chosen = [&]() -> StatusOr<std::string> {
+          std::string address;
+          std::set<std::string> tried;
+          for (const auto& target : lo.targets) {
+            if (!tried.insert(target).second) continue;
+            JT_ASSIGN_OR_RETURN(std::string name, launch::SshHostName(lo.ssh, target));
+            JT_ASSIGN_OR_RETURN(address, launch::AddressTowards(name));
+            if (address.rfind("127.", 0) != 0 && address != "::1") break;  // not this host
+          }
+          return address;
+        }();
+      }
+      if (!chosen.ok()) {
+        Raise(UnavailableError("cannot choose the address the hosts reach this driver at: " +
+                               chosen.status().message() + "; set " + launch::kListenHostEnv));
+      }
+      host = *chosen;
+    }
+    options_.listen_host = host;
+    controller_ = std::make_unique<controller::Controller>(
+        std::move(options_), std::make_unique<launch::SshLauncher>(std::move(lo)));
   }
 
   std::string launcher_;
@@ -404,24 +463,27 @@ NB_MODULE(_core, m) {
           d["path"] = e.path;
           d["size"] = e.size;
           d["crc32c"] = e.crc32c;
+          d["mode"] = e.mode;
+          if (!e.link.empty()) d["link"] = e.link;
           out.append(d);
         }
         return out;
       },
       "src"_a, "dst"_a,
-      "Copies a checkpoint directory into staging; returns its files with sizes and CRC-32C.");
+      "Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and "
+      "kept links.");
 
   m.def(
       "verify_checkpoint",
-      [](const std::string& dir, bool checksums) {
+      [](const std::string& dir, bool checksums, int threads) {
         Status s;
         {
           nb::gil_scoped_release release;
-          s = storage::VerifyCheckpoint(dir, checksums);
+          s = storage::VerifyCheckpoint(dir, checksums, threads);
         }
         Check(s);
       },
-      "dir"_a, "checksums"_a);
+      "dir"_a, "checksums"_a, "threads"_a = 0);
 
   m.def(
       "ranked_checkpoints",
@@ -469,7 +531,8 @@ NB_MODULE(_core, m) {
 
   m.def(
       "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
-      "'local' or 'slurm': JAXTRAIN_LAUNCHER, or by default slurm inside a Slurm allocation.");
+      "'local', 'slurm', 'ssh' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default ssh when hosts "
+      "are listed, slurm inside a Slurm allocation.");
 
   m.def(
       "plan_slurm",
@@ -497,6 +560,54 @@ NB_MODULE(_core, m) {
       "live driver holds it.");
 
   m.def(
+      "plan_kubernetes",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(launch::PlanForKubernetes(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the Kubernetes launcher: one environment for every rank, one pod each.");
+
+  m.def(
+      "kubernetes_jobset",
+      [](const config::ScalingConfig& c, const std::string& options_json,
+         const std::string& jobset_name, const std::map<std::string, std::string>& env) {
+        auto json = nlohmann::json::parse(options_json, nullptr, false);
+        launch::KubernetesOptions k = Unwrap(launch::KubernetesOptions::FromJson(json));
+        placement::Plan plan = Unwrap(launch::PlanForKubernetes(c, accelerators::RealHost()));
+        return Unwrap(launch::JobSetManifest(c, plan, k, jobset_name, env)).dump();
+      },
+      "scaling_config"_a, "options_json"_a, "jobset_name"_a, "env"_a,
+      "The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.");
+
+  m.def(
+      "plan_ssh",
+      [](const config::ScalingConfig& c) {
+        return Unwrap(launch::PlanForSsh(c, accelerators::RealHost()));
+      },
+      "scaling_config"_a,
+      "Plans for the ssh launcher over the hosts of JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or "
+      "JAXTRAIN_HOSTS.");
+
+  m.def(
+      "describe_this_host",
+      [] {
+        const accelerators::HostView& view = accelerators::RealHost();
+        const placement::Host host = placement::DescribeThisHost(view).hosts.front();
+        nb::dict d;
+        d["name"] = host.name;
+        d["gpus"] = host.gpus.size();
+        d["tpu_chips"] = host.tpu_chips;
+        // The slice this host says it is in (TPU_NAME, TPU_WORKER_ID); empty when it does not say.
+        const accelerators::TpuHostIdentity identity = accelerators::ReadTpuHostIdentity(view);
+        d["tpu_slice"] = identity.name;
+        d["tpu_worker_id"] = host.tpu_worker_id;
+        d["tpu_accelerator_type"] = host.tpu_accelerator_type;
+        d["tpu_topology"] = host.tpu_topology;
+        return d;
+      },
+      "This machine as placement sees it: name, gpus (count), tpu_chips, and its TPU identity.");
+
+  m.def(
       "check_shared_storage",
       [](const std::string& path) {
         Check(launch::CheckSharedStorage(path, accelerators::RealHost()));
@@ -507,12 +618,12 @@ NB_MODULE(_core, m) {
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
                     double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
-                    int, std::string, std::optional<config::ScalingConfig>, bool>(),
+                    int, std::string, std::optional<config::ScalingConfig>, bool, std::string>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
            "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none(),
-           "status_line"_a = false)
+           "status_line"_a = false, "launcher_options_json"_a = "")
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

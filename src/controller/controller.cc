@@ -6,6 +6,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -14,7 +15,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <set>
 
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
@@ -25,31 +28,18 @@
 #include "storage/run_store.h"
 #include "wire/frame.h"
 #include "wire/handshake.h"
+#include "wire/out_queue.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
 namespace {
 
-constexpr size_t kMaxAuthedBody = 16 << 20;  // reports and tracebacks; far above real use
 constexpr size_t kReadChunk = 64 << 10;
+constexpr size_t kMaxRefusalText = 200;  // the reason in a kRefused frame
+constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
-constexpr uint64_t kAlwaysChecksumBytes = 64 << 20;
-// TCP keepalive on worker connections: a host that vanishes without closing its connections is
-// noticed after about kKeepIdle + kKeepCount * kKeepInterval seconds.
-constexpr int kKeepIdleS = 5;
-constexpr int kKeepIntervalS = 1;
-constexpr int kKeepCount = 5;
-
-void EnableKeepAlive(int fd) {
-  int one = 1, idle = kKeepIdleS, interval = kKeepIntervalS, count = kKeepCount;
-  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
-}
-
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
 size_t TerminalWidth(int fd) {
   winsize ws{};
@@ -139,17 +129,23 @@ std::string_view OutcomeStateName(Outcome::State state) {
 struct Controller::Loop {
   enum class Phase { kStarting, kRunning, kStopping, kDraining };
 
+  // A control connection. Its buffers are bounded: the decoder holds at most one frame under the
+  // limit of its stage plus one read chunk, and `out` only frames the controller queued (the
+  // payload's body is shared by every connection, not copied).
   struct Conn {
     int fd = -1;
     std::string peer;
     wire::FrameDecoder decoder{wire::kHelloSize};
-    std::string out;
+    wire::OutQueue out;
+    // kHello: nothing valid received yet; such a connection is "unproven", counted against the
+    // cap and the first to be dropped. kAuth: its hello was made with the secret and answered.
     enum class Stage { kHello, kAuth, kAuthed } stage = Stage::kHello;
     wire::Hello hello;
     wire::Nonce nonce{};
     TimePoint deadline;
     int rank = -1;
     bool closed = false;
+    bool watching_out = false;  // EPOLLOUT is in its interest set
   };
 
   // One launched process: one rank (local) or several (a Slurm job step, whose srun labels each
@@ -160,7 +156,7 @@ struct Controller::Loop {
     bool reaped = false;
     launch::ExitStatus exit;
     std::string partial_line;
-    std::vector<std::pair<int, launch::SrunTaskEnd>> task_ends;  // by rank, as srun reported them
+    std::vector<std::pair<int, launch::TaskEnd>> task_ends;  // by rank, as srun reported them
     std::string launcher_error;  // the first error line of the launcher's own
   };
 
@@ -179,7 +175,11 @@ struct Controller::Loop {
         store(std::move(s)),
         checkpoints(std::move(index)),
         collector(WorldSize(c), store.LastRound() + 1),
-        policy(c.options_.max_failures, c.options_.max_start_failures) {}
+        policy(c.options_.max_failures, c.options_.max_start_failures),
+        conn_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
+  ~Loop() {
+    if (conn_epoll >= 0) close(conn_epoll);
+  }
 
   static int WorldSize(const Controller& c) {
     return static_cast<int>(c.options_.plan.workers.size());
@@ -211,6 +211,20 @@ struct Controller::Loop {
   std::vector<int> log_fds;  // by rank
   std::vector<RankState> ranks;
   std::vector<std::unique_ptr<Conn>> conns;
+  // Every open connection is in this epoll set (data.ptr: its Conn), so a wake costs O(ready
+  // connections), not O(connections); the loop polls the set's descriptor.
+  int conn_epoll = -1;
+  // Connections not yet authenticated, in accept order, which is their handshake deadlines'
+  // order (the same timeout from a monotonic clock); closed or authenticated ones are skipped.
+  std::deque<Conn*> handshaking;
+  bool any_closed = false;     // a connection was closed since the last clean-up
+  std::deque<Conn*> unproven;  // Stage::kHello connections, oldest first; stale entries skipped
+  size_t unproven_count = 0;   // the live ones among them
+  std::set<wire::Nonce> hello_nonces;  // of this attempt's answered hellos: a replay is refused
+  std::vector<Conn*> answered;  // by rank: the connection whose hello was answered, until auth
+  int dropped = 0;  // unproven connections dropped in this attempt (evicted or timed out)
+  std::string payload_header;                  // the kPayload frame's header
+  std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
   TimePoint start_deadline;
   std::optional<TimePoint> kill_deadline;
   std::optional<TimePoint> drain_deadline;
@@ -274,6 +288,8 @@ struct Controller::Loop {
       if (f.rank >= 0) {
         if (!ranks[static_cast<size_t>(f.rank)].host.empty()) {
           f.host = ranks[static_cast<size_t>(f.rank)].host;
+        } else if (f.host.empty() && static_cast<size_t>(f.rank) < opts.plan.workers.size()) {
+          f.host = opts.plan.workers[static_cast<size_t>(f.rank)].host;  // it never registered
         }
         f.log_path = store.LogPath(f.rank);
       }
@@ -316,35 +332,79 @@ struct Controller::Loop {
 
   // --- connections ---------------------------------------------------------------------------
 
+  // At most this many unproven connections are held; when one more arrives, the oldest is
+  // dropped. A real worker sends its hello as soon as it has connected, so the oldest unproven
+  // connections are those of peers that send nothing valid; a worker whose connection is dropped
+  // all the same connects again (WorkerClient::Connect).
+  size_t MaxUnproven() const { return ranks.size() * 2 + 64; }
+
+  // Accepts waiting connections: at most half the unproven cap per wake, and each is read at once
+  // (its hello is often there already). Step() reads the connections before it accepts, so a
+  // connection accepted in one wake is read again before enough newer ones can arrive to push it
+  // out.
   void Accept() {
-    for (;;) {
+    const size_t cap = MaxUnproven();
+    for (size_t accepted = 0; accepted < std::max<size_t>(cap / 2, 1); ++accepted) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
       int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
-      size_t unauthenticated =
-          static_cast<size_t>(std::count_if(conns.begin(), conns.end(), [](const auto& c) {
-            return c->stage != Conn::Stage::kAuthed;
-          }));
-      if (unauthenticated >= ranks.size() * 2 + 64) {
-        close(fd);  // a flood of peers that have not proven anything
-        continue;
-      }
+      while (unproven_count >= cap) DropOldestUnproven();
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      EnableKeepAlive(fd);
+      // A host that vanishes without closing its connections is noticed in about 10 s.
+      wire::EnableKeepAlive(fd);
       auto conn = std::make_unique<Conn>();
       conn->fd = fd;
       conn->peer = PeerName(addr);
       conn->deadline = Now() + opts.handshake_timeout;
+      Conn* c = conn.get();
+      epoll_event ev{.events = EPOLLIN, .data = {.ptr = c}};
+      if (epoll_ctl(conn_epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        close(fd);  // out of memory for the set: as if the peer had not connected
+        continue;
+      }
       conns.push_back(std::move(conn));
+      handshaking.push_back(c);
+      unproven.push_back(c);
+      ++unproven_count;
+      ReadConn(*c);
     }
   }
 
-  void Refuse(Conn& c, const std::string& why) {
+  void DropOldestUnproven() {
+    while (unproven.front()->closed || unproven.front()->stage != Conn::Stage::kHello) {
+      unproven.pop_front();
+    }
+    if (dropped++ == 0) {
+      Say("more than " + std::to_string(MaxUnproven()) +
+          " connections to the control port have not sent a valid hello; dropping the oldest "
+          "(is another process flooding the port?)");
+    }
+    CloseConn(*unproven.front());
+    unproven.pop_front();
+  }
+
+  // What a start-up failure adds when connections were dropped meanwhile.
+  std::string FloodNote() const {
+    if (dropped == 0) return "";
+    return "; meanwhile the controller dropped " + std::to_string(dropped) +
+           " connection(s) to its control port that sent no valid hello (is another process "
+           "flooding it?)";
+  }
+
+  // Closes a connection that has not authenticated. `tell`: the peer proved it holds the secret,
+  // or at least sent a well-framed hello, so it gets the reason in a kRefused frame (one
+  // non-blocking send; a worker then stops trying instead of reconnecting).
+  void Refuse(Conn& c, const std::string& why, bool tell = false) {
     if (refusals++ < kMaxRefusalsLogged) {
       Say("refused a control connection from " + c.peer + ": " + why);
+    }
+    if (tell) {
+      // The reason is short: never over the frame limit.
+      c.out.Push(*wire::EncodeFrame(wire::MessageType::kRefused, why.substr(0, kMaxRefusalText)));
+      Flush(c);
     }
     CloseConn(c);
   }
@@ -352,6 +412,12 @@ struct Controller::Loop {
   void CloseConn(Conn& c) {
     if (c.closed) return;
     c.closed = true;
+    any_closed = true;
+    if (c.stage == Conn::Stage::kHello) --unproven_count;
+    if (c.stage == Conn::Stage::kAuth && answered[c.hello.rank] == &c) {
+      answered[c.hello.rank] = nullptr;
+    }
+    epoll_ctl(conn_epoll, EPOLL_CTL_DEL, c.fd, nullptr);
     close(c.fd);
     if (c.rank >= 0 && ranks[static_cast<size_t>(c.rank)].conn == &c) {
       RankState& r = ranks[static_cast<size_t>(c.rank)];
@@ -364,21 +430,32 @@ struct Controller::Loop {
     }
   }
 
+  // `body` is one of the controller's own small messages (challenge, start): never over the limit.
   void Send(Conn& c, wire::MessageType type, std::string_view body) {
-    c.out += wire::EncodeFrame(type, body);
+    c.out.Push(*wire::EncodeFrame(type, body));
     Flush(c);
   }
 
+  // Writes what the socket takes now; the rest waits for EPOLLOUT.
   void Flush(Conn& c) {
-    while (!c.out.empty() && !c.closed) {
-      ssize_t n = send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n < 0) {
-        CloseConn(c);
-        return;
-      }
-      c.out.erase(0, static_cast<size_t>(n));
+    if (c.closed) return;
+    if (!c.out.Flush(c.fd).ok()) return CloseConn(c);
+    if (c.watching_out == c.out.empty()) {
+      c.watching_out = !c.out.empty();
+      epoll_event ev{.events = EPOLLIN | (c.watching_out ? EPOLLOUT : 0u), .data = {.ptr = &c}};
+      epoll_ctl(conn_epoll, EPOLL_CTL_MOD, c.fd, &ev);
+    }
+  }
+
+  // The connections that are ready, at most kMaxReadyConns per wake (the rest stay ready).
+  void OnConnsReady() {
+    epoll_event events[kMaxReadyConns];
+    int n = epoll_wait(conn_epoll, events, kMaxReadyConns, 0);
+    for (int i = 0; i < n; ++i) {
+      Conn* conn = static_cast<Conn*>(events[i].data.ptr);
+      if (conn->closed) continue;  // closed by an earlier event of this wake
+      if (events[i].events & EPOLLOUT) Flush(*conn);
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ReadConn(*conn);
     }
   }
 
@@ -416,18 +493,37 @@ struct Controller::Loop {
     switch (c.stage) {
       case Conn::Stage::kHello: {
         if (f.type != MessageType::kHello) return Refuse(c, "did not start with a hello");
-        auto hello = wire::DecodeHello(f.body);
-        if (!hello.ok()) return Refuse(c, hello.status().message());
+        auto hello = wire::DecodeHello(f.body, secret);
+        if (!hello.ok()) return Refuse(c, hello.status().message(), /*tell=*/true);
+        // From here on the hello was made with the secret: a worker of this run, or a replay.
         if (hello->rank >= ranks.size() || static_cast<int>(hello->attempt) != attempt) {
-          return Refuse(c, "rank " + std::to_string(hello->rank) + " of attempt " +
-                               std::to_string(hello->attempt) + " is not part of this attempt");
+          return Refuse(c,
+                        "rank " + std::to_string(hello->rank) + " of attempt " +
+                            std::to_string(hello->attempt) + " is not part of this attempt (" +
+                            std::to_string(attempt) + ")",
+                        /*tell=*/true);
         }
+        if (ranks[hello->rank].conn != nullptr) {
+          return Refuse(c, "rank " + std::to_string(hello->rank) + " is already connected",
+                        /*tell=*/true);
+        }
+        if (!hello_nonces.insert(hello->nonce).second) {
+          return Refuse(c, "a replayed hello (its nonce was seen before)");
+        }
+        if (answered[hello->rank] != nullptr) {
+          // The rank is authenticating on another connection; this one may be its worker's retry
+          // after a drop, so it is closed without a reason: the worker tries again, and is told
+          // "already connected" once the other connection has authenticated.
+          return Refuse(c, "rank " + std::to_string(hello->rank) + " is in a handshake already");
+        }
+        answered[hello->rank] = &c;
         c.hello = *hello;
         c.nonce = wire::GenerateNonce();
         wire::Mac proof = wire::ControllerProof(secret, c.hello, c.nonce);
         std::string body(reinterpret_cast<const char*>(c.nonce.data()), c.nonce.size());
         body.append(reinterpret_cast<const char*>(proof.data()), proof.size());
         c.stage = Conn::Stage::kAuth;
+        --unproven_count;
         c.decoder.set_max_body(wire::kAuthSize);
         Send(c, MessageType::kChallenge, body);
         return;
@@ -437,13 +533,13 @@ struct Controller::Loop {
             !wire::MacEquals(wire::WorkerProof(secret, c.hello, c.nonce), f.body)) {
           return Refuse(c, "failed authentication (it does not hold this run's secret)");
         }
+        // The hello was answered only because the rank had no connection and no other answered
+        // hello (answered): this connection is now the rank's.
         RankState& r = ranks[c.hello.rank];
-        if (r.conn != nullptr) {
-          return Refuse(c, "rank " + std::to_string(c.hello.rank) + " is already connected");
-        }
+        answered[c.hello.rank] = nullptr;
         c.stage = Conn::Stage::kAuthed;
         c.rank = static_cast<int>(c.hello.rank);
-        c.decoder.set_max_body(kMaxAuthedBody);
+        c.decoder.set_max_body(wire::kMaxWorkerFrameBody);
         r.conn = &c;
         return;
       }
@@ -497,9 +593,21 @@ struct Controller::Loop {
         CheckpointPart part;
         part.staged.rank = c.rank;
         part.staged.staging_dir = j.value("staging", "");
+        // Only this rank's own staging directory of this round may be moved from and deleted.
+        const std::string expected = storage::StagingPath(store.dir(), attempt, round, c.rank);
+        if (part.staged.staging_dir != expected || !j["files"].is_array()) {
+          return ProtocolError(c, "rank " + std::to_string(c.rank) + "'s checkpoint of round " +
+                                      std::to_string(round) + " names the staging directory '" +
+                                      part.staged.staging_dir + "', not its own ('" + expected +
+                                      "'); refused, nothing was moved or deleted");
+        }
         for (const auto& file : j["files"]) {
-          part.staged.files.push_back({file.value("path", ""), file.value("size", uint64_t{0}),
-                                       file.value("crc32c", uint32_t{0})});
+          if (!file.is_object()) return ProtocolError(c, "malformed checkpoint description");
+          part.staged.files.push_back({.path = file.value("path", ""),
+                                       .size = file.value("size", uint64_t{0}),
+                                       .crc32c = file.value("crc32c", uint32_t{0}),
+                                       .mode = file.value("mode", uint32_t{0644}),
+                                       .link = file.value("link", "")});
         }
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
         r.last_progress = Now();
@@ -550,23 +658,38 @@ struct Controller::Loop {
         {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
     std::string start_body = start.dump();
     for (RankState& r : ranks) {
-      if (r.conn) Send(*r.conn, wire::MessageType::kStart, start_body);
-      if (r.conn) Send(*r.conn, wire::MessageType::kPayload, opts.payload);
+      if (!r.conn) continue;
+      r.conn->out.Push(*wire::EncodeFrame(wire::MessageType::kStart, start_body));
+      r.conn->out.Push(payload_header);
+      r.conn->out.PushShared(payload);
+      Flush(*r.conn);
     }
   }
 
   void Record(const Round& round) {
     std::string committed;
     if (!round.checkpoints.empty()) {
-      auto record = Commit(round);
-      if (!record.ok()) {
+      Committed commit = Commit(round);
+      if (!commit.record.ok()) {
         Fail({.rank = round.checkpoints.front().staged.rank,
               .cause = "checkpoint",
               .message = "the checkpoint of round " + std::to_string(round.round) +
-                         " could not be committed: " + record.status().message()});
+                         " could not be committed: " + commit.record.status().message()});
         return;
       }
-      committed = record->dir_name;
+      committed = commit.record->dir_name;
+      if (!commit.index.ok()) {
+        // The directory is committed (complete, with its manifest) and the next start adds it
+        // back to the index; say exactly that, record the round, and stop the run.
+        Fail({.rank = round.checkpoints.front().staged.rank,
+              .cause = "checkpoint",
+              .message = "the checkpoint of round " + std::to_string(round.round) +
+                         " is committed as '" + storage::JoinPath(store.dir(), committed) +
+                         "', but the index checkpoints.json could not be updated (" +
+                         commit.index.message() +
+                         "); the run stops here, and resuming it by name adds the checkpoint "
+                         "back to the index and restores from it"});
+      }
     }
     Status s =
         store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json, committed);
@@ -583,29 +706,51 @@ struct Controller::Loop {
     RefreshStatus();
   }
 
+  struct Committed {
+    StatusOr<storage::CheckpointRecord> record;  // not ok: nothing of the round is visible
+    Status index;  // not ok: the checkpoint is committed, but checkpoints.json is not updated
+  };
+
   // Commits the round's checkpoint, updates the index, then applies retention: the index is saved
-  // before any directory is deleted, so it never names a deleted checkpoint.
-  StatusOr<storage::CheckpointRecord> Commit(const Round& round) {
+  // before any directory is deleted, so it never names a deleted checkpoint. Ranks that ask for
+  // different names are at different steps (e.g. they restored different states): such a round
+  // is an error and nothing of it is committed.
+  Committed Commit(const Round& round) {
     std::optional<std::string> name;
+    int name_rank = -1;
     std::vector<storage::RankCheckpoint> parts;
     for (const auto& part : round.checkpoints) {
-      if (!name && part.dir_name) name = part.dir_name;
+      if (part.dir_name && name && *part.dir_name != *name) {
+        return {InvalidArgumentError(
+                    "rank " + std::to_string(name_rank) + " names it '" + *name + "' and rank " +
+                    std::to_string(part.staged.rank) + " '" + *part.dir_name +
+                    "': the ranks are at different steps, so their files are not one "
+                    "checkpoint and none of them was committed; every rank must call report() "
+                    "the same number of times, with the same checkpoint_dir_name"),
+                OkStatus()};
+      }
+      if (!name && part.dir_name) {
+        name = part.dir_name;
+        name_rank = part.staged.rank;
+      }
       parts.push_back(part.staged);
     }
-    JT_ASSIGN_OR_RETURN(storage::CheckpointRecord record,
-                        storage::CommitCheckpoint(
-                            store.dir(), name.value_or(DefaultCheckpointName(round.round)),
-                            round.round, ctl.clock_.UnixSeconds(), round.metrics_json, parts));
-    checkpoints.Add(record);
+    Committed out{
+        storage::CommitCheckpoint(store.dir(), name.value_or(DefaultCheckpointName(round.round)),
+                                  round.round, ctl.clock_.UnixSeconds(), round.metrics_json, parts),
+        OkStatus()};
+    if (!out.record.ok()) return out;
+    checkpoints.Add(*out.record);
     std::vector<std::string> doomed =
         storage::SelectForDeletion(checkpoints.records(), opts.retention);
     for (const auto& d : doomed) checkpoints.Remove(d);
-    JT_RETURN_IF_ERROR(checkpoints.Save());
+    out.index = checkpoints.Save();
+    if (!out.index.ok()) return out;  // keep every directory: the index may still name them
     for (const auto& d : doomed) {
       Status s = storage::RemoveTree(storage::JoinPath(store.dir(), d));
       if (!s.ok()) Say("cannot delete checkpoint " + d + ": " + s.message());
     }
-    return record;
+    return out;
   }
 
   // --- processes -----------------------------------------------------------------------------
@@ -634,6 +779,12 @@ struct Controller::Loop {
                    (oom ? " by the kernel's out-of-memory killer" : "")};
     // The connection usually closes just before the exit is seen; the exit says more, unless the
     // process died of the signal the controller sent to stop the group.
+    // A rank that ends before it has registered could not start: a start-up failure, with its
+    // own budget. Among them a worker that could not get through a flood of its control port.
+    if (phase == Phase::kStarting && !r.registered) {
+      exit_failure.cause = "start-up";
+      exit_failure.message += FloodNote();
+    }
     const bool our_signal =
         (p.exit.signal == SIGTERM && sent_sigterm) || (p.exit.signal == SIGKILL && sent_sigkill);
     if (failure && failure->rank == rank && failure->cause == "connection" && !our_signal) {
@@ -656,7 +807,7 @@ struct Controller::Loop {
     };
     // srun reports the task that failed first first, and then those it killed for it: a better
     // witness than the order in which one loop step saw several connections close.
-    const std::pair<int, launch::SrunTaskEnd>* first = nullptr;
+    const std::pair<int, launch::TaskEnd>* first = nullptr;
     for (const auto& task : p.task_ends) {
       if (!task.second.exit.ok() && !ours(task.second.exit)) {
         first = &task;
@@ -664,7 +815,7 @@ struct Controller::Loop {
       }
     }
     auto blame_first = [&](RankFailure& f) {
-      const launch::SrunTaskEnd& end = first->second;
+      const launch::TaskEnd& end = first->second;
       f.rank = first->first;
       f.host = end.node;
       f.log_path = store.LogPath(f.rank);
@@ -746,7 +897,7 @@ struct Controller::Loop {
         continue;
       }
       std::vector<int> targets;
-      if (auto end = launch::ParseSrunTaskEnd(line)) {
+      if (auto end = ctl.launcher_->ParseTaskEnd(line)) {
         for (int t : end->tasks) {
           if (!is_ours(t)) continue;
           targets.push_back(t);
@@ -812,17 +963,20 @@ struct Controller::Loop {
 
   void CheckTimers() {
     TimePoint now = Now();
-    for (auto& c : conns) {
-      if (!c->closed && c->stage != Conn::Stage::kAuthed && now >= c->deadline) {
-        Refuse(*c, "did not complete the handshake in time");
-      }
+    while (const Conn* c = OldestHandshaking()) {
+      if (now < c->deadline) break;
+      Conn& conn = *handshaking.front();
+      handshaking.pop_front();
+      if (conn.stage == Conn::Stage::kHello) ++dropped;
+      Refuse(conn, "did not complete the handshake within " + SecondsText(opts.handshake_timeout));
     }
     if (phase == Phase::kStarting && now >= start_deadline) {
       int missing = 0;
       while (missing < static_cast<int>(ranks.size()) && ranks[missing].registered) ++missing;
       Fail({.rank = missing,
             .cause = "start-up",
-            .message = "it did not connect to the controller within the start-up timeout"});
+            .message =
+                "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
     if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) CheckProgress(now);
     if (kill_deadline && now >= *kill_deadline) {
@@ -835,12 +989,20 @@ struct Controller::Loop {
     }
   }
 
-  std::optional<TimePoint> NextDeadline() const {
+  // The connection still in its handshake that was accepted first (its deadline is the next), or
+  // null; drops the entries of connections that have since closed or authenticated.
+  const Conn* OldestHandshaking() {
+    while (!handshaking.empty() &&
+           (handshaking.front()->closed || handshaking.front()->stage == Conn::Stage::kAuthed)) {
+      handshaking.pop_front();
+    }
+    return handshaking.empty() ? nullptr : handshaking.front();
+  }
+
+  std::optional<TimePoint> NextDeadline() {
     std::optional<TimePoint> next;
     auto consider = [&](TimePoint t) { next = next ? std::min(*next, t) : t; };
-    for (const auto& c : conns) {
-      if (!c->closed && c->stage != Conn::Stage::kAuthed) consider(c->deadline);
-    }
+    if (const Conn* c = OldestHandshaking()) consider(c->deadline);
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) {
       for (const auto& r : ranks) {
@@ -881,18 +1043,13 @@ struct Controller::Loop {
       uint64_t v;
       [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
     });
+    // Connections before the listener: a hello that has arrived is handled before new
+    // connections can push its connection out (Accept()).
+    fds.push_back({conn_epoll, POLLIN, 0});
+    handlers.push_back([this](short) { OnConnsReady(); });
     if (listen_fd >= 0) {
       fds.push_back({listen_fd, POLLIN, 0});
       handlers.push_back([this](short) { Accept(); });
-    }
-    for (auto& c : conns) {
-      if (c->closed) continue;
-      Conn* conn = c.get();
-      fds.push_back({conn->fd, static_cast<short>(POLLIN | (conn->out.empty() ? 0 : POLLOUT)), 0});
-      handlers.push_back([this, conn](short ev) {
-        if (ev & POLLOUT) Flush(*conn);
-        if (ev & (POLLIN | POLLHUP | POLLERR)) ReadConn(*conn);
-      });
     }
     // Connections before processes: a worker's last frames are handled before its exit.
     for (auto& p : procs) {
@@ -922,23 +1079,33 @@ struct Controller::Loop {
       }
     }
     CheckTimers();
-    conns.erase(std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
-                conns.end());
+    if (any_closed) {
+      any_closed = false;
+      std::erase_if(handshaking, [](const Conn* c) { return c->closed; });
+      std::erase_if(unproven, [](const Conn* c) { return c->closed; });
+      conns.erase(
+          std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
+          conns.end());
+    }
     return false;
   }
 
   // --- attempts ------------------------------------------------------------------------------
 
   // The newest committed checkpoint that verifies, falling back to older ones with a warning.
+  // Checksums are checked unless turned off (opts.verify_checksums false), then sizes only.
   std::string CheckpointToRestore() {
     const auto& records = checkpoints.records();
     for (auto it = records.rbegin(); it != records.rend(); ++it) {
       std::string dir = storage::JoinPath(store.dir(), it->dir_name);
-      bool checksums = opts.verify_checksums || it->bytes < kAlwaysChecksumBytes;
-      Status s = storage::VerifyCheckpoint(dir, checksums);
+      Status s = storage::VerifyCheckpoint(dir, opts.verify_checksums);
       if (s.ok()) return dir;
       Say("warning: not restoring checkpoint " + it->dir_name + ": " + s.message() +
-          "; falling back to the one before it");
+          (std::next(it) == records.rend() ? "" : "; falling back to the one before it"));
+    }
+    if (!records.empty()) {
+      Say("warning: none of the run's " + std::to_string(records.size()) +
+          " checkpoints can be restored; the run starts from scratch");
     }
     return "";
   }
@@ -949,6 +1116,11 @@ struct Controller::Loop {
     ranks.assign(ranks.size(), RankState{});
     for (auto& c : conns) CloseConn(*c);
     conns.clear();
+    handshaking.clear();
+    unproven.clear();
+    hello_nonces.clear();
+    answered.assign(ranks.size(), nullptr);
+    dropped = 0;
     failure.reset();
     kill_deadline.reset();
     drain_deadline.reset();
@@ -1140,12 +1312,25 @@ Controller::~Controller() {
 Status Controller::Start() {
   const int world_size = static_cast<int>(options_.plan.workers.size());
   if (world_size == 0) return InvalidArgumentError("the plan has no workers");
+  if (options_.payload.size() > wire::kMaxControllerFrameBody) {
+    return InvalidArgumentError("the pickled training function and its train_loop_config are " +
+                                std::to_string(options_.payload.size()) +
+                                " bytes, more than the limit of " +
+                                std::to_string(wire::kMaxControllerFrameBody) +
+                                "; pass large data as files, not in train_loop_config");
+  }
   JT_ASSIGN_OR_RETURN(storage::RunStore store, storage::RunStore::Open(options_.run_dir));
   std::vector<std::string> warnings;
   JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
                       storage::CheckpointIndex::Load(store.dir(), &warnings));
+  // An index that disagreed with the directory is rewritten now, so that readers of the run
+  // (Result.from_path, the CLI) see what the controller restores from.
+  Status reindexed = warnings.empty() ? OkStatus() : index.Save();
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
+  if (loop->conn_epoll < 0) return ErrnoError("cannot create the controller's epoll set", errno);
   for (const auto& w : warnings) loop->Say("warning: " + w);
+  if (!reindexed.ok())
+    loop->Say("warning: cannot rewrite checkpoints.json: " + reindexed.message());
   nlohmann::json previous = loop->store.PreviousRunState();
   if (previous.is_object() && previous.contains("attempts") && previous["attempts"].is_array()) {
     loop->attempt_log = previous["attempts"];
@@ -1156,6 +1341,11 @@ Status Controller::Start() {
   loop->rounds = loop->collector.next_round() - 1;
   JT_ASSIGN_OR_RETURN(loop->listen_fd, wire::Listen(options_.listen_host, 0, &port_));
   loop->secret = wire::GenerateSecret();
+  // The payload's size was checked above: its header always encodes.
+  loop->payload_header =
+      *wire::EncodeFrameHeader(wire::MessageType::kPayload, options_.payload.size());
+  // options_ outlives the loop: the payload is shared without a copy (an owner-less alias).
+  loop->payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(), &options_.payload);
   loop->ranks.resize(static_cast<size_t>(world_size));
   loop->start_time = clock_.UnixSeconds();
 

@@ -25,11 +25,14 @@
 // Worker processes: a launched process runs one rank (local) or several (one Slurm step, srun).
 // A process with several ranks labels each line of its output "<rank>: " (srun --label); those
 // lines go to that rank's log and console prefix, and its unlabelled lines (srun's own) to the
-// ranks they name. How each of its ranks ended is read from srun's reports (ParseSrunTaskEnd).
+// ranks they name. How each of its ranks ended is read from the launcher's own lines
+// (Launcher::ParseTaskEnd: srun's reports, the Kubernetes supervisor's).
 //
 // Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
 // timeout with a rank of this attempt that has no connection yet; anything else is closed without
-// a reply beyond the handshake. See docs/wire.md.
+// a reply beyond the handshake. Connections that have not sent a hello made with the run's secret
+// are capped (2 x world size + 64), the oldest dropped first, so a flood of them never keeps a
+// worker out; a rank that ends before registering is a start-up failure. See docs/wire.md.
 #pragma once
 
 #include <atomic>
@@ -69,7 +72,7 @@ struct ControllerOptions {
   int max_failures = 0;        // training failures restarted; -1 = without limit
   int max_start_failures = 3;  // start-up failures restarted; -1 = without limit
   storage::RetentionPolicy retention;
-  bool verify_checksums = false;  // on restore; checkpoints under 64 MiB are always checksummed
+  bool verify_checksums = true;  // on restore: CRC-32C of every file; false: sizes only
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
   // Keep a live status line (status_line.h) below the rank output on console_fd: for a terminal.
   bool status_line = false;

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "accelerators/discovery.h"
 #include "config/scaling_config.h"
@@ -140,6 +142,11 @@ class RawPeer {
   int fd_ = -1;
 };
 
+// A frame whose body is known to fit.
+std::string Frame(wire::MessageType type, std::string_view body) {
+  return wire::EncodeFrame(type, body).value();
+}
+
 std::string RawHeader(uint32_t length, uint8_t type) {
   std::string header;
   for (int shift = 24; shift >= 0; shift -= 8) header.push_back(static_cast<char>(length >> shift));
@@ -155,6 +162,62 @@ void SyncWithEventLoop(int port) {
   peer.Send(RawHeader(0, 0));  // a frame of length 0 is refused at once
   EXPECT_TRUE(peer.ClosedByController());
 }
+
+// An attacker on this host: keeps `count` connections to the control port open that never send a
+// byte, and opens a new one for each the controller closes, until destroyed. Bounded: `count`
+// connections at a time, for the life of the test.
+class IdleFlood {
+ public:
+  IdleFlood(int port, int count) : port_(port) {
+    for (int i = 0; i < count; ++i) fds_.push_back(Open());
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~IdleFlood() {
+    stop_ = true;
+    thread_.join();
+    for (int fd : fds_) close(fd);
+  }
+
+  // Waits until the controller has closed `n` of the flood's connections (it holds no more than
+  // its cap of unproven ones); false if it does not.
+  bool WaitForClosed(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kNoHang, [&] { return closed_ >= n; });
+  }
+
+ private:
+  int Open() const {
+    auto fd = wire::Connect({"127.0.0.1", port_}, kNoHang);
+    return fd.ok() ? *fd : -1;
+  }
+
+  void Run() {
+    while (!stop_) {
+      std::vector<pollfd> polled;
+      for (int fd : fds_) polled.push_back({fd, POLLIN, 0});
+      // A bounded wait, only so that the destructor is noticed.
+      if (poll(polled.data(), polled.size(), 50) <= 0) continue;
+      for (size_t i = 0; i < polled.size(); ++i) {
+        if (polled[i].revents == 0) continue;
+        char byte;
+        if (recv(fds_[i], &byte, 1, MSG_DONTWAIT) > 0) continue;
+        close(fds_[i]);
+        fds_[i] = Open();
+        std::lock_guard<std::mutex> lock(mu_);
+        ++closed_;
+        cv_.notify_all();
+      }
+    }
+  }
+
+  const int port_;
+  std::vector<int> fds_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int closed_ = 0;
+  std::thread thread_;
+};
 
 class ControllerTest : public testing::Test {
  protected:
@@ -435,22 +498,25 @@ TEST_F(ControllerTest, PeersThatFailTheHandshakeAreDisconnectedAndTheRunIsUnaffe
   RawPeer unknown_type(port);
   unknown_type.Send(RawHeader(wire::kHelloSize + 1, 200));
   RawPeer not_a_hello(port);
-  not_a_hello.Send(wire::EncodeFrame(wire::MessageType::kRegister, "{}"));
+  not_a_hello.Send(Frame(wire::MessageType::kRegister, "{}"));
   RawPeer bad_rank(port);
-  bad_rank.Send(wire::EncodeFrame(wire::MessageType::kHello,
-                                  wire::EncodeHello({.rank = 99, .nonce = wire::GenerateNonce()})));
-  // A valid hello gets a challenge; a proof made without the secret is refused.
+  bad_rank.Send(Frame(
+      wire::MessageType::kHello,
+      wire::EncodeHello({.rank = 99, .nonce = wire::GenerateNonce()}, wire::GenerateSecret())));
+  // A hello made without the secret is refused at once, with a reason and without a challenge;
+  // an auth frame after it is never read.
   RawPeer no_secret(port);
-  no_secret.Send(wire::EncodeFrame(wire::MessageType::kHello,
-                                   wire::EncodeHello({.rank = 0, .nonce = wire::GenerateNonce()})));
-  std::optional<wire::Frame> challenge = no_secret.ReadFrame(wire::kChallengeSize);
-  ASSERT_TRUE(challenge.has_value());
-  EXPECT_EQ(challenge->type, wire::MessageType::kChallenge);
-  no_secret.Send(wire::EncodeFrame(wire::MessageType::kAuth, std::string(wire::kAuthSize, 'x')));
+  no_secret.Send(Frame(
+      wire::MessageType::kHello,
+      wire::EncodeHello({.rank = 0, .nonce = wire::GenerateNonce()}, wire::GenerateSecret())));
+  std::optional<wire::Frame> refusal = no_secret.ReadFrame(256);
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_EQ(refusal->type, wire::MessageType::kRefused);
+  EXPECT_TRUE(Contains(refusal->body, "secret")) << refusal->body;
   // Peers that stop halfway through a hello, or say nothing, are left to the handshake timeout.
   RawPeer truncated(port);
-  truncated.Send(wire::EncodeFrame(wire::MessageType::kHello, std::string(wire::kHelloSize, 'J'))
-                     .substr(0, 20));
+  truncated.Send(
+      Frame(wire::MessageType::kHello, std::string(wire::kHelloSize, 'J')).substr(0, 20));
   RawPeer silent(port);
 
   EXPECT_TRUE(http.ClosedByController());
@@ -545,7 +611,100 @@ TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {
   Status s = controller->Start();
   EXPECT_FALSE(s.ok());
   EXPECT_TRUE(Contains(s.message(), "run.json")) << s.ToString();
-}
+  // ~150 idle connections, re-opened as the controller closes them, used to fill the cap
+  // of unauthenticated connections so that the workers were refused and every attempt failed.
+  TEST_F(ControllerTest, AFloodOfIdleConnectionsDuringStartUpKeepsNoWorkerOut) {
+    Fifo connect_gate(dir_ + "/connect_gate");
+    ControllerOptions options = Options(4, {"ok", "3"});
+    options.worker_env["FAKE_CONNECT_GATE_FIFO"] = connect_gate.path();
+    options.max_start_failures = 0;
+    auto controller = Make(std::move(options));
+    ASSERT_TRUE(controller->Start().ok());
+    {
+      IdleFlood flood(controller->port(), 150);
+      // The controller holds at most 2 x 4 + 64 unproven connections: the flood is over its cap.
+      ASSERT_TRUE(flood.WaitForClosed(150 - 72)) << "the controller did not close the surplus";
+      connect_gate.Open(4);
+      ASSERT_TRUE(controller->Wait(kNoHang)) << "the run did not end";
+    }
+    const Outcome& out = controller->outcome();
+    EXPECT_EQ(out.state, State::kSucceeded);
+    EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+    EXPECT_EQ(out.attempts, 1);
+    EXPECT_EQ(out.rounds, 3u);
+  }
+
+  TEST_F(ControllerTest, AHelloForARankAlreadyConnectedIsRefusedAtOnce) {
+    // Each worker, once registered, connects again as itself, and exits 2 unless that is refused
+    // with the reason "already connected" (a kRefused frame answers the hello; no challenge).
+    auto controller = Make(Options(2, {"duplicate", "2"}));
+    ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+    const Outcome& out = controller->outcome();
+    EXPECT_EQ(out.state, State::kSucceeded);
+    EXPECT_FALSE(out.failure.has_value())
+        << out.failure->message << "\n"
+        << RunFile("logs/rank-0.log") << RunFile("logs/rank-1.log");
+    EXPECT_EQ(out.rounds, 2u);
+  }
+
+  TEST_F(ControllerTest, SilentAndSlowPeersDelayNoRankAndAreDroppedAtTheHandshakeTimeout) {
+    FakeClock clock;
+    Fifo events(dir_ + "/events");
+    Fifo connect_gate(dir_ + "/connect_gate");
+    Fifo gate(dir_ + "/gate");
+    ControllerOptions options = Options(2, {"ok", "1"});
+    options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+    options.worker_env["FAKE_CONNECT_GATE_FIFO"] = connect_gate.path();
+    options.worker_env["FAKE_GATE_FIFO"] = gate.path();
+    options.handshake_timeout = std::chrono::seconds(10);
+    auto controller = Make(std::move(options), clock);
+    ASSERT_TRUE(controller->Start().ok());
+    const int port = controller->port();
+
+    RawPeer silent(port);
+    RawPeer slow(port);  // a slowloris: a hello one byte at a time, then nothing
+    slow.Send(Frame(wire::MessageType::kHello, std::string(wire::kHelloSize, 'J')).substr(0, 3));
+    SyncWithEventLoop(port);
+    // Both ranks register and start while those two hold their connections; no time passes.
+    connect_gate.Open(2);
+    ASSERT_TRUE(events.WaitFor('S', 2)) << "the ranks did not start beside the idle peers";
+
+    clock.Advance(std::chrono::seconds(11));
+    SyncWithEventLoop(port);  // a loop step after the clock moved
+    EXPECT_TRUE(silent.ClosedByController());
+    EXPECT_TRUE(slow.ClosedByController());
+
+    gate.Open(2);
+    ASSERT_TRUE(controller->Wait(kNoHang));
+    const Outcome& out = controller->outcome();
+    EXPECT_EQ(out.state, State::kSucceeded);
+    EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+    EXPECT_EQ(out.rounds, 1u);
+  }
+
+  // A worker that ends before it has connected (one that could not get through to the controller,
+  // e.g.) failed to start: it counts against max_start_failures, not max_failures, and its host is
+  // the planned one, not "?".
+  TEST_F(ControllerTest, ARankThatEndsBeforeRegisteringIsAStartUpFailure) {
+    ControllerOptions options = Options(2, {"earlyexit"});
+    options.worker_env["FAKE_FAIL_RANK"] = "1";
+    options.max_failures = 0;
+    options.max_start_failures = 1;
+    const std::string planned_host = options.plan.workers[1].host;
+    auto controller = Make(std::move(options));
+    ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+    const Outcome& out = controller->outcome();
+    EXPECT_EQ(out.state, State::kFailed);
+    EXPECT_EQ(out.attempts, 2) << "a start-up failure was counted against max_failures";
+    ASSERT_EQ(out.failures.size(), 2u);
+    for (const RankFailure& f : out.failures) {
+      EXPECT_EQ(f.rank, 1);
+      EXPECT_EQ(f.cause, "start-up") << f.message;
+      EXPECT_FALSE(planned_host.empty());
+      EXPECT_EQ(f.host, planned_host);
+    }
+  }
 
 }  // namespace
 }  // namespace jaxtrain::controller

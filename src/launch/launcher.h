@@ -1,17 +1,22 @@
 // Launcher: starts the processes of one worker group and signals them. It only starts processes;
 // workers find the controller themselves over TCP, so every launcher shares the same control path.
 //
-// Implementations: LocalLauncher (this host, local_launcher.h). A launcher for a cluster engine
-// (Slurm) implements the same interface; a launched process may then carry several ranks.
+// Implementations: LocalLauncher (this host, local_launcher.h); for a cluster engine, where one
+// launched process carries several ranks and labels their output "<rank>: ", SlurmLauncher (one
+// srun step, slurm_launcher.h) and KubernetesLauncher (one JobSet, kubernetes_launcher.h).
 #pragma once
 
 #include <sys/types.h>
 
 #include <map>
+#include <optional>
+#include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status.h"
+#include "launch/process.h"
 
 namespace jaxtrain::launch {
 
@@ -34,6 +39,14 @@ struct LaunchedProcess {
   int output_fd = -1;  // non-blocking read end of the process's stdout and stderr, merged
 };
 
+// How some ranks of a process that carries several ended, as the launcher's own output line says
+// ("srun: error: node2: task 1: Killed").
+struct TaskEnd {
+  std::vector<int> tasks;  // the ranks
+  std::string node;        // where they ran
+  ExitStatus exit;
+};
+
 class Launcher {
  public:
   virtual ~Launcher() = default;
@@ -46,6 +59,28 @@ class Launcher {
   // Sends `signal` to every process of the group started by the last Launch(), and to anything
   // they started in their process group.
   virtual void SignalGroup(int signal) = 0;
+
+  // Reads one unlabelled line of a multi-rank process's output: how some ranks ended, when the
+  // line says so; nullopt for any other line.
+  virtual std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const { return std::nullopt; }
 };
+
+// One command for a whole group (a launcher for a cluster engine starts every rank the same way):
+// the ranks in order, and what every spec shares.
+struct UniformGroup {
+  std::vector<int> ranks;
+  std::vector<std::string> argv;
+  std::string cwd;
+  std::map<std::string, std::string> env;  // shared, without the per-rank names
+  std::set<std::string> unset_env;
+  std::string secret;  // ProcessSpec::secret, the same for every rank
+};
+
+// Merges `specs` into one command. `per_rank` names the variables each rank derives itself from
+// the engine's (they may differ and are left out); `engine` names the launcher in messages.
+// Errors: kInvalidArgument when there is no spec, or when the specs differ in their command,
+// working directory or any other environment variable.
+StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
+                                    const std::set<std::string>& per_rank, std::string_view engine);
 
 }  // namespace jaxtrain::launch

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "launch/process.h"
@@ -102,6 +103,25 @@ TEST(LocalLauncherTest, AProcessThatCannotStartFailsTheWholeLaunch) {
   EXPECT_EQ(procs.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(procs.status().message().find("rank 1"), std::string::npos);
   EXPECT_NE(procs.status().message().find("/nonexistent/python"), std::string::npos);
+}
+
+// The way a child gets its directory on glibc before 2.29 (the oldest the wheels run on): the
+// program starts in the directory with its arguments intact, as with posix_spawn's own chdir.
+TEST(SpawnTest, ChdirThroughShellStartsTheProgramInItsDirectoryWithItsArguments) {
+  char dir[] = "/tmp/jt-spawn-cwd-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  SpawnOptions direct{.argv = {"/bin/sh", "-c", R"(pwd; echo "$1|$2")", "sh", "a b", "$HOME"},
+                      .cwd = dir};
+  for (const SpawnOptions& options : {direct, ChdirThroughShell(direct)}) {
+    auto spawned = SpawnWithOutputPipe(options);
+    ASSERT_TRUE(spawned.ok()) << spawned.status().ToString();
+    EXPECT_EQ(ReadAll(spawned->output_fd), std::string(dir) + "\na b|$HOME\n");
+    close(spawned->output_fd);
+    int status = 0;
+    ASSERT_EQ(waitpid(spawned->pid, &status, 0), spawned->pid);
+    EXPECT_EQ(status, 0);
+  }
+  rmdir(dir);
 }
 
 TEST(ExitStatusTest, DescribesExitCodes) {

@@ -12,10 +12,15 @@
 
 extern char** environ;
 
+// Both are newer than glibc 2.28, the oldest the wheels run on (docs/packaging.md): weak, so the
+// module loads there too, and each use first checks that the running glibc has it.
+#pragma weak sigabbrev_np                          // glibc 2.32
+#pragma weak posix_spawn_file_actions_addchdir_np  // glibc 2.29
+
 namespace jaxtrain::launch {
 
 std::string SignalName(int signal) {
-  const char* abbrev = sigabbrev_np(signal);
+  const char* abbrev = sigabbrev_np ? sigabbrev_np(signal) : nullptr;
   return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(signal);
 }
 
@@ -49,12 +54,51 @@ std::optional<ExitStatus> TryReap(pid_t pid) {
   return s;
 }
 
+ExitStatus WaitForExit(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  ExitStatus s;
+  if (WIFEXITED(status)) s.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) {
+    s.signal = WTERMSIG(status);
+    s.core_dumped = WCOREDUMP(status);
+  }
+  return s;
+}
+
+std::map<std::string, std::string> CurrentEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    size_t eq = entry.find('=');
+    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return env;
+}
+
+SpawnOptions ChdirThroughShell(const SpawnOptions& options) {
+  SpawnOptions shell = options;
+  shell.argv = {"/bin/sh", "-c", R"(cd -- "$0" && exec "$@")", options.cwd};
+  shell.argv.insert(shell.argv.end(), options.argv.begin(), options.argv.end());
+  shell.cwd.clear();
+  shell.search_path = false;
+  return shell;
+}
+
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
+  if (!options.cwd.empty() && !posix_spawn_file_actions_addchdir_np) {
+    return SpawnWithOutputPipe(ChdirThroughShell(options));
+  }
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  if (options.stdin_fd >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, options.stdin_fd, 0);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  }
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
   if (!options.cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, options.cwd.c_str());

@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,7 +24,13 @@ struct ExitStatus {
 // waitpid(pid, WNOHANG): the status if the process has exited, nullopt while it runs.
 std::optional<ExitStatus> TryReap(pid_t pid);
 
-// "SIGKILL" for 9, "signal 64" when unnamed.
+// waitpid(pid) until it has exited (EINTR retried).
+ExitStatus WaitForExit(pid_t pid);
+
+// This process's environment: name -> value.
+std::map<std::string, std::string> CurrentEnvironment();
+
+// "SIGKILL" for 9, "signal 64" when unnamed (and every signal on glibc before 2.32).
 std::string SignalName(int signal);
 
 struct SpawnOptions {
@@ -34,6 +41,7 @@ struct SpawnOptions {
   bool search_path = false;                       // look argv[0] up in PATH
   // A descriptor (>= 3) the child inherits under the same number; it stays close-on-exec here.
   int inherit_fd = -1;
+  int stdin_fd = -1;  // the child's stdin (the caller keeps and closes it); -1: /dev/null
 };
 
 struct Spawned {
@@ -41,10 +49,15 @@ struct Spawned {
   int output_fd = -1;  // the read end of the child's stdout and stderr, blocking, close-on-exec
 };
 
-// Starts a child with stdin from /dev/null, stdout and stderr on one pipe, no blocked signals
-// and every signal's default action. The caller owns the pid and the descriptor.
+// Starts a child with stdin from /dev/null (or options.stdin_fd), stdout and stderr on one pipe, no
+// blocked signals and every signal's default action. The caller owns the pid and the descriptor.
 // Errors: kNotFound when argv[0] does not exist, kUnavailable when it cannot be started
 // otherwise (the message is the system's reason; callers add what they were starting).
+// On glibc before 2.29, which cannot change a spawned child's directory, a child with a cwd runs
+// through ChdirThroughShell: then a missing argv[0] is the shell's exit status 127, not kNotFound.
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);
+
+// The same child started as /bin/sh, which changes to options.cwd and then execs options.argv.
+SpawnOptions ChdirThroughShell(const SpawnOptions& options);
 
 }  // namespace jaxtrain::launch

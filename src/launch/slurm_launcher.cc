@@ -21,7 +21,7 @@
 #include <map>
 #include <set>
 
-extern char** environ;
+#include "launch/ssh_launcher.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -74,16 +74,6 @@ std::optional<int> ParseWhole(std::string_view s) {
   return v;
 }
 
-std::map<std::string, std::string> CurrentEnvironment() {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    size_t eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
-  return env;
-}
-
 // Starts a Slurm command (looked up in PATH), in a new process group when `new_group`.
 // Errors: kUnavailable naming the program and why.
 StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
@@ -105,16 +95,6 @@ StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
   return *spawned;
 }
 
-ExitStatus WaitFor(pid_t pid) {
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  ExitStatus s;
-  if (WIFEXITED(status)) s.exit_code = WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) s.signal = WTERMSIG(status);
-  return s;
-}
-
 // Runs a short Slurm command to its end. Errors: kUnavailable with its output when it cannot be
 // started or exits non-zero.
 StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
@@ -128,7 +108,7 @@ StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
     out.append(buf, static_cast<size_t>(n));
   }
   close(p.output_fd);
-  ExitStatus exit = WaitFor(p.pid);
+  ExitStatus exit = WaitForExit(p.pid);
   if (!exit.ok()) {
     std::string command;
     for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
@@ -215,11 +195,16 @@ bool Simulated(const accelerators::HostView& env) {
 
 StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env) {
   std::string kind = env.GetEnv(kLauncherEnv).value_or("");
-  if (kind == "local" || kind == "slurm") return kind;
+  if (kind == "local" || kind == "slurm" || kind == "ssh" || kind == "kubernetes") return kind;
   if (!kind.empty() && kind != "auto") {
     return InvalidArgumentError(std::string(kLauncherEnv) + "='" + kind +
-                                "' is not allowed; use local, slurm or auto (the default: slurm "
-                                "inside a Slurm allocation, local elsewhere)");
+                                "' is not allowed; use local, slurm, ssh, kubernetes or auto (the "
+                                "default: ssh when hosts are listed, slurm inside a Slurm "
+                                "allocation, local elsewhere)");
+  }
+  for (const char* hosts : {kSshHostsEnv, kHostfileEnv}) {
+    auto listed = env.GetEnv(hosts);
+    if (listed && !listed->empty()) return std::string("ssh");
   }
   auto job = env.GetEnv("SLURM_JOB_ID");
   return std::string(job && !job->empty() ? "slurm" : "local");
@@ -323,44 +308,17 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
 
 StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
                                        const accelerators::HostView& env) {
-  placement::Plan plan;
-  plan.simulated = Simulated(env) && (config.use_gpu() || config.use_tpu());
-  plan.platform = plan.simulated || (!config.use_gpu() && !config.use_tpu()) ? "cpu"
-                  : config.use_gpu()                                         ? "cuda"
-                                                                             : "tpu";
-  auto unless_set = [&](placement::WorkerPlacement& w, const std::string& name,
-                        const std::string& value) {
-    auto user = env.GetEnv(name);
-    if (!user || user->empty()) w.env[name] = value;
-  };
-  // One environment for every rank; what differs per rank (devices) is Slurm's to give.
-  for (int r = 0; r < config.num_workers(); ++r) {
-    placement::WorkerPlacement w;
-    w.rank = r;
-    if (plan.platform == "cpu") {
-      if (plan.simulated) {
-        w.env["JAX_PLATFORMS"] = "cpu";  // whatever the user set for the real hardware
-      } else {
-        unless_set(w, "JAX_PLATFORMS", "cpu");
-      }
-      unless_set(w, "JAX_NUM_CPU_DEVICES", "1");
-      unless_set(w, "JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo");
-    } else {
-      unless_set(w, "JAX_PLATFORMS", plan.platform);
-    }
-    plan.workers.push_back(std::move(w));
-  }
-  return plan;
+  return placement::PlanForScheduler(config, env);
 }
 
-std::optional<SrunTaskEnd> ParseSrunTaskEnd(std::string_view line) {
+std::optional<TaskEnd> ParseSrunTaskEnd(std::string_view line) {
   constexpr std::string_view kPrefix = "srun: error: ";
   if (line.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
   std::string text = Trim(line.substr(kPrefix.size()));
   std::string_view rest = text;
   size_t colon = rest.find(": ");
   if (colon == std::string_view::npos) return std::nullopt;
-  SrunTaskEnd end;
+  TaskEnd end;
   end.node = std::string(rest.substr(0, colon));
   rest.remove_prefix(colon + 2);
   if (rest.substr(0, 6) == "tasks ") {
@@ -525,7 +483,7 @@ StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Request(
       if (!job_id.empty()) (void)RunCommand({"scancel", "--quiet", job_id});
       kill(p.pid, SIGTERM);
       close(p.output_fd);
-      WaitFor(p.pid);
+      WaitForExit(p.pid);
       return AbortedError("the request for a Slurm allocation" +
                           (job_id.empty() ? std::string() : " (job " + job_id + ")") +
                           " was withdrawn");
@@ -545,7 +503,7 @@ StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Request(
     }
   }
   close(p.output_fd);
-  ExitStatus exit = WaitFor(p.pid);
+  ExitStatus exit = WaitForExit(p.pid);
   if (!exit.ok() || job_id.empty()) {
     if (!job_id.empty()) (void)RunCommand({"scancel", "--quiet", job_id});
     return UnavailableError("Slurm did not grant the allocation (salloc " + exit.ToString() +
@@ -590,41 +548,14 @@ SlurmLauncher::~SlurmLauncher() = default;
 StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pgid_ = 0;
-  if (specs.empty()) return InvalidArgumentError("no processes to launch");
-  const ProcessSpec& first = specs.front();
-  std::map<std::string, std::string> shared = first.env;
-  std::set<std::string> unset(first.unset_env.begin(), first.unset_env.end());
-  std::vector<int> ranks;
-  for (const auto& spec : specs) {
-    if (spec.argv != first.argv || spec.cwd != first.cwd) {
-      return InvalidArgumentError(
-          "the Slurm launcher runs one command for every rank; the ranks' commands or working "
-          "directories differ");
-    }
-    for (const auto& name : spec.unset_env) unset.insert(name);
-    std::set<std::string> names;
-    for (const auto& [k, v] : spec.env) names.insert(k);
-    for (const auto& [k, v] : first.env) names.insert(k);
-    for (const auto& name : names) {
-      if (kPerRankEnv.count(name)) continue;
-      auto a = first.env.find(name);
-      auto b = spec.env.find(name);
-      if (a == first.env.end() || b == spec.env.end() || a->second != b->second) {
-        return InvalidArgumentError("the environment variable " + name +
-                                    " differs between ranks, which one Slurm step cannot give");
-      }
-    }
-    ranks.insert(ranks.end(), spec.ranks.begin(), spec.ranks.end());
-  }
-
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm"));
+  const std::vector<int>& ranks = group.ranks;
   std::map<std::string, std::string> env = CurrentEnvironment();
-  for (const auto& name : unset) env.erase(name);
+  for (const auto& name : group.unset_env) env.erase(name);
   for (const auto& name : kPerRankEnv) env.erase(name);
-  for (const auto& [k, v] : shared) {
-    if (!kPerRankEnv.count(k)) env[k] = v;
-  }
+  for (const auto& [k, v] : group.env) env[k] = v;
   // srun hands its environment to every task (--export=ALL), never a command line.
-  if (!first.secret.empty()) env["JAXTRAIN_RUN_SECRET"] = first.secret;
+  if (!group.secret.empty()) env["JAXTRAIN_RUN_SECRET"] = group.secret;
 
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
@@ -645,8 +576,8 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   argv.insert(argv.end(), {"--kill-on-bad-exit=1", "--export=ALL"});
   // One rank's output needs no labels: the controller reads it as a local process's.
   if (ranks.size() > 1) argv.push_back("--label");
-  if (!first.cwd.empty()) argv.push_back("--chdir=" + first.cwd);
-  argv.insert(argv.end(), first.argv.begin(), first.argv.end());
+  if (!group.cwd.empty()) argv.push_back("--chdir=" + group.cwd);
+  argv.insert(argv.end(), group.argv.begin(), group.argv.end());
 
   JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, &env, true));
   pgid_ = p.pid;
@@ -654,7 +585,7 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   if (pidfd < 0) {
     int err = errno;
     killpg(p.pid, SIGKILL);
-    WaitFor(p.pid);
+    WaitForExit(p.pid);
     close(p.output_fd);
     pgid_ = 0;
     return ErrnoError("pidfd_open", err);

@@ -37,7 +37,7 @@
 namespace jaxtrain::launch {
 
 // Environment settings (docs/slurm.md).
-inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local | slurm | auto
+inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local|slurm|ssh|kubernetes|auto
 inline constexpr char kListenHostEnv[] = "JAXTRAIN_LISTEN_HOST";  // the controller's address
 inline constexpr char kSharedStorageEnv[] =
     "JAXTRAIN_SHARED_STORAGE";  // shared dirs, ':'-separated
@@ -45,8 +45,10 @@ inline constexpr char kSlurmNodesEnv[] = "JAXTRAIN_SLURM_NODES";
 inline constexpr char kSlurmTasksPerNodeEnv[] = "JAXTRAIN_SLURM_TASKS_PER_NODE";
 inline constexpr char kSlurmExclusiveEnv[] = "JAXTRAIN_SLURM_EXCLUSIVE";
 
-// "local" or "slurm": JAXTRAIN_LAUNCHER when set to one of them; otherwise ("auto" or unset)
-// "slurm" inside a Slurm allocation (SLURM_JOB_ID set) and "local" elsewhere.
+// "local", "slurm", "ssh" or "kubernetes": JAXTRAIN_LAUNCHER when set to one of them; otherwise
+// ("auto" or unset) "ssh" when JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTFILE lists hosts
+// (ssh_launcher.h), "slurm" inside a Slurm allocation (SLURM_JOB_ID set) and "local" elsewhere.
+// Kubernetes is never chosen by itself: a driver pod may well run its workers locally.
 // Errors: kInvalidArgument for any other value of JAXTRAIN_LAUNCHER.
 StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env);
 
@@ -80,12 +82,7 @@ StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
 
 // One task's end as srun reports it: "srun: error: node2: task 1: Killed",
 // "srun: error: node1: tasks 0-1,3: Exited with exit code 3". nullopt for any other line.
-struct SrunTaskEnd {
-  std::vector<int> tasks;
-  std::string node;
-  ExitStatus exit;
-};
-std::optional<SrunTaskEnd> ParseSrunTaskEnd(std::string_view line);
+std::optional<TaskEnd> ParseSrunTaskEnd(std::string_view line);
 
 // Storage check for multi-host runs: OK when `path` (or its nearest existing parent) is on a
 // network filesystem (NFS, Lustre, GPFS, BeeGFS, CephFS, SMB, 9p, AFS, FUSE) or under one of the
@@ -158,6 +155,10 @@ class SlurmLauncher : public Launcher {
   // Sends `signal` to srun, which forwards it to every task. SIGKILL also cancels the step in
   // Slurm (scancel), since a killed srun leaves its tasks running.
   void SignalGroup(int signal) override;
+
+  std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
+    return ParseSrunTaskEnd(line);
+  }
 
  private:
   void CancelStep();

@@ -597,4 +597,37 @@ StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators
   return plan;
 }
 
+StatusOr<Plan> PlanForScheduler(const config::ScalingConfig& config,
+                                const accelerators::HostView& env) {
+  Plan plan;
+  const auto simulate = env.GetEnv(kSimulateEnv);
+  plan.simulated =
+      simulate && !simulate->empty() && *simulate != "0" && (config.use_gpu() || config.use_tpu());
+  plan.platform = plan.simulated || (!config.use_gpu() && !config.use_tpu()) ? "cpu"
+                  : config.use_gpu()                                         ? "cuda"
+                                                                             : "tpu";
+  auto unless_set = [&](WorkerPlacement& w, const std::string& name, const std::string& value) {
+    auto user = env.GetEnv(name);
+    if (!user || user->empty()) w.env[name] = value;
+  };
+  // One environment for every rank; what differs per rank (devices) is the engine's to give.
+  for (int r = 0; r < config.num_workers(); ++r) {
+    WorkerPlacement w;
+    w.rank = r;
+    if (plan.platform == "cpu") {
+      if (plan.simulated) {
+        w.env["JAX_PLATFORMS"] = "cpu";  // whatever the user set for the real hardware
+      } else {
+        unless_set(w, "JAX_PLATFORMS", "cpu");
+      }
+      unless_set(w, "JAX_NUM_CPU_DEVICES", "1");
+      unless_set(w, "JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo");
+    } else {
+      unless_set(w, "JAX_PLATFORMS", plan.platform);
+    }
+    plan.workers.push_back(std::move(w));
+  }
+  return plan;
+}
+
 }  // namespace jaxtrain::placement

@@ -75,4 +75,12 @@ StatusOr<Plan> PlanOnHosts(const config::ScalingConfig& config, const HostDescri
 // local launcher starts processes on this machine only).
 StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators::HostView& host);
 
+// The plan for an engine that places the ranks itself (Slurm, Kubernetes): the world size and one
+// environment for every rank (JAX_PLATFORMS, and for CPU one device and gloo collectives, unless
+// `host` sets them); no host, local rank or device is assigned. With the simulate switch any
+// ScalingConfig runs as CPU processes, as for local runs. Never fails today; a StatusOr so that
+// engines may refuse shapes later.
+StatusOr<Plan> PlanForScheduler(const config::ScalingConfig& config,
+                                const accelerators::HostView& host);
+
 }  // namespace jaxtrain::placement

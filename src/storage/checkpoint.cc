@@ -9,11 +9,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include "storage/crc32c.h"
 #include "storage/files.h"
@@ -61,15 +64,27 @@ Status WriteFully(int fd, const char* data, size_t n, const std::string& path) {
 // place, and the data moves with copy_file_range inside the kernel where the filesystems allow;
 // a file that cannot be mapped is streamed through `buffer`. The source must not be truncated
 // while it is copied (report() copies before it returns).
+// The copy gets the source's permission bits (the umask applies, so never wider than it allows)
+// plus read for the owner, who verifies and uploads it; a link swapped in for the source after it
+// was listed is not followed (O_NOFOLLOW).
 StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, const std::string& rel,
                              std::vector<char>& buffer) {
-  Fd in{open(src.c_str(), O_RDONLY | O_CLOEXEC)};
+  Fd in{open(src.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
   if (in.fd < 0) return IoError("cannot open", src, errno);
-  Fd out{open(dst.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
-  if (out.fd < 0) return IoError("cannot create", dst, errno);
   struct stat st;
   if (fstat(in.fd, &st) != 0) return IoError("cannot stat", src, errno);
-  FileEntry entry{.path = rel};
+  if (!S_ISREG(st.st_mode)) {
+    return InvalidArgumentError("checkpoint file '" + src + "' changed while it was copied");
+  }
+  const mode_t mode = (st.st_mode & 0777) | 0400;
+  // A file already there (a copy into a directory that has one) is replaced, not reused with its
+  // own mode, and a link there is not written through.
+  if (unlink(dst.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", dst, errno);
+  Fd out{open(dst.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode)};
+  if (out.fd < 0) return IoError("cannot create", dst, errno);
+  struct stat written;
+  if (fstat(out.fd, &written) != 0) return IoError("cannot stat", dst, errno);
+  FileEntry entry{.path = rel, .mode = static_cast<uint32_t>(written.st_mode & 0777)};
   const size_t size = static_cast<size_t>(st.st_size);
   void* map = size > 0 ? mmap(nullptr, size, PROT_READ, MAP_PRIVATE, in.fd, 0) : MAP_FAILED;
   if (map != MAP_FAILED) {
@@ -106,9 +121,91 @@ StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, con
   return entry;
 }
 
-Status CopyTree(const std::string& src, const std::string& dst, const std::string& rel,
-                std::vector<FileEntry>* entries, std::vector<char>& buffer) {
-  JT_RETURN_IF_ERROR(MakeDirs(dst));
+// The components of a relative path; "" and "." dropped, ".." kept.
+std::vector<std::string> Components(std::string_view path) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t end = path.find('/', start);
+    if (end == std::string_view::npos) end = path.size();
+    std::string part(path.substr(start, end - start));
+    if (!part.empty() && part != ".") out.push_back(std::move(part));
+    start = end + 1;
+  }
+  return out;
+}
+
+// Where `target`, the target of a link at `link_rel` inside a checkpoint, lands, relative to the
+// checkpoint's root, by the names alone; nullopt when it is absolute or climbs out.
+std::optional<std::string> LexicalTarget(const std::string& link_rel, const std::string& target) {
+  if (target.empty() || target.front() == '/') return std::nullopt;
+  std::vector<std::string> at = Components(link_rel);
+  if (!at.empty()) at.pop_back();  // the link's own name
+  for (auto& part : Components(target)) {
+    if (part != "..") {
+      at.push_back(std::move(part));
+    } else if (at.empty()) {
+      return std::nullopt;
+    } else {
+      at.pop_back();
+    }
+  }
+  std::string out;
+  for (const auto& part : at) out += (out.empty() ? "" : "/") + part;
+  return out;
+}
+
+// A target for a link at `link_rel` that reaches `inside` (relative to the root) from the link's
+// own directory: "../" once per level, then the path.
+std::string RelativeTarget(const std::string& link_rel, const std::string& inside) {
+  std::string out;
+  for (size_t i = 1; i < Components(link_rel).size(); ++i) out += "../";
+  out += inside.empty() ? "." : inside;
+  return out;
+}
+
+bool IsUnder(const std::string& path, const std::string& root) {
+  return path == root || (path.size() > root.size() && path.compare(0, root.size(), root) == 0 &&
+                          path[root.size()] == '/');
+}
+
+// Decides a link found at `from` (`rel` in the checkpoint whose real path is `root_real`): the
+// target to keep, or kInvalidArgument when it leads out of the checkpoint. The kernel's answer
+// (realpath) decides for a target that exists; a dangling one is kept only when its name stays
+// inside.
+StatusOr<std::string> KeptLinkTarget(const std::string& src_root, const std::string& root_real,
+                                     const std::string& from, const std::string& rel) {
+  std::vector<char> buf(PATH_MAX + 1);
+  ssize_t n = readlink(from.c_str(), buf.data(), buf.size() - 1);
+  if (n < 0) return IoError("cannot read the link", from, errno);
+  const std::string target(buf.data(), static_cast<size_t>(n));
+  auto refuse = [&](const std::string& why) {
+    return InvalidArgumentError(
+        "checkpoint directory '" + src_root + "' holds a symbolic link '" + rel + "' -> '" +
+        target + "' " + why +
+        "; jaxtrain never follows a link out of a checkpoint: copy the file into the directory, or "
+        "point the link at a file inside it");
+  };
+  std::optional<std::string> lexical = LexicalTarget(rel, target);
+  char* real = realpath(from.c_str(), nullptr);
+  if (real == nullptr) {
+    if (errno == ENOENT && lexical) return target;  // dangling, but inside by name
+    return refuse(errno == ENOENT
+                      ? "whose target does not exist and is not inside it"
+                      : std::string("that cannot be resolved: ") + std::strerror(errno));
+  }
+  const std::string resolved(real);
+  free(real);
+  if (!IsUnder(resolved, root_real))
+    return refuse("that points outside it (to '" + resolved + "')");
+  if (lexical) return target;
+  // Absolute, or climbing out and back in by the directory's own name: keep it relative.
+  return RelativeTarget(rel, resolved == root_real ? "" : resolved.substr(root_real.size() + 1));
+}
+
+Status CopyTree(const std::string& src_root, const std::string& root_real, const std::string& src,
+                const std::string& dst, const std::string& rel, std::vector<FileEntry>* entries,
+                std::vector<char>& buffer) {
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(src.c_str()), closedir);
   if (!dir) return IoError("cannot list", src, errno);
   std::vector<std::string> names;
@@ -122,9 +219,20 @@ Status CopyTree(const std::string& src, const std::string& dst, const std::strin
     std::string to = JoinPath(dst, name);
     std::string rel_name = rel.empty() ? name : rel + "/" + name;
     struct stat st;
-    if (stat(from.c_str(), &st) != 0) return IoError("cannot stat", from, errno);
-    if (S_ISDIR(st.st_mode)) {
-      JT_RETURN_IF_ERROR(CopyTree(from, to, rel_name, entries, buffer));
+    if (lstat(from.c_str(), &st) != 0) return IoError("cannot stat", from, errno);
+    if (S_ISLNK(st.st_mode)) {
+      JT_ASSIGN_OR_RETURN(std::string target, KeptLinkTarget(src_root, root_real, from, rel_name));
+      if (unlink(to.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", to, errno);
+      if (symlink(target.c_str(), to.c_str()) != 0) return IoError("cannot create", to, errno);
+      entries->push_back({.path = rel_name, .mode = 0777, .link = target});
+    } else if (S_ISDIR(st.st_mode)) {
+      // The owner keeps rwx: files go in now, and retention deletes the directory later.
+      struct stat there;
+      if (mkdir(to.c_str(), (st.st_mode & 0777) | 0700) != 0 &&
+          (errno != EEXIST || lstat(to.c_str(), &there) != 0 || !S_ISDIR(there.st_mode))) {
+        return IoError("cannot create directory", to, errno);
+      }
+      JT_RETURN_IF_ERROR(CopyTree(src_root, root_real, from, to, rel_name, entries, buffer));
     } else if (S_ISREG(st.st_mode)) {
       JT_ASSIGN_OR_RETURN(FileEntry entry, CopyFile(from, to, rel_name, buffer));
       entries->push_back(std::move(entry));
@@ -160,23 +268,10 @@ std::optional<CheckpointRecord> RecordFromJson(const nlohmann::json& j) {
   }
 }
 
-struct ManifestFile {
-  std::string path;
-  uint64_t size = 0;
-  uint32_t crc32c = 0;
-};
-
-std::optional<std::vector<ManifestFile>> ManifestFiles(const nlohmann::json& manifest) {
-  try {
-    std::vector<ManifestFile> out;
-    for (const auto& f : manifest.at("file_list")) {
-      out.push_back({f.at("path").get<std::string>(), f.at("size").get<uint64_t>(),
-                     f.at("crc32c").get<uint32_t>()});
-    }
-    return out;
-  } catch (const nlohmann::json::exception&) {
-    return std::nullopt;
-  }
+nlohmann::json EntryToJson(const FileEntry& f, int rank) {
+  if (!f.link.empty()) return {{"path", f.path}, {"target", f.link}, {"rank", rank}};
+  return {
+      {"path", f.path}, {"size", f.size}, {"crc32c", f.crc32c}, {"mode", f.mode}, {"rank", rank}};
 }
 
 // The parent directories of `rel` inside `root`, shallowest first ("a/b/c" -> root/a, root/a/b).
@@ -201,10 +296,78 @@ StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const st
                                 "' is not a directory; Checkpoint.from_directory() takes the "
                                 "directory the checkpoint's files are in");
   }
+  char* real = realpath(src.c_str(), nullptr);
+  if (real == nullptr) return IoError("cannot resolve the checkpoint directory", src, errno);
+  const std::string root_real(real);
+  free(real);
   std::vector<FileEntry> entries;
   std::vector<char> buffer(kCopyChunk);
-  JT_RETURN_IF_ERROR(CopyTree(src, dst, "", &entries, buffer));
+  JT_RETURN_IF_ERROR(MakeDirs(dst));
+  JT_RETURN_IF_ERROR(CopyTree(src, root_real, src, dst, "", &entries, buffer));
   return entries;
+}
+
+bool IsCleanRelativePath(const std::string& path) {
+  if (path.empty() || path.front() == '/' || path.find('\0') != std::string::npos) return false;
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t end = path.find('/', start);
+    if (end == std::string::npos) end = path.size();
+    std::string_view part(path.data() + start, end - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    start = end + 1;
+  }
+  return true;
+}
+
+Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part) {
+  const std::string who = "rank " + std::to_string(part.rank) + "'s checkpoint";
+  const std::string staging_root = JoinPath(run_dir, kStagingDir) + "/";
+  const std::string name = part.staging_dir.compare(0, staging_root.size(), staging_root) == 0
+                               ? part.staging_dir.substr(staging_root.size())
+                               : "";
+  if (name.empty() || !IsCleanRelativePath(name) || name.find('/') != std::string::npos) {
+    return InvalidArgumentError(who + " names the staging directory '" + part.staging_dir +
+                                "', which is not a directory directly under '" + staging_root +
+                                "'; refused: nothing was moved or deleted");
+  }
+  struct stat st;
+  if (lstat(part.staging_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return InvalidArgumentError(who + "'s staging directory '" + part.staging_dir +
+                                "' is not a directory (a symbolic link, or missing); refused");
+  }
+  for (const auto& f : part.files) {
+    if (!IsCleanRelativePath(f.path)) {
+      return InvalidArgumentError(who + " names the file '" + f.path +
+                                  "', which is not a clean relative path (no leading '/', no "
+                                  "'..', '.' or empty parts); refused");
+    }
+    for (const auto& parent : ParentDirs(part.staging_dir, f.path)) {
+      if (lstat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        return InvalidArgumentError(who + " has '" + f.path + "', but '" + parent +
+                                    "' is not a directory (a symbolic link, or missing); refused");
+      }
+    }
+    const std::string path = JoinPath(part.staging_dir, f.path);
+    if (lstat(path.c_str(), &st) != 0) {
+      return InvalidArgumentError(who + " lists '" + f.path + "', which is not in '" +
+                                  part.staging_dir + "'");
+    }
+    if (f.link.empty() && !S_ISREG(st.st_mode)) {
+      return InvalidArgumentError(who + " lists '" + f.path +
+                                  "' as a file, but it is not a regular file; refused");
+    }
+    if (!f.link.empty()) {
+      std::vector<char> buf(PATH_MAX + 1);
+      ssize_t n = S_ISLNK(st.st_mode) ? readlink(path.c_str(), buf.data(), buf.size() - 1) : -1;
+      if (n < 0 || std::string(buf.data(), static_cast<size_t>(n)) != f.link ||
+          !LexicalTarget(f.path, f.link)) {
+        return InvalidArgumentError(who + " lists '" + f.path + "' as a link to '" + f.link +
+                                    "', which is not a link inside the checkpoint; refused");
+      }
+    }
+  }
+  return OkStatus();
 }
 
 std::string StagingPath(const std::string& run_dir, int attempt, uint64_t round, int rank) {
@@ -225,6 +388,7 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   std::map<std::string, int> owner;
   CheckpointRecord record{.dir_name = dir_name, .round = round, .time = time};
   for (const auto& rc : ranks) {
+    JT_RETURN_IF_ERROR(CheckStagedPart(run_dir, rc));
     for (const auto& f : rc.files) {
       if (f.path == kManifestName) {
         return InvalidArgumentError("rank " + std::to_string(rc.rank) +
@@ -251,25 +415,32 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   JT_RETURN_IF_ERROR(MakeDirs(tmp));
   std::vector<std::string> dirs = {tmp};
   nlohmann::json files = nlohmann::json::array();
+  nlohmann::json links = nlohmann::json::array();
   for (const auto& rc : ranks) {
     for (const auto& f : rc.files) {
-      for (const auto& parent : ParentDirs(tmp, f.path)) {
-        if (mkdir(parent.c_str(), 0755) == 0) {
-          dirs.push_back(parent);
+      const std::vector<std::string> staged_parents = ParentDirs(rc.staging_dir, f.path);
+      const std::vector<std::string> parents = ParentDirs(tmp, f.path);
+      for (size_t i = 0; i < parents.size(); ++i) {
+        // The directory's mode as staged (the first rank to have it decides).
+        struct stat st;
+        mode_t mode =
+            lstat(staged_parents[i].c_str(), &st) == 0 ? (st.st_mode & 0777) | 0700 : 0755;
+        if (mkdir(parents[i].c_str(), mode) == 0) {
+          dirs.push_back(parents[i]);
         } else if (errno != EEXIST) {
-          return IoError("cannot create directory", parent, errno);
+          return IoError("cannot create directory", parents[i], errno);
         }
       }
       std::string from = JoinPath(rc.staging_dir, f.path);
       std::string to = JoinPath(tmp, f.path);
       if (rename(from.c_str(), to.c_str()) != 0) return IoError("cannot move", from, errno);
-      files.push_back(
-          {{"path", f.path}, {"size", f.size}, {"crc32c", f.crc32c}, {"rank", rc.rank}});
+      (f.link.empty() ? files : links).push_back(EntryToJson(f, rc.rank));
     }
   }
   nlohmann::json manifest = RecordToJson(record);
   manifest["version"] = 1;
   manifest["file_list"] = files;
+  if (!links.empty()) manifest["links"] = links;
   JT_RETURN_IF_ERROR(WriteFileAtomically(JoinPath(tmp, kManifestName), manifest.dump(1) + "\n"));
   // The renames above changed directory entries: make them durable before the commit point.
   for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
@@ -303,40 +474,110 @@ StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir) {
   return *record;
 }
 
-Status VerifyCheckpoint(const std::string& dir, bool checksums) {
+std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& manifest) {
+  try {
+    std::vector<FileEntry> out;
+    for (const auto& f : manifest.at("file_list")) {
+      out.push_back({.path = f.at("path").get<std::string>(),
+                     .size = f.at("size").get<uint64_t>(),
+                     .crc32c = f.at("crc32c").get<uint32_t>(),
+                     .mode = f.value("mode", uint32_t{0644})});
+    }
+    for (const auto& l : manifest.value("links", nlohmann::json::array())) {
+      out.push_back({.path = l.at("path").get<std::string>(),
+                     .mode = 0777,
+                     .link = l.at("target").get<std::string>()});
+    }
+    for (const auto& e : out) {
+      if (!IsCleanRelativePath(e.path)) return std::nullopt;
+    }
+    return out;
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;
+  }
+}
+
+namespace {
+
+// One entry of a committed checkpoint against its manifest; `buffer` is this thread's.
+Status VerifyEntry(const std::string& dir, const FileEntry& f, bool checksums,
+                   std::vector<char>& buffer) {
+  std::string path = JoinPath(dir, f.path);
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) {
+    return DataLossError("checkpoint file '" + path + "' is missing");
+  }
+  if (!f.link.empty()) {
+    std::vector<char> buf(PATH_MAX + 1);
+    ssize_t n = S_ISLNK(st.st_mode) ? readlink(path.c_str(), buf.data(), buf.size() - 1) : -1;
+    if (n < 0 || std::string(buf.data(), static_cast<size_t>(n)) != f.link) {
+      return DataLossError("checkpoint link '" + path + "' is not the link to '" + f.link +
+                           "' that its manifest lists");
+    }
+    return OkStatus();
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return DataLossError("checkpoint file '" + path +
+                         "' is not a regular file (its manifest lists one); refusing to follow it");
+  }
+  if (static_cast<uint64_t>(st.st_size) != f.size) {
+    return DataLossError("checkpoint file '" + path + "' has " + std::to_string(st.st_size) +
+                         " bytes; its manifest says " + std::to_string(f.size));
+  }
+  if (!checksums) return OkStatus();
+  Fd in{open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
+  if (in.fd < 0) return IoError("cannot open", path, errno);
+  posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  uint32_t crc = 0;
+  for (;;) {
+    ssize_t n = read(in.fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return IoError("cannot read", path, errno);
+    if (n == 0) break;
+    crc = Crc32c(crc, buffer.data(), static_cast<size_t>(n));
+  }
+  if (crc != f.crc32c) {
+    return DataLossError("checkpoint file '" + path +
+                         "' does not match its checksum: it changed after it was committed");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads) {
   auto text = ReadFile(JoinPath(dir, kManifestName));
   if (!text.ok()) {
     return NotFoundError("'" + dir + "' is not a committed checkpoint: it has no manifest");
   }
-  auto files = ManifestFiles(nlohmann::json::parse(*text, nullptr, false));
-  if (!files) return DataLossError("the manifest of checkpoint '" + dir + "' is damaged");
-  std::vector<char> buffer(kCopyChunk);
-  for (const auto& f : *files) {
-    std::string path = JoinPath(dir, f.path);
-    struct stat st;
-    if (stat(path.c_str(), &st) != 0) {
-      return DataLossError("checkpoint file '" + path + "' is missing");
+  auto entries = ManifestEntries(nlohmann::json::parse(*text, nullptr, false));
+  if (!entries) return DataLossError("the manifest of checkpoint '" + dir + "' is damaged");
+  // Largest first, so that one big file starts at once and the small ones fill the other threads.
+  std::vector<size_t> order(entries->size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return (*entries)[a].size > (*entries)[b].size; });
+  if (threads <= 0)
+    threads = static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
+  const size_t n_threads =
+      std::min(static_cast<size_t>(threads), std::max<size_t>(1, order.size()));
+  std::vector<Status> results(entries->size());
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  auto work = [&] {
+    std::vector<char> buffer(kCopyChunk);
+    for (size_t k = next++; k < order.size() && !failed; k = next++) {
+      Status s = VerifyEntry(dir, (*entries)[order[k]], checksums, buffer);
+      if (!s.ok()) failed = true;
+      results[order[k]] = std::move(s);
     }
-    if (static_cast<uint64_t>(st.st_size) != f.size) {
-      return DataLossError("checkpoint file '" + path + "' has " + std::to_string(st.st_size) +
-                           " bytes; its manifest says " + std::to_string(f.size));
-    }
-    if (!checksums) continue;
-    Fd in{open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-    if (in.fd < 0) return IoError("cannot open", path, errno);
-    uint32_t crc = 0;
-    for (;;) {
-      ssize_t n = read(in.fd, buffer.data(), buffer.size());
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return IoError("cannot read", path, errno);
-      if (n == 0) break;
-      crc = Crc32c(crc, buffer.data(), static_cast<size_t>(n));
-    }
-    if (crc != f.crc32c) {
-      return DataLossError("checkpoint file '" + path +
-                           "' does not match its checksum: it changed after it was committed");
-    }
-  }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  // A failure stops the others early; of those found, the first in manifest order is returned.
+  for (auto& s : results) JT_RETURN_IF_ERROR(s);
   return OkStatus();
 }
 

@@ -8,6 +8,15 @@
 // rebuildable index of the committed ones, rewritten atomically; anything under .staging/ is an
 // interrupted commit and is swept at the next start.
 //
+// File modes and symbolic links: a file keeps its permission bits (0777 & mode, never widened
+// beyond the umask, which applies when it is staged; the owner always keeps read); a directory
+// keeps its mode, with rwx for the owner so that retention can delete it. A symbolic link whose
+// target lies inside the checkpoint is kept as a link (its target stored relative, never copied
+// twice); a link whose target lies outside it (an absolute target elsewhere, a `..` that climbs
+// out, or a chain that ends outside) is refused, never followed. The manifest records each file's
+// mode and each kept link with its target. Private runs (docs/architecture.md) get 0700/0600
+// through the umask.
+//
 // Layout:  <run>/.staging/a<attempt>-r<round>-rank<r>/...   one rank's staged files
 //          <run>/<dir_name>/...  + <run>/<dir_name>/.jaxtrain_manifest.json
 //          <run>/checkpoints.json
@@ -28,16 +37,22 @@ namespace jaxtrain::storage {
 inline constexpr char kManifestName[] = ".jaxtrain_manifest.json";
 inline constexpr char kStagingDir[] = ".staging";
 
+// One entry of a checkpoint: a regular file, or (with `link` set) a symbolic link.
 struct FileEntry {
   std::string path;  // relative to the checkpoint directory
   uint64_t size = 0;
   uint32_t crc32c = 0;
+  uint32_t mode = 0644;  // permission bits of a file as staged
+  std::string link;      // a kept link's target, relative to the link's directory; "" = a file
 };
 
-// Copies every regular file under `src` into `dst` (created), streaming, computing each file's
-// CRC-32C on the way, and fsyncs every file and directory written. Symbolic links are followed.
-// Errors: kNotFound when `src` does not exist, kInvalidArgument when it is not a directory,
-// kPermissionDenied / kInternal naming the file and the reason.
+// Copies every regular file under `src` into `dst` (created; files already there are replaced),
+// streaming, computing each file's
+// CRC-32C on the way, and fsyncs every file and directory written. Modes and links as described
+// at the top; `src` itself may be a link to a directory (the user named it). Other kinds of files
+// (sockets, FIFOs, devices) are skipped. Errors: kNotFound when `src` does not exist,
+// kInvalidArgument when it is not a directory or holds a link that leads out of it (naming the
+// link and its target), kPermissionDenied / kInternal naming the file and the reason.
 StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst);
 
 // The staging directory of one rank's files for one report round.
@@ -58,19 +73,36 @@ struct CheckpointRecord {
   uint64_t files = 0;
 };
 
+// Whether `path` is a clean relative path: not empty, not absolute, no empty, "." or ".."
+// component, no NUL.
+bool IsCleanRelativePath(const std::string& path);
+
+// Checks one rank's part as a worker described it, before anything is moved or deleted: its
+// staging_dir is a real directory (not a link) directly under <run_dir>/.staging, each path is
+// clean (IsCleanRelativePath), each file and its parent directories are what the entry says
+// (a regular file, or a link with the recorded target, which stays inside the checkpoint) and no
+// component is a link. Errors: kInvalidArgument naming the rank, the path and what is wrong.
+Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
+
 // Commits one round's checkpoint as <run_dir>/<dir_name> (replacing a directory of that name
-// atomically). Errors: kInvalidArgument for a dir_name that is not one plain directory name,
-// for a file written by two ranks (naming both and the file) or for the reserved manifest name;
+// atomically). Every part is checked with CheckStagedPart first. Errors: kInvalidArgument for a
+// dir_name that is not one plain directory name, for a part that CheckStagedPart refuses, for a
+// file written by two ranks (naming both and the file) or for the reserved manifest name;
 // kInternal / kPermissionDenied for filesystem failures, naming the path.
 StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const std::string& dir_name,
                                             uint64_t round, double time,
                                             const std::string& metrics_json,
                                             const std::vector<RankCheckpoint>& ranks);
 
-// Checks a committed checkpoint against its manifest: every file present with its size, and with
-// `checksums` also its CRC-32C. Errors: kDataLoss naming the file and what differs; kNotFound when
-// the directory or its manifest is missing.
-Status VerifyCheckpoint(const std::string& dir, bool checksums);
+// Checks a committed checkpoint against its manifest: every file present as a regular file with
+// its size, every kept link a link with its target, and with `checksums` also each file's CRC-32C,
+// files read in parallel on up to `threads` threads (0: one per core, at most 8), so the time
+// scales with the largest file rather than the sum. Errors: kDataLoss naming the file and what
+// differs; kNotFound when the directory or its manifest is missing.
+Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads = 0);
+
+// The entries a manifest lists: its files, then its kept links. nullopt when it is damaged.
+std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& manifest);
 
 // Reads the manifest's record of a committed checkpoint directory.
 StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir);

@@ -341,31 +341,150 @@ TEST_F(StageDirectoryTest, FileAsSourceIsInvalidArgumentNamingThePath) {
   EXPECT_TRUE(HasText(entries.status().message(), "not a directory"));
 }
 
-TEST_F(StageDirectoryTest, FollowsASymlinkToAFile) {
-  WriteTestFile(Path("elsewhere/weights.bin"), "real contents");
-  fs::create_directories(Path("src"));
+mode_t ModeOf(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 ? st.st_mode & 07777 : 0;
+}
+
+// Sets the umask for one test and restores it afterwards.
+class ScopedUmask {
+ public:
+  explicit ScopedUmask(mode_t mask) : old_(umask(mask)) {}
+  ~ScopedUmask() { umask(old_); }
+
+ private:
+  mode_t old_;
+};
+
+TEST_F(StageDirectoryTest, KeepsFileAndDirectoryModesWithinTheUmask) {
+  ScopedUmask mask(022);
+  WriteTestFile(Path("src/secret.key"), "token");
+  WriteTestFile(Path("src/run.sh"), "#!/bin/sh\n");
+  WriteTestFile(Path("src/wide.txt"), "everyone may write");
+  WriteTestFile(Path("src/private/inner.bin"), "x");
+  fs::permissions(Path("src/secret.key"), fs::perms(0600));
+  fs::permissions(Path("src/run.sh"), fs::perms(0750));
+  fs::permissions(Path("src/wide.txt"), fs::perms(0666));
+  fs::permissions(Path("src/private"), fs::perms(0700));
+
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  EXPECT_EQ(ModeOf(Path("dst/secret.key")), 0600u);
+  EXPECT_EQ(ModeOf(Path("dst/run.sh")), 0750u);
+  EXPECT_EQ(ModeOf(Path("dst/wide.txt")), 0644u);  // never wider than the umask allows
+  EXPECT_EQ(ModeOf(Path("dst/private")), 0700u);
+  std::map<std::string, uint32_t> modes;
+  for (const auto& e : *entries) modes[e.path] = e.mode;
+  EXPECT_EQ(modes["secret.key"], 0600u);
+  EXPECT_EQ(modes["wide.txt"], 0644u);
+}
+
+TEST_F(StageDirectoryTest, APrivateUmaskMakesEveryStagedFileAndDirectoryPrivate) {
+  ScopedUmask mask(077);
+  WriteTestFile(Path("src/sub/model.bin"), "weights");
+  fs::permissions(Path("src/sub/model.bin"), fs::perms(0644));
+  fs::permissions(Path("src/sub"), fs::perms(0755));
+  ASSERT_TRUE(StageDirectory(Path("src"), Path("dst")).ok());
+  EXPECT_EQ(ModeOf(Path("dst/sub/model.bin")), 0600u);
+  EXPECT_EQ(ModeOf(Path("dst/sub")), 0700u);
+}
+
+TEST_F(StageDirectoryTest, KeepsALinkToAFileInsideAsALinkAndCopiesTheFileOnce) {
+  WriteTestFile(Path("src/weights/v1.bin"), "real contents");
+  fs::create_symlink("weights/v1.bin", Path("src/latest.bin"));
+  fs::create_directory_symlink("weights", Path("src/alias"));
+
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  std::map<std::string, FileEntry> by_path;
+  for (const auto& e : *entries) by_path[e.path] = e;
+  ASSERT_EQ(by_path.size(), 3u);
+  EXPECT_EQ(by_path["latest.bin"].link, "weights/v1.bin");
+  EXPECT_EQ(by_path["alias"].link, "weights");
+  EXPECT_EQ(by_path["weights/v1.bin"].link, "");
+  EXPECT_TRUE(fs::is_symlink(Path("dst/latest.bin")));
+  EXPECT_TRUE(fs::is_symlink(Path("dst/alias")));
+  EXPECT_EQ(ReadTestFile(Path("dst/latest.bin")), "real contents");
+  int copies = 0;  // files, not links: the target's bytes were copied once
+  for (const auto& e : fs::recursive_directory_iterator(Path("dst"))) {
+    copies += e.is_regular_file() && !e.is_symlink();
+  }
+  EXPECT_EQ(copies, 1);
+}
+
+TEST_F(StageDirectoryTest, AnAbsoluteLinkToAFileInsideIsKeptRelative) {
+  WriteTestFile(Path("src/a/model.bin"), "m");
+  fs::create_directories(Path("src/b/c"));
+  fs::create_symlink(Path("src/a/model.bin"), Path("src/b/c/link.bin"));
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  EXPECT_EQ(fs::read_symlink(Path("dst/b/c/link.bin")).string(), "../../a/model.bin");
+  EXPECT_EQ(ReadTestFile(Path("dst/b/c/link.bin")), "m");
+}
+
+TEST_F(StageDirectoryTest, ALinkToAFileOutsideIsRefusedNamingTheLinkAndItsTarget) {
+  WriteTestFile(Path("elsewhere/weights.bin"), "private");
+  WriteTestFile(Path("src/ok.bin"), "ok");
   fs::create_symlink(Path("elsewhere/weights.bin"), Path("src/link.bin"));
 
   auto entries = StageDirectory(Path("src"), Path("dst"));
-  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
-  ASSERT_EQ(entries->size(), 1u);
-  EXPECT_EQ((*entries)[0].path, "link.bin");
-  EXPECT_EQ((*entries)[0].size, 13u);
-  EXPECT_EQ((*entries)[0].crc32c, CrcOf("real contents"));
-  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(Path("dst/link.bin"))));
-  EXPECT_EQ(ReadTestFile(Path("dst/link.bin")), "real contents");
+  EXPECT_EQ(entries.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(entries.status().message(), "'link.bin'"));
+  EXPECT_TRUE(HasText(entries.status().message(), Path("elsewhere/weights.bin")));
+  EXPECT_TRUE(HasText(entries.status().message(), "outside"));
+  EXPECT_FALSE(Exists(Path("dst/link.bin")));
 }
 
-TEST_F(StageDirectoryTest, FollowsASymlinkToADirectory) {
-  WriteTestFile(Path("elsewhere/shard/0.bin"), "zero");
+TEST_F(StageDirectoryTest, ALinkToADirectoryOutsideIsRefusedAndNotWalked) {
+  WriteTestFile(Path("outside/big.bin"), Pattern(1000, 4));
   fs::create_directories(Path("src"));
-  fs::create_directory_symlink(Path("elsewhere/shard"), Path("src/shard"));
+  fs::create_directory_symlink(Path("outside"), Path("src/dirlink"));
+  fs::create_directory_symlink("/etc", Path("src/etc"));
 
   auto entries = StageDirectory(Path("src"), Path("dst"));
+  EXPECT_EQ(entries.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(entries.status().message(), "dirlink"));
+  EXPECT_TRUE(ListFiles(Path("dst")).empty());
+}
+
+TEST_F(StageDirectoryTest, ARelativeLinkThatClimbsOutIsRefused) {
+  WriteTestFile(Path("secret.txt"), "s");
+  fs::create_directories(Path("src/sub"));
+  fs::create_symlink("../../secret.txt", Path("src/sub/up.txt"));
+  auto entries = StageDirectory(Path("src"), Path("dst"));
+  EXPECT_EQ(entries.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(entries.status().message(), "'sub/up.txt' -> '../../secret.txt'"));
+}
+
+TEST_F(StageDirectoryTest, ADanglingLinkIsKeptOnlyWhenItsNameStaysInside) {
+  fs::create_directories(Path("src"));
+  fs::create_symlink("not_yet.bin", Path("src/inside.bin"));
+  auto entries = StageDirectory(Path("src"), Path("dst"));
   ASSERT_TRUE(entries.ok()) << entries.status().ToString();
-  ASSERT_EQ(entries->size(), 1u);
-  EXPECT_EQ((*entries)[0].path, "shard/0.bin");
-  EXPECT_EQ(ReadTestFile(Path("dst/shard/0.bin")), "zero");
+  EXPECT_EQ(fs::read_symlink(Path("dst/inside.bin")).string(), "not_yet.bin");
+
+  fs::create_symlink("/nonexistent/x", Path("src/outside.bin"));
+  entries = StageDirectory(Path("src"), Path("dst2"));
+  EXPECT_EQ(entries.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(HasText(entries.status().message(), "'outside.bin' -> '/nonexistent/x'"));
+}
+
+TEST_F(StageDirectoryTest, TheSourceItselfMayBeALinkToADirectory) {
+  WriteTestFile(Path("real/model.bin"), "m");
+  fs::create_directory_symlink(Path("real"), Path("named"));
+  auto entries = StageDirectory(Path("named"), Path("dst"));
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  EXPECT_EQ(ReadTestFile(Path("dst/model.bin")), "m");
+}
+
+TEST(CleanRelativePathTest, RefusesAbsoluteDotDotDotAndEmptyParts) {
+  for (const char* ok : {"a", "a/b.bin", "a.b/.hidden", "..a/b.."}) {
+    EXPECT_TRUE(IsCleanRelativePath(ok)) << ok;
+  }
+  for (const char* bad :
+       {"", "/etc/passwd", "../x", "a/../../x", "a/./b", "a//b", "a/", ".", ".."}) {
+    EXPECT_FALSE(IsCleanRelativePath(bad)) << bad;
+  }
 }
 
 // --- CommitCheckpoint / ReadCheckpointRecord -----------------------------------------------------
@@ -556,6 +675,109 @@ TEST_F(CommitTest, MetricsThatAreNotAJsonObjectAreRecordedAsEmpty) {
   }
 }
 
+TEST_F(CommitTest, KeepsModesAndInsideLinksAndTheManifestRecordsThem) {
+  ScopedUmask mask(022);
+  const std::string src = Path("modes_src");
+  WriteTestFile(JoinPath(src, "keys/secret.key"), "token");
+  fs::permissions(JoinPath(src, "keys/secret.key"), fs::perms(0600));
+  fs::permissions(JoinPath(src, "keys"), fs::perms(0700));
+  fs::create_symlink("keys/secret.key", JoinPath(src, "current.key"));
+  RankCheckpoint rc{.rank = 0, .staging_dir = StagingPath(run_, 1, 2, 0)};
+  auto entries = StageDirectory(src, rc.staging_dir);
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  rc.files = *entries;
+  auto record = CommitCheckpoint(run_, "ckpt", 2, 1.0, "{}", {rc});
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+
+  const std::string dir = Dir("ckpt");
+  EXPECT_EQ(ModeOf(JoinPath(dir, "keys/secret.key")), 0600u);
+  EXPECT_EQ(ModeOf(JoinPath(dir, "keys")), 0700u);
+  EXPECT_EQ(fs::read_symlink(JoinPath(dir, "current.key")).string(), "keys/secret.key");
+  json manifest = json::parse(ReadTestFile(JoinPath(dir, kManifestName)));
+  ASSERT_EQ(manifest["file_list"].size(), 1u);
+  EXPECT_EQ(manifest["file_list"][0]["path"], "keys/secret.key");
+  EXPECT_EQ(manifest["file_list"][0]["mode"], 0600);
+  ASSERT_EQ(manifest["links"].size(), 1u);
+  EXPECT_EQ(manifest["links"][0]["path"], "current.key");
+  EXPECT_EQ(manifest["links"][0]["target"], "keys/secret.key");
+  EXPECT_TRUE(VerifyCheckpoint(dir, /*checksums=*/true).ok());
+
+  // A link replaced after the commit no longer verifies.
+  fs::remove(JoinPath(dir, "current.key"));
+  fs::create_symlink("/etc/passwd", JoinPath(dir, "current.key"));
+  Status s = VerifyCheckpoint(dir, /*checksums=*/true);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(HasText(s.message(), "current.key"));
+}
+
+// A worker's message names its staging directory and its files; a wrong one must never make the
+// controller move, follow or delete anything outside the run's staging area.
+class StagedPartTest : public CommitTest {
+ protected:
+  void SetUp() override {
+    CommitTest::SetUp();
+    WriteTestFile(Path("victim/precious.bin"), "keep me");
+  }
+  void ExpectRefusedAndVictimKept(const RankCheckpoint& rc, const std::string& text) {
+    auto record = CommitCheckpoint(run_, "ckpt", 1, 1.0, "{}", {rc});
+    EXPECT_EQ(record.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(HasText(record.status().message(), text));
+    EXPECT_TRUE(HasText(record.status().message(), "rank 0"));
+    EXPECT_EQ(ReadTestFile(Path("victim/precious.bin")), "keep me");
+    EXPECT_FALSE(Exists(Dir("ckpt")));
+  }
+};
+
+TEST_F(StagedPartTest, AStagingDirectoryOutsideTheRunsStagingIsRefusedAndNotDeleted) {
+  RankCheckpoint rc{.rank = 0,
+                    .staging_dir = Path("victim"),
+                    .files = {{.path = "precious.bin", .size = 7, .crc32c = CrcOf("keep me")}}};
+  ExpectRefusedAndVictimKept(rc, "'" + Path("victim") + "'");
+  rc.staging_dir = JoinPath(run_, ".staging/../../victim");
+  ExpectRefusedAndVictimKept(rc, "not a directory directly under");
+  rc.staging_dir = JoinPath(run_, ".staging");
+  ExpectRefusedAndVictimKept(rc, "not a directory directly under");
+}
+
+TEST_F(StagedPartTest, AStagingDirectoryThatIsASymlinkIsRefusedAndNotDeleted) {
+  fs::create_directories(JoinPath(run_, ".staging"));
+  const std::string link = StagingPath(run_, 1, 1, 0);
+  fs::create_directory_symlink(Path("victim"), link);
+  RankCheckpoint rc{.rank = 0,
+                    .staging_dir = link,
+                    .files = {{.path = "precious.bin", .size = 7, .crc32c = CrcOf("keep me")}}};
+  ExpectRefusedAndVictimKept(rc, "symbolic link");
+}
+
+TEST_F(StagedPartTest, FilePathsWithDotDotOrAbsoluteAreRefused) {
+  RankCheckpoint rc = StageRank(0, 1, {{"model.bin", "m"}});
+  for (const std::string& bad :
+       std::vector<std::string>{"../../victim/precious.bin", Path("victim/precious.bin"),
+                                std::string("a/./b"), std::string("")}) {
+    SCOPED_TRACE(bad);
+    RankCheckpoint forged = rc;
+    forged.files.push_back({.path = bad, .size = 7});
+    ExpectRefusedAndVictimKept(forged, "not a clean relative path");
+    EXPECT_TRUE(Exists(JoinPath(rc.staging_dir, "model.bin")));
+  }
+}
+
+TEST_F(StagedPartTest, AFileReachedThroughASymlinkedParentIsRefused) {
+  RankCheckpoint rc = StageRank(0, 1, {{"model.bin", "m"}});
+  fs::create_directory_symlink(Path("victim"), JoinPath(rc.staging_dir, "sub"));
+  rc.files.push_back({.path = "sub/precious.bin", .size = 7, .crc32c = CrcOf("keep me")});
+  ExpectRefusedAndVictimKept(rc, "'sub/precious.bin'");
+}
+
+TEST_F(StagedPartTest, AFileListedAsAFileThatIsALinkIsRefused) {
+  RankCheckpoint rc = StageRank(0, 1, {{"model.bin", "m"}});
+  fs::create_symlink(Path("victim/precious.bin"), JoinPath(rc.staging_dir, "stolen.bin"));
+  rc.files.push_back({.path = "stolen.bin", .size = 7, .crc32c = CrcOf("keep me")});
+  ExpectRefusedAndVictimKept(rc, "not a regular file");
+  rc.files.back().link = Path("victim/precious.bin");
+  ExpectRefusedAndVictimKept(rc, "not a link inside the checkpoint");
+}
+
 TEST_F(CommitTest, ReadCheckpointRecordOfADirectoryWithoutManifestIsNotFound) {
   WriteTestFile(Path("run/not_a_checkpoint/model.bin"), "x");
   auto read = ReadCheckpointRecord(Dir("not_a_checkpoint"));
@@ -630,6 +852,22 @@ TEST_F(VerifyTest, FlippedByteIsDataLossOnlyWithChecksums) {
   EXPECT_EQ(s.code(), StatusCode::kDataLoss);
   EXPECT_TRUE(HasText(s.message(), path));
   EXPECT_TRUE(HasText(s.message(), "checksum"));
+}
+
+TEST_F(CommitTest, VerifyOnManyThreadsFindsTheOneFlippedByteAmongManyFiles) {
+  std::map<std::string, std::string> files;
+  for (int i = 0; i < 24; ++i) files["f" + std::to_string(i) + ".bin"] = Pattern(3000 + i, i);
+  ASSERT_TRUE(CommitCheckpoint(run_, "many", 1, 1.0, "{}", {StageRank(0, 1, files)}).ok());
+  for (int threads : {1, 4, 0}) EXPECT_TRUE(VerifyCheckpoint(Dir("many"), true, threads).ok());
+  const std::string path = JoinPath(Dir("many"), "f17.bin");
+  std::string contents = ReadTestFile(path);
+  contents[100] ^= 0x40;
+  WriteTestFile(path, contents);
+  for (int threads : {1, 4, 0}) {
+    Status s = VerifyCheckpoint(Dir("many"), true, threads);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(HasText(s.message(), path));
+  }
 }
 
 TEST_F(VerifyTest, MissingFileIsDataLossNamingTheFile) {

@@ -29,8 +29,9 @@ uint32_t Software(uint32_t crc, const unsigned char* p, size_t n) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t Hardware(uint32_t crc, const unsigned char* p,
-                                                    size_t n) {
+// clang 14 and later hold the crc32 instructions apart from the rest of SSE 4.2.
+__attribute__((target("sse4.2,crc32"))) uint32_t Hardware(uint32_t crc, const unsigned char* p,
+                                                          size_t n) {
   uint64_t c = crc;
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t word;

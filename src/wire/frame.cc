@@ -3,6 +3,8 @@
 namespace jaxtrain::wire {
 namespace {
 
+constexpr size_t kKeptCapacity = 4096;  // what an empty FrameDecoder may keep allocated
+
 void PutU32(std::string* out, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>(v >> shift));
 }
@@ -14,11 +16,21 @@ uint32_t GetU32(const char* p) {
 
 }  // namespace
 
-std::string EncodeFrame(MessageType type, std::string_view body) {
+StatusOr<std::string> EncodeFrameHeader(MessageType type, size_t body_size) {
+  if (body_size > kMaxFrameBody) {
+    return InvalidArgumentError("a frame body of " + std::to_string(body_size) +
+                                " bytes is larger than the wire format's limit of " +
+                                std::to_string(kMaxFrameBody));
+  }
   std::string out;
-  out.reserve(kFrameHeaderSize + body.size());
-  PutU32(&out, static_cast<uint32_t>(body.size() + 1));
+  PutU32(&out, static_cast<uint32_t>(body_size + 1));
   out.push_back(static_cast<char>(type));
+  return out;
+}
+
+StatusOr<std::string> EncodeFrame(MessageType type, std::string_view body) {
+  JT_ASSIGN_OR_RETURN(std::string out, EncodeFrameHeader(type, body.size()));
+  out.reserve(kFrameHeaderSize + body.size());
   out.append(body);
   return out;
 }
@@ -42,8 +54,13 @@ Status DecodeReportBody(std::string_view body, uint64_t* round, std::string_view
   return OkStatus();
 }
 
-std::string EncodeCheckpointReportBody(uint64_t round, std::string_view checkpoint_json,
-                                       std::string_view metrics_json) {
+StatusOr<std::string> EncodeCheckpointReportBody(uint64_t round, std::string_view checkpoint_json,
+                                                 std::string_view metrics_json) {
+  if (checkpoint_json.size() > 0xffffffffu) {
+    return InvalidArgumentError("a checkpoint description of " +
+                                std::to_string(checkpoint_json.size()) +
+                                " bytes is larger than its u32 length field");
+  }
   std::string out = EncodeReportBody(round, "");
   PutU32(&out, static_cast<uint32_t>(checkpoint_json.size()));
   out.append(checkpoint_json);
@@ -103,6 +120,8 @@ StatusOr<std::optional<Frame>> FrameDecoder::Next() {
   if (consumed_ == buffer_.size()) {
     buffer_.clear();
     consumed_ = 0;
+    // A connection between frames keeps no large buffer, so thousands of them stay small.
+    if (buffer_.capacity() > kKeptCapacity) std::string().swap(buffer_);
   }
   return std::optional<Frame>(std::move(f));
 }

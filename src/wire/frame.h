@@ -6,7 +6,8 @@
 // big-endian round number followed by the metrics as JSON; kReportCheckpoint adds the rank's
 // checkpoint (below); kPayload is opaque bytes; the rest are JSON objects. The full message
 // sequence is drawn in docs/wire.md. FrameDecoder never allocates more than its limit, whatever the
-// peer sends.
+// peer sends, and no encoder truncates a length: a body too large for its length field is an
+// error.
 #pragma once
 
 #include <cstdint>
@@ -29,17 +30,31 @@ enum class MessageType : uint8_t {
   kError = 8,      // worker -> controller: the training function raised; traceback
   kDone = 9,       // worker -> controller: the training function returned
   kReportCheckpoint = 10,  // worker -> controller: a report() round with this rank's checkpoint
+  kRefused = 11,           // controller -> worker: its proven hello is refused; the reason as text
 };
-constexpr uint8_t kMaxMessageType = 10;
+constexpr uint8_t kMaxMessageType = 11;
 
 constexpr size_t kFrameHeaderSize = 5;
+// The largest body the u32 length field can describe (it counts the type byte too).
+constexpr size_t kMaxFrameBody = 0xffffffffu - 1;
+// The largest body the controller accepts from an authenticated worker (reports, tracebacks).
+constexpr size_t kMaxWorkerFrameBody = size_t{16} << 20;
+// The largest body a worker accepts from the controller (the pickled training function).
+constexpr size_t kMaxControllerFrameBody = (size_t{1} << 31) - 1;
+// The fixed part of a kReport body (the round) and of a kReportCheckpoint body (round, length).
+constexpr size_t kReportHeaderSize = 8;
+constexpr size_t kCheckpointReportHeaderSize = 12;
 
 struct Frame {
   MessageType type;
   std::string body;
 };
 
-std::string EncodeFrame(MessageType type, std::string_view body);
+// A whole frame. Errors: kInvalidArgument when the body is larger than kMaxFrameBody.
+StatusOr<std::string> EncodeFrame(MessageType type, std::string_view body);
+// The 5-byte header of a frame whose body of `body_size` bytes is sent separately (a body shared
+// by many connections). Errors: as EncodeFrame().
+StatusOr<std::string> EncodeFrameHeader(MessageType type, size_t body_size);
 
 // The kReport body.
 std::string EncodeReportBody(uint64_t round, std::string_view metrics_json);
@@ -47,9 +62,10 @@ std::string EncodeReportBody(uint64_t round, std::string_view metrics_json);
 Status DecodeReportBody(std::string_view body, uint64_t* round, std::string_view* metrics_json);
 
 // The kReportCheckpoint body: u64 round, u32 length of the checkpoint JSON, the checkpoint JSON,
-// then the metrics JSON.
-std::string EncodeCheckpointReportBody(uint64_t round, std::string_view checkpoint_json,
-                                       std::string_view metrics_json);
+// then the metrics JSON. Errors: kInvalidArgument when the checkpoint JSON is larger than its u32
+// length field.
+StatusOr<std::string> EncodeCheckpointReportBody(uint64_t round, std::string_view checkpoint_json,
+                                                 std::string_view metrics_json);
 // Errors: kDataLoss when the body is too short for its lengths.
 Status DecodeCheckpointReportBody(std::string_view body, uint64_t* round,
                                   std::string_view* checkpoint_json,
@@ -74,6 +90,8 @@ class FrameDecoder {
   StatusOr<std::optional<Frame>> Next();
 
   size_t buffered() const { return buffer_.size() - consumed_; }
+  // Bytes allocated for the buffer; at most a few KiB while no frame is partly received.
+  size_t capacity() const { return buffer_.capacity(); }
 
  private:
   Status CheckHead();

@@ -5,10 +5,12 @@
 namespace jaxtrain::wire {
 namespace {
 
+// A frame whose body is known to fit.
+std::string F(MessageType type, std::string_view body) { return EncodeFrame(type, body).value(); }
+
 TEST(FrameDecoderTest, DecodesFramesSplitAtEveryByte) {
-  std::string stream = EncodeFrame(MessageType::kRegister, "{\"a\":1}") +
-                       EncodeFrame(MessageType::kDone, "") +
-                       EncodeFrame(MessageType::kReport, EncodeReportBody(7, "{}"));
+  std::string stream = F(MessageType::kRegister, "{\"a\":1}") + F(MessageType::kDone, "") +
+                       F(MessageType::kReport, EncodeReportBody(7, "{}"));
   FrameDecoder d(1024);
   std::vector<Frame> frames;
   for (char c : stream) {
@@ -35,7 +37,7 @@ TEST(FrameDecoderTest, DecodesFramesSplitAtEveryByte) {
 
 TEST(FrameDecoderTest, RefusesAnOversizedLengthBeforeBufferingTheBody) {
   FrameDecoder d(16);
-  std::string header = EncodeFrame(MessageType::kRegister, std::string(17, 'x')).substr(0, 5);
+  std::string header = F(MessageType::kRegister, std::string(17, 'x')).substr(0, 5);
   Status s = d.Feed(header);
   EXPECT_EQ(s.code(), StatusCode::kDataLoss);
   EXPECT_NE(s.message().find("exceeds the limit of 16"), std::string::npos);
@@ -58,8 +60,8 @@ TEST(FrameDecoderTest, RefusesZeroLengthAndUnknownTypes) {
 
 TEST(FrameDecoderTest, ChecksTheSecondHeaderInTheSameChunkWhenItComesNext) {
   FrameDecoder d(8);
-  std::string stream = EncodeFrame(MessageType::kDone, "") +
-                       EncodeFrame(MessageType::kRegister, std::string(9, 'x')).substr(0, 5);
+  std::string stream =
+      F(MessageType::kDone, "") + F(MessageType::kRegister, std::string(9, 'x')).substr(0, 5);
   ASSERT_TRUE(d.Feed(stream).ok());
   auto first = d.Next();
   ASSERT_TRUE(first.ok() && first->has_value());
@@ -68,8 +70,7 @@ TEST(FrameDecoderTest, ChecksTheSecondHeaderInTheSameChunkWhenItComesNext) {
 
 TEST(FrameDecoderTest, ALimitRaisedAfterAFrameAppliesToTheFramesQueuedBehindIt) {
   FrameDecoder d(4);
-  std::string stream =
-      EncodeFrame(MessageType::kAuth, "abcd") + EncodeFrame(MessageType::kRegister, "{\"x\":1}");
+  std::string stream = F(MessageType::kAuth, "abcd") + F(MessageType::kRegister, "{\"x\":1}");
   ASSERT_TRUE(d.Feed(stream).ok());
   auto auth = d.Next();
   ASSERT_TRUE(auth.ok() && auth->has_value());
@@ -81,7 +82,7 @@ TEST(FrameDecoderTest, ALimitRaisedAfterAFrameAppliesToTheFramesQueuedBehindIt) 
 
 TEST(FrameDecoderTest, TruncatedFrameYieldsNothing) {
   FrameDecoder d(64);
-  std::string f = EncodeFrame(MessageType::kRegister, "hello");
+  std::string f = F(MessageType::kRegister, "hello");
   ASSERT_TRUE(d.Feed(f.substr(0, f.size() - 1)).ok());
   auto next = d.Next();
   ASSERT_TRUE(next.ok());
@@ -89,7 +90,7 @@ TEST(FrameDecoderTest, TruncatedFrameYieldsNothing) {
 }
 
 TEST(ReportBodyTest, CheckpointReportRoundTrips) {
-  std::string body = EncodeCheckpointReportBody(42, R"({"files":[]})", R"({"loss":1})");
+  std::string body = EncodeCheckpointReportBody(42, R"({"files":[]})", R"({"loss":1})").value();
   uint64_t round = 0;
   std::string_view checkpoint, metrics;
   ASSERT_TRUE(DecodeCheckpointReportBody(body, &round, &checkpoint, &metrics).ok());
@@ -99,6 +100,59 @@ TEST(ReportBodyTest, CheckpointReportRoundTrips) {
   body.resize(14);
   EXPECT_EQ(DecodeCheckpointReportBody(body, &round, &checkpoint, &metrics).code(),
             StatusCode::kDataLoss);
+}
+
+// The length field is a u32: a larger body must be refused, never sent with a truncated length
+// (which would make the peer read the rest of the body as frames). The views below are never read.
+TEST(FrameEncodeTest, RefusesABodyTooLargeForTheLengthField) {
+  const char byte = 'x';
+  std::string_view huge(&byte, kMaxFrameBody + 1);
+  auto frame = EncodeFrame(MessageType::kPayload, huge);
+  EXPECT_EQ(frame.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(frame.status().message().find(std::to_string(kMaxFrameBody + 1)), std::string::npos)
+      << frame.status().message();
+  EXPECT_EQ(EncodeFrameHeader(MessageType::kPayload, kMaxFrameBody + 1).status().code(),
+            StatusCode::kInvalidArgument);
+  auto header = EncodeFrameHeader(MessageType::kPayload, kMaxFrameBody);
+  ASSERT_TRUE(header.ok());
+  EXPECT_EQ(*header, std::string("\xff\xff\xff\xff\x06", 5));
+  std::string_view huge_checkpoint(&byte, size_t{0xffffffffu} + 1);
+  EXPECT_EQ(EncodeCheckpointReportBody(1, huge_checkpoint, "{}").status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(FrameEncodeTest, AHeaderAndASeparateBodyMakeTheSameFrame) {
+  std::string body(1000, 'p');
+  EXPECT_EQ(EncodeFrameHeader(MessageType::kPayload, body.size()).value() + body,
+            F(MessageType::kPayload, body));
+}
+
+TEST(FrameDecoderTest, BuffersAtMostOneFrameWhateverThePeerSends) {
+  // A peer that sends frames as fast as it can: the buffer never holds more than the frame being
+  // assembled and the chunk just fed.
+  FrameDecoder d(100);
+  const std::string frame = F(MessageType::kRegister, std::string(100, 'x'));
+  std::string chunk;
+  for (int i = 0; i < 50; ++i) chunk += frame;
+  for (size_t at = 0; at < chunk.size(); at += 37) {
+    ASSERT_TRUE(d.Feed(std::string_view(chunk).substr(at, 37)).ok());
+    EXPECT_LE(d.buffered(), kFrameHeaderSize + 100 + 37);
+    for (;;) {
+      auto f = d.Next();
+      ASSERT_TRUE(f.ok());
+      if (!f->has_value()) break;
+    }
+    EXPECT_LT(d.buffered(), kFrameHeaderSize + 100);
+  }
+}
+
+TEST(FrameDecoderTest, KeepsNoLargeBufferBetweenFrames) {
+  FrameDecoder d(1 << 20);
+  ASSERT_TRUE(d.Feed(F(MessageType::kReport, std::string(100000, 'x'))).ok());
+  auto f = d.Next();
+  ASSERT_TRUE(f.ok() && f->has_value());
+  EXPECT_EQ(d.buffered(), 0u);
+  EXPECT_LE(d.capacity(), 4096u);
 }
 
 TEST(ReportBodyTest, ShortBodyIsDataLoss) {

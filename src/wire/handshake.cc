@@ -21,11 +21,7 @@ uint32_t GetU32(const char* p) {
   return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
 }
 
-Mac Proof(std::string_view role, std::string_view secret, const Hello& hello,
-          const Nonce& controller_nonce) {
-  std::string message(role);
-  message += EncodeHello(hello);
-  message.append(reinterpret_cast<const char*>(controller_nonce.data()), controller_nonce.size());
+Mac Hmac(std::string_view secret, std::string_view message) {
   Mac mac{};
   crypto_auth_hmacsha256_state state;
   crypto_auth_hmacsha256_init(&state, reinterpret_cast<const unsigned char*>(secret.data()),
@@ -34,6 +30,30 @@ Mac Proof(std::string_view role, std::string_view secret, const Hello& hello,
                                 message.size());
   crypto_auth_hmacsha256_final(&state, mac.data());
   return mac;
+}
+
+// The hello's fields, without its MAC.
+std::string HelloFields(const Hello& hello) {
+  std::string out = "JXTR";
+  out.push_back(static_cast<char>(kProtocolVersion >> 8));
+  out.push_back(static_cast<char>(kProtocolVersion & 0xff));
+  PutU32(&out, hello.rank);
+  PutU32(&out, hello.attempt);
+  PutU32(&out, hello.pid);
+  out.append(reinterpret_cast<const char*>(hello.nonce.data()), hello.nonce.size());
+  return out;
+}
+
+Mac HelloMac(std::string_view secret, std::string_view fields) {
+  return Hmac(secret, "jaxtrain-hello" + std::string(fields));
+}
+
+Mac Proof(std::string_view role, std::string_view secret, const Hello& hello,
+          const Nonce& controller_nonce) {
+  std::string message(role);
+  message += EncodeHello(hello, secret);
+  message.append(reinterpret_cast<const char*>(controller_nonce.data()), controller_nonce.size());
+  return Hmac(secret, message);
 }
 
 }  // namespace
@@ -52,18 +72,14 @@ Nonce GenerateNonce() {
   return n;
 }
 
-std::string EncodeHello(const Hello& hello) {
-  std::string out = "JXTR";
-  out.push_back(static_cast<char>(kProtocolVersion >> 8));
-  out.push_back(static_cast<char>(kProtocolVersion & 0xff));
-  PutU32(&out, hello.rank);
-  PutU32(&out, hello.attempt);
-  PutU32(&out, hello.pid);
-  out.append(reinterpret_cast<const char*>(hello.nonce.data()), hello.nonce.size());
+std::string EncodeHello(const Hello& hello, std::string_view secret) {
+  std::string out = HelloFields(hello);
+  Mac mac = HelloMac(secret, out);
+  out.append(reinterpret_cast<const char*>(mac.data()), mac.size());
   return out;
 }
 
-StatusOr<Hello> DecodeHello(std::string_view body) {
+StatusOr<Hello> DecodeHello(std::string_view body, std::string_view secret) {
   if (body.size() != kHelloSize) {
     return UnauthenticatedError("hello of " + std::to_string(body.size()) + " bytes, expected " +
                                 std::to_string(kHelloSize));
@@ -81,6 +97,10 @@ StatusOr<Hello> DecodeHello(std::string_view body) {
   h.attempt = GetU32(body.data() + 10);
   h.pid = GetU32(body.data() + 14);
   std::memcpy(h.nonce.data(), body.data() + 18, kNonceSize);
+  if (!MacEquals(HelloMac(secret, body.substr(0, kHelloFieldsSize)),
+                 body.substr(kHelloFieldsSize))) {
+    return UnauthenticatedError("the hello's MAC was not made with this run's secret");
+  }
   return h;
 }
 

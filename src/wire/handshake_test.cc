@@ -6,10 +6,11 @@ namespace jaxtrain::wire {
 namespace {
 
 TEST(HandshakeTest, HelloRoundTrips) {
+  std::string secret = GenerateSecret();
   Hello h{.rank = 3, .attempt = 2, .pid = 4242, .nonce = GenerateNonce()};
-  std::string body = EncodeHello(h);
+  std::string body = EncodeHello(h, secret);
   ASSERT_EQ(body.size(), kHelloSize);
-  auto back = DecodeHello(body);
+  auto back = DecodeHello(body, secret);
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->rank, 3u);
   EXPECT_EQ(back->attempt, 2u);
@@ -18,15 +19,31 @@ TEST(HandshakeTest, HelloRoundTrips) {
 }
 
 TEST(HandshakeTest, HelloWithWrongSizeOrMagicIsUnauthenticated) {
-  EXPECT_EQ(DecodeHello("short").status().code(), StatusCode::kUnauthenticated);
-  std::string body = EncodeHello(Hello{});
+  const std::string secret = GenerateSecret();
+  EXPECT_EQ(DecodeHello("short", secret).status().code(), StatusCode::kUnauthenticated);
+  std::string body = EncodeHello(Hello{}, secret);
   body[0] = 'X';
-  EXPECT_EQ(DecodeHello(body).status().code(), StatusCode::kUnauthenticated);
-  body = EncodeHello(Hello{});
+  EXPECT_EQ(DecodeHello(body, secret).status().code(), StatusCode::kUnauthenticated);
+  body = EncodeHello(Hello{}, secret);
   body[5] = 9;
-  auto s = DecodeHello(body).status();
+  auto s = DecodeHello(body, secret).status();
   EXPECT_EQ(s.code(), StatusCode::kUnauthenticated);
   EXPECT_NE(s.message().find("protocol version"), std::string::npos);
+}
+
+TEST(HandshakeTest, HelloMadeWithoutTheSecretOrAlteredIsUnauthenticated) {
+  const std::string secret = GenerateSecret();
+  Hello h{.rank = 1, .attempt = 4, .pid = 7, .nonce = GenerateNonce()};
+  // A hello of another run (another secret), e.g. a recorded one replayed.
+  auto s = DecodeHello(EncodeHello(h, GenerateSecret()), secret).status();
+  EXPECT_EQ(s.code(), StatusCode::kUnauthenticated);
+  EXPECT_NE(s.message().find("secret"), std::string::npos) << s.message();
+  // Every field is covered: a changed rank, attempt or nonce, or a changed MAC byte, fails.
+  for (size_t at : {size_t{9}, size_t{13}, size_t{20}, kHelloSize - 1}) {
+    std::string body = EncodeHello(h, secret);
+    body[at] = static_cast<char>(body[at] ^ 1);
+    EXPECT_EQ(DecodeHello(body, secret).status().code(), StatusCode::kUnauthenticated) << at;
+  }
 }
 
 TEST(HandshakeTest, ProofsVerifyOnlyWithTheSameSecretAndNonces) {

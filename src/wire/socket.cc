@@ -66,6 +66,19 @@ StatusOr<HostPort> ParseHostPort(std::string_view text) {
 
 void SetNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+void EnableKeepAlive(int fd, std::optional<Duration> unacked_limit) {
+  int one = 1, idle = 5, interval = 1, count = 5;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  if (unacked_limit) {
+    unsigned ms = static_cast<unsigned>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(*unacked_limit).count());
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+  }
+}
+
 StatusOr<int> Listen(const std::string& host, int port, int* bound_port) {
   JT_ASSIGN_OR_RETURN(auto ai, Resolve(host, port, /*passive=*/true));
   int last_errno = 0;

@@ -2,6 +2,7 @@
 // close-on-exec. Thread-safe (no shared state).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -34,5 +35,11 @@ Status WriteAll(int fd, std::string_view data);
 StatusOr<int> PickFreePort(const std::string& host);
 
 void SetNonBlocking(int fd);
+
+// TCP keepalive on a connected socket: a peer whose host vanishes without closing the connection
+// (power loss, a network cut) is noticed after about 10 s without traffic; reads and writes then
+// fail with ETIMEDOUT. With `unacked_limit`, also when data it was sent stays unacknowledged that
+// long (TCP_USER_TIMEOUT; it counts a zero window too, so only for a peer that always reads).
+void EnableKeepAlive(int fd, std::optional<Duration> unacked_limit = std::nullopt);
 
 }  // namespace jaxtrain::wire

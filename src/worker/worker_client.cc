@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "wire/handshake.h"
 
@@ -56,13 +57,51 @@ StatusOr<std::string> TakeRunSecret() {
   return wire::FromHex(hex);
 }
 
+namespace {
+
+constexpr size_t kMaxRefusalSize = 256;  // a kRefused body: one line of reason
+
+std::string Millis(Duration d) {
+  return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) + " ms";
+}
+
+}  // namespace
+
+Duration ConnectRetryDelay(int tries) {
+  Duration delay = std::chrono::milliseconds(10);
+  for (int i = 1; i < tries && delay < std::chrono::milliseconds(500); ++i) delay *= 2;
+  return std::min<Duration>(delay, std::chrono::milliseconds(500));
+}
+
 StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClientOptions& o) {
-  JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, o.timeout));
+  const TimePoint deadline = std::chrono::steady_clock::now() + o.timeout;
+  for (int tries = 1;; ++tries) {
+    auto client = TryConnect(o, deadline);
+    if (client.ok() || client.status().code() != StatusCode::kAborted) return client;
+    Duration delay = ConnectRetryDelay(tries);
+    if (std::chrono::steady_clock::now() + delay >= deadline) {
+      return DeadlineExceededError(
+          "the controller at " + o.controller.ToString() + " refused this worker (rank " +
+          std::to_string(o.rank) + ", attempt " + std::to_string(o.attempt) +
+          ") or did not answer its hello: it closed " + std::to_string(tries) +
+          " connection(s) unanswered within " + Millis(o.timeout) +
+          " (is another process flooding its control port?)");
+    }
+    std::this_thread::sleep_for(delay);
+  }
+}
+
+StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerClientOptions& o,
+                                                                 TimePoint deadline) {
+  const Duration left = deadline - std::chrono::steady_clock::now();
+  JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, left));
   std::unique_ptr<WorkerClient> client(new WorkerClient(fd));
   // Bound the handshake: a silent peer must not hold the worker forever. A zero timeval would
   // mean no bound at all, so the microseconds count and the bound is at least one.
-  const auto usec = std::max<int64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(o.timeout).count(), 1);
+  const auto usec = std::max<int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                          deadline - std::chrono::steady_clock::now())
+                                          .count(),
+                                      1);
   timeval tv{static_cast<time_t>(usec / 1'000'000), static_cast<suseconds_t>(usec % 1'000'000)};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 
@@ -70,22 +109,28 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClient
                     .attempt = o.attempt,
                     .pid = static_cast<uint32_t>(getpid()),
                     .nonce = wire::GenerateNonce()};
-  client->decoder_.set_max_body(wire::kChallengeSize);
-  JT_RETURN_IF_ERROR(client->Send(wire::MessageType::kHello, wire::EncodeHello(hello)));
+  client->decoder_.set_max_body(std::max(wire::kChallengeSize, kMaxRefusalSize));
+  const std::string who =
+      "rank " + std::to_string(o.rank) + ", attempt " + std::to_string(o.attempt);
+  Status sent = client->Send(wire::MessageType::kHello, wire::EncodeHello(hello, o.secret));
+  if (!sent.ok()) return AbortedError("the controller closed the connection: " + sent.message());
   auto challenge = client->ReadFrame();
   if (!challenge.ok() && challenge.status().code() == StatusCode::kDeadlineExceeded) {
-    return DeadlineExceededError(
-        "the controller at " + o.controller.ToString() + " did not answer the hello of rank " +
-        std::to_string(o.rank) + " within " +
-        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(o.timeout).count()) +
-        " ms");
+    return DeadlineExceededError("the controller at " + o.controller.ToString() +
+                                 " did not answer the hello of rank " + std::to_string(o.rank) +
+                                 " within " + Millis(o.timeout));
+  }
+  if (!challenge.ok() && challenge.status().code() == StatusCode::kUnavailable) {
+    return AbortedError(challenge.status().message());  // dropped unanswered: try again
+  }
+  if (challenge.ok() && challenge->type == wire::MessageType::kRefused) {
+    return UnauthenticatedError("the controller at " + o.controller.ToString() +
+                                " refused this worker (" + who + "): " + challenge->body);
   }
   if (!challenge.ok() || challenge->type != wire::MessageType::kChallenge ||
       challenge->body.size() != wire::kChallengeSize) {
     return UnauthenticatedError("the controller at " + o.controller.ToString() +
-                                " refused this worker (rank " + std::to_string(o.rank) +
-                                ", attempt " + std::to_string(o.attempt) +
-                                ") or did not answer its hello");
+                                " refused this worker (" + who + ") or did not answer its hello");
   }
   wire::Nonce controller_nonce;
   std::memcpy(controller_nonce.data(), challenge->body.data(), wire::kNonceSize);
@@ -100,7 +145,11 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClient
                    std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
   timeval none{0, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
-  client->decoder_.set_max_body(size_t{1} << 31);
+  // A controller whose host vanishes (a network cut between hosts) ends this worker as a closed
+  // connection does (WatchController), instead of leaving it behind. The controller reads
+  // everything a worker sends at once, so unacknowledged reports mean it is gone.
+  wire::EnableKeepAlive(fd, std::chrono::seconds(30));
+  client->decoder_.set_max_body(wire::kMaxControllerFrameBody);
   return client;
 }
 
@@ -110,7 +159,7 @@ WorkerClient::~WorkerClient() {
 }
 
 Status WorkerClient::Send(wire::MessageType type, std::string_view body) {
-  std::string frame = wire::EncodeFrame(type, body);
+  JT_ASSIGN_OR_RETURN(std::string frame, wire::EncodeFrame(type, body));
   std::lock_guard<std::mutex> lock(send_mu_);
   return wire::WriteAll(fd_, frame);
 }
@@ -152,13 +201,27 @@ StatusOr<StartInfo> WorkerClient::WaitStart() {
 }
 
 Status WorkerClient::Report(uint64_t round, std::string_view metrics_json) {
+  constexpr size_t kLimit = wire::kMaxWorkerFrameBody - wire::kReportHeaderSize;
+  if (metrics_json.size() > kLimit) {
+    return InvalidArgumentError("report() metrics are too large (" +
+                                std::to_string(metrics_json.size()) + " bytes, limit " +
+                                std::to_string(kLimit) + "); report large values as files");
+  }
   return Send(wire::MessageType::kReport, wire::EncodeReportBody(round, metrics_json));
 }
 
 Status WorkerClient::ReportCheckpoint(uint64_t round, std::string_view checkpoint_json,
                                       std::string_view metrics_json) {
-  return Send(wire::MessageType::kReportCheckpoint,
-              wire::EncodeCheckpointReportBody(round, checkpoint_json, metrics_json));
+  constexpr size_t kLimit = wire::kMaxWorkerFrameBody - wire::kCheckpointReportHeaderSize;
+  if (checkpoint_json.size() + metrics_json.size() > kLimit) {
+    return InvalidArgumentError(
+        "report() metrics are too large (" + std::to_string(metrics_json.size()) +
+        " bytes, with the checkpoint's file list " + std::to_string(checkpoint_json.size()) +
+        " bytes; limit " + std::to_string(kLimit) + " together); report large values as files");
+  }
+  JT_ASSIGN_OR_RETURN(std::string body,
+                      wire::EncodeCheckpointReportBody(round, checkpoint_json, metrics_json));
+  return Send(wire::MessageType::kReportCheckpoint, body);
 }
 
 Status WorkerClient::SendError(std::string_view json) {

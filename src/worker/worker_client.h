@@ -1,8 +1,10 @@
 // WorkerClient: a worker process's side of the control connection.
 //
 // Connect() authenticates both ways (wire/handshake.h): the client refuses a controller that
-// cannot prove it holds the run's secret, before reading anything else from it. After that:
-// Register(), WaitStart() for the coordinator and the payload, then
+// cannot prove it holds the run's secret, before reading anything else from it. A connection the
+// controller closes before answering the hello (it drops the oldest unproven connections when a
+// flood of peers fills its table, docs/wire.md) is retried with backoff until the timeout. After
+// that: Register(), WaitStart() for the coordinator and the payload, then
 // Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
 // of the process, so a worker never outlives its controller.
 //
@@ -39,6 +41,10 @@ struct WorkerClientOptions {
 // or file cannot be read.
 StatusOr<std::string> TakeRunSecret();
 
+// The pause before the try after `tries` connections were dropped unanswered: 10 ms, doubling, at
+// most 500 ms.
+Duration ConnectRetryDelay(int tries);
+
 struct StartInfo {
   std::string json;     // the kStart body
   std::string payload;  // the kPayload body
@@ -46,17 +52,21 @@ struct StartInfo {
 
 class WorkerClient {
  public:
-  // Errors: kUnavailable / kDeadlineExceeded when the controller cannot be reached;
-  // kUnauthenticated when it does not prove the secret or refuses ours.
+  // Errors: kUnavailable when nothing listens at the address; kDeadlineExceeded when the handshake
+  // does not finish within the timeout (the controller never answered, or dropped every try);
+  // kUnauthenticated when it does not prove the secret, or refuses this worker (kRefused: the
+  // message carries its reason).
   static StatusOr<std::unique_ptr<WorkerClient>> Connect(const WorkerClientOptions& options);
   ~WorkerClient();
 
   Status Register(std::string_view json);
   // Blocks until the controller starts training. Errors: kUnavailable when the connection ends.
   StatusOr<StartInfo> WaitStart();
-  // Queues one report; does not wait for the controller. Errors: kUnavailable.
+  // Queues one report; does not wait for the controller. Errors: kInvalidArgument when the metrics
+  // are larger than the controller accepts (wire::kMaxWorkerFrameBody); kUnavailable.
   Status Report(uint64_t round, std::string_view metrics_json);
-  // A report round that carries this rank's staged checkpoint (described in JSON).
+  // A report round that carries this rank's staged checkpoint (described in JSON). Errors: as
+  // Report().
   Status ReportCheckpoint(uint64_t round, std::string_view checkpoint_json,
                           std::string_view metrics_json);
   Status SendError(std::string_view json);
@@ -68,7 +78,11 @@ class WorkerClient {
   void Stop();
 
  private:
-  explicit WorkerClient(int fd) : fd_(fd), decoder_(size_t{1} << 31) {}
+  explicit WorkerClient(int fd) : fd_(fd), decoder_(wire::kMaxControllerFrameBody) {}
+  // One connection and handshake. Errors: as Connect(), and kAborted when the controller closed
+  // the connection before answering the hello (the caller tries again).
+  static StatusOr<std::unique_ptr<WorkerClient>> TryConnect(const WorkerClientOptions& o,
+                                                            TimePoint deadline);
   Status Send(wire::MessageType type, std::string_view body);
   StatusOr<wire::Frame> ReadFrame();
 

@@ -29,7 +29,8 @@ class FakeController {
   enum class Behaviour {
     kNormal,
     kIgnoreHello,     // reads the hello and answers nothing until the worker closes
-    kRefuseHello,     // closes the connection after the hello
+    kRefuseHello,     // answers the hello with a kRefused frame and closes the connection
+    kDropFirst,       // closes the first connection after its hello, unanswered; serves the next
     kCloseAfterAuth,  // closes the connection after the handshake and `to_send`
   };
 
@@ -55,6 +56,13 @@ class FakeController {
     thread_ = std::thread([this, to_send = std::move(to_send), behaviour] {
       int fd = Accept();
       if (fd < 0) return;
+      if (behaviour == Behaviour::kDropFirst) {
+        wire::FrameDecoder decoder(wire::kHelloSize);
+        if (Read(fd, decoder)) ++hellos;
+        close(fd);
+        fd = Accept();
+        if (fd < 0) return;
+      }
       Session(fd, to_send, behaviour);
       close(fd);
     });
@@ -66,6 +74,8 @@ class FakeController {
   }
 
   wire::Hello hello;                  // the worker's hello
+  int hellos = 0;                     // hellos received, on all connections
+  bool hello_proved_secret = false;   // the hello's MAC was made with `secret`
   bool got_auth = false;              // the worker sent a kAuth frame
   bool worker_proved_secret = false;  // ... that proves `secret`
   std::vector<Frame> received;        // after the handshake, in order
@@ -81,11 +91,23 @@ class FakeController {
   }
 
   void Session(int fd, const std::vector<Frame>& to_send, Behaviour behaviour) {
-    wire::FrameDecoder decoder(size_t{1} << 20);
+    wire::FrameDecoder decoder(wire::kMaxWorkerFrameBody);
     auto frame = Read(fd, decoder);
     if (!frame || frame->type != MessageType::kHello) return;
-    hello = wire::DecodeHello(frame->body).value();
-    if (behaviour == Behaviour::kRefuseHello) return;
+    ++hellos;
+    // Read as an impostor would, without checking the hello's MAC (RefusesAControllerThat...).
+    ASSERT_EQ(frame->body.size(), wire::kHelloSize);
+    auto field = [&](size_t at) {
+      const auto* u = reinterpret_cast<const unsigned char*>(frame->body.data() + at);
+      return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
+    };
+    hello = {.rank = field(6), .attempt = field(10), .pid = field(14)};
+    std::memcpy(hello.nonce.data(), frame->body.data() + 18, wire::kNonceSize);
+    hello_proved_secret = wire::DecodeHello(frame->body, secret_).ok();
+    if (behaviour == Behaviour::kRefuseHello) {
+      Write(fd, wire::EncodeFrame(MessageType::kRefused, "rank 3 is already connected").value());
+      return;
+    }
     if (behaviour == Behaviour::kIgnoreHello) {
       while (Read(fd, decoder)) {
       }
@@ -95,13 +117,13 @@ class FakeController {
     wire::Mac proof = wire::ControllerProof(secret_, hello, nonce);
     std::string body(reinterpret_cast<const char*>(nonce.data()), nonce.size());
     body.append(reinterpret_cast<const char*>(proof.data()), proof.size());
-    Write(fd, wire::EncodeFrame(MessageType::kChallenge, body));
+    Write(fd, wire::EncodeFrame(MessageType::kChallenge, body).value());
     frame = Read(fd, decoder);
     got_auth = frame && frame->type == MessageType::kAuth;
     worker_proved_secret =
         got_auth && wire::MacEquals(wire::WorkerProof(secret_, hello, nonce), frame->body);
     if (!worker_proved_secret) return;
-    for (const Frame& f : to_send) Write(fd, wire::EncodeFrame(f.type, f.body));
+    for (const Frame& f : to_send) Write(fd, wire::EncodeFrame(f.type, f.body).value());
     if (behaviour == Behaviour::kCloseAfterAuth) return;
     while ((frame = Read(fd, decoder))) received.push_back(*std::move(frame));
   }
@@ -138,7 +160,9 @@ TEST(WorkerClientTest, ConnectsWithTheRunsSecret) {
     ASSERT_TRUE(client.ok()) << client.status().ToString();
   }
   controller.Join();
+  EXPECT_TRUE(controller.hello_proved_secret);
   EXPECT_TRUE(controller.worker_proved_secret);
+  EXPECT_EQ(controller.hellos, 1);
   EXPECT_EQ(controller.hello.rank, 3u);
   EXPECT_EQ(controller.hello.attempt, 2u);
   EXPECT_EQ(controller.hello.pid, static_cast<uint32_t>(getpid()));
@@ -153,12 +177,68 @@ TEST(WorkerClientTest, RefusesAControllerThatCannotProveTheSecret) {
   EXPECT_FALSE(controller.got_auth) << "the worker answered a controller it does not trust";
 }
 
-TEST(WorkerClientTest, AControllerThatRefusesTheHelloIsUnauthenticated) {
+TEST(WorkerClientTest, AControllerThatRefusesTheHelloIsUnauthenticatedWithItsReason) {
   const std::string secret = wire::GenerateSecret();
   FakeController controller(secret);
   controller.Serve({}, FakeController::Behaviour::kRefuseHello);
   auto client = WorkerClient::Connect(controller.ClientOptions(secret));
   EXPECT_EQ(client.status().code(), StatusCode::kUnauthenticated) << client.status().ToString();
+  EXPECT_NE(client.status().message().find("refused this worker (rank 3, attempt 2): rank 3 is "
+                                           "already connected"),
+            std::string::npos)
+      << client.status().message();
+  controller.Join();
+  EXPECT_EQ(controller.hellos, 1) << "a refused worker must not try again";
+}
+
+// A controller flooded by peers that prove nothing drops the oldest unproven connections; a
+// worker whose connection was dropped before its hello was answered connects again.
+TEST(WorkerClientTest, ConnectsAgainWhenTheControllerDropsItsConnectionUnanswered) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve({}, FakeController::Behaviour::kDropFirst);
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+  }
+  controller.Join();
+  EXPECT_EQ(controller.hellos, 2);
+  EXPECT_TRUE(controller.worker_proved_secret);
+}
+
+TEST(WorkerClientTest, RetryDelaysGrowAndAreBounded) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(ConnectRetryDelay(1), milliseconds(10));
+  EXPECT_EQ(ConnectRetryDelay(2), milliseconds(20));
+  EXPECT_EQ(ConnectRetryDelay(6), milliseconds(320));
+  EXPECT_EQ(ConnectRetryDelay(7), milliseconds(500));
+  EXPECT_EQ(ConnectRetryDelay(1000), milliseconds(500));
+}
+
+TEST(WorkerClientTest, MetricsTooLargeForTheControllerAreRefusedBeforeSending) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    const std::string big(20 << 20, 'x');
+    Status s = (*client)->Report(1, big);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("report() metrics are too large (20971520 bytes, limit " +
+                               std::to_string(wire::kMaxWorkerFrameBody - 8) + ")"),
+              std::string::npos)
+        << s.message();
+    s = (*client)->ReportCheckpoint(1, R"({"files":[]})", big);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("report() metrics are too large (20971520 bytes"), std::string::npos)
+        << s.message();
+    // The largest report the controller accepts still goes through.
+    ASSERT_TRUE((*client)->Report(2, std::string(wire::kMaxWorkerFrameBody - 8, 'y')).ok());
+  }
+  controller.Join();
+  ASSERT_EQ(controller.received.size(), 1u);
+  EXPECT_EQ(controller.received[0].body.size(), wire::kMaxWorkerFrameBody);
 }
 
 TEST(WorkerClientTest, AControllerThatNeverAnswersTimesOut) {

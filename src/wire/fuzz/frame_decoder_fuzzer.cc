@@ -26,10 +26,10 @@
 namespace jaxtrain::wire::fuzz {
 namespace {
 
-constexpr size_t kMaxAuthedBody = 16 << 20;  // controller.cc: the limit after authentication
-constexpr size_t kReadChunk = 64 << 10;      // controller.cc: the largest recv() it feeds
-constexpr size_t kPrefixSize = 9;            // variant byte and chunking seed
-constexpr size_t kMessageSlack = 256;        // allocations for an error's message
+constexpr size_t kMaxAuthedBody = kMaxWorkerFrameBody;  // the controller's limit after auth
+constexpr size_t kReadChunk = 64 << 10;  // controller.cc: the largest recv() it feeds
+constexpr size_t kPrefixSize = 9;        // variant byte and chunking seed
+constexpr size_t kMessageSlack = 256;    // allocations for an error's message
 
 // Variant bits.
 constexpr uint8_t kStartAuthenticated = 1;  // the peer is past the handshake from the first byte
@@ -104,9 +104,9 @@ class ChunkSizes {
 // Every body through every body decoder: a success must re-encode to the same bytes and point into
 // the body; a failure must be the documented code.
 void CheckBodyDecoders(std::string_view body) {
-  StatusOr<Hello> hello = DecodeHello(body);
+  StatusOr<Hello> hello = DecodeHello(body, FixedSecret());
   if (hello.ok()) {
-    JT_FUZZ_CHECK(EncodeHello(*hello) == body);
+    JT_FUZZ_CHECK(EncodeHello(*hello, FixedSecret()) == body);
   } else {
     JT_FUZZ_CHECK(hello.status().code() == StatusCode::kUnauthenticated);
   }
@@ -128,7 +128,7 @@ void CheckBodyDecoders(std::string_view body) {
     JT_FUZZ_CHECK(checkpoint.data() == body.data() + 12);
     JT_FUZZ_CHECK(checkpoint.data() + checkpoint.size() == metrics.data());
     JT_FUZZ_CHECK(metrics.data() + metrics.size() == end);
-    JT_FUZZ_CHECK(EncodeCheckpointReportBody(round, checkpoint, metrics) == body);
+    JT_FUZZ_CHECK(EncodeCheckpointReportBody(round, checkpoint, metrics).value() == body);
   } else {
     JT_FUZZ_CHECK(s.code() == StatusCode::kDataLoss);
     JT_FUZZ_CHECK(body.size() < 12 || body.size() - 12 < GetU32(body.substr(8)));
@@ -204,7 +204,7 @@ class Connection {
     JT_FUZZ_CHECK(f.body.size() <= limit_);
     JT_FUZZ_CHECK(f.body.size() == GetU32(rest) - 1);
     std::string_view sent = rest.substr(0, kFrameHeaderSize + f.body.size());
-    JT_FUZZ_CHECK(EncodeFrame(f.type, f.body) == sent);
+    JT_FUZZ_CHECK(EncodeFrame(f.type, f.body).value() == sent);
     JT_FUZZ_CHECK(allocated <= std::max(f.body.size() + 1, kMessageSlack));
     pos_ += sent.size();
     JT_FUZZ_CHECK(decoder_.buffered() == fed_ - pos_);
@@ -217,7 +217,7 @@ class Connection {
   bool OnFrame(const Frame& f) {
     switch (stage_) {
       case Stage::kHello: {
-        StatusOr<Hello> hello = DecodeHello(f.body);
+        StatusOr<Hello> hello = DecodeHello(f.body, FixedSecret());
         if (!lenient_ && (f.type != MessageType::kHello || !hello.ok())) return false;
         if (hello.ok()) hello_ = *hello;
         stage_ = Stage::kAuth;

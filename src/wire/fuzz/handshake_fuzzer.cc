@@ -1,8 +1,8 @@
 // Fuzzes what the controller parses from a peer that has not proven anything (handshake.h):
-// DecodeHello on any body, MacEquals on any received proof, and the two as the controller chains
-// them (the auth body checked against the proof for the hello it received), plus the hex codec
-// that carries the run's secret to the workers. Each answer is checked against a reference
-// written here. Which frame the controller accepts at which stage is fuzzed by
+// DecodeHello (with the hello's MAC) on any body, MacEquals on any received proof, and the two as
+// the controller chains them (the auth body checked against the proof for the hello it received),
+// plus the hex codec that carries the run's secret to the workers. Each answer is checked against a
+// reference written here. Which frame the controller accepts at which stage is fuzzed by
 // frame_decoder_fuzzer.cc's model of the controller.
 //
 // Input: any bytes, taken whole by each function and also split into a hello (the first kHelloSize
@@ -39,13 +39,28 @@ void CheckMacEquals(const Mac& expected, std::string_view received) {
   JT_FUZZ_CHECK(MacEqualsExact(expected, received) == same);
 }
 
+uint32_t GetU32(std::string_view p) {
+  const auto* u = reinterpret_cast<const unsigned char*>(p.data());
+  return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
+}
+
+// The reference: a hello is accepted exactly when it is framed as version 2 and its MAC is the one
+// the secret gives its fields.
 void CheckDecodeHello(std::string_view body) {
-  StatusOr<Hello> hello = DecodeHello(body);
-  bool well_formed = body.size() == kHelloSize && body.substr(0, 4) == "JXTR" &&
-                     body.substr(4, 2) == std::string_view("\x00\x01", 2);
+  StatusOr<Hello> hello = DecodeHello(body, FixedSecret());
+  bool framed = body.size() == kHelloSize && body.substr(0, 4) == "JXTR" &&
+                body.substr(4, 2) == std::string_view("\x00\x02", 2);
+  bool well_formed = false;
+  if (framed) {
+    Hello fields{.rank = GetU32(body.substr(6)),
+                 .attempt = GetU32(body.substr(10)),
+                 .pid = GetU32(body.substr(14))};
+    std::memcpy(fields.nonce.data(), body.data() + 18, kNonceSize);
+    well_formed = EncodeHello(fields, FixedSecret()) == body;
+  }
   JT_FUZZ_CHECK(hello.ok() == well_formed);
   if (hello.ok()) {
-    JT_FUZZ_CHECK(EncodeHello(*hello) == body);
+    JT_FUZZ_CHECK(EncodeHello(*hello, FixedSecret()) == body);
   } else {
     JT_FUZZ_CHECK(hello.status().code() == StatusCode::kUnauthenticated);
   }
@@ -53,7 +68,7 @@ void CheckDecodeHello(std::string_view body) {
 
 // The controller's two handshake steps on an unauthenticated peer's bodies.
 void CheckHandshake(std::string_view hello_body, std::string_view auth_body) {
-  StatusOr<Hello> hello = DecodeHello(hello_body);
+  StatusOr<Hello> hello = DecodeHello(hello_body, FixedSecret());
   if (!hello.ok()) return;
   Mac proof = WorkerProof(FixedSecret(), *hello, FixedControllerNonce());
   JT_FUZZ_CHECK(View(ControllerProof(FixedSecret(), *hello, FixedControllerNonce())) !=

@@ -33,6 +33,11 @@ std::string Header(uint32_t length, uint8_t type) {
   return out;
 }
 
+// A frame whose body is known to fit.
+std::string Frame(MessageType type, std::string_view body) {
+  return EncodeFrame(type, body).value();
+}
+
 std::string Bytes(const Mac& mac) {
   return std::string(reinterpret_cast<const char*>(mac.data()), mac.size());
 }
@@ -56,33 +61,34 @@ bool Write(const std::filesystem::path& dir, const std::string& name, std::strin
 }
 
 bool WriteCorpus(const std::filesystem::path& root) {
-  const std::string hello_body = EncodeHello(SeedHello());
+  const std::string hello_body = EncodeHello(SeedHello(), FixedSecret());
   const std::string proof = Bytes(WorkerProof(FixedSecret(), SeedHello(), FixedControllerNonce()));
-  const std::string hello = EncodeFrame(MessageType::kHello, hello_body);
-  const std::string auth = EncodeFrame(MessageType::kAuth, proof);
-  const std::string reg = EncodeFrame(
-      MessageType::kRegister, R"({"host":"node-1","pid":4242,"coordinator":"10.0.0.1:1234"})");
+  const std::string hello = Frame(MessageType::kHello, hello_body);
+  const std::string auth = Frame(MessageType::kAuth, proof);
+  const std::string reg = Frame(MessageType::kRegister,
+                                R"({"host":"node-1","pid":4242,"coordinator":"10.0.0.1:1234"})");
   const std::string report =
-      EncodeFrame(MessageType::kReport, EncodeReportBody(7, R"({"loss":0.25,"acc":NaN})"));
+      Frame(MessageType::kReport, EncodeReportBody(7, R"({"loss":0.25,"acc":NaN})"));
   const std::string checkpoint_report =
-      EncodeFrame(MessageType::kReportCheckpoint,
-                  EncodeCheckpointReportBody(
-                      8,
-                      R"({"staging":"/tmp/s","files":[{"path":"a.bin","size":12,"crc32c":99}],)"
-                      R"("dir_name":"checkpoint_000008"})",
-                      R"({"loss":0.2})"));
-  const std::string error = EncodeFrame(
+      Frame(MessageType::kReportCheckpoint,
+            EncodeCheckpointReportBody(
+                8,
+                R"({"staging":"/tmp/s","files":[{"path":"a.bin","size":12,"crc32c":99}],)"
+                R"("dir_name":"checkpoint_000008"})",
+                R"({"loss":0.2})")
+                .value());
+  const std::string error = Frame(
       MessageType::kError, R"({"message":"boom","traceback":"Traceback ...","phase":"training"})");
-  const std::string done = EncodeFrame(MessageType::kDone, "{}");
+  const std::string done = Frame(MessageType::kDone, "{}");
   const std::string handshake = hello + auth;
   const std::string conversation = handshake + reg + report + checkpoint_report + done;
   std::string controller_frames =
-      EncodeFrame(MessageType::kChallenge, std::string(kChallengeSize, '\x11')) +
-      EncodeFrame(MessageType::kStart, R"({"coordinator":"10.0.0.1:1234","world_size":2})") +
-      EncodeFrame(MessageType::kPayload, std::string(40, '\x80'));
+      Frame(MessageType::kChallenge, std::string(kChallengeSize, '\x11')) +
+      Frame(MessageType::kStart, R"({"coordinator":"10.0.0.1:1234","world_size":2})") +
+      Frame(MessageType::kPayload, std::string(40, '\x80'));
   std::string empty_bodies;
   for (uint8_t type = 1; type <= kMaxMessageType; ++type) {
-    empty_bodies += EncodeFrame(static_cast<MessageType>(type), "");
+    empty_bodies += Frame(static_cast<MessageType>(type), "");
   }
   std::string bad_checkpoint_length = EncodeReportBody(9, "") + "\xff\xff\xff\xf0{}";
 
@@ -113,13 +119,13 @@ bool WriteCorpus(const std::filesystem::path& root) {
       {"authed_every_frame", kStartAuthenticated | kLenient, 10,
        reg + report + checkpoint_report + error + done + controller_frames},
       {"authed_empty_bodies", kStartAuthenticated | kLenient, 11, empty_bodies},
-      {"authed_short_report", kStartAuthenticated, 12, EncodeFrame(MessageType::kReport, "1234")},
+      {"authed_short_report", kStartAuthenticated, 12, Frame(MessageType::kReport, "1234")},
       {"authed_bad_checkpoint_length", kStartAuthenticated, 13,
-       EncodeFrame(MessageType::kReportCheckpoint, bad_checkpoint_length)},
+       Frame(MessageType::kReportCheckpoint, bad_checkpoint_length)},
       {"authed_over_limit", kStartAuthenticated, 14,
        Header((16 << 20) + 2, static_cast<uint8_t>(MessageType::kReport))},
       {"hello_then_unproven_auth", kStrict, 15,
-       hello + EncodeFrame(MessageType::kAuth, std::string(kAuthSize, 'x'))},
+       hello + Frame(MessageType::kAuth, std::string(kAuthSize, 'x'))},
       {"hello_then_oversized_auth", kStrict, 16,
        hello + Header(kAuthSize + 2, static_cast<uint8_t>(MessageType::kAuth))},
       {"hello_truncated", kStrict, 17, hello.substr(0, 20)},
@@ -129,7 +135,7 @@ bool WriteCorpus(const std::filesystem::path& root) {
        Header(0xffffffff, static_cast<uint8_t>(MessageType::kHello))},
       {"length_zero", kStrict, 20, Header(0, static_cast<uint8_t>(MessageType::kHello))},
       {"type_zero", kStrict, 21, Header(kHelloSize + 1, 0)},
-      {"type_eleven", kStrict, 22, Header(kHelloSize + 1, kMaxMessageType + 1)},
+      {"type_after_the_last", kStrict, 22, Header(kHelloSize + 1, kMaxMessageType + 1)},
       {"type_200", kStrict, 23, Header(kHelloSize + 1, 200)},
       {"http_get", kStrict, 24, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"},
       {"register_before_hello", kStrict, 25, reg},
@@ -142,9 +148,11 @@ bool WriteCorpus(const std::filesystem::path& root) {
   }
 
   std::string wrong_version = hello_body;
-  wrong_version[5] = 2;
+  wrong_version[5] = 1;
   std::string wrong_magic = hello_body;
   wrong_magic[0] = 'X';
+  std::string wrong_mac = hello_body;
+  wrong_mac[kHelloSize - 1] ^= 1;
   std::string wrong_proof = proof;
   wrong_proof[31] ^= 1;
   const std::string secret_hex = ToHex(FixedSecret());
@@ -160,6 +168,8 @@ bool WriteCorpus(const std::filesystem::path& root) {
       {"hello_and_long_proof", hello_body + proof + "x"},
       {"hello_wrong_version", wrong_version},
       {"hello_wrong_magic", wrong_magic},
+      {"hello_wrong_mac", wrong_mac},
+      {"hello_of_another_run", EncodeHello(SeedHello(), std::string(kSecretSize, '\x11'))},
       {"hello_short", hello_body.substr(0, kHelloSize - 1)},
       {"secret_hex", secret_hex},
       {"hex_upper", "00FFa5B7c9"},

@@ -11,7 +11,11 @@
 //   hang          every rank waits after the start
 //   wrong-secret  connects with a wrong secret first, which must fail with kUnauthenticated;
 //                 then runs as ok
+//   duplicate     once registered, connects again as the same rank, which the controller must
+//                 refuse (kUnauthenticated, "already connected"); then runs as ok
 //   noconnect     rank FAKE_FAIL_RANK never connects; the others register and wait for the start
+//   earlyexit     rank FAKE_FAIL_RANK exits 3 before it connects (as a worker that cannot); the
+//                 others register and wait for the start
 //
 // Ranks that wait ("the others", hang) do so until a signal ends them, or until the controller's
 // connection ends (WorkerClient::WatchController), as a real worker does.
@@ -23,10 +27,12 @@
 //                     at a known point without sleeping
 //   FAKE_GATE_FIFO    when set, each rank reads one byte from this FIFO after the start, before
 //                     it reports or fails, so a test can hold the run at a known point
+//   FAKE_CONNECT_GATE_FIFO  the same, before it connects to the controller
 // The test keeps both FIFOs open read-write for the whole run, so no open() here blocks.
 //
 // Every rank first prints "fake_worker rank=R pid=P" so a test can find its process.
-// Exit codes: 0 done; 1 failed as asked; 2 misuse or an unexpected error; 4 controller gone.
+// Exit codes: 0 done; 1 failed as asked; 2 misuse or an unexpected error; 3 start-up failed as
+// asked; 4 controller gone.
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -45,6 +51,7 @@ namespace {
 
 constexpr int kExitFailed = 1;
 constexpr int kExitMisuse = 2;
+constexpr int kExitStartUp = 3;
 constexpr int kExitControllerLost = 4;
 
 int Misuse(const std::string& why) {
@@ -70,8 +77,8 @@ void SignalEvent(char event) {
   close(fd);
 }
 
-void PassGate() {
-  const char* path = std::getenv("FAKE_GATE_FIFO");
+void PassGate(const char* variable = "FAKE_GATE_FIFO") {
+  const char* path = std::getenv(variable);
   if (path == nullptr) return;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   char byte;
@@ -97,6 +104,7 @@ int Run(const std::string& mode, int rounds) {
   std::fflush(stdout);
   SignalEvent('P');
   if (mode == "noconnect" && failing_rank) WaitToBeKilled();
+  if (mode == "earlyexit" && failing_rank) return kExitStartUp;
 
   auto options = OptionsFromEnv();
   if (!options.ok()) return Misuse(options.status().ToString());
@@ -109,6 +117,7 @@ int Run(const std::string& mode, int rounds) {
                     refused.status().ToString());
     }
   }
+  PassGate("FAKE_CONNECT_GATE_FIFO");
   auto client = WorkerClient::Connect(*options);
   if (!client.ok()) return Misuse(client.status().ToString());
 
@@ -120,13 +129,22 @@ int Run(const std::string& mode, int rounds) {
   Status s = (*client)->Register(registration.dump());
   if (!s.ok()) return Misuse(s.ToString());
   SignalEvent('R');
+  if (mode == "duplicate") {
+    auto second = WorkerClient::Connect(*options);
+    if (second.ok() || second.status().code() != StatusCode::kUnauthenticated ||
+        second.status().message().find("already connected") == std::string::npos) {
+      return Misuse("connecting twice as rank " + std::to_string(rank) +
+                    ": expected kUnauthenticated, already connected; got " +
+                    second.status().ToString());
+    }
+  }
   auto start = (*client)->WaitStart();
   if (!start.ok()) return kExitControllerLost;
   (*client)->WatchController(kExitControllerLost);
   SignalEvent('S');
   PassGate();
 
-  if (mode == "ok" || mode == "wrong-secret") {
+  if (mode == "ok" || mode == "wrong-secret" || mode == "duplicate") {
     for (int round = 1; round <= rounds; ++round) {
       nlohmann::json metrics = {{"loss", 1.0 / round}, {"rank", rank}};
       s = (*client)->Report(static_cast<uint64_t>(round), metrics.dump());
@@ -160,8 +178,9 @@ int Run(const std::string& mode, int rounds) {
 
 int main(int argc, char** argv) {
   using jaxtrain::worker::Misuse;
-  static const char* const kModes[] = {"ok",   "raise",        "exit0",     "crash",
-                                       "hang", "wrong-secret", "noconnect", "malformed"};
+  static const char* const kModes[] = {"ok",        "raise",        "exit0",     "crash",
+                                       "hang",      "wrong-secret", "noconnect", "malformed",
+                                       "duplicate", "earlyexit"};
   if (argc < 2 || argc > 3) return Misuse("usage: fake_worker <mode> [rounds]");
   const std::string mode = argv[1];
   bool known = false;

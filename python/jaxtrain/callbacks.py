@@ -1,0 +1,243 @@
+"""Driver-side callbacks: ``RunConfig(callbacks=[...])``, in the shape of Ray Train V2's
+``UserCallback``.
+
+The controller writes ``result.jsonl`` (a line per report round) and ``run.json`` (the attempts)
+as the run goes; while ``fit()`` waits, it follows those two files and calls each callback's
+hooks in the driver process, in order: ``on_run_start``, then ``after_report`` per round and
+``after_exception`` per failed attempt (``on_restart`` when the group starts again), and
+``on_run_end`` with the Result last. Hooks run in the driver's thread, never in a worker, and
+never in parallel with each other.
+
+A hook that raises is reported on stderr with its traceback and that callback is not called again
+in this run; the run goes on. A callback with ``raise_on_error = True`` stops the run instead,
+and ``fit()`` raises a ControllerError whose ``controller_failure`` is the hook's exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.errors import ControllerError
+
+if TYPE_CHECKING:
+    from jaxtrain.config import RunConfig, ScalingConfig
+    from jaxtrain.result import Result
+
+
+@dataclass
+class RunContext:
+    """What a callback knows of the run. ``path`` is the run directory on this machine (for a
+    run on remote storage, its local staging copy); ``round`` is the report round being
+    delivered to ``after_report``; ``attempt`` the attempt that is running, or that failed in
+    ``after_exception``."""
+
+    name: str
+    path: str
+    world_size: int
+    run_config: RunConfig
+    scaling_config: ScalingConfig
+    train_loop_config: dict | None
+    round: int = 0
+    attempt: int = 0
+
+    def get_run_config(self) -> RunConfig:
+        return self.run_config
+
+    def get_scaling_config(self) -> ScalingConfig:
+        return self.scaling_config
+
+
+class UserCallback:
+    """Subclass and override the hooks you need; each does nothing by default."""
+
+    #: True: a failure of this callback stops the run (``fit()`` raises ControllerError).
+    raise_on_error: bool = False
+
+    def on_run_start(self, run_context: RunContext) -> None:
+        """Before the first worker starts."""
+
+    def after_report(self, run_context: RunContext, metrics: list[dict[str, Any]],
+                     checkpoint: Checkpoint | None) -> None:
+        """After a report round is recorded. ``metrics`` is ``[rank 0's metrics]`` (Ray passes
+        every rank's; jaxtrain's controller keeps rank 0's only); ``checkpoint`` the round's
+        committed checkpoint, or None. ``run_context.round`` is the round."""
+
+    def after_exception(self, run_context: RunContext,
+                        worker_exceptions: dict[int, Exception]) -> None:
+        """After an attempt failed: the failing rank and its error (``run_context.attempt``
+        is the failed attempt). ``on_restart`` follows when the group is started again."""
+
+    def on_restart(self, run_context: RunContext) -> None:
+        """When the group starts again after a failure (``run_context.attempt`` is the new
+        attempt), from the latest committed checkpoint."""
+
+    def on_run_end(self, run_context: RunContext, result: Result) -> None:
+        """When the run has ended, with its Result (``result.error`` is set when it failed),
+        before ``fit()`` returns or raises."""
+
+
+@dataclass
+class _CallbackFailure:
+    callback: UserCallback
+    hook: str
+    error: BaseException
+
+
+@dataclass
+class Dispatcher:
+    """Follows a run directory and calls the callbacks. Not thread-safe: the driver's thread
+    calls ``poll`` while it waits, and ``finish`` once at the end."""
+
+    callbacks: list[UserCallback]
+    context: RunContext
+    _jsonl_offset: int = 0
+    _attempts_seen: int = 0  # entries of run.json's attempts already handled
+    _state_stamp: tuple = ()
+    _started: int = 0  # the newest attempt whose start was seen
+    _failed: set[int] = field(default_factory=set)  # callbacks (by index) not called again
+    fatal: _CallbackFailure | None = None
+
+    @classmethod
+    def start(cls, trainer: Any, run_dir: str) -> Dispatcher:
+        """Called before the controller starts: what the run directory holds now (rounds and
+        attempts of earlier runs of the same name) is not delivered again."""
+        context = RunContext(name=trainer.run_config.name, path=run_dir,
+                             world_size=trainer.scaling_config.num_workers,
+                             run_config=trainer.run_config, scaling_config=trainer.scaling_config,
+                             train_loop_config=trainer.train_loop_config)
+        d = cls(list(trainer.run_config.callbacks), context)
+        d._jsonl_offset = _complete_length(os.path.join(run_dir, "result.jsonl"))
+        state = _read_json(os.path.join(run_dir, "run.json")) or {}
+        d._attempts_seen = len(state.get("attempts", []))
+        d.context.attempt = d._started = d._attempts_seen
+        d._call("on_run_start", context)
+        return d
+
+    def poll(self) -> bool:
+        """Delivers what the run directory gained since the last call, in the order it
+        happened; True when a ``raise_on_error`` callback failed and the run must be stopped."""
+        events = self._new_rounds() + self._new_attempt_events()
+        events.sort(key=lambda e: (e[0], e[1]))  # by the controller's clock; rounds first
+        for _, _, hook, attempt_or_round, args in events:
+            if self.fatal is not None:
+                break
+            if hook == "after_report":
+                self.context.round = attempt_or_round
+            else:
+                self.context.attempt = attempt_or_round
+            self._call(hook, self.context, *args)
+        return self.fatal is not None
+
+    def finish(self, result: Result) -> None:
+        """Delivers the rest, then ``on_run_end``. Raises ControllerError when a callback with
+        ``raise_on_error`` failed."""
+        self.poll()
+        if self.fatal is None:
+            self._call("on_run_end", self.context, result)
+        if self.fatal is not None:
+            raise ControllerError(
+                f"Training stopped: {self.fatal_reason()} (the callback has raise_on_error=True)",
+                controller_failure=self.fatal.error) from self.fatal.error
+
+    def _new_rounds(self) -> list[tuple]:
+        path = os.path.join(self.context.path, "result.jsonl")
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._jsonl_offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # only whole lines; the rest is still being written
+        self._jsonl_offset += end
+        events = []
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            name = row.get("checkpoint")
+            checkpoint = Checkpoint(os.path.join(self.context.path, name)) if name else None
+            events.append((row.get("time", 0.0), 0, "after_report", int(row.get("round", 0)),
+                           ([row.get("metrics", {})], checkpoint)))
+        return events
+
+    def _new_attempt_events(self) -> list[tuple]:
+        path = os.path.join(self.context.path, "run.json")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return []
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._state_stamp:
+            return []
+        state = _read_json(path)
+        if state is None:
+            return []  # rewritten atomically, so a race with the rename; read it next time
+        self._state_stamp = stamp
+        events = []
+        for a in state.get("attempts", [])[self._attempts_seen:]:
+            number = a.get("attempt", 0)
+            if number > self._started:
+                self._started = number
+                events.append((a.get("start_time", 0.0), 1, "on_restart", number, ()))
+            if a.get("status") == "RUNNING":
+                break  # looked at again when it ends
+            self._attempts_seen += 1
+            failure = a.get("failure")
+            if failure:
+                rank = failure.get("rank", -1)
+                error = RuntimeError(
+                    f"rank {rank} (host {failure.get('host') or '?'}, attempt {number}) "
+                    f"{failure.get('cause')}: {failure.get('message')}")
+                events.append((a.get("end_time", 0.0), 1, "after_exception", number,
+                               ({rank: error},)))
+        return events
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for i, callback in enumerate(self.callbacks):
+            if i in self._failed:
+                continue
+            try:
+                getattr(callback, hook)(*args)
+            except Exception as e:  # noqa: BLE001 -- a callback's bug must not end the run
+                self._failed.add(i)
+                name = f"{type(callback).__name__}.{hook}"
+                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
+                if callback.raise_on_error:
+                    self.fatal = _CallbackFailure(callback, hook, e)
+                    print(f"jaxtrain: callback {name} failed; it has raise_on_error=True, so "
+                          f"the run is stopped:\n{tb}", file=sys.stderr, flush=True)
+                    return
+                print(f"jaxtrain: callback {name} failed; the run goes on without it (set "
+                      f"raise_on_error = True on the callback to stop the run instead):\n{tb}",
+                      file=sys.stderr, flush=True)
+
+    def fatal_reason(self) -> str:
+        f = self.fatal
+        assert f is not None
+        return f"callback {type(f.callback).__name__}.{f.hook} raised {f.error!r}"
+
+
+def _complete_length(path: str) -> int:
+    """The length of the whole lines at the start of the file (0 when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    return data.rfind(b"\n") + 1
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None

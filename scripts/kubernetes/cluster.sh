@@ -1,0 +1,336 @@
+#!/usr/bin/env bash
+# A real one-node Kubernetes cluster on this machine, for jaxtrain's tests: etcd, kube-apiserver,
+# kube-scheduler, kube-controller-manager, kubelet with containerd and runc (Debian's), the CNI
+# bridge, kube-proxy, CoreDNS and the JobSet controller with its webhooks, all built by build.sh.
+# Everything runs inside one private network and mount namespace (held by a `sleep infinity`), so
+# the host's network, routes, iptables and mounts are never touched and no packet leaves.
+#
+#   cluster.sh start          build (cached) and start everything; prints the admin kubeconfig
+#   cluster.sh stop           stop everything; leaves no process, mount or cgroup behind
+#   cluster.sh clean          stop and wipe the cluster's state (binaries and images stay cached)
+#   cluster.sh exec CMD...    run CMD in the cluster's network namespace (on the node's network)
+#   cluster.sh kubectl ARGS   kubectl as the cluster's admin
+#   cluster.sh image          (re)build and import the worker image from .venv
+#
+# State: $JAXTRAIN_K8S_STATE (default /tmp/jaxtrain-k8s). The node's address is 10.250.0.2; pods
+# get 10.244.0.0/24; the API server is https://10.250.0.2:6443 inside the namespace.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+S=${JAXTRAIN_K8S_STATE:-/tmp/jaxtrain-k8s}
+NODE_IP=10.250.0.2
+POD_CIDR=10.244.0.0/24
+SERVICE_CIDR=10.96.0.0/16
+RUN=$S/run LOGS=$S/logs PKI=$S/pki ETC=$S/etc VAR=$S/var
+CTR_SOCK=$RUN/containerd/containerd.sock
+WORKER_IMAGE=docker.io/jaxtrain/worker:test
+NICE=(nice -n 10)
+# Paths containerd, the CNI plugins and kubelet insist on; inside the namespace they are bind
+# mounts of directories under $S.
+NS_DIRS=(/run/containerd /run/netns /var/lib/cni /var/lib/kubelet /var/log/pods /var/log/containers)
+
+log() { echo "[kubernetes] $*" >&2; }
+holder() { local p; p=$(cat "$RUN/holder.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null && echo "$p"; }
+in_ns() { nsenter -t "$(holder)" -m -n "$@"; }
+alive() { local p; p=$(cat "$RUN/$1.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null; }
+kc() { in_ns "$BIN/kubectl" --kubeconfig "$PKI/admin.kubeconfig" "$@"; }
+
+daemon() {  # name command...: started in the namespace, its output in logs/name.log
+  local name=$1; shift
+  alive "$name" && return 0
+  nsenter -t "$(holder)" -m -n "${NICE[@]}" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+  echo $! >"$RUN/$name.pid"
+}
+
+wait_for() {  # what timeout command...
+  local what=$1 timeout=$2 start=$SECONDS; shift 2
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS - start > timeout)); then
+      log "$what did not come up within ${timeout} s; see $LOGS"
+      return 1
+    fi
+    sleep 0.3
+  done
+}
+
+need_packages() {
+  local missing=() p
+  for p in containerd runc containernetworking-plugins socat busybox-static iptables conntrack openssl; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    log "installing Debian packages: ${missing[*]}"
+    local sudo=""; [[ $(id -u) -eq 0 ]] || sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+pki() {
+  [[ -f $PKI/ca.crt ]] && return 0
+  mkdir -p "$PKI" && cd "$PKI"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 3650 -subj /CN=jaxtrain-test-ca 2>/dev/null
+  openssl genrsa -out sa.key 2048 2>/dev/null && openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+  cert() {  # name CN O SANs (SANs make it a server certificate too)
+    openssl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "/CN=$2${3:+/O=$3}" 2>/dev/null
+    {
+      echo "basicConstraints=CA:FALSE"
+      echo "keyUsage=digitalSignature,keyEncipherment"
+      if [[ -n ${4:-} ]]; then echo "extendedKeyUsage=serverAuth,clientAuth"; echo "subjectAltName=$4"
+      else echo "extendedKeyUsage=clientAuth"; fi
+    } >"$1.ext"
+    openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -out "$1.crt" -days 3650 -extfile "$1.ext" 2>/dev/null
+    rm -f "$1.csr" "$1.ext"
+  }
+  cert apiserver kube-apiserver "" "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:$NODE_IP,IP:10.96.0.1"
+  cert admin admin system:masters
+  cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters
+  cert kubelet system:node:node1 system:nodes "DNS:node1,DNS:localhost,IP:127.0.0.1,IP:$NODE_IP"
+  cert webhook jobset-webhook "" "DNS:localhost,IP:127.0.0.1"
+  kubeconfig() {  # name cert server
+    cat >"$PKI/$1.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters: [{name: local, cluster: {certificate-authority: $PKI/ca.crt, server: "$3"}}]
+users: [{name: $2, user: {client-certificate: $PKI/$2.crt, client-key: $PKI/$2.key}}]
+contexts: [{name: local, context: {cluster: local, user: $2}}]
+current-context: local
+EOF
+  }
+  kubeconfig admin admin "https://$NODE_IP:6443"
+  kubeconfig kubelet kubelet "https://$NODE_IP:6443"
+  cd - >/dev/null
+}
+
+configs() {
+  mkdir -p "$ETC/cni" "$S/jobset-certs"
+  cp "$PKI/webhook.crt" "$S/jobset-certs/tls.crt"; cp "$PKI/webhook.key" "$S/jobset-certs/tls.key"
+  cat >"$ETC/containerd.toml" <<EOF
+version = 2
+root = "$VAR/containerd"
+state = "$RUN/containerd"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "$CTR_SOCK"
+[ttrpc]
+  address = "$CTR_SOCK.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.10"
+  # Sandboxes here may lack CAP_SYS_RESOURCE, which negative oom_score_adj values need.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "$RUN/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$ETC/cni"
+EOF
+  cat >"$ETC/cni/10-bridge.conflist" <<EOF
+{"cniVersion": "0.4.0", "name": "pods", "plugins": [{"type": "bridge", "bridge": "cni0",
+  "isGateway": true, "ipMasq": false, "hairpinMode": true,
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR", "gateway": "10.244.0.1"}]],
+           "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "$VAR/cni-ipam"}}]}
+EOF
+  echo "nameserver $NODE_IP" >"$ETC/resolv.conf"
+  cat >"$ETC/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://$CTR_SOCK
+address: $NODE_IP
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+tlsCertFile: $PKI/kubelet.crt
+tlsPrivateKeyFile: $PKI/kubelet.key
+authentication: {anonymous: {enabled: false}, webhook: {enabled: true}, x509: {clientCAFile: $PKI/ca.crt}}
+authorization: {mode: Webhook}
+clusterDomain: cluster.local
+clusterDNS: [$NODE_IP]
+resolvConf: $ETC/resolv.conf
+failSwapOn: false
+serializeImagePulls: false
+evictionHard: {memory.available: "200Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+imageGCHighThresholdPercent: 100
+maxPods: 110
+syncFrequency: 5s
+fileCheckFrequency: 20s
+nodeStatusUpdateFrequency: 5s
+EOF
+  cat >"$ETC/Corefile" <<EOF
+.:53 {
+    errors
+    health 127.0.0.1:8080
+    ready 127.0.0.1:8181
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $PKI/admin.kubeconfig
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }
+    cache 5
+}
+EOF
+  cat >"$ETC/jobset.yaml" <<EOF
+apiVersion: config.jobset.x-k8s.io/v1alpha1
+kind: Configuration
+leaderElection: {leaderElect: false}
+internalCertManagement: {enable: false}
+webhook: {port: 9443, host: 127.0.0.1, certDir: $S/jobset-certs}
+metrics: {bindAddress: "0"}
+health: {healthProbeBindAddress: "127.0.0.1:8081"}
+EOF
+  python3 "$here/webhooks.py" "$PKI/ca.crt" "$ETC/jobset-webhooks.json"
+}
+
+namespaces() {
+  holder >/dev/null && return 0
+  unshare --mount --net --propagation private sleep infinity </dev/null >/dev/null 2>&1 &
+  echo $! >"$RUN/holder.pid"
+  wait_for "the namespace holder" 10 test -e "/proc/$(cat "$RUN/holder.pid")/ns/net"
+  : >"$RUN/made-dirs"
+  for d in "${NS_DIRS[@]}"; do
+    [[ -d $d ]] || { mkdir -p "$d"; echo "$d" >>"$RUN/made-dirs"; }
+    mkdir -p "$S/root$d"
+    in_ns mount --bind "$S/root$d" "$d"
+  done
+  in_ns ip link set lo up
+  # The node's address, on a veth pair that stays inside the namespace (no dummy driver needed).
+  in_ns ip link add node0 type veth peer name node0-peer
+  in_ns ip link set node0-peer up
+  in_ns ip addr add "$NODE_IP/32" dev node0
+  in_ns ip link set node0 up
+  in_ns sysctl -qw net.ipv4.ip_forward=1
+  # kubelet sets these kernel-wide values; inside the mount namespace it sees files instead.
+  mkdir -p "$S/sysctl"
+  local kv f
+  for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1; do
+    f=${kv%=*}; echo "${kv#*=}" >"$S/sysctl/${f//\//_}"
+    in_ns mount --bind "$S/sysctl/${f//\//_}" "/proc/sys/$f"
+  done
+}
+
+import_images() {
+  local images=$S/images
+  mkdir -p "$images"
+  python3 "$here/image.py" pause "$BIN/pause" "$images/pause.tar"
+  in_ns ctr -a "$CTR_SOCK" -n k8s.io images import "$images/pause.tar" >/dev/null
+  worker_image
+}
+
+worker_image() {
+  local images=$S/images
+  mkdir -p "$images"
+  log "building the worker image from $repo/.venv"
+  "$repo/.venv/bin/python" "$here/image.py" worker "$repo/.venv" "$images/worker.tar" \
+    "${JAXTRAIN_K8S_CACHE:-$HOME/.cache/jaxtrain/kubernetes}/images"
+  in_ns ctr -a "$CTR_SOCK" -n k8s.io images import "$images/worker.tar" >/dev/null
+  rm -f "$images/worker.tar"
+  log "imported $WORKER_IMAGE"
+}
+
+node_ready() { kc get node node1 -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' | grep -q True; }
+
+start() {
+  local began=$SECONDS
+  need_packages
+  BIN=$("$here/build.sh")
+  mkdir -p "$RUN" "$LOGS" "$VAR"
+  pki
+  configs
+  namespaces
+  daemon etcd "$BIN/etcd" --name node1 --data-dir "$VAR/etcd" --listen-client-urls http://127.0.0.1:2379 \
+    --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
+    --initial-advertise-peer-urls http://127.0.0.1:2380 --initial-cluster node1=http://127.0.0.1:2380 \
+    --unsafe-no-fsync --log-level warn
+  wait_for etcd 60 in_ns curl -sf http://127.0.0.1:2379/health
+  daemon kube-apiserver "$BIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379 \
+    --advertise-address=$NODE_IP --secure-port=6443 --tls-cert-file="$PKI/apiserver.crt" \
+    --tls-private-key-file="$PKI/apiserver.key" --client-ca-file="$PKI/ca.crt" \
+    --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+    --service-cluster-ip-range=$SERVICE_CIDR --authorization-mode=Node,RBAC \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" --kubelet-certificate-authority="$PKI/ca.crt" \
+    --kubelet-preferred-address-types=InternalIP --profiling=false --v=1
+  wait_for kube-apiserver 180 in_ns curl -sf --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" "https://$NODE_IP:6443/readyz"
+  local common=(--kubeconfig="$PKI/admin.kubeconfig" --authentication-kubeconfig="$PKI/admin.kubeconfig"
+                --authorization-kubeconfig="$PKI/admin.kubeconfig" --leader-elect=false --bind-address=127.0.0.1 --v=1)
+  daemon kube-scheduler "$BIN/kube-scheduler" "${common[@]}"
+  daemon kube-controller-manager "$BIN/kube-controller-manager" "${common[@]}" \
+    --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" --use-service-account-credentials=true
+  daemon containerd containerd --config "$ETC/containerd.toml"
+  wait_for containerd 30 in_ns ctr -a "$CTR_SOCK" version
+  import_images
+  daemon kubelet "$BIN/kubelet" --config="$ETC/kubelet.yaml" --kubeconfig="$PKI/kubelet.kubeconfig" \
+    --root-dir="$VAR/kubelet" --hostname-override=node1 --node-ip=$NODE_IP --v=1
+  wait_for "the node" 120 node_ready
+  in_ns sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+  daemon kube-proxy "$BIN/kube-proxy" --kubeconfig="$PKI/admin.kubeconfig" --hostname-override=node1 \
+    --proxy-mode=iptables --cluster-cidr=$POD_CIDR --conntrack-max-per-core=0 \
+    --metrics-bind-address=127.0.0.1:10249 --healthz-bind-address=127.0.0.1:10256 --v=1
+  daemon coredns "$BIN/coredns" -conf "$ETC/Corefile"
+  kc apply --server-side -f "$BIN/jobset-crds.yaml" >/dev/null
+  wait_for "the JobSet CRD" 60 kc wait --for=condition=Established crd/jobsets.jobset.x-k8s.io --timeout=5s
+  daemon jobset "$BIN/jobset-controller" --config="$ETC/jobset.yaml" --kubeconfig="$PKI/admin.kubeconfig" --zap-log-level=info
+  wait_for "the JobSet webhook" 60 in_ns curl -sf http://127.0.0.1:8081/readyz
+  kc apply -f "$ETC/jobset-webhooks.json" >/dev/null
+  wait_for kube-proxy 60 in_ns curl -sf http://127.0.0.1:10256/healthz
+  wait_for coredns 60 in_ns curl -sf http://127.0.0.1:8181/ready
+  log "cluster up in $((SECONDS - began)) s; admin kubeconfig: $PKI/admin.kubeconfig (inside the namespace)"
+}
+
+stop_one() {  # name timeout: SIGTERM, then SIGKILL
+  local p; p=$(cat "$RUN/$1.pid" 2>/dev/null) || return 0
+  if kill -0 "$p" 2>/dev/null; then
+    kill "$p" 2>/dev/null || true
+    local t=$SECONDS
+    while kill -0 "$p" 2>/dev/null; do
+      ((SECONDS - t > $2)) && { kill -9 "$p" 2>/dev/null || true; break; }
+      sleep 0.2
+    done
+  fi
+  rm -f "$RUN/$1.pid"
+}
+
+stop() {
+  local n
+  for n in jobset coredns kube-proxy kubelet kube-controller-manager kube-scheduler; do stop_one $n 15; done
+  stop_one kube-apiserver 20
+  stop_one etcd 10
+  if holder >/dev/null; then
+    local id shims
+    for id in $(in_ns ctr -a "$CTR_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+      in_ns ctr -a "$CTR_SOCK" -n k8s.io tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true
+    done
+    shims=$(pgrep -f -- "containerd-shim-runc-v2 -namespace k8s.io .*-address $CTR_SOCK" || true)
+    stop_one containerd 10
+    for n in $shims; do kill -9 "$n" 2>/dev/null || true; done
+    kill "$(holder)" 2>/dev/null || true
+    rm -f "$RUN/holder.pid"
+  fi
+  # Empty pod cgroups kubelet made (cgroup v1 has one tree per controller).
+  local c
+  for c in /sys/fs/cgroup/*/kubepods; do
+    [[ -d $c ]] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+  done
+  if [[ -f $RUN/made-dirs ]]; then
+    while read -r d; do rmdir "$d" 2>/dev/null || true; done <"$RUN/made-dirs"
+    rm -f "$RUN/made-dirs"
+  fi
+}
+
+case ${1:-} in
+  start) start ;;
+  stop) stop ;;
+  clean) stop; rm -rf "$S" ;;
+  exec) shift; nsenter -t "$(holder)" -n "$@" ;;
+  kubectl) shift; BIN=$("$here/build.sh"); kc "$@" ;;
+  image) BIN=$("$here/build.sh"); worker_image ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac

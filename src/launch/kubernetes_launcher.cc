@@ -1,0 +1,437 @@
+#include "launch/kubernetes_launcher.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <set>
+
+namespace jaxtrain::launch {
+namespace {
+
+using nlohmann::json;
+
+// Set per pod by each worker from its Job's index and completion index, never by the launcher.
+const std::set<std::string> kPerRankEnv = {"JAXTRAIN_RANK", "JAXTRAIN_LOCAL_RANK",
+                                           "JAXTRAIN_LOCAL_WORLD_SIZE", "JAXTRAIN_NODE_RANK"};
+// Never handed on to the supervisor: a driver that is itself a worker of another run has these.
+const std::set<std::string> kSecretEnv = {"JAXTRAIN_RUN_SECRET", "JAXTRAIN_RUN_SECRET_FILE",
+                                          "JAXTRAIN_RUN_SECRET_FD"};
+constexpr char kSecretDir[] = "/var/run/jaxtrain";
+constexpr char kJobIndexLabel[] = "jobset.sigs.k8s.io/job-index";
+constexpr char kDefaultMegascalePort[] = "8081";
+
+// Ranks per Job and Jobs of the group: a TPU slice per Job, or one Job for every worker.
+struct Shape {
+  int pods_per_job = 1;
+  int jobs = 1;
+  std::string replicated_job = "workers";
+};
+
+Shape ShapeOf(const config::ScalingConfig& config) {
+  if (config.use_tpu() && config.tpu_slice()) {
+    return {.pods_per_job = config.workers_per_slice(),
+            .jobs = config.num_slices(),
+            .replicated_job = "slice"};
+  }
+  return {.pods_per_job = config.num_workers()};
+}
+
+StatusOr<std::string> String(const json& j, const char* field, bool required) {
+  if (!j.contains(field) || j[field].is_null()) {
+    if (required) {
+      return InvalidArgumentError(std::string("Kubernetes options: '") + field + "' is missing");
+    }
+    return std::string();
+  }
+  if (!j[field].is_string()) {
+    return InvalidArgumentError(std::string("Kubernetes options: '") + field +
+                                "' must be a string, not " + j[field].dump());
+  }
+  return j[field].get<std::string>();
+}
+
+StatusOr<std::vector<std::string>> Strings(const json& j, const char* field) {
+  if (!j.contains(field) || !j[field].is_array() || j[field].empty()) {
+    return InvalidArgumentError(std::string("Kubernetes options: '") + field +
+                                "' must be a non-empty list of strings");
+  }
+  std::vector<std::string> out;
+  for (const auto& v : j[field]) {
+    if (!v.is_string()) {
+      return InvalidArgumentError(std::string("Kubernetes options: '") + field +
+                                  "' must be a list of strings, not " + j[field].dump());
+    }
+    out.push_back(v.get<std::string>());
+  }
+  return out;
+}
+
+json EnvVar(const std::string& name, const std::string& value) {
+  return {{"name", name}, {"value", value}};
+}
+
+// Adds `ours` to the env list `into`, replacing entries of the same name.
+void MergeEnv(json& into, const json& ours) {
+  if (!into.is_array()) into = json::array();
+  for (const auto& e : ours) {
+    bool replaced = false;
+    for (auto& existing : into) {
+      if (existing.value("name", "") == e["name"]) {
+        existing = e;
+        replaced = true;
+      }
+    }
+    if (!replaced) into.push_back(e);
+  }
+}
+
+void MergeObject(json& into, const json& ours) {
+  if (!into.is_object()) into = json::object();
+  for (const auto& [k, v] : ours.items()) into[k] = v;
+}
+
+std::string Quantity(double v) {
+  if (std::floor(v) == v) return std::to_string(static_cast<long long>(v));
+  std::string s = std::to_string(v);
+  s.erase(s.find_last_not_of('0') + 1);
+  return s;
+}
+
+}  // namespace
+
+StatusOr<KubernetesOptions> KubernetesOptions::FromJson(const json& j) {
+  if (!j.is_object()) return InvalidArgumentError("Kubernetes options must be a JSON object");
+  KubernetesOptions o;
+  JT_ASSIGN_OR_RETURN(o.namespace_name, String(j, "namespace", true));
+  JT_ASSIGN_OR_RETURN(o.name, String(j, "name", true));
+  JT_ASSIGN_OR_RETURN(o.image, String(j, "image", true));
+  JT_ASSIGN_OR_RETURN(o.image_pull_policy, String(j, "image_pull_policy", false));
+  JT_ASSIGN_OR_RETURN(o.service_account, String(j, "service_account", false));
+  JT_ASSIGN_OR_RETURN(o.request_dir, String(j, "request_dir", true));
+  JT_ASSIGN_OR_RETURN(o.worker_command, Strings(j, "worker_command"));
+  JT_ASSIGN_OR_RETURN(o.supervisor_argv, Strings(j, "supervisor_argv"));
+  if (j.contains("pending_timeout_s")) {
+    if (!j["pending_timeout_s"].is_number() || j["pending_timeout_s"].get<double>() <= 0) {
+      return InvalidArgumentError("Kubernetes options: 'pending_timeout_s' must be a number > 0");
+    }
+    o.pending_timeout_s = j["pending_timeout_s"].get<double>();
+  }
+  o.pod_template = j.value("pod_template", json());
+  if (!o.pod_template.is_null() &&
+      (!o.pod_template.is_object() ||
+       (o.pod_template.contains("spec") && !o.pod_template["spec"].is_object()))) {
+    return InvalidArgumentError(
+        "the worker pod template must be a Pod-shaped object ({\"metadata\": {...}, \"spec\": "
+        "{...}}), not " +
+        o.pod_template.dump().substr(0, 200));
+  }
+  o.owner = j.value("owner", json());
+  if (j.contains("labels") && j["labels"].is_object()) {
+    for (const auto& [k, v] : j["labels"].items()) {
+      if (v.is_string()) o.labels[k] = v.get<std::string>();
+    }
+  }
+  return o;
+}
+
+StatusOr<std::string> GkeTpuAccelerator(accelerators::TpuGeneration generation) {
+  using accelerators::TpuGeneration;
+  switch (generation) {
+    case TpuGeneration::kV4: return std::string("tpu-v4-podslice");
+    case TpuGeneration::kV5e: return std::string("tpu-v5-lite-podslice");
+    case TpuGeneration::kV5p: return std::string("tpu-v5p-slice");
+    case TpuGeneration::kV6e: return std::string("tpu-v6e-slice");
+    case TpuGeneration::kV7x: return std::string("tpu7x");
+    default: break;
+  }
+  return InvalidArgumentError("ScalingConfig.accelerator_type: TPU " +
+                              std::string(accelerators::GenerationName(generation)) +
+                              " is not offered on GKE; GKE offers v4, v5e (v5litepod), v5p, v6e "
+                              "and v7x");
+}
+
+namespace {
+
+// What one pod per worker cannot give (see PlanForKubernetes).
+Status CheckShape(const config::ScalingConfig& config) {
+  if (config.use_tpu()) {
+    if (!config.input().accelerator_type && !config.tpu_slice()) {
+      return InvalidArgumentError(
+          "ScalingConfig.accelerator_type is not set: on Kubernetes a TPU ScalingConfig needs it "
+          "(e.g. 'TPU-V6E') to select GKE's TPU nodes");
+    }
+    auto generation = config.tpu_slice()
+                          ? StatusOr<accelerators::TpuGeneration>(config.tpu_slice()->generation)
+                          : accelerators::ParseTpuGeneration(*config.input().accelerator_type);
+    JT_RETURN_IF_ERROR(generation.status());
+    JT_RETURN_IF_ERROR(GkeTpuAccelerator(*generation).status());
+    if (config.tpu_slice() && config.workers_per_slice() != config.tpu_slice()->hosts) {
+      return InvalidArgumentError(
+          "ScalingConfig.resources_per_worker: on Kubernetes one worker runs per TPU VM host (one "
+          "pod each), so a worker takes a host's " +
+          std::to_string(config.tpu_slice()->chips_per_host) + " chips; this config gives " +
+          std::to_string(config.workers_per_slice() / config.tpu_slice()->hosts) +
+          " workers per host (leave 'TPU' out of resources_per_worker)");
+    }
+  }
+  if (config.use_gpu()) {
+    double gpus = config.resources_per_worker().at("GPU");
+    if (std::floor(gpus) != gpus || gpus < 1) {
+      return InvalidArgumentError("ScalingConfig.resources_per_worker['GPU']=" + Quantity(gpus) +
+                                  " is not allowed on Kubernetes: nvidia.com/gpu is a whole "
+                                  "number >= 1 per pod");
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+StatusOr<placement::Plan> PlanForKubernetes(const config::ScalingConfig& config,
+                                            const accelerators::HostView& env) {
+  JT_RETURN_IF_ERROR(CheckShape(config));
+  return placement::PlanForScheduler(config, env);
+}
+
+StatusOr<json> JobSetManifest(const config::ScalingConfig& config, const placement::Plan& plan,
+                              const KubernetesOptions& options, const std::string& jobset_name,
+                              const std::map<std::string, std::string>& env) {
+  JT_RETURN_IF_ERROR(CheckShape(config));
+  const Shape shape = ShapeOf(config);
+
+  json labels = {{"app.kubernetes.io/managed-by", "jaxtrain"}, {"jaxtrain.dev/run", options.name}};
+  for (const auto& [k, v] : options.labels) labels[k] = v;
+
+  json container_env = json::array();
+  for (const auto& [k, v] : env) container_env.push_back(EnvVar(k, v));
+  container_env.push_back(EnvVar("JAXTRAIN_RUN_SECRET_FILE", std::string(kSecretDir) + "/secret"));
+  container_env.push_back(EnvVar("JAXTRAIN_K8S_PODS_PER_JOB", std::to_string(shape.pods_per_job)));
+  container_env.push_back(
+      {{"name", "JAXTRAIN_K8S_JOB_INDEX"},
+       {"valueFrom",
+        {{"fieldRef",
+          {{"fieldPath", std::string("metadata.labels['") + kJobIndexLabel + "']"}}}}}});
+
+  json limits = json::object();
+  json requests = json::object();
+  json node_selector = json::object();
+  json jobset_annotations = json::object();
+  const auto& raw = config.input().resources_per_worker;
+  if (config.use_tpu()) {
+    auto generation = config.tpu_slice()
+                          ? StatusOr<accelerators::TpuGeneration>(config.tpu_slice()->generation)
+                          : accelerators::ParseTpuGeneration(*config.input().accelerator_type);
+    JT_ASSIGN_OR_RETURN(std::string accelerator, GkeTpuAccelerator(*generation));
+    node_selector["cloud.google.com/gke-tpu-accelerator"] = accelerator;
+    const double chips = config.tpu_slice() ? config.tpu_slice()->chips_per_host
+                                            : config.resources_per_worker().at("TPU");
+    limits["google.com/tpu"] = Quantity(chips);
+    if (config.tpu_slice()) {
+      node_selector["cloud.google.com/gke-tpu-topology"] = config.tpu_slice()->topology;
+      // A slice is one Job, placed whole on one node pool (a TPU slice) or not at all.
+      jobset_annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] =
+          "cloud.google.com/gke-nodepool";
+    }
+    if (shape.jobs > 1 && !plan.simulated) {
+      container_env.push_back(EnvVar("MEGASCALE_NUM_SLICES", std::to_string(shape.jobs)));
+      container_env.push_back(
+          EnvVar("MEGASCALE_COORDINATOR_ADDRESS",
+                 jobset_name + "-" + shape.replicated_job + "-0-0." + jobset_name));
+      if (!env.count("MEGASCALE_PORT")) {
+        container_env.push_back(EnvVar("MEGASCALE_PORT", kDefaultMegascalePort));
+      }
+      container_env.push_back(
+          {{"name", "MEGASCALE_SLICE_ID"},
+           {"valueFrom",
+            {{"fieldRef",
+              {{"fieldPath", std::string("metadata.labels['") + kJobIndexLabel + "']"}}}}}});
+    }
+  } else if (config.use_gpu()) {
+    limits["nvidia.com/gpu"] = Quantity(config.resources_per_worker().at("GPU"));
+  }
+  if (auto cpu = raw.find("CPU"); cpu != raw.end()) requests["cpu"] = Quantity(cpu->second);
+  if (auto mem = raw.find("memory"); mem != raw.end()) requests["memory"] = Quantity(mem->second);
+
+  // The user's template first; what jaxtrain must decide is set over it.
+  json pod = options.pod_template.is_object() ? options.pod_template : json::object();
+  json& meta = pod["metadata"];
+  if (!meta.is_object()) meta = json::object();
+  MergeObject(meta["labels"], labels);
+  json& spec = pod["spec"];
+  if (!spec.is_object()) spec = json::object();
+  json& containers = spec["containers"];
+  if (!containers.is_array() || containers.empty()) containers = json::array({json::object()});
+  json& c = containers[0];
+  if (!c.contains("name")) c["name"] = "worker";
+  if (!options.image.empty()) c["image"] = options.image;
+  if (!options.image_pull_policy.empty()) c["imagePullPolicy"] = options.image_pull_policy;
+  c["command"] = options.worker_command;
+  MergeEnv(c["env"], container_env);
+  json& resources = c["resources"];
+  if (!resources.is_object()) resources = json::object();
+  if (!limits.empty()) MergeObject(resources["limits"], limits);
+  if (!requests.empty()) MergeObject(resources["requests"], requests);
+  if (resources.empty()) c.erase("resources");
+  json& mounts = c["volumeMounts"];
+  if (!mounts.is_array()) mounts = json::array();
+  mounts.push_back(
+      {{"name", "jaxtrain-run-secret"}, {"mountPath", kSecretDir}, {"readOnly", true}});
+  json& volumes = spec["volumes"];
+  if (!volumes.is_array()) volumes = json::array();
+  volumes.push_back({{"name", "jaxtrain-run-secret"},
+                     {"secret",
+                      {{"secretName", jobset_name},
+                       {"defaultMode", 0400},
+                       {"items", json::array({{{"key", "secret"}, {"path", "secret"}}})}}}});
+  spec["restartPolicy"] = "Never";
+  if (!node_selector.empty()) MergeObject(spec["nodeSelector"], node_selector);
+  if (!options.service_account.empty()) spec["serviceAccountName"] = options.service_account;
+  if (!spec.contains("terminationGracePeriodSeconds")) spec["terminationGracePeriodSeconds"] = 5;
+
+  json metadata = {
+      {"name", jobset_name}, {"namespace", options.namespace_name}, {"labels", labels}};
+  if (!jobset_annotations.empty()) metadata["annotations"] = jobset_annotations;
+  if (!options.owner.is_null()) metadata["ownerReferences"] = json::array({options.owner});
+  return json{{"apiVersion", "jobset.x-k8s.io/v1alpha2"},
+              {"kind", "JobSet"},
+              {"metadata", metadata},
+              {"spec",
+               {{"failurePolicy", {{"maxRestarts", 0}}},
+                {"network", {{"enableDNSHostnames", true}, {"publishNotReadyAddresses", true}}},
+                {"replicatedJobs", json::array({{{"name", shape.replicated_job},
+                                                 {"replicas", shape.jobs},
+                                                 {"template",
+                                                  {{"metadata", {{"labels", labels}}},
+                                                   {"spec",
+                                                    {{"parallelism", shape.pods_per_job},
+                                                     {"completions", shape.pods_per_job},
+                                                     {"completionMode", "Indexed"},
+                                                     {"backoffLimit", 0},
+                                                     {"template", pod}}}}}}})}}}};
+}
+
+std::optional<TaskEnd> ParseKubernetesTaskEnd(std::string_view line) {
+  constexpr std::string_view kPrefix = "jaxtrain kubernetes: rank ";
+  if (line.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  line.remove_prefix(kPrefix.size());
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.remove_suffix(1);
+  size_t digits = line.find_first_not_of("0123456789");
+  if (digits == 0 || digits == std::string_view::npos || digits > 7) return std::nullopt;
+  TaskEnd end;
+  end.tasks = {std::atoi(std::string(line.substr(0, digits)).c_str())};
+  line.remove_prefix(digits);
+  if (line.substr(0, 4) != " on ") return std::nullopt;
+  line.remove_prefix(4);
+  size_t colon = line.find(": ");
+  if (colon == std::string_view::npos) return std::nullopt;
+  end.node = std::string(line.substr(0, colon));
+  std::string_view how = line.substr(colon + 2);
+  auto number_after = [&](std::string_view prefix) -> std::optional<int> {
+    if (how.substr(0, prefix.size()) != prefix) return std::nullopt;
+    std::string_view n = how.substr(prefix.size());
+    size_t len = n.find_first_not_of("0123456789");
+    if (len == 0) return std::nullopt;
+    return std::atoi(std::string(n.substr(0, len)).c_str());
+  };
+  if (auto code = number_after("exited with status ")) {
+    end.exit.exit_code = *code;
+  } else if (auto sig = number_after("killed by signal ")) {
+    end.exit.signal = *sig;
+  } else {
+    end.exit.signal = SIGKILL;  // deleted, evicted, its node lost: the process did not exit itself
+  }
+  return end;
+}
+
+KubernetesLauncher::KubernetesLauncher(KubernetesOptions options, config::ScalingConfig config,
+                                       placement::Plan plan)
+    : options_(std::move(options)), config_(std::move(config)), plan_(std::move(plan)) {}
+
+KubernetesLauncher::~KubernetesLauncher() = default;
+
+StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
+    const std::vector<ProcessSpec>& specs) {
+  pid_ = 0;
+  kills_ = 0;
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes"));
+  if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");
+  const std::string key = group.secret;
+
+  const std::string jobset_name = options_.name + "-" + std::to_string(++attempts_);
+  JT_ASSIGN_OR_RETURN(json jobset,
+                      JobSetManifest(config_, plan_, options_, jobset_name, group.env));
+  json request = {{"namespace", options_.namespace_name},
+                  {"jobset", jobset},
+                  {"secret", {{"name", jobset_name}, {"key", key}}},
+                  {"ranks", group.ranks.size()},
+                  {"pending_timeout_s", options_.pending_timeout_s}};
+
+  if (mkdir(options_.request_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return InternalError("cannot create '" + options_.request_dir + "': " + std::strerror(errno));
+  }
+  const std::string path = options_.request_dir + "/" + jobset_name + ".json";
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return InternalError("cannot write '" + path + "': " + std::strerror(errno));
+  const std::string text = request.dump();
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    ssize_t n = write(fd, rest.data(), rest.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int err = errno;
+      close(fd);
+      unlink(path.c_str());
+      return InternalError("cannot write '" + path + "': " + std::strerror(err));
+    }
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
+  close(fd);
+
+  std::vector<std::string> argv = options_.supervisor_argv;
+  argv.push_back(path);
+  std::vector<std::string> env_strings;
+  for (const auto& [k, v] : CurrentEnvironment()) {
+    if (!kSecretEnv.count(k)) env_strings.push_back(k + "=" + v);
+  }
+  auto spawned = SpawnWithOutputPipe(
+      {.argv = argv, .env = &env_strings, .process_group = 0, .search_path = true});
+  if (!spawned.ok()) {
+    unlink(path.c_str());
+    return UnavailableError("cannot start the Kubernetes supervisor '" + argv[0] +
+                            "': " + spawned.status().message());
+  }
+  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, spawned->pid, 0));
+  if (pidfd < 0) {
+    int err = errno;
+    kill(spawned->pid, SIGKILL);
+    int status = 0;
+    while (waitpid(spawned->pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    close(spawned->output_fd);
+    return UnavailableError(std::string("pidfd_open: ") + std::strerror(err));
+  }
+  pid_ = spawned->pid;
+  fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+  fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
+  return std::vector<LaunchedProcess>{{group.ranks, spawned->pid, pidfd, spawned->output_fd}};
+}
+
+void KubernetesLauncher::SignalGroup(int signal) {
+  if (pid_ <= 0) return;
+  if (signal == SIGTERM) {
+    kill(pid_, SIGTERM);
+  } else if (signal == SIGKILL) {
+    // The first SIGKILL asks for deletion without grace; the supervisor must still see the pods
+    // gone before it exits, so that no attempt overlaps the next one.
+    kill(pid_, ++kills_ == 1 ? SIGUSR1 : SIGKILL);
+  }
+}
+
+}  // namespace jaxtrain::launch

@@ -1,0 +1,115 @@
+// KubernetesLauncher: the worker group as one JobSet. Launch() writes the attempt's JobSet (and
+// the Secret holding the run's key) into a request file and starts one supervisor process,
+// `python -m jaxtrain.kubernetes supervise FILE` (python/jaxtrain/kubernetes.py), which talks to
+// the API server with the official Kubernetes client: it creates the objects, watches the pods,
+// streams their logs labelled "<rank>: " (not for a single rank), says how each rank ended in a
+// line ParseTaskEnd() reads, and deletes the JobSet — waiting until its pods are gone — when a
+// pod fails, when every pod has succeeded, or when it is signalled. The one LaunchedProcess
+// carries every rank, as a Slurm step does; its exit is the group's end.
+//
+// What is asked of Kubernetes (JobSetManifest, docs/kubernetes.md): one pod per rank, in one
+// replicatedJob whose Jobs are the TPU slices (replicas = slices, pods per Job = hosts per slice)
+// or one Job for GPU and CPU workers; Indexed Jobs, backoffLimit 0, restartPolicy Never and
+// JobSet's maxRestarts 0 (jaxtrain restarts the group itself, from its checkpoint). Each pod
+// derives its rank from its Job's index and its completion index (python/jaxtrain/worker.py).
+// TPU: google.com/tpu limits of a host's chips, the GKE node selectors for the accelerator and
+// the topology, and JobSet's exclusive-topology annotation so that a slice is placed whole on one
+// node pool or not at all; several slices also get the MEGASCALE variables. GPU: nvidia.com/gpu
+// limits. The run's key reaches the pods only as a file of a Secret volume.
+//
+// Thread-safety: used by the controller's event loop only. JobSetManifest is a pure function.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "accelerators/discovery.h"
+#include "accelerators/tpu.h"
+#include "base/status.h"
+#include "config/scaling_config.h"
+#include "launch/launcher.h"
+#include "placement/plan.h"
+
+namespace jaxtrain::launch {
+
+// What the Python layer decides for a Kubernetes run (python/jaxtrain/kubernetes.py), as JSON.
+struct KubernetesOptions {
+  std::string namespace_name;
+  std::string name;  // the run's objects are "<name>-<n>" for the n-th attempt of this driver
+  std::string image;
+  std::string image_pull_policy;              // empty: Kubernetes' default
+  std::string service_account;                // empty: the namespace's default
+  std::vector<std::string> worker_command;    // the command of every worker container
+  std::vector<std::string> supervisor_argv;   // the supervisor, run on this host
+  std::string request_dir;                    // where the request files are written (0700)
+  double pending_timeout_s = 300;             // a pod that cannot be scheduled this long fails
+  nlohmann::json pod_template;                // merged into every worker pod; null: none
+  nlohmann::json owner;                       // ownerReference of the run's objects; null: none
+  std::map<std::string, std::string> labels;  // added to every object and pod
+
+  // Errors: kInvalidArgument naming the missing or malformed field.
+  static StatusOr<KubernetesOptions> FromJson(const nlohmann::json& json);
+};
+
+// GKE's node label value (cloud.google.com/gke-tpu-accelerator) for a TPU generation.
+// Errors: kInvalidArgument for a generation GKE does not offer (the message lists those it does).
+StatusOr<std::string> GkeTpuAccelerator(accelerators::TpuGeneration generation);
+
+// The plan of a Kubernetes run: one environment for every rank (placement::PlanForScheduler).
+// Errors: kInvalidArgument when the ScalingConfig asks for what one pod per worker cannot give:
+// a TPU generation GKE does not offer, several workers per TPU host, a fractional GPU count.
+StatusOr<placement::Plan> PlanForKubernetes(const config::ScalingConfig& config,
+                                            const accelerators::HostView& env);
+
+// The JobSet of one attempt, named `jobset_name`, whose containers run `command` with `env` (and
+// the per-pod variables). The Secret `jobset_name` holds the run's key under "secret".
+// Errors: kInvalidArgument as PlanForKubernetes, or for a pod template that is not a Pod-shaped
+// object ({"metadata": {...}, "spec": {...}}).
+StatusOr<nlohmann::json> JobSetManifest(const config::ScalingConfig& config,
+                                        const placement::Plan& plan,
+                                        const KubernetesOptions& options,
+                                        const std::string& jobset_name,
+                                        const std::map<std::string, std::string>& env);
+
+// The supervisor's line for a rank's end: "jaxtrain kubernetes: rank 1 on node-7: exited with
+// status 3" (or "killed by signal 9", or another reason such as "deleted (node lost)", read as a
+// SIGKILL). nullopt for any other line.
+std::optional<TaskEnd> ParseKubernetesTaskEnd(std::string_view line);
+
+class KubernetesLauncher : public Launcher {
+ public:
+  KubernetesLauncher(KubernetesOptions options, config::ScalingConfig config, placement::Plan plan);
+  ~KubernetesLauncher() override;
+
+  // Writes the attempt's request (0600; the supervisor deletes it once read) and starts the
+  // supervisor in a new process group.
+  // Errors: kInvalidArgument when the specs differ in their command or in an environment
+  // variable other than the per-rank ones, or as JobSetManifest; kInternal when the request
+  // cannot be written; kUnavailable when the supervisor cannot be started.
+  StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
+
+  // SIGTERM: the supervisor deletes the JobSet with the pods' grace period and waits for them to
+  // be gone. SIGKILL: the same at once (grace period 0), then the supervisor itself is killed if
+  // it is still there at the next SIGKILL. Other signals are not forwarded.
+  void SignalGroup(int signal) override;
+
+  std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
+    return ParseKubernetesTaskEnd(line);
+  }
+
+ private:
+  KubernetesOptions options_;
+  config::ScalingConfig config_;
+  placement::Plan plan_;
+  pid_t pid_ = 0;  // the supervisor of the last Launch(); 0 when none
+  int kills_ = 0;  // SIGKILLs asked for since the last Launch()
+  int attempts_ = 0;
+};
+
+}  // namespace jaxtrain::launch

@@ -1,0 +1,208 @@
+#include "launch/kubernetes_launcher.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+namespace jaxtrain::launch {
+namespace {
+
+using nlohmann::json;
+
+config::ScalingConfig Config(config::ScalingConfigInput input) {
+  auto c = config::ScalingConfig::Create(std::move(input));
+  EXPECT_TRUE(c.ok()) << c.status().message();
+  return *c;
+}
+
+KubernetesOptions Options() {
+  auto o = KubernetesOptions::FromJson({{"namespace", "ml"},
+                                        {"name", "run-abcde"},
+                                        {"image", "example/train:1"},
+                                        {"request_dir", "/tmp/unused"},
+                                        {"worker_command", {"python", "-m", "jaxtrain.worker"}},
+                                        {"supervisor_argv", {"python", "-m", "sup"}}});
+  EXPECT_TRUE(o.ok()) << o.status().message();
+  return *o;
+}
+
+StatusOr<json> Manifest(const config::ScalingConfig& c, const KubernetesOptions& o,
+                        bool simulate = false) {
+  accelerators::FakeHost host;
+  if (simulate) host.env["JAXTRAIN_SIMULATE"] = "1";
+  auto plan = PlanForKubernetes(c, host);
+  if (!plan.ok()) return plan.status();
+  return JobSetManifest(c, *plan, o, "run-abcde-1", {{"JAXTRAIN_WORLD_SIZE", "4"}});
+}
+
+const json& Pod(const json& jobset) {
+  return jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"];
+}
+
+std::optional<json> Env(const json& pod, const std::string& name) {
+  for (const auto& e : pod["spec"]["containers"][0]["env"]) {
+    if (e["name"] == name) return e;
+  }
+  return std::nullopt;
+}
+
+TEST(JobSetManifestTest, CpuWorkersAreOneIndexedJobOfPlainPods) {
+  auto m = Manifest(Config({.num_workers = 4}), Options());
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ((*m)["kind"], "JobSet");
+  EXPECT_EQ((*m)["metadata"]["name"], "run-abcde-1");
+  EXPECT_EQ((*m)["metadata"]["namespace"], "ml");
+  EXPECT_EQ((*m)["spec"]["failurePolicy"]["maxRestarts"], 0);
+  const json& job = (*m)["spec"]["replicatedJobs"][0];
+  EXPECT_EQ(job["replicas"], 1);
+  EXPECT_EQ(job["template"]["spec"]["parallelism"], 4);
+  EXPECT_EQ(job["template"]["spec"]["completionMode"], "Indexed");
+  EXPECT_EQ(job["template"]["spec"]["backoffLimit"], 0);
+  const json& pod = Pod(*m);
+  EXPECT_EQ(pod["spec"]["restartPolicy"], "Never");
+  EXPECT_FALSE(pod["spec"].contains("nodeSelector"));
+  const json& c = pod["spec"]["containers"][0];
+  EXPECT_EQ(c["image"], "example/train:1");
+  EXPECT_EQ(c["command"], json({"python", "-m", "jaxtrain.worker"}));
+  EXPECT_FALSE(c.contains("resources"));
+  EXPECT_EQ(Env(pod, "JAXTRAIN_WORLD_SIZE").value()["value"], "4");
+  EXPECT_EQ(Env(pod, "JAXTRAIN_K8S_PODS_PER_JOB").value()["value"], "4");
+  EXPECT_EQ(Env(pod, "JAXTRAIN_RUN_SECRET_FILE").value()["value"], "/var/run/jaxtrain/secret");
+  EXPECT_EQ(pod["spec"]["volumes"][0]["secret"]["secretName"], "run-abcde-1");
+}
+
+TEST(JobSetManifestTest, TpuSlicesFollowGkesContract) {
+  // v4 2x2x2: 8 chips, 2 hosts of 4; 4 workers = 2 slices.
+  auto c = Config(
+      {.num_workers = 4, .use_tpu = true, .topology = "2x2x2", .accelerator_type = "TPU-V4"});
+  auto m = Manifest(c, Options());
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ((*m)["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"],
+            "cloud.google.com/gke-nodepool");
+  const json& job = (*m)["spec"]["replicatedJobs"][0];
+  EXPECT_EQ(job["name"], "slice");
+  EXPECT_EQ(job["replicas"], 2);
+  EXPECT_EQ(job["template"]["spec"]["parallelism"], 2);
+  const json& pod = Pod(*m);
+  EXPECT_EQ(pod["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"], "tpu-v4-podslice");
+  EXPECT_EQ(pod["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"], "2x2x2");
+  EXPECT_EQ(pod["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"], "4");
+  EXPECT_EQ(Env(pod, "MEGASCALE_NUM_SLICES").value()["value"], "2");
+  EXPECT_EQ(Env(pod, "MEGASCALE_COORDINATOR_ADDRESS").value()["value"],
+            "run-abcde-1-slice-0-0.run-abcde-1");
+  EXPECT_EQ(Env(pod, "MEGASCALE_SLICE_ID").value()["valueFrom"]["fieldRef"]["fieldPath"],
+            "metadata.labels['jobset.sigs.k8s.io/job-index']");
+}
+
+TEST(JobSetManifestTest, SimulatedTpuKeepsThePodSpecButNoMegascale) {
+  auto c = Config(
+      {.num_workers = 4, .use_tpu = true, .topology = "2x4", .accelerator_type = "v5litepod"});
+  auto m = Manifest(c, Options(), /*simulate=*/true);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  const json& pod = Pod(*m);
+  EXPECT_EQ(pod["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"],
+            "tpu-v5-lite-podslice");
+  EXPECT_EQ(pod["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"], "8");
+  EXPECT_FALSE(Env(pod, "MEGASCALE_NUM_SLICES").has_value());
+  EXPECT_EQ(Env(pod, "JAXTRAIN_WORLD_SIZE").value()["value"], "4");
+}
+
+TEST(JobSetManifestTest, GpusAreWholeNvidiaLimits) {
+  auto m = Manifest(
+      Config({.num_workers = 2, .use_gpu = true, .resources_per_worker = {{"GPU", 2}, {"CPU", 8}}}),
+      Options());
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  const json& r = Pod(*m)["spec"]["containers"][0]["resources"];
+  EXPECT_EQ(r["limits"]["nvidia.com/gpu"], "2");
+  EXPECT_EQ(r["requests"]["cpu"], "8");
+}
+
+TEST(JobSetManifestTest, RefusesWhatGkeOrOnePodPerWorkerCannotGive) {
+  auto v3 = Manifest(
+      Config({.num_workers = 4, .use_tpu = true, .topology = "4x4", .accelerator_type = "TPU-V3"}),
+      Options());
+  EXPECT_EQ(v3.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v3.status().message().find("not offered on GKE"), std::string::npos);
+
+  auto split = Manifest(Config({.num_workers = 8,
+                                .use_tpu = true,
+                                .topology = "2x2x2",
+                                .accelerator_type = "TPU-V4",
+                                .resources_per_worker = {{"TPU", 2}}}),
+                        Options());
+  EXPECT_EQ(split.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(split.status().message().find("one worker runs per TPU VM host"), std::string::npos);
+
+  auto half =
+      Manifest(Config({.num_workers = 2, .use_gpu = true, .resources_per_worker = {{"GPU", 0.5}}}),
+               Options());
+  EXPECT_EQ(half.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(half.status().message().find("nvidia.com/gpu"), std::string::npos);
+}
+
+TEST(JobSetManifestTest, ThePodTemplateIsKeptUnderWhatJaxtrainDecides) {
+  KubernetesOptions o = Options();
+  o.pod_template = json::parse(R"({
+    "metadata": {"labels": {"team": "ml"}},
+    "spec": {"tolerations": [{"key": "tpu", "operator": "Exists"}],
+             "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "runs"}}],
+             "containers": [{"name": "trainer", "command": ["ignored"],
+                             "env": [{"name": "A", "value": "1"},
+                                     {"name": "JAXTRAIN_WORLD_SIZE", "value": "99"}],
+                             "volumeMounts": [{"name": "data", "mountPath": "/runs"}]}]}})");
+  auto m = Manifest(Config({.num_workers = 4}), o);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  const json& pod = Pod(*m);
+  EXPECT_EQ(pod["metadata"]["labels"]["team"], "ml");
+  EXPECT_EQ(pod["metadata"]["labels"]["app.kubernetes.io/managed-by"], "jaxtrain");
+  EXPECT_EQ(pod["spec"]["tolerations"][0]["key"], "tpu");
+  EXPECT_EQ(pod["spec"]["volumes"].size(), 2u);
+  const json& c = pod["spec"]["containers"][0];
+  EXPECT_EQ(c["name"], "trainer");
+  EXPECT_EQ(c["command"][0], "python");
+  EXPECT_EQ(Env(pod, "A").value()["value"], "1");
+  EXPECT_EQ(Env(pod, "JAXTRAIN_WORLD_SIZE").value()["value"], "4");
+  EXPECT_EQ(c["volumeMounts"].size(), 2u);
+
+  o.pod_template = json::array();
+  EXPECT_EQ(KubernetesOptions::FromJson({{"namespace", "ml"},
+                                         {"name", "r"},
+                                         {"image", "i"},
+                                         {"request_dir", "/tmp"},
+                                         {"worker_command", {"python"}},
+                                         {"supervisor_argv", {"python"}},
+                                         {"pod_template", json::array()}})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(KubernetesOptionsTest, NamesTheMissingField) {
+  auto o = KubernetesOptions::FromJson({{"namespace", "ml"}, {"name", "r"}});
+  EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(o.status().message().find("'image'"), std::string::npos);
+}
+
+TEST(ParseKubernetesTaskEndTest, ReadsTheSupervisorsLines) {
+  auto exited =
+      ParseKubernetesTaskEnd("jaxtrain kubernetes: rank 3 on node-7: exited with status 3\n");
+  ASSERT_TRUE(exited.has_value());
+  EXPECT_EQ(exited->tasks, std::vector<int>{3});
+  EXPECT_EQ(exited->node, "node-7");
+  EXPECT_EQ(exited->exit.exit_code, 3);
+
+  auto killed = ParseKubernetesTaskEnd("jaxtrain kubernetes: rank 0 on n1: killed by signal 9");
+  ASSERT_TRUE(killed.has_value());
+  EXPECT_EQ(killed->exit.signal, 9);
+
+  auto lost = ParseKubernetesTaskEnd("jaxtrain kubernetes: rank 1 on n1: deleted (node lost)");
+  ASSERT_TRUE(lost.has_value());
+  EXPECT_EQ(lost->exit.signal, SIGKILL);
+
+  for (const char* other : {"jaxtrain kubernetes: error: quota", "0: hello", "rank 1 on x: y",
+                            "jaxtrain kubernetes: rank x on n: exited with status 1"}) {
+    EXPECT_FALSE(ParseKubernetesTaskEnd(other).has_value()) << other;
+  }
+}
+
+}  // namespace
+}  // namespace jaxtrain::launch

@@ -1,0 +1,119 @@
+// SshLauncher: the worker group on a list of hosts, each worker started over the system's OpenSSH
+// client (`ssh`), so that ~/.ssh/config, agents, jump hosts and ControlMaster settings all apply.
+// Used for bare machines and for TPU VM slices driven from one host (docs/hosts.md).
+//
+// One ssh per rank, all in one new local process group. Each runs, on its host, a small agent in
+// the worker's Python (`python -c`, kAgentSource in ssh_launcher.cc) that reads one JSON line on
+// its stdin — the worker's command, working directory and environment, the run's secret
+// included — and starts the worker in a new session. Nothing of the environment is put on a
+// command line. After that line, ssh's stdin stays open and carries signals ("TERM", "CONT",
+// "KILL", one per line) to the worker's process group; when it ends — the driver closed it, the
+// driver died, the ssh connection dropped (ServerAliveInterval) — the agent kills the worker's
+// whole process group. When the worker exits, the agent kills what it left in its process group
+// and exits with the worker's status (128 + n for signal n, as a shell reports it, since ssh
+// cannot pass a signal on).
+//
+// Before the processes of an attempt are started, every host is probed once (in parallel, one
+// deadline): ssh must connect without prompting (BatchMode) and the worker's Python and working
+// directory must exist there. A failed probe fails Launch() with a message that names the host
+// and quotes ssh.
+//
+// Thread-safety: SshLauncher is used by the controller's event loop only. The free functions are
+// thread-safe; SshHostName runs `ssh -G` and blocks for it.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "accelerators/discovery.h"
+#include "base/clock.h"
+#include "base/status.h"
+#include "config/scaling_config.h"
+#include "launch/launcher.h"
+#include "placement/hosts.h"
+#include "placement/plan.h"
+
+namespace jaxtrain::launch {
+
+// Settings (docs/hosts.md).
+inline constexpr char kSshHostsEnv[] = "JAXTRAIN_SSH_HOSTS";      // "h1,h2" or "h1:4,h2:4"
+inline constexpr char kHostfileEnv[] = "JAXTRAIN_HOSTFILE";       // "host slots=N" per line
+inline constexpr char kSshCommandEnv[] = "JAXTRAIN_SSH_COMMAND";  // default "ssh"
+inline constexpr char kSshEnvEnv[] = "JAXTRAIN_SSH_ENV";  // more variables to pass, ','-separated
+
+// One entry of a host list: where ssh connects ("node1", "user@node1", an alias of
+// ~/.ssh/config) and how many workers it takes (nullopt: not said).
+struct SshHost {
+  std::string target;
+  std::optional<int> slots;
+};
+
+// Parses a host list: JAXTRAIN_SSH_HOSTS's "h1,h2:4" (`hostfile` false), or a hostfile in the
+// format of MPI and DeepSpeed (`hostfile` true): one host per line, "host slots=N" or "host",
+// '#' starts a comment, blank lines are skipped.
+// Errors: kInvalidArgument naming `source`, the line or entry, and what is allowed: no host, a
+// host listed twice, slots that are not a whole number >= 1, an unknown key on a hostfile line.
+StatusOr<std::vector<SshHost>> ParseSshHosts(std::string_view text, const std::string& source,
+                                             bool hostfile);
+
+// The hosts of an ssh run, as placement sees them. Each host's address is the part of its target
+// after any "user@". Slots are its worker capacity (for GPU runs: its GPUs 0..slots-1, as in a
+// DeepSpeed hostfile); hosts without slots take an equal share of `config.num_workers()`.
+placement::HostDescription SshHostDescription(const std::vector<SshHost>& hosts,
+                                              const std::string& source,
+                                              const config::ScalingConfig& config);
+
+// The plan of an ssh run, over the hosts of JAXTRAIN_HOSTFILE, else JAXTRAIN_SSH_HOSTS, else the
+// JSON description of JAXTRAIN_HOSTS (docs/accelerators.md), which may describe TPU slices and
+// GPUs. With the simulate switch JAX runs on CPU on those hosts.
+// Errors: kInvalidArgument when no hosts are given (the message says how to give them) and
+// those of ParseSshHosts; kNotFound when the hostfile cannot be read; those of PlanOnHosts.
+StatusOr<placement::Plan> PlanForSsh(const config::ScalingConfig& config,
+                                     const accelerators::HostView& env);
+
+// The ssh command of JAXTRAIN_SSH_COMMAND ("ssh -F conf -i key"), split at spaces; {"ssh"}.
+std::vector<std::string> SshCommand(const accelerators::HostView& env);
+
+// The host name ssh connects to for `target` after ~/.ssh/config (`ssh -G target`): what to find
+// a route to. Errors: kUnavailable when ssh cannot be run or says nothing.
+StatusOr<std::string> SshHostName(const std::vector<std::string>& ssh, const std::string& target);
+
+// `s` as one word of a POSIX shell command line: single-quoted.
+std::string ShellQuote(std::string_view s);
+
+struct SshLauncherOptions {
+  std::vector<std::string> ssh = {"ssh"};  // the command and the user's options, found in PATH
+  std::vector<std::string> targets;        // by rank: where it runs (SshHost::target)
+  Duration probe_timeout = std::chrono::seconds(30);
+};
+
+class SshLauncher : public Launcher {
+ public:
+  explicit SshLauncher(SshLauncherOptions options);
+  ~SshLauncher() override;  // closes the agents' stdin: any worker still running is killed
+
+  // Probes every host of `specs`, then starts one ssh per spec (each spec must run one rank).
+  // Errors: kUnavailable naming the host when it cannot be reached over ssh (refused, down, host
+  // key unknown or changed, authentication refused: ssh's words are quoted) or lacks the
+  // worker's Python or working directory; kDeadlineExceeded naming the hosts that did not answer
+  // the probe in time; kInvalidArgument for a spec of several ranks or of a rank without a host.
+  StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
+
+  // Sends `signal` to every worker's process group through its agent. SIGKILL also kills the
+  // local ssh processes, so the group ends even when a host cannot be reached; the agents then
+  // see their stdin end and kill their workers.
+  void SignalGroup(int signal) override;
+
+ private:
+  Status Probe(const std::vector<ProcessSpec>& specs);
+  void CloseInputs();
+
+  SshLauncherOptions options_;
+  pid_t pgid_ = 0;
+  std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
+};
+
+}  // namespace jaxtrain::launch

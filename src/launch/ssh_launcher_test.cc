@@ -1,0 +1,291 @@
+// The ssh launcher without sshd: its pure parts as functions, and Launch() and SignalGroup()
+// against a fake ssh (a shell script that drops ssh's options and runs the remote command here,
+// with its stdin, as sshd would; the target "down" refuses like a host without sshd). The agent
+// and the workers are real processes. tests/test_ssh.py runs the real thing on real sshd.
+#include "launch/ssh_launcher.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "launch/process.h"
+#include "launch/slurm_launcher.h"
+
+namespace jaxtrain::launch {
+namespace {
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+config::ScalingConfig Config(config::ScalingConfigInput input) {
+  auto c = config::ScalingConfig::Create(std::move(input));
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return *c;
+}
+
+TEST(ParseSshHostsTest, ReadsHostListsWithAndWithoutSlots) {
+  auto hosts = ParseSshHosts("h1, user@h2:4", "JAXTRAIN_SSH_HOSTS", false);
+  ASSERT_TRUE(hosts.ok()) << hosts.status().ToString();
+  ASSERT_EQ(hosts->size(), 2u);
+  EXPECT_EQ((*hosts)[0].target, "h1");
+  EXPECT_FALSE((*hosts)[0].slots);
+  EXPECT_EQ((*hosts)[1].target, "user@h2");
+  EXPECT_EQ((*hosts)[1].slots, 4);
+}
+
+TEST(ParseSshHostsTest, ReadsHostfilesAsMpiAndDeepSpeedWriteThem) {
+  auto hosts = ParseSshHosts(
+      "# workers\nworker-0 slots=4\n\nworker-1 slots=2 max_slots=8  # gpu\n"
+      "worker-2\n",
+      "JAXTRAIN_HOSTFILE=hf", true);
+  ASSERT_TRUE(hosts.ok()) << hosts.status().ToString();
+  ASSERT_EQ(hosts->size(), 3u);
+  EXPECT_EQ((*hosts)[0].slots, 4);
+  EXPECT_EQ((*hosts)[1].target, "worker-1");
+  EXPECT_EQ((*hosts)[1].slots, 2);
+  EXPECT_FALSE((*hosts)[2].slots);
+}
+
+TEST(ParseSshHostsTest, RefusesBadEntriesNamingThem) {
+  auto bad = ParseSshHosts("h1 slots=0\n", "JAXTRAIN_HOSTFILE=hf", true);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(), "JAXTRAIN_HOSTFILE=hf line 1: 'slots=0'"));
+  bad = ParseSshHosts("h1\nh2 cpus=3\n", "JAXTRAIN_HOSTFILE=hf", true);
+  EXPECT_TRUE(Contains(bad.status().message(), "line 2: 'cpus=3' is not allowed"));
+  bad = ParseSshHosts("h1,h1:2", "JAXTRAIN_SSH_HOSTS", false);
+  EXPECT_TRUE(Contains(bad.status().message(), "host 'h1' is listed twice"));
+  bad = ParseSshHosts("h1:x", "JAXTRAIN_SSH_HOSTS", false);
+  EXPECT_TRUE(Contains(bad.status().message(), "entry 'h1:x': 'x' is not allowed"));
+  bad = ParseSshHosts("h1,,h2", "JAXTRAIN_SSH_HOSTS", false);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  bad = ParseSshHosts("# nothing\n", "JAXTRAIN_HOSTFILE=hf", true);
+  EXPECT_TRUE(Contains(bad.status().message(), "lists no host"));
+}
+
+TEST(PlanForSshTest, HostsWithoutSlotsShareTheWorkersAndRanksAreContiguousPerHost) {
+  accelerators::FakeHost env;
+  env.env[kSshHostsEnv] = "h1,h2";
+  auto plan = PlanForSsh(Config({.num_workers = 4}), env);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  std::vector<std::string> hosts;
+  for (const auto& w : plan->workers) hosts.push_back(w.host + "/" + std::to_string(w.local_rank));
+  EXPECT_EQ(hosts, (std::vector<std::string>{"h1/0", "h1/1", "h2/0", "h2/1"}));
+  EXPECT_EQ(plan->workers[2].node_rank, 1);
+}
+
+TEST(PlanForSshTest, SlotsLimitAHostAndTooFewAreRefused) {
+  accelerators::FakeHost env;
+  env.env[kHostfileEnv] = "/hf";
+  env.files["/hf"] = "a slots=1\nb slots=3\n";
+  auto plan = PlanForSsh(Config({.num_workers = 4}), env);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->workers[0].host, "a");
+  EXPECT_EQ(plan->workers[3].host, "b");
+  auto refused = PlanForSsh(Config({.num_workers = 5}), env);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(refused.status().message(), "JAXTRAIN_HOSTFILE=/hf"));
+}
+
+TEST(PlanForSshTest, NoHostsSaysHowToGiveThem) {
+  accelerators::FakeHost env;
+  auto plan = PlanForSsh(Config({.num_workers = 2}), env);
+  EXPECT_EQ(plan.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(plan.status().message(), "JAXTRAIN_SSH_HOSTS=h1,h2"));
+  env.env[kHostfileEnv] = "/missing";
+  EXPECT_EQ(PlanForSsh(Config({.num_workers = 2}), env).status().code(), StatusCode::kNotFound);
+}
+
+TEST(ChooseLauncherTest, ListedHostsChooseSsh) {
+  accelerators::FakeHost env;
+  env.env[kSshHostsEnv] = "h1";
+  EXPECT_EQ(*ChooseLauncher(env), "ssh");
+  env.env[kLauncherEnv] = "local";
+  EXPECT_EQ(*ChooseLauncher(env), "local");
+  env.env.clear();
+  env.env[kLauncherEnv] = "ssh";
+  EXPECT_EQ(*ChooseLauncher(env), "ssh");
+}
+
+TEST(ShellQuoteTest, QuotesEverythingAsOneWord) {
+  EXPECT_EQ(ShellQuote("a b"), "'a b'");
+  EXPECT_EQ(ShellQuote("it's"), "'it'\\''s'");
+}
+
+TEST(SshCommandTest, SplitsTheUsersCommand) {
+  accelerators::FakeHost env;
+  EXPECT_EQ(SshCommand(env), std::vector<std::string>{"ssh"});
+  env.env[kSshCommandEnv] = "ssh  -F /x/config";
+  EXPECT_EQ(SshCommand(env), (std::vector<std::string>{"ssh", "-F", "/x/config"}));
+}
+
+// --- Launch() against a fake ssh --------------------------------------------------------------
+
+class FakeSshTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("ssh-launcher-test-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+    ssh_ = (dir_ / "ssh").string();
+    std::ofstream(ssh_) << "#!/bin/sh\n"
+                           "echo \"$@\" >> " +
+                               (dir_ / "argv.log").string() +
+                               "\n"
+                               "while [ $# -gt 0 ]; do case \"$1\" in -o|-F) shift 2;; -*) shift;; "
+                               "*) break;; esac; done\n"
+                               "target=$1; shift\n"
+                               "if [ \"$target\" = down ]; then echo \"ssh: connect to host down "
+                               "port 22: Connection refused\" >&2; exit 255; fi\n"
+                               "exec sh -c \"$*\"\n";
+    chmod(ssh_.c_str(), 0755);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  SshLauncherOptions Options(std::vector<std::string> targets) {
+    return {.ssh = {ssh_}, .targets = std::move(targets)};
+  }
+
+  static ProcessSpec Python(int rank, const std::string& code,
+                            std::map<std::string, std::string> env = {}) {
+    return {.ranks = {rank}, .argv = {PythonPath(), "-c", code}, .env = std::move(env)};
+  }
+
+  static std::string PythonPath() {
+    for (const char* p : {"/usr/bin/python3", "/usr/local/bin/python3"}) {
+      if (access(p, X_OK) == 0) return p;
+    }
+    return "python3";
+  }
+
+  // Output of `p` until it ends, or until `until` appears when given.
+  static std::string ReadOutput(const LaunchedProcess& p, const std::string& until = "") {
+    std::string out;
+    for (;;) {
+      pollfd pfd{p.output_fd, POLLIN, 0};
+      poll(&pfd, 1, 60000);
+      char buf[4096];
+      ssize_t n = read(p.output_fd, buf, sizeof(buf));
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (n <= 0) return out;
+      out.append(buf, static_cast<size_t>(n));
+      if (!until.empty() && Contains(out, until)) return out;
+    }
+  }
+
+  static ExitStatus Finish(const LaunchedProcess& p) {
+    close(p.output_fd);
+    close(p.pidfd);
+    return WaitForExit(p.pid);
+  }
+
+  std::string ArgvLog() {
+    std::ifstream in(dir_ / "argv.log");
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+  std::filesystem::path dir_;
+  std::string ssh_;
+};
+
+TEST_F(FakeSshTest, EveryRankGetsItsEnvironmentOnStdinAndNeverOnACommandLine) {
+  SshLauncher launcher(Options({"h1", "h2"}));
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back(Python(
+        r,
+        "import os; print('rank', os.environ['JAXTRAIN_RANK'], os.environ['JAXTRAIN_RUN_SECRET'])",
+        {{"JAXTRAIN_RANK", std::to_string(r)}, {"JAXTRAIN_RUN_SECRET", "s3cr3t-value"}}));
+  }
+  auto launched = launcher.Launch(specs);
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  ASSERT_EQ(launched->size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    const auto& p = (*launched)[static_cast<size_t>(r)];
+    EXPECT_EQ(p.ranks, std::vector<int>{r});
+    EXPECT_TRUE(Contains(ReadOutput(p), "rank " + std::to_string(r) + " s3cr3t-value"));
+    EXPECT_TRUE(Finish(p).ok());
+  }
+  std::string argv = ArgvLog();
+  EXPECT_TRUE(Contains(argv, "BatchMode=yes"));
+  EXPECT_TRUE(Contains(argv, " h1 ")) << argv;
+  EXPECT_FALSE(Contains(argv, "s3cr3t")) << argv;
+}
+
+TEST_F(FakeSshTest, ARefusedHostFailsTheLaunchNamingItAndQuotingSsh) {
+  SshLauncher launcher(Options({"h1", "down"}));
+  auto launched = launcher.Launch({Python(0, "pass"), Python(1, "pass")});
+  ASSERT_EQ(launched.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(Contains(launched.status().message(), "cannot reach host down over ssh"));
+  EXPECT_TRUE(Contains(launched.status().message(), "Connection refused"));
+}
+
+TEST_F(FakeSshTest, AHostWithoutTheWorkersPythonIsNamed) {
+  SshLauncher launcher(Options({"h1"}));
+  ProcessSpec spec{.ranks = {0}, .argv = {"/nonexistent/python3", "-c", "pass"}};
+  auto launched = launcher.Launch({spec});
+  ASSERT_EQ(launched.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(Contains(launched.status().message(), "host h1 has no executable /nonexistent"));
+}
+
+TEST_F(FakeSshTest, SigtermReachesTheWorkerThroughItsAgent) {
+  SshLauncher launcher(Options({"h1"}));
+  auto launched = launcher.Launch({Python(0,
+                                          "import signal, sys, time\n"
+                                          "def on_term(*_):\n"
+                                          "    print('got TERM', flush=True); sys.exit(3)\n"
+                                          "signal.signal(signal.SIGTERM, on_term)\n"
+                                          "print('ready', flush=True)\n"
+                                          "while True: time.sleep(1)\n")});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const auto& p = launched->front();
+  ReadOutput(p, "ready");
+  launcher.SignalGroup(SIGTERM);
+  EXPECT_TRUE(Contains(ReadOutput(p), "got TERM"));
+  EXPECT_EQ(Finish(p).exit_code, 3);
+}
+
+TEST_F(FakeSshTest, AWorkerKilledBySignalIsReportedAs128PlusTheSignal) {
+  SshLauncher launcher(Options({"h1"}));
+  auto launched = launcher.Launch({Python(0, "import os, signal; os.kill(os.getpid(), 9)")});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const auto& p = launched->front();
+  EXPECT_TRUE(Contains(ReadOutput(p), "the worker on h1 was killed by signal 9 (SIGKILL)"));
+  EXPECT_EQ(Finish(p).exit_code, 128 + 9);
+}
+
+TEST_F(FakeSshTest, WhenTheLauncherGoesItsWorkersAndTheirChildrenGoToo) {
+  auto launcher = std::make_unique<SshLauncher>(Options({"h1"}));
+  // The worker starts a child in its own process group and waits forever.
+  auto launched = launcher->Launch({Python(0,
+                                           "import subprocess, time\n"
+                                           "c = subprocess.Popen(['sleep', '1000'])\n"
+                                           "print('pids', c.pid, flush=True)\n"
+                                           "time.sleep(1000)\n")});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const auto p = launched->front();
+  std::string out = ReadOutput(p, "\n");
+  const pid_t child = std::stoi(out.substr(out.find("pids ") + 5));
+  launcher.reset();  // stdin of the agent ends, as when the driver dies
+  ReadOutput(p);
+  EXPECT_EQ(Finish(p).exit_code, 128 + 9);
+  // Killed with the worker's process group: gone, or a zombie until init reaps it.
+  std::ifstream stat("/proc/" + std::to_string(child) + "/stat");
+  std::string pid, name, state;
+  if (stat >> pid >> name >> state) {
+    EXPECT_EQ(state, "Z");
+  }
+}
+
+}  // namespace
+}  // namespace jaxtrain::launch

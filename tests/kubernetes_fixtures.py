@@ -1,0 +1,115 @@
+"""A real Kubernetes cluster on this machine for the Kubernetes tests (scripts/kubernetes/).
+
+The session fixture ``kubernetes_cluster`` starts it once — etcd, the API server, scheduler,
+controller manager, a kubelet with containerd and runc, kube-proxy, CoreDNS and the JobSet
+controller, built from the Go module proxy on first use (about 15 minutes, then cached) — imports
+the worker image built from this checkout's .venv, and stops the cluster when the session ends.
+Where it cannot run (not root, no network namespaces, no Go) its tests are skipped with the reason,
+unless JAXTRAIN_REQUIRE_KUBERNETES=1 (scripts/test.sh sets it): then they fail instead.
+
+Drivers run on the node's network (``cluster.sh exec``), as a driver pod with host networking
+would; the pods reach them at the node's address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "kubernetes" / "cluster.sh"
+STATE = Path(os.environ.get("JAXTRAIN_K8S_STATE", "/tmp/jaxtrain-k8s"))
+NODE_IP = "10.250.0.2"
+IMAGE = "docker.io/jaxtrain/worker:test"
+
+
+@dataclass
+class KubernetesCluster:
+    kubeconfig: str
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
+        proc = subprocess.run([str(SCRIPT), "kubectl", *args], capture_output=True, text=True,
+                              input=input, timeout=120)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {proc.stderr}")
+        return proc.stdout
+
+    def get(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def namespace(self) -> str:
+        """A fresh namespace for one test."""
+        name = f"t-{uuid.uuid4().hex[:8]}"
+        self.kubectl("create", "namespace", name)
+        return name
+
+    def driver_env(self, namespace: str, storage: Path, **extra: str) -> dict[str, str]:
+        """A driver's environment: the admin's kubeconfig, the test image, and a pod template that
+        mounts `storage` (the runs' shared storage) at the same path in every worker pod."""
+        template = storage / ".pod-template.json"
+        template.write_text(json.dumps({"spec": {
+            "volumes": [{"name": "runs", "hostPath": {"path": str(storage),
+                                                      "type": "DirectoryOrCreate"}}],
+            "containers": [{"workingDir": str(storage),
+                            "volumeMounts": [{"name": "runs", "mountPath": str(storage)}]}]}}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTRAIN_", "KUBE"))}
+        env.update(KUBECONFIG=self.kubeconfig, JAXTRAIN_LAUNCHER="kubernetes",
+                   JAXTRAIN_K8S_NAMESPACE=namespace, JAXTRAIN_K8S_IMAGE=IMAGE,
+                   JAXTRAIN_K8S_IMAGE_PULL_POLICY="Never", JAXTRAIN_LISTEN_HOST=NODE_IP,
+                   JAXTRAIN_K8S_POD_TEMPLATE=str(template), HOME=str(storage))
+        env.update(extra)
+        return env
+
+    def popen(self, argv: list[str], env: dict[str, str], cwd: Path, **kw) -> subprocess.Popen:
+        """Starts `argv` on the node's network."""
+        return subprocess.Popen([str(SCRIPT), "exec", *argv], env=env, cwd=cwd, **kw)
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([str(SCRIPT), "exec", *argv], env=env, cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def objects(self, namespace: str) -> list[str]:
+        """What is left in `namespace` of a run: JobSets, Jobs, pods, Secrets, Services."""
+        out = self.kubectl("get", "jobsets,jobs,pods,secrets,services", "-n", namespace,
+                           "-l", "app.kubernetes.io/managed-by=jaxtrain", "-o", "name")
+        headless = self.kubectl("get", "services", "-n", namespace, "-o", "name")
+        return sorted(set(out.split() + headless.split()))
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "the Kubernetes test cluster needs root (namespaces, containerd, kubelet)"
+    for tool in ("go", "unshare", "nsenter", "ip", "openssl"):
+        if shutil.which(tool) is None:
+            return f"the Kubernetes test cluster needs '{tool}'"
+    probe = subprocess.run(["unshare", "--net", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        return f"network namespaces are not available here: {probe.stderr.decode().strip()}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def kubernetes_cluster():
+    why = _why_not()
+    if why is not None:
+        if os.environ.get("JAXTRAIN_REQUIRE_KUBERNETES") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    start = subprocess.run([str(SCRIPT), "start"], stdout=subprocess.DEVNULL,
+                           stderr=sys.stderr, timeout=3600)
+    if start.returncode != 0:
+        subprocess.run([str(SCRIPT), "stop"], capture_output=True)
+        pytest.fail(f"the Kubernetes test cluster did not start; see {STATE}/logs")
+    try:
+        yield KubernetesCluster(kubeconfig=str(STATE / "pki" / "admin.kubeconfig"))
+    finally:
+        subprocess.run([str(SCRIPT), "stop"], capture_output=True, timeout=300)

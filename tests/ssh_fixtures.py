@@ -1,0 +1,78 @@
+"""Test hosts reachable over real OpenSSH on this machine, for the ssh tests
+(scripts/ssh_hosts.sh).
+
+The session fixture ``ssh_hosts`` makes the hosts once (installing openssh-server with apt-get
+when it is missing; keys made fresh for the session) and deletes them, keys included, when the
+session ends. host1 and host2 run sshd; host3 runs none (it refuses ssh); "stranger" is host2
+under a name whose host key is not known. Where the hosts cannot be made (not root, no network
+namespaces) every test that uses them is skipped with the reason, unless
+JAXTRAIN_REQUIRE_SSH=1 (CI sets it): then the tests fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from netns_hosts import namespace_hosts
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "ssh_hosts.sh"
+STATE = Path(os.environ.get("JAXTRAIN_SSH_TEST_STATE", "/var/tmp/jaxtrain-ssh"))
+
+
+@dataclass
+class SshHosts:
+    ssh_command: str  # JAXTRAIN_SSH_COMMAND: ssh with the hosts' config, key and known_hosts
+    shared: Path  # stands for an NFS mount seen by every host
+    state: Path
+
+    def namespace(self, host: str) -> str:
+        """The network namespace of `host` (ip netns exec ...)."""
+        return f"jtssh-{host}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The driver's environment: the hosts' ssh command, the shared directory declared
+        shared, and no jaxtrain or Slurm settings of the test process itself."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXTRAIN_"))}
+        env.update(JAXTRAIN_SSH_COMMAND=self.ssh_command,
+                   JAXTRAIN_SHARED_STORAGE=str(self.shared))
+        env.update(extra)
+        return env
+
+    def processes(self, host: str) -> list[str]:
+        """What runs on `host` besides its sshd listener: "pid command line" per process."""
+        pids = subprocess.run(["ip", "netns", "pids", self.namespace(host)], capture_output=True,
+                              text=True, check=True).stdout.split()
+        listener = (self.state / "run" / f"sshd-{host.removeprefix('host')}.pid")
+        keep = {listener.read_text().strip()} if listener.exists() else set()
+        out = []
+        for pid in pids:
+            if pid in keep:
+                continue
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue  # ended meanwhile
+            out.append(f"{pid} {cmdline.decode(errors='replace')[:200]}")
+        return out
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts():
+    with namespace_hosts(SCRIPT, what="the ssh test hosts", root_for="network namespaces, sshd",
+                         installed=Path("/usr/sbin/sshd").exists(),
+                         not_installed="sshd is not installed and there is no apt-get to install "
+                         "openssh-server", require="JAXTRAIN_REQUIRE_SSH"):
+        yield SshHosts(ssh_command=f"ssh -F {STATE / 'ssh_config'}", shared=STATE / "shared",
+                       state=STATE)
+
+
+@pytest.fixture
+def shared_dir(ssh_hosts: SshHosts) -> Path:
+    """A fresh directory that every host sees: the working directory and storage of one test."""
+    return Path(tempfile.mkdtemp(prefix="test-", dir=ssh_hosts.shared))

@@ -1,0 +1,360 @@
+"""Attacks on the control port of a live run, with real worker processes and real JAX.
+
+Attack traffic goes only to 127.0.0.1, from this process, bounded in count (at most 1,000
+connections at a time) and in time (the life of one run). The driver runs in a child process so
+that its memory and descriptors (the controller's) can be read from /proc while it is attacked.
+The tests hold a run at a known point with FIFOs (a worker blocks reading one), never with sleeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import select
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
+
+NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
+
+# The driver: a run of `train` (below) with the settings in argv[1] (JSON); prints the result as
+# one JSON line. The training function reports three rounds whose loss needs every rank (an
+# allgather), so a run that finishes with the same metrics had every rank take part.
+DRIVER = textwrap.dedent(
+    """
+    import json, os, sys
+    from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+
+    def train(config):
+        import numpy as np
+        from jax.experimental import multihost_utils
+        from jaxtrain import get_context, report
+
+        ctx = get_context()
+        rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+        if config.get("addr_fifo") and attempt == 0 and rank == 0:
+            fd = os.open(config["addr_fifo"], os.O_WRONLY)
+            os.write(fd, (os.environ["JAXTRAIN_CONTROLLER_ADDR"] + "\\n").encode())
+            os.close(fd)
+        if config.get("gate") and attempt == 0:
+            fd = os.open(config["gate"], os.O_RDONLY)
+            os.read(fd, 1)
+            os.close(fd)
+        if config.get("samples") and attempt < config["fail_attempts"]:
+            if rank == 0:
+                pid = config["driver_pid"]
+                with open(f"/proc/{pid}/status") as f:
+                    rss_kb = next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+                fds = len(os.listdir(f"/proc/{pid}/fd"))
+                with open(config["samples"], "a") as f:
+                    f.write(json.dumps({"attempt": attempt, "fds": fds, "rss_kb": rss_kb}) + "\\n")
+            # Every rank is alive while rank 0 counts the driver's descriptors.
+            multihost_utils.sync_global_devices("sampled")
+        if attempt < config.get("fail_attempts", 0):
+            raise RuntimeError(f"failing attempt {attempt} on purpose")
+        for step in range(3):
+            values = multihost_utils.process_allgather(np.float32(rank + step))
+            report({"step": step, "loss": float(np.sum(values))})
+
+
+    settings = json.loads(sys.argv[1])
+    settings["config"]["driver_pid"] = os.getpid()
+    result = JaxTrainer(
+        train,
+        train_loop_config=settings["config"],
+        scaling_config=ScalingConfig(num_workers=settings["workers"]),
+        run_config=RunConfig(
+            name="attacked",
+            storage_path=settings["storage"],
+            failure_config=FailureConfig(max_failures=settings["max_failures"]),
+        ),
+    ).fit()
+    run = json.load(open(os.path.join(result.path, "run.json")))
+    print(json.dumps({
+        "metrics": result.metrics,
+        "losses": list(result.metrics_dataframe["loss"]),
+        "attempts": len(run["attempts"]),
+        "error": None if result.error is None else str(result.error),
+    }))
+    """
+)
+
+
+class Driver:
+    """The driver script in a child process; its output goes to files, not a pipe it could fill."""
+
+    def __init__(self, tmp_path: Path, settings: dict):
+        script = tmp_path / "driver.py"
+        script.write_text(DRIVER)
+        self._out = tmp_path / "driver.out"
+        self._err = tmp_path / "driver.err"
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), json.dumps(settings)],
+                cwd=tmp_path,
+                stdout=out,
+                stderr=err,
+            )
+
+    def rss_kb(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def result(self) -> dict:
+        rc = self.proc.wait(timeout=NO_HANG_S)
+        stderr = self._err.read_text()
+        assert rc == 0, f"the driver exited {rc}:\n{stderr[-4000:]}"
+        lines = self._out.read_text().strip().splitlines()
+        assert lines, stderr[-4000:]
+        return json.loads(lines[-1])
+
+
+class Fifo:
+    """A FIFO this test holds open read-write, so that no worker's open() of it blocks."""
+
+    def __init__(self, path: Path):
+        os.mkfifo(path)
+        self.path = str(path)
+        self.fd = os.open(path, os.O_RDWR)
+
+    def read_line(self) -> str:
+        data = b""
+        while not data.endswith(b"\n"):
+            ready, _, _ = select.select([self.fd], [], [], NO_HANG_S)
+            assert ready, f"nothing came through {self.path}"
+            data += os.read(self.fd, 256)
+        return data.decode().strip()
+
+    def open_gate(self, count: int) -> None:
+        os.write(self.fd, b"g" * count)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Flood:
+    """`count` connections to the control port that never finish a handshake: idle, or (every
+    other one, with `partial`) stopped after the first bytes of a hello. With `reopen`, each one
+    the controller closes is opened again, so that `count` are always open. stop() ends it."""
+
+    def __init__(self, port: int, count: int, *, reopen: bool, partial: bool = False):
+        self._port = port
+        self._reopen = reopen
+        self._partial = partial
+        self._selector = selectors.DefaultSelector()
+        self._cv = threading.Condition()
+        self._stopping = threading.Event()
+        self.closed = 0
+        self._opened = 0
+        for _ in range(count):
+            self._open()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        s = socket.create_connection(("127.0.0.1", self._port), timeout=NO_HANG_S)
+        if self._partial and self._opened % 2:
+            s.sendall(struct.pack(">IB", 83, 1) + b"JXTR\x00")
+        self._opened += 1
+        s.setblocking(False)
+        self._selector.register(s, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            for key, _ in self._selector.select(timeout=0.05):
+                s = key.fileobj
+                try:
+                    if s.recv(4096):
+                        continue
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self._selector.unregister(s)
+                s.close()
+                with self._cv:
+                    self.closed += 1
+                    self._cv.notify_all()
+                if self._reopen and not self._stopping.is_set():
+                    try:
+                        self._open()
+                    except OSError:  # the run is over and its port closed: nothing to flood
+                        self._reopen = False
+
+    def wait_closed(self, n: int) -> bool:
+        """True once the controller has closed `n` of the flood's connections."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.closed >= n, timeout=NO_HANG_S)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()
+        self._selector.close()
+
+
+def _frame(kind: int, body: bytes) -> bytes:
+    return struct.pack(">IB", len(body) + 1, kind) + body
+
+
+def _hello(secret: bytes, rank: int, attempt: int, *, version: int = 2) -> bytes:
+    """A hello as a worker holding `secret` makes it (docs/wire.md)."""
+    fields = b"JXTR" + struct.pack(">HIII", version, rank, attempt, 4242) + os.urandom(32)
+    if version == 1:
+        return fields
+    return fields + hmac.new(secret, b"jaxtrain-hello" + fields, hashlib.sha256).digest()
+
+
+def _answer(s: socket.socket) -> tuple[int, bytes] | None:
+    """The frame the controller answers with, or None if it closes the connection first."""
+    s.settimeout(NO_HANG_S)
+    data = b""
+    try:
+        while len(data) < 5 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+            chunk = s.recv(4096)
+            if not chunk:
+                return None
+            data += chunk
+    except ConnectionResetError:
+        return None
+    return data[4], data[5 : 4 + struct.unpack(">I", data[:4])[0]]
+
+
+def _settings(storage: str, workers: int, **config) -> dict:
+    return {"storage": storage, "workers": workers, "max_failures": 1, "config": config}
+
+
+# ~150 idle connections, re-opened as the controller closes them, filled the cap of
+# unauthenticated connections while a worker group started: its workers were refused ("refused
+# this worker (rank 1, attempt 0) or did not answer its hello"), and every restart failed the same
+# way, each counted against max_failures.
+def test_a_flood_of_idle_connections_keeps_no_worker_of_a_restart_out(tmp_path, storage):
+    addr, gate = Fifo(tmp_path / "addr"), Fifo(tmp_path / "gate")
+    driver = Driver(
+        tmp_path,
+        _settings(storage, 4, addr_fifo=addr.path, gate=gate.path, fail_attempts=1),
+    )
+    port = int(addr.read_line().rsplit(":", 1)[1])
+    flood = Flood(port, 150, reopen=True)
+    try:
+        # The controller holds at most 2 x 4 + 64 unauthenticated connections: the flood is over.
+        assert flood.wait_closed(150 - 72)
+        gate.open_gate(4)  # attempt 0 fails on purpose; attempt 1 starts under the flood
+        result = driver.result()
+    finally:
+        flood.stop()
+        addr.close()
+        gate.close()
+    assert result["error"] is None
+    assert result["attempts"] == 2
+    assert result["losses"] == [6.0, 10.0, 14.0]
+
+
+# During a live 4-rank run, 1,000 connections that never finish the handshake, garbage,
+# a handshake of an earlier run and a forged frame: the run finishes with the metrics of an
+# undisturbed one, and the controller's memory and descriptors stay bounded.
+def test_a_live_run_survives_floods_garbage_replays_and_forgeries(tmp_path, storage):
+    undisturbed = Driver(tmp_path, _settings(storage + "/undisturbed", 4)).result()
+    assert undisturbed["error"] is None
+
+    addr, gate = Fifo(tmp_path / "addr"), Fifo(tmp_path / "gate")
+    driver = Driver(tmp_path, _settings(storage, 4, addr_fifo=addr.path, gate=gate.path))
+    port = int(addr.read_line().rsplit(":", 1)[1])
+    # Every rank has registered and waits at the gate: the run is live.
+    rss_before, fds_before = driver.rss_kb(), driver.fds()
+    flood = Flood(port, 1000, reopen=False, partial=True)
+    try:
+        assert flood.wait_closed(1000 - 72), "the controller held more than its cap"
+        rss_flooded, fds_flooded = driver.rss_kb(), driver.fds()
+
+        answers = {}
+        for name, data in {
+            "garbage": os.urandom(4096),
+            "http": b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            "huge length": struct.pack(">IB", 0xFFFFFFFF, 1),
+            # A worker of an earlier run: its hello and auth, made with that run's secret.
+            "earlier run": _frame(1, _hello(os.urandom(32), 0, 0)) + _frame(3, os.urandom(32)),
+            "protocol 1 hello": _frame(1, _hello(b"", 0, 0, version=1)),
+            "forged hello MAC": _frame(1, _hello(b"", 0, 0)[:-32] + os.urandom(32)),
+            "forged auth": _frame(3, os.urandom(32)),
+        }.items():
+            with socket.create_connection(("127.0.0.1", port), timeout=NO_HANG_S) as s:
+                s.sendall(data)
+                answers[name] = _answer(s)
+        rss_attacked, fds_attacked = driver.rss_kb(), driver.fds()
+        gate.open_gate(4)
+        result = driver.result()
+    finally:
+        flood.stop()
+        addr.close()
+        gate.close()
+
+    print(
+        f"controller (driver) RSS: {rss_before} kB before, {rss_flooded} kB with 1,000 "
+        f"connections, {rss_attacked} kB after the forgeries; fds: {fds_before}, {fds_flooded}, "
+        f"{fds_attacked}"
+    )
+    # No peer without the secret got a challenge: closed unanswered, or told why it was refused.
+    for name, answer in answers.items():
+        assert answer is None or answer[0] == 11, f"{name}: answered with type {answer[0]}"
+    assert answers["earlier run"] is not None and b"secret" in answers["earlier run"][1]
+    assert answers["forged hello MAC"] is not None and b"secret" in answers["forged hello MAC"][1]
+    assert fds_flooded <= fds_before + 72, "the controller held more unauthenticated connections"
+    assert rss_flooded <= rss_before + 32 * 1024
+    assert rss_attacked <= rss_before + 32 * 1024
+    assert result["error"] is None
+    assert result["metrics"] == undisturbed["metrics"]
+    assert result["losses"] == undisturbed["losses"]
+
+
+# Restarts release everything the previous group held.
+def test_twenty_restarts_in_a_row_do_not_grow_the_controllers_fds_or_memory(tmp_path, storage):
+    samples = tmp_path / "samples.jsonl"
+    settings = _settings(storage, 2, samples=str(samples), fail_attempts=20)
+    settings["max_failures"] = 20
+    result = Driver(tmp_path, settings).result()
+    assert result["error"] is None
+    assert result["attempts"] == 21
+
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [r["attempt"] for r in rows] == list(range(20))
+    fds = [r["fds"] for r in rows]
+    rss = [r["rss_kb"] for r in rows]
+    print(f"controller (driver) fds at attempts 0-19: {fds}")
+    print(f"controller (driver) RSS kB at attempts 0-19: {rss}")
+    # Attempt 0 is the reference only from attempt 1 on: the first attempt warms lazy state up.
+    assert fds[-1] <= fds[1] and max(fds[1:]) - min(fds[1:]) <= 2, fds
+    assert rss[-1] - rss[1] <= 16 * 1024, rss
+
+
+# A report of a 20 MiB metric failed with a framing message from the controller.
+def test_metrics_too_large_for_the_wire_fail_in_report_with_their_size(storage):
+    def train():
+        from jaxtrain import report
+
+        report({"blob": "x" * (20 << 20)})
+
+    trainer = JaxTrainer(
+        train,
+        scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(name="big_metrics", storage_path=storage),
+    )
+    with pytest.raises(TrainingFailedError) as failed:
+        trainer.fit()
+    assert "report() metrics are too large (20971532 bytes, limit 16777208)" in str(failed.value)

@@ -1,0 +1,287 @@
+"""JaxTrainer on a real Kubernetes cluster through JobSet (tests/kubernetes_fixtures.py).
+
+Each test gets its own namespace. The drivers run on the node's network and talk to the API server
+with the admin's kubeconfig (or, for jaxtrain submit, from a pod with its service account); the
+workers are pods of the image built from this checkout, one per rank, that reach the driver's
+controller at the node's address. Storage is a host directory mounted at the same path in every
+pod (a hostPath volume from the pod template, as a ReadWriteMany volume would be).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from seed_program import SEED, with_psum_first
+
+if TYPE_CHECKING:
+    from kubernetes_fixtures import KubernetesCluster
+
+pytest_plugins = ["kubernetes_fixtures"]  # the fixture kubernetes_cluster
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def _seen(cwd: Path, world_size: int) -> list[dict]:
+    return [json.loads((cwd / f"seen-rank-{r}.json").read_text()) for r in range(world_size)]
+
+
+def _wait_for(what: str, check, timeout: float = 120.0):
+    """Polls the cluster (an outside system) until `check` returns something."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    d = tmp_path / "runs"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_the_seed_program_runs_on_cpu_pods_as_one_jax_job(kubernetes_cluster, workdir, workers):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    (workdir / "driver.py").write_text(with_psum_first(workers))
+    proc = k.run([PY, "driver.py"], k.driver_env(ns, workdir), workdir)
+
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(r"Training finished\. Final loss: \d+\.\d{4}", proc.stdout), proc.stdout
+    seen = _seen(workdir, workers)
+    assert [r["psum"] for r in seen] == [sum(range(workers))] * workers
+    assert [r["process_count"] for r in seen] == [workers] * workers
+    # One pod per rank, in completion-index order, each its own host.
+    assert [r["pod_index"] for r in seen] == [str(r) for r in range(workers)]
+    assert len({r["host"] for r in seen}) == workers
+    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in seen] == [
+        (r, 0, 1) for r in range(workers)]
+    for r in range(workers):
+        assert f"(rank={r}) " in proc.stdout
+    assert k.objects(ns) == [], "the run's objects outlived it"
+
+
+def _label_node_as_tpu_slice(k: KubernetesCluster, accelerator: str, topology: str, chips: int):
+    k.kubectl("label", "node", "node1", "--overwrite",
+              f"cloud.google.com/gke-tpu-accelerator={accelerator}",
+              f"cloud.google.com/gke-tpu-topology={topology}", "cloud.google.com/gke-nodepool=tpu")
+    # How extended resources are advertised for a node (as GKE's TPU device plugin does).
+    k.kubectl("patch", "node", "node1", "--subresource=status", "--type=json", "-p", json.dumps(
+        [{"op": "add", "path": "/status/capacity/google.com~1tpu", "value": str(chips)}]))
+
+
+def _unlabel_node(k: KubernetesCluster):
+    k.kubectl("label", "node", "node1", "cloud.google.com/gke-tpu-accelerator-",
+              "cloud.google.com/gke-tpu-topology-", "cloud.google.com/gke-nodepool-")
+    k.kubectl("patch", "node", "node1", "--subresource=status", "--type=json", "-p", json.dumps(
+        [{"op": "remove", "path": "/status/capacity/google.com~1tpu"}]), check=False)
+
+
+def test_the_seeds_tpu_config_becomes_the_pod_spec_gke_needs(kubernetes_cluster, workdir):
+    """The seed's own ScalingConfig (TPU v6e 4x4, 4 workers), simulated on CPU pods: the JobSet
+    and pods the API server stored carry GKE's TPU contract, and the run trains to the end."""
+    k = kubernetes_cluster
+    ns = k.namespace()
+    _label_node_as_tpu_slice(k, "tpu-v6e-slice", "4x4", 16)
+    try:
+        (workdir / "driver.py").write_text(SEED)
+        driver = k.popen([PY, "driver.py"], k.driver_env(ns, workdir, JAXTRAIN_SIMULATE="1"),
+                         workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        jobset = _wait_for("the JobSet", lambda: k.get("jobsets", "-n", ns)["items"])[0]
+        pods = _wait_for("4 pods", lambda: (lambda p: p if len(p) == 4 else None)(
+            k.get("pods", "-n", ns)["items"]))
+        out, err = driver.communicate(timeout=300)
+    finally:
+        _unlabel_node(k)
+
+    assert driver.returncode == 0, out[-2000:] + err[-3000:]
+    assert "Training finished. Final loss:" in out
+    assert jobset["metadata"]["annotations"][
+        "alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    job = jobset["spec"]["replicatedJobs"][0]
+    assert (job["replicas"], job["template"]["spec"]["parallelism"]) == (1, 4)
+    for pod in pods:
+        spec = pod["spec"]
+        assert spec["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                        "cloud.google.com/gke-tpu-topology": "4x4"}
+        container = spec["containers"][0]
+        assert container["resources"]["limits"] == {"google.com/tpu": "4"}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["JAXTRAIN_WORLD_SIZE"] == "4"
+        assert "JAXTRAIN_RUN_SECRET" not in env  # the key is only in the Secret volume
+        assert all(len(v or "") != 64 or not re.fullmatch("[0-9a-f]+", v) for v in env.values())
+        assert pod["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] == \
+            jobset["metadata"]["name"]
+    assert k.objects(ns) == []
+
+
+KILLABLE = textwrap.dedent('''
+    import json, os, sys, tempfile, time
+    from pathlib import Path
+    from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
+                          get_checkpoint, get_context, report)
+
+    def train(config):
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.experimental import multihost_utils
+        ctx = get_context()
+        step, x = 0, 1.0
+        if get_checkpoint() is not None:
+            with get_checkpoint().as_directory() as d:
+                state = json.loads(Path(d, "state.json").read_text())
+                step, x = state["step"] + 1, state["x"]
+        while step < 6:
+            total = float(multihost_utils.process_allgather(
+                jnp.array([ctx.get_world_rank() + 1.0])).sum())
+            x = x * 0.9 + total * 0.01
+            if step == 3 and ctx.get_attempt() == 0 and config["kill"]:
+                multihost_utils.sync_global_devices("ready to be killed")
+                if ctx.get_world_rank() == 0:
+                    Path(config["marker"]).write_text("go")
+                time.sleep(3600)
+            with tempfile.TemporaryDirectory() as d:
+                if ctx.get_world_rank() == 0:
+                    Path(d, "state.json").write_text(json.dumps({"step": step, "x": x}))
+                report({"step": step, "x": round(x, 9)},
+                       checkpoint=Checkpoint.from_directory(d) if ctx.get_world_rank() == 0
+                       else None)
+            step += 1
+
+    result = JaxTrainer(train, train_loop_config={"kill": sys.argv[1] == "kill",
+                                                  "marker": os.path.abspath("marker")},
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name=sys.argv[2], storage_path=os.path.abspath("."),
+                                             failure_config=FailureConfig(max_failures=2))).fit()
+    print("FINAL", json.dumps(result.metrics))
+''')
+
+
+def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster, workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    (workdir / "train.py").write_text(KILLABLE)
+    # The undisturbed run, for the final metrics to compare with (local workers: the same math).
+    local = subprocess.run([PY, "train.py", "keep", "undisturbed"], cwd=workdir,
+                           capture_output=True, text=True, timeout=300,
+                           env={**k.driver_env(ns, workdir), "JAXTRAIN_LAUNCHER": "local"})
+    assert local.returncode == 0, local.stderr[-3000:]
+    expected = json.loads(local.stdout.split("FINAL ", 1)[1])
+
+    driver = k.popen([PY, "train.py", "kill", "disturbed"], k.driver_env(ns, workdir), workdir,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for("the marker", lambda: (workdir / "marker").exists(), timeout=240)
+    pod = next(p for p in k.get("pods", "-n", ns)["items"]
+               if p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == "1")
+    k.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--grace-period=0", "--force")
+    out, err = driver.communicate(timeout=300)
+
+    assert driver.returncode == 0, out[-2000:] + err[-3000:]
+    assert json.loads(out.split("FINAL ", 1)[1]) == expected
+    run = json.loads((workdir / "disturbed" / "run.json").read_text())
+    assert [a["status"] for a in run["attempts"]] == ["ERRORED", "FINISHED"]
+    assert run["attempts"][0]["failure"]["rank"] == 1
+    assert run["attempts"][1]["restored_from"] is not None
+    assert "rank 1 on node1: " in out + err  # the supervisor said how rank 1 ended
+    assert k.objects(ns) == []
+
+
+def test_a_service_account_without_rbac_is_refused_with_what_it_lacks(kubernetes_cluster,
+                                                                       workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    k.kubectl("create", "serviceaccount", "nobody", "-n", ns)
+    token = k.kubectl("create", "token", "nobody", "-n", ns).strip()
+    admin = Path(k.kubeconfig).read_text()
+    server = re.search(r'server: "([^"]+)"', admin).group(1)
+    ca = re.search(r"certificate-authority: (\S+?)[,}]", admin).group(1)
+    config = workdir / "nobody.kubeconfig"
+    config.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": server, "certificate-authority": ca}}],
+        "users": [{"name": "nobody", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "nobody",
+                                                "namespace": ns}}],
+        "current-context": "c"}))
+    (workdir / "driver.py").write_text(with_psum_first(2))
+    proc = k.run([PY, "driver.py"], k.driver_env(ns, workdir, KUBECONFIG=str(config)), workdir)
+
+    assert proc.returncode != 0
+    assert "PermissionError: Kubernetes RBAC: 'system:serviceaccount:" in proc.stderr
+    assert "may not create jobsets.jobset.x-k8s.io" in proc.stderr
+    assert f"in namespace '{ns}'" in proc.stderr
+    assert k.get("jobsets", "-n", ns)["items"] == []
+
+
+def test_an_unreachable_cluster_and_a_missing_image_are_named(kubernetes_cluster, workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    (workdir / "driver.py").write_text(with_psum_first(2))
+    admin = Path(k.kubeconfig).read_text().replace("https://10.250.0.2:6443",
+                                                   "https://127.0.0.1:1")
+    (workdir / "gone.kubeconfig").write_text(admin)
+    gone = k.run([PY, "driver.py"],
+                 k.driver_env(ns, workdir, KUBECONFIG=str(workdir / "gone.kubeconfig")), workdir)
+    assert gone.returncode != 0
+    assert "ConnectionError: cannot reach the Kubernetes API server at https://127.0.0.1:1" in \
+        gone.stderr
+
+    missing = k.run([PY, "driver.py"],
+                    k.driver_env(ns, workdir, JAXTRAIN_K8S_IMAGE="docker.io/nobody/absent:1"),
+                    workdir)
+    assert missing.returncode != 0
+    assert "cannot start its container (ErrImageNeverPull" in missing.stdout + missing.stderr
+    assert "docker.io/nobody/absent:1" in missing.stderr
+    assert k.objects(ns) == []
+
+
+def test_jaxtrain_submit_runs_the_driver_in_a_pod_and_finds_it_again(kubernetes_cluster,
+                                                                      workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    # The driver pod's identity: allowed what a run needs (docs/kubernetes.md's Role).
+    k.kubectl("create", "serviceaccount", "trainer", "-n", ns)
+    k.kubectl("apply", "-n", ns, "-f", str(REPO / "docs" / "kubernetes-rbac.yaml"))
+    k.kubectl("create", "rolebinding", "trainer", "-n", ns, "--role=jaxtrain",
+              f"--serviceaccount={ns}:trainer")
+    (workdir / "script.py").write_text(textwrap.dedent('''
+        import jax
+        import jaxtrain
+        print("process", jax.process_index(), "of", jax.process_count())
+        jaxtrain.report({"world": jax.process_count()})
+    '''))
+    env = k.driver_env(ns, workdir)
+    submit = k.run([PY, "-m", "jaxtrain", "submit", "--kubernetes", "--namespace", ns,
+                    "--image", env["JAXTRAIN_K8S_IMAGE"], "--service-account", "trainer",
+                    "--pod-template", env["JAXTRAIN_K8S_POD_TEMPLATE"],
+                    "--env", "JAXTRAIN_K8S_IMAGE_PULL_POLICY=Never",
+                    "--storage-path", str(workdir), "-n", "2", "script.py"], env, workdir)
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-3000:]
+    assert "(rank=0) process 0 of 2" in submit.stdout
+    assert "(rank=1) process 1 of 2" in submit.stdout
+    name = re.search(rf"submitted {ns}/(\S+);", submit.stderr).group(1)
+
+    status = k.run([PY, "-m", "jaxtrain", "status", "--kubernetes", "--namespace", ns], env,
+                   workdir)
+    assert status.returncode == 0, status.stderr
+    assert re.search(rf"{name}\s+Succeeded\s+0\s+script\.py", status.stdout), status.stdout
+    logs = k.run([PY, "-m", "jaxtrain", "logs", "--kubernetes", "--namespace", ns, name], env,
+                 workdir)
+    assert logs.returncode == 0, logs.stderr
+    assert "(rank=1) process 1 of 2" in logs.stdout
+    # The workers' objects went with the run; the driver pod stays until deleted, and its
+    # ConfigMap goes with it.
+    assert [o for o in k.objects(ns) if not o.startswith(("pod/", "configmap/"))] == []

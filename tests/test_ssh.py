@@ -1,0 +1,423 @@
+"""JaxTrainer and `jaxtrain run` over real OpenSSH: test hosts on this machine, each sshd in its own
+network namespace with its own address and hostname (tests/ssh_fixtures.py,
+scripts/ssh_hosts.sh).
+
+Every driver runs in the root namespace, as on a head node; the workers run on host1 and host2,
+started over ssh, and reach the driver's controller over the bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from test_slurm import seed_program, seen
+
+if TYPE_CHECKING:
+    from ssh_fixtures import SshHosts
+
+pytest_plugins = ["ssh_fixtures"]  # the fixtures ssh_hosts and shared_dir
+
+REPO = Path(__file__).resolve().parent.parent
+PSUM_SCRIPT = REPO / "tests" / "helpers" / "cli_psum_script.py"
+
+
+def drive(hosts: SshHosts, cwd: Path, program: str, *, timeout: float = 180,
+          **env: str) -> subprocess.CompletedProcess:
+    """Runs `program` as a driver in `cwd` (HOME too: its default storage is shared)."""
+    (cwd / "driver.py").write_text(program)
+    return subprocess.run([sys.executable, str(cwd / "driver.py")], cwd=cwd,
+                          env=hosts.env(HOME=str(cwd), **env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_dir(cwd: Path) -> Path:
+    runs = list((cwd / "jaxtrain_results").iterdir())
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def local_ssh_clients(hosts: SshHosts) -> list[str]:
+    """The ssh processes on this machine that use the test hosts' config."""
+    config = str(hosts.state / "ssh_config").encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"ssh\0") and config in cmdline and b"BatchMode=yes" in cmdline:
+            found.append(f"{proc.name} {cmdline[:120]!r}")
+    return found
+
+
+def test_the_seeds_program_on_two_hosts_by_two_workers_is_one_jax_job(ssh_hosts, shared_dir):
+    proc = drive(ssh_hosts, shared_dir, seed_program(4), JAXTRAIN_SSH_HOSTS="host1,host2")
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"Training finished\. Final loss: \d+\.\d{4}", proc.stdout), proc.stdout
+    ranks = seen(shared_dir, 4)
+    assert [r["psum"] for r in ranks] == [6.0] * 4
+    assert [r["process_count"] for r in ranks] == [4] * 4
+    assert [r["host"] for r in ranks] == ["host1", "host1", "host2", "host2"]
+    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in ranks] == [
+        (0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert "(rank=3) [Gloo] Rank 3 is connected" in proc.stdout
+    rundir = run_dir(shared_dir)
+    for rank in range(4):
+        log = (rundir / "logs" / f"rank-{rank}.log").read_text()
+        assert f"[Gloo] Rank {rank} is connected" in log
+    assert len((rundir / "result.jsonl").read_text().splitlines()) == 100
+    assert ssh_hosts.processes("host1") == [] and ssh_hosts.processes("host2") == []
+
+
+# Each step adds the psum of (rank + 1) over 4 workers (10) times (step + 1) to a value that is
+# checkpointed with the step; rank 2, the first on host2, kills itself at step 5 of attempt 0.
+# Restored from the checkpoint of step 4, the run ends where an uninterrupted one ends:
+# step 7, value 10 * (1 + ... + 8) = 360.
+KILLED_ON_HOST2 = '''
+import json, os, signal, socket, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
+                      get_checkpoint, get_context, report)
+
+
+def train():
+    ctx = get_context()
+    rank = ctx.get_world_rank()
+    mesh = Mesh(np.array(jax.devices()), ("w",))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    step, value = 0, 0.0
+    if (ckpt := get_checkpoint()) is not None:
+        with ckpt.as_directory() as d:
+            with open(os.path.join(d, f"rank-{rank}.json")) as f:
+                state = json.load(f)
+        step, value = state["step"] + 1, state["value"]
+    with open(f"attempt-{ctx.get_attempt()}-rank-{rank}.json", "w") as f:
+        json.dump({"host": socket.gethostname(), "first_step": step}, f)
+    for s in range(step, 8):
+        if s == 5 and ctx.get_attempt() == 0 and rank == 2:
+            print(f"killing myself on {socket.gethostname()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        local = np.array([rank + 1.0])
+        arr = jax.make_array_from_process_local_data(NamedSharding(mesh, P("w")), local)
+        value += float(total(arr)) * (s + 1)
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"rank-{rank}.json"), "w") as f:
+                json.dump({"step": s, "value": value}, f)
+            report({"step": s, "value": value}, checkpoint=Checkpoint.from_directory(d))
+
+
+result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=4),
+                    run_config=RunConfig(name="killed", storage_path=os.getcwd(),
+                                         failure_config=FailureConfig(max_failures=1))).fit()
+print("final", json.dumps(result.metrics))
+'''
+
+
+def test_a_worker_killed_on_host2_restarts_the_group_from_its_checkpoint(ssh_hosts, shared_dir):
+    proc = drive(ssh_hosts, shared_dir, KILLED_ON_HOST2, JAXTRAIN_SSH_HOSTS="host1,host2")
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'final {"step": 7, "value": 360.0}' in proc.stdout
+    assert "(rank=2) killing myself on host2" in proc.stdout
+    # Which rank is blamed depends on what reaches the driver first: rank 2's end over ssh, or a
+    # Gloo error of a rank that lost it in a collective.
+    assert re.search(r"jaxtrain: attempt 0 failed: rank \d \(host host\d\): ", proc.stderr)
+    restored = re.search(r"jaxtrain: restarting the worker group: attempt 1, from checkpoint "
+                         r".*/killed/checkpoint_(\d+)", proc.stderr)
+    assert restored, proc.stderr[-3000:]
+    first = [json.loads((shared_dir / f"attempt-0-rank-{r}.json").read_text()) for r in range(4)]
+    second = [json.loads((shared_dir / f"attempt-1-rank-{r}.json").read_text()) for r in range(4)]
+    assert [a["host"] for a in first] == ["host1", "host1", "host2", "host2"]
+    assert [a["host"] for a in second] == ["host1", "host1", "host2", "host2"]
+    # Round n reported step n - 1: the new group goes on from the step after the checkpoint's.
+    assert [a["first_step"] for a in second] == [int(restored.group(1))] * 4
+    assert int(restored.group(1)) >= 4
+    state = json.loads((shared_dir / "killed" / "run.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["ERRORED", "FINISHED"]
+    rank2 = (shared_dir / "killed" / "logs" / "rank-2.log").read_text()
+    assert "jaxtrain: the worker on host2 was killed by signal 9 (SIGKILL)" in rank2
+
+
+# Reports every 0.1 s for a minute; rank 0 marks that the run got going.
+LONG_RUN = '''
+import os, time
+from pathlib import Path
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, get_context, report
+
+
+def train():
+    for i in range(600):
+        report({"i": i})
+        if i == 3 and get_context().get_world_rank() == 0:
+            Path("ready").write_text("")
+        time.sleep(0.1)
+
+
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=4),
+           run_config=RunConfig(name="long", storage_path=os.getcwd())).fit()
+'''
+
+
+def test_a_driver_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, shared_dir):
+    driver = start_long_run(ssh_hosts, shared_dir)
+    assert len(ssh_hosts.processes("host2")) >= 2  # the run is there: sessions, agents, workers
+
+    driver.kill()
+    driver.wait(timeout=30)
+    killed_at = time.monotonic()
+    left: dict[str, list[str]] = {}
+    while time.monotonic() - killed_at < 5:
+        left = {h: ssh_hosts.processes(h) for h in ("host1", "host2")}
+        left["here"] = local_ssh_clients(ssh_hosts)
+        if not any(left.values()):
+            break
+        time.sleep(0.1)
+    assert not any(left.values()), f"still running 5 s after the driver was killed: {left}"
+
+
+def start_long_run(hosts: SshHosts, cwd: Path) -> subprocess.Popen:
+    (cwd / "driver.py").write_text(LONG_RUN)
+    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=cwd,
+                              env=hosts.env(HOME=str(cwd), JAXTRAIN_SSH_HOSTS="host1,host2"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (cwd / "ready").exists() and driver.poll() is None:
+        assert time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.1)
+    assert (cwd / "ready").exists(), driver.communicate(timeout=30)
+    return driver
+
+
+def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_hosts, shared_dir):
+    driver = start_long_run(ssh_hosts, shared_dir)
+    veth = "jtssh-v2"  # host2's link to the bridge (scripts/ssh_hosts.sh)
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    try:
+        _, err = driver.communicate(timeout=120)
+        # The workers on host2 cannot hear from anyone: each ends once its control connection
+        # times out (30 s of unacknowledged reports), and its agent with it.
+        deadline = time.monotonic() + 90
+        left = ssh_hosts.processes("host2")
+        while any("python" in p for p in left) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = ssh_hosts.processes("host2")
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+    assert driver.returncode != 0
+    assert re.search(r"jaxtrain: attempt 0 failed: rank [23] \(host host2\)", err), err[-3000:]
+    assert not [p for p in left if "python" in p], left
+    assert ssh_hosts.processes("host1") == []
+
+
+@pytest.mark.parametrize(("host", "says"), [
+    ("host3", "ssh: connect to host 198.19.13.13 port 22: Connection refused; check that it is "
+              "up and runs sshd"),
+    ("stranger", "Host key verification failed.; its host key is not known here (or has "
+                 "changed): check it and add it to ~/.ssh/known_hosts (e.g. ssh-keyscan "
+                 "stranger)"),
+])
+def test_a_host_that_refuses_ssh_fails_the_run_at_once_naming_it(ssh_hosts, shared_dir, host,
+                                                                  says):
+    program = seed_program(4)
+    proc = drive(ssh_hosts, shared_dir, program, JAXTRAIN_SSH_HOSTS=f"host1,{host}")
+
+    assert proc.returncode != 0
+    assert f"ConnectionError: cannot reach host {host} over ssh (exited with status 255): " \
+           in proc.stderr, proc.stderr[-3000:]
+    assert says in proc.stderr
+    assert not (shared_dir / "seen-rank-0.json").exists()  # no worker started anywhere
+    assert ssh_hosts.processes("host1") == []
+
+
+def test_a_local_storage_path_is_refused_before_any_host_is_contacted(ssh_hosts, shared_dir,
+                                                                      tmp_path):
+    program = f'''
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
+           run_config=RunConfig(name="refused", storage_path={str(tmp_path)!r})).fit()
+'''
+    proc = drive(ssh_hosts, shared_dir, program, JAXTRAIN_SSH_HOSTS="host1,host3")
+
+    assert proc.returncode != 0
+    assert f"ValueError: RunConfig.storage_path '{tmp_path}' is on a local filesystem" \
+           in proc.stderr, proc.stderr[-3000:]
+    assert "cannot reach host" not in proc.stderr  # refused before host3 was tried
+    assert not (tmp_path / "refused").exists()
+
+
+def test_jaxtrain_run_with_a_hostfile_runs_an_unmodified_script_on_the_hosts(ssh_hosts,
+                                                                             shared_dir):
+    (shared_dir / "hostfile").write_text("# the test hosts\nhost1 slots=1\nhost2 slots=2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxtrain", "run", "--hostfile", "hostfile", "-n", "3",
+         "--no-status-line", "--name", "cli", str(PSUM_SCRIPT)],
+        cwd=shared_dir, env=ssh_hosts.env(HOME=str(shared_dir)), capture_output=True, text=True,
+        timeout=180)
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(3):
+        assert f"(rank={rank}) psum=3 process_count=3" in proc.stdout, proc.stdout
+    state = json.loads((shared_dir / "jaxtrain_results" / "cli" / "run.json").read_text())
+    assert state["status"] == "FINISHED"
+    logs = shared_dir / "jaxtrain_results" / "cli" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0.log", "rank-1.log", "rank-2.log"]
+
+
+# --- the same command on every host --------------------------------------------------------------
+
+SAME_SCRIPT = """\
+import socket
+import jax
+import jaxtrain
+
+ctx = jaxtrain.get_context()
+print(f"rank {ctx.get_world_rank()} on {socket.gethostname()} of {jax.process_count()}")
+jaxtrain.report({"rank": ctx.get_world_rank()})
+"""
+
+
+def on_host(hosts: SshHosts, host: str, cwd: Path, *args: str) -> subprocess.Popen:
+    """`jaxtrain run ARGS` started on `host` over ssh, as pdsh or gcloud --worker=all do."""
+    command = (f"cd {cwd} && HOME={cwd} JAXTRAIN_SHARED_STORAGE={hosts.shared} exec "
+               f"{sys.executable} -m jaxtrain run --no-status-line " + " ".join(args))
+    return subprocess.Popen([*hosts.ssh_command.split(), "-o", "BatchMode=yes", host, command],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def secret_file(path: Path, secret: str) -> str:
+    path.write_text(secret)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_the_same_command_on_two_hosts_is_one_run_and_a_wrong_secret_is_refused(ssh_hosts,
+                                                                                 shared_dir):
+    (shared_dir / "same.py").write_text(SAME_SCRIPT)
+    good = secret_file(shared_dir / "secret", "0123456789abcdef-the-right-one")
+    bad = secret_file(shared_dir / "wrong", "0123456789abcdef-a-wrong-secret")
+    common = ["--coordinator", "host1:8490", "--num-hosts", "2", "-n", "4", "--name", "same"]
+    host0 = on_host(ssh_hosts, "host1", shared_dir, *common, "--host-rank", "0",
+                    "--join-secret-file", good, "same.py")
+    try:
+        # A host that does not hold the join secret is turned away; the run waits on.
+        intruder = on_host(ssh_hosts, "host2", shared_dir, *common, "--host-rank", "1",
+                           "--join-secret-file", bad, "same.py")
+        _, refused = intruder.communicate(timeout=120)
+        assert intruder.returncode == 1, refused
+        assert "host 0 at host1:8490 refused this host (host rank 1): wrong join secret" \
+               in refused
+        host1 = on_host(ssh_hosts, "host2", shared_dir, *common, "--host-rank", "1",
+                        "--join-secret-file", good, "same.py")
+        joined_out, joined_err = host1.communicate(timeout=180)
+        out, err = host0.communicate(timeout=180)
+    finally:
+        for p in (host0,):
+            if p.poll() is None:
+                p.kill()
+
+    assert host0.returncode == 0, err[-3000:]
+    assert host1.returncode == 0, joined_err[-3000:]
+    assert re.search(r"jaxtrain: refused a host joining from 198\.19\.13\.12:\d+: it does not "
+                     r"hold the join secret", err), err[-3000:]
+    assert "jaxtrain: host 1 (host2, 198.19.13.12) joined" in err
+    for rank, host in enumerate(["host1", "host1", "host2", "host2"]):
+        assert f"(rank={rank}) rank {rank} on {host} of 4" in out, out
+    assert "rank 0 on" not in joined_out  # the output is gathered on host 0 only
+    assert "the run ended on host 0 (host1) with status 0" in joined_err
+    rundir = shared_dir / "jaxtrain_results" / "same"
+    assert json.loads((rundir / "run.json").read_text())["status"] == "FINISHED"
+    assert sorted(p.name for p in (rundir / "logs").iterdir()) == [
+        f"rank-{r}.log" for r in range(4)]
+    assert ssh_hosts.processes("host2") == []
+
+
+def test_a_host_without_a_join_secret_is_refused_before_it_joins(tmp_path):
+    (tmp_path / "same.py").write_text(SAME_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRAIN_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxtrain", "run", "--coordinator", "127.0.0.1:9",
+         "--host-rank", "1", "--num-hosts", "2", "same.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 2
+    assert "needs a join secret that every host holds: give --join-secret-file FILE" \
+           in proc.stderr
+
+
+def test_joined_tpu_hosts_that_do_not_name_their_slice_are_planned_as_one_slice():
+    from jaxtrain import ScalingConfig, _core
+    from jaxtrain.hosts import host_entry
+
+    has = {"name": "x", "gpus": 0, "tpu_chips": 4, "tpu_slice": "", "tpu_worker_id": 0,
+           "tpu_accelerator_type": "v4-16", "tpu_topology": ""}
+    described = [host_entry(f"t{k}", f"10.0.0.{k + 1}", has, k, "t0") for k in range(2)]
+    config = ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2",
+                           accelerator_type="TPU-V4")
+    plan = _core.plan(config._core, json.dumps({"hosts": described}), {}, False).to_dict()
+
+    assert [w["host"] for w in plan["workers"]] == ["t0", "t1"]
+    assert [w["env"]["TPU_WORKER_ID"] for w in plan["workers"]] == ["0", "1"]
+    assert plan["workers"][1]["env"]["TPU_WORKER_HOSTNAMES"] == "10.0.0.1,10.0.0.2"
+
+
+LONG_SCRIPT = """\
+import time
+from pathlib import Path
+import jaxtrain
+
+for i in range(600):
+    jaxtrain.report({"i": i})
+    if i == 3 and jaxtrain.get_context().get_world_rank() == 0:
+        Path("ready").write_text("")
+    time.sleep(0.1)
+"""
+
+
+def test_host_0_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, shared_dir):
+    (shared_dir / "long.py").write_text(LONG_SCRIPT)
+    good = secret_file(shared_dir / "secret", "0123456789abcdef-the-right-one")
+    common = ["--coordinator", "host1:8490", "--num-hosts", "2", "-n", "4",
+              "--join-secret-file", good]
+    started = [on_host(ssh_hosts, host, shared_dir, *common, "--host-rank", str(rank), "long.py")
+               for rank, host in enumerate(["host1", "host2"])]
+    try:
+        deadline = time.monotonic() + 120
+        while not (shared_dir / "ready").exists() and all(p.poll() is None for p in started):
+            assert time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.1)
+        assert (shared_dir / "ready").exists(), [p.communicate(timeout=30) for p in started]
+        host0 = [p.split()[0] for p in ssh_hosts.processes("host1")
+                 if "jaxtrain run" in p and "--host-rank 0" in p]
+        assert len(host0) == 1, ssh_hosts.processes("host1")
+        os.kill(int(host0[0]), signal.SIGKILL)
+        killed_at = time.monotonic()
+        left: dict[str, list[str]] = {}
+        while time.monotonic() - killed_at < 5:
+            left = {h: [p for p in ssh_hosts.processes(h) if "python" in p]
+                    for h in ("host1", "host2")}
+            if not any(left.values()):
+                break
+            time.sleep(0.1)
+        assert not any(left.values()), f"still running 5 s after host 0 was killed: {left}"
+        _, joined_err = started[1].communicate(timeout=30)
+        assert started[1].returncode == 1
+        assert "lost the connection to host 0 (host1:8490)" in joined_err
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
