@@ -147,7 +147,9 @@ def test_sigterm_of_the_driver_stops_the_run_and_releases_the_allocation_it_requ
 
         def train():
             report({"step": 1})
-            print("training", flush=True)
+            with open("/proc/self/environ", "rb") as f:  # the secret came on stdin, not here
+                leaked = b"JAXTRAIN_RUN_SECRET=" in f.read()
+            print("training", "LEAKED" if leaked else "clean", flush=True)
             threading.Event().wait()  # until the run is stopped
 
         JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
@@ -157,9 +159,13 @@ def test_sigterm_of_the_driver_stops_the_run_and_releases_the_allocation_it_requ
                               env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        started = []
         for line in driver.stdout:
-            if line.endswith("training\n"):
+            if " training " in line:
+                started.append(line.split(" training ")[1].strip())
+            if len(started) == 2:
                 break
+        assert started == ["clean", "clean"]
         job = [j.split()[0] for j in jobs(slurm_cluster) if "jaxtrain-terminated" in j]
         assert len(job) == 1, jobs(slurm_cluster)
         driver.send_signal(signal.SIGTERM)
