@@ -139,6 +139,50 @@ def test_ctrl_c_while_waiting_for_an_allocation_withdraws_the_request(slurm_clus
         slurm_cluster.run("scancel", blocker)
 
 
+def test_sigterm_of_the_driver_stops_the_run_and_releases_the_allocation_it_requested(
+        slurm_cluster, shared_dir):
+    (shared_dir / "driver.py").write_text(textwrap.dedent('''
+        import os, threading
+        from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, report
+
+        def train():
+            report({"step": 1})
+            with open("/proc/self/environ", "rb") as f:  # the secret came on stdin, not here
+                leaked = b"JAXTRAIN_RUN_SECRET=" in f.read()
+            print("training", "LEAKED" if leaked else "clean", flush=True)
+            threading.Event().wait()  # until the run is stopped
+
+        JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name="terminated", storage_path=os.getcwd())).fit()
+    '''))
+    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=shared_dir,
+                              env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = []
+        for line in driver.stdout:
+            if " training " in line:
+                started.append(line.split(" training ")[1].strip())
+            if len(started) == 2:
+                break
+        assert started == ["clean", "clean"]
+        job = [j.split()[0] for j in jobs(slurm_cluster) if "jaxtrain-terminated" in j]
+        assert len(job) == 1, jobs(slurm_cluster)
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=60)
+        assert driver.returncode == -signal.SIGTERM, err[-3000:]
+        # The allocation jaxtrain asked for is cancelled with the run (at most COMPLETING while
+        # Slurm winds it down), not left running to its time limit.
+        left = [j for j in jobs(slurm_cluster) if j.startswith(job[0] + " ")]
+        assert all(j.endswith(" COMPLETING") for j in left), left
+        state = json.loads((shared_dir / "terminated" / "run.json").read_text())
+        assert state["status"] == "ABORTED"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+
+
 KILLED_ON_NODE2 = '''
 import json, os, signal, socket, time
 from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, get_context, report

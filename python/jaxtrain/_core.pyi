@@ -35,7 +35,7 @@ class FailureConfig:
 
 def stage_directory(src: str, dst: str) -> list:
     """
-    Copies a checkpoint directory into staging; returns its files with sizes and CRC-32C.
+    Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links.
     """
 
 def verify_checkpoint(dir: str, checksums: bool, threads: int = 0) -> None: ...
@@ -71,16 +71,6 @@ def plan_slurm(scaling_config: ScalingConfig) -> Plan:
     Plans for the Slurm launcher: one environment for every rank; Slurm places them.
     """
 
-def plan_kubernetes(scaling_config: ScalingConfig) -> Plan:
-    """
-    Plans for the Kubernetes launcher: one environment for every rank, one pod each.
-    """
-
-def kubernetes_jobset(scaling_config: ScalingConfig, options_json: str, jobset_name: str, env: Mapping[str, str]) -> str:
-    """
-    The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.
-    """
-
 MAX_WORKERS: int = 100000
 
 def check_local_workers(scaling_config: ScalingConfig) -> None:
@@ -91,6 +81,16 @@ def check_local_workers(scaling_config: ScalingConfig) -> None:
 def run_lock_holder(run_dir: str) -> str | None:
     """
     The driver holding the run directory's lock ('host H, pid P, since T'), or None when no live driver holds it.
+    """
+
+def plan_kubernetes(scaling_config: ScalingConfig) -> Plan:
+    """
+    Plans for the Kubernetes launcher: one environment for every rank, one pod each.
+    """
+
+def kubernetes_jobset(scaling_config: ScalingConfig, options_json: str, jobset_name: str, env: Mapping[str, str]) -> str:
+    """
+    The JobSet (JSON) the Kubernetes launcher would create; for `jaxtrain plan`.
     """
 
 def plan_ssh(scaling_config: ScalingConfig) -> Plan:

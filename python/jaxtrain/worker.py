@@ -121,6 +121,11 @@ def _take_secret() -> str | None:
         with os.fdopen(int(fd), "rb", closefd=True) as f:
             while chunk := f.read():
                 chunks.append(chunk)
+        if int(fd) == 0:  # srun's stdin (the Slurm launcher): user code gets /dev/null
+            null = os.open(os.devnull, os.O_RDONLY)  # fd 0 itself, the lowest free one
+            if null != 0:
+                os.dup2(null, 0)
+                os.close(null)
         return b"".join(chunks).decode().strip()
     if path:
         with open(path, encoding="ascii") as f:

@@ -611,100 +611,101 @@ TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {
   Status s = controller->Start();
   EXPECT_FALSE(s.ok());
   EXPECT_TRUE(Contains(s.message(), "run.json")) << s.ToString();
-  // ~150 idle connections, re-opened as the controller closes them, used to fill the cap
-  // of unauthenticated connections so that the workers were refused and every attempt failed.
-  TEST_F(ControllerTest, AFloodOfIdleConnectionsDuringStartUpKeepsNoWorkerOut) {
-    Fifo connect_gate(dir_ + "/connect_gate");
-    ControllerOptions options = Options(4, {"ok", "3"});
-    options.worker_env["FAKE_CONNECT_GATE_FIFO"] = connect_gate.path();
-    options.max_start_failures = 0;
-    auto controller = Make(std::move(options));
-    ASSERT_TRUE(controller->Start().ok());
-    {
-      IdleFlood flood(controller->port(), 150);
-      // The controller holds at most 2 x 4 + 64 unproven connections: the flood is over its cap.
-      ASSERT_TRUE(flood.WaitForClosed(150 - 72)) << "the controller did not close the surplus";
-      connect_gate.Open(4);
-      ASSERT_TRUE(controller->Wait(kNoHang)) << "the run did not end";
-    }
-    const Outcome& out = controller->outcome();
-    EXPECT_EQ(out.state, State::kSucceeded);
-    EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
-    EXPECT_EQ(out.attempts, 1);
-    EXPECT_EQ(out.rounds, 3u);
+}
+
+// ~150 idle connections, re-opened as the controller closes them, used to fill the cap
+// of unauthenticated connections so that the workers were refused and every attempt failed.
+TEST_F(ControllerTest, AFloodOfIdleConnectionsDuringStartUpKeepsNoWorkerOut) {
+  Fifo connect_gate(dir_ + "/connect_gate");
+  ControllerOptions options = Options(4, {"ok", "3"});
+  options.worker_env["FAKE_CONNECT_GATE_FIFO"] = connect_gate.path();
+  options.max_start_failures = 0;
+  auto controller = Make(std::move(options));
+  ASSERT_TRUE(controller->Start().ok());
+  {
+    IdleFlood flood(controller->port(), 150);
+    // The controller holds at most 2 x 4 + 64 unproven connections: the flood is over its cap.
+    ASSERT_TRUE(flood.WaitForClosed(150 - 72)) << "the controller did not close the surplus";
+    connect_gate.Open(4);
+    ASSERT_TRUE(controller->Wait(kNoHang)) << "the run did not end";
   }
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+  EXPECT_EQ(out.attempts, 1);
+  EXPECT_EQ(out.rounds, 3u);
+}
 
-  TEST_F(ControllerTest, AHelloForARankAlreadyConnectedIsRefusedAtOnce) {
-    // Each worker, once registered, connects again as itself, and exits 2 unless that is refused
-    // with the reason "already connected" (a kRefused frame answers the hello; no challenge).
-    auto controller = Make(Options(2, {"duplicate", "2"}));
-    ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
-    const Outcome& out = controller->outcome();
-    EXPECT_EQ(out.state, State::kSucceeded);
-    EXPECT_FALSE(out.failure.has_value())
-        << out.failure->message << "\n"
-        << RunFile("logs/rank-0.log") << RunFile("logs/rank-1.log");
-    EXPECT_EQ(out.rounds, 2u);
+TEST_F(ControllerTest, AHelloForARankAlreadyConnectedIsRefusedAtOnce) {
+  // Each worker, once registered, connects again as itself, and exits 2 unless that is refused
+  // with the reason "already connected" (a kRefused frame answers the hello; no challenge).
+  auto controller = Make(Options(2, {"duplicate", "2"}));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_FALSE(out.failure.has_value()) << out.failure->message << "\n"
+                                        << RunFile("logs/rank-0.log") << RunFile("logs/rank-1.log");
+  EXPECT_EQ(out.rounds, 2u);
+}
+
+TEST_F(ControllerTest, SilentAndSlowPeersDelayNoRankAndAreDroppedAtTheHandshakeTimeout) {
+  FakeClock clock;
+  Fifo events(dir_ + "/events");
+  Fifo connect_gate(dir_ + "/connect_gate");
+  Fifo gate(dir_ + "/gate");
+  ControllerOptions options = Options(2, {"ok", "1"});
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  options.worker_env["FAKE_CONNECT_GATE_FIFO"] = connect_gate.path();
+  options.worker_env["FAKE_GATE_FIFO"] = gate.path();
+  options.handshake_timeout = std::chrono::seconds(10);
+  auto controller = Make(std::move(options), clock);
+  ASSERT_TRUE(controller->Start().ok());
+  const int port = controller->port();
+
+  RawPeer silent(port);
+  RawPeer slow(port);  // a slowloris: a hello one byte at a time, then nothing
+  slow.Send(Frame(wire::MessageType::kHello, std::string(wire::kHelloSize, 'J')).substr(0, 3));
+  SyncWithEventLoop(port);
+  // Both ranks register and start while those two hold their connections; no time passes.
+  connect_gate.Open(2);
+  ASSERT_TRUE(events.WaitFor('S', 2)) << "the ranks did not start beside the idle peers";
+
+  clock.Advance(std::chrono::seconds(11));
+  SyncWithEventLoop(port);  // a loop step after the clock moved
+  EXPECT_TRUE(silent.ClosedByController());
+  EXPECT_TRUE(slow.ClosedByController());
+
+  gate.Open(2);
+  ASSERT_TRUE(controller->Wait(kNoHang));
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
+  EXPECT_EQ(out.rounds, 1u);
+}
+
+// A worker that ends before it has connected (one that could not get through to the controller,
+// e.g.) failed to start: it counts against max_start_failures, not max_failures, and its host is
+// the planned one, not "?".
+TEST_F(ControllerTest, ARankThatEndsBeforeRegisteringIsAStartUpFailure) {
+  ControllerOptions options = Options(2, {"earlyexit"});
+  options.worker_env["FAKE_FAIL_RANK"] = "1";
+  options.max_failures = 0;
+  options.max_start_failures = 1;
+  const std::string planned_host = options.plan.workers[1].host;
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kFailed);
+  EXPECT_EQ(out.attempts, 2) << "a start-up failure was counted against max_failures";
+  ASSERT_EQ(out.failures.size(), 2u);
+  for (const RankFailure& f : out.failures) {
+    EXPECT_EQ(f.rank, 1);
+    EXPECT_EQ(f.cause, "start-up") << f.message;
+    EXPECT_FALSE(planned_host.empty());
+    EXPECT_EQ(f.host, planned_host);
   }
-
-  TEST_F(ControllerTest, SilentAndSlowPeersDelayNoRankAndAreDroppedAtTheHandshakeTimeout) {
-    FakeClock clock;
-    Fifo events(dir_ + "/events");
-    Fifo connect_gate(dir_ + "/connect_gate");
-    Fifo gate(dir_ + "/gate");
-    ControllerOptions options = Options(2, {"ok", "1"});
-    options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
-    options.worker_env["FAKE_CONNECT_GATE_FIFO"] = connect_gate.path();
-    options.worker_env["FAKE_GATE_FIFO"] = gate.path();
-    options.handshake_timeout = std::chrono::seconds(10);
-    auto controller = Make(std::move(options), clock);
-    ASSERT_TRUE(controller->Start().ok());
-    const int port = controller->port();
-
-    RawPeer silent(port);
-    RawPeer slow(port);  // a slowloris: a hello one byte at a time, then nothing
-    slow.Send(Frame(wire::MessageType::kHello, std::string(wire::kHelloSize, 'J')).substr(0, 3));
-    SyncWithEventLoop(port);
-    // Both ranks register and start while those two hold their connections; no time passes.
-    connect_gate.Open(2);
-    ASSERT_TRUE(events.WaitFor('S', 2)) << "the ranks did not start beside the idle peers";
-
-    clock.Advance(std::chrono::seconds(11));
-    SyncWithEventLoop(port);  // a loop step after the clock moved
-    EXPECT_TRUE(silent.ClosedByController());
-    EXPECT_TRUE(slow.ClosedByController());
-
-    gate.Open(2);
-    ASSERT_TRUE(controller->Wait(kNoHang));
-    const Outcome& out = controller->outcome();
-    EXPECT_EQ(out.state, State::kSucceeded);
-    EXPECT_FALSE(out.failure.has_value()) << out.failure->message;
-    EXPECT_EQ(out.rounds, 1u);
-  }
-
-  // A worker that ends before it has connected (one that could not get through to the controller,
-  // e.g.) failed to start: it counts against max_start_failures, not max_failures, and its host is
-  // the planned one, not "?".
-  TEST_F(ControllerTest, ARankThatEndsBeforeRegisteringIsAStartUpFailure) {
-    ControllerOptions options = Options(2, {"earlyexit"});
-    options.worker_env["FAKE_FAIL_RANK"] = "1";
-    options.max_failures = 0;
-    options.max_start_failures = 1;
-    const std::string planned_host = options.plan.workers[1].host;
-    auto controller = Make(std::move(options));
-    ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
-
-    const Outcome& out = controller->outcome();
-    EXPECT_EQ(out.state, State::kFailed);
-    EXPECT_EQ(out.attempts, 2) << "a start-up failure was counted against max_failures";
-    ASSERT_EQ(out.failures.size(), 2u);
-    for (const RankFailure& f : out.failures) {
-      EXPECT_EQ(f.rank, 1);
-      EXPECT_EQ(f.cause, "start-up") << f.message;
-      EXPECT_FALSE(planned_host.empty());
-      EXPECT_EQ(f.host, planned_host);
-    }
-  }
+}
 
 }  // namespace
 }  // namespace jaxtrain::controller

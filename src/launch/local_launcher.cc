@@ -43,27 +43,6 @@ std::string RanksText(const std::vector<int>& ranks) {
   return out;
 }
 
-// The read end (>= 3, close-on-exec) of a pipe that holds `secret` and then ends: the child reads
-// it to EOF. The secret is smaller than a pipe's buffer, so writing it never blocks.
-StatusOr<int> SecretPipe(const std::string& secret) {
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
-  ssize_t n = write(fds[1], secret.data(), secret.size());
-  const int err = errno;
-  close(fds[1]);
-  if (n != static_cast<ssize_t>(secret.size())) {
-    close(fds[0]);
-    return ErrnoError("writing the run secret to its pipe", n < 0 ? err : EPIPE);
-  }
-  if (fds[0] >= 3) return fds[0];
-  // 0-2 are the child's stdio: move the pipe above them (a driver started with stdin closed).
-  int moved = fcntl(fds[0], F_DUPFD_CLOEXEC, 3);
-  const int dup_err = errno;
-  close(fds[0]);
-  if (moved < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", dup_err);
-  return moved;
-}
-
 }  // namespace
 
 StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
@@ -85,7 +64,7 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
     std::vector<std::string> env = BuildEnv(spec);
     int secret_fd = -1;
     if (!spec.secret.empty()) {
-      auto fd = SecretPipe(spec.secret);
+      auto fd = PipeHolding(spec.secret);
       if (!fd.ok()) {
         return fail(UnavailableError("cannot start the process of rank " + RanksText(spec.ranks) +
                                      ": " + fd.status().message()));

@@ -86,6 +86,25 @@ SpawnOptions ChdirThroughShell(const SpawnOptions& options) {
   return shell;
 }
 
+StatusOr<int> PipeHolding(std::string_view data) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  ssize_t n = write(fds[1], data.data(), data.size());
+  const int err = errno;
+  close(fds[1]);
+  if (n != static_cast<ssize_t>(data.size())) {
+    close(fds[0]);
+    return ErrnoError("writing to a pipe", n < 0 ? err : EPIPE);
+  }
+  if (fds[0] >= 3) return fds[0];
+  // 0-2 are a child's stdio: move the pipe above them (a driver started with stdin closed).
+  int moved = fcntl(fds[0], F_DUPFD_CLOEXEC, 3);
+  const int dup_err = errno;
+  close(fds[0]);
+  if (moved < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", dup_err);
+  return moved;
+}
+
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
   if (!options.cwd.empty() && !posix_spawn_file_actions_addchdir_np) {
     return SpawnWithOutputPipe(ChdirThroughShell(options));

@@ -57,6 +57,12 @@ struct Spawned {
 // through ChdirThroughShell: then a missing argv[0] is the shell's exit status 127, not kNotFound.
 StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);
 
+// The read end (>= 3, close-on-exec) of a pipe that holds `data` and then ends: a child that
+// inherits it (SpawnOptions::inherit_fd or stdin_fd) reads `data` to EOF. `data` must fit a
+// pipe's buffer (4 KiB at least; the run secret is 64 bytes), so writing it never blocks.
+// Errors: kInternal when the pipe cannot be made or written.
+StatusOr<int> PipeHolding(std::string_view data);
+
 // The same child started as /bin/sh, which changes to options.cwd and then execs options.argv.
 SpawnOptions ChdirThroughShell(const SpawnOptions& options);
 

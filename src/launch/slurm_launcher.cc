@@ -77,7 +77,8 @@ std::optional<int> ParseWhole(std::string_view s) {
 // Starts a Slurm command (looked up in PATH), in a new process group when `new_group`.
 // Errors: kUnavailable naming the program and why.
 StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
-                        const std::map<std::string, std::string>* env, bool new_group) {
+                        const std::map<std::string, std::string>* env, bool new_group,
+                        int stdin_fd = -1) {
   std::vector<std::string> env_strings;
   if (env != nullptr) {
     for (const auto& [k, v] : *env) env_strings.push_back(k + "=" + v);
@@ -85,6 +86,7 @@ StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
   SpawnOptions options{
       .argv = argv, .env = env != nullptr ? &env_strings : nullptr, .search_path = true};
   if (new_group) options.process_group = 0;
+  options.stdin_fd = stdin_fd;
   auto spawned = SpawnWithOutputPipe(options);
   if (!spawned.ok()) {
     return UnavailableError("cannot start '" + argv[0] + "': " + spawned.status().message() +
@@ -554,8 +556,19 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   for (const auto& name : group.unset_env) env.erase(name);
   for (const auto& name : kPerRankEnv) env.erase(name);
   for (const auto& [k, v] : group.env) env[k] = v;
-  // srun hands its environment to every task (--export=ALL), never a command line.
-  if (!group.secret.empty()) env["JAXTRAIN_RUN_SECRET"] = group.secret;
+  // The secret goes to srun's stdin, which srun hands to every task (--input=all) as their
+  // stdin: never in an environment (/proc/PID/environ) or a command line.
+  int secret_fd = -1;
+  if (!group.secret.empty()) {
+    JT_ASSIGN_OR_RETURN(secret_fd, PipeHolding(group.secret));
+    env["JAXTRAIN_RUN_SECRET_FD"] = "0";
+  }
+  struct CloseOnReturn {
+    int fd;
+    ~CloseOnReturn() {
+      if (fd >= 0) close(fd);
+    }
+  } secret_closer{secret_fd};
 
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
@@ -573,13 +586,13 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   std::vector<std::string> argv = {options_.srun, "--jobid=" + options_.job_id,
                                    "--job-name=" + step_name_};
   for (auto& a : options_.shape.SrunArgs()) argv.push_back(a);
-  argv.insert(argv.end(), {"--kill-on-bad-exit=1", "--export=ALL"});
+  argv.insert(argv.end(), {"--kill-on-bad-exit=1", "--export=ALL", "--input=all"});
   // One rank's output needs no labels: the controller reads it as a local process's.
   if (ranks.size() > 1) argv.push_back("--label");
   if (!group.cwd.empty()) argv.push_back("--chdir=" + group.cwd);
   argv.insert(argv.end(), group.argv.begin(), group.argv.end());
 
-  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, &env, true));
+  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, &env, true, secret_fd));
   pgid_ = p.pid;
   int pidfd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
   if (pidfd < 0) {

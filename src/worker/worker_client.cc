@@ -46,6 +46,13 @@ StatusOr<std::string> TakeRunSecret() {
       hex.append(buf, static_cast<size_t>(n));
     }
     close(fd);
+    if (fd == 0) {  // srun's stdin (the Slurm launcher): the rest of the process gets /dev/null
+      int null = open("/dev/null", O_RDONLY);  // fd 0 itself, the lowest free one
+      if (null > 0) {
+        dup2(null, 0);
+        close(null);
+      }
+    }
     if (!path.empty()) unlink(path.c_str());  // best effort: a read-only mount keeps it
   }
   while (!hex.empty() && (hex.back() == '\n' || hex.back() == ' ')) hex.pop_back();
