@@ -15,8 +15,8 @@ and mirrors it to the remote run directory with a ``Mirror``:
   and uploaded again, so the index never names a directory that is being replaced.
 
 Object stores keep neither file modes nor symbolic links: each checkpoint's manifest records them
-(every file's mode, every kept link with its target), and a download applies them again, never
-wider than the umask, recreating only links that stay inside the checkpoint.
+(every file's and directory's mode, every kept link with its target), and a download applies them
+again, never wider than the umask, recreating only links that stay inside the checkpoint.
 
 On the remote side a checkpoint therefore exists once the index names it: a reader
 (``Result.from_path``, the next ``fit()``) never sees a partial upload, and the next ``pull()``
@@ -511,14 +511,19 @@ def current_umask() -> int:
 
 
 def apply_manifest(manifest: dict, target: str, where: str) -> None:
-    """Gives the files of a checkpoint copied into `target` the modes its manifest records (never
-    wider than the umask; the owner keeps read) and recreates its kept links. Raises ValueError,
+    """Gives the files and directories of a checkpoint copied into `target` the modes its manifest
+    records (never wider than the umask; the owner keeps read, and rwx on directories) and
+    recreates its kept links. Raises ValueError,
     naming the link and its target, for a link that would point outside the checkpoint."""
     mask = current_umask()
     for f in manifest.get("file_list", []):
         local = os.path.join(target, *_clean_parts(f["path"], where))
         if "mode" in f and os.path.lexists(local) and not os.path.islink(local):
             os.chmod(local, (int(f["mode"]) | 0o400) & 0o777 & ~mask)
+    for d in manifest.get("dirs", []):
+        local = os.path.join(target, *_clean_parts(d["path"], where))
+        if os.path.isdir(local) and not os.path.islink(local):
+            os.chmod(local, (int(d["mode"]) | 0o700) & 0o777 & ~mask)
     for link in manifest.get("links", []):
         path, link_target = link["path"], link["target"]
         local = os.path.join(target, *_clean_parts(path, where))

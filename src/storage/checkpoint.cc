@@ -416,6 +416,7 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   std::vector<std::string> dirs = {tmp};
   nlohmann::json files = nlohmann::json::array();
   nlohmann::json links = nlohmann::json::array();
+  nlohmann::json dir_modes = nlohmann::json::array();
   for (const auto& rc : ranks) {
     for (const auto& f : rc.files) {
       const std::vector<std::string> staged_parents = ParentDirs(rc.staging_dir, f.path);
@@ -427,6 +428,8 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
             lstat(staged_parents[i].c_str(), &st) == 0 ? (st.st_mode & 0777) | 0700 : 0755;
         if (mkdir(parents[i].c_str(), mode) == 0) {
           dirs.push_back(parents[i]);
+          if (lstat(parents[i].c_str(), &st) == 0) mode = st.st_mode & 0777;  // after the umask
+          dir_modes.push_back({{"path", parents[i].substr(tmp.size() + 1)}, {"mode", mode}});
         } else if (errno != EEXIST) {
           return IoError("cannot create directory", parents[i], errno);
         }
@@ -441,6 +444,7 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   manifest["version"] = 1;
   manifest["file_list"] = files;
   if (!links.empty()) manifest["links"] = links;
+  if (!dir_modes.empty()) manifest["dirs"] = dir_modes;
   JT_RETURN_IF_ERROR(WriteFileAtomically(JoinPath(tmp, kManifestName), manifest.dump(1) + "\n"));
   // The renames above changed directory entries: make them durable before the commit point.
   for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {

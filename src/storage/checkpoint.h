@@ -14,8 +14,8 @@
 // target lies inside the checkpoint is kept as a link (its target stored relative, never copied
 // twice); a link whose target lies outside it (an absolute target elsewhere, a `..` that climbs
 // out, or a chain that ends outside) is refused, never followed. The manifest records each file's
-// mode and each kept link with its target. Private runs (docs/architecture.md) get 0700/0600
-// through the umask.
+// mode, each directory's ("dirs") and each kept link with its target ("links"). Private runs
+// (docs/architecture.md) get 0700/0600 through the umask.
 //
 // Layout:  <run>/.staging/a<attempt>-r<round>-rank<r>/...   one rank's staged files
 //          <run>/<dir_name>/...  + <run>/<dir_name>/.jaxtrain_manifest.json

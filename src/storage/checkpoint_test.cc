@@ -700,6 +700,9 @@ TEST_F(CommitTest, KeepsModesAndInsideLinksAndTheManifestRecordsThem) {
   ASSERT_EQ(manifest["links"].size(), 1u);
   EXPECT_EQ(manifest["links"][0]["path"], "current.key");
   EXPECT_EQ(manifest["links"][0]["target"], "keys/secret.key");
+  ASSERT_EQ(manifest["dirs"].size(), 1u);
+  EXPECT_EQ(manifest["dirs"][0]["path"], "keys");
+  EXPECT_EQ(manifest["dirs"][0]["mode"], 0700);
   EXPECT_TRUE(VerifyCheckpoint(dir, /*checksums=*/true).ok());
 
   // A link replaced after the commit no longer verifies.
