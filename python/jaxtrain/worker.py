@@ -10,6 +10,7 @@ Exit codes: 0 done; 1 the training function raised; 3 start-up failed; 4 the con
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -181,6 +182,11 @@ def main() -> None:
 
     try:
         bind_host = start["coordinator"].rsplit(":", 1)[0]
+        # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
+        # newest jax for Python 3.10 (0.6.2) has neither and keeps its own defaults.
+        accepted = inspect.signature(jax.distributed.initialize).parameters
+        timeouts = {"heartbeat_timeout_seconds": _HEARTBEAT_TIMEOUT_S,
+                    "shutdown_timeout_seconds": _SHUTDOWN_TIMEOUT_S}
         jax.distributed.initialize(
             coordinator_address=start["coordinator"],
             num_processes=world_size,
@@ -188,11 +194,10 @@ def main() -> None:
             local_device_ids=_local_device_ids(platform),
             cluster_detection_method="deactivate",
             initialization_timeout=_INIT_TIMEOUT_S,
-            heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT_S,
-            shutdown_timeout_seconds=_SHUTDOWN_TIMEOUT_S,
             coordinator_bind_address=f"{bind_host}:{start['coordinator'].rsplit(':', 1)[1]}"
             if rank == 0
             else None,
+            **{name: value for name, value in timeouts.items() if name in accepted},
         )
         # jax.distributed installs a SIGTERM handler for its preemption service; the controller
         # stops a group with SIGTERM and must not wait for a grace period to end every worker.
