@@ -116,8 +116,12 @@ def test_the_seeds_tpu_config_becomes_the_pod_spec_gke_needs(kubernetes_cluster,
     assert (job["replicas"], job["template"]["spec"]["parallelism"]) == (1, 4)
     for pod in pods:
         spec = pod["spec"]
-        assert spec["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
-                                        "cloud.google.com/gke-tpu-topology": "4x4"}
+        selector = spec["nodeSelector"]
+        assert selector["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
+        assert selector["cloud.google.com/gke-tpu-topology"] == "4x4"
+        if pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] != "0":
+            # JobSet's exclusive placement pinned the slice's other pods to the first one's pool.
+            assert selector["cloud.google.com/gke-nodepool"] == "tpu"
         container = spec["containers"][0]
         assert container["resources"]["limits"] == {"google.com/tpu": "4"}
         env = {e["name"]: e.get("value") for e in container["env"]}

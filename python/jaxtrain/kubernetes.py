@@ -350,7 +350,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-    if os.getppid() == 1:
+    # The driver may already be gone (and this process re-parented) before prctl took effect. The
+    # driver may itself be PID 1 (jaxtrain submit's pod), so compare with its pid, not with 1.
+    if os.getppid() != int(os.environ.get("JAXTRAIN_DRIVER_PID", os.getppid())):
         os.kill(os.getpid(), signal.SIGTERM)
 
 

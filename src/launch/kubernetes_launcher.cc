@@ -400,6 +400,9 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   for (const auto& [k, v] : CurrentEnvironment()) {
     if (!kSecretEnv.count(k)) env_strings.push_back(k + "=" + v);
   }
+  // The supervisor ends the run's objects when this process is gone
+  // (python/jaxtrain/kubernetes.py).
+  env_strings.push_back("JAXTRAIN_DRIVER_PID=" + std::to_string(getpid()));
   auto spawned = SpawnWithOutputPipe(
       {.argv = argv, .env = &env_strings, .process_group = 0, .search_path = true});
   if (!spawned.ok()) {
