@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -56,3 +57,25 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+class Fifo:
+    """A FIFO the test holds open read-write, so that no worker's open() of it blocks. Reads wait
+    at most `timeout` seconds, only so that a bug fails the test instead of hanging it."""
+
+    def __init__(self, path: Path, timeout: float = 240) -> None:
+        os.mkfifo(path)
+        self.path = str(path)
+        self.fd = os.open(path, os.O_RDWR)
+        self.timeout = timeout
+
+    def read_line(self) -> str:
+        data = b""
+        while not data.endswith(b"\n"):
+            ready, _, _ = select.select([self.fd], [], [], self.timeout)
+            assert ready, f"nothing came through {self.path}"
+            data += os.read(self.fd, 1)  # one byte: never past the line
+        return data.decode().strip()
+
+    def write(self, text: str) -> None:
+        os.write(self.fd, text.encode())

@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import json
 import os
-import select
 import selectors
 import socket
 import struct
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import Fifo
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
 
 NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
@@ -122,29 +122,6 @@ class Driver:
         lines = self._out.read_text().strip().splitlines()
         assert lines, stderr[-4000:]
         return json.loads(lines[-1])
-
-
-class Fifo:
-    """A FIFO this test holds open read-write, so that no worker's open() of it blocks."""
-
-    def __init__(self, path: Path):
-        os.mkfifo(path)
-        self.path = str(path)
-        self.fd = os.open(path, os.O_RDWR)
-
-    def read_line(self) -> str:
-        data = b""
-        while not data.endswith(b"\n"):
-            ready, _, _ = select.select([self.fd], [], [], NO_HANG_S)
-            assert ready, f"nothing came through {self.path}"
-            data += os.read(self.fd, 256)
-        return data.decode().strip()
-
-    def open_gate(self, count: int) -> None:
-        os.write(self.fd, b"g" * count)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class Flood:
@@ -255,7 +232,7 @@ def test_a_flood_of_idle_connections_keeps_no_worker_of_a_restart_out(tmp_path, 
     try:
         # The controller holds at most 2 x 4 + 64 unauthenticated connections: the flood is over.
         assert flood.wait_closed(150 - 72)
-        gate.open_gate(4)  # attempt 0 fails on purpose; attempt 1 starts under the flood
+        gate.write("g" * 4)  # attempt 0 fails on purpose; attempt 1 starts under the flood
         result = driver.result()
     finally:
         flood.stop()
@@ -298,7 +275,7 @@ def test_a_live_run_survives_floods_garbage_replays_and_forgeries(tmp_path, stor
                 s.sendall(data)
                 answers[name] = _answer(s)
         rss_attacked, fds_attacked = driver.rss_kb(), driver.fds()
-        gate.open_gate(4)
+        gate.write("g" * 4)
         result = driver.result()
     finally:
         flood.stop()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -22,35 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, pid_alive
+from conftest import REPO, Fifo, pid_alive
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core
 from jaxtrain.errors import TrainingFailedError
 
 JAXTRAIN = [sys.executable, "-m", "jaxtrain"]
 NO_HANG_S = 120
-
-
-class Fifo:
-    """A FIFO held open read-write by the test, so that the workers' open() never blocks."""
-
-    def __init__(self, path: Path) -> None:
-        os.mkfifo(path)
-        self.path = str(path)
-        self.fd = os.open(path, os.O_RDWR)
-
-    def read_line(self) -> str:
-        data = b""
-        while not data.endswith(b"\n"):
-            ready, _, _ = select.select([self.fd], [], [], NO_HANG_S)
-            assert ready, f"nothing arrived on {self.path}"
-            data += os.read(self.fd, 1)
-        return data.decode().strip()
-
-    def write(self, text: str) -> None:
-        os.write(self.fd, text.encode())
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 # Each rank writes "<rank> <pid>" to READY once it has reported round 1, then waits for a byte on

@@ -294,7 +294,14 @@ def launch_options(experiment_name: str, run_dir: str) -> dict:
                  "uid": pod.metadata.uid}
     import tempfile
 
-    timeout = float(os.environ.get("JAXTRAIN_K8S_PENDING_TIMEOUT_S", _DEFAULT_PENDING_TIMEOUT_S))
+    text = os.environ.get("JAXTRAIN_K8S_PENDING_TIMEOUT_S", str(_DEFAULT_PENDING_TIMEOUT_S))
+    try:
+        timeout = float(text)
+    except ValueError:
+        timeout = -1.0
+    if not timeout > 0:
+        raise ValueError(f"JAXTRAIN_K8S_PENDING_TIMEOUT_S='{text}' is not allowed; it must be a "
+                         "number of seconds > 0")
     return {
         "namespace": namespace,
         "name": f"{dns_name(experiment_name, 30)}-{_random_suffix()}",
