@@ -226,9 +226,10 @@ TEST(AddressTowardsTest, IsTheSourceAddressOfTheRoute) {
 
 // srun's behaviour that the launcher and the controller rely on, for tests: --ntasks copies of
 // the command with SLURM_PROCID (and, as python/jaxtrain/worker.py derives them, JAXTRAIN_RANK
-// ...), each line labelled "<task>: " with --label; every task that fails is reported as srun
-// reports it, and the first one's failure kills the others (--kill-on-bad-exit); a SIGTERM, which
-// the tasks get as well, does not stop it from reporting. Its arguments go to $FAKE_SRUN_ARGS.
+// ...), each line labelled "<task>: " with --label, all of its stdin given to every task
+// (--input=all); every task that fails is reported as srun reports it, and the first one's failure
+// kills the others (--kill-on-bad-exit); a SIGTERM, which the tasks get as well, does not stop it
+// from reporting. Its arguments go to $FAKE_SRUN_ARGS.
 constexpr char kFakeSrun[] = R"(#!/usr/bin/python3
 import os, signal, subprocess, sys, threading
 
@@ -237,14 +238,17 @@ signal.signal(signal.SIGTERM, lambda *_: None)
 
 with open(os.environ["FAKE_SRUN_ARGS"], "w") as f:
     f.write("\n".join(sys.argv[1:]) + "\n")
-args, n, labelled = sys.argv[1:], 1, False
+args, n, labelled, broadcast = sys.argv[1:], 1, False, False
 while args and args[0].startswith("--"):
     arg = args.pop(0)
     labelled = labelled or arg == "--label"
+    broadcast = broadcast or arg == "--input=all"
     if arg.startswith("--ntasks="):
         n = int(arg.split("=", 1)[1])
     elif arg.startswith("--chdir="):
         os.chdir(arg.split("=", 1)[1])
+# --input=all: every task reads all of srun's stdin (the run's secret), not a share of one pipe.
+stdin = sys.stdin.buffer.read() if broadcast else b""
 lock = threading.Lock()
 
 
@@ -260,7 +264,12 @@ for i in range(n):
     place = {"SLURM_PROCID": i, "SLURM_LOCALID": i, "SLURM_NODEID": 0, "JAXTRAIN_RANK": i,
              "JAXTRAIN_LOCAL_RANK": i, "JAXTRAIN_LOCAL_WORLD_SIZE": n, "JAXTRAIN_NODE_RANK": 0}
     env = dict(os.environ, **{k: str(v) for k, v in place.items()})
-    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    r, w = os.pipe()
+    os.write(w, stdin)
+    os.close(w)
+    p = subprocess.Popen(args, env=env, stdin=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    os.close(r)
     tasks[p.pid] = (i, p)
     pumps.append(threading.Thread(target=label, args=(i, p.stdout)))
     pumps[-1].start()
