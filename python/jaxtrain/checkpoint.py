@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-MANIFEST_NAME = ".jaxtrain_manifest.json"
+from jaxtrain.storage import MANIFEST_NAME, download_tree
 
 
 class Checkpoint:
@@ -40,8 +40,6 @@ class Checkpoint:
         naming the link and its target, and never followed."""
         target = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="checkpoint-")
         if self.filesystem is not None:
-            from jaxtrain.storage import download_tree
-
             download_tree(self.filesystem, self.path, target, skip=(MANIFEST_NAME,))
             return target
         from jaxtrain import _core

@@ -39,7 +39,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from jaxtrain.checkpoint import MANIFEST_NAME
+# The file in each committed checkpoint directory that lists its files, sizes and checksums
+# (written by the engine's CommitCheckpoint).
+MANIFEST_NAME = ".jaxtrain_manifest.json"
 
 INDEX_NAME = "checkpoints.json"
 _RECORDS = ("run.json", "result.jsonl")
