@@ -7,6 +7,8 @@
 #include <optional>
 #include <utility>
 
+#include "base/strings.h"
+
 namespace jaxtrain::accelerators {
 namespace {
 
@@ -38,22 +40,6 @@ std::string Lower(std::string_view text) {
   std::string lowered(text);
   for (char& c : lowered) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return lowered;
-}
-
-std::string_view Trim(std::string_view text) {
-  const auto is_space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
-  while (!text.empty() && is_space(text.front())) text.remove_prefix(1);
-  while (!text.empty() && is_space(text.back())) text.remove_suffix(1);
-  return text;
-}
-
-std::string Join(const std::vector<std::string>& items) {
-  std::string joined;
-  for (const std::string& item : items) {
-    if (!joined.empty()) joined += ", ";
-    joined += item;
-  }
-  return joined;
 }
 
 // Dimensions of a well-formed topology such as "2x2x4".
@@ -205,7 +191,7 @@ StatusOr<TpuSlice> DescribeSlice(std::string_view accelerator_type, std::string_
   std::string normalized = NormalizeTopology(topology);
   if (std::find(valid.begin(), valid.end(), normalized) == valid.end()) {
     return InvalidArgumentError("topology='" + std::string(topology) + "' is not valid for " +
-                                std::string(name) + "; valid topologies: " + Join(valid));
+                                std::string(name) + "; valid topologies: " + Join(valid, ", "));
   }
 
   TpuSlice slice;

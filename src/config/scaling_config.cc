@@ -2,16 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
+
+#include "base/strings.h"
 
 namespace jaxtrain::config {
 namespace {
-
-std::string FormatNumber(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
-}
 
 StatusOr<PlacementStrategy> ParsePlacementStrategy(const std::string& s) {
   if (s == "PACK") return PlacementStrategy::kPack;

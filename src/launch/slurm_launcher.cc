@@ -21,6 +21,7 @@
 #include <map>
 #include <set>
 
+#include "base/strings.h"
 #include "launch/ssh_launcher.h"
 
 namespace jaxtrain::launch {
@@ -41,14 +42,6 @@ void Say(const std::string& line) {
     if (n <= 0) return;
     rest.remove_prefix(static_cast<size_t>(n));
   }
-}
-
-std::string Trim(std::string_view s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) {
-    s.remove_suffix(1);
-  }
-  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-  return std::string(s);
 }
 
 std::vector<std::string> SplitLines(std::string_view text) {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "base/strings.h"
 #include "launch/process.h"
 
 namespace jaxtrain::launch {
@@ -109,15 +110,6 @@ const std::vector<std::string> kSshOptions = {"-T",
                                               "ServerAliveInterval=5",
                                               "-o",
                                               "ServerAliveCountMax=3"};
-
-std::string Trim(std::string_view s) {
-  while (!s.empty() &&
-         (s.back() == '\n' || s.back() == '\r' || s.back() == ' ' || s.back() == '\t')) {
-    s.remove_suffix(1);
-  }
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  return std::string(s);
-}
 
 std::vector<std::string> Split(std::string_view text, char sep) {
   std::vector<std::string> out;

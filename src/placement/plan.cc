@@ -6,10 +6,10 @@
 #include <cmath>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <utility>
 
 #include "accelerators/tpu.h"
+#include "base/strings.h"
 
 namespace jaxtrain::placement {
 namespace {
@@ -30,21 +30,6 @@ constexpr const char* kMegascaleComputed[] = {"MEGASCALE_COORDINATOR_ADDRESS",
                                               "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"};
 constexpr const char* kPartialHostVariables[] = {"TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_HOST_BOUNDS",
                                                  "TPU_HOST_BOUNDS"};
-
-std::string Join(const std::vector<std::string>& items, std::string_view separator = ",") {
-  std::string out;
-  for (const auto& s : items) {
-    if (!out.empty()) out += separator;
-    out += s;
-  }
-  return out;
-}
-
-std::string FormatNumber(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
-}
 
 bool IsSet(const Environment& env, const std::string& name) {
   const auto it = env.find(name);
@@ -425,7 +410,7 @@ void SetTpuEnvironment(const Plan& plan, const std::vector<UsedSlice>& slices,
   set_or_unset("TPU_TOPOLOGY", slice.topology);
   if (seat.partial_host) {
     // The worker's chips run as a single-host slice of their own.
-    w->env["TPU_VISIBLE_CHIPS"] = Join(seat.devices);
+    w->env["TPU_VISIBLE_CHIPS"] = Join(seat.devices, ",");
     w->env["TPU_CHIPS_PER_HOST_BOUNDS"] = ChipsPerHostBounds(static_cast<int>(seat.devices.size()));
     w->env["TPU_HOST_BOUNDS"] = kSingleHostBounds;
     w->env["TPU_WORKER_ID"] = "0";
@@ -435,7 +420,7 @@ void SetTpuEnvironment(const Plan& plan, const std::vector<UsedSlice>& slices,
     std::vector<std::string> addresses;
     for (size_t h : slice.hosts) addresses.push_back(hosts.hosts[h].address);
     w->env["TPU_WORKER_ID"] = std::to_string(host.tpu_worker_id);
-    w->env["TPU_WORKER_HOSTNAMES"] = Join(addresses);
+    w->env["TPU_WORKER_HOSTNAMES"] = Join(addresses, ",");
   }
   if (plan.num_slices > 1) {
     w->env["MEGASCALE_COORDINATOR_ADDRESS"] =
@@ -473,7 +458,7 @@ StatusOr<Plan> PlanOnHosts(const config::ScalingConfig& config, const HostDescri
     for (const Host& host : hosts.hosts) {
       devices.push_back(host.gpus);
       offers.push_back(Plural(static_cast<int>(host.gpus.size()), "GPU") +
-                       (host.gpus.empty() ? "" : " (" + Join(host.gpus) + ")"));
+                       (host.gpus.empty() ? "" : " (" + Join(host.gpus, ",") + ")"));
     }
     JT_ASSIGN_OR_RETURN(seats, SeatByStrategy(config, hosts, devices, per_worker,
                                               Plural(per_worker, "GPU"), offers));
@@ -517,7 +502,7 @@ StatusOr<Plan> PlanOnHosts(const config::ScalingConfig& config, const HostDescri
       set_unless_inherited("JAX_NUM_CPU_DEVICES", "1");
       set_unless_inherited("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo");
     }
-    if (config.use_gpu()) w.env["CUDA_VISIBLE_DEVICES"] = Join(w.devices);
+    if (config.use_gpu()) w.env["CUDA_VISIBLE_DEVICES"] = Join(w.devices, ",");
     if (config.use_tpu()) SetTpuEnvironment(plan, slices, hosts, seat, inherited, &w);
     plan.workers.push_back(std::move(w));
   }
