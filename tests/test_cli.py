@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from jaxtrain import TrainingFailedError
-from jaxtrain.cli import _failed_run_status, _parse_resources, _UsageError, main
+from jaxtrain.cli import main
+from jaxtrain.cli.common import UsageError
+from jaxtrain.cli.launch import failed_run_status, parse_resources
 
 REPO = Path(__file__).resolve().parent.parent
 PLAIN_SCRIPT = REPO / "examples" / "plain_jax_script.py"
@@ -418,11 +420,11 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
 
 
 def test_resources_per_worker_read_as_pairs_or_json():
-    assert _parse_resources("TPU=4,CPU=0.5") == {"TPU": 4, "CPU": 0.5}
-    assert _parse_resources('{"TPU": 4}') == {"TPU": 4}
+    assert parse_resources("TPU=4,CPU=0.5") == {"TPU": 4, "CPU": 0.5}
+    assert parse_resources('{"TPU": 4}') == {"TPU": 4}
     for bad in ("TPU", "TPU=", "=4", '{"TPU": 4', "[4]"):
-        with pytest.raises(_UsageError, match="--resources-per-worker"):
-            _parse_resources(bad)
+        with pytest.raises(UsageError, match="--resources-per-worker"):
+            parse_resources(bad)
 
 
 def test_the_exit_status_of_a_failed_run_is_the_rank_s_when_it_exited_with_one():
@@ -430,19 +432,19 @@ def test_the_exit_status_of_a_failed_run_is_the_rank_s_when_it_exited_with_one()
         return TrainingFailedError(
             f"Training failed: rank 1 (host h, attempt 0): {message}\n\nFull log: x", cause=cause)
 
-    assert _failed_run_status(error("exit", "its process exited with status 3")) == 3
-    assert _failed_run_status(error("exit", "its process exited with status 0 before its "
+    assert failed_run_status(error("exit", "its process exited with status 3")) == 3
+    assert failed_run_status(error("exit", "its process exited with status 0 before its "
                                             "training function returned")) == 1
-    assert _failed_run_status(error("signal", "its process was killed by signal 9 (SIGKILL)")) == 1
-    assert _failed_run_status(error("exception", "SystemExit: 3")) == 1
+    assert failed_run_status(error("signal", "its process was killed by signal 9 (SIGKILL)")) == 1
+    assert failed_run_status(error("exception", "SystemExit: 3")) == 1
 
 
 def test_script_arguments_are_not_taken_for_jaxtrain_options():
-    from jaxtrain.cli import _parser
+    from jaxtrain.cli import build_parser
 
-    args = _parser().parse_args(["run", "-n", "2", "train.py", "-n", "5", "--help"])
+    args = build_parser().parse_args(["run", "-n", "2", "train.py", "-n", "5", "--help"])
     assert (args.num_workers, args.target, args.args) == (2, "train.py", ["-n", "5", "--help"])
-    args = _parser().parse_args(["run", "-m", "pkg.train", "--lr", "3"])
+    args = build_parser().parse_args(["run", "-m", "pkg.train", "--lr", "3"])
     assert (args.module, args.target, args.args) == (True, "pkg.train", ["--lr", "3"])
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from jaxtrain.callbacks import RunContext, UserCallback
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.result import _flatten
+from jaxtrain.result import flatten
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """The numeric values of ``metrics``, nested keys joined with '/' (booleans left out)."""
-    return {k: float(v) for k, v in _flatten(metrics).items()
+    return {k: float(v) for k, v in flatten(metrics).items()
             if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
 
@@ -131,7 +131,7 @@ class MLflowLogger(_MetricsLogger):
                                 tags={"jaxtrain.run_dir": run_context.path})
         self.run_id = run.info.run_id
         params = {"num_workers": run_context.world_size}
-        params.update(_flatten(run_context.train_loop_config or {}))
+        params.update(flatten(run_context.train_loop_config or {}))
         client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         with open(id_file, "w", encoding="utf-8") as f:
             f.write(self.run_id)
@@ -189,7 +189,7 @@ class WandbLogger(_MetricsLogger):
             with open(id_file, encoding="utf-8") as f:
                 run_id = f.read().strip()
         config = {"num_workers": run_context.world_size}
-        config.update(_flatten(run_context.train_loop_config or {}))
+        config.update(flatten(run_context.train_loop_config or {}))
         self._run = wandb.init(
             project=self.project or run_context.name, name=self.name or run_context.name,
             dir=self.dir or run_context.path, mode=self.mode, id=run_id, resume="allow",

@@ -40,7 +40,7 @@ class Result:
         with '/'). Needs pandas."""
         import pandas as pd
 
-        rows = self._read_rounds()
+        rows = self.report_rounds()
         if not rows:
             return pd.DataFrame()
         frame = pd.json_normalize([r["metrics"] for r in rows], sep="/")
@@ -80,11 +80,11 @@ class Result:
             return None
         scored = []
         for checkpoint, metrics in self.best_checkpoints:
-            value = _flatten(metrics).get(metric)
+            value = flatten(metrics).get(metric)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
                 scored.append((value, checkpoint))
         if not scored:
-            names = sorted({k for _, m in self.best_checkpoints for k in _flatten(m)})
+            names = sorted({k for _, m in self.best_checkpoints for k in flatten(m)})
             raise ValueError(
                 f"Result.get_best_checkpoint metric={metric!r}: no kept checkpoint has a number "
                 f"for it; its rounds reported {names}")
@@ -107,7 +107,9 @@ class Result:
         return plot_metrics(self.metrics_dataframe, os.fspath(path), metrics=metrics,
                             title=os.path.basename(self.path.rstrip("/")))
 
-    def _read_rounds(self) -> list[dict]:
+    def report_rounds(self) -> list[dict]:
+        """The run's report rounds as result.jsonl records them: one ``{"round", "time",
+        "metrics"}`` dict per round (rank 0's metrics), oldest first."""
         if self._rounds is None:
             self._rounds = _read_rounds(self.path)
         return self._rounds
@@ -193,7 +195,7 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
     )
 
 
-def _flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
     """Nested metrics as one level, keys joined with '/'."""
     if not isinstance(metrics, dict):
         return {prefix: metrics} if prefix else {}
@@ -201,7 +203,7 @@ def _flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:
     for key, value in metrics.items():
         name = f"{prefix}/{key}" if prefix else str(key)
         if isinstance(value, dict):
-            flat.update(_flatten(value, name))
+            flat.update(flatten(value, name))
         else:
             flat[name] = value
     return flat

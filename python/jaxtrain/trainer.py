@@ -111,8 +111,9 @@ class JaxTrainer:
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.resume_from_checkpoint = resume_from_checkpoint
-        # `jaxtrain run` sets this: a live status line under the output, when it is a terminal.
-        self._status_line = False
+        # A live status line under the rank output when the console is a terminal (jaxtrain
+        # only; `jaxtrain run` turns it on).
+        self.status_line = False
 
     def fit(self) -> Result:
         """Runs the training function on every worker and returns the Result.
@@ -197,7 +198,7 @@ class JaxTrainer:
             console_fd=console_fd,
             launcher=launcher,
             scaling_config=self.scaling_config._core,
-            status_line=self._status_line and console_fd >= 0 and os.isatty(console_fd),
+            status_line=self.status_line and console_fd >= 0 and os.isatty(console_fd),
             launcher_options_json=launcher_options,
         )
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
