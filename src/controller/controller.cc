@@ -19,6 +19,7 @@
 #include <functional>
 #include <set>
 
+#include "controller/console.h"
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
 #include "controller/status_line.h"
@@ -40,6 +41,11 @@ constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
+// How long the end of a run waits for a console that does not read (the output is in the logs).
+constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
+// A rank's output line longer than this reaches the console in pieces instead of waiting for its
+// end: output without newlines never grows a buffer without bound.
+constexpr size_t kConsoleLineCap = 64 << 10;
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
 size_t TerminalWidth(int fd) {
   winsize ws{};
@@ -156,6 +162,7 @@ struct Controller::Loop {
     bool reaped = false;
     launch::ExitStatus exit;
     std::string partial_line;
+    bool after_cr = false;  // the last text shown of this process ended with '\r'
     std::vector<std::pair<int, launch::TaskEnd>> task_ends;  // by rank, as srun reported them
     std::string launcher_error;  // the first error line of the launcher's own
   };
@@ -239,22 +246,25 @@ struct Controller::Loop {
 
   void Say(const std::string& line) {
     std::string text = "jaxtrain: " + line + "\n";
-    if (!status.empty()) WriteFully(opts.console_fd, kEraseLine);
-    WriteFully(2, text);
-    if (!status.empty()) WriteFully(opts.console_fd, status);
+    if (!status.empty()) console.Write(opts.console_fd, kEraseLine);
+    console.Write(2, std::move(text));
+    if (!status.empty()) console.Write(opts.console_fd, status);
   }
 
   // --- the console and its status line -------------------------------------------------------
 
+  // Rank output, jaxtrain's own lines (stderr) and the status line, in order, written by a thread
+  // of its own: a console that does not read never blocks the loop.
+  Console console;
   std::string status;  // the status line on the console now; "" = none
   uint64_t attempt_rounds = 0;
   std::optional<TimePoint> attempt_first_round;
 
   // Writes rank output to the console, under the status line when there is one.
-  void Console(std::string text) {
+  void ToConsole(std::string text) {
     if (opts.console_fd < 0 || text.empty()) return;
     if (!status.empty()) text = kEraseLine + text + status;
-    WriteFully(opts.console_fd, text);
+    console.Write(opts.console_fd, std::move(text));
   }
 
   void RefreshStatus() {
@@ -271,12 +281,12 @@ struct Controller::Loop {
     std::string line = FormatStatus(view, TerminalWidth(opts.console_fd) - 1);
     if (line == status) return;
     status = line;
-    WriteFully(opts.console_fd, kEraseLine + status);
+    console.Write(opts.console_fd, kEraseLine + status);
   }
 
   void ClearStatus() {
     if (status.empty()) return;
-    WriteFully(opts.console_fd, kEraseLine);
+    console.Write(opts.console_fd, kEraseLine);
     status.clear();
   }
 
@@ -912,21 +922,41 @@ struct Controller::Loop {
       console += line;
     }
     p.partial_line.erase(0, start);
-    Console(std::move(console));
+    ToConsole(std::move(console));
+    // A line longer than the cap is taken as ended (what follows of it is the launcher's text).
+    if (p.partial_line.size() >= kConsoleLineCap) SplitLabelledLines(p, "\n");
   }
 
+  // A one-rank process's output to the console, each line prefixed with its rank. A line ends at
+  // '\n', or at '\r' so that a progress bar (tqdm redraws its line after a '\r') is shown as it
+  // moves; a line longer than kConsoleLineCap is shown in pieces.
   void EchoLines(Proc& p, std::string_view chunk) {
     if (opts.console_fd < 0) return;
     p.partial_line.append(chunk);
     size_t start = 0;
     std::string text;
     const std::string prefix = "(rank=" + std::to_string(p.launched.ranks.front()) + ") ";
-    for (size_t nl; (nl = p.partial_line.find('\n', start)) != std::string::npos; start = nl + 1) {
-      text += prefix;
-      text.append(p.partial_line, start, nl + 1 - start);
+    auto emit = [&](size_t end) {
+      std::string_view piece(p.partial_line.data() + start, end - start);
+      if (piece == "\n" && p.after_cr) {
+        text += piece;  // the '\n' of a "\r\n" that arrived on its own
+      } else if (piece != "\r") {
+        text += prefix;
+        text += piece;
+      }
+      p.after_cr = !piece.empty() && piece.back() == '\r';
+      start = end;
+    };
+    for (size_t end; (end = p.partial_line.find_first_of("\r\n", start)) != std::string::npos;) {
+      if (p.partial_line[end] == '\r' && end + 1 < p.partial_line.size() &&
+          p.partial_line[end + 1] == '\n') {
+        ++end;  // "\r\n" ends one line
+      }
+      emit(end + 1);
     }
+    if (p.partial_line.size() - start >= kConsoleLineCap) emit(p.partial_line.size());
     p.partial_line.erase(0, start);
-    Console(std::move(text));
+    ToConsole(std::move(text));
   }
 
   void CloseOutput(Proc& p) {
@@ -1410,6 +1440,12 @@ void Controller::RunLoop() {
   } while (loop_->EndAttempt());
   loop_->ClearStatus();
   Outcome out = loop_->Finish();
+  // What the workers printed is shown before fit() returns, unless the console stopped reading.
+  if (!loop_->console.Flush(kConsoleFlushTimeout)) {
+    WriteFully(2,
+               "jaxtrain: the console stopped reading; the rest of the workers' output is "
+               "in their log files\n");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   outcome_ = std::move(out);
   done_ = true;

@@ -482,6 +482,55 @@ TEST_F(ControllerTest, APeerWithoutTheSecretIsRefusedAndTheRunIsUnaffected) {
   EXPECT_EQ(out.rounds, 3u);
 }
 
+TEST_F(ControllerTest, AConsoleThatNobodyReadsNeverStopsTheRun) {
+  // 4 MiB per rank into a pipe that holds 64 KiB and that nobody reads: a blocking write would
+  // stop the loop (no report, no reaping) and the run would never end.
+  int console[2];
+  ASSERT_EQ(pipe2(console, O_CLOEXEC), 0);
+  ControllerOptions options = Options(2, {"ok", "3"});
+  options.worker_env["FAKE_OUTPUT_BYTES"] = std::to_string(4 << 20);
+  options.console_fd = console[1];
+  auto controller = Make(std::move(options));
+  StartAndWait(*controller);
+  EXPECT_EQ(controller->outcome().state, State::kSucceeded);
+  EXPECT_EQ(controller->outcome().rounds, 3u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(RunFile("logs/rank-" + std::to_string(r) + ".log").size(), 4u << 20)
+        << "every line is in the rank's log";
+  }
+  controller.reset();
+  close(console[0]);
+  close(console[1]);
+}
+
+TEST_F(ControllerTest, AProgressBarReachesTheConsoleBeforeItsLineEnds) {
+  Fifo gate(dir_ + "/gate");
+  Fifo events(dir_ + "/events");
+  const std::string console_path = dir_ + "/console";
+  int console = open(console_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ASSERT_GE(console, 0);
+  ControllerOptions options = Options(1, {"ok", "1"});
+  options.worker_env["FAKE_PROGRESS"] = "\rstep 1/2\rstep 2/2\r";
+  options.worker_env["FAKE_GATE_FIFO"] = gate.path();
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  options.console_fd = console;
+  auto controller = Make(std::move(options));
+  ASSERT_TRUE(controller->Start().ok());
+  ASSERT_TRUE(events.WaitFor('S', 1));
+  // The worker now waits at the gate, its bar printed and no newline after it.
+  const std::string bar = "(rank=0) step 1/2\r(rank=0) step 2/2\r";
+  auto deadline = std::chrono::steady_clock::now() + kNoHang;
+  while (!Contains(ReadFile(console_path), bar) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(Contains(ReadFile(console_path), bar)) << ReadFile(console_path);
+  gate.Open(1);
+  ASSERT_TRUE(controller->Wait(kNoHang));
+  EXPECT_EQ(controller->outcome().state, State::kSucceeded);
+  controller.reset();
+  close(console);
+}
+
 TEST_F(ControllerTest, PeersThatFailTheHandshakeAreDisconnectedAndTheRunIsUnaffected) {
   // The workers wait at the gate after the start, so the run is in progress throughout.
   Fifo gate(dir_ + "/gate");

@@ -86,6 +86,17 @@ void PassGate(const char* variable = "FAKE_GATE_FIFO") {
   close(fd);
 }
 
+// Output for the console tests: FAKE_OUTPUT_BYTES bytes in 1 KiB lines, then FAKE_PROGRESS as it
+// is (a progress bar's '\r'-separated text, without a newline).
+void PrintOutput() {
+  const std::string line(1023, 'o');
+  for (int left = EnvInt("FAKE_OUTPUT_BYTES", 0); left > 0; left -= 1024) {
+    std::printf("%s\n", line.c_str());
+  }
+  if (const char* progress = std::getenv("FAKE_PROGRESS")) std::fputs(progress, stdout);
+  std::fflush(stdout);
+}
+
 StatusOr<WorkerClientOptions> OptionsFromEnv() {
   const char* address = std::getenv("JAXTRAIN_CONTROLLER_ADDR");
   if (address == nullptr) return InvalidArgumentError("JAXTRAIN_CONTROLLER_ADDR must be set");
@@ -142,6 +153,7 @@ int Run(const std::string& mode, int rounds) {
   if (!start.ok()) return kExitControllerLost;
   (*client)->WatchController(kExitControllerLost);
   SignalEvent('S');
+  PrintOutput();
   PassGate();
 
   if (mode == "ok" || mode == "wrong-secret" || mode == "duplicate") {

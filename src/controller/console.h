@@ -1,0 +1,72 @@
+// Console: the driver's console (a terminal, a pipe, a file), written by a thread of its own so
+// that a reader that stops reading (`jaxtrain run ... | less`, paused) never blocks the
+// controller's loop: no reaping, no watchdog, no Ctrl-C would happen while a write() blocks.
+//
+// Output waits in a queue bounded by `capacity` bytes. Output that finds the queue full is dropped
+// (every rank's log file has all of it), and once the queue has drained a line on the console says
+// how many bytes were not shown. Chunks are written in the order they were queued, whatever fd
+// each goes to, so that jaxtrain's own lines on stderr and a status line on stdout stay in order.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "base/clock.h"
+
+namespace jaxtrain::controller {
+
+class Console {
+ public:
+  static constexpr size_t kDefaultCapacity = 4 << 20;
+  static constexpr Duration kFlushOnDestruction = std::chrono::seconds(2);
+
+  explicit Console(size_t capacity = kDefaultCapacity);
+  // Waits up to kFlushOnDestruction for what is queued, then stops the writer. A write() blocked on
+  // a reader that never reads is left to finish on its own (the thread is detached then); nothing
+  // queued after it is written.
+  ~Console();
+  Console(const Console&) = delete;
+  Console& operator=(const Console&) = delete;
+
+  // Queues `text` for `fd`; never blocks. False when it was dropped because the queue is full,
+  // or the fd can no longer be written (a closed pipe).
+  bool Write(int fd, std::string text);
+
+  // Waits until everything queued is written, at most `timeout`; false if some is still queued.
+  bool Flush(Duration timeout);
+
+  // Bytes dropped so far (queue full or fd broken).
+  uint64_t dropped_bytes() const;
+
+ private:
+  struct Chunk {
+    int fd;
+    std::string text;
+  };
+  struct State {
+    mutable std::mutex mu;
+    std::condition_variable changed;
+    std::deque<Chunk> queue;  // guarded by mu
+    size_t queued_bytes = 0;  // guarded by mu
+    uint64_t dropped = 0;     // guarded by mu: in all
+    uint64_t unsaid = 0;      // guarded by mu: dropped since the last notice
+    int notice_fd = -1;       // guarded by mu: where the next notice goes
+    bool writing = false;     // guarded by mu: the writer is inside write()
+    bool broken = false;      // guarded by mu: a write failed (EPIPE, EBADF, ...)
+    bool stop = false;        // guarded by mu
+  };
+  static void Run(const std::shared_ptr<State>& state);
+
+  const size_t capacity_;
+  std::shared_ptr<State> state_;
+  std::thread writer_;
+};
+
+}  // namespace jaxtrain::controller
