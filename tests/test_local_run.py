@@ -312,3 +312,34 @@ def test_a_storage_path_blocked_by_a_file_fails_before_any_worker_starts(tmp_pat
 def test_an_unsupported_storage_scheme_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="storage_path='gopher://x'.*scheme 'gopher://'"):
         JaxTrainer(lambda: None, run_config=RunConfig(name="r", storage_path="gopher://x")).fit()
+
+
+def test_rank_0_holds_the_coordinator_port_until_jax_has_bound_it():
+    # Between rank 0's registration and its jax.distributed.initialize, the port it published
+    # must stay out of other programs' reach, and JAX's coordinator must still be able to bind it.
+    code = """
+import socket, sys
+import jax
+from jaxtrain.worker import _reserve_coordinator
+
+held, address = _reserve_coordinator("127.0.0.1")
+port = int(address.rsplit(":", 1)[1])
+other = socket.socket()
+try:
+    other.bind(("127.0.0.1", port))
+    sys.exit("another program took the reserved port")
+except OSError:
+    pass
+finally:
+    other.close()
+jax.distributed.initialize(coordinator_address=address, num_processes=1, process_id=0,
+                           cluster_detection_method="deactivate", initialization_timeout=60)
+held.close()
+print("process_count", jax.process_count(), "devices", len(jax.devices()))
+jax.distributed.shutdown()
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "process_count 1 devices 1" in proc.stdout

@@ -1,6 +1,6 @@
 """The worker entry point: ``python -m jaxtrain.worker``, started by the controller.
 
-One worker, in order: authenticate to the controller; rank 0 picks the JAX coordinator port;
+One worker, in order: authenticate to the controller; rank 0 reserves the JAX coordinator port;
 register; import jax (overlapping with the other ranks' start-up); receive the coordinator and the
 training function; ``jax.distributed.initialize`` with every argument given and cluster
 detection off; run the function; report done; ``jax.distributed.shutdown`` (bounded); exit.
@@ -32,11 +32,19 @@ def _env_int(name: str) -> int:
     return int(os.environ[name])
 
 
-def _pick_coordinator(host: str) -> str:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+def _reserve_coordinator(host: str) -> tuple[socket.socket, str]:
+    """A port for the JAX coordinator on `host`, and a socket that holds it until the coordinator
+    has bound it: bound with SO_REUSEPORT and never listening, so that gRPC (which binds its
+    servers with SO_REUSEPORT) can take the port while no other program can in between."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind((host, 0))
-        port = s.getsockname()[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    except OSError:
+        s.close()
+        raise
+    port = s.getsockname()[1]
+    return s, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _address_towards(address: str) -> str:
@@ -165,7 +173,9 @@ def main() -> None:
         coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST") or _address_towards(
             os.environ["JAXTRAIN_CONTROLLER_ADDR"]
         )
-        coordinator = _pick_coordinator(coordinator_host) if rank == 0 else ""
+        reserved, coordinator = (
+            _reserve_coordinator(coordinator_host) if rank == 0 else (None, "")
+        )
         host = socket.gethostname()
         client.register(json.dumps({"host": host, "pid": os.getpid(), "coordinator": coordinator}))
         import jax  # the slow part of start-up, overlapped with the other ranks'
@@ -199,6 +209,8 @@ def main() -> None:
             else None,
             **{name: value for name, value in timeouts.items() if name in accepted},
         )
+        if reserved is not None:
+            reserved.close()  # the coordinator has bound the port
         # jax.distributed installs a SIGTERM handler for its preemption service; the controller
         # stops a group with SIGTERM and must not wait for a grace period to end every worker.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
