@@ -90,13 +90,29 @@ StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
   return *spawned;
 }
 
-// Runs a short Slurm command to its end. Errors: kUnavailable with its output when it cannot be
-// started or exits non-zero.
-StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
-  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, nullptr, false));
+// Runs a short Slurm command to its end, killing it after `timeout` (Slurm's clients retry an
+// unreachable slurmctld for MessageTimeout, 10 s by default, several times; the loop that asks
+// must never wait for one without bound). Errors: kUnavailable with its output when it cannot be
+// started or exits non-zero; kDeadlineExceeded naming it when it outlives `timeout`.
+StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
+                                 Duration timeout = kSlurmCommandTimeout) {
+  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, nullptr, true));
   std::string out;
   char buf[4096];
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool timed_out = false;
   for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    deadline - std::chrono::steady_clock::now())
+                    .count();
+    pollfd ready{p.output_fd, POLLIN, 0};
+    int r = left > 0 ? poll(&ready, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30))) : 0;
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) {
+      timed_out = true;
+      killpg(p.pid, SIGKILL);
+      break;
+    }
     ssize_t n = read(p.output_fd, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
@@ -104,11 +120,14 @@ StatusOr<std::string> RunCommand(const std::vector<std::string>& argv) {
   }
   close(p.output_fd);
   ExitStatus exit = WaitForExit(p.pid);
-  if (!exit.ok()) {
-    std::string command;
-    for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
-    return UnavailableError("'" + command + "' " + exit.ToString() + ": " + Trim(out));
+  const std::string command = Join(argv, " ");
+  if (timed_out) {
+    return DeadlineExceededError("'" + command + "' did not finish within " +
+                                 FormatNumber(std::chrono::duration<double>(timeout).count()) +
+                                 " s and was killed (is slurmctld reachable?)");
   }
+  if (!exit.ok())
+    return UnavailableError("'" + command + "' " + exit.ToString() + ": " + Trim(out));
   return out;
 }
 
@@ -566,7 +585,12 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
   auto state =
-      RunCommand({options_.squeue, "--noheader", "--jobs=" + options_.job_id, "--format=%T %r"});
+      RunCommand({options_.squeue, "--noheader", "--jobs=" + options_.job_id, "--format=%T %r"},
+                 options_.command_timeout);
+  if (!state.ok() && state.status().code() == StatusCode::kDeadlineExceeded) {
+    return UnavailableError("cannot ask Slurm whether job " + options_.job_id +
+                            ", this run's allocation, still runs: " + state.status().message());
+  }
   if (!state.ok() || Trim(*state).substr(0, 7) != "RUNNING") {
     return FailedPreconditionError(
         "Slurm job " + options_.job_id + ", this run's allocation, is no longer running (" +
@@ -609,7 +633,8 @@ void SlurmLauncher::SignalGroup(int signal) {
 void SlurmLauncher::CancelStep() {
   if (step_name_.empty()) return;
   auto steps = RunCommand(
-      {options_.squeue, "--noheader", "--steps", "--jobs=" + options_.job_id, "--format=%i|%j"});
+      {options_.squeue, "--noheader", "--steps", "--jobs=" + options_.job_id, "--format=%i|%j"},
+      options_.command_timeout);
   if (!steps.ok()) {
     Say("cannot find the job step to cancel: " + steps.status().message());
     return;
@@ -617,7 +642,8 @@ void SlurmLauncher::CancelStep() {
   for (const auto& line : SplitLines(*steps)) {
     size_t bar = line.find('|');
     if (bar == std::string::npos || line.substr(bar + 1) != step_name_) continue;
-    auto s = RunCommand({options_.scancel, "--quiet", line.substr(0, bar)});
+    auto s =
+        RunCommand({options_.scancel, "--quiet", line.substr(0, bar)}, options_.command_timeout);
     if (!s.ok()) Say("cannot cancel job step " + line.substr(0, bar) + ": " + s.status().message());
   }
 }

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "accelerators/discovery.h"
+#include "base/clock.h"
 #include "base/status.h"
 #include "config/scaling_config.h"
 #include "launch/launcher.h"
@@ -35,6 +36,9 @@
 #include "placement/plan.h"
 
 namespace jaxtrain::launch {
+
+// How long a Slurm client command (squeue, scancel, scontrol) may take before it is killed.
+inline constexpr Duration kSlurmCommandTimeout = std::chrono::seconds(30);
 
 // Environment settings (docs/slurm.md).
 inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local|slurm|ssh|kubernetes|auto
@@ -136,6 +140,8 @@ struct SlurmLauncherOptions {
   std::string srun = "srun";  // found through PATH unless absolute; tests pass a fake
   std::string scancel = "scancel";
   std::string squeue = "squeue";
+  // squeue and scancel are killed after this long (their error then names them).
+  Duration command_timeout = kSlurmCommandTimeout;
 };
 
 class SlurmLauncher : public Launcher {
@@ -148,6 +154,7 @@ class SlurmLauncher : public Launcher {
   // Starts one srun step for every spec (one task per rank, in rank order).
   // Errors: kUnavailable when srun cannot be started; kFailedPrecondition when the allocation is
   // no longer running (Slurm ended it: a node failed, its time ran out, it was cancelled);
+  // kUnavailable when squeue does not answer within command_timeout;
   // kInvalidArgument when the specs differ in their command, working directory or an environment
   // variable other than the per-rank ones.
   StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;

@@ -391,6 +391,21 @@ TEST_F(SlurmLauncherTest, NoStepInAnAllocationThatSlurmHasEnded) {
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/srun-args")) << "srun was started";
 }
 
+TEST_F(SlurmLauncherTest, ASlurmCommandThatHangsIsKilledAndNamed) {
+  SlurmLauncherOptions options = Options();
+  options.squeue = Script("squeue", "#!/bin/sh\nexec sleep 60\n");
+  options.command_timeout = std::chrono::milliseconds(300);
+  SlurmLauncher launcher(options);
+  auto start = std::chrono::steady_clock::now();
+  auto launched = launcher.Launch({{{0}, {"/bin/true"}, {}, {}, ""}});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_EQ(launched.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(Contains(launched.status().message(), "did not finish within 0.3 s and was killed"))
+      << launched.status().ToString();
+  EXPECT_TRUE(Contains(launched.status().message(), "squeue --noheader --jobs=42"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/srun-args")) << "srun was started";
+}
+
 // The controller with the Slurm launcher: one process for all ranks, its output split by label.
 class ControllerOnSlurmTest : public SlurmLauncherTest {
  protected:
