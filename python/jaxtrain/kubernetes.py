@@ -715,12 +715,18 @@ def _driver_phase(api: Api, namespace: str, name: str) -> tuple[str, int | None,
     pod = api.core.read_namespaced_pod(name, namespace)
     code = None
     detail = ""
-    for s in pod.status.container_statuses or []:
+    statuses = pod.status.container_statuses or []
+    for s in statuses:
         if s.state.terminated is not None:
             code = s.state.terminated.exit_code
         elif s.state.waiting is not None:
             detail = f"{s.state.waiting.reason}: {s.state.waiting.message or ''}".strip(": ")
-    return pod.status.phase or "Unknown", code, detail
+    phase = pod.status.phase or "Unknown"
+    if phase == "Running" and statuses and all(s.state.terminated for s in statuses):
+        # The driver pod never restarts its container: the phase the kubelet is about to set.
+        failed = any(s.state.terminated.exit_code for s in statuses)
+        phase = "Failed" if failed else "Succeeded"
+    return phase, code, detail
 
 
 def follow_driver(api: Api, namespace: str, name: str, say: Callable[[str], None]) -> int:
