@@ -405,8 +405,9 @@ def _working_dir(run_config: RunConfig) -> str | None:
 
 def _compilation_cache() -> str:
     """JAXTRAIN_COMPILATION_CACHE: "1" (the default) lets every worker keep JAX's persistent
-    compilation cache in the run directory, "0" leaves JAX's cache as the user has it."""
-    value = os.environ.get("JAXTRAIN_COMPILATION_CACHE", "1")
+    compilation cache in the run directory, "0" leaves JAX's cache as the user has it; unset or
+    empty is "1"."""
+    value = os.environ.get("JAXTRAIN_COMPILATION_CACHE") or "1"
     if value not in ("0", "1"):
         raise ValueError(
             f"JAXTRAIN_COMPILATION_CACHE={value!r} is not allowed; use 1 (the default: the "
