@@ -103,22 +103,31 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
     return path
 
 
-def _cache_every_cpu_rank() -> bool:
-    """Lets every rank of a multi-process CPU run write its own cache entries; whether it could.
+def _cache_every_cpu_rank() -> None:
+    """Lets every rank of a multi-process CPU run write its own cache entries.
 
     On CPU, JAX's cache key includes a fingerprint of the topology as this process sees it (which
     of the devices are local), so each rank's key for the same SPMD program differs, while JAX
     writes entries from process 0 only: without this, ranks 1..N-1 compile again after every
     restart and the group's first step waits for them. JAX has no setting for this, so its
-    internal writer is wrapped, for the CPU backend only; where a jax version lacks it, the cache
-    serves rank 0 alone."""
+    internal writer is wrapped, for the CPU backend only; where a jax version's writer is not the
+    one expected, the cache serves rank 0 alone (said once on stderr)."""
     try:
         from jax._src import compilation_cache, compiler, config, distributed
         write = compiler._cache_write
         put = compilation_cache.put_executable_and_time
         min_compile_time = config.persistent_cache_min_compile_time_secs
+        expected = (list(inspect.signature(write).parameters) == [
+            "cache_key", "compile_time_secs", "module_name", "backend", "executable",
+            "host_callbacks"] and list(inspect.signature(put).parameters) == [
+            "cache_key", "module_name", "executable", "backend", "compile_time"])
     except (ImportError, AttributeError):
-        return False
+        expected = False
+    if not expected:
+        if _env_int("JAXTRAIN_RANK") == 1:
+            sys.stderr.write("jaxtrain worker: this jax's compilation cache is written by rank 0 "
+                             "only; on CPU the other ranks compile again after a restart\n")
+        return
 
     def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
                     host_callbacks):
@@ -135,7 +144,6 @@ def _cache_every_cpu_rank() -> bool:
                           f"'{module_name}': {type(e).__name__}: {e}", stacklevel=2)
 
     compiler._cache_write = cache_write
-    return True
 
 
 def _local_device_ids(platform: str) -> list[int] | None:
