@@ -134,6 +134,7 @@ class JaxTrainer:
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
         payload = _pickle_task(fn, self.train_loop_config, self._takes_config)
+        compilation_cache = _compilation_cache()  # refused before anything starts
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
@@ -165,6 +166,7 @@ class JaxTrainer:
         if private:
             storage.make_private(run_dir)
         worker_env = _worker_env(self.run_config, plan)
+        worker_env["JAXTRAIN_COMPILATION_CACHE"] = compilation_cache  # every launcher passes it
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         sys.stdout.flush()
@@ -400,6 +402,19 @@ def _check_shared(run_dir: str, mirror: storage.Mirror | None) -> None:
 
 def _working_dir(run_config: RunConfig) -> str | None:
     return (run_config.worker_runtime_env or {}).get("working_dir")
+
+
+def _compilation_cache() -> str:
+    """JAXTRAIN_COMPILATION_CACHE: "1" (the default) lets every worker keep JAX's persistent
+    compilation cache in the run directory, "0" leaves JAX's cache as the user has it; unset or
+    empty is "1"."""
+    value = os.environ.get("JAXTRAIN_COMPILATION_CACHE") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"JAXTRAIN_COMPILATION_CACHE={value!r} is not allowed; use 1 (the default: the "
+            "workers cache compiled programs in <run dir>/compilation-cache) or 0 (no cache "
+            "from jaxtrain)")
+    return value
 
 
 def _worker_env(run_config: RunConfig, plan: Any) -> dict[str, str]:

@@ -2,8 +2,9 @@
 
 One worker, in order: authenticate to the controller; rank 0 reserves the JAX coordinator port;
 register; import jax (overlapping with the other ranks' start-up); receive the coordinator and the
-training function; ``jax.distributed.initialize`` with every argument given and cluster
-detection off; run the function; report done; ``jax.distributed.shutdown`` (bounded); exit.
+training function; point JAX's persistent compilation cache at the run directory;
+``jax.distributed.initialize`` with every argument given and cluster detection off; run the
+function; report done; ``jax.distributed.shutdown`` (bounded); exit.
 
 Exit codes: 0 done; 1 the training function raised; 3 start-up failed; 4 the controller went away.
 """
@@ -84,6 +85,73 @@ def _place_from_kubernetes() -> None:
     os.environ["JAXTRAIN_LOCAL_RANK"] = "0"
     os.environ["JAXTRAIN_NODE_RANK"] = str(rank)
     os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = "1"
+
+
+COMPILATION_CACHE_DIR = "compilation-cache"
+
+
+def _use_compilation_cache(jax, run_dir: str) -> str | None:
+    """Points JAX's persistent compilation cache at ``<run_dir>/compilation-cache``, shared by
+    every rank and attempt of the run, so that a restarted group loads its programs instead of
+    compiling them again; the directory it set, or None.
+
+    Called before anything is compiled. Left alone: JAXTRAIN_COMPILATION_CACHE=0 (the driver
+    passes it on, checked), and a cache directory the user chose (JAX_COMPILATION_CACHE_DIR, or
+    jax_compilation_cache_dir set some other way before the training function). JAX's own
+    thresholds stay: only programs that took jax_persistent_cache_min_compile_time_secs (1 s) to
+    compile are written, and only by process 0, so that other hosts hit the cache only where the
+    run directory is shared (as Slurm and Kubernetes runs across hosts already require). JAX caches
+    the CPU backend's programs too, but see _cache_every_cpu_rank."""
+    if os.environ.get("JAXTRAIN_COMPILATION_CACHE", "1") == "0":
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return None
+    path = os.path.join(run_dir, COMPILATION_CACHE_DIR)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
+def _cache_every_cpu_rank() -> None:
+    """Lets every rank of a multi-process CPU run write its own cache entries.
+
+    On CPU, JAX's cache key includes a fingerprint of the topology as this process sees it (which
+    of the devices are local), so each rank's key for the same SPMD program differs, while JAX
+    writes entries from process 0 only: without this, ranks 1..N-1 compile again after every
+    restart and the group's first step waits for them. JAX has no setting for this, so its
+    internal writer is wrapped, for the CPU backend only; where a jax version's writer is not the
+    one expected, the cache serves rank 0 alone (said once on stderr)."""
+    try:
+        from jax._src import compilation_cache, compiler, config, distributed
+        write = compiler._cache_write
+        put = compilation_cache.put_executable_and_time
+        min_compile_time = config.persistent_cache_min_compile_time_secs
+        expected = (list(inspect.signature(write).parameters) == [
+            "cache_key", "compile_time_secs", "module_name", "backend", "executable",
+            "host_callbacks"] and list(inspect.signature(put).parameters) == [
+            "cache_key", "module_name", "executable", "backend", "compile_time"])
+    except (ImportError, AttributeError):
+        expected = False
+    if not expected:
+        if _env_int("JAXTRAIN_RANK") == 1:
+            sys.stderr.write("jaxtrain worker: this jax's compilation cache is written by rank 0 "
+                             "only; on CPU the other ranks compile again after a restart\n")
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
+                    host_callbacks):
+        if (distributed.global_state.process_id == 0 or backend.platform != "cpu"
+                or host_callbacks or compile_time_secs < min_compile_time.value):
+            return write(cache_key, compile_time_secs, module_name, backend, executable,
+                         host_callbacks)
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # as JAX does: a cache that cannot be written is not fatal
+            import warnings
+
+            warnings.warn(f"Error writing persistent compilation cache entry for "
+                          f"'{module_name}': {type(e).__name__}: {e}", stacklevel=2)
+
+    compiler._cache_write = cache_write
 
 
 def _local_device_ids(platform: str) -> list[int] | None:
@@ -191,6 +259,8 @@ def main() -> None:
     start = json.loads(start_json)
 
     try:
+        if _use_compilation_cache(jax, start["run_dir"]) and platform == "cpu" and world_size > 1:
+            _cache_every_cpu_rank()
         bind_host = start["coordinator"].rsplit(":", 1)[0]
         # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
         # newest jax for Python 3.10 (0.6.2) has neither and keeps its own defaults.

@@ -1,0 +1,108 @@
+"""JAX's persistent compilation cache with real JAX workers: a restarted group loads the programs
+its first attempt compiled; it is turned off, or left to the user, on request."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+# JAX writes only programs that took this long to compile (its default: 1 s); 0 lets the small
+# step below be cached. Set as a user would, so it also shows the user's threshold is kept.
+_CACHE_EVERYTHING = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def _step_once(config):
+    """One data-parallel step over every rank's device; notes, per rank and attempt, the cache
+    directory JAX uses, the entries there before the step, and the cache hits of the step.
+    Rank 1 fails after attempt 0's step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import monitoring
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtrain import get_context, report
+
+    ctx = get_context()
+    rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+    hits = []
+    monitoring.register_event_listener(
+        lambda event, **_: hits.append(event) if event.endswith("/cache_hits") else None)
+    cache_dir = jax.config.jax_compilation_cache_dir
+    before = sorted(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else []
+
+    sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
+    x = jax.make_array_from_process_local_data(sharding, np.ones((8, 16), np.float32))
+    hits.clear()  # only the step's own compilation counts
+    step = jax.jit(lambda x: jnp.tanh(2 * x).sum(), in_shardings=sharding)
+    loss = float(step(x))
+    Path(config["out"], f"a{attempt}-r{rank}.json").write_text(json.dumps(
+        {"cache_dir": cache_dir, "entries_before": before, "step_hits": len(hits)}))
+    if attempt == 0 and rank == 1 and config.get("fail"):
+        raise RuntimeError("injected failure after the first step")
+    report({"loss": loss})
+
+
+def _fit(storage, tmp_path, name, *, fail=False, env_vars=None):
+    return JaxTrainer(
+        _step_once,
+        train_loop_config={"out": str(tmp_path), "fail": fail},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(
+            name=name, storage_path=storage, failure_config=FailureConfig(max_failures=1),
+            worker_runtime_env={"env_vars": {**_CACHE_EVERYTHING, **(env_vars or {})}}),
+    ).fit()
+
+
+def _notes(tmp_path, attempt, rank):
+    return json.loads(Path(tmp_path, f"a{attempt}-r{rank}.json").read_text())
+
+
+def test_a_restarted_group_loads_what_the_first_attempt_compiled(storage, tmp_path):
+    result = _fit(storage, tmp_path, "restarted", fail=True)
+    cache = Path(result.path, "compilation-cache")
+    run = json.loads(Path(result.path, "run.json").read_text())
+    assert [a["status"] for a in run["attempts"]] == ["ERRORED", "FINISHED"]
+    for rank in (0, 1):
+        first, second = _notes(tmp_path, 0, rank), _notes(tmp_path, 1, rank)
+        assert first["cache_dir"] == second["cache_dir"] == str(cache)
+        assert first["step_hits"] == 0, f"rank {rank}: attempt 0 started with a warm cache"
+        # What attempt 0 wrote is there when attempt 1 starts, and its step is loaded from it,
+        # on every rank, without writing a new entry for it.
+        assert any(e.startswith("jit__lambda") for e in second["entries_before"]), second
+        assert second["step_hits"] >= 1, f"rank {rank} compiled the step again: {second}"
+    assert sorted(os.listdir(cache)) == _notes(tmp_path, 1, 1)["entries_before"]
+
+
+def test_jaxtrain_compilation_cache_0_turns_the_cache_off(storage, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", "0")
+    result = _fit(storage, tmp_path, "off")
+    assert not Path(result.path, "compilation-cache").exists()
+    for rank in (0, 1):
+        assert _notes(tmp_path, 0, rank)["cache_dir"] is None
+
+
+def test_the_users_cache_directory_is_kept(storage, tmp_path):
+    own = tmp_path / "own-cache"
+    result = _fit(storage, tmp_path, "own", env_vars={"JAX_COMPILATION_CACHE_DIR": str(own)})
+    assert not Path(result.path, "compilation-cache").exists()
+    for rank in (0, 1):
+        assert _notes(tmp_path, 0, rank)["cache_dir"] == str(own)
+    assert any(e.startswith("jit__lambda") for e in os.listdir(own))
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "off", " 1"])
+def test_a_bad_jaxtrain_compilation_cache_is_refused_by_name(value, storage, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", value)
+    with pytest.raises(ValueError, match=rf"JAXTRAIN_COMPILATION_CACHE='{value}' is not "
+                                         r"allowed; use 1 \(the default.*or 0"):
+        _fit(storage, tmp_path, "bad")
+    assert not os.listdir(storage)  # refused before the run directory was made
+
