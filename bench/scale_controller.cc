@@ -360,7 +360,8 @@ int RunFloor(const Load& load) {
 
 // Runs this program again with `args`, and returns the JSON object its last line of output is.
 StatusOr<nlohmann::json> RunChild(const std::vector<std::string>& args) {
-  std::string command = "/proc/self/exe";
+  // popen() runs a shell, whose /proc/self/exe is the shell: name this program's file instead.
+  std::string command = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const auto& a : args) command += " '" + a + "'";
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return InternalError("cannot run " + command);
