@@ -12,6 +12,13 @@ using std::chrono::seconds;
 
 TimePoint At(int s) { return TimePoint(seconds(s)); }
 
+// Every key that has expired at `now`, in the order the heap gives them.
+std::vector<int> PopAll(TimerHeap& t, TimePoint now) {
+  std::vector<int> fired;
+  while (auto k = t.PopExpired(now)) fired.push_back(*k);
+  return fired;
+}
+
 TEST(TimerHeapTest, PopsExpiredTimersEarliestFirst) {
   TimerHeap t;
   t.Set(3, At(30));
@@ -54,9 +61,7 @@ TEST(TimerHeapTest, CancelledTimersNeverFire) {
   t.Cancel(3);
   t.Cancel(3);   // not armed any more: nothing
   t.Cancel(42);  // never armed: nothing
-  std::vector<int> fired;
-  while (auto k = t.PopExpired(At(100))) fired.push_back(*k);
-  EXPECT_EQ(fired, (std::vector<int>{1, 2, 4}));
+  EXPECT_EQ(PopAll(t, At(100)), (std::vector<int>{1, 2, 4}));
 }
 
 TEST(TimerHeapTest, TiesFireInKeyOrder) {
@@ -64,9 +69,7 @@ TEST(TimerHeapTest, TiesFireInKeyOrder) {
   t.Set(7, At(1));
   t.Set(2, At(1));
   t.Set(5, At(1));
-  std::vector<int> fired;
-  while (auto k = t.PopExpired(At(1))) fired.push_back(*k);
-  EXPECT_EQ(fired, (std::vector<int>{2, 5, 7}));
+  EXPECT_EQ(PopAll(t, At(1)), (std::vector<int>{2, 5, 7}));
 }
 
 TEST(TimerHeapTest, ClearDisarmsEverything) {
