@@ -79,3 +79,6 @@ class Fifo:
 
     def write(self, text: str) -> None:
         os.write(self.fd, text.encode())
+
+    def close(self) -> None:
+        os.close(self.fd)
