@@ -1,18 +1,38 @@
-// scale_controller: the C++ controller alone, with thousands of fake workers.
+// scale_controller: the C++ controller alone, with thousands of fake workers, from 1k to 16k ranks.
 //
-//   scale_controller --ranks N [--per-process 256] [--rate 100000] [--seconds 5] [--fake PATH]
+//   scale_controller [--ranks 1024,2048,4096,8192,16384] [--per-process 256]
+//                    [--reports 1000000 | --rate R --seconds S] [--progress-timeout 60]
+//                    [--fake PATH]
 //
-// Runs one Controller (src/controller/controller.h) in this process, as the Python driver hosts
-// it, with a launcher that starts ceil(N / per-process) fake_worker_pool processes
-// (src/worker/testing/fake_worker_pool.cc), each running per-process ranks over real
-// WorkerClient connections. The ranks connect, authenticate, register and wait for the start;
-// then every rank reports at rate / N rounds per second for `seconds`, so the controller is
-// offered `rate` reports per second in all, and the run ends when every rank is done.
+// For each size N it runs, each in a fresh process of its own (so each peak RSS is its own):
 //
-// Prints one JSON line:
-//   rendezvous_s       Start() to the last rank holding its start message (spawn, connect,
-//                      handshake, register, start: what the controller's side of a rendezvous
-//                      costs with N ranks)
+// * the controller: one Controller (src/controller/controller.h), as the Python driver hosts it,
+//   with a launcher that starts ceil(N / per-process) fake_worker_pool processes
+//   (src/worker/testing/fake_worker_pool.cc), each running per-process ranks over real
+//   WorkerClient connections. The ranks connect, authenticate, register and wait for the start;
+//   then every rank sends reports / N report rounds as fast as it can (or, with --rate, at
+//   rate / N rounds per second for `seconds`), and the run ends when every rank is done. Unpaced,
+//   the controller is kept busy, so its CPU per report is what a loaded controller pays, not the
+//   cost of waking up for every frame. The progress watchdog is on (--progress-timeout,
+//   0 = off), as a run at scale would have it.
+// * the floor: the same number of report frames, of the same size, sent the same way (N loopback
+//   TCP connections, one report per connection per round, sent alike by as many processes) and
+//   received by a bare epoll loop that only splits them into frames: what the
+//   kernel and one event loop cost per report, whatever the controller does with it.
+//
+// Then it prints one table: each figure at N beside its baseline from the same run, as a ratio:
+//   rendezvous       Start() to the last rank holding its start message; baseline: the 1k figure
+//                    scaled linearly to N (ratio 1: it grows no faster than the ranks)
+//   CPU per report   the controller process's CPU over the report window per report; baseline:
+//                    the floor's CPU per frame at the same N (ratio: what the controller adds)
+//                    and the controller's own figure at 1k (ratio 1: O(1) per report)
+//   reports/s/core   1e6 / CPU per report: what one controller core sustains (target 300,000)
+//   RSS              peak RSS (VmHWM) less RSS before Start(), per rank; baseline: the 1k
+//                    figure (ratio 1: O(1) memory per rank)
+//
+// With a single --ranks N it runs the controller once in this process and prints its one JSON
+// line (the figures below), as bench/compare_ray.py reads it; --floor N prints the floor's.
+//   rendezvous_s       Start() to the last rank holding its start message
 //   reports_per_s      reports the controller processed per second: N * rounds over the time from
 //                      the first report sent to the last round recorded in result.jsonl
 //   offered_per_s      reports sent per second over the time the fake workers took to send them
@@ -21,8 +41,14 @@
 //   cpu_us_per_report  the same CPU divided by the reports
 //   rendezvous_cpu_s   CPU seconds of this process during the rendezvous
 //   rss_before_mb, peak_rss_mb  VmRSS before Start(), VmHWM at the end
-// Exit codes: 0 measured; 1 the run failed; 2 misuse.
+// Exit codes: 0 measured; 1 a run failed; 2 misuse.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,10 +63,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "base/open_files.h"
 #include "controller/controller.h"
 #include "launch/local_launcher.h"
+#include "wire/frame.h"
 
 namespace jaxtrain {
 namespace {
@@ -114,17 +143,25 @@ int Misuse(const std::string& why) {
   return 2;
 }
 
-int Run(int ranks, int per_process, double rate, double seconds, const std::string& fake) {
-  // Every rank holds a socket and a log file in the controller's process.
-  rlimit files{};
-  getrlimit(RLIMIT_NOFILE, &files);
-  files.rlim_cur = files.rlim_max;
-  setrlimit(RLIMIT_NOFILE, &files);
+struct Load {
+  int ranks;
+  int per_process;
+  double rate;     // reports per second offered, all ranks together; 0: as fast as they can
+  double seconds;  // of reports, when paced
+  double reports;  // in all, when not paced
+  int rounds() const {
+    const double total = rate > 0 ? rate * seconds : reports;
+    return std::max(1, static_cast<int>(std::lround(total / ranks)));
+  }
+  double rounds_per_second() const { return rate / ranks; }
+  int processes() const { return (ranks + per_process - 1) / per_process; }
+};
 
+int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
   std::string dir = (std::filesystem::temp_directory_path() / "scale_controller.XXXXXX").string();
   if (mkdtemp(dir.data()) == nullptr) return Misuse("cannot create a temporary directory");
-  const double per_rank = rate / ranks;
-  const int rounds = std::max(1, static_cast<int>(std::lround(seconds * per_rank)));
+  const int ranks = load.ranks;
+  const int rounds = load.rounds();
 
   controller::ControllerOptions options;
   options.run_dir = dir + "/run";
@@ -132,19 +169,22 @@ int Run(int ranks, int per_process, double rate, double seconds, const std::stri
   options.plan.platform = "cpu";
   options.plan.accelerator = "cpu";
   for (int r = 0; r < ranks; ++r) options.plan.workers.push_back({.rank = r, .host = "localhost"});
-  options.worker_argv = {fake, std::to_string(rounds), std::to_string(per_rank)};
+  options.worker_argv = {fake, std::to_string(rounds), std::to_string(load.rounds_per_second())};
   options.console_fd = -1;
   options.start_timeout = std::chrono::seconds(120);
   options.terminate_grace = std::chrono::seconds(1);
+  options.progress_timeout =
+      std::chrono::duration_cast<Duration>(std::chrono::duration<double>(progress_timeout_s));
 
   const std::string times_file = dir + "/times.jsonl";
   const double rss_before = StatusMb("VmRSS");
   controller::Controller controller(std::move(options),
-                                    std::make_unique<PoolLauncher>(per_process, times_file));
+                                    std::make_unique<PoolLauncher>(load.per_process, times_file));
   std::vector<Sample> samples;
   samples.reserve(100000);
   const double t_start = UnixNow();
   samples.push_back({t_start, CpuSeconds()});
+  // Start() raises RLIMIT_NOFILE as the ranks need, or says which limit stands in the way.
   Status s = controller.Start();
   if (!s.ok()) return Misuse("Start(): " + s.ToString());
   while (!controller.Wait(std::chrono::milliseconds(5)))
@@ -194,33 +234,273 @@ int Run(int ranks, int per_process, double rate, double seconds, const std::stri
   return 0;
 }
 
+// The floor: N loopback TCP connections; a child process sends the same report frames the fake
+// workers send (one per connection per round, rounds paced alike) and this process receives them
+// in a bare epoll loop that splits the bytes into frames and counts them.
+int RunFloor(const Load& load) {
+  const int n = load.ranks;
+  const int rounds = load.rounds();
+  Status limit = RaiseOpenFileLimit(2 * static_cast<uint64_t>(n) + 64, 0);
+  if (!limit.ok()) return Misuse("the floor: " + limit.ToString());
+  int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_LOOPBACK)}};
+  socklen_t len = sizeof(addr);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listener, 4096) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return Misuse("the floor: cannot listen on 127.0.0.1");
+  }
+  std::vector<int> senders, receivers;
+  for (int i = 0; i < n; ++i) {
+    int c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (c < 0 || connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      return Misuse("the floor: cannot connect");
+    }
+    int one = 1;
+    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    int a = accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (a < 0) return Misuse("the floor: cannot accept");
+    senders.push_back(c);
+    receivers.push_back(a);
+  }
+  close(listener);
+  std::vector<pid_t> children;
+  for (int proc = 0; proc < load.processes(); ++proc) {
+    const pid_t child = fork();
+    if (child < 0) return Misuse("the floor: cannot fork");
+    if (child > 0) {
+      children.push_back(child);
+      continue;
+    }
+    for (int fd : receivers) close(fd);
+    const int first = proc * load.per_process;
+    const int last = std::min(n, first + load.per_process);
+    using Clock = std::chrono::steady_clock;
+    const auto begin = Clock::now();
+    for (int round = 1; round <= rounds; ++round) {
+      if (load.rate > 0) {
+        std::this_thread::sleep_until(
+            begin + std::chrono::duration_cast<Clock::duration>(
+                        std::chrono::duration<double>((round - 1) / load.rounds_per_second())));
+      }
+      for (int i = first; i < last; ++i) {
+        nlohmann::json metrics = {{"loss", 1.0 / round}, {"rank", i}};
+        const std::string frame = *wire::EncodeFrame(
+            wire::MessageType::kReport,
+            wire::EncodeReportBody(static_cast<uint64_t>(round), metrics.dump()));
+        if (send(senders[static_cast<size_t>(i)], frame.data(), frame.size(), MSG_NOSIGNAL) !=
+            static_cast<ssize_t>(frame.size())) {
+          _exit(2);
+        }
+      }
+    }
+    _exit(0);
+  }
+  for (int fd : senders) close(fd);
+  int ep = epoll_create1(EPOLL_CLOEXEC);
+  for (int i = 0; i < n; ++i) {
+    epoll_event ev{.events = EPOLLIN, .data = {.u64 = static_cast<uint64_t>(i)}};
+    epoll_ctl(ep, EPOLL_CTL_ADD, receivers[static_cast<size_t>(i)], &ev);
+  }
+  // Per connection: the bytes of the frame being received, its header first.
+  struct Partial {
+    char head[wire::kFrameHeaderSize];
+    size_t have = 0;  // header bytes received
+    size_t body = 0;  // body bytes still to come
+  };
+  std::vector<Partial> partial(static_cast<size_t>(n));
+  const uint64_t expected = static_cast<uint64_t>(n) * static_cast<uint64_t>(rounds);
+  uint64_t frames = 0;
+  double first = 0, cpu_first = 0;
+  std::vector<char> buf(64 << 10);
+  epoll_event events[1024];
+  while (frames < expected) {
+    int ready = epoll_wait(ep, events, 1024, 10'000);
+    if (ready <= 0) return Misuse("the floor: the sender stopped");
+    if (first == 0) {
+      first = UnixNow();
+      cpu_first = CpuSeconds();
+    }
+    for (int e = 0; e < ready; ++e) {
+      Partial& p = partial[events[e].data.u64];
+      const int fd = receivers[events[e].data.u64];
+      for (;;) {
+        ssize_t got = recv(fd, buf.data(), buf.size(), 0);
+        if (got <= 0) break;
+        for (size_t at = 0; at < static_cast<size_t>(got);) {
+          if (p.body > 0) {
+            const size_t take = std::min(p.body, static_cast<size_t>(got) - at);
+            p.body -= take;
+            at += take;
+            if (p.body == 0) ++frames;
+            continue;
+          }
+          p.head[p.have++] = buf[at++];
+          if (p.have == wire::kFrameHeaderSize) {
+            const auto* h = reinterpret_cast<const unsigned char*>(p.head);
+            p.body = ((size_t{h[0]} << 24) | (size_t{h[1]} << 16) | (size_t{h[2]} << 8) | h[3]) - 1;
+            p.have = 0;
+            if (p.body == 0) ++frames;
+          }
+        }
+        if (static_cast<size_t>(got) < buf.size()) break;
+      }
+    }
+  }
+  const double window = UnixNow() - first;
+  const double cpu = CpuSeconds() - cpu_first;
+  for (pid_t child : children) waitpid(child, nullptr, 0);
+  nlohmann::json out = {{"ranks", n},
+                        {"reports", expected},
+                        {"floor_reports_per_s", static_cast<double>(expected) / window},
+                        {"floor_cpu_us_per_report", cpu / static_cast<double>(expected) * 1e6}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+// Runs this program again with `args`, and returns the JSON object its last line of output is.
+StatusOr<nlohmann::json> RunChild(const std::vector<std::string>& args) {
+  // popen() runs a shell, whose /proc/self/exe is the shell: name this program's file instead.
+  std::string command = std::filesystem::read_symlink("/proc/self/exe").string();
+  for (const auto& a : args) command += " '" + a + "'";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return InternalError("cannot run " + command);
+  std::string output;
+  char buf[4096];
+  while (size_t got = fread(buf, 1, sizeof(buf), pipe)) output.append(buf, got);
+  const int status = pclose(pipe);
+  if (status != 0)
+    return InternalError(command + " failed (status " + std::to_string(status) + ")");
+  std::string last = output.substr(0, output.find_last_not_of('\n') + 1);
+  last = last.substr(last.find_last_of('\n') + 1);
+  auto j = nlohmann::json::parse(last, nullptr, false);
+  if (!j.is_object()) return InternalError(command + " printed no figures: " + output);
+  return j;
+}
+
+int Sweep(const std::vector<int>& sizes, const Load& base, double progress_timeout_s,
+          const std::string& fake) {
+  struct Row {
+    nlohmann::json run, floor;
+  };
+  std::vector<Row> rows;
+  auto common = [&]() {
+    return std::vector<std::string>{"--per-process", std::to_string(base.per_process),
+                                    "--rate",        std::to_string(base.rate),
+                                    "--seconds",     std::to_string(base.seconds),
+                                    "--reports",     std::to_string(base.reports)};
+  };
+  for (int n : sizes) {
+    std::vector<std::string> args = common();
+    args.insert(args.begin(), {"--ranks", std::to_string(n)});
+    args.insert(args.end(),
+                {"--progress-timeout", std::to_string(progress_timeout_s), "--fake", fake});
+    auto run = RunChild(args);
+    if (!run.ok()) return std::fprintf(stderr, "%s\n", run.status().ToString().c_str()), 1;
+    std::cout << run->dump() << std::endl;
+    std::vector<std::string> floor_args = common();
+    floor_args.insert(floor_args.begin(), {"--floor", std::to_string(n)});
+    auto floor = RunChild(floor_args);
+    if (!floor.ok()) return std::fprintf(stderr, "%s\n", floor.status().ToString().c_str()), 1;
+    std::cout << floor->dump() << std::endl;
+    rows.push_back({*run, *floor});
+  }
+  const nlohmann::json& first = rows.front().run;
+  const double n0 = first["ranks"].get<double>();
+  auto rss_per_rank_kb = [](const nlohmann::json& r) {
+    return (r["peak_rss_mb"].get<double>() - r["rss_before_mb"].get<double>()) * 1024 /
+           r["ranks"].get<double>();
+  };
+  std::printf(
+      "\nbaselines: rendezvous, the %.0f-rank figure scaled linearly; CPU per report, the "
+      "bare epoll loop at the same N (floor) and the %.0f-rank figure; RSS per rank, the "
+      "%.0f-rank figure. Ratio 1.00 = grows no faster than the ranks / the floor.\n",
+      n0, n0, n0);
+  std::printf("%6s %5s | %8s %8s %6s | %7s %7s %6s %6s | %9s %9s | %7s %7s %6s | %9s\n", "ranks",
+              "procs", "rdv s", "linear", "x", "us/rep", "floor", "x flr", "x 1k", "rep/s/core",
+              "offered/s", "RSS MB", "KB/rank", "x 1k", "processed/s");
+  for (const Row& row : rows) {
+    const nlohmann::json& r = row.run;
+    const double n = r["ranks"].get<double>();
+    const double linear = first["rendezvous_s"].get<double>() * n / n0;
+    const double us = r["cpu_us_per_report"].get<double>();
+    const double floor_us = row.floor["floor_cpu_us_per_report"].get<double>();
+    std::printf(
+        "%6.0f %5d | %8.3f %8.3f %6.2f | %7.2f %7.2f %6.2f %6.2f | %9.0f %9.0f | %7.1f %7.2f %6.2f "
+        "| %9.0f\n",
+        n, r["processes"].get<int>(), r["rendezvous_s"].get<double>(), linear,
+        r["rendezvous_s"].get<double>() / linear, us, floor_us, us / floor_us,
+        us / first["cpu_us_per_report"].get<double>(), 1e6 / us, r["offered_per_s"].get<double>(),
+        r["peak_rss_mb"].get<double>(), rss_per_rank_kb(r),
+        rss_per_rank_kb(r) / rss_per_rank_kb(first), r["reports_per_s"].get<double>());
+  }
+  const nlohmann::json& last = rows.back().run;
+  const double last_us = last["cpu_us_per_report"].get<double>();
+  auto verdict = [](bool met) { return met ? "met" : "NOT met"; };
+  std::printf(
+      "targets at %.0f ranks: rendezvous < 1 s: %s (%.3f s); >= 300,000 reports/s per "
+      "controller core: %s (%.0f); controller RSS < 64 MB: %s (%.1f MB)\n",
+      last["ranks"].get<double>(), verdict(last["rendezvous_s"].get<double>() < 1),
+      last["rendezvous_s"].get<double>(), verdict(1e6 / last_us >= 300000), 1e6 / last_us,
+      verdict(last["peak_rss_mb"].get<double>() < 64), last["peak_rss_mb"].get<double>());
+  return 0;
+}
+
+std::vector<int> ParseSizes(const std::string& text) {
+  std::vector<int> sizes;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) sizes.push_back(std::atoi(item.c_str()));
+  return sizes;
+}
+
 }  // namespace
 }  // namespace jaxtrain
 
 int main(int argc, char** argv) {
-  int ranks = 0, per_process = 256;
-  double rate = 100000, seconds = 5;
+  std::vector<int> sizes = {1024, 2048, 4096, 8192, 16384};
+  int floor = 0;
+  jaxtrain::Load load{
+      .ranks = 0, .per_process = 256, .rate = 0, .seconds = 5, .reports = 1'000'000};
+  double progress_timeout_s = 60;
   std::string fake = FAKE_WORKER_POOL_PATH;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--ranks") {
-      ranks = std::atoi(value.c_str());
+      sizes = jaxtrain::ParseSizes(value);
+    } else if (flag == "--floor") {
+      floor = std::atoi(value.c_str());
     } else if (flag == "--per-process") {
-      per_process = std::atoi(value.c_str());
+      load.per_process = std::atoi(value.c_str());
     } else if (flag == "--rate") {
-      rate = std::atof(value.c_str());
+      load.rate = std::atof(value.c_str());
     } else if (flag == "--seconds") {
-      seconds = std::atof(value.c_str());
+      load.seconds = std::atof(value.c_str());
+    } else if (flag == "--reports") {
+      load.reports = std::atof(value.c_str());
+    } else if (flag == "--progress-timeout") {
+      progress_timeout_s = std::atof(value.c_str());
     } else if (flag == "--fake") {
       fake = value;
     } else {
       return jaxtrain::Misuse("unknown flag " + flag);
     }
   }
-  if (argc % 2 != 1 || ranks < 1 || per_process < 1 || rate <= 0 || seconds <= 0) {
+  const bool sizes_ok =
+      !sizes.empty() && std::all_of(sizes.begin(), sizes.end(), [](int n) { return n >= 1; });
+  if (argc % 2 != 1 || !sizes_ok || floor < 0 || load.per_process < 1 || load.rate < 0 ||
+      load.seconds <= 0 || load.reports < 1 || progress_timeout_s < 0) {
     return jaxtrain::Misuse(
-        "usage: scale_controller --ranks N [--per-process 256] [--rate 100000] [--seconds 5] "
-        "[--fake PATH]");
+        "usage: scale_controller [--ranks 1024,2048,4096,8192,16384] [--per-process 256] "
+        "[--rate 0 | --rate R --seconds S] [--reports 1000000] [--progress-timeout 60] "
+        "[--fake PATH]   (--floor N: the floor alone)");
   }
-  return jaxtrain::Run(ranks, per_process, rate, seconds, fake);
+  if (floor > 0) {
+    load.ranks = floor;
+    return jaxtrain::RunFloor(load);
+  }
+  if (sizes.size() == 1) {
+    load.ranks = sizes.front();
+    return jaxtrain::Run(load, progress_timeout_s, fake);
+  }
+  return jaxtrain::Sweep(sizes, load, progress_timeout_s, fake);
 }

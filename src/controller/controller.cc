@@ -16,13 +16,14 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <set>
 
+#include "base/open_files.h"
 #include "controller/console.h"
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
 #include "controller/status_line.h"
+#include "controller/watchdog.h"
 #include "launch/process.h"
 #include "launch/slurm_launcher.h"
 #include "storage/files.h"
@@ -38,6 +39,7 @@ namespace {
 constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kMaxRefusalText = 200;  // the reason in a kRefused frame
 constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
+constexpr int kMaxReadyProcs = 256;      // process events (output, exit) taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
@@ -46,6 +48,7 @@ constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
 // A rank's output line longer than this reaches the console in pieces instead of waiting for its
 // end: output without newlines never grows a buffer without bound.
 constexpr size_t kConsoleLineCap = 64 << 10;
+constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
 size_t TerminalWidth(int fd) {
   winsize ws{};
@@ -173,7 +176,6 @@ struct Controller::Loop {
     bool done = false;
     std::string host;
     std::string coordinator;
-    std::optional<TimePoint> last_progress;  // the last report(); arms the progress watchdog
   };
 
   Loop(Controller& c, storage::RunStore s, storage::CheckpointIndex index)
@@ -183,9 +185,12 @@ struct Controller::Loop {
         checkpoints(std::move(index)),
         collector(WorldSize(c), store.LastRound() + 1),
         policy(c.options_.max_failures, c.options_.max_start_failures),
-        conn_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
+        watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
+        conn_epoll(epoll_create1(EPOLL_CLOEXEC)),
+        proc_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
   ~Loop() {
     if (conn_epoll >= 0) close(conn_epoll);
+    if (proc_epoll >= 0) close(proc_epoll);
   }
 
   static int WorldSize(const Controller& c) {
@@ -198,6 +203,7 @@ struct Controller::Loop {
   storage::CheckpointIndex checkpoints;
   ReportCollector collector;
   FailurePolicy policy;
+  Watchdog watchdog;  // this attempt's progress watchdog
   std::string secret;
   int listen_fd = -1;
   int first_attempt = 0;  // attempts of earlier runs of this run directory
@@ -215,12 +221,18 @@ struct Controller::Loop {
   std::vector<std::string> warnings;
   Phase phase = Phase::kStarting;
   std::vector<Proc> procs;
+  size_t unreaped = 0;       // procs not yet reaped
+  size_t outputs_open = 0;   // procs whose output is still open
   std::vector<int> log_fds;  // by rank
   std::vector<RankState> ranks;
+  size_t registered = 0;  // ranks of this attempt registered
   std::vector<std::unique_ptr<Conn>> conns;
   // Every open connection is in this epoll set (data.ptr: its Conn), so a wake costs O(ready
   // connections), not O(connections); the loop polls the set's descriptor.
   int conn_epoll = -1;
+  // Every process's output (data.u64: 2 x its index in procs) and pidfd (2 x index + 1) until it
+  // is closed: a wake costs O(ready processes), not O(processes).
+  int proc_epoll = -1;
   // Connections not yet authenticated, in accept order, which is their handshake deadlines'
   // order (the same timeout from a monotonic clock); closed or authenticated ones are skipped.
   std::deque<Conn*> handshaking;
@@ -273,7 +285,7 @@ struct Controller::Loop {
                     .world_size = static_cast<int>(ranks.size()),
                     .round = rounds,
                     .metrics_json = last_metrics};
-    for (const auto& r : ranks) view.ranks_up += r.registered ? 1 : 0;
+    view.ranks_up = static_cast<int>(registered);
     if (attempt_rounds > 1) {
       double s = std::chrono::duration<double>(Now() - *attempt_first_round).count();
       if (s > 0) view.rounds_per_s = static_cast<double>(attempt_rounds - 1) / s;
@@ -336,9 +348,7 @@ struct Controller::Loop {
     }
   }
 
-  bool AnyUnreaped() const {
-    return std::any_of(procs.begin(), procs.end(), [](const Proc& p) { return !p.reaped; });
-  }
+  bool AnyUnreaped() const { return unreaped > 0; }
 
   // --- connections ---------------------------------------------------------------------------
 
@@ -482,7 +492,7 @@ struct Controller::Loop {
       Status s = c.decoder.Feed(std::string_view(buf, static_cast<size_t>(n)));
       if (!s.ok()) return DecoderError(c, s);
       while (!c.closed) {
-        auto f = c.decoder.Next();
+        auto f = c.decoder.NextView();
         if (!f.ok()) return DecoderError(c, f.status());
         if (!f->has_value()) break;
         OnFrame(c, **f);
@@ -498,7 +508,7 @@ struct Controller::Loop {
     }
   }
 
-  void OnFrame(Conn& c, const wire::Frame& f) {
+  void OnFrame(Conn& c, const wire::FrameView& f) {
     using wire::MessageType;
     switch (c.stage) {
       case Conn::Stage::kHello: {
@@ -559,7 +569,7 @@ struct Controller::Loop {
 
   // A body of the wrong shape from an authenticated worker fails that rank; it never escapes as
   // an exception into the loop.
-  void OnWorkerMessage(Conn& c, const wire::Frame& f) {
+  void OnWorkerMessage(Conn& c, const wire::FrameView& f) {
     try {
       HandleWorkerMessage(c, f);
     } catch (const nlohmann::json::exception& e) {
@@ -568,13 +578,14 @@ struct Controller::Loop {
     }
   }
 
-  void HandleWorkerMessage(Conn& c, const wire::Frame& f) {
+  void HandleWorkerMessage(Conn& c, const wire::FrameView& f) {
     using wire::MessageType;
     RankState& r = ranks[static_cast<size_t>(c.rank)];
     switch (f.type) {
       case MessageType::kRegister: {
         auto j = nlohmann::json::parse(f.body, nullptr, false);
         if (!j.is_object()) return ProtocolError(c, "registration is not a JSON object");
+        if (!r.registered) ++registered;
         r.registered = true;
         r.host = j.value("host", "");
         r.coordinator = j.value("coordinator", "");
@@ -587,8 +598,8 @@ struct Controller::Loop {
         std::string_view metrics;
         Status s = wire::DecodeReportBody(f.body, &round, &metrics);
         if (!s.ok()) return ProtocolError(c, s.message());
-        r.last_progress = Now();
-        for (Round& done : collector.Add(c.rank, std::string(metrics))) Record(done);
+        watchdog.Progress(c.rank);
+        for (Round& done : collector.Add(c.rank, metrics)) Record(done);
         return;
       }
       case MessageType::kReportCheckpoint: {
@@ -620,8 +631,8 @@ struct Controller::Loop {
                                        .link = file.value("link", "")});
         }
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
-        r.last_progress = Now();
-        for (Round& done : collector.Add(c.rank, std::string(metrics), std::move(part))) {
+        watchdog.Progress(c.rank);
+        for (Round& done : collector.Add(c.rank, metrics, std::move(part))) {
           Record(done);
         }
         return;
@@ -637,7 +648,10 @@ struct Controller::Loop {
         Fail(std::move(failure));
         return;
       }
-      case MessageType::kDone: r.done = true; return;
+      case MessageType::kDone:
+        r.done = true;
+        watchdog.Done(c.rank);
+        return;
       default:
         return ProtocolError(c,
                              "unexpected message type " + std::to_string(static_cast<int>(f.type)));
@@ -650,10 +664,7 @@ struct Controller::Loop {
   }
 
   void MaybeStartTraining() {
-    if (phase != Phase::kStarting) return;
-    for (const RankState& r : ranks) {
-      if (!r.registered) return;
-    }
+    if (phase != Phase::kStarting || registered < ranks.size()) return;
     if (ranks[0].coordinator.empty()) {
       Fail({.rank = 0, .cause = "start-up", .message = "rank 0 did not publish a coordinator"});
       return;
@@ -666,11 +677,13 @@ struct Controller::Loop {
         {"run_dir", store.dir()},
         {"experiment_name", opts.experiment_name},
         {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
-    std::string start_body = start.dump();
+    // The start frame and the payload's header are the same for every rank: one buffer, shared
+    // by every connection's queue like the payload (O(start), not O(ranks x start)).
+    auto head = std::make_shared<const std::string>(
+        *wire::EncodeFrame(wire::MessageType::kStart, start.dump()) + payload_header);
     for (RankState& r : ranks) {
       if (!r.conn) continue;
-      r.conn->out.Push(*wire::EncodeFrame(wire::MessageType::kStart, start_body));
-      r.conn->out.Push(payload_header);
+      r.conn->out.PushShared(head);
       r.conn->out.PushShared(payload);
       Flush(*r.conn);
     }
@@ -769,7 +782,9 @@ struct Controller::Loop {
     auto status = launch::TryReap(p.launched.pid);
     if (!status) return;
     p.reaped = true;
+    --unreaped;
     p.exit = *status;
+    epoll_ctl(proc_epoll, EPOLL_CTL_DEL, p.launched.pidfd, nullptr);
     close(p.launched.pidfd);
     p.launched.pidfd = -1;
     if (p.launched.ranks.size() > 1) return OnStepExit(p);
@@ -963,31 +978,25 @@ struct Controller::Loop {
     if (p.launched.output_fd < 0) return;
     if (!p.partial_line.empty() && p.launched.ranks.size() > 1) SplitLabelledLines(p, "\n");
     if (!p.partial_line.empty()) EchoLines(p, "\n");
+    epoll_ctl(proc_epoll, EPOLL_CTL_DEL, p.launched.output_fd, nullptr);
+    --outputs_open;
     close(p.launched.output_fd);
     p.launched.output_fd = -1;
   }
 
   // --- the loop ------------------------------------------------------------------------------
 
-  // The progress watchdog: a rank armed by its first report() that has not reported since for
-  // the timeout has failed. Ranks waiting in a collective for a stuck one stall at the same time,
-  // so every stale rank is named; the one stale longest is blamed.
-  void CheckProgress(TimePoint now) {
-    int blamed = -1;
-    std::string stale;
-    for (size_t r = 0; r < ranks.size(); ++r) {
-      const RankState& s = ranks[r];
-      if (s.done || !s.last_progress || now - *s.last_progress < opts.progress_timeout) continue;
-      stale += (stale.empty() ? "" : ", ") + std::to_string(r);
-      if (blamed < 0 || *s.last_progress < *ranks[static_cast<size_t>(blamed)].last_progress) {
-        blamed = static_cast<int>(r);
-      }
-    }
-    if (blamed < 0) return;
-    Fail({.rank = blamed,
+  // The progress watchdog (watchdog.h): every stale rank is named; the one stale longest is
+  // blamed.
+  void CheckProgress() {
+    std::optional<Watchdog::Stale> stale = watchdog.Check();
+    if (!stale) return;
+    std::string names;
+    for (int r : stale->ranks) names += (names.empty() ? "" : ", ") + std::to_string(r);
+    Fail({.rank = stale->blamed,
           .cause = "watchdog",
           .message = "no report() for " + SecondsText(opts.progress_timeout) +
-                     " (the progress watchdog's limit) from rank(s) " + stale +
+                     " (the progress watchdog's limit) from rank(s) " + names +
                      ", alive but stuck"});
   }
 
@@ -1008,7 +1017,7 @@ struct Controller::Loop {
             .message =
                 "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
-    if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) CheckProgress(now);
+    if (phase == Phase::kRunning) CheckProgress();
     if (kill_deadline && now >= *kill_deadline) {
       kill_deadline.reset();
       if (AnyUnreaped()) {
@@ -1034,19 +1043,31 @@ struct Controller::Loop {
     auto consider = [&](TimePoint t) { next = next ? std::min(*next, t) : t; };
     if (const Conn* c = OldestHandshaking()) consider(c->deadline);
     if (phase == Phase::kStarting) consider(start_deadline);
-    if (phase == Phase::kRunning && opts.progress_timeout > Duration::zero()) {
-      for (const auto& r : ranks) {
-        if (!r.done && r.last_progress) consider(*r.last_progress + opts.progress_timeout);
-      }
+    if (phase == Phase::kRunning) {
+      if (auto t = watchdog.NextDeadline()) consider(*t);
     }
     if (kill_deadline) consider(*kill_deadline);
     if (drain_deadline) consider(*drain_deadline);
     return next;
   }
 
-  bool OutputsOpen() const {
-    return std::any_of(procs.begin(), procs.end(),
-                       [](const Proc& p) { return p.launched.output_fd >= 0; });
+  bool OutputsOpen() const { return outputs_open > 0; }
+
+  // The processes whose output or exit is ready, at most kMaxReadyProcs per wake (the rest stay
+  // ready). Output first: a process's last lines are logged before its exit is handled.
+  void OnProcsReady() {
+    epoll_event events[kMaxReadyProcs];
+    int n = epoll_wait(proc_epoll, events, kMaxReadyProcs, 0);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 % 2 != 0) continue;
+      Proc& p = procs[events[i].data.u64 / 2];
+      if (p.launched.output_fd >= 0) ReadOutput(p);
+    }
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 % 2 == 0) continue;
+      Proc& p = procs[events[i].data.u64 / 2];
+      if (!p.reaped) OnProcessExit(p);
+    }
   }
 
   // True once the attempt is over: every process reaped and its output drained.
@@ -1066,47 +1087,26 @@ struct Controller::Loop {
       if (!OutputsOpen() || Now() >= *drain_deadline) return true;
     }
 
-    std::vector<pollfd> fds;
-    std::vector<std::function<void(short)>> handlers;
-    fds.push_back({ctl.wake_fd_, POLLIN, 0});
-    handlers.push_back([this](short) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
-    });
     // Connections before the listener: a hello that has arrived is handled before new
-    // connections can push its connection out (Accept()).
-    fds.push_back({conn_epoll, POLLIN, 0});
-    handlers.push_back([this](short) { OnConnsReady(); });
-    if (listen_fd >= 0) {
-      fds.push_back({listen_fd, POLLIN, 0});
-      handlers.push_back([this](short) { Accept(); });
-    }
-    // Connections before processes: a worker's last frames are handled before its exit.
-    for (auto& p : procs) {
-      Proc* proc = &p;
-      if (p.launched.output_fd >= 0) {
-        fds.push_back({p.launched.output_fd, POLLIN, 0});
-        handlers.push_back([this, proc](short) { ReadOutput(*proc); });
-      }
-    }
-    for (auto& p : procs) {
-      Proc* proc = &p;
-      if (!p.reaped) {
-        fds.push_back({p.launched.pidfd, POLLIN, 0});
-        handlers.push_back([this, proc](short) { OnProcessExit(*proc); });
-      }
-    }
-
+    // connections can push its connection out (Accept()). Connections before processes: a
+    // worker's last frames are handled before its exit. (poll() skips a listen_fd of -1.)
+    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},
+                    {conn_epoll, POLLIN, 0},
+                    {listen_fd, POLLIN, 0},
+                    {proc_epoll, POLLIN, 0}};
     int timeout_ms = -1;
     if (auto next = NextDeadline()) {
       auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - Now()).count();
       timeout_ms = static_cast<int>(std::clamp<long long>(ms, 0, 60'000));
     }
-    int n = poll(fds.data(), fds.size(), timeout_ms);
-    if (n > 0) {
-      for (size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents != 0) handlers[i](fds[i].revents);
+    if (poll(fds, std::size(fds), timeout_ms) > 0) {
+      if (fds[0].revents != 0) {
+        uint64_t v;
+        [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
       }
+      if (fds[1].revents != 0) OnConnsReady();
+      if (fds[2].revents != 0) Accept();
+      if (fds[3].revents != 0) OnProcsReady();
     }
     CheckTimers();
     if (any_closed) {
@@ -1144,6 +1144,8 @@ struct Controller::Loop {
   Status StartAttempt() {
     const int world_size = static_cast<int>(ranks.size());
     ranks.assign(ranks.size(), RankState{});
+    registered = 0;
+    watchdog = Watchdog(ctl.clock_, world_size, opts.progress_timeout);
     for (auto& c : conns) CloseConn(*c);
     conns.clear();
     handshaking.clear();
@@ -1177,9 +1179,39 @@ struct Controller::Loop {
                         ctl.launcher_->Launch(specs));
     procs.clear();
     for (auto& l : launched) procs.push_back({.launched = l});
+    unreaped = procs.size();
+    outputs_open = 0;
+    JT_RETURN_IF_ERROR(WatchProcs());
     phase = Phase::kStarting;
     start_deadline = Now() + opts.start_timeout;
     RefreshStatus();
+    return OkStatus();
+  }
+
+  // Puts every process's pidfd and output in proc_epoll. Errors: kUnavailable when the set cannot
+  // take them (out of memory); the group is then killed and reaped, so nothing is left running.
+  Status WatchProcs() {
+    for (const Proc& p : procs) outputs_open += p.launched.output_fd >= 0 ? 1 : 0;
+    for (size_t i = 0; i < procs.size(); ++i) {
+      launch::LaunchedProcess& l = procs[i].launched;
+      epoll_event exit_ev{.events = EPOLLIN, .data = {.u64 = 2 * i + 1}};
+      epoll_event out_ev{.events = EPOLLIN, .data = {.u64 = 2 * i}};
+      if (epoll_ctl(proc_epoll, EPOLL_CTL_ADD, l.pidfd, &exit_ev) == 0 &&
+          (l.output_fd < 0 || epoll_ctl(proc_epoll, EPOLL_CTL_ADD, l.output_fd, &out_ev) == 0)) {
+        continue;
+      }
+      const int err = errno;
+      ctl.launcher_->SignalGroup(SIGKILL);
+      for (Proc& p : procs) {
+        launch::WaitForExit(p.launched.pid);
+        p.reaped = true;
+        CloseOutput(p);
+        close(p.launched.pidfd);
+      }
+      unreaped = 0;
+      return UnavailableError(std::string("cannot watch the worker processes: ") +
+                              std::strerror(err));
+    }
     return OkStatus();
   }
 
@@ -1349,6 +1381,10 @@ Status Controller::Start() {
                                 std::to_string(wire::kMaxControllerFrameBody) +
                                 "; pass large data as files, not in train_loop_config");
   }
+  // A log file and a control connection per rank, and at most a pidfd and an output pipe per
+  // process (one process per rank at most), beside the driver's own files.
+  const auto ranks = static_cast<uint64_t>(world_size);
+  JT_RETURN_IF_ERROR(RaiseOpenFileLimit(2 * ranks + kSpareFiles, 4 * ranks + kSpareFiles));
   JT_ASSIGN_OR_RETURN(storage::RunStore store, storage::RunStore::Open(options_.run_dir));
   std::vector<std::string> warnings;
   JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
@@ -1357,7 +1393,9 @@ Status Controller::Start() {
   // (Result.from_path, the CLI) see what the controller restores from.
   Status reindexed = warnings.empty() ? OkStatus() : index.Save();
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
-  if (loop->conn_epoll < 0) return ErrnoError("cannot create the controller's epoll set", errno);
+  if (loop->conn_epoll < 0 || loop->proc_epoll < 0) {
+    return ErrnoError("cannot create the controller's epoll sets", errno);
+  }
   for (const auto& w : warnings) loop->Say("warning: " + w);
   if (!reindexed.ok())
     loop->Say("warning: cannot rewrite checkpoints.json: " + reindexed.message());

@@ -1,26 +1,33 @@
 #include "controller/report_collector.h"
 
 #include <algorithm>
-#include <map>
 
 namespace jaxtrain::controller {
 
 ReportCollector::ReportCollector(int world_size, uint64_t first_round)
-    : pending_(static_cast<size_t>(world_size)),
-      counts_(static_cast<size_t>(world_size), 0),
-      next_round_(first_round) {}
+    : counts_(static_cast<size_t>(world_size), 0), next_round_(first_round) {}
 
-std::vector<Round> ReportCollector::Add(int rank, std::string metrics_json,
+std::vector<Round> ReportCollector::Add(int rank, std::string_view metrics_json,
                                         std::optional<CheckpointPart> checkpoint) {
-  pending_[static_cast<size_t>(rank)].push_back({std::move(metrics_json), std::move(checkpoint)});
-  ++counts_[static_cast<size_t>(rank)];
+  const uint64_t index = counts_[static_cast<size_t>(rank)]++;
+  if (rank == 0) rank0_.emplace_back(metrics_json);
+  if (checkpoint) checkpoints_[index].push_back(std::move(*checkpoint));
+  if (index == complete_) ++ahead_;
   std::vector<Round> done;
-  while (std::all_of(pending_.begin(), pending_.end(), [](const auto& q) { return !q.empty(); })) {
-    Round round{next_round_++, std::move(pending_[0].front().metrics_json), {}};
-    for (auto& q : pending_) {
-      if (q.front().checkpoint) round.checkpoints.push_back(std::move(*q.front().checkpoint));
-      q.pop_front();
+  while (ahead_ == counts_.size()) {
+    Round round{next_round_++, std::move(rank0_.front()), {}};
+    rank0_.pop_front();
+    if (auto it = checkpoints_.find(complete_); it != checkpoints_.end()) {
+      round.checkpoints = std::move(it->second);
+      checkpoints_.erase(it);
+      std::sort(round.checkpoints.begin(), round.checkpoints.end(),
+                [](const CheckpointPart& a, const CheckpointPart& b) {
+                  return a.staged.rank < b.staged.rank;
+                });
     }
+    ++complete_;
+    ahead_ = static_cast<size_t>(std::count_if(counts_.begin(), counts_.end(),
+                                               [this](uint64_t c) { return c > complete_; }));
     done.push_back(std::move(round));
   }
   return done;
@@ -28,8 +35,8 @@ std::vector<Round> ReportCollector::Add(int rank, std::string metrics_json,
 
 std::vector<Round> ReportCollector::TakeUnmatchedRank0() {
   std::vector<Round> out;
-  for (auto& p : pending_[0]) out.push_back({next_round_++, std::move(p.metrics_json), {}});
-  pending_[0].clear();
+  for (auto& metrics : rank0_) out.push_back({next_round_++, std::move(metrics), {}});
+  rank0_.clear();
   return out;
 }
 

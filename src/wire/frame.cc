@@ -108,21 +108,32 @@ Status FrameDecoder::Feed(std::string_view bytes) {
   return CheckHead();
 }
 
-StatusOr<std::optional<Frame>> FrameDecoder::Next() {
+void FrameDecoder::ReleaseConsumed() {
+  if (consumed_ == 0 || consumed_ != buffer_.size()) return;
+  buffer_.clear();
+  consumed_ = 0;
+  // A connection between frames keeps no large buffer, so thousands of them stay small.
+  if (buffer_.capacity() > kKeptCapacity) std::string().swap(buffer_);
+}
+
+StatusOr<std::optional<FrameView>> FrameDecoder::NextView() {
+  ReleaseConsumed();
   JT_RETURN_IF_ERROR(CheckHead());
-  if (!head_checked_) return std::optional<Frame>();
+  if (!head_checked_) return std::optional<FrameView>();
   const char* p = buffer_.data() + consumed_;
   uint32_t length = GetU32(p);
-  if (buffered() < kFrameHeaderSize + length - 1) return std::optional<Frame>();
-  Frame f{static_cast<MessageType>(p[4]), std::string(p + kFrameHeaderSize, length - 1)};
+  if (buffered() < kFrameHeaderSize + length - 1) return std::optional<FrameView>();
+  FrameView f{static_cast<MessageType>(p[4]), std::string_view(p + kFrameHeaderSize, length - 1)};
   consumed_ += kFrameHeaderSize + length - 1;
   head_checked_ = false;
-  if (consumed_ == buffer_.size()) {
-    buffer_.clear();
-    consumed_ = 0;
-    // A connection between frames keeps no large buffer, so thousands of them stay small.
-    if (buffer_.capacity() > kKeptCapacity) std::string().swap(buffer_);
-  }
+  return std::optional<FrameView>(f);
+}
+
+StatusOr<std::optional<Frame>> FrameDecoder::Next() {
+  JT_ASSIGN_OR_RETURN(std::optional<FrameView> view, NextView());
+  if (!view) return std::optional<Frame>();
+  Frame f{view->type, std::string(view->body)};
+  ReleaseConsumed();
   return std::optional<Frame>(std::move(f));
 }
 

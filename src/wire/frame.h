@@ -50,6 +50,12 @@ struct Frame {
   std::string body;
 };
 
+// A frame whose body is a view into the decoder's buffer (FrameDecoder::NextView()).
+struct FrameView {
+  MessageType type;
+  std::string_view body;
+};
+
 // A whole frame. Errors: kInvalidArgument when the body is larger than kMaxFrameBody.
 StatusOr<std::string> EncodeFrame(MessageType type, std::string_view body);
 // The 5-byte header of a frame whose body of `body_size` bytes is sent separately (a body shared
@@ -88,6 +94,9 @@ class FrameDecoder {
   // force when the frame becomes the next one, so a caller may change the limit after each frame
   // (e.g. once the peer has authenticated). Errors: as for Feed().
   StatusOr<std::optional<Frame>> Next();
+  // As Next(), without copying the body (no allocation per frame): the view is valid until the
+  // next call of Feed(), Next() or NextView().
+  StatusOr<std::optional<FrameView>> NextView();
 
   size_t buffered() const { return buffer_.size() - consumed_; }
   // Bytes allocated for the buffer; at most a few KiB while no frame is partly received.
@@ -95,6 +104,8 @@ class FrameDecoder {
 
  private:
   Status CheckHead();
+  // Once every buffered frame has been taken: empties the buffer, and frees it when it is large.
+  void ReleaseConsumed();
 
   size_t max_body_;
   std::string buffer_;

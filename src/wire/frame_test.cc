@@ -155,6 +155,36 @@ TEST(FrameDecoderTest, KeepsNoLargeBufferBetweenFrames) {
   EXPECT_LE(d.capacity(), 4096u);
 }
 
+TEST(FrameDecoderTest, NextViewGivesTheFramesWithoutCopyingThem) {
+  FrameDecoder d(1 << 20);
+  ASSERT_TRUE(d.Feed(F(MessageType::kReport, "first") + F(MessageType::kDone, "{}") +
+                     F(MessageType::kReport, std::string(100000, 'y')))
+                  .ok());
+  auto a = d.NextView();
+  ASSERT_TRUE(a.ok() && a->has_value());
+  EXPECT_EQ((*a)->type, MessageType::kReport);
+  EXPECT_EQ((*a)->body, "first");
+  auto b = d.NextView();
+  ASSERT_TRUE(b.ok() && b->has_value());
+  EXPECT_EQ((*b)->type, MessageType::kDone);
+  EXPECT_EQ((*b)->body, "{}");
+  auto c = d.NextView();
+  ASSERT_TRUE(c.ok() && c->has_value());
+  EXPECT_EQ((*c)->body, std::string(100000, 'y'));
+  auto none = d.NextView();
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  // Asking again after the last frame frees the large buffer.
+  EXPECT_EQ(d.buffered(), 0u);
+  EXPECT_LE(d.capacity(), 4096u);
+}
+
+TEST(FrameDecoderTest, NextViewRefusesAnOversizedFrame) {
+  FrameDecoder d(10);
+  EXPECT_EQ(d.Feed(F(MessageType::kReport, std::string(11, 'x'))).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(d.NextView().status().code(), StatusCode::kDataLoss);
+}
+
 TEST(ReportBodyTest, ShortBodyIsDataLoss) {
   uint64_t round;
   std::string_view m;
