@@ -699,6 +699,11 @@ struct Controller::Loop {
       unrecorded.push_back(std::move(round));
       return;
     }
+    RecordOrCommit(std::move(round));
+  }
+
+  // The next round in order: recorded now, or, with a checkpoint, handed to the committer.
+  void RecordOrCommit(Round round) {
     if (round.checkpoints.empty()) return RecordRound(round, "");
     StatusOr<CheckpointCommitter::Job> job = CommitJob(round);
     Status submitted = job.ok() ? committer->Submit(*std::move(job)) : job.status();
@@ -739,7 +744,7 @@ struct Controller::Loop {
     while (!unrecorded.empty() && !committing) {
       Round next = std::move(unrecorded.front());
       unrecorded.pop_front();
-      Record(std::move(next));
+      RecordOrCommit(std::move(next));
     }
   }
 
