@@ -33,9 +33,9 @@ class CheckpointConfig:
 class FailureConfig:
     def __init__(self, max_failures: int, controller_failure_limit: int, progress_timeout_s: float | None) -> None: ...
 
-def stage_directory(src: str, dst: str) -> list:
+def stage_directory(src: str, dst: str, durable: bool = True) -> list:
     """
-    Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links.
+    Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links. Without durable, the copy is not fsynced (the commit fsyncs it).
     """
 
 def verify_checkpoint(dir: str, checksums: bool, threads: int = 0) -> None: ...
@@ -130,6 +130,8 @@ class WorkerClient:
     def report(self, round: int, metrics_json: str) -> None: ...
 
     def report_checkpoint(self, round: int, checkpoint_json: str, metrics_json: str) -> None: ...
+
+    def wait_checkpoints_settled(self) -> None: ...
 
     def send_error(self, json: str) -> None: ...
 

@@ -98,10 +98,13 @@ def report(
 
     Every worker must call ``report`` the same number of times; rank 0's metrics become the
     run's (``Result.metrics``, ``result.jsonl``, ``progress.csv``). A metrics-only call does not
-    wait for the controller. With ``checkpoint``, this rank's files are copied (and fsynced) before
-    ``report`` returns; when every rank has reported the round, the files of all the ranks that
-    passed a checkpoint are committed together as one checkpoint, named ``checkpoint_dir_name`` or
-    ``checkpoint_<round>``. Ranks must write different file names into one checkpoint.
+    wait for the controller. With ``checkpoint``, this rank's files are copied before ``report``
+    returns, so the directory may be changed or deleted right after; when every rank has reported
+    the round, the controller commits the files of all the ranks that passed a checkpoint together
+    as one checkpoint, named ``checkpoint_dir_name`` or ``checkpoint_<round>``, in the background
+    (fsync, manifest, atomic rename) while training goes on. At most one commit is in flight: a
+    ``report`` with a checkpoint first waits until the commit of this rank's previous one has
+    ended. Ranks must write different file names into one checkpoint.
     """
     session = _require("report")
     if not isinstance(metrics, dict):
@@ -125,8 +128,10 @@ def report(
         staging = os.path.join(
             ctx.run_dir, ".staging", f"a{ctx.attempt}-r{session.round}-rank{ctx.world_rank}"
         )
+        # Back-pressure: the previous checkpoint's commit ends before this one is copied.
+        session.client.wait_checkpoints_settled()
         try:
-            files = _core.stage_directory(checkpoint.path, staging)
+            files = _core.stage_directory(checkpoint.path, staging, durable=False)
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
         description = {"staging": staging, "files": files, "dir_name": checkpoint_dir_name}

@@ -346,6 +346,15 @@ class PyWorkerClient {
     Check(s);
   }
 
+  void WaitCheckpointsSettled() {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->WaitCheckpointsSettled();
+    }
+    Check(s);
+  }
+
   void Report(uint64_t round, std::string_view metrics_json) {
     Status s;
     {
@@ -451,11 +460,11 @@ NB_MODULE(_core, m) {
 
   m.def(
       "stage_directory",
-      [](const std::string& src, const std::string& dst) {
+      [](const std::string& src, const std::string& dst, bool durable) {
         StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
         {
           nb::gil_scoped_release release;
-          entries = storage::StageDirectory(src, dst);
+          entries = storage::StageDirectory(src, dst, durable);
         }
         nb::list out;
         for (const auto& e : Unwrap(std::move(entries))) {
@@ -469,9 +478,9 @@ NB_MODULE(_core, m) {
         }
         return out;
       },
-      "src"_a, "dst"_a,
+      "src"_a, "dst"_a, "durable"_a = true,
       "Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and "
-      "kept links.");
+      "kept links. Without durable, the copy is not fsynced (the commit fsyncs it).");
 
   m.def(
       "verify_checkpoint",
@@ -638,6 +647,7 @@ NB_MODULE(_core, m) {
       .def("report", &PyWorkerClient::Report, "round"_a, "metrics_json"_a)
       .def("report_checkpoint", &PyWorkerClient::ReportCheckpoint, "round"_a, "checkpoint_json"_a,
            "metrics_json"_a)
+      .def("wait_checkpoints_settled", &PyWorkerClient::WaitCheckpointsSettled)
       .def("send_error", &PyWorkerClient::SendError, "json"_a)
       .def("send_done", &PyWorkerClient::SendDone, "json"_a)
       .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)

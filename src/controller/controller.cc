@@ -19,6 +19,7 @@
 #include <set>
 
 #include "base/open_files.h"
+#include "controller/checkpoint_committer.h"
 #include "controller/console.h"
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
@@ -178,11 +179,11 @@ struct Controller::Loop {
     std::string coordinator;
   };
 
-  Loop(Controller& c, storage::RunStore s, storage::CheckpointIndex index)
+  Loop(Controller& c, storage::RunStore s, std::unique_ptr<CheckpointCommitter> committer)
       : ctl(c),
         opts(c.options_),
         store(std::move(s)),
-        checkpoints(std::move(index)),
+        committer(std::move(committer)),
         collector(WorldSize(c), store.LastRound() + 1),
         policy(c.options_.max_failures, c.options_.max_start_failures),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
@@ -200,7 +201,13 @@ struct Controller::Loop {
   Controller& ctl;
   const ControllerOptions& opts;
   storage::RunStore store;
-  storage::CheckpointIndex checkpoints;
+  // Commits checkpoints off this thread, one at a time (checkpoint_committer.h). Rounds are
+  // recorded in order: while a commit is in flight, the round it belongs to is `committing` and
+  // rounds completed after it wait in `unrecorded`.
+  std::unique_ptr<CheckpointCommitter> committer;
+  std::optional<Round> committing;
+  std::deque<Round> unrecorded;
+  bool checkpoints_released = false;  // this attempt's ranks were told no commit is ahead
   ReportCollector collector;
   FailurePolicy policy;
   Watchdog watchdog;  // this attempt's progress watchdog
@@ -459,7 +466,12 @@ struct Controller::Loop {
   // Writes what the socket takes now; the rest waits for EPOLLOUT.
   void Flush(Conn& c) {
     if (c.closed) return;
-    if (!c.out.Flush(c.fd).ok()) return CloseConn(c);
+    if (!c.out.Flush(c.fd).ok()) {
+      // A rank that has gone may have sent its last frames (kDone) just before: they are read
+      // before its connection closes, so a notice it never read does not turn into a failure.
+      if (c.stage == Conn::Stage::kAuthed) ReadConn(c);
+      return CloseConn(c);
+    }
     if (c.watching_out == c.out.empty()) {
       c.watching_out = !c.out.empty();
       epoll_event ev{.events = EPOLLIN | (c.watching_out ? EPOLLOUT : 0u), .data = {.ptr = &c}};
@@ -599,7 +611,7 @@ struct Controller::Loop {
         Status s = wire::DecodeReportBody(f.body, &round, &metrics);
         if (!s.ok()) return ProtocolError(c, s.message());
         watchdog.Progress(c.rank);
-        for (Round& done : collector.Add(c.rank, metrics)) Record(done);
+        for (Round& done : collector.Add(c.rank, metrics)) Record(std::move(done));
         return;
       }
       case MessageType::kReportCheckpoint: {
@@ -633,7 +645,7 @@ struct Controller::Loop {
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
         watchdog.Progress(c.rank);
         for (Round& done : collector.Add(c.rank, metrics, std::move(part))) {
-          Record(done);
+          Record(std::move(done));
         }
         return;
       }
@@ -648,10 +660,20 @@ struct Controller::Loop {
         Fail(std::move(failure));
         return;
       }
-      case MessageType::kDone:
+      case MessageType::kDone: {
         r.done = true;
         watchdog.Done(c.rank);
+        // No round can complete without this rank any more: no commit can be ahead of another
+        // rank's next checkpoint, so none of them waits for one (said once per attempt).
+        if (checkpoints_released) return;
+        checkpoints_released = true;
+        for (RankState& other : ranks) {
+          if (other.conn && !other.done) {
+            Send(*other.conn, MessageType::kCheckpointSettled, "release");
+          }
+        }
         return;
+      }
       default:
         return ProtocolError(c,
                              "unexpected message type " + std::to_string(static_cast<int>(f.type)));
@@ -689,19 +711,42 @@ struct Controller::Loop {
     }
   }
 
-  void Record(const Round& round) {
-    std::string committed;
-    if (!round.checkpoints.empty()) {
-      Committed commit = Commit(round);
-      if (!commit.record.ok()) {
-        Fail({.rank = round.checkpoints.front().staged.rank,
-              .cause = "checkpoint",
-              .message = "the checkpoint of round " + std::to_string(round.round) +
-                         " could not be committed: " + commit.record.status().message()});
-        return;
-      }
-      committed = commit.record->dir_name;
-      if (!commit.index.ok()) {
+  // Records a completed round in order: one with a checkpoint is committed first, in the
+  // background (OnCommitted() records it), and rounds after it wait for that.
+  void Record(Round round) {
+    if (committing || !unrecorded.empty()) {
+      unrecorded.push_back(std::move(round));
+      return;
+    }
+    RecordOrCommit(std::move(round));
+  }
+
+  // The next round in order: recorded now, or, with a checkpoint, handed to the committer.
+  void RecordOrCommit(Round round) {
+    if (round.checkpoints.empty()) return RecordRound(round, "");
+    StatusOr<CheckpointCommitter::Job> job = CommitJob(round);
+    Status submitted = job.ok() ? committer->Submit(*std::move(job)) : job.status();
+    if (!submitted.ok()) {
+      SettleCheckpoints(round);
+      return CommitFailed(round, submitted);
+    }
+    committing = std::move(round);
+  }
+
+  // The committer's commit has ended: the round is recorded, its ranks may snapshot their next
+  // checkpoints, and the rounds that waited for it are recorded (or the next one committed).
+  void OnCommitted() {
+    std::optional<CheckpointCommitter::Result> result = committer->TakeResult();
+    if (!result) return;
+    Round round = *std::move(committing);
+    committing.reset();
+    SettleCheckpoints(round);
+    for (const auto& w : result->warnings) Say(w);
+    if (!result->record.ok()) {
+      CommitFailed(round, result->record.status());
+    } else {
+      const std::string committed = result->record->dir_name;
+      if (!result->index.ok()) {
         // The directory is committed (complete, with its manifest) and the next start adds it
         // back to the index; say exactly that, record the round, and stop the run.
         Fail({.rank = round.checkpoints.front().staged.rank,
@@ -709,11 +754,36 @@ struct Controller::Loop {
               .message = "the checkpoint of round " + std::to_string(round.round) +
                          " is committed as '" + storage::JoinPath(store.dir(), committed) +
                          "', but the index checkpoints.json could not be updated (" +
-                         commit.index.message() +
+                         result->index.message() +
                          "); the run stops here, and resuming it by name adds the checkpoint "
                          "back to the index and restores from it"});
       }
+      RecordRound(round, committed);
     }
+    while (!unrecorded.empty() && !committing) {
+      Round next = std::move(unrecorded.front());
+      unrecorded.pop_front();
+      RecordOrCommit(std::move(next));
+    }
+  }
+
+  void CommitFailed(const Round& round, const Status& why) {
+    Fail({.rank = round.checkpoints.front().staged.rank,
+          .cause = "checkpoint",
+          .message = "the checkpoint of round " + std::to_string(round.round) +
+                     " could not be committed: " + why.message()});
+  }
+
+  // Tells the ranks that passed a part of the round's checkpoint that its commit has ended: their
+  // next report(checkpoint=) may go on (WorkerClient::WaitCheckpointsSettled()).
+  void SettleCheckpoints(const Round& round) {
+    for (const auto& part : round.checkpoints) {
+      Conn* conn = ranks[static_cast<size_t>(part.staged.rank)].conn;
+      if (conn) Send(*conn, wire::MessageType::kCheckpointSettled, "settled");
+    }
+  }
+
+  void RecordRound(const Round& round, const std::string& committed) {
     Status s =
         store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json, committed);
     if (!s.ok()) {
@@ -729,51 +799,30 @@ struct Controller::Loop {
     RefreshStatus();
   }
 
-  struct Committed {
-    StatusOr<storage::CheckpointRecord> record;  // not ok: nothing of the round is visible
-    Status index;  // not ok: the checkpoint is committed, but checkpoints.json is not updated
-  };
-
-  // Commits the round's checkpoint, updates the index, then applies retention: the index is saved
-  // before any directory is deleted, so it never names a deleted checkpoint. Ranks that ask for
-  // different names are at different steps (e.g. they restored different states): such a round
-  // is an error and nothing of it is committed.
-  Committed Commit(const Round& round) {
+  // The committer's job for the round's checkpoint. Ranks that ask for different names are at
+  // different steps (e.g. they restored different states): such a round is an error
+  // (kInvalidArgument) and nothing of it is committed.
+  StatusOr<CheckpointCommitter::Job> CommitJob(const Round& round) {
     std::optional<std::string> name;
     int name_rank = -1;
-    std::vector<storage::RankCheckpoint> parts;
+    CheckpointCommitter::Job job{.round = round.round, .metrics_json = round.metrics_json};
     for (const auto& part : round.checkpoints) {
       if (part.dir_name && name && *part.dir_name != *name) {
-        return {InvalidArgumentError(
-                    "rank " + std::to_string(name_rank) + " names it '" + *name + "' and rank " +
-                    std::to_string(part.staged.rank) + " '" + *part.dir_name +
-                    "': the ranks are at different steps, so their files are not one "
-                    "checkpoint and none of them was committed; every rank must call report() "
-                    "the same number of times, with the same checkpoint_dir_name"),
-                OkStatus()};
+        return InvalidArgumentError(
+            "rank " + std::to_string(name_rank) + " names it '" + *name + "' and rank " +
+            std::to_string(part.staged.rank) + " '" + *part.dir_name +
+            "': the ranks are at different steps, so their files are not one "
+            "checkpoint and none of them was committed; every rank must call report() "
+            "the same number of times, with the same checkpoint_dir_name");
       }
       if (!name && part.dir_name) {
         name = part.dir_name;
         name_rank = part.staged.rank;
       }
-      parts.push_back(part.staged);
+      job.parts.push_back(part.staged);
     }
-    Committed out{
-        storage::CommitCheckpoint(store.dir(), name.value_or(DefaultCheckpointName(round.round)),
-                                  round.round, ctl.clock_.UnixSeconds(), round.metrics_json, parts),
-        OkStatus()};
-    if (!out.record.ok()) return out;
-    checkpoints.Add(*out.record);
-    std::vector<std::string> doomed =
-        storage::SelectForDeletion(checkpoints.records(), opts.retention);
-    for (const auto& d : doomed) checkpoints.Remove(d);
-    out.index = checkpoints.Save();
-    if (!out.index.ok()) return out;  // keep every directory: the index may still name them
-    for (const auto& d : doomed) {
-      Status s = storage::RemoveTree(storage::JoinPath(store.dir(), d));
-      if (!s.ok()) Say("cannot delete checkpoint " + d + ": " + s.message());
-    }
-    return out;
+    job.dir_name = name.value_or(DefaultCheckpointName(round.round));
+    return job;
   }
 
   // --- processes -----------------------------------------------------------------------------
@@ -1047,7 +1096,10 @@ struct Controller::Loop {
       if (auto t = watchdog.NextDeadline()) consider(*t);
     }
     if (kill_deadline) consider(*kill_deadline);
-    if (drain_deadline) consider(*drain_deadline);
+    // Past it, only a commit in flight holds the attempt open: its descriptor wakes the loop.
+    if (drain_deadline && !(committer->busy() && Now() >= *drain_deadline)) {
+      consider(*drain_deadline);
+    }
     return next;
   }
 
@@ -1084,7 +1136,8 @@ struct Controller::Loop {
     if (!AnyUnreaped()) {
       if (!drain_deadline) drain_deadline = Now() + kDrainTime;
       phase = Phase::kDraining;
-      if (!OutputsOpen() || Now() >= *drain_deadline) return true;
+      // An attempt ends only once its commit in flight has ended and its round is recorded.
+      if ((!OutputsOpen() || Now() >= *drain_deadline) && !committer->busy()) return true;
     }
 
     // Connections before the listener: a hello that has arrived is handled before new
@@ -1092,6 +1145,7 @@ struct Controller::Loop {
     // worker's last frames are handled before its exit. (poll() skips a listen_fd of -1.)
     pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},
                     {conn_epoll, POLLIN, 0},
+                    {committer->ready_fd(), POLLIN, 0},
                     {listen_fd, POLLIN, 0},
                     {proc_epoll, POLLIN, 0}};
     int timeout_ms = -1;
@@ -1105,8 +1159,9 @@ struct Controller::Loop {
         [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
       }
       if (fds[1].revents != 0) OnConnsReady();
-      if (fds[2].revents != 0) Accept();
-      if (fds[3].revents != 0) OnProcsReady();
+      if (fds[2].revents != 0) OnCommitted();
+      if (fds[3].revents != 0) Accept();
+      if (fds[4].revents != 0) OnProcsReady();
     }
     CheckTimers();
     if (any_closed) {
@@ -1125,7 +1180,7 @@ struct Controller::Loop {
   // The newest committed checkpoint that verifies, falling back to older ones with a warning.
   // Checksums are checked unless turned off (opts.verify_checksums false), then sizes only.
   std::string CheckpointToRestore() {
-    const auto& records = checkpoints.records();
+    const std::vector<storage::CheckpointRecord> records = committer->records();
     for (auto it = records.rbegin(); it != records.rend(); ++it) {
       std::string dir = storage::JoinPath(store.dir(), it->dir_name);
       Status s = storage::VerifyCheckpoint(dir, opts.verify_checksums);
@@ -1160,6 +1215,7 @@ struct Controller::Loop {
     sent_sigkill = false;
     oom_kills_before = OomKillCount();
     collector = ReportCollector(world_size, collector.next_round());
+    checkpoints_released = false;
     attempt_rounds = 0;
     attempt_first_round.reset();
     JT_RETURN_IF_ERROR(SweepStaging());
@@ -1235,7 +1291,7 @@ struct Controller::Loop {
   bool EndAttempt() {
     for (auto& p : procs) CloseOutput(p);
     if (!failure && !aborted) {
-      for (Round& r : collector.TakeUnmatchedRank0()) Record(r);
+      for (Round& r : collector.TakeUnmatchedRank0()) Record(std::move(r));
       std::string mismatch = collector.CountMismatchWarning();
       if (!mismatch.empty()) {
         Say("warning: " + mismatch);
@@ -1392,7 +1448,10 @@ Status Controller::Start() {
   // An index that disagreed with the directory is rewritten now, so that readers of the run
   // (Result.from_path, the CLI) see what the controller restores from.
   Status reindexed = warnings.empty() ? OkStatus() : index.Save();
-  auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(index));
+  JT_ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointCommitter> committer,
+      CheckpointCommitter::Create(store.dir(), std::move(index), options_.retention, clock_));
+  auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(committer));
   if (loop->conn_epoll < 0 || loop->proc_epoll < 0) {
     return ErrnoError("cannot create the controller's epoll sets", errno);
   }

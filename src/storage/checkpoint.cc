@@ -66,9 +66,9 @@ Status WriteFully(int fd, const char* data, size_t n, const std::string& path) {
 // while it is copied (report() copies before it returns).
 // The copy gets the source's permission bits (the umask applies, so never wider than it allows)
 // plus read for the owner, who verifies and uploads it; a link swapped in for the source after it
-// was listed is not followed (O_NOFOLLOW).
+// was listed is not followed (O_NOFOLLOW). With `durable` the copy is fsynced.
 StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, const std::string& rel,
-                             std::vector<char>& buffer) {
+                             std::vector<char>& buffer, bool durable) {
   Fd in{open(src.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
   if (in.fd < 0) return IoError("cannot open", src, errno);
   struct stat st;
@@ -117,7 +117,7 @@ StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, con
       JT_RETURN_IF_ERROR(WriteFully(out.fd, buffer.data(), static_cast<size_t>(n), dst));
     }
   }
-  if (fsync(out.fd) != 0) return IoError("cannot fsync", dst, errno);
+  if (durable && fsync(out.fd) != 0) return IoError("cannot fsync", dst, errno);
   return entry;
 }
 
@@ -205,7 +205,7 @@ StatusOr<std::string> KeptLinkTarget(const std::string& src_root, const std::str
 
 Status CopyTree(const std::string& src_root, const std::string& root_real, const std::string& src,
                 const std::string& dst, const std::string& rel, std::vector<FileEntry>* entries,
-                std::vector<char>& buffer) {
+                std::vector<char>& buffer, bool durable) {
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(src.c_str()), closedir);
   if (!dir) return IoError("cannot list", src, errno);
   std::vector<std::string> names;
@@ -232,13 +232,14 @@ Status CopyTree(const std::string& src_root, const std::string& root_real, const
           (errno != EEXIST || lstat(to.c_str(), &there) != 0 || !S_ISDIR(there.st_mode))) {
         return IoError("cannot create directory", to, errno);
       }
-      JT_RETURN_IF_ERROR(CopyTree(src_root, root_real, from, to, rel_name, entries, buffer));
+      JT_RETURN_IF_ERROR(
+          CopyTree(src_root, root_real, from, to, rel_name, entries, buffer, durable));
     } else if (S_ISREG(st.st_mode)) {
-      JT_ASSIGN_OR_RETURN(FileEntry entry, CopyFile(from, to, rel_name, buffer));
+      JT_ASSIGN_OR_RETURN(FileEntry entry, CopyFile(from, to, rel_name, buffer, durable));
       entries->push_back(std::move(entry));
     }
   }
-  return FsyncPath(dst, /*directory=*/true);
+  return durable ? FsyncPath(dst, /*directory=*/true) : OkStatus();
 }
 
 bool ValidDirName(const std::string& name) {
@@ -285,7 +286,8 @@ std::vector<std::string> ParentDirs(const std::string& root, const std::string& 
 
 }  // namespace
 
-StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst) {
+StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst,
+                                                bool durable) {
   struct stat st;
   if (stat(src.c_str(), &st) != 0) {
     if (errno == ENOENT) return NotFoundError("checkpoint directory '" + src + "' does not exist");
@@ -303,7 +305,7 @@ StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const st
   std::vector<FileEntry> entries;
   std::vector<char> buffer(kCopyChunk);
   JT_RETURN_IF_ERROR(MakeDirs(dst));
-  JT_RETURN_IF_ERROR(CopyTree(src, root_real, src, dst, "", &entries, buffer));
+  JT_RETURN_IF_ERROR(CopyTree(src, root_real, src, dst, "", &entries, buffer, durable));
   return entries;
 }
 
@@ -436,6 +438,9 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
       }
       std::string from = JoinPath(rc.staging_dir, f.path);
       std::string to = JoinPath(tmp, f.path);
+      // A part staged without fsync (report() snapshots only) becomes durable here, before the
+      // commit point; for a file already fsynced this costs next to nothing.
+      if (f.link.empty()) JT_RETURN_IF_ERROR(FsyncPath(from, /*directory=*/false));
       if (rename(from.c_str(), to.c_str()) != 0) return IoError("cannot move", from, errno);
       (f.link.empty() ? files : links).push_back(EntryToJson(f, rc.rank));
     }

@@ -47,13 +47,16 @@ struct FileEntry {
 };
 
 // Copies every regular file under `src` into `dst` (created; files already there are replaced),
-// streaming, computing each file's
-// CRC-32C on the way, and fsyncs every file and directory written. Modes and links as described
-// at the top; `src` itself may be a link to a directory (the user named it). Other kinds of files
-// (sockets, FIFOs, devices) are skipped. Errors: kNotFound when `src` does not exist,
-// kInvalidArgument when it is not a directory or holds a link that leads out of it (naming the
-// link and its target), kPermissionDenied / kInternal naming the file and the reason.
-StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst);
+// streaming, computing each file's CRC-32C on the way; with `durable`, fsyncs every file and
+// directory written. Without it the copy is a snapshot in the page cache, independent of `src`
+// from the moment this returns, which CommitCheckpoint makes durable (report() stages that way, so
+// that training waits for the copy only). Modes and links as described at the top; `src` itself
+// may be a link to a directory (the user named it). Other kinds of files (sockets, FIFOs,
+// devices) are skipped. Errors: kNotFound when `src` does not exist, kInvalidArgument when it is
+// not a directory or holds a link that leads out of it (naming the link and its target),
+// kPermissionDenied / kInternal naming the file and the reason.
+StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst,
+                                                bool durable = true);
 
 // The staging directory of one rank's files for one report round.
 std::string StagingPath(const std::string& run_dir, int attempt, uint64_t round, int rank);
@@ -85,10 +88,11 @@ bool IsCleanRelativePath(const std::string& path);
 Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
 
 // Commits one round's checkpoint as <run_dir>/<dir_name> (replacing a directory of that name
-// atomically). Every part is checked with CheckStagedPart first. Errors: kInvalidArgument for a
-// dir_name that is not one plain directory name, for a part that CheckStagedPart refuses, for a
-// file written by two ranks (naming both and the file) or for the reserved manifest name;
-// kInternal / kPermissionDenied for filesystem failures, naming the path.
+// atomically). Every part is checked with CheckStagedPart first; every staged file is fsynced
+// before it is moved, so parts staged without `durable` are committed as durably as the others.
+// Errors: kInvalidArgument for a dir_name that is not one plain directory name, for a part that
+// CheckStagedPart refuses, for a file written by two ranks (naming both and the file) or for the
+// reserved manifest name; kInternal / kPermissionDenied for filesystem failures, naming the path.
 StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const std::string& dir_name,
                                             uint64_t round, double time,
                                             const std::string& metrics_json,

@@ -31,8 +31,11 @@ enum class MessageType : uint8_t {
   kDone = 9,       // worker -> controller: the training function returned
   kReportCheckpoint = 10,  // worker -> controller: a report() round with this rank's checkpoint
   kRefused = 11,           // controller -> worker: its proven hello is refused; the reason as text
+  // controller -> worker: a checkpoint this rank reported has been committed (or its commit
+  // ended otherwise), or no commit is ahead of it any more; the worker may snapshot its next one
+  kCheckpointSettled = 12,
 };
-constexpr uint8_t kMaxMessageType = 11;
+constexpr uint8_t kMaxMessageType = 12;
 
 constexpr size_t kFrameHeaderSize = 5;
 // The largest body the u32 length field can describe (it counts the type byte too).

@@ -228,7 +228,21 @@ Status WorkerClient::ReportCheckpoint(uint64_t round, std::string_view checkpoin
   }
   JT_ASSIGN_OR_RETURN(std::string body,
                       wire::EncodeCheckpointReportBody(round, checkpoint_json, metrics_json));
+  {
+    // Counted before it is sent: the notice for it may arrive before Send() returns.
+    MutexLock lock(settle_mu_);
+    ++checkpoints_reported_;
+  }
   return Send(wire::MessageType::kReportCheckpoint, body);
+}
+
+Status WorkerClient::WaitCheckpointsSettled() {
+  MutexLock lock(settle_mu_);
+  settle_cv_.Wait(settle_mu_, [this]() REQUIRES(settle_mu_) {
+    return released_ || lost_ || checkpoints_settled_ >= checkpoints_reported_;
+  });
+  if (released_ || checkpoints_settled_ >= checkpoints_reported_) return OkStatus();
+  return UnavailableError("the connection to the controller ended before the checkpoint's commit");
 }
 
 Status WorkerClient::SendError(std::string_view json) {
@@ -242,12 +256,22 @@ Status WorkerClient::SendDone(std::string_view json) {
 void WorkerClient::WatchController(int exit_code) {
   if (watcher_.joinable()) return;
   watcher_ = std::thread([this, exit_code] {
-    char buf[4096];
     for (;;) {
-      ssize_t n = recv(fd_, buf, sizeof(buf), 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n > 0) continue;  // the controller sends nothing after the payload today
-      break;
+      StatusOr<wire::Frame> f = ReadFrame();
+      if (!f.ok()) break;
+      if (f->type != wire::MessageType::kCheckpointSettled) continue;
+      MutexLock lock(settle_mu_);
+      if (f->body == "release") {
+        released_ = true;
+      } else {
+        ++checkpoints_settled_;
+      }
+      settle_cv_.NotifyAll();
+    }
+    {
+      MutexLock lock(settle_mu_);
+      lost_ = true;
+      settle_cv_.NotifyAll();
     }
     std::lock_guard<std::mutex> lock(send_mu_);
     if (stopping_) return;

@@ -6,10 +6,11 @@
 // flood of peers fills its table, docs/wire.md) is retried with backoff until the timeout. After
 // that: Register(), WaitStart() for the coordinator and the payload, then
 // Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
-// of the process, so a worker never outlives its controller.
+// of the process, so a worker never outlives its controller, and reads what the controller sends
+// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for.
 //
-// Thread-safety: the send methods may be called from any thread (they serialise on a mutex);
-// WaitStart() must be called by one thread, before WatchController().
+// Thread-safety: the send methods and WaitCheckpointsSettled() may be called from any thread (they
+// serialise on mutexes); WaitStart() must be called by one thread, before WatchController().
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <thread>
 
 #include "base/clock.h"
+#include "base/mutex.h"
 #include "base/status.h"
 #include "wire/frame.h"
 #include "wire/socket.h"
@@ -69,6 +71,12 @@ class WorkerClient {
   // Report().
   Status ReportCheckpoint(uint64_t round, std::string_view checkpoint_json,
                           std::string_view metrics_json);
+  // Blocks until every checkpoint reported through this client has settled: its round's commit
+  // has ended, or the controller released the wait (a rank finished, so no later round can
+  // complete). At most one commit is then ahead of the next checkpoint (back-pressure). Needs
+  // WatchController(), which reads the notices. Errors: kUnavailable when the connection ends
+  // first.
+  Status WaitCheckpointsSettled();
   Status SendError(std::string_view json);
   Status SendDone(std::string_view json);
 
@@ -91,6 +99,13 @@ class WorkerClient {
   std::mutex send_mu_;
   std::thread watcher_;
   bool stopping_ = false;
+
+  Mutex settle_mu_;
+  CondVar settle_cv_;
+  uint64_t checkpoints_reported_ GUARDED_BY(settle_mu_) = 0;
+  uint64_t checkpoints_settled_ GUARDED_BY(settle_mu_) = 0;
+  bool released_ GUARDED_BY(settle_mu_) = false;
+  bool lost_ GUARDED_BY(settle_mu_) = false;  // the watcher saw the connection end
 };
 
 }  // namespace jaxtrain::worker
