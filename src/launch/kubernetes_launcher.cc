@@ -83,7 +83,7 @@ void MergeEnv(json& into, const json& ours) {
   for (const auto& e : ours) {
     bool replaced = false;
     for (auto& existing : into) {
-      if (existing.value("name", "") == e["name"]) {
+      if (existing.value("name", "") == e.value("name", "")) {
         existing = e;
         replaced = true;
       }

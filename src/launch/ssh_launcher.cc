@@ -544,9 +544,21 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
 }
 
 void SshLauncher::SignalGroup(int signal) {
-  const char* name = sigabbrev_np(signal);
-  if (name != nullptr) {
-    const std::string word = std::string(name) + "\n";
+  // The agent reads the signal's name without "SIG" (glibc's sigabbrev_np is newer than the
+  // oldest glibc the wheels run on, so the signals the controller sends are spelled here).
+  std::string name;
+  switch (signal) {
+    case SIGTERM: name = "TERM"; break;
+    case SIGKILL: name = "KILL"; break;
+    case SIGINT: name = "INT"; break;
+    case SIGHUP: name = "HUP"; break;
+    case SIGQUIT: name = "QUIT"; break;
+    case SIGUSR1: name = "USR1"; break;
+    case SIGUSR2: name = "USR2"; break;
+    default: name = SignalName(signal); name = name.rfind("SIG", 0) == 0 ? name.substr(3) : "";
+  }
+  if (!name.empty()) {
+    const std::string word = name + "\n";
     for (int fd : inputs_) {
       // Non-blocking: an agent that cannot keep up (its host is gone) is killed below or by the
       // controller's SIGKILL after the grace period.
