@@ -3,6 +3,7 @@
 // turns it on under clang; the annotations compile to nothing elsewhere).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 
@@ -48,6 +49,11 @@ class CondVar {
   template <typename Predicate>
   void Wait(Mutex& mu, Predicate done) REQUIRES(mu) {
     cv_.wait(mu, done);
+  }
+  // False when `timeout` passed with `done` still false.
+  template <typename Rep, typename Period, typename Predicate>
+  bool WaitFor(Mutex& mu, std::chrono::duration<Rep, Period> timeout, Predicate done) REQUIRES(mu) {
+    return cv_.wait_for(mu, timeout, done);
   }
   void NotifyAll() { cv_.notify_all(); }
 

@@ -17,10 +17,10 @@ Console::~Console() {
   Flush(kFlushOnDestruction);
   bool busy;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     state_->stop = true;
     busy = state_->writing;
-    state_->changed.notify_all();
+    state_->changed.NotifyAll();
   }
   // A writer inside write() sees `stop` when that write returns; it holds its own reference to
   // the state, so it may outlive this object.
@@ -33,7 +33,7 @@ Console::~Console() {
 
 bool Console::Write(int fd, std::string text) {
   if (fd < 0 || text.empty()) return true;
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(state_->mu);
   State& st = *state_;
   if (st.broken || st.queued_bytes + text.size() > capacity_) {
     st.dropped += text.size();
@@ -45,20 +45,20 @@ bool Console::Write(int fd, std::string text) {
   }
   st.queued_bytes += text.size();
   st.queue.push_back({fd, std::move(text)});
-  st.changed.notify_all();
+  st.changed.NotifyAll();
   return true;
 }
 
 bool Console::Flush(Duration timeout) {
-  std::unique_lock<std::mutex> lock(state_->mu);
+  MutexLock lock(state_->mu);
   State& st = *state_;
-  return st.changed.wait_for(lock, timeout, [&] {
+  return st.changed.WaitFor(st.mu, timeout, [&]() REQUIRES(st.mu) {
     return st.broken || (st.queue.empty() && !st.writing && st.unsaid == 0);
   });
 }
 
 uint64_t Console::dropped_bytes() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(state_->mu);
   return state_->dropped;
 }
 
@@ -70,36 +70,41 @@ void Console::Run(const std::shared_ptr<State>& state) {
   sigaddset(&pipe, SIGPIPE);
   pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
   State& st = *state;
-  std::unique_lock<std::mutex> lock(st.mu);
   for (;;) {
-    st.changed.wait(lock, [&] { return st.stop || !st.queue.empty() || st.unsaid > 0; });
-    if (st.stop) return;
     Chunk chunk;
-    if (!st.queue.empty()) {
-      chunk = std::move(st.queue.front());
-      st.queue.pop_front();
-      st.queued_bytes -= chunk.text.size();
-    } else {
-      // The queue has drained since output was dropped: say so where that output was going.
-      chunk = {st.notice_fd, "jaxtrain: " + std::to_string(st.unsaid) +
-                                 " bytes of worker output were not shown here: the console was "
-                                 "not reading (every rank's log file has them)\n"};
-      st.unsaid = 0;
+    {
+      MutexLock lock(st.mu);
+      st.changed.Wait(
+          st.mu, [&]() REQUIRES(st.mu) { return st.stop || !st.queue.empty() || st.unsaid > 0; });
+      if (st.stop) return;
+      if (!st.queue.empty()) {
+        chunk = std::move(st.queue.front());
+        st.queue.pop_front();
+        st.queued_bytes -= chunk.text.size();
+      } else {
+        // The queue has drained since output was dropped: say so where that output was going.
+        chunk = {st.notice_fd, "jaxtrain: " + std::to_string(st.unsaid) +
+                                   " bytes of worker output were not shown here: the console "
+                                   "was not reading (every rank's log file has them)\n"};
+        st.unsaid = 0;
+      }
+      st.writing = true;
     }
-    st.writing = true;
-    lock.unlock();
+    // Not under the lock: write() may block for as long as the reader does not read.
     Status written = WriteAll(chunk.fd, chunk.text, "write to the console");
-    lock.lock();
-    st.writing = false;
-    if (!written.ok()) {
-      // The reader is gone (EPIPE) or the fd is unusable: nothing more can be shown.
-      st.broken = true;
-      st.dropped += chunk.text.size() + st.queued_bytes;
-      st.queue.clear();
-      st.queued_bytes = 0;
-      st.unsaid = 0;
+    {
+      MutexLock lock(st.mu);
+      st.writing = false;
+      if (!written.ok()) {
+        // The reader is gone (EPIPE) or the fd is unusable: nothing more can be shown.
+        st.broken = true;
+        st.dropped += chunk.text.size() + st.queued_bytes;
+        st.queue.clear();
+        st.queued_bytes = 0;
+        st.unsaid = 0;
+      }
     }
-    st.changed.notify_all();
+    st.changed.NotifyAll();
   }
 }
 

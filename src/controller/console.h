@@ -10,15 +10,14 @@
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "base/clock.h"
+#include "base/mutex.h"
 
 namespace jaxtrain::controller {
 
@@ -51,16 +50,16 @@ class Console {
     std::string text;
   };
   struct State {
-    mutable std::mutex mu;
-    std::condition_variable changed;
-    std::deque<Chunk> queue;  // guarded by mu
-    size_t queued_bytes = 0;  // guarded by mu
-    uint64_t dropped = 0;     // guarded by mu: in all
-    uint64_t unsaid = 0;      // guarded by mu: dropped since the last notice
-    int notice_fd = -1;       // guarded by mu: where the next notice goes
-    bool writing = false;     // guarded by mu: the writer is inside write()
-    bool broken = false;      // guarded by mu: a write failed (EPIPE, EBADF, ...)
-    bool stop = false;        // guarded by mu
+    mutable Mutex mu;
+    CondVar changed;
+    std::deque<Chunk> queue GUARDED_BY(mu);
+    size_t queued_bytes GUARDED_BY(mu) = 0;
+    uint64_t dropped GUARDED_BY(mu) = 0;  // in all
+    uint64_t unsaid GUARDED_BY(mu) = 0;   // dropped since the last notice
+    int notice_fd GUARDED_BY(mu) = -1;    // where the next notice goes
+    bool writing GUARDED_BY(mu) = false;  // the writer is inside write()
+    bool broken GUARDED_BY(mu) = false;   // a write failed (EPIPE, EBADF, ...)
+    bool stop GUARDED_BY(mu) = false;
   };
   static void Run(const std::shared_ptr<State>& state);
 

@@ -18,6 +18,7 @@
 #include <deque>
 #include <set>
 
+#include "base/fd_io.h"
 #include "base/open_files.h"
 #include "controller/checkpoint_committer.h"
 #include "controller/console.h"
@@ -76,17 +77,6 @@ uint64_t OomKillCount() {
   if (!text.ok()) return 0;
   size_t at = text->find("\noom_kill ");
   return at == std::string::npos ? 0 : std::strtoull(text->c_str() + at + 10, nullptr, 10);
-}
-
-// False (errno set) when `data` could not be written whole.
-bool WriteFully(int fd, std::string_view data) {
-  while (!data.empty()) {
-    ssize_t n = write(fd, data.data(), data.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return true;
 }
 
 std::string HostName() {
@@ -335,9 +325,12 @@ struct Controller::Loop {
   // Rank output to its log. A log that cannot be written is said once, not fatal: the output
   // still reaches the console, and the metrics and checkpoints are recorded elsewhere.
   void WriteLog(int rank, std::string_view text) {
-    if (WriteFully(log_fds[static_cast<size_t>(rank)], text) || log_failed) return;
+    int err = 0;
+    if (WriteAll(log_fds[static_cast<size_t>(rank)], text, "write", &err).ok() || log_failed) {
+      return;
+    }
     log_failed = true;
-    const std::string why = std::strerror(errno);
+    const std::string why = std::strerror(err);
     Say("warning: cannot write " + store.LogPath(rank) + " (" + why +
         "); rank output is missing from the logs from here on");
     warnings.push_back("cannot write " + store.LogPath(rank) + ": " + why);
@@ -1539,9 +1532,9 @@ void Controller::RunLoop() {
   Outcome out = loop_->Finish();
   // What the workers printed is shown before fit() returns, unless the console stopped reading.
   if (!loop_->console.Flush(kConsoleFlushTimeout)) {
-    WriteFully(2,
-               "jaxtrain: the console stopped reading; the rest of the workers' output is "
-               "in their log files\n");
+    (void)WriteAll(2,
+                   "jaxtrain: the console stopped reading; the rest of the workers' output is "
+                   "in their log files\n");
   }
   std::lock_guard<std::mutex> lock(mu_);
   outcome_ = std::move(out);
