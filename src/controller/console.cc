@@ -33,8 +33,8 @@ Console::~Console() {
 
 bool Console::Write(int fd, std::string text) {
   if (fd < 0 || text.empty()) return true;
-  MutexLock lock(state_->mu);
   State& st = *state_;
+  MutexLock lock(st.mu);
   if (st.broken || st.queued_bytes + text.size() > capacity_) {
     st.dropped += text.size();
     if (!st.broken) {
@@ -50,8 +50,8 @@ bool Console::Write(int fd, std::string text) {
 }
 
 bool Console::Flush(Duration timeout) {
-  MutexLock lock(state_->mu);
   State& st = *state_;
+  MutexLock lock(st.mu);
   return st.changed.WaitFor(st.mu, timeout, [&]() REQUIRES(st.mu) {
     return st.broken || (st.queue.empty() && !st.writing && st.unsaid == 0);
   });
