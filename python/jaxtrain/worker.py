@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 
 EXIT_RAISED = 1
@@ -214,8 +215,55 @@ def _take_secret() -> str | None:
     return secret
 
 
+# The standby's import thread runs at this nice value (Linux: per thread), so that standbys
+# started while a group trains take little CPU from it; the main thread, which goes on to run the
+# worker, keeps the priority it was started with.
+STANDBY_IMPORT_NICE = 10
+
+
+def _import_ahead() -> None:
+    """What every worker imports, done by a standby before its activation. An import that fails
+    here fails again, and is reported, where the worker imports it itself."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STANDBY_IMPORT_NICE)
+    except OSError:  # not Linux, or not allowed: the import runs at normal priority
+        pass
+    try:
+        import cloudpickle  # noqa: F401
+        import jax  # noqa: F401
+
+        from jaxtrain import _core, checkpoint, session  # noqa: F401
+    except BaseException:
+        pass
+
+
+def _await_activation() -> str:
+    """A standby worker (JAXTRAIN_STANDBY=1, src/launch/standby_pool.h): imports jax while it
+    waits for its activation on the pipe JAXTRAIN_RUN_SECRET_FD names, a JSON object with the
+    run's secret and the variables that differ per attempt and per fit(); sets them and returns
+    the secret. EOF instead of an activation: the pool ended this
+    standby or the driver is gone; it exits 0 at once, even in the middle of the import. No fork
+    happens after the import, so it does not matter which threads the import started
+    (docs/warm-workers.md)."""
+    os.environ.pop("JAXTRAIN_STANDBY")
+    fd = int(os.environ.pop("JAXTRAIN_RUN_SECRET_FD"))
+    importer = threading.Thread(target=_import_ahead, name="jaxtrain-standby-import", daemon=True)
+    importer.start()
+    chunks = []
+    with os.fdopen(fd, "rb", closefd=True) as f:
+        while chunk := f.read():
+            chunks.append(chunk)
+    if not chunks:
+        os._exit(0)
+    activation = json.loads(b"".join(chunks))
+    os.environ.update(activation["env"])
+    importer.join()
+    return activation["secret"]
+
+
 def main() -> None:
-    secret = _take_secret()
+    standby = os.environ.get("JAXTRAIN_STANDBY") == "1"
+    secret = _await_activation() if standby else _take_secret()
     if not secret:
         sys.stderr.write(
             "jaxtrain.worker is started by jaxtrain (JaxTrainer.fit); it is not run by hand\n"

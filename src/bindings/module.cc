@@ -135,8 +135,12 @@ class PyController {
     o.status_line = status_line;
     o.console_fd = console_fd;
     if (launcher_ == "local") {
+      // Warm workers (docs/warm-workers.md) unless JAXTRAIN_WARM_WORKERS=0; refused here, before
+      // anything starts, when it is neither.
+      const bool warm = Unwrap(launch::WarmWorkersRequested());
       controller_ = std::make_unique<controller::Controller>(
-          std::move(o), std::make_unique<launch::LocalLauncher>());
+          std::move(o),
+          std::make_unique<launch::LocalLauncher>(warm ? &launch::StandbyPool::Driver() : nullptr));
     } else if (launcher_ == "kubernetes" && scaling_config_) {
       // The workers run in pods: the command of the image, the listen address the Python layer
       // chose (one the pods reach), no working directory of this host.

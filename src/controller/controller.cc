@@ -702,6 +702,11 @@ struct Controller::Loop {
       r.conn->out.PushShared(payload);
       Flush(*r.conn);
     }
+    // The group is ready: the next attempt's processes can start ahead (standby workers), at
+    // low priority, so that a restart or a later fit() finds them past import jax.
+    Status prepared = ctl.launcher_->PrepareNext(specs);
+    if (!prepared.ok()) Say("warning: " + prepared.message() + "; a restart starts afresh");
+    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
   }
 
   // Records a completed round in order: one with a checkpoint is committed first, in the
@@ -1224,8 +1229,9 @@ struct Controller::Loop {
     for (auto& spec : specs) spec.env["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
     // An attempt that run.json does not show must not run: its rounds would be lost with it.
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
-    JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched,
-                        ctl.launcher_->Launch(specs));
+    auto launched_or = ctl.launcher_->Launch(specs);
+    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
+    JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched, std::move(launched_or));
     procs.clear();
     for (auto& l : launched) procs.push_back({.launched = l});
     unreaped = procs.size();
@@ -1322,6 +1328,8 @@ struct Controller::Loop {
   }
 
   Outcome Finish() {
+    // Standby workers serve a later fit() of the same processes, but not past an abort.
+    ctl.launcher_->EndRun(/*keep=*/!aborted);
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
     for (int fd : log_fds) close(fd);

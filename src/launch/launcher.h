@@ -63,6 +63,18 @@ class Launcher {
   // Reads one unlabelled line of a multi-rank process's output: how some ranks ended, when the
   // line says so; nullopt for any other line.
   virtual std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const { return std::nullopt; }
+
+  // Starts ahead, where the launcher can, what the next Launch(specs) will start (LocalLauncher:
+  // standby workers, standby_pool.h); the others start fresh processes on each Launch().
+  // Errors: kUnavailable when they cannot be started; the next Launch() then starts afresh.
+  virtual Status PrepareNext(const std::vector<ProcessSpec>& specs) { return OkStatus(); }
+
+  // The run is over: what PrepareNext() started is kept for a later launcher of the same
+  // processes (`keep`, a second fit() in the same driver) or ended.
+  virtual void EndRun(bool keep) {}
+
+  // What the last calls did that the run's log should say (standbys used or lost), once each.
+  virtual std::vector<std::string> TakeNotes() { return {}; }
 };
 
 // One command for a whole group (a launcher for a cluster engine starts every rank the same way):

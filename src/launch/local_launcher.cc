@@ -8,10 +8,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "launch/process.h"
-
-extern char** environ;
 
 namespace jaxtrain::launch {
 namespace {
@@ -19,21 +18,8 @@ namespace {
 constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
 
 std::vector<std::string> BuildEnv(const ProcessSpec& spec) {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    size_t eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
-  // A driver that is itself a worker of another run must not hand that run's secret on.
-  for (const char* name : {"JAXTRAIN_RUN_SECRET", "JAXTRAIN_RUN_SECRET_FILE", kSecretFdEnv}) {
-    env.erase(name);
-  }
-  for (const auto& name : spec.unset_env) env.erase(name);
-  for (const auto& [k, v] : spec.env) env[k] = v;
   std::vector<std::string> out;
-  out.reserve(env.size());
-  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  for (const auto& [k, v] : LocalEnvironment(spec)) out.push_back(k + "=" + v);
   return out;
 }
 
@@ -43,12 +29,34 @@ std::string RanksText(const std::vector<int>& ranks) {
   return out;
 }
 
+void Discard(LaunchedProcess& p) {
+  kill(p.pid, SIGKILL);
+  WaitForExit(p.pid);
+  close(p.pidfd);
+  close(p.output_fd);
+}
+
 }  // namespace
+
+LocalLauncher::~LocalLauncher() {
+  if (standbys_) standbys_->Release(this);
+}
 
 StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pgid_ = 0;
+  std::optional<StandbyPool::Taken> taken;
+  if (standbys_) {
+    taken = standbys_->Take(this, specs, &notes_);
+  } else if (!said_off_) {
+    said_off_ = true;
+    notes_.push_back(
+        "warm workers are off (JAXTRAIN_WARM_WORKERS=0): every attempt starts "
+        "fresh worker processes");
+  }
+  if (taken) pgid_ = taken->pgid;
   std::vector<LaunchedProcess> launched;
+  std::vector<int> warm;
   auto fail = [&](Status s) -> Status {
     SignalGroup(SIGKILL);
     for (auto& p : launched) {
@@ -56,11 +64,31 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
       close(p.pidfd);
       close(p.output_fd);
     }
+    if (taken) {
+      for (auto& slot : taken->slots) {
+        if (!slot) continue;
+        if (slot->activation_fd >= 0) close(slot->activation_fd);
+        if (slot->process.pid > 0) Discard(slot->process);
+      }
+    }
     pgid_ = 0;
     return s;
   };
 
-  for (const auto& spec : specs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ProcessSpec& spec = specs[i];
+    if (taken && taken->slots[i]) {
+      Standby standby = std::move(*taken->slots[i]);
+      taken->slots[i].reset();
+      Status activated = Activate(standby, spec);
+      if (activated.ok()) {
+        launched.push_back(standby.process);
+        warm.insert(warm.end(), spec.ranks.begin(), spec.ranks.end());
+        continue;
+      }
+      notes_.push_back(activated.message() + "; starting a fresh process");
+      Discard(standby.process);
+    }
     std::vector<std::string> env = BuildEnv(spec);
     int secret_fd = -1;
     if (!spec.secret.empty()) {
@@ -72,29 +100,18 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
       secret_fd = *fd;
       env.push_back(std::string(kSecretFdEnv) + "=" + std::to_string(secret_fd));
     }
-    auto spawned = SpawnWithOutputPipe({.argv = spec.argv,
-                                        .env = &env,
-                                        .cwd = spec.cwd,
-                                        .process_group = pgid_,
-                                        .inherit_fd = secret_fd});
+    auto started = StartLocalProcess(spec, env, pgid_, secret_fd);
     if (secret_fd >= 0) close(secret_fd);
-    if (!spawned.ok()) {
+    if (!started.ok()) {
       return fail(UnavailableError("cannot start the process of rank " + RanksText(spec.ranks) +
-                                   " (" + spec.argv[0] + "): " + spawned.status().message()));
+                                   " (" + spec.argv[0] + "): " + started.status().message()));
     }
-    const pid_t pid = spawned->pid;
-    const int output_fd = spawned->output_fd;
-    if (pgid_ == 0) pgid_ = pid;
-    int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-    if (pidfd < 0) {
-      int err = errno;
-      close(output_fd);
-      launched.push_back({spec.ranks, pid, -1, -1});
-      return fail(ErrnoError("pidfd_open", err));
-    }
-    fcntl(pidfd, F_SETFD, FD_CLOEXEC);
-    fcntl(output_fd, F_SETFL, fcntl(output_fd, F_GETFL) | O_NONBLOCK);
-    launched.push_back({spec.ranks, pid, pidfd, output_fd});
+    if (pgid_ == 0) pgid_ = started->pid;
+    launched.push_back(*started);
+  }
+  if (!warm.empty()) {
+    notes_.push_back("rank" + std::string(warm.size() > 1 ? "s " : " ") + RanksText(warm) +
+                     " started from standby workers (already past import jax)");
   }
   return launched;
 }
@@ -102,5 +119,20 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
 void LocalLauncher::SignalGroup(int signal) {
   if (pgid_ > 0) killpg(pgid_, signal);
 }
+
+Status LocalLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
+  return standbys_ ? standbys_->Prepare(this, specs) : OkStatus();
+}
+
+void LocalLauncher::EndRun(bool keep) {
+  if (!standbys_) return;
+  if (keep) {
+    standbys_->Release(this);
+  } else {
+    standbys_->End(this);
+  }
+}
+
+std::vector<std::string> LocalLauncher::TakeNotes() { return std::exchange(notes_, {}); }
 
 }  // namespace jaxtrain::launch

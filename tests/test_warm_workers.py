@@ -1,0 +1,217 @@
+"""Warm workers (docs/warm-workers.md): standby worker processes, started ahead and past
+``import jax``, serve a restart and a second fit() in the same driver. Real worker processes and
+real JAX (multi-process CPU), each driver in a child process so that its pool is its own.
+
+A worker proves it was a standby by its start time: /proc/self/stat's start time and
+/proc/uptime are both seconds since boot, so "started before the failure" needs no clock of
+another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+
+NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
+
+DRIVER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+
+    def since_boot():
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0])
+
+
+    def started_since_boot():
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+    def train(config):
+        import tempfile
+        import numpy as np
+        from jax.experimental import multihost_utils
+        from jaxtrain import Checkpoint, get_checkpoint, get_context, report
+
+        ctx = get_context()
+        rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+        with open(os.path.join(config["out"], f"{config['fit']}-a{attempt}-r{rank}.json"), "w") as f:
+            json.dump({"started": started_since_boot(), "pid": os.getpid()}, f)
+        first = 0
+        if get_checkpoint() is not None:
+            with get_checkpoint().as_directory() as d:
+                first = json.load(open(os.path.join(d, f"r{rank}.json")))["step"] + 1
+        for step in range(first, 4):
+            values = multihost_utils.process_allgather(np.float32(rank + step))
+            with tempfile.TemporaryDirectory() as d:
+                json.dump({"step": step}, open(os.path.join(d, f"r{rank}.json"), "w"))
+                report({"step": step, "loss": float(np.sum(values))},
+                       checkpoint=Checkpoint.from_directory(d))
+            if config["kill"] and attempt == 0 and rank == 1 and step == 1:
+                with open(os.path.join(config["out"], "kill.json"), "w") as f:
+                    json.dump({"at": since_boot()}, f)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+    settings = json.loads(sys.argv[1])
+    results = []
+    for fit in range(settings["fits"]):
+        start = since_boot()
+        result = JaxTrainer(
+            train,
+            train_loop_config={"out": settings["out"], "fit": fit, "kill": settings["kill"]},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name=f"warm{fit}", storage_path=settings["storage"],
+                                 failure_config=FailureConfig(max_failures=1)),
+        ).fit()
+        run = json.load(open(os.path.join(result.path, "run.json")))
+        results.append({"start": start, "losses": list(result.metrics_dataframe["loss"]),
+                        "steps": list(result.metrics_dataframe["step"]),
+                        "attempts": len(run["attempts"]),
+                        "restored": [a["restored_from"] for a in run["attempts"]]})
+    print(json.dumps(results))
+    """
+)
+
+
+def _drive(tmp_path: Path, *, fits: int, kill: bool, env: dict | None = None):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    settings = {"out": str(out), "storage": str(tmp_path / "runs"), "fits": fits, "kill": kill}
+    proc = subprocess.run([sys.executable, str(script), json.dumps(settings)], cwd=tmp_path,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=NO_HANG_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, out
+
+
+def _worker(out: Path, fit: int, attempt: int, rank: int) -> dict:
+    return json.loads((out / f"{fit}-a{attempt}-r{rank}.json").read_text())
+
+
+def test_a_restart_after_a_killed_worker_uses_standbys_and_resumes_from_the_checkpoint(tmp_path):
+    results, stderr, out = _drive(tmp_path, fits=1, kill=True)
+    (run,) = results
+    assert run["attempts"] == 2
+    assert run["restored"][1] is not None
+    # Attempt 1 went on after the checkpoint it restored (step 0 or 1) up to step 3; every loss
+    # is the sum over both ranks.
+    assert set(run["steps"]) == {0, 1, 2, 3} and run["steps"][-2:] == [2, 3], run
+    assert run["losses"] == [2.0 * s + 1 for s in run["steps"]], run
+    killed_at = json.loads((out / "kill.json").read_text())["at"]
+    for rank in range(2):
+        assert _worker(out, 0, 1, rank)["started"] < killed_at, "a fresh process, not a standby"
+    assert "ranks 0,1 started from standby workers" in stderr, stderr[-4000:]
+
+
+def test_a_second_fit_in_the_same_driver_takes_the_pooled_standbys(tmp_path):
+    results, stderr, out = _drive(tmp_path, fits=2, kill=False)
+    assert [r["losses"] for r in results] == [[1.0, 3.0, 5.0, 7.0]] * 2
+    assert [r["attempts"] for r in results] == [1, 1]
+    for rank in range(2):
+        assert _worker(out, 1, 0, rank)["started"] < results[1]["start"]
+        assert _worker(out, 1, 0, rank)["pid"] != _worker(out, 0, 0, rank)["pid"]
+    assert stderr.count("ranks 0,1 started from standby workers") == 1, stderr[-4000:]
+
+
+def test_warm_workers_off_starts_every_attempt_afresh_and_says_so(tmp_path):
+    results, stderr, out = _drive(tmp_path, fits=1, kill=True, env={"JAXTRAIN_WARM_WORKERS": "0"})
+    assert results[0]["losses"] == [1.0, 3.0, 5.0, 7.0]
+    killed_at = json.loads((out / "kill.json").read_text())["at"]
+    for rank in range(2):
+        assert _worker(out, 0, 1, rank)["started"] >= killed_at
+    assert "warm workers are off (JAXTRAIN_WARM_WORKERS=0)" in stderr
+    assert "standby" not in stderr
+
+
+def test_a_bad_warm_workers_value_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_WARM_WORKERS", "yes")
+    trainer = JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                         run_config=RunConfig(name="bad", storage_path=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"JAXTRAIN_WARM_WORKERS='yes' is not allowed: use 1 .* or 0"):
+        trainer.fit()
+
+
+HOLD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+
+    def standbys_of(driver):
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\\0")
+            except (OSError, ValueError):
+                continue
+            if ppid == driver and b"JAXTRAIN_STANDBY=1" in env:
+                found.append(int(pid))
+        return found
+
+    def train(config):
+        from jaxtrain import get_context
+        if get_context().get_world_rank() == 0:
+            deadline = time.monotonic() + 120
+            while len(standbys_of(config["driver"])) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            tmp = config["pids"] + ".tmp"
+            json.dump(standbys_of(config["driver"]), open(tmp, "w"))
+            os.rename(tmp, config["pids"])
+        time.sleep(3600)
+
+    JaxTrainer(train, train_loop_config={"pids": sys.argv[1], "driver": os.getpid()},
+               scaling_config=ScalingConfig(num_workers=2),
+               run_config=RunConfig(name="held", storage_path=sys.argv[2])).fit()
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_driver_killed_with_sigkill_leaves_no_standby_alive(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD)
+    pids_file = tmp_path / "pids.json"
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen([sys.executable, str(script), str(pids_file), str(tmp_path)],
+                                  stdout=err, stderr=err)
+    try:
+        deadline = time.monotonic() + NO_HANG_S
+        while not pids_file.exists():
+            assert driver.poll() is None, (tmp_path / "driver.err").read_text()[-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        standbys = json.loads(pids_file.read_text())
+        assert len(standbys) == 2 and all(_alive(p) for p in standbys)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in standbys) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in standbys if _alive(p)], "standbys outlived their driver"
