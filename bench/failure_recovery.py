@@ -149,6 +149,8 @@ def run_fresh(workers: int, config: dict, out_dir: str) -> float:
 
 
 def main() -> None:
+    # Cold starts, every fit() of its own processes: bench/warm_workers.py measures warm ones.
+    os.environ.setdefault("JAXTRAIN_WARM_WORKERS", "0")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument(

@@ -186,6 +186,8 @@ def spread(values: list[float], unit: str, scale: float = 1.0) -> str:
 
 
 def main() -> None:
+    # Cold starts, every fit() of its own processes: bench/warm_workers.py measures warm ones.
+    os.environ.setdefault("JAXTRAIN_WARM_WORKERS", "0")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument(

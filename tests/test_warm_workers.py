@@ -49,7 +49,8 @@ DRIVER = textwrap.dedent(
 
         ctx = get_context()
         rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
-        with open(os.path.join(config["out"], f"{config['fit']}-a{attempt}-r{rank}.json"), "w") as f:
+        name = f"{config['fit']}-a{attempt}-r{rank}.json"
+        with open(os.path.join(config["out"], name), "w") as f:
             json.dump({"started": started_since_boot(), "pid": os.getpid()}, f)
         first = 0
         if get_checkpoint() is not None:
@@ -144,7 +145,8 @@ def test_a_bad_warm_workers_value_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_WARM_WORKERS", "yes")
     trainer = JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
                          run_config=RunConfig(name="bad", storage_path=str(tmp_path)))
-    with pytest.raises(ValueError, match=r"JAXTRAIN_WARM_WORKERS='yes' is not allowed: use 1 .* or 0"):
+    refused = r"JAXTRAIN_WARM_WORKERS='yes' is not allowed: use 1 .* or 0"
+    with pytest.raises(ValueError, match=refused):
         trainer.fit()
 
 

@@ -105,6 +105,155 @@ TEST(LocalLauncherTest, AProcessThatCannotStartFailsTheWholeLaunch) {
   EXPECT_NE(procs.status().message().find("/nonexistent/python"), std::string::npos);
 }
 
+// A process that prints what it was started with: its pid to <dir>/pid.<rank> first, then what
+// reaches it on its secret pipe (a standby's activation, or a fresh process's secret), then
+// whether its environment had a standby's and an activation's variables.
+std::vector<ProcessSpec> EchoSpecs(const std::string& dir, const std::string& x) {
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    ProcessSpec spec{{r},
+                     {"/bin/sh", "-c",
+                      "echo $$ > " + dir + "/pid.$JT_R.tmp && mv " + dir + "/pid.$JT_R.tmp " + dir +
+                          "/pid.$JT_R; cat <&$JAXTRAIN_RUN_SECRET_FD; echo;"
+                          " echo standby=${JAXTRAIN_STANDBY:-no} attempt=${JAXTRAIN_ATTEMPT:-no}"},
+                     {{"JT_R", std::to_string(r)}, {"JT_X", x}, {"JAXTRAIN_ATTEMPT", "3"}},
+                     {},
+                     ""};
+    spec.secret = "s3cret";
+    specs.push_back(spec);
+  }
+  return specs;
+}
+
+std::string TempDir() {
+  char dir[] = "/tmp/jt-standby-XXXXXX";
+  EXPECT_NE(mkdtemp(dir), nullptr);
+  return dir;
+}
+
+std::vector<std::string> LaunchAndRead(LocalLauncher& launcher,
+                                       const std::vector<ProcessSpec>& specs) {
+  auto procs = launcher.Launch(specs);
+  EXPECT_TRUE(procs.ok()) << procs.status().ToString();
+  std::vector<std::string> out;
+  if (!procs.ok()) return out;
+  for (auto& p : *procs) {
+    out.push_back(ReadAll(p.output_fd));
+    EXPECT_TRUE(WaitExit(p).ok());
+    close(p.pidfd);
+    close(p.output_fd);
+  }
+  return out;
+}
+
+std::string Joined(const std::vector<std::string>& notes) {
+  std::string out;
+  for (const auto& n : notes) out += n + "\n";
+  return out;
+}
+
+TEST(StandbyTest, TheNextLaunchActivatesTheStandbysWithTheSecretAndTheAttempt) {
+  signal(SIGPIPE, SIG_IGN);
+  StandbyPool pool;
+  LocalLauncher launcher(&pool);
+  const std::string dir = TempDir();
+  auto specs = EchoSpecs(dir, "a");
+  ASSERT_TRUE(launcher.PrepareNext(specs).ok());
+  EXPECT_EQ(pool.size(), 2u);
+  ASSERT_TRUE(launcher.PrepareNext(specs).ok());  // one set ahead at most
+  EXPECT_EQ(pool.size(), 2u);
+  auto out = LaunchAndRead(launcher, specs);
+  ASSERT_EQ(out.size(), 2u);
+  for (const auto& o : out) {
+    // The attempt came with the activation; the environment had the standby marker only.
+    EXPECT_EQ(o, R"({"env":{"JAXTRAIN_ATTEMPT":"3"},"secret":"s3cret"})"
+                 "\nstandby=1 attempt=no\n");
+  }
+  EXPECT_EQ(pool.size(), 0u);
+  EXPECT_NE(Joined(launcher.TakeNotes()).find("ranks 0,1 started from standby workers"),
+            std::string::npos);
+}
+
+TEST(StandbyTest, StandbysOfOtherProcessesAreEndedAndFreshOnesStarted) {
+  StandbyPool pool;
+  const std::string dir = TempDir();
+  {
+    LocalLauncher first(&pool);
+    ASSERT_TRUE(first.PrepareNext(EchoSpecs(dir, "a")).ok());
+    first.EndRun(/*keep=*/true);
+  }
+  EXPECT_EQ(pool.size(), 2u);
+  LocalLauncher second(&pool);
+  auto out = LaunchAndRead(second, EchoSpecs(dir, "b"));  // JT_X differs: another key
+  for (const auto& o : out) EXPECT_EQ(o, "s3cret\nstandby=no attempt=3\n");
+  EXPECT_EQ(pool.size(), 0u);
+  EXPECT_EQ(Joined(second.TakeNotes()).find("standby"), std::string::npos);
+}
+
+TEST(StandbyTest, AKeptSetServesTheNextLauncherOfTheSameProcesses) {
+  StandbyPool pool;
+  const std::string dir = TempDir();
+  {
+    LocalLauncher first(&pool);
+    ASSERT_TRUE(first.PrepareNext(EchoSpecs(dir, "a")).ok());
+  }  // destroyed without EndRun: the set is kept all the same
+  LocalLauncher second(&pool);
+  auto specs = EchoSpecs(dir, "a");
+  specs[0].env["JAXTRAIN_ATTEMPT"] = specs[1].env["JAXTRAIN_ATTEMPT"] = "0";
+  auto out = LaunchAndRead(second, specs);
+  for (const auto& o : out) EXPECT_NE(o.find(R"("JAXTRAIN_ATTEMPT":"0")"), std::string::npos) << o;
+}
+
+TEST(StandbyTest, AStandbyThatDiedIsReplacedByAFreshProcessInTheSameGroup) {
+  StandbyPool pool;
+  LocalLauncher launcher(&pool);
+  const std::string dir = TempDir();
+  auto specs = EchoSpecs(dir, "a");
+  ASSERT_TRUE(launcher.PrepareNext(specs).ok());
+  std::string pid_path = dir + "/pid.1";
+  for (int i = 0; i < 1000 && access(pid_path.c_str(), F_OK) != 0; ++i) usleep(10000);
+  FILE* f = fopen(pid_path.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  int pid = 0;
+  ASSERT_EQ(fscanf(f, "%d", &pid), 1);
+  fclose(f);
+  kill(pid, SIGKILL);
+  siginfo_t info{};
+  ASSERT_EQ(waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT), 0);  // not reaped
+  auto out = LaunchAndRead(launcher, specs);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].substr(0, 1), "{");
+  EXPECT_EQ(out[1], "s3cret\nstandby=no attempt=3\n");
+  const std::string notes = Joined(launcher.TakeNotes());
+  EXPECT_NE(notes.find("the standby worker of rank 1 killed by signal 9 (SIGKILL) before it was "
+                       "used; starting a fresh process"),
+            std::string::npos)
+      << notes;
+  EXPECT_NE(notes.find("rank 0 started from standby workers"), std::string::npos) << notes;
+}
+
+TEST(StandbyTest, EndingARunWithoutKeepingEndsItsStandbys) {
+  StandbyPool pool;
+  LocalLauncher launcher(&pool);
+  ASSERT_TRUE(launcher.PrepareNext(EchoSpecs(TempDir(), "a")).ok());
+  launcher.EndRun(/*keep=*/false);
+  EXPECT_EQ(pool.size(), 0u);
+}
+
+TEST(StandbyTest, WarmWorkersAreOnUnlessTurnedOffAndOtherValuesAreRefused) {
+  unsetenv("JAXTRAIN_WARM_WORKERS");
+  EXPECT_TRUE(*WarmWorkersRequested());
+  setenv("JAXTRAIN_WARM_WORKERS", "0", 1);
+  EXPECT_FALSE(*WarmWorkersRequested());
+  setenv("JAXTRAIN_WARM_WORKERS", "on", 1);
+  auto bad = WarmWorkersRequested();
+  unsetenv("JAXTRAIN_WARM_WORKERS");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("JAXTRAIN_WARM_WORKERS='on' is not allowed: use 1"),
+            std::string::npos);
+}
+
 // The way a child gets its directory on glibc before 2.29 (the oldest the wheels run on): the
 // program starts in the directory with its arguments intact, as with posix_spawn's own chdir.
 TEST(SpawnTest, ChdirThroughShellStartsTheProgramInItsDirectoryWithItsArguments) {
