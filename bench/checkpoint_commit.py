@@ -21,8 +21,9 @@ in turn (ABAB... so that machine noise hits both):
 Training time blocked per checkpoint, from the same jaxtrain runs: each rank's ``report()`` call to
 its return (the slowest rank's), against the baseline of a synchronous commit, which blocks each
 rank from its call until the round's commit has ended: after ``report()`` returns, each rank waits
-for the controller's notice that the commit ended (what the next ``report(checkpoint=)`` waits for)
-and notes the time. The background commit's time is the rest: the last rank's return to the
+until its background stager has written and reported the checkpoint and the controller's notice
+that the commit ended has come (what the next ``report(checkpoint=)`` waits for) and notes the
+time. The background commit's time is the rest: the last rank's return to the
 commit's end.
 
 After each jaxtrain run, restoring is measured on its committed checkpoint, as a resume does it
@@ -110,7 +111,7 @@ def train_func(config: dict) -> None:
     report({"rank": rank}, checkpoint=checkpoint)
     t_staged = time.time()
     # What a synchronous commit would block until: the controller's notice that it ended.
-    session._require("report").client.wait_checkpoints_settled()
+    session._require("report").wait_checkpoints_settled()
     t_settled = time.time()
     with open(os.path.join(config["out_dir"], f"rank{rank}.json"), "w") as f:
         json.dump({"t_call": t_call, "t_staged": t_staged, "t_settled": t_settled}, f)

@@ -38,6 +38,20 @@ def stage_directory(src: str, dst: str, durable: bool = True) -> list:
     Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links. Without durable, the copy is not fsynced (the commit fsyncs it).
     """
 
+class DirectorySnapshot:
+    @property
+    def bytes(self) -> int: ...
+
+    def write(self, dst: str) -> list:
+        """
+        Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums, and frees its memory; returns the files as stage_directory does.
+        """
+
+def snapshot_directory(src: str, budget_bytes: int) -> object:
+    """
+    Reads a checkpoint directory into memory (DirectorySnapshot), by the rules of stage_directory; None when its files hold more than budget_bytes together.
+    """
+
 def verify_checkpoint(dir: str, checksums: bool, threads: int = 0) -> None: ...
 
 def ranked_checkpoints(run_dir: str, score_attribute: str | None, higher_is_better: bool) -> list:

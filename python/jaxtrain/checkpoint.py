@@ -16,8 +16,8 @@ class Checkpoint:
     """A checkpoint directory.
 
     In the training function, ``Checkpoint.from_directory(d)`` names files to save with
-    ``report(metrics, checkpoint=...)``: they are copied when ``report`` is called, so ``d`` may be
-    reused or deleted afterwards. ``get_checkpoint()``, ``Result.checkpoint`` and
+    ``report(metrics, checkpoint=...)``: they are read (or, above the snapshot budget, copied) when
+    ``report`` is called, so ``d`` may be reused or deleted afterwards. ``get_checkpoint()``, ``Result.checkpoint`` and
     ``Result.best_checkpoints`` return committed checkpoints, whose directory also holds the
     manifest ``.jaxtrain_manifest.json`` (files, sizes, checksums).
     """

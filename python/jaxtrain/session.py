@@ -6,9 +6,12 @@ these functions raise a RuntimeError that says so.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,115 @@ class TrainContext:
         return self.attempt
 
 
+SNAPSHOT_BUDGET_ENV = "JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB"
+# The exit code of a worker whose training function raised (jaxtrain.worker.EXIT_RAISED).
+_EXIT_RAISED = 1
+
+
+def snapshot_budget_bytes(local_world_size: int) -> int:
+    """How many bytes of checkpoint files ``report(checkpoint=)`` may hold in memory per rank:
+    JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB (MiB; 0 turns snapshots off), by default a quarter of this
+    host's memory shared by its ranks. The driver has checked the variable
+    (check_snapshot_budget)."""
+    value = os.environ.get(SNAPSHOT_BUDGET_ENV)
+    if value:
+        return int(value) << 20
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return memory // 4 // max(local_world_size, 1)
+
+
+def check_snapshot_budget() -> str | None:
+    """JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB as the driver passes it on (None: unset, the default);
+    anything but a whole number of MiB >= 0 is refused with a ValueError naming it."""
+    value = os.environ.get(SNAPSHOT_BUDGET_ENV)
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(
+            f"{SNAPSHOT_BUDGET_ENV}={value!r} is not allowed; use a whole number of MiB >= 0 (the "
+            "memory each rank may hold a checkpoint in while report(checkpoint=) stages it in the "
+            "background; 0 copies every checkpoint before report() returns), or leave it unset "
+            "(a quarter of the host's memory, shared by its ranks)")
+    return str(int(value))
+
+
+class _Stager:
+    """This rank's background stager: one thread that writes checkpoint snapshots into their
+    staging directories (checksums on the way, in C++ without the GIL) and then sends their
+    reports, and sends the metrics-only reports queued behind them, in the order of the rounds.
+
+    Reports go to the controller in round order: a metrics-only report is sent at once when
+    nothing is queued, and queued behind the pending checkpoint otherwise. A failure to stage
+    (a full disk, a permission) ends the worker as a raising training function does, with the
+    rank and the path in the message: a checkpoint is never lost silently."""
+
+    def __init__(self, client: Any, rank: int) -> None:
+        self._client = client
+        self._rank = rank
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple] = collections.deque()
+        self._busy = False  # an item is taken off the queue and not yet sent
+        self._thread: threading.Thread | None = None
+
+    def report(self, round_: int, text: str) -> None:
+        with self._cv:
+            if not self._queue and not self._busy:
+                self._client.report(round_, text)
+                return
+            self._queue.append((round_, text, None))
+
+    def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict) -> None:
+        with self._cv:
+            self._queue.append((round_, text, (snapshot, description)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxtrain-stager",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Returns once everything queued has been sent."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._busy)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue))
+                round_, text, work = self._queue.popleft()
+                self._busy = True
+            try:
+                if work is None:
+                    self._client.report(round_, text)
+                else:
+                    snapshot, description = work
+                    try:
+                        description["files"] = snapshot.write(description["staging"])
+                    except Exception as e:
+                        self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
+                                   f"checkpoint of round {round_} into '{description['staging']}' "
+                                   f"in the background failed: {type(e).__name__}: {e}")
+                    self._client.report_checkpoint(round_, json.dumps(description), text)
+            except Exception as e:
+                self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
+                           f"in the background failed: {type(e).__name__}: {e}")
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _fail(self, message: str) -> None:
+        tb = traceback.format_exc()
+        sys.stderr.write(f"{tb}jaxtrain worker: {message}\n")
+        sys.stderr.flush()
+        try:
+            self._client.send_error(json.dumps(
+                {"message": message, "traceback": tb, "phase": "training"}))
+        except Exception:  # the controller may already be gone; the exit code still tells
+            pass
+        sys.stdout.flush()
+        os._exit(_EXIT_RAISED)
+
+
 class _Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None):
         self.client = client
@@ -58,6 +170,18 @@ class _Session:
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
+        self.stager = _Stager(client, context.world_rank)
+        self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
+        self.said_over_budget = False
+
+    def wait_checkpoints_settled(self) -> None:
+        """Returns once this rank's checkpoints are staged, reported and their commits ended."""
+        self.stager.drain()
+        self.client.wait_checkpoints_settled()
+
+    def flush(self) -> None:
+        """Returns once every report of this rank has been sent (before the worker says done)."""
+        self.stager.drain()
 
 
 _session: _Session | None = None
@@ -98,13 +222,20 @@ def report(
 
     Every worker must call ``report`` the same number of times; rank 0's metrics become the
     run's (``Result.metrics``, ``result.jsonl``, ``progress.csv``). A metrics-only call does not
-    wait for the controller. With ``checkpoint``, this rank's files are copied before ``report``
-    returns, so the directory may be changed or deleted right after; when every rank has reported
-    the round, the controller commits the files of all the ranks that passed a checkpoint together
-    as one checkpoint, named ``checkpoint_dir_name`` or ``checkpoint_<round>``, in the background
-    (fsync, manifest, atomic rename) while training goes on. At most one commit is in flight: a
-    ``report`` with a checkpoint first waits until the commit of this rank's previous one has
-    ended. Ranks must write different file names into one checkpoint.
+    wait for the controller. With ``checkpoint``, this rank's files are read into memory before
+    ``report`` returns, so the directory may be changed or deleted right after; a background
+    thread writes them into the run's staging area (with their checksums) and reports them. A
+    checkpoint larger than the snapshot budget (JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB, by default a
+    quarter of the host's memory shared by its ranks) is copied before ``report`` returns instead
+    (said once in the rank's log). Reports reach the controller in order: later metrics-only calls
+    wait behind a checkpoint being staged, without blocking the caller. When every rank has
+    reported the round, the controller commits the files of all the ranks that passed a
+    checkpoint together as one checkpoint, named ``checkpoint_dir_name`` or
+    ``checkpoint_<round>``, in the background (fsync, manifest, atomic rename) while training
+    goes on. At most one checkpoint is in flight: a ``report`` with a checkpoint first waits until
+    this rank's previous one is staged and its commit has ended. A failure to stage (a full disk,
+    a permission) fails the run, naming the rank and the path. Ranks must write different file
+    names into one checkpoint.
     """
     session = _require("report")
     if not isinstance(metrics, dict):
@@ -120,7 +251,7 @@ def report(
     with session.lock:
         session.round += 1
         if checkpoint is None:
-            session.client.report(session.round, text)
+            session.stager.report(session.round, text)
             return
         from jaxtrain import _core
 
@@ -128,14 +259,34 @@ def report(
         staging = os.path.join(
             ctx.run_dir, ".staging", f"a{ctx.attempt}-r{session.round}-rank{ctx.world_rank}"
         )
-        # Back-pressure: the previous checkpoint's commit ends before this one is copied.
-        session.client.wait_checkpoints_settled()
+        # Back-pressure: the previous checkpoint is staged and its commit has ended before this
+        # one is read, so one snapshot at most is held in memory.
+        session.wait_checkpoints_settled()
+        description = {"staging": staging, "dir_name": checkpoint_dir_name}
         try:
-            files = _core.stage_directory(checkpoint.path, staging, durable=False)
+            snapshot = _core.snapshot_directory(checkpoint.path, session.snapshot_budget)
+            if snapshot is None:
+                _say_over_budget(session, checkpoint.path)
+                description["files"] = _core.stage_directory(checkpoint.path, staging,
+                                                             durable=False)
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
-        description = {"staging": staging, "files": files, "dir_name": checkpoint_dir_name}
-        session.client.report_checkpoint(session.round, json.dumps(description), text)
+        if snapshot is None:  # copied: nothing is queued (drained above), so it goes now
+            session.client.report_checkpoint(session.round, json.dumps(description), text)
+        else:
+            session.stager.checkpoint(session.round, text, snapshot, description)
+
+
+def _say_over_budget(session: _Session, path: str) -> None:
+    if session.said_over_budget:
+        return
+    session.said_over_budget = True
+    sys.stderr.write(
+        f"jaxtrain worker: rank {session.context.world_rank}: the checkpoint in '{path}' is larger "
+        f"than the snapshot budget ({session.snapshot_budget >> 20} MiB, {SNAPSHOT_BUDGET_ENV}); "
+        "report(checkpoint=) copies such checkpoints before it returns instead of in the "
+        "background (said once)\n")
+    sys.stderr.flush()
 
 
 def get_checkpoint() -> Checkpoint | None:

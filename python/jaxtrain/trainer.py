@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, ray_args, storage
+from jaxtrain import _core, callbacks, ray_args, session, storage
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
@@ -135,6 +135,7 @@ class JaxTrainer:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
         payload = _pickle_task(fn, self.train_loop_config, self._takes_config)
         compilation_cache = _compilation_cache()  # refused before anything starts
+        snapshot_budget = session.check_snapshot_budget()  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
@@ -167,6 +168,8 @@ class JaxTrainer:
             storage.make_private(run_dir)
         worker_env = _worker_env(self.run_config, plan)
         worker_env["JAXTRAIN_COMPILATION_CACHE"] = compilation_cache  # every launcher passes it
+        if snapshot_budget is not None:
+            worker_env[session.SNAPSHOT_BUDGET_ENV] = snapshot_budget
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         sys.stdout.flush()

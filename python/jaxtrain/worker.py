@@ -364,6 +364,7 @@ def main() -> None:
     except BaseException:
         _fail(client, "training", EXIT_RAISED)
 
+    session._require("report").flush()  # queued reports go before done
     sys.stdout.flush()
     sys.stderr.flush()
     client.send_done("{}")

@@ -310,6 +310,21 @@ class PyController {
   std::unique_ptr<controller::Controller> controller_;
 };
 
+// Staged files as report(checkpoint=) describes them to the controller.
+nb::list EntriesToList(const std::vector<storage::FileEntry>& entries) {
+  nb::list out;
+  for (const auto& e : entries) {
+    nb::dict d;
+    d["path"] = e.path;
+    d["size"] = e.size;
+    d["crc32c"] = e.crc32c;
+    d["mode"] = e.mode;
+    if (!e.link.empty()) d["link"] = e.link;
+    out.append(d);
+  }
+  return out;
+}
+
 class PyWorkerClient {
  public:
   static PyWorkerClient Connect(const std::string& address, const std::string& secret_hex,
@@ -470,21 +485,44 @@ NB_MODULE(_core, m) {
           nb::gil_scoped_release release;
           entries = storage::StageDirectory(src, dst, durable);
         }
-        nb::list out;
-        for (const auto& e : Unwrap(std::move(entries))) {
-          nb::dict d;
-          d["path"] = e.path;
-          d["size"] = e.size;
-          d["crc32c"] = e.crc32c;
-          d["mode"] = e.mode;
-          if (!e.link.empty()) d["link"] = e.link;
-          out.append(d);
-        }
-        return out;
+        return EntriesToList(Unwrap(std::move(entries)));
       },
       "src"_a, "dst"_a, "durable"_a = true,
       "Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and "
       "kept links. Without durable, the copy is not fsynced (the commit fsyncs it).");
+
+  nb::class_<storage::DirectorySnapshot>(m, "DirectorySnapshot")
+      .def_prop_ro("bytes", [](const storage::DirectorySnapshot& s) { return s.bytes; })
+      .def(
+          "write",
+          [](storage::DirectorySnapshot& s, const std::string& dst) {
+            StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
+            {
+              nb::gil_scoped_release release;
+              entries = storage::WriteSnapshot(s, dst);
+              s = storage::DirectorySnapshot();  // the memory goes back at once, written or not
+            }
+            return EntriesToList(Unwrap(std::move(entries)));
+          },
+          "dst"_a,
+          "Writes the snapshot into dst as stage_directory(durable=False) would have copied its "
+          "source, computing the checksums, and frees its memory; returns the files as "
+          "stage_directory does.");
+
+  m.def(
+      "snapshot_directory",
+      [](const std::string& src, uint64_t budget_bytes) -> nb::object {
+        StatusOr<storage::DirectorySnapshot> snapshot = InternalError("");
+        {
+          nb::gil_scoped_release release;
+          snapshot = storage::SnapshotDirectory(src, budget_bytes);
+        }
+        if (snapshot.status().code() == StatusCode::kResourceExhausted) return nb::none();
+        return nb::cast(Unwrap(std::move(snapshot)));
+      },
+      "src"_a, "budget_bytes"_a,
+      "Reads a checkpoint directory into memory (DirectorySnapshot), by the rules of "
+      "stage_directory; None when its files hold more than budget_bytes together.");
 
   m.def(
       "verify_checkpoint",

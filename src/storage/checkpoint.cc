@@ -203,9 +203,22 @@ StatusOr<std::string> KeptLinkTarget(const std::string& src_root, const std::str
   return RelativeTarget(rel, resolved == root_real ? "" : resolved.substr(root_real.size() + 1));
 }
 
-Status CopyTree(const std::string& src_root, const std::string& root_real, const std::string& src,
-                const std::string& dst, const std::string& rel, std::vector<FileEntry>* entries,
-                std::vector<char>& buffer, bool durable) {
+// One entry of a checkpoint directory being staged, listed before anything is copied: a
+// directory, a regular file (with its size when listed) or a kept link (with its target).
+struct TreeItem {
+  enum class Kind { kDir, kFile, kLink };
+  Kind kind = Kind::kFile;
+  std::string rel;   // relative to the checkpoint's root
+  std::string from;  // the source path
+  mode_t mode = 0;   // the source's st_mode
+  uint64_t size = 0;
+  std::string link;  // kLink: the target to keep
+};
+
+// Lists the tree under `src` (part of the checkpoint `src_root`, real path `root_real`), sorted by
+// name, a directory before its contents; links decided by KeptLinkTarget, other kinds skipped.
+Status ListTree(const std::string& src_root, const std::string& root_real, const std::string& src,
+                const std::string& rel, std::vector<TreeItem>* items) {
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(src.c_str()), closedir);
   if (!dir) return IoError("cannot list", src, errno);
   std::vector<std::string> names;
@@ -215,31 +228,65 @@ Status CopyTree(const std::string& src_root, const std::string& root_real, const
   }
   std::sort(names.begin(), names.end());
   for (const auto& name : names) {
-    std::string from = JoinPath(src, name);
-    std::string to = JoinPath(dst, name);
-    std::string rel_name = rel.empty() ? name : rel + "/" + name;
+    TreeItem item{.rel = rel.empty() ? name : rel + "/" + name, .from = JoinPath(src, name)};
     struct stat st;
-    if (lstat(from.c_str(), &st) != 0) return IoError("cannot stat", from, errno);
+    if (lstat(item.from.c_str(), &st) != 0) return IoError("cannot stat", item.from, errno);
+    item.mode = st.st_mode;
     if (S_ISLNK(st.st_mode)) {
-      JT_ASSIGN_OR_RETURN(std::string target, KeptLinkTarget(src_root, root_real, from, rel_name));
-      if (unlink(to.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", to, errno);
-      if (symlink(target.c_str(), to.c_str()) != 0) return IoError("cannot create", to, errno);
-      entries->push_back({.path = rel_name, .mode = 0777, .link = target});
+      item.kind = TreeItem::Kind::kLink;
+      JT_ASSIGN_OR_RETURN(item.link, KeptLinkTarget(src_root, root_real, item.from, item.rel));
+      items->push_back(std::move(item));
     } else if (S_ISDIR(st.st_mode)) {
-      // The owner keeps rwx: files go in now, and retention deletes the directory later.
-      struct stat there;
-      if (mkdir(to.c_str(), (st.st_mode & 0777) | 0700) != 0 &&
-          (errno != EEXIST || lstat(to.c_str(), &there) != 0 || !S_ISDIR(there.st_mode))) {
-        return IoError("cannot create directory", to, errno);
-      }
-      JT_RETURN_IF_ERROR(
-          CopyTree(src_root, root_real, from, to, rel_name, entries, buffer, durable));
+      item.kind = TreeItem::Kind::kDir;
+      const std::string from = item.from, sub = item.rel;
+      items->push_back(std::move(item));
+      JT_RETURN_IF_ERROR(ListTree(src_root, root_real, from, sub, items));
     } else if (S_ISREG(st.st_mode)) {
-      JT_ASSIGN_OR_RETURN(FileEntry entry, CopyFile(from, to, rel_name, buffer, durable));
-      entries->push_back(std::move(entry));
+      item.size = static_cast<uint64_t>(st.st_size);
+      items->push_back(std::move(item));
     }
   }
-  return durable ? FsyncPath(dst, /*directory=*/true) : OkStatus();
+  return OkStatus();
+}
+
+// The checkpoint directory `src` as a list (ListTree), after checking that it is a directory.
+StatusOr<std::vector<TreeItem>> ListCheckpointDirectory(const std::string& src) {
+  struct stat st;
+  if (stat(src.c_str(), &st) != 0) {
+    if (errno == ENOENT) return NotFoundError("checkpoint directory '" + src + "' does not exist");
+    return IoError("cannot read the checkpoint directory", src, errno);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return InvalidArgumentError("checkpoint path '" + src +
+                                "' is not a directory; Checkpoint.from_directory() takes the "
+                                "directory the checkpoint's files are in");
+  }
+  char* real = realpath(src.c_str(), nullptr);
+  if (real == nullptr) return IoError("cannot resolve the checkpoint directory", src, errno);
+  const std::string root_real(real);
+  free(real);
+  std::vector<TreeItem> items;
+  JT_RETURN_IF_ERROR(ListTree(src, root_real, src, "", &items));
+  return items;
+}
+
+// Creates the directory or link `item` at `to` (a file already there is replaced, a directory
+// there is kept); a link is added to `entries`.
+Status PlaceDirOrLink(const TreeItem& item, const std::string& to,
+                      std::vector<FileEntry>* entries) {
+  if (item.kind == TreeItem::Kind::kLink) {
+    if (unlink(to.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", to, errno);
+    if (symlink(item.link.c_str(), to.c_str()) != 0) return IoError("cannot create", to, errno);
+    entries->push_back({.path = item.rel, .mode = 0777, .link = item.link});
+    return OkStatus();
+  }
+  // The owner keeps rwx: files go in now, and retention deletes the directory later.
+  struct stat there;
+  if (mkdir(to.c_str(), (item.mode & 0777) | 0700) != 0 &&
+      (errno != EEXIST || lstat(to.c_str(), &there) != 0 || !S_ISDIR(there.st_mode))) {
+    return IoError("cannot create directory", to, errno);
+  }
+  return OkStatus();
 }
 
 bool ValidDirName(const std::string& name) {
@@ -288,24 +335,112 @@ std::vector<std::string> ParentDirs(const std::string& root, const std::string& 
 
 StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst,
                                                 bool durable) {
-  struct stat st;
-  if (stat(src.c_str(), &st) != 0) {
-    if (errno == ENOENT) return NotFoundError("checkpoint directory '" + src + "' does not exist");
-    return IoError("cannot read the checkpoint directory", src, errno);
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    return InvalidArgumentError("checkpoint path '" + src +
-                                "' is not a directory; Checkpoint.from_directory() takes the "
-                                "directory the checkpoint's files are in");
-  }
-  char* real = realpath(src.c_str(), nullptr);
-  if (real == nullptr) return IoError("cannot resolve the checkpoint directory", src, errno);
-  const std::string root_real(real);
-  free(real);
+  JT_ASSIGN_OR_RETURN(std::vector<TreeItem> items, ListCheckpointDirectory(src));
   std::vector<FileEntry> entries;
   std::vector<char> buffer(kCopyChunk);
+  std::vector<std::string> dirs = {dst};
   JT_RETURN_IF_ERROR(MakeDirs(dst));
-  JT_RETURN_IF_ERROR(CopyTree(src, root_real, src, dst, "", &entries, buffer, durable));
+  for (const TreeItem& item : items) {
+    const std::string to = JoinPath(dst, item.rel);
+    if (item.kind == TreeItem::Kind::kFile) {
+      JT_ASSIGN_OR_RETURN(FileEntry entry, CopyFile(item.from, to, item.rel, buffer, durable));
+      entries.push_back(std::move(entry));
+      continue;
+    }
+    JT_RETURN_IF_ERROR(PlaceDirOrLink(item, to, &entries));
+    if (item.kind == TreeItem::Kind::kDir) dirs.push_back(to);
+  }
+  if (durable) {
+    for (const auto& dir : dirs) JT_RETURN_IF_ERROR(FsyncPath(dir, /*directory=*/true));
+  }
+  return entries;
+}
+
+void SnapshotUnmap::operator()(char* p) const { munmap(p, bytes); }
+
+StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t budget_bytes) {
+  JT_ASSIGN_OR_RETURN(std::vector<TreeItem> items, ListCheckpointDirectory(src));
+  uint64_t listed = 0;
+  for (const TreeItem& item : items) listed += item.size;
+  auto over_budget = [&](uint64_t bytes) {
+    return ResourceExhaustedError("checkpoint directory '" + src + "' holds " +
+                                  std::to_string(bytes) +
+                                  " bytes, more than the snapshot budget "
+                                  "of " +
+                                  std::to_string(budget_bytes) + " bytes");
+  };
+  if (listed > budget_bytes) return over_budget(listed);
+  DirectorySnapshot snapshot;
+  for (TreeItem& item : items) {
+    DirectorySnapshot::Item out;
+    out.rel = std::move(item.rel);
+    out.mode = static_cast<uint32_t>(item.mode & 0777);
+    out.link = std::move(item.link);
+    if (item.kind != TreeItem::Kind::kFile) {
+      out.kind = item.kind == TreeItem::Kind::kDir ? DirectorySnapshot::Kind::kDir
+                                                   : DirectorySnapshot::Kind::kLink;
+      snapshot.items.push_back(std::move(out));
+      continue;
+    }
+    Fd in{open(item.from.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
+    if (in.fd < 0) return IoError("cannot open", item.from, errno);
+    struct stat st;
+    if (fstat(in.fd, &st) != 0) return IoError("cannot stat", item.from, errno);
+    if (!S_ISREG(st.st_mode)) {
+      return InvalidArgumentError("checkpoint file '" + item.from + "' changed while it was read");
+    }
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    if (snapshot.bytes + size > budget_bytes) return over_budget(snapshot.bytes + size);
+    out.mode = static_cast<uint32_t>(st.st_mode & 0777);
+    // Anonymous memory in huge pages where the kernel has them: a few faults per file instead of
+    // one per 4 KiB page, which is most of the time a snapshot blocks training for.
+    const size_t mapped = std::max<size_t>(size, 1);
+    void* buffer =
+        mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buffer == MAP_FAILED) return over_budget(snapshot.bytes + size);
+    madvise(buffer, mapped, MADV_HUGEPAGE);
+    out.data = std::unique_ptr<char, SnapshotUnmap>(static_cast<char*>(buffer), {.bytes = mapped});
+    posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    while (out.size < size) {  // a file cut short while it is read ends where it ends
+      ssize_t n = read(in.fd, out.data.get() + out.size, size - out.size);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return IoError("cannot read", item.from, errno);
+      if (n == 0) break;
+      out.size += static_cast<uint64_t>(n);
+    }
+    snapshot.bytes += out.size;
+    snapshot.items.push_back(std::move(out));
+  }
+  return snapshot;
+}
+
+StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
+                                               const std::string& dst) {
+  std::vector<FileEntry> entries;
+  JT_RETURN_IF_ERROR(MakeDirs(dst));
+  for (const DirectorySnapshot::Item& item : snapshot.items) {
+    const std::string to = JoinPath(dst, item.rel);
+    if (item.kind != DirectorySnapshot::Kind::kFile) {
+      TreeItem placed{.kind = item.kind == DirectorySnapshot::Kind::kDir ? TreeItem::Kind::kDir
+                                                                         : TreeItem::Kind::kLink,
+                      .rel = item.rel,
+                      .mode = item.mode,
+                      .link = item.link};
+      JT_RETURN_IF_ERROR(PlaceDirOrLink(placed, to, &entries));
+      continue;
+    }
+    if (unlink(to.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", to, errno);
+    Fd out{open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
+                static_cast<mode_t>(item.mode | 0400))};
+    if (out.fd < 0) return IoError("cannot create", to, errno);
+    struct stat written;
+    if (fstat(out.fd, &written) != 0) return IoError("cannot stat", to, errno);
+    JT_RETURN_IF_ERROR(WriteFully(out.fd, item.data.get(), item.size, to));
+    entries.push_back({.path = item.rel,
+                       .size = item.size,
+                       .crc32c = Crc32c(0, item.data.get(), item.size),
+                       .mode = static_cast<uint32_t>(written.st_mode & 0777)});
+  }
   return entries;
 }
 

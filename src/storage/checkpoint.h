@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -57,6 +58,48 @@ struct FileEntry {
 // kPermissionDenied / kInternal naming the file and the reason.
 StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst,
                                                 bool durable = true);
+
+// A checkpoint directory read into memory (SnapshotDirectory): its directories, files (bytes and
+// permission bits) and kept links, in the order StageDirectory would copy them. Move-only.
+// Frees a snapshot's buffer: `bytes` of anonymous memory mapped with mmap.
+struct SnapshotUnmap {
+  size_t bytes = 0;
+  void operator()(char* p) const;
+};
+
+struct DirectorySnapshot {
+  enum class Kind { kDir, kFile, kLink };
+  struct Item {
+    Kind kind = Kind::kFile;
+    std::string rel;                            // relative to the directory
+    uint32_t mode = 0;                          // permission bits of the source
+    std::string link;                           // kLink: the target to keep
+    std::unique_ptr<char, SnapshotUnmap> data;  // kFile: `size` bytes (anonymous memory, mapped)
+    uint64_t size = 0;
+  };
+  DirectorySnapshot() = default;
+  DirectorySnapshot(DirectorySnapshot&&) = default;
+  DirectorySnapshot& operator=(DirectorySnapshot&&) = default;
+
+  std::vector<Item> items;
+  uint64_t bytes = 0;  // the files' bytes, together
+};
+
+// Reads every regular file under `src` into memory, by the rules of StageDirectory (links that
+// lead out refused, other kinds skipped), so that `src` may change or go as soon as this returns;
+// no checksum is computed and nothing is written. The files are listed (sizes from lstat) before
+// any is read. Errors: kResourceExhausted, before anything is read, when they hold more than
+// `budget_bytes` together (also when a file grew past it while the others were read, or the
+// memory cannot be had), so that the caller can copy with StageDirectory instead; otherwise as
+// StageDirectory.
+StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t budget_bytes);
+
+// Writes a snapshot into `dst` (created; files already there are replaced) as StageDirectory
+// with durable=false would have copied its source, computing each file's CRC-32C: the same
+// entries, modes and links. Errors: kPermissionDenied / kInternal naming the path and the reason
+// (a full disk is kInternal with the system's "No space left on device").
+StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
+                                               const std::string& dst);
 
 // The staging directory of one rank's files for one report round.
 std::string StagingPath(const std::string& run_dir, int attempt, uint64_t round, int rank);

@@ -444,7 +444,7 @@ TEST_F(StageDirectoryTest, ALinkToADirectoryOutsideIsRefusedAndNotWalked) {
   auto entries = StageDirectory(Path("src"), Path("dst"));
   EXPECT_EQ(entries.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(HasText(entries.status().message(), "dirlink"));
-  EXPECT_TRUE(ListFiles(Path("dst")).empty());
+  EXPECT_FALSE(fs::exists(Path("dst")));  // the tree is listed before anything is written
 }
 
 TEST_F(StageDirectoryTest, ARelativeLinkThatClimbsOutIsRefused) {
@@ -475,6 +475,88 @@ TEST_F(StageDirectoryTest, TheSourceItselfMayBeALinkToADirectory) {
   auto entries = StageDirectory(Path("named"), Path("dst"));
   ASSERT_TRUE(entries.ok()) << entries.status().ToString();
   EXPECT_EQ(ReadTestFile(Path("dst/model.bin")), "m");
+}
+
+// --- SnapshotDirectory / WriteSnapshot -----------------------------------------------------------
+
+class SnapshotDirectoryTest : public TempDirTest {};
+
+bool SameEntry(const FileEntry& a, const FileEntry& b) {
+  return a.path == b.path && a.size == b.size && a.crc32c == b.crc32c && a.mode == b.mode &&
+         a.link == b.link;
+}
+
+TEST_F(SnapshotDirectoryTest, WritesTheSameFilesModesLinksAndChecksumsAsStageDirectory) {
+  ScopedUmask mask(022);
+  WriteTestFile(Path("src/model.bin"), Pattern((4 << 20) + 7, 4));
+  WriteTestFile(Path("src/empty.txt"), "");
+  WriteTestFile(Path("src/opt/deep/state.txt"), "step=3\n");
+  fs::permissions(Path("src/model.bin"), fs::perms(0600));
+  fs::permissions(Path("src/opt"), fs::perms(0750));
+  fs::create_symlink("opt/deep/state.txt", Path("src/latest.txt"));
+  fs::create_directories(Path("src/empty_dir"));
+
+  auto staged = StageDirectory(Path("src"), Path("staged"), /*durable=*/false);
+  ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+  auto snapshot = SnapshotDirectory(Path("src"), 64 << 20);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status().ToString();
+  EXPECT_EQ(snapshot->bytes, (4u << 20) + 7 + 7);
+  auto written = WriteSnapshot(*snapshot, Path("written"));
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+
+  ASSERT_EQ(written->size(), staged->size());
+  for (size_t i = 0; i < staged->size(); ++i) {
+    SCOPED_TRACE((*staged)[i].path);
+    EXPECT_TRUE(SameEntry((*written)[i], (*staged)[i]));
+  }
+  EXPECT_EQ(ListFiles(Path("written")), ListFiles(Path("staged")));
+  EXPECT_TRUE(ReadTestFile(Path("written/model.bin")) == ReadTestFile(Path("src/model.bin")));
+  EXPECT_EQ(ModeOf(Path("written/model.bin")), 0600u);
+  EXPECT_EQ(ModeOf(Path("written/opt")), 0750u);
+  EXPECT_TRUE(fs::is_symlink(Path("written/latest.txt")));
+  EXPECT_TRUE(fs::is_directory(Path("written/empty_dir")));
+}
+
+TEST_F(SnapshotDirectoryTest, IsIndependentOfTheSourceOnceTaken) {
+  const std::string contents = Pattern(100000, 5);
+  WriteTestFile(Path("src/shard.bin"), contents);
+  auto snapshot = SnapshotDirectory(Path("src"), 1 << 20);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status().ToString();
+  WriteTestFile(Path("src/shard.bin"), "changed");
+  fs::remove_all(Path("src"));
+  auto written = WriteSnapshot(*snapshot, Path("dst"));
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  ASSERT_EQ(written->size(), 1u);
+  EXPECT_EQ((*written)[0].crc32c, CrcOf(contents));
+  EXPECT_TRUE(ReadTestFile(Path("dst/shard.bin")) == contents);
+}
+
+TEST_F(SnapshotDirectoryTest, AboveTheBudgetIsResourceExhaustedNamingTheSizes) {
+  WriteTestFile(Path("src/a.bin"), Pattern(600, 6));
+  WriteTestFile(Path("src/b.bin"), Pattern(600, 7));
+  auto snapshot = SnapshotDirectory(Path("src"), 1000);
+  ASSERT_EQ(snapshot.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(HasText(snapshot.status().message(), "1200 bytes"));
+  EXPECT_TRUE(HasText(snapshot.status().message(), "budget of 1000 bytes"));
+  EXPECT_TRUE(SnapshotDirectory(Path("src"), 1200).ok());
+}
+
+TEST_F(SnapshotDirectoryTest, RefusesALinkOutsideAndAMissingSourceAsStageDirectoryDoes) {
+  WriteTestFile(Path("outside.txt"), "x");
+  fs::create_directories(Path("src"));
+  fs::create_symlink(Path("outside.txt"), Path("src/leak"));
+  EXPECT_EQ(SnapshotDirectory(Path("src"), 1 << 20).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SnapshotDirectory(Path("missing"), 1 << 20).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(SnapshotDirectoryTest, AWriteIntoADirectoryThatCannotBeCreatedNamesThePath) {
+  WriteTestFile(Path("src/a.bin"), "a");
+  WriteTestFile(Path("blocker"), "a file where the directory should go");
+  auto snapshot = SnapshotDirectory(Path("src"), 1 << 20);
+  ASSERT_TRUE(snapshot.ok());
+  auto written = WriteSnapshot(*snapshot, Path("blocker/dst"));
+  ASSERT_FALSE(written.ok());
+  EXPECT_TRUE(HasText(written.status().message(), Path("blocker")));
 }
 
 TEST(CleanRelativePathTest, RefusesAbsoluteDotDotDotAndEmptyParts) {
