@@ -11,20 +11,13 @@
 
 #include "launch/process.h"
 
-extern char** environ;
-
 namespace jaxtrain::launch {
 namespace {
 
 constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
 
 std::vector<std::string> BuildEnv(const ProcessSpec& spec) {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    size_t eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
+  std::map<std::string, std::string> env = CurrentEnvironment();
   // A driver that is itself a worker of another run must not hand that run's secret on.
   for (const char* name : {"JAXTRAIN_RUN_SECRET", "JAXTRAIN_RUN_SECRET_FILE", kSecretFdEnv}) {
     env.erase(name);
@@ -50,7 +43,8 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
   pgid_ = 0;
   std::vector<LaunchedProcess> launched;
   auto fail = [&](Status s) -> Status {
-    SignalGroup(SIGKILL);
+    Status killed = SignalGroup(SIGKILL);
+    if (!killed.ok()) s = Status(s.code(), s.message() + " (and " + killed.message() + ")");
     for (auto& p : launched) {
       waitpid(p.pid, nullptr, 0);
       close(p.pidfd);
@@ -99,8 +93,8 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
   return launched;
 }
 
-void LocalLauncher::SignalGroup(int signal) {
-  if (pgid_ > 0) killpg(pgid_, signal);
+Status LocalLauncher::SignalGroup(int signal) {
+  return pgid_ > 0 ? SignalProcessGroup(pgid_, signal) : OkStatus();
 }
 
 }  // namespace jaxtrain::launch

@@ -13,7 +13,7 @@ namespace jaxtrain::launch {
 class LocalLauncher : public Launcher {
  public:
   StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
-  void SignalGroup(int signal) override;
+  Status SignalGroup(int signal) override;
 
  private:
   pid_t pgid_ = 0;  // the group of the last Launch(); 0 when none
