@@ -99,8 +99,8 @@ nb::dict FailureToDict(const controller::RankFailure& f) {
   d["status_code"] = f.status_code != StatusCode::kOk
                          ? nb::object(nb::str(std::string(StatusCodeName(f.status_code)).c_str()))
                          : nb::none();
-  d["retried"] = f.decision.retry();
-  d["decision"] = f.decision.reason;
+  d["retried"] = f.retried;
+  d["decision"] = f.decision;
   d["message"] = f.message;
   d["traceback"] = f.traceback;
   d["log_path"] = f.log_path;

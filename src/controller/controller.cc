@@ -1309,9 +1309,8 @@ struct Controller::Loop {
                         {"exit_code", f.exit_code >= 0 ? nlohmann::json(f.exit_code) : nullptr},
                         {"signal", f.signal != 0 ? nlohmann::json(f.signal) : nullptr}};
     if (f.status_code != StatusCode::kOk) j["status_code"] = StatusCodeName(f.status_code);
-    if (!f.decision.reason.empty()) {
-      j["decision"] = {{"action", FailureActionName(f.decision.action)},
-                       {"reason", f.decision.reason}};
+    if (!f.decision.empty()) {
+      j["decision"] = {{"action", f.retried ? "retry" : "raise"}, {"reason", f.decision}};
     }
     return j;
   }
@@ -1328,8 +1327,11 @@ struct Controller::Loop {
       }
     }
     std::string_view status = failure ? "ERRORED" : aborted ? "ABORTED" : "FINISHED";
-    if (failure && !aborted)
-      failure->decision = policy.Decide(failure->cause, failure->status_code);
+    if (failure && !aborted) {
+      FailureDecision d = policy.Decide(failure->cause, failure->status_code);
+      failure->retried = d.retry();
+      failure->decision = std::move(d.reason);
+    }
     attempt_log.push_back(AttemptState(status));
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
@@ -1338,8 +1340,8 @@ struct Controller::Loop {
         (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     failures.push_back(*failure);
-    if (!failure->decision.retry()) {
-      Say("not restarting: " + failure->decision.reason);
+    if (!failure->retried) {
+      Say("not restarting: " + failure->decision);
       return false;
     }
     ++attempt;

@@ -94,9 +94,11 @@ struct RankFailure {
   int signal = 0;      // kSignal, kOom (and kStartUp when a signal ended it): the signal
   // kStorage, kCheckpoint: the code of the error behind it, which FailurePolicy decides from.
   StatusCode status_code = StatusCode::kOk;
-  FailureDecision decision;  // what FailurePolicy decided for it (set when the attempt ended)
-  std::string message;       // one line: what happened
-  std::string traceback;     // the worker's Python traceback, when it sent one
+  // What FailurePolicy decided for it, once the attempt ended: retried, and why (its reason).
+  bool retried = false;
+  std::string decision;
+  std::string message;    // one line: what happened
+  std::string traceback;  // the worker's Python traceback, when it sent one
   std::string log_path;
   std::string log_tail;
 };

@@ -667,10 +667,10 @@ TEST_F(ControllerTest, AFullDiskIsRetriedABoundedNumberOfTimesEvenWithoutRestart
   ASSERT_EQ(out.state, State::kFailed);
   ASSERT_EQ(out.failures.size(), size_t{FailurePolicy::kMaxStorageFailures + 1});
   for (const RankFailure& f : out.failures) EXPECT_EQ(f.cause, FailureCause::kStorage);
-  EXPECT_TRUE(out.failures.front().decision.retry()) << out.failures.front().decision.reason;
-  EXPECT_FALSE(out.failures.back().decision.retry());
-  EXPECT_TRUE(Contains(out.failures.back().decision.reason, "storage retry limit"))
-      << out.failures.back().decision.reason;
+  EXPECT_TRUE(out.failures.front().retried) << out.failures.front().decision;
+  EXPECT_FALSE(out.failures.back().retried);
+  EXPECT_TRUE(Contains(out.failures.back().decision, "storage retry limit"))
+      << out.failures.back().decision;
   json attempts = RunState()["attempts"];
   ASSERT_EQ(attempts.size(), out.failures.size());
   EXPECT_EQ(attempts[0]["failure"]["decision"].value("action", ""), "retry");
@@ -689,7 +689,7 @@ TEST_F(ControllerTest, ARoundThatCanNeverBeRecordedIsNotRetried) {
   ASSERT_EQ(out.failures.size(), 1u);
   EXPECT_EQ(out.failure->cause, FailureCause::kStorage);
   EXPECT_EQ(out.failure->status_code, StatusCode::kFailedPrecondition);
-  EXPECT_EQ(out.failure->decision.reason, "retrying cannot help (FAILED_PRECONDITION)");
+  EXPECT_EQ(out.failure->decision, "retrying cannot help (FAILED_PRECONDITION)");
 }
 
 TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {
