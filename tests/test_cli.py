@@ -428,15 +428,20 @@ def test_resources_per_worker_read_as_pairs_or_json():
 
 
 def test_the_exit_status_of_a_failed_run_is_the_rank_s_when_it_exited_with_one():
-    def error(cause, message):
+    def error(cause, message, **fields):
         return TrainingFailedError(
-            f"Training failed: rank 1 (host h, attempt 0): {message}\n\nFull log: x", cause=cause)
+            f"Training failed: rank 1 (host h, attempt 0): {message}\n\nFull log: x", cause=cause,
+            **fields)
 
-    assert failed_run_status(error("exit", "its process exited with status 3")) == 3
+    assert failed_run_status(error("exit", "its process exited with status 3", exit_code=3)) == 3
     assert failed_run_status(error("exit", "its process exited with status 0 before its "
-                                            "training function returned")) == 1
-    assert failed_run_status(error("signal", "its process was killed by signal 9 (SIGKILL)")) == 1
+                                            "training function returned", exit_code=0)) == 1
+    assert failed_run_status(error("signal", "its process was killed by signal 9 (SIGKILL)",
+                                   signal=9)) == 1
     assert failed_run_status(error("exception", "SystemExit: 3")) == 1
+    # Decided from the structured field, never from the message's text.
+    assert failed_run_status(error("exit", "its process exited with status 3")) == 1
+    assert failed_run_status(error("exit", "a message that says nothing", exit_code=7)) == 7
 
 
 def test_script_arguments_are_not_taken_for_jaxtrain_options():

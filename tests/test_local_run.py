@@ -141,6 +141,7 @@ def test_a_worker_killed_by_a_signal_is_named(storage):
         ).fit()
     assert e.value.rank == 1
     assert e.value.cause == "signal"
+    assert (e.value.signal, e.value.exit_code) == (signal.SIGKILL, None)
     assert "killed by signal 9 (SIGKILL)" in str(e.value)
 
 
@@ -162,7 +163,13 @@ def test_a_worker_that_exits_zero_before_returning_is_a_failure(storage):
         ).fit()
     assert e.value.rank == 1
     assert e.value.cause == "exit"
+    assert (e.value.exit_code, e.value.signal) == (0, None)
     assert "before its training function returned" in str(e.value)
+    # Result.from_path reads the same fields back from run.json.
+    from jaxtrain import Result
+
+    again = Result.from_path(os.path.join(storage, "early")).error
+    assert (again.cause, again.exit_code, again.signal) == ("exit", 0, None)
 
 
 def test_ctrl_c_on_the_driver_leaves_no_worker_running(tmp_path):

@@ -8,9 +8,12 @@ class TrainingFailedError(RuntimeError):
 
     Attributes name the first failing rank: ``rank``, ``host``, ``attempt``, ``cause`` (one of
     "exception", "exit", "signal", "oom", "connection", "watchdog", "start-up", "checkpoint",
-    "storage"), ``worker_traceback`` (the worker's Python traceback, when it raised),
-    ``log_path`` and ``log_tail``. ``rank`` is -1 when no rank failed but the driver did: its
-    run directory could not be written ("storage"), or the group could not be started.
+    "storage"), ``exit_code`` (the status its process exited with, else None), ``signal`` (the
+    signal that ended it, else None), ``status_code`` (for "storage" and "checkpoint": the
+    error's code, e.g. "RESOURCE_EXHAUSTED" for a full disk, else None), ``worker_traceback``
+    (the worker's Python traceback, when it raised), ``log_path`` and ``log_tail``. ``rank`` is
+    -1 when no rank failed but the driver did: its run directory could not be written
+    ("storage"), or the group could not be started.
     """
 
     def __init__(
@@ -21,6 +24,9 @@ class TrainingFailedError(RuntimeError):
         host: str = "",
         attempt: int = 0,
         cause: str = "",
+        exit_code: int | None = None,
+        signal: int | None = None,
+        status_code: str | None = None,
         worker_traceback: str = "",
         log_path: str = "",
         log_tail: str = "",
@@ -30,6 +36,9 @@ class TrainingFailedError(RuntimeError):
         self.host = host
         self.attempt = attempt
         self.cause = cause
+        self.exit_code = exit_code
+        self.signal = signal
+        self.status_code = status_code
         self.worker_traceback = worker_traceback
         self.log_path = log_path
         self.log_tail = log_tail
@@ -66,6 +75,9 @@ class TrainingFailedError(RuntimeError):
             host=f["host"],
             attempt=f["attempt"],
             cause=f["cause"],
+            exit_code=f.get("exit_code"),
+            signal=f.get("signal"),
+            status_code=f.get("status_code"),
             worker_traceback=f["traceback"],
             log_path=f["log_path"],
             log_tail=f["log_tail"],

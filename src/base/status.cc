@@ -1,5 +1,6 @@
 #include "base/status.h"
 
+#include <cerrno>
 #include <cstring>
 
 namespace jaxtrain {
@@ -52,8 +53,24 @@ Status ResourceExhaustedError(std::string m) {
   return {StatusCode::kResourceExhausted, std::move(m)};
 }
 
+StatusCode ErrnoCode(int err) {
+  switch (err) {
+    case EACCES:
+    case EPERM:
+    case EROFS: return StatusCode::kPermissionDenied;
+    case ENOTDIR:
+    case EISDIR:
+    case EEXIST: return StatusCode::kFailedPrecondition;
+    case ENOENT: return StatusCode::kNotFound;
+    case ENOSPC:
+    case EDQUOT: return StatusCode::kResourceExhausted;
+    case EIO: return StatusCode::kUnavailable;
+    default: return StatusCode::kInternal;
+  }
+}
+
 Status ErrnoError(std::string_view what, int err) {
-  return InternalError(std::string(what) + " failed: " + std::strerror(err));
+  return {ErrnoCode(err), std::string(what) + " failed: " + std::strerror(err)};
 }
 
 }  // namespace jaxtrain

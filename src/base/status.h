@@ -66,7 +66,13 @@ Status UnauthenticatedError(std::string message);
 Status DataLossError(std::string message);
 Status InternalError(std::string message);
 Status ResourceExhaustedError(std::string message);
-// An InternalError naming the failed system call and errno's text.
+// The canonical code for errno `err`, chosen by what the caller should do (the one errno mapper
+// of the project): kPermissionDenied (EACCES, EPERM, EROFS); kFailedPrecondition (ENOTDIR,
+// EISDIR, EEXIST: something in the way); kNotFound (ENOENT); kResourceExhausted (ENOSPC, EDQUOT:
+// the disk or quota is full, space may be freed); kUnavailable (EIO: may pass, as a storage server
+// that restarts); kInternal for anything else.
+StatusCode ErrnoCode(int err);
+// "<what> failed: <errno's text>", with ErrnoCode(err).
 Status ErrnoError(std::string_view what, int err);
 
 template <typename T>

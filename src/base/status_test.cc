@@ -39,8 +39,19 @@ TEST(StatusOrTest, MacrosPropagateTheFirstError) {
 
 TEST(StatusTest, ErrnoErrorNamesTheCall) {
   Status s = ErrnoError("open(/x)", ENOENT);
-  EXPECT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
   EXPECT_NE(s.message().find("open(/x) failed"), std::string::npos);
+}
+
+TEST(StatusTest, ErrnoCodesSayWhetherRetryingMayHelp) {
+  EXPECT_EQ(ErrnoCode(ENOSPC), StatusCode::kResourceExhausted);
+  EXPECT_EQ(ErrnoCode(EDQUOT), StatusCode::kResourceExhausted);
+  EXPECT_EQ(ErrnoCode(EIO), StatusCode::kUnavailable);
+  EXPECT_EQ(ErrnoCode(EACCES), StatusCode::kPermissionDenied);
+  EXPECT_EQ(ErrnoCode(EROFS), StatusCode::kPermissionDenied);
+  EXPECT_EQ(ErrnoCode(EISDIR), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ErrnoCode(EBADF), StatusCode::kInternal);
+  EXPECT_EQ(ErrnoError("write", ENOSPC).code(), StatusCode::kResourceExhausted);
 }
 
 }  // namespace

@@ -93,7 +93,14 @@ nb::dict FailureToDict(const controller::RankFailure& f) {
   d["rank"] = f.rank;
   d["host"] = f.host;
   d["attempt"] = f.attempt;
-  d["cause"] = f.cause;
+  d["cause"] = controller::FailureCauseName(f.cause);
+  d["exit_code"] = f.exit_code >= 0 ? nb::object(nb::int_(f.exit_code)) : nb::none();
+  d["signal"] = f.signal != 0 ? nb::object(nb::int_(f.signal)) : nb::none();
+  d["status_code"] = f.status_code != StatusCode::kOk
+                         ? nb::object(nb::str(std::string(StatusCodeName(f.status_code)).c_str()))
+                         : nb::none();
+  d["retried"] = f.retried;
+  d["decision"] = f.decision;
   d["message"] = f.message;
   d["traceback"] = f.traceback;
   d["log_path"] = f.log_path;

@@ -104,6 +104,7 @@ void CheckpointCommitter::Run() {
       result_ = std::move(result);
       committing_ = false;
       uint64_t one = 1;
+      // Fails only when the counter would overflow, which leaves it readable: nothing is lost.
       [[maybe_unused]] ssize_t n = write(ready_fd_, &one, sizeof(one));
     }
     cv_.NotifyAll();

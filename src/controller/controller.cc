@@ -318,8 +318,13 @@ struct Controller::Loop {
   }
 
   // A failure of the driver's own records (the run directory), blamed on no rank.
-  static RankFailure StorageFailure(std::string message) {
-    return {.rank = -1, .host = HostName(), .cause = "storage", .message = std::move(message)};
+  // `why` is the error, whose code FailurePolicy decides from.
+  static RankFailure StorageFailure(const Status& why, std::string message) {
+    return {.rank = -1,
+            .host = HostName(),
+            .cause = FailureCause::kStorage,
+            .status_code = why.code(),
+            .message = std::move(message)};
   }
 
   // Rank output to its log. A log that cannot be written is said once, not fatal: the output
@@ -340,12 +345,18 @@ struct Controller::Loop {
     if (phase == Phase::kStopping || phase == Phase::kDraining) return;
     phase = Phase::kStopping;
     if (AnyUnreaped()) {
-      ctl.launcher_->SignalGroup(SIGTERM);
+      Signal(SIGTERM);
       sent_sigterm = true;
       // A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued.
-      ctl.launcher_->SignalGroup(SIGCONT);
+      Signal(SIGCONT);
       kill_deadline = Now() + opts.terminate_grace;
     }
+  }
+
+  // A signal that cannot be delivered is said; the stop goes on (SIGKILL after the grace period).
+  void Signal(int signal) {
+    Status s = ctl.launcher_->SignalGroup(signal);
+    if (!s.ok()) Say("warning: " + s.message());
   }
 
   bool AnyUnreaped() const { return unreaped > 0; }
@@ -444,7 +455,7 @@ struct Controller::Loop {
       r.conn = nullptr;
       if (!r.done && phase != Phase::kStopping && phase != Phase::kDraining) {
         Fail({.rank = c.rank,
-              .cause = "connection",
+              .cause = FailureCause::kConnection,
               .message = "its control connection closed before its training function returned"});
       }
     }
@@ -644,11 +655,11 @@ struct Controller::Loop {
       }
       case MessageType::kError: {
         auto j = nlohmann::json::parse(f.body, nullptr, false);
-        RankFailure failure{.rank = c.rank, .cause = "exception"};
+        RankFailure failure{.rank = c.rank, .cause = FailureCause::kException};
         if (j.is_object()) {
           failure.message = j.value("message", "the training function raised an exception");
           failure.traceback = j.value("traceback", "");
-          if (j.value("phase", "") == "start-up") failure.cause = "start-up";
+          if (j.value("phase", "") == "start-up") failure.cause = FailureCause::kStartUp;
         }
         Fail(std::move(failure));
         return;
@@ -674,14 +685,17 @@ struct Controller::Loop {
   }
 
   void ProtocolError(Conn& c, const std::string& what) {
-    Fail({.rank = c.rank, .cause = "connection", .message = "protocol error: " + what});
+    Fail(
+        {.rank = c.rank, .cause = FailureCause::kConnection, .message = "protocol error: " + what});
     CloseConn(c);
   }
 
   void MaybeStartTraining() {
     if (phase != Phase::kStarting || registered < ranks.size()) return;
     if (ranks[0].coordinator.empty()) {
-      Fail({.rank = 0, .cause = "start-up", .message = "rank 0 did not publish a coordinator"});
+      Fail({.rank = 0,
+            .cause = FailureCause::kStartUp,
+            .message = "rank 0 did not publish a coordinator"});
       return;
     }
     phase = Phase::kRunning;
@@ -747,8 +761,9 @@ struct Controller::Loop {
       if (!result->index.ok()) {
         // The directory is committed (complete, with its manifest) and the next start adds it
         // back to the index; say exactly that, record the round, and stop the run.
+        // No status code: a restart could not see the checkpoint, so this is never retried.
         Fail({.rank = round.checkpoints.front().staged.rank,
-              .cause = "checkpoint",
+              .cause = FailureCause::kCheckpoint,
               .message = "the checkpoint of round " + std::to_string(round.round) +
                          " is committed as '" + storage::JoinPath(store.dir(), committed) +
                          "', but the index checkpoints.json could not be updated (" +
@@ -767,7 +782,8 @@ struct Controller::Loop {
 
   void CommitFailed(const Round& round, const Status& why) {
     Fail({.rank = round.checkpoints.front().staged.rank,
-          .cause = "checkpoint",
+          .cause = FailureCause::kCheckpoint,
+          .status_code = why.code(),
           .message = "the checkpoint of round " + std::to_string(round.round) +
                      " could not be committed: " + why.message()});
   }
@@ -787,8 +803,8 @@ struct Controller::Loop {
     if (!s.ok()) {
       // A round that is not on disk must not be counted as done: the attempt fails, and a
       // restart (FailureConfig.max_failures) repeats the round from the latest checkpoint.
-      Fail(StorageFailure("report round " + std::to_string(round.round) +
-                          " could not be recorded in the run directory: " + s.message()));
+      Fail(StorageFailure(s, "report round " + std::to_string(round.round) +
+                                 " could not be recorded in the run directory: " + s.message()));
       return;
     }
     rounds = round.round;
@@ -843,9 +859,11 @@ struct Controller::Loop {
     const bool oom = p.exit.signal == SIGKILL && !sent_sigkill && OomKillCount() > oom_kills_before;
     RankFailure exit_failure{
         .rank = rank,
-        .cause = oom             ? "oom"
-                 : p.exit.signal ? "signal"
-                                 : "exit",
+        .cause = oom             ? FailureCause::kOom
+                 : p.exit.signal ? FailureCause::kSignal
+                                 : FailureCause::kExit,
+        .exit_code = p.exit.exit_code,
+        .signal = p.exit.signal,
         .message = std::string("its process ") + (p.exit.signal ? "was " : "") + p.exit.ToString() +
                    (p.exit.ok() ? " before its training function returned" : "") +
                    (oom ? " by the kernel's out-of-memory killer" : "")};
@@ -854,13 +872,16 @@ struct Controller::Loop {
     // A rank that ends before it has registered could not start: a start-up failure, with its
     // own budget. Among them a worker that could not get through a flood of its control port.
     if (phase == Phase::kStarting && !r.registered) {
-      exit_failure.cause = "start-up";
+      exit_failure.cause = FailureCause::kStartUp;
       exit_failure.message += FloodNote();
     }
     const bool our_signal =
         (p.exit.signal == SIGTERM && sent_sigterm) || (p.exit.signal == SIGKILL && sent_sigkill);
-    if (failure && failure->rank == rank && failure->cause == "connection" && !our_signal) {
+    if (failure && failure->rank == rank && failure->cause == FailureCause::kConnection &&
+        !our_signal) {
       failure->cause = exit_failure.cause;
+      failure->exit_code = exit_failure.exit_code;
+      failure->signal = exit_failure.signal;
       failure->message = exit_failure.message;
     }
     if (stopping || (p.exit.ok() && r.done)) return;
@@ -891,11 +912,13 @@ struct Controller::Loop {
       f.rank = first->first;
       f.host = end.node;
       f.log_path = store.LogPath(f.rank);
-      f.cause = end.exit.signal ? "signal" : "exit";
+      f.cause = end.exit.signal ? FailureCause::kSignal : FailureCause::kExit;
+      f.exit_code = end.exit.exit_code;
+      f.signal = end.exit.signal;
       f.message = std::string("its process ") + (end.exit.signal ? "was " : "") +
                   end.exit.ToString() + " on " + end.node;
     };
-    if (failure && failure->cause == "connection") {
+    if (failure && failure->cause == FailureCause::kConnection) {
       if (first) {
         blame_first(*failure);
       } else if (!p.launcher_error.empty()) {
@@ -912,13 +935,15 @@ struct Controller::Loop {
       blame_first(f);
     } else {
       f = {.rank = not_done != p.launched.ranks.end() ? *not_done : p.launched.ranks.front(),
-           .cause = p.exit.signal ? "signal" : "exit",
+           .cause = p.exit.signal ? FailureCause::kSignal : FailureCause::kExit,
+           .exit_code = p.exit.exit_code,
+           .signal = p.exit.signal,
            .message = "its job step ended (" + p.exit.ToString() +
                       ") before its training function returned" +
                       (p.launcher_error.empty() ? "" : ": " + p.launcher_error)};
     }
     // A step that ends before its ranks have registered could not start (srun refused it).
-    if (phase == Phase::kStarting) f.cause = "start-up";
+    if (phase == Phase::kStarting) f.cause = FailureCause::kStartUp;
     Fail(std::move(f));
   }
 
@@ -1041,7 +1066,7 @@ struct Controller::Loop {
     std::string names;
     for (int r : stale->ranks) names += (names.empty() ? "" : ", ") + std::to_string(r);
     Fail({.rank = stale->blamed,
-          .cause = "watchdog",
+          .cause = FailureCause::kWatchdog,
           .message = "no report() for " + SecondsText(opts.progress_timeout) +
                      " (the progress watchdog's limit) from rank(s) " + names +
                      ", alive but stuck"});
@@ -1060,7 +1085,7 @@ struct Controller::Loop {
       int missing = 0;
       while (missing < static_cast<int>(ranks.size()) && ranks[missing].registered) ++missing;
       Fail({.rank = missing,
-            .cause = "start-up",
+            .cause = FailureCause::kStartUp,
             .message =
                 "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
@@ -1070,7 +1095,7 @@ struct Controller::Loop {
       if (AnyUnreaped()) {
         Say("workers did not stop within the grace period; sending SIGKILL");
         sent_sigkill = true;
-        ctl.launcher_->SignalGroup(SIGKILL);
+        Signal(SIGKILL);
       }
     }
   }
@@ -1256,7 +1281,7 @@ struct Controller::Loop {
         continue;
       }
       const int err = errno;
-      ctl.launcher_->SignalGroup(SIGKILL);
+      Signal(SIGKILL);
       for (Proc& p : procs) {
         launch::WaitForExit(p.launched.pid);
         p.reaped = true;
@@ -1277,13 +1302,23 @@ struct Controller::Loop {
         {"status", status},
         {"restored_from", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
     if (status != "RUNNING") a["end_time"] = ctl.clock_.UnixSeconds();
-    if (failure) {
-      a["failure"] = {{"rank", failure->rank},
-                      {"host", failure->host},
-                      {"cause", failure->cause},
-                      {"message", failure->message}};
-    }
+    if (failure) a["failure"] = FailureState(*failure);
     return a;
+  }
+
+  // run.json's record of a failure: the cause's name and the fields that apply to it.
+  static nlohmann::json FailureState(const RankFailure& f) {
+    nlohmann::json j = {{"rank", f.rank},
+                        {"host", f.host},
+                        {"cause", FailureCauseName(f.cause)},
+                        {"message", f.message},
+                        {"exit_code", f.exit_code >= 0 ? nlohmann::json(f.exit_code) : nullptr},
+                        {"signal", f.signal != 0 ? nlohmann::json(f.signal) : nullptr}};
+    if (f.status_code != StatusCode::kOk) j["status_code"] = StatusCodeName(f.status_code);
+    if (!f.decision.empty()) {
+      j["decision"] = {{"action", f.retried ? "retry" : "raise"}, {"reason", f.decision}};
+    }
+    return j;
   }
 
   // Ends the attempt whose processes are all reaped; true when a new attempt has started.
@@ -1298,6 +1333,11 @@ struct Controller::Loop {
       }
     }
     std::string_view status = failure ? "ERRORED" : aborted ? "ABORTED" : "FINISHED";
+    if (failure && !aborted) {
+      FailureDecision d = policy.Decide(failure->cause, failure->status_code);
+      failure->retried = d.retry();
+      failure->decision = std::move(d.reason);
+    }
     attempt_log.push_back(AttemptState(status));
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
@@ -1306,14 +1346,17 @@ struct Controller::Loop {
         (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     failures.push_back(*failure);
-    if (!policy.ShouldRestart(failure->cause)) return false;
+    if (!failure->retried) {
+      Say("not restarting: " + failure->decision);
+      return false;
+    }
     ++attempt;
     Status s = StartAttempt();
     if (!s.ok()) {
       Say("cannot restart the worker group: " + s.message());
       failures.push_back({.rank = -1,
                           .attempt = attempt,
-                          .cause = "start-up",
+                          .cause = FailureCause::kStartUp,
                           .message = "the worker group could not be started: " + s.message()});
       attempt_log.push_back(AttemptState("ERRORED"));
       return false;
@@ -1350,7 +1393,8 @@ struct Controller::Loop {
       std::string text;
       for (const auto& f : failures) {
         text += "attempt " + std::to_string(f.attempt) + ": rank " + std::to_string(f.rank) +
-                " (host " + f.host + "), " + f.cause + ": " + f.message + "\n";
+                " (host " + f.host + "), " + std::string(FailureCauseName(f.cause)) + ": " +
+                f.message + "\n";
       }
       const RankFailure& first = failures.front();
       if (!first.traceback.empty()) text += "\n" + first.traceback;
@@ -1371,9 +1415,9 @@ struct Controller::Loop {
       if (out.state == Outcome::State::kFailed) {
         out.warnings.push_back("run.json could not be written: " + written.message());
       } else {
-        RankFailure f =
-            StorageFailure("the run ended (" + std::string(OutcomeStateName(out.state)) +
-                           "), but its record could not be written: " + written.message());
+        RankFailure f = StorageFailure(
+            written, "the run ended (" + std::string(OutcomeStateName(out.state)) +
+                         "), but its record could not be written: " + written.message());
         f.attempt = attempt;
         out.failures.push_back(f);
         out.failure = f;
@@ -1393,7 +1437,7 @@ struct Controller::Loop {
       a["status"] = "CRASHED";
       a["failure"] = {{"rank", -1},
                       {"host", ""},
-                      {"cause", "driver"},
+                      {"cause", FailureCauseName(FailureCause::kDriver)},
                       {"message", "its driver (" + (who.empty() ? "unknown" : who) +
                                       ") ended without recording how the attempt ended"}};
     }
@@ -1456,6 +1500,9 @@ Status Controller::Start() {
   if (loop->conn_epoll < 0 || loop->proc_epoll < 0) {
     return ErrnoError("cannot create the controller's epoll sets", errno);
   }
+  // Abort() wakes the loop through it; without it an abort would wait for the next event.
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) return ErrnoError("cannot create the controller's wake-up eventfd", errno);
   for (const auto& w : warnings) loop->Say("warning: " + w);
   if (!reindexed.ok())
     loop->Say("warning: cannot rewrite checkpoints.json: " + reindexed.message());
@@ -1502,22 +1549,20 @@ Status Controller::Start() {
     std::string path = loop->store.LogPath(r);
     int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) {
-      Status s =
-          PermissionDeniedError("cannot open the log file '" + path + "': " + std::strerror(errno));
+      Status s = storage::PathError("cannot open the log file", path, errno);
       for (int open_fd : loop->log_fds) close(open_fd);
       close(loop->listen_fd);
       return s;
     }
     loop->log_fds.push_back(fd);
   }
-  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   Status started = loop->StartAttempt();
   if (!started.ok()) {
     // run.json may already say RUNNING; it must say how the run ended instead.
     loop->failure =
         RankFailure{.rank = -1,
                     .host = HostName(),
-                    .cause = "start-up",
+                    .cause = FailureCause::kStartUp,
                     .message = "the worker group could not be started: " + started.message()};
     loop->attempt_log.push_back(loop->AttemptState("ERRORED"));
     Status recorded = loop->WriteRunState("ERRORED");
@@ -1563,6 +1608,7 @@ void Controller::Abort(std::string reason) {
   }
   abort_requested_ = true;
   uint64_t one = 1;
+  // Fails only when the counter would overflow, which leaves it readable: no wake-up is lost.
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
 }
 

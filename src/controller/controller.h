@@ -14,8 +14,9 @@
 //                                                                  after the grace period
 //   Once every process is reaped and its output drained (kDraining), the attempt is over:
 //   succeeded (every rank returned, every process exited 0) → the run is kSucceeded;
-//   aborted → kAborted; failed → FailurePolicy decides: a new attempt (fresh coordinator port,
-//   attempt number + 1, the latest committed checkpoint) or kFailed.
+//   aborted → kAborted; failed → FailurePolicy decides from the failure's cause and codes
+//   (failure_policy.h): retry, a new attempt (fresh coordinator port, attempt number + 1, the
+//   latest committed checkpoint), or raise, kFailed.
 //
 // Report rounds: a round is complete when every rank has reported it (ReportCollector); rank 0's
 // metrics are recorded, and the ranks' checkpoints, if any, are committed as one checkpoint
@@ -53,6 +54,7 @@
 
 #include "base/clock.h"
 #include "base/status.h"
+#include "controller/failure_policy.h"
 #include "launch/launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
@@ -87,9 +89,14 @@ struct RankFailure {
   int rank = -1;
   std::string host;
   int attempt = 0;
-  // "exception", "exit", "signal", "oom" (SIGKILL while the host was out of memory), "connection",
-  // "watchdog", "start-up", "checkpoint"
-  std::string cause;
+  FailureCause cause = FailureCause::kException;  // its name: FailureCauseName()
+  int exit_code = -1;  // kExit (and kStartUp when the process exited): its exit status
+  int signal = 0;      // kSignal, kOom (and kStartUp when a signal ended it): the signal
+  // kStorage, kCheckpoint: the code of the error behind it, which FailurePolicy decides from.
+  StatusCode status_code = StatusCode::kOk;
+  // What FailurePolicy decided for it, once the attempt ended: retried, and why (its reason).
+  bool retried = false;
+  std::string decision;
   std::string message;    // one line: what happened
   std::string traceback;  // the worker's Python traceback, when it sent one
   std::string log_path;

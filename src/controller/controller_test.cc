@@ -328,7 +328,7 @@ TEST_F(ControllerTest, ARankThatRaisesFailsTheRunWithItsTraceback) {
   const RankFailure& f = *out.failure;
   EXPECT_EQ(f.rank, 2);
   EXPECT_EQ(f.attempt, 0);
-  EXPECT_EQ(f.cause, "exception");
+  EXPECT_EQ(f.cause, FailureCause::kException);
   EXPECT_EQ(f.message, "RuntimeError: fake failure on rank 2");
   EXPECT_TRUE(Contains(f.traceback, "Traceback (most recent call last)")) << f.traceback;
   EXPECT_EQ(f.log_path, RunDir() + "/logs/rank-2.log");
@@ -358,7 +358,9 @@ TEST_F(ControllerTest, AWorkerKilledBySignalIsNamed) {
   EXPECT_EQ(out.state, State::kFailed);
   ASSERT_TRUE(out.failure.has_value());
   EXPECT_EQ(out.failure->rank, 1);
-  EXPECT_EQ(out.failure->cause, "signal");
+  EXPECT_EQ(out.failure->cause, FailureCause::kSignal);
+  EXPECT_EQ(out.failure->signal, SIGKILL);
+  EXPECT_EQ(out.failure->exit_code, -1);
   EXPECT_TRUE(Contains(out.failure->message, "SIGKILL")) << out.failure->message;
   ExpectWorkersGone(WorkerPids(3));
 }
@@ -373,7 +375,9 @@ TEST_F(ControllerTest, AWorkerThatExitsZeroEarlyIsAFailure) {
   EXPECT_EQ(out.state, State::kFailed);
   ASSERT_TRUE(out.failure.has_value());
   EXPECT_EQ(out.failure->rank, 1);
-  EXPECT_EQ(out.failure->cause, "exit");
+  EXPECT_EQ(out.failure->cause, FailureCause::kExit);
+  EXPECT_EQ(out.failure->exit_code, 0);
+  EXPECT_EQ(out.failure->signal, 0);
   EXPECT_TRUE(Contains(out.failure->message, "before its training function returned"))
       << out.failure->message;
   ExpectWorkersGone(WorkerPids(2));
@@ -389,7 +393,7 @@ TEST_F(ControllerTest, AMalformedMessageFromAnAuthenticatedWorkerFailsItsRank) {
   EXPECT_EQ(out.state, State::kFailed);
   ASSERT_TRUE(out.failure.has_value());
   EXPECT_EQ(out.failure->rank, 1);
-  EXPECT_EQ(out.failure->cause, "connection");
+  EXPECT_EQ(out.failure->cause, FailureCause::kConnection);
   EXPECT_TRUE(Contains(out.failure->message, "protocol error: malformed message of type 8"))
       << out.failure->message;
   ExpectWorkersGone(WorkerPids(2));
@@ -464,7 +468,7 @@ TEST_F(ControllerTest, StartUpTimeoutNamesTheMissingRank) {
   EXPECT_EQ(out.state, State::kFailed);
   ASSERT_TRUE(out.failure.has_value());
   EXPECT_EQ(out.failure->rank, 1);
-  EXPECT_EQ(out.failure->cause, "start-up");
+  EXPECT_EQ(out.failure->cause, FailureCause::kStartUp);
   EXPECT_TRUE(Contains(out.failure->message, "start-up timeout")) << out.failure->message;
   std::vector<pid_t> pids = WorkerPids(3);
   EXPECT_EQ(pids.size(), 3u);
@@ -640,16 +644,52 @@ TEST_F(ControllerTest, AReportRoundThatCannotBeRecordedFailsTheRun) {
   const Outcome& out = controller->outcome();
   ASSERT_EQ(out.state, State::kFailed);
   ASSERT_TRUE(out.failure.has_value());
-  EXPECT_EQ(out.failure->cause, "storage");
+  EXPECT_EQ(out.failure->cause, FailureCause::kStorage);
   EXPECT_EQ(out.failure->rank, -1);
   EXPECT_TRUE(Contains(out.failure->message, "report round 1 could not be recorded"))
       << out.failure->message;
   EXPECT_TRUE(Contains(out.failure->message, "result.jsonl")) << out.failure->message;
   EXPECT_EQ(out.rounds, 0u);
   EXPECT_EQ(out.last_metrics_json, "");
+  EXPECT_EQ(out.failure->status_code, StatusCode::kResourceExhausted);
   json state = RunState();
   EXPECT_EQ(state.value("status", ""), "ERRORED");
   EXPECT_EQ(state["attempts"][0]["failure"].value("cause", ""), "storage");
+  EXPECT_EQ(state["attempts"][0]["failure"].value("status_code", ""), "RESOURCE_EXHAUSTED");
+}
+
+TEST_F(ControllerTest, AFullDiskIsRetriedABoundedNumberOfTimesEvenWithoutRestarts) {
+  ASSERT_TRUE(std::filesystem::create_directories(RunDir()));
+  ASSERT_EQ(symlink("/dev/full", (RunDir() + "/result.jsonl").c_str()), 0);
+  auto controller = Make(Options(2, {"ok", "3"}));  // max_failures = 0
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+  const Outcome& out = controller->outcome();
+  ASSERT_EQ(out.state, State::kFailed);
+  ASSERT_EQ(out.failures.size(), size_t{FailurePolicy::kMaxStorageFailures + 1});
+  for (const RankFailure& f : out.failures) EXPECT_EQ(f.cause, FailureCause::kStorage);
+  EXPECT_TRUE(out.failures.front().retried) << out.failures.front().decision;
+  EXPECT_FALSE(out.failures.back().retried);
+  EXPECT_TRUE(Contains(out.failures.back().decision, "storage retry limit"))
+      << out.failures.back().decision;
+  json attempts = RunState()["attempts"];
+  ASSERT_EQ(attempts.size(), out.failures.size());
+  EXPECT_EQ(attempts[0]["failure"]["decision"].value("action", ""), "retry");
+  EXPECT_EQ(attempts.back()["failure"]["decision"].value("action", ""), "raise");
+}
+
+TEST_F(ControllerTest, ARoundThatCanNeverBeRecordedIsNotRetried) {
+  // result.jsonl is a directory: no retry can append to it.
+  ASSERT_TRUE(std::filesystem::create_directories(RunDir() + "/result.jsonl"));
+  ControllerOptions options = Options(2, {"ok", "3"});
+  options.max_failures = -1;
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+  const Outcome& out = controller->outcome();
+  ASSERT_EQ(out.state, State::kFailed);
+  ASSERT_EQ(out.failures.size(), 1u);
+  EXPECT_EQ(out.failure->cause, FailureCause::kStorage);
+  EXPECT_EQ(out.failure->status_code, StatusCode::kFailedPrecondition);
+  EXPECT_EQ(out.failure->decision, "retrying cannot help (FAILED_PRECONDITION)");
 }
 
 TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {
@@ -750,7 +790,7 @@ TEST_F(ControllerTest, ARankThatEndsBeforeRegisteringIsAStartUpFailure) {
   ASSERT_EQ(out.failures.size(), 2u);
   for (const RankFailure& f : out.failures) {
     EXPECT_EQ(f.rank, 1);
-    EXPECT_EQ(f.cause, "start-up") << f.message;
+    EXPECT_EQ(f.cause, FailureCause::kStartUp) << f.message;
     EXPECT_FALSE(planned_host.empty());
     EXPECT_EQ(f.host, planned_host);
   }

@@ -1,32 +1,89 @@
 // FailurePolicy: after a failed attempt, restart the worker group or give up. Pure; not
 // thread-safe (owned by the controller's loop).
 //
-// Training failures (an exception, a signal, an exit, a lost connection, a watchdog timeout)
-// count against max_failures; start-up failures (a group that could not start) against their own
-// budget, max_start_failures; -1 means without limit. A failure whose cause says that retrying
-// cannot help ("checkpoint": two ranks wrote the same file) is never retried.
+// The decision is made from the failure's cause and, for the run directory's own errors, from its
+// Status code; never from a message. The table (FailurePolicy::Decide):
+//
+//   cause                                    budget                     when it is spent
+//   exception, exit, signal, oom,            max_failures               raise
+//   connection, watchdog
+//   start-up                                 max_start_failures         raise
+//   storage, checkpoint with a transient     max_storage_failures       raise
+//     code (kResourceExhausted: ENOSPC,      (kMaxStorageFailures = 2)
+//     EDQUOT; kUnavailable: EIO)
+//   storage, checkpoint with any other code  none: retrying cannot help (a permission, a path
+//     (kPermissionDenied, kInvalidArgument,  in the way, ranks that disagree on a checkpoint,
+//     kFailedPrecondition, kAlreadyExists..)  a commit that is on disk but not indexed) → raise
+//   driver                                   none → raise
+//
+// -1 means without limit. Each budget counts only its own failures. A full disk or a failing
+// storage server may recover (space is freed, the server restarts): such failures are retried a
+// few times whatever max_failures says, so that one round that could not be written does not
+// end a run that asked for no restarts, and never without bound.
 #pragma once
 
 #include <string>
+#include <string_view>
+
+#include "base/status.h"
 
 namespace jaxtrain::controller {
 
+enum class FailureCause {
+  kException,   // the training function raised
+  kExit,        // the process exited before its function returned (RankFailure::exit_code)
+  kSignal,      // a signal ended the process (RankFailure::signal)
+  kOom,         // SIGKILL while the host was out of memory
+  kConnection,  // the control connection closed or broke the protocol
+  kWatchdog,    // no report() within the progress timeout
+  kStartUp,     // the group could not start (a rank ended or timed out before registering)
+  kCheckpoint,  // a round's checkpoint could not be committed (RankFailure::status_code)
+  kStorage,     // the run directory could not be written (RankFailure::status_code)
+  kDriver,      // an earlier driver of the run ended without recording how (run.json only)
+};
+
+// The name in run.json, error.txt and Python's TrainingFailedError.cause: "exception", "exit",
+// "signal", "oom", "connection", "watchdog", "start-up", "checkpoint", "storage", "driver".
+std::string_view FailureCauseName(FailureCause cause);
+
+struct FailureDecision {
+  enum class Action { kRetry, kRaise };
+  Action action = Action::kRaise;
+  std::string
+      reason;  // one line: which budget, how much of it is used, or why retrying cannot help
+  bool retry() const { return action == Action::kRetry; }
+};
+
+std::string_view FailureActionName(FailureDecision::Action action);  // "retry", "raise"
+
+// True for the codes of storage errors that may pass: kResourceExhausted, kUnavailable.
+bool IsTransientStorageError(StatusCode code);
+
 class FailurePolicy {
  public:
-  FailurePolicy(int max_failures, int max_start_failures)
-      : max_failures_(max_failures), max_start_failures_(max_start_failures) {}
+  static constexpr int kMaxStorageFailures = 2;
 
-  // Counts a failure with this cause; true when the group should be restarted.
-  bool ShouldRestart(const std::string& cause);
+  FailurePolicy(int max_failures, int max_start_failures,
+                int max_storage_failures = kMaxStorageFailures)
+      : max_failures_(max_failures),
+        max_start_failures_(max_start_failures),
+        max_storage_failures_(max_storage_failures) {}
+
+  // Counts a failure with this cause (and, for kStorage and kCheckpoint, the code of the error
+  // behind it) against its budget and decides, as the table above says.
+  FailureDecision Decide(FailureCause cause, StatusCode code = StatusCode::kOk);
 
   int failures() const { return failures_; }
   int start_failures() const { return start_failures_; }
+  int storage_failures() const { return storage_failures_; }
 
  private:
   int max_failures_;
   int max_start_failures_;
+  int max_storage_failures_;
   int failures_ = 0;
   int start_failures_ = 0;
+  int storage_failures_ = 0;
 };
 
 }  // namespace jaxtrain::controller

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <set>
 
+#include "base/fd_io.h"
+
 namespace jaxtrain::launch {
 namespace {
 
@@ -379,20 +381,13 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   const std::string path = options_.request_dir + "/" + jobset_name + ".json";
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return InternalError("cannot write '" + path + "': " + std::strerror(errno));
-  const std::string text = request.dump();
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    ssize_t n = write(fd, rest.data(), rest.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int err = errno;
-      close(fd);
-      unlink(path.c_str());
-      return InternalError("cannot write '" + path + "': " + std::strerror(err));
-    }
-    rest.remove_prefix(static_cast<size_t>(n));
-  }
+  int err = 0;
+  const bool written = WriteAll(fd, request.dump(), "write", &err).ok();
   close(fd);
+  if (!written) {
+    unlink(path.c_str());
+    return Status(ErrnoCode(err), "cannot write '" + path + "': " + std::strerror(err));
+  }
 
   std::vector<std::string> argv = options_.supervisor_argv;
   argv.push_back(path);
@@ -426,15 +421,19 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   return std::vector<LaunchedProcess>{{group.ranks, spawned->pid, pidfd, spawned->output_fd}};
 }
 
-void KubernetesLauncher::SignalGroup(int signal) {
-  if (pid_ <= 0) return;
+Status KubernetesLauncher::SignalGroup(int signal) {
+  if (pid_ <= 0) return OkStatus();
+  int sent = 0;
   if (signal == SIGTERM) {
-    kill(pid_, SIGTERM);
+    sent = SIGTERM;
   } else if (signal == SIGKILL) {
     // The first SIGKILL asks for deletion without grace; the supervisor must still see the pods
     // gone before it exits, so that no attempt overlaps the next one.
-    kill(pid_, ++kills_ == 1 ? SIGUSR1 : SIGKILL);
+    sent = ++kills_ == 1 ? SIGUSR1 : SIGKILL;
   }
+  if (sent == 0 || kill(pid_, sent) == 0 || errno == ESRCH) return OkStatus();
+  return UnavailableError("cannot send " + SignalName(sent) + " to the supervisor (pid " +
+                          std::to_string(pid_) + "): " + std::strerror(errno));
 }
 
 }  // namespace jaxtrain::launch

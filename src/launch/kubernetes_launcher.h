@@ -97,7 +97,7 @@ class KubernetesLauncher : public Launcher {
   // SIGTERM: the supervisor deletes the JobSet with the pods' grace period and waits for them to
   // be gone. SIGKILL: the same at once (grace period 0), then the supervisor itself is killed if
   // it is still there at the next SIGKILL. Other signals are not forwarded.
-  void SignalGroup(int signal) override;
+  Status SignalGroup(int signal) override;
 
   std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
     return ParseKubernetesTaskEnd(line);

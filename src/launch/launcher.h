@@ -57,8 +57,11 @@ class Launcher {
   virtual StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) = 0;
 
   // Sends `signal` to every process of the group started by the last Launch(), and to anything
-  // they started in their process group.
-  virtual void SignalGroup(int signal) = 0;
+  // they started in their process group. A group that has already ended is not an error.
+  // Errors: kUnavailable when the signal could not be delivered (the message says to whom and
+  // why); the controller says so and goes on: SIGKILL follows after the grace period, and an
+  // attempt ends only once every process is reaped.
+  virtual Status SignalGroup(int signal) = 0;
 
   // Reads one unlabelled line of a multi-rank process's output: how some ranks ended, when the
   // line says so; nullopt for any other line.

@@ -58,7 +58,8 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
   std::vector<LaunchedProcess> launched;
   std::vector<int> warm;
   auto fail = [&](Status s) -> Status {
-    SignalGroup(SIGKILL);
+    Status killed = SignalGroup(SIGKILL);
+    if (!killed.ok()) s = Status(s.code(), s.message() + " (and " + killed.message() + ")");
     for (auto& p : launched) {
       waitpid(p.pid, nullptr, 0);
       close(p.pidfd);
@@ -116,8 +117,8 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
   return launched;
 }
 
-void LocalLauncher::SignalGroup(int signal) {
-  if (pgid_ > 0) killpg(pgid_, signal);
+Status LocalLauncher::SignalGroup(int signal) {
+  return pgid_ > 0 ? SignalProcessGroup(pgid_, signal) : OkStatus();
 }
 
 Status LocalLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {

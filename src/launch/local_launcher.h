@@ -27,7 +27,7 @@ class LocalLauncher : public Launcher {
   ~LocalLauncher() override;
 
   StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
-  void SignalGroup(int signal) override;
+  Status SignalGroup(int signal) override;
   Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
   void EndRun(bool keep) override;
   std::vector<std::string> TakeNotes() override;

@@ -84,7 +84,7 @@ TEST(LocalLauncherTest, SignalGroupReachesEveryProcess) {
   std::vector<ProcessSpec> specs(3, ProcessSpec{{0}, {"/bin/sleep", "30"}, {}, {}, ""});
   auto procs = launcher.Launch(specs);
   ASSERT_TRUE(procs.ok());
-  launcher.SignalGroup(SIGTERM);
+  ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
   for (auto& p : *procs) {
     ExitStatus s = WaitExit(p);
     EXPECT_EQ(s.signal, SIGTERM);
@@ -92,6 +92,7 @@ TEST(LocalLauncherTest, SignalGroupReachesEveryProcess) {
     close(p.pidfd);
     close(p.output_fd);
   }
+  EXPECT_TRUE(launcher.SignalGroup(SIGKILL).ok()) << "a group that has ended is not an error";
 }
 
 TEST(LocalLauncherTest, AProcessThatCannotStartFailsTheWholeLaunch) {

@@ -67,6 +67,12 @@ ExitStatus WaitForExit(pid_t pid) {
   return s;
 }
 
+Status SignalProcessGroup(pid_t pgid, int signal) {
+  if (killpg(pgid, signal) == 0 || errno == ESRCH) return OkStatus();
+  return UnavailableError("cannot send " + SignalName(signal) + " to process group " +
+                          std::to_string(pgid) + ": " + std::strerror(errno));
+}
+
 std::map<std::string, std::string> CurrentEnvironment() {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {

@@ -33,6 +33,11 @@ std::map<std::string, std::string> CurrentEnvironment();
 // "SIGKILL" for 9, "signal 64" when unnamed (and every signal on glibc before 2.32).
 std::string SignalName(int signal);
 
+// killpg(pgid, signal). A group with no process left (ESRCH) is not an error: it has ended.
+// Errors: kUnavailable naming the signal, the group and errno's text (EPERM: the group is not
+// ours any more).
+Status SignalProcessGroup(pid_t pgid, int signal);
+
 struct SpawnOptions {
   std::vector<std::string> argv;                  // argv[0]: a path, or a name when search_path
   const std::vector<std::string>* env = nullptr;  // "NAME=value" entries; null: this process's

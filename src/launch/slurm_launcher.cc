@@ -21,6 +21,7 @@
 #include <map>
 #include <set>
 
+#include "base/fd_io.h"
 #include "base/strings.h"
 #include "launch/ssh_launcher.h"
 
@@ -34,14 +35,8 @@ const std::set<std::string> kPerRankEnv = {"JAXTRAIN_RANK", "JAXTRAIN_LOCAL_RANK
 constexpr auto kReasonPollInterval = std::chrono::seconds(5);
 
 void Say(const std::string& line) {
-  std::string text = "jaxtrain: " + line + "\n";
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    ssize_t n = write(2, rest.data(), rest.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    rest.remove_prefix(static_cast<size_t>(n));
-  }
+  // A stderr that cannot be written leaves nowhere to say so.
+  if (!WriteAll(2, "jaxtrain: " + line + "\n", "write").ok()) return;
 }
 
 std::vector<std::string> SplitLines(std::string_view text) {
@@ -625,9 +620,10 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   return std::vector<LaunchedProcess>{{ranks, p.pid, pidfd, p.output_fd}};
 }
 
-void SlurmLauncher::SignalGroup(int signal) {
-  if (pgid_ > 0) killpg(pgid_, signal);
-  if (signal == SIGKILL) CancelStep();
+Status SlurmLauncher::SignalGroup(int signal) {
+  Status s = pgid_ > 0 ? SignalProcessGroup(pgid_, signal) : OkStatus();
+  if (signal == SIGKILL) CancelStep();  // says itself when it cannot
+  return s;
 }
 
 void SlurmLauncher::CancelStep() {

@@ -161,7 +161,7 @@ class SlurmLauncher : public Launcher {
 
   // Sends `signal` to srun, which forwards it to every task. SIGKILL also cancels the step in
   // Slurm (scancel), since a killed srun leaves its tasks running.
-  void SignalGroup(int signal) override;
+  Status SignalGroup(int signal) override;
 
   std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
     return ParseSrunTaskEnd(line);

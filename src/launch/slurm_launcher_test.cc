@@ -468,7 +468,7 @@ TEST_F(ControllerOnSlurmTest, ATaskKilledIsBlamedAsSrunReportsItAndTheGroupResta
   ASSERT_EQ(out.failures.size(), 2u);
   for (const auto& f : out.failures) {
     EXPECT_EQ(f.rank, 1);
-    EXPECT_EQ(f.cause, "signal");
+    EXPECT_EQ(f.cause, controller::FailureCause::kSignal);
     EXPECT_EQ(f.message, "its process was killed by signal 9 (SIGKILL) on fakehost");
   }
   std::string log = Log(1);

@@ -543,7 +543,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
   return launched;
 }
 
-void SshLauncher::SignalGroup(int signal) {
+Status SshLauncher::SignalGroup(int signal) {
   // The agent reads the signal's name without "SIG" (glibc's sigabbrev_np is newer than the
   // oldest glibc the wheels run on, so the signals the controller sends are spelled here).
   std::string name;
@@ -565,7 +565,8 @@ void SshLauncher::SignalGroup(int signal) {
       (void)WriteNoSigpipe(fd, word);
     }
   }
-  if (signal == SIGKILL && pgid_ > 0) killpg(pgid_, SIGKILL);
+  if (signal == SIGKILL && pgid_ > 0) return SignalProcessGroup(pgid_, SIGKILL);
+  return OkStatus();
 }
 
 }  // namespace jaxtrain::launch

@@ -106,7 +106,7 @@ class SshLauncher : public Launcher {
   // Sends `signal` to every worker's process group through its agent. SIGKILL also kills the
   // local ssh processes, so the group ends even when a host cannot be reached; the agents then
   // see their stdin end and kill their workers.
-  void SignalGroup(int signal) override;
+  Status SignalGroup(int signal) override;
 
  private:
   Status Probe(const std::vector<ProcessSpec>& specs);

@@ -254,7 +254,7 @@ TEST_F(FakeSshTest, SigtermReachesTheWorkerThroughItsAgent) {
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& p = launched->front();
   ReadOutput(p, "ready");
-  launcher.SignalGroup(SIGTERM);
+  ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
   EXPECT_TRUE(Contains(ReadOutput(p), "got TERM"));
   EXPECT_EQ(Finish(p).exit_code, 3);
 }

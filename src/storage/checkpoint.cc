@@ -28,13 +28,6 @@ namespace {
 constexpr size_t kCopyChunk = 4 << 20;
 constexpr char kIndexName[] = "checkpoints.json";
 
-Status IoError(std::string_view what, const std::string& path, int err) {
-  std::string message = std::string(what) + " '" + path + "': " + std::strerror(err);
-  if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(message);
-  if (err == ENOENT) return NotFoundError(message);
-  return InternalError(message);
-}
-
 struct Fd {
   int fd = -1;
   ~Fd() {
@@ -44,19 +37,8 @@ struct Fd {
 
 Status FsyncPath(const std::string& path, bool directory) {
   Fd f{open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC)};
-  if (f.fd < 0) return IoError("cannot open", path, errno);
-  if (fsync(f.fd) != 0) return IoError("cannot fsync", path, errno);
-  return OkStatus();
-}
-
-Status WriteFully(int fd, const char* data, size_t n, const std::string& path) {
-  while (n > 0) {
-    ssize_t w = write(fd, data, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return IoError("cannot write", path, errno);
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
+  if (f.fd < 0) return PathError("cannot open", path, errno);
+  if (fsync(f.fd) != 0) return PathError("cannot fsync", path, errno);
   return OkStatus();
 }
 
@@ -70,20 +52,20 @@ Status WriteFully(int fd, const char* data, size_t n, const std::string& path) {
 StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, const std::string& rel,
                              std::vector<char>& buffer, bool durable) {
   Fd in{open(src.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
-  if (in.fd < 0) return IoError("cannot open", src, errno);
+  if (in.fd < 0) return PathError("cannot open", src, errno);
   struct stat st;
-  if (fstat(in.fd, &st) != 0) return IoError("cannot stat", src, errno);
+  if (fstat(in.fd, &st) != 0) return PathError("cannot stat", src, errno);
   if (!S_ISREG(st.st_mode)) {
     return InvalidArgumentError("checkpoint file '" + src + "' changed while it was copied");
   }
   const mode_t mode = (st.st_mode & 0777) | 0400;
   // A file already there (a copy into a directory that has one) is replaced, not reused with its
   // own mode, and a link there is not written through.
-  if (unlink(dst.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", dst, errno);
+  if (unlink(dst.c_str()) != 0 && errno != ENOENT) return PathError("cannot replace", dst, errno);
   Fd out{open(dst.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode)};
-  if (out.fd < 0) return IoError("cannot create", dst, errno);
+  if (out.fd < 0) return PathError("cannot create", dst, errno);
   struct stat written;
-  if (fstat(out.fd, &written) != 0) return IoError("cannot stat", dst, errno);
+  if (fstat(out.fd, &written) != 0) return PathError("cannot stat", dst, errno);
   FileEntry entry{.path = rel, .mode = static_cast<uint32_t>(written.st_mode & 0777)};
   const size_t size = static_cast<size_t>(st.st_size);
   void* map = size > 0 ? mmap(nullptr, size, PROT_READ, MAP_PRIVATE, in.fd, 0) : MAP_FAILED;
@@ -99,7 +81,8 @@ StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, con
           copy_file_range(in.fd, &in_off, out.fd, &out_off, size - static_cast<size_t>(in_off), 0);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {  // not supported between these filesystems: write from the mapping
-        copied = WriteFully(out.fd, data + in_off, size - static_cast<size_t>(in_off), dst);
+        copied = WriteFd(out.fd,
+                         std::string_view(data + in_off, size - static_cast<size_t>(in_off)), dst);
         break;
       }
     }
@@ -110,14 +93,15 @@ StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, con
     for (;;) {
       ssize_t n = read(in.fd, buffer.data(), buffer.size());
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return IoError("cannot read", src, errno);
+      if (n < 0) return PathError("cannot read", src, errno);
       if (n == 0) break;
       entry.crc32c = Crc32c(entry.crc32c, buffer.data(), static_cast<size_t>(n));
       entry.size += static_cast<uint64_t>(n);
-      JT_RETURN_IF_ERROR(WriteFully(out.fd, buffer.data(), static_cast<size_t>(n), dst));
+      JT_RETURN_IF_ERROR(
+          WriteFd(out.fd, std::string_view(buffer.data(), static_cast<size_t>(n)), dst));
     }
   }
-  if (durable && fsync(out.fd) != 0) return IoError("cannot fsync", dst, errno);
+  if (durable && fsync(out.fd) != 0) return PathError("cannot fsync", dst, errno);
   return entry;
 }
 
@@ -177,7 +161,7 @@ StatusOr<std::string> KeptLinkTarget(const std::string& src_root, const std::str
                                      const std::string& from, const std::string& rel) {
   std::vector<char> buf(PATH_MAX + 1);
   ssize_t n = readlink(from.c_str(), buf.data(), buf.size() - 1);
-  if (n < 0) return IoError("cannot read the link", from, errno);
+  if (n < 0) return PathError("cannot read the link", from, errno);
   const std::string target(buf.data(), static_cast<size_t>(n));
   auto refuse = [&](const std::string& why) {
     return InvalidArgumentError(
@@ -220,7 +204,7 @@ struct TreeItem {
 Status ListTree(const std::string& src_root, const std::string& root_real, const std::string& src,
                 const std::string& rel, std::vector<TreeItem>* items) {
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(src.c_str()), closedir);
-  if (!dir) return IoError("cannot list", src, errno);
+  if (!dir) return PathError("cannot list", src, errno);
   std::vector<std::string> names;
   while (dirent* e = readdir(dir.get())) {
     std::string name = e->d_name;
@@ -230,7 +214,7 @@ Status ListTree(const std::string& src_root, const std::string& root_real, const
   for (const auto& name : names) {
     TreeItem item{.rel = rel.empty() ? name : rel + "/" + name, .from = JoinPath(src, name)};
     struct stat st;
-    if (lstat(item.from.c_str(), &st) != 0) return IoError("cannot stat", item.from, errno);
+    if (lstat(item.from.c_str(), &st) != 0) return PathError("cannot stat", item.from, errno);
     item.mode = st.st_mode;
     if (S_ISLNK(st.st_mode)) {
       item.kind = TreeItem::Kind::kLink;
@@ -254,7 +238,7 @@ StatusOr<std::vector<TreeItem>> ListCheckpointDirectory(const std::string& src) 
   struct stat st;
   if (stat(src.c_str(), &st) != 0) {
     if (errno == ENOENT) return NotFoundError("checkpoint directory '" + src + "' does not exist");
-    return IoError("cannot read the checkpoint directory", src, errno);
+    return PathError("cannot read the checkpoint directory", src, errno);
   }
   if (!S_ISDIR(st.st_mode)) {
     return InvalidArgumentError("checkpoint path '" + src +
@@ -262,7 +246,7 @@ StatusOr<std::vector<TreeItem>> ListCheckpointDirectory(const std::string& src) 
                                 "directory the checkpoint's files are in");
   }
   char* real = realpath(src.c_str(), nullptr);
-  if (real == nullptr) return IoError("cannot resolve the checkpoint directory", src, errno);
+  if (real == nullptr) return PathError("cannot resolve the checkpoint directory", src, errno);
   const std::string root_real(real);
   free(real);
   std::vector<TreeItem> items;
@@ -275,8 +259,8 @@ StatusOr<std::vector<TreeItem>> ListCheckpointDirectory(const std::string& src) 
 Status PlaceDirOrLink(const TreeItem& item, const std::string& to,
                       std::vector<FileEntry>* entries) {
   if (item.kind == TreeItem::Kind::kLink) {
-    if (unlink(to.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", to, errno);
-    if (symlink(item.link.c_str(), to.c_str()) != 0) return IoError("cannot create", to, errno);
+    if (unlink(to.c_str()) != 0 && errno != ENOENT) return PathError("cannot replace", to, errno);
+    if (symlink(item.link.c_str(), to.c_str()) != 0) return PathError("cannot create", to, errno);
     entries->push_back({.path = item.rel, .mode = 0777, .link = item.link});
     return OkStatus();
   }
@@ -284,7 +268,7 @@ Status PlaceDirOrLink(const TreeItem& item, const std::string& to,
   struct stat there;
   if (mkdir(to.c_str(), (item.mode & 0777) | 0700) != 0 &&
       (errno != EEXIST || lstat(to.c_str(), &there) != 0 || !S_ISDIR(there.st_mode))) {
-    return IoError("cannot create directory", to, errno);
+    return PathError("cannot create directory", to, errno);
   }
   return OkStatus();
 }
@@ -383,9 +367,9 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
       continue;
     }
     Fd in{open(item.from.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
-    if (in.fd < 0) return IoError("cannot open", item.from, errno);
+    if (in.fd < 0) return PathError("cannot open", item.from, errno);
     struct stat st;
-    if (fstat(in.fd, &st) != 0) return IoError("cannot stat", item.from, errno);
+    if (fstat(in.fd, &st) != 0) return PathError("cannot stat", item.from, errno);
     if (!S_ISREG(st.st_mode)) {
       return InvalidArgumentError("checkpoint file '" + item.from + "' changed while it was read");
     }
@@ -404,7 +388,7 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
     while (out.size < size) {  // a file cut short while it is read ends where it ends
       ssize_t n = read(in.fd, out.data.get() + out.size, size - out.size);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return IoError("cannot read", item.from, errno);
+      if (n < 0) return PathError("cannot read", item.from, errno);
       if (n == 0) break;
       out.size += static_cast<uint64_t>(n);
     }
@@ -429,12 +413,12 @@ StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot
       JT_RETURN_IF_ERROR(PlaceDirOrLink(placed, to, &entries));
       continue;
     }
-    if (unlink(to.c_str()) != 0 && errno != ENOENT) return IoError("cannot replace", to, errno);
+    if (unlink(to.c_str()) != 0 && errno != ENOENT) return PathError("cannot replace", to, errno);
     Fd out{open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
                 static_cast<mode_t>(item.mode | 0400))};
-    if (out.fd < 0) return IoError("cannot create", to, errno);
+    if (out.fd < 0) return PathError("cannot create", to, errno);
     struct stat written;
-    if (fstat(out.fd, &written) != 0) return IoError("cannot stat", to, errno);
+    if (fstat(out.fd, &written) != 0) return PathError("cannot stat", to, errno);
     JT_RETURN_IF_ERROR(WriteFully(out.fd, item.data.get(), item.size, to));
     entries.push_back({.path = item.rel,
                        .size = item.size,
@@ -568,7 +552,7 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
           if (lstat(parents[i].c_str(), &st) == 0) mode = st.st_mode & 0777;  // after the umask
           dir_modes.push_back({{"path", parents[i].substr(tmp.size() + 1)}, {"mode", mode}});
         } else if (errno != EEXIST) {
-          return IoError("cannot create directory", parents[i], errno);
+          return PathError("cannot create directory", parents[i], errno);
         }
       }
       std::string from = JoinPath(rc.staging_dir, f.path);
@@ -576,7 +560,7 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
       // A part staged without fsync (report() snapshots only) becomes durable here, before the
       // commit point; for a file already fsynced this costs next to nothing.
       if (f.link.empty()) JT_RETURN_IF_ERROR(FsyncPath(from, /*directory=*/false));
-      if (rename(from.c_str(), to.c_str()) != 0) return IoError("cannot move", from, errno);
+      if (rename(from.c_str(), to.c_str()) != 0) return PathError("cannot move", from, errno);
       (f.link.empty() ? files : links).push_back(EntryToJson(f, rc.rank));
     }
   }
@@ -596,11 +580,11 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   if (lstat(final_dir.c_str(), &st) == 0) {
     // The commit point for a reused name: swap the new directory in, then drop the old one.
     if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0) {
-      return IoError("cannot replace the checkpoint", final_dir, errno);
+      return PathError("cannot replace the checkpoint", final_dir, errno);
     }
     JT_RETURN_IF_ERROR(RemoveTree(tmp));
   } else if (rename(tmp.c_str(), final_dir.c_str()) != 0) {  // the commit point
-    return IoError("cannot commit the checkpoint", final_dir, errno);
+    return PathError("cannot commit the checkpoint", final_dir, errno);
   }
   JT_RETURN_IF_ERROR(FsyncPath(run_dir, /*directory=*/true));
   for (const auto& rc : ranks) JT_RETURN_IF_ERROR(RemoveTree(rc.staging_dir));
@@ -670,13 +654,13 @@ Status VerifyEntry(const std::string& dir, const FileEntry& f, bool checksums,
   }
   if (!checksums) return OkStatus();
   Fd in{open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
-  if (in.fd < 0) return IoError("cannot open", path, errno);
+  if (in.fd < 0) return PathError("cannot open", path, errno);
   posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   uint32_t crc = 0;
   for (;;) {
     ssize_t n = read(in.fd, buffer.data(), buffer.size());
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return IoError("cannot read", path, errno);
+    if (n < 0) return PathError("cannot read", path, errno);
     if (n == 0) break;
     crc = Crc32c(crc, buffer.data(), static_cast<size_t>(n));
   }
@@ -836,7 +820,7 @@ Status RemoveTree(const std::string& path) {
       path.c_str(),
       [](const char* p, const struct stat*, int, FTW*) { return remove(p) == 0 ? 0 : errno; }, 32,
       FTW_DEPTH | FTW_PHYS);
-  if (rc != 0) return IoError("cannot remove", path, rc > 0 ? rc : errno);
+  if (rc != 0) return PathError("cannot remove", path, rc > 0 ? rc : errno);
   return OkStatus();
 }
 

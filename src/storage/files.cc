@@ -7,18 +7,12 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/fd_io.h"
+
 namespace jaxtrain::storage {
 
 Status PathError(std::string_view what, const std::string& path, int err) {
-  std::string message = std::string(what) + " '" + path + "': " + std::strerror(err);
-  if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(message);
-  if (err == ENOTDIR || err == EEXIST) return FailedPreconditionError(message);
-  if (err == ENOENT) return NotFoundError(message);
-  // A full disk or quota may be freed, and an I/O error may pass (a storage server that
-  // restarts): neither says that retrying cannot help.
-  if (err == ENOSPC || err == EDQUOT) return ResourceExhaustedError(message);
-  if (err == EIO) return UnavailableError(message);
-  return InternalError(message);
+  return {ErrnoCode(err), std::string(what) + " '" + path + "': " + std::strerror(err)};
 }
 
 namespace {
@@ -40,19 +34,13 @@ std::string ParentDir(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
-Status WriteFd(int fd, std::string_view data, const std::string& path) {
-  while (!data.empty()) {
-    ssize_t n = write(fd, data.data(), data.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return PathError("cannot write", path, errno);
-    }
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-  return OkStatus();
-}
-
 }  // namespace
+
+Status WriteFd(int fd, std::string_view data, const std::string& path) {
+  int err = 0;
+  if (WriteAll(fd, data, "write", &err).ok()) return OkStatus();
+  return PathError("cannot write", path, err);
+}
 
 std::string JoinPath(std::string_view a, std::string_view b) {
   std::string out(a);

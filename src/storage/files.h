@@ -10,13 +10,19 @@
 
 namespace jaxtrain::storage {
 
-// Errors of the functions below that write, by errno: kPermissionDenied (EACCES, EPERM, EROFS),
-// kFailedPrecondition (ENOTDIR, EEXIST), kNotFound (ENOENT), kResourceExhausted (ENOSPC, EDQUOT:
-// the disk or quota is full; space may be freed), kUnavailable (EIO), kInternal (anything else).
-// Each message names the path and the reason.
+// Errors of the functions below that write, by errno (base/status.h's ErrnoCode):
+// kPermissionDenied (EACCES, EPERM, EROFS), kFailedPrecondition (ENOTDIR, EISDIR, EEXIST),
+// kNotFound (ENOENT), kResourceExhausted (ENOSPC, EDQUOT: the disk or quota is full; space may be
+// freed), kUnavailable (EIO), kInternal (anything else). Each message names the path and the
+// reason. The controller retries kResourceExhausted and kUnavailable a few times
+// (controller/failure_policy.h) and fails the run at once on the others.
 
-// "<what> '<path>': <errno's text>" with the code above for `err`.
+// "<what> '<path>': <errno's text>" with ErrnoCode(err).
 Status PathError(std::string_view what, const std::string& path, int err);
+
+// Writes all of `data` to `fd`, the open file `path` (base/fd_io.h's WriteAll, the error naming
+// `path`).
+Status WriteFd(int fd, std::string_view data, const std::string& path);
 
 // mkdir -p; each directory it creates is made durable (its parent is fsynced).
 // Errors: as above; kFailedPrecondition also when a file is in the way.

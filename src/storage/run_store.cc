@@ -111,13 +111,10 @@ StatusOr<RunStore> RunStore::Open(std::string run_dir) {
   store.lock_fd_ = fd;
   store.previous_holder_ = DescribeHolder(ReadAll(fd));
   const std::string me = ThisDriver();
-  if (ftruncate(fd, 0) != 0) return PathError("cannot write", lock_path, errno);
-  for (std::string_view rest = me; !rest.empty();) {
-    ssize_t n = pwrite(fd, rest.data(), rest.size(), static_cast<off_t>(me.size() - rest.size()));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return PathError("cannot write", lock_path, n < 0 ? errno : ENOSPC);
-    rest.remove_prefix(static_cast<size_t>(n));
+  if (ftruncate(fd, 0) != 0 || lseek(fd, 0, SEEK_SET) != 0) {
+    return PathError("cannot write", lock_path, errno);
   }
+  JT_RETURN_IF_ERROR(WriteFd(fd, me, lock_path));
   // A resumed run keeps the columns progress.csv already has.
   auto csv = ReadFile(JoinPath(store.dir_, "progress.csv"));
   if (csv.ok() && !csv->empty()) {

@@ -4,21 +4,14 @@
 
 #include <cstring>
 
+#include "wire/big_endian.h"
+
 namespace jaxtrain::wire {
 namespace {
 
 void InitSodium() {
   static const int kInit = sodium_init();
   (void)kInit;
-}
-
-void PutU32(std::string* out, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>(v >> shift));
-}
-
-uint32_t GetU32(const char* p) {
-  const auto* u = reinterpret_cast<const unsigned char*>(p);
-  return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
 }
 
 Mac Hmac(std::string_view secret, std::string_view message) {

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from typing import Any
 
@@ -234,11 +233,9 @@ def _check_module(name: str) -> None:
 
 def failed_run_status(error: Any) -> int:
     """The failing rank's exit status when its process exited with one, else 1."""
-    if getattr(error, "cause", "") == "exit":
-        first_line = str(error).split("\n", 1)[0]
-        match = re.search(r"exited with status (\d+)$", first_line)
-        if match and 0 < int(match.group(1)) < 256:
-            return int(match.group(1))
+    code = getattr(error, "exit_code", None)
+    if getattr(error, "cause", "") == "exit" and code is not None and 0 < code < 256:
+        return code
     return EXIT_FAILED
 
 
