@@ -24,6 +24,7 @@
 #include "controller/console.h"
 #include "controller/failure_policy.h"
 #include "controller/report_collector.h"
+#include "controller/restore_verifier.h"
 #include "controller/status_line.h"
 #include "controller/watchdog.h"
 #include "launch/process.h"
@@ -195,6 +196,7 @@ struct Controller::Loop {
   // recorded in order: while a commit is in flight, the round it belongs to is `committing` and
   // rounds completed after it wait in `unrecorded`.
   std::unique_ptr<CheckpointCommitter> committer;
+  std::unique_ptr<RestoreVerifier> verifier;  // set by Start()
   std::optional<Round> committing;
   std::deque<Round> unrecorded;
   bool checkpoints_released = false;  // this attempt's ranks were told no commit is ahead
@@ -1200,26 +1202,47 @@ struct Controller::Loop {
 
   // --- attempts ------------------------------------------------------------------------------
 
-  // The newest committed checkpoint that verifies, falling back to older ones with a warning.
-  // Checksums are checked unless turned off (opts.verify_checksums false), then sizes only.
+  // The checkpoint the first attempt restores from (RestoreVerifier), chosen on the thread that
+  // calls Start(), before the loop runs.
   std::string CheckpointToRestore() {
-    const std::vector<storage::CheckpointRecord> records = committer->records();
-    for (auto it = records.rbegin(); it != records.rend(); ++it) {
-      std::string dir = storage::JoinPath(store.dir(), it->dir_name);
-      Status s = storage::VerifyCheckpoint(dir, opts.verify_checksums);
-      if (s.ok()) return dir;
-      Say("warning: not restoring checkpoint " + it->dir_name + ": " + s.message() +
-          (std::next(it) == records.rend() ? "" : "; falling back to the one before it"));
-    }
-    if (!records.empty()) {
-      Say("warning: none of the run's " + std::to_string(records.size()) +
-          " checkpoints can be restored; the run starts from scratch");
-    }
-    return "";
+    RestoreVerifier::Result chosen =
+        RestoreVerifier::Choose(store.dir(), committer->records(), opts.verify_checksums);
+    for (const auto& w : chosen.warnings) Say("warning: " + w);
+    return chosen.dir;
   }
 
-  // Starts the worker group of the next attempt. Errors: as Launcher::Launch().
-  Status StartAttempt() {
+  // The checkpoint a restart restores from, verified on the verifier's thread while the loop
+  // keeps honouring Abort() (no worker is alive and no commit in flight by then); nullopt when
+  // the run was aborted meanwhile, the verification cancelled.
+  std::optional<std::string> CheckpointToRestoreServingAbort() {
+    Status started = verifier->Start(store.dir(), committer->records(), opts.verify_checksums);
+    if (!started.ok()) return CheckpointToRestore();
+    for (;;) {
+      pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0}, {verifier->ready_fd(), POLLIN, 0}};
+      if (poll(fds, std::size(fds), -1) > 0 && fds[0].revents != 0) {
+        uint64_t v;
+        [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
+      }
+      if (ctl.abort_requested_.exchange(false)) {
+        std::lock_guard<std::mutex> lock(ctl.mu_);
+        if (!aborted) {
+          aborted = true;
+          abort_reason = ctl.abort_reason_;
+          Say("stopping the run: " + abort_reason);
+        }
+        verifier->Cancel();
+      }
+      if (std::optional<RestoreVerifier::Result> chosen = verifier->TakeResult()) {
+        if (chosen->cancelled) return std::nullopt;
+        for (const auto& w : chosen->warnings) Say("warning: " + w);
+        return chosen->dir;
+      }
+    }
+  }
+
+  // Starts the worker group of the next attempt, restoring from `restore` ("" for none). Errors:
+  // as Launcher::Launch().
+  Status StartAttempt(std::string restore) {
     const int world_size = static_cast<int>(ranks.size());
     ranks.assign(ranks.size(), RankState{});
     registered = 0;
@@ -1242,7 +1265,7 @@ struct Controller::Loop {
     attempt_rounds = 0;
     attempt_first_round.reset();
     JT_RETURN_IF_ERROR(SweepStaging());
-    restore_from = CheckpointToRestore();
+    restore_from = std::move(restore);
     attempt_start_time = ctl.clock_.UnixSeconds();
     if (attempt > first_attempt) {
       Say("restarting the worker group: attempt " + std::to_string(attempt) +
@@ -1350,8 +1373,10 @@ struct Controller::Loop {
       Say("not restarting: " + failure->decision);
       return false;
     }
+    std::optional<std::string> restore = CheckpointToRestoreServingAbort();
+    if (!restore) return false;
     ++attempt;
-    Status s = StartAttempt();
+    Status s = StartAttempt(std::move(*restore));
     if (!s.ok()) {
       Say("cannot restart the worker group: " + s.message());
       failures.push_back({.rank = -1,
@@ -1496,7 +1521,9 @@ Status Controller::Start() {
   JT_ASSIGN_OR_RETURN(
       std::unique_ptr<CheckpointCommitter> committer,
       CheckpointCommitter::Create(store.dir(), std::move(index), options_.retention, clock_));
+  JT_ASSIGN_OR_RETURN(std::unique_ptr<RestoreVerifier> verifier, RestoreVerifier::Create());
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(committer));
+  loop->verifier = std::move(verifier);
   if (loop->conn_epoll < 0 || loop->proc_epoll < 0) {
     return ErrnoError("cannot create the controller's epoll sets", errno);
   }
@@ -1556,7 +1583,7 @@ Status Controller::Start() {
     }
     loop->log_fds.push_back(fd);
   }
-  Status started = loop->StartAttempt();
+  Status started = loop->StartAttempt(loop->CheckpointToRestore());
   if (!started.ok()) {
     // run.json may already say RUNNING; it must say how the run ended instead.
     loop->failure =

@@ -26,6 +26,9 @@
 #include "config/scaling_config.h"
 #include "launch/local_launcher.h"
 #include "placement/plan.h"
+#include "storage/checkpoint.h"
+#include "storage/crc32c.h"
+#include "storage/files.h"
 #include "wire/frame.h"
 #include "wire/handshake.h"
 #include "wire/socket.h"
@@ -431,6 +434,73 @@ TEST_F(ControllerTest, AbortRightAfterStartStopsEveryWorker) {
   EXPECT_EQ(out.abort_reason, "test");
   EXPECT_FALSE(out.failure.has_value());
   ExpectWorkersGone(WorkerPids(3));
+}
+
+// Bytes this process has read so far, all threads together (/proc/self/io's rchar).
+uint64_t BytesReadByThisProcess() {
+  std::istringstream io(ReadFile("/proc/self/io"));
+  for (std::string key; io >> key;) {
+    uint64_t value = 0;
+    io >> value;
+    if (key == "rchar:") return value;
+  }
+  return 0;
+}
+
+// A restart verifies the checkpoint it restores from off the loop: an Abort() that comes while a
+// large checkpoint is still being read ends the run at once, not once the whole file is read.
+TEST_F(ControllerTest, AbortWhileARestartVerifiesALargeCheckpointEndsTheRunPromptly) {
+  // A checkpoint of an earlier run under the same name, small at first: the first attempt's
+  // verification (in Start()) takes no time.
+  const std::string run = RunDir();
+  const std::string staged = storage::StagingPath(run, 0, 1, 0);
+  std::filesystem::create_directories(staged);
+  { std::ofstream(staged + "/model.bin") << "weights"; }
+  storage::RankCheckpoint part{.rank = 0, .staging_dir = staged};
+  part.files.push_back(
+      {.path = "model.bin", .size = 7, .crc32c = storage::Crc32c(0, "weights", 7)});
+  auto record = storage::CommitCheckpoint(run, "checkpoint_000001", 1, 1.0, "{}", {part});
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+  std::vector<std::string> warnings;
+  auto index = storage::CheckpointIndex::Load(run, &warnings);
+  ASSERT_TRUE(index.ok() && index->Save().ok());
+
+  Fifo gate(dir_ + "/gate");
+  Fifo events(dir_ + "/events");
+  ControllerOptions options = Options(2, {"raise"});
+  options.worker_env["FAKE_GATE_FIFO"] = gate.path();
+  options.worker_env["FAKE_EVENTS_FIFO"] = events.path();
+  options.max_failures = 1;
+  auto controller = Make(std::move(options));
+  ASSERT_TRUE(controller->Start().ok());
+  ASSERT_TRUE(events.WaitFor('S', 2)) << "the workers did not all start";
+
+  // Now the checkpoint grows to a sparse TiB, its manifest to match: reading it all takes minutes.
+  const std::string dir = run + "/checkpoint_000001";
+  ASSERT_EQ(truncate((dir + "/model.bin").c_str(), off_t{1} << 40), 0) << std::strerror(errno);
+  json manifest = json::parse(ReadFile(dir + "/" + storage::kManifestName));
+  manifest["file_list"][0]["size"] = uint64_t{1} << 40;
+  ASSERT_TRUE(
+      storage::WriteFileAtomically(dir + "/" + storage::kManifestName, manifest.dump()).ok());
+
+  // Rank 0 fails; the restart reads the checkpoint. Abort once a GiB of it has been read.
+  const uint64_t before = BytesReadByThisProcess();
+  gate.Open(2);
+  const auto give_up = std::chrono::steady_clock::now() + kNoHang;
+  while (BytesReadByThisProcess() - before < (uint64_t{1} << 30)) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up)
+        << "the restart did not read the checkpoint";
+    std::this_thread::yield();
+  }
+  controller->Abort("test");
+  ASSERT_TRUE(controller->Wait(kNoHang)) << "the abort waited for the verification";
+
+  const Outcome& out = controller->outcome();
+  EXPECT_EQ(out.state, State::kAborted);
+  EXPECT_EQ(out.abort_reason, "test");
+  EXPECT_EQ(out.attempts, 1) << "no second attempt was started";
+  EXPECT_EQ(RunState().value("status", ""), "ABORTED");
+  ExpectWorkersGone(WorkerPids(2));
 }
 
 TEST_F(ControllerTest, DestroyingARunningControllerStopsEveryWorker) {

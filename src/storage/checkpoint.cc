@@ -500,7 +500,8 @@ std::string StagingPath(const std::string& run_dir, int attempt, uint64_t round,
 StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const std::string& dir_name,
                                             uint64_t round, double time,
                                             const std::string& metrics_json,
-                                            const std::vector<RankCheckpoint>& ranks) {
+                                            const std::vector<RankCheckpoint>& ranks,
+                                            FileSystem& fs) {
   if (!ValidDirName(dir_name)) {
     return InvalidArgumentError("checkpoint_dir_name='" + dir_name +
                                 "' is not allowed; it must be one directory name, not starting "
@@ -532,8 +533,8 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
 
   const std::string staging = JoinPath(run_dir, kStagingDir);
   const std::string tmp = JoinPath(staging, "commit-r" + std::to_string(round) + "-" + dir_name);
-  JT_RETURN_IF_ERROR(RemoveTree(tmp));
-  JT_RETURN_IF_ERROR(MakeDirs(tmp));
+  JT_RETURN_IF_ERROR(fs.RemoveTree(tmp));
+  JT_RETURN_IF_ERROR(fs.MakeDirs(tmp));
   std::vector<std::string> dirs = {tmp};
   nlohmann::json files = nlohmann::json::array();
   nlohmann::json links = nlohmann::json::array();
@@ -544,23 +545,22 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
       const std::vector<std::string> parents = ParentDirs(tmp, f.path);
       for (size_t i = 0; i < parents.size(); ++i) {
         // The directory's mode as staged (the first rank to have it decides).
-        struct stat st;
-        mode_t mode =
-            lstat(staged_parents[i].c_str(), &st) == 0 ? (st.st_mode & 0777) | 0700 : 0755;
-        if (mkdir(parents[i].c_str(), mode) == 0) {
+        StatusOr<FileInfo> staged = fs.Stat(staged_parents[i]);
+        uint32_t mode = staged.ok() ? staged->mode | 0700 : 0755;
+        JT_ASSIGN_OR_RETURN(bool created, fs.MakeDir(parents[i], mode));
+        if (created) {
           dirs.push_back(parents[i]);
-          if (lstat(parents[i].c_str(), &st) == 0) mode = st.st_mode & 0777;  // after the umask
+          StatusOr<FileInfo> made = fs.Stat(parents[i]);
+          if (made.ok()) mode = made->mode;  // after the umask
           dir_modes.push_back({{"path", parents[i].substr(tmp.size() + 1)}, {"mode", mode}});
-        } else if (errno != EEXIST) {
-          return PathError("cannot create directory", parents[i], errno);
         }
       }
       std::string from = JoinPath(rc.staging_dir, f.path);
       std::string to = JoinPath(tmp, f.path);
       // A part staged without fsync (report() snapshots only) becomes durable here, before the
       // commit point; for a file already fsynced this costs next to nothing.
-      if (f.link.empty()) JT_RETURN_IF_ERROR(FsyncPath(from, /*directory=*/false));
-      if (rename(from.c_str(), to.c_str()) != 0) return PathError("cannot move", from, errno);
+      if (f.link.empty()) JT_RETURN_IF_ERROR(fs.Fsync(from, /*directory=*/false));
+      JT_RETURN_IF_ERROR(fs.Rename(from, to));
       (f.link.empty() ? files : links).push_back(EntryToJson(f, rc.rank));
     }
   }
@@ -569,30 +569,39 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   manifest["file_list"] = files;
   if (!links.empty()) manifest["links"] = links;
   if (!dir_modes.empty()) manifest["dirs"] = dir_modes;
-  JT_RETURN_IF_ERROR(WriteFileAtomically(JoinPath(tmp, kManifestName), manifest.dump(1) + "\n"));
+  JT_RETURN_IF_ERROR(fs.WriteFileAtomically(JoinPath(tmp, kManifestName), manifest.dump(1) + "\n"));
   // The renames above changed directory entries: make them durable before the commit point.
   for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
-    JT_RETURN_IF_ERROR(FsyncPath(*it, /*directory=*/true));
+    JT_RETURN_IF_ERROR(fs.Fsync(*it, /*directory=*/true));
   }
 
   const std::string final_dir = JoinPath(run_dir, dir_name);
-  struct stat st;
-  if (lstat(final_dir.c_str(), &st) == 0) {
-    // The commit point for a reused name: swap the new directory in, then drop the old one.
-    if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0) {
-      return PathError("cannot replace the checkpoint", final_dir, errno);
+  StatusOr<FileInfo> existing = fs.Stat(final_dir);
+  if (existing.ok()) {
+    // The commit point for a reused name: swap the new directory in, then drop the old one,
+    // which is under .staging/ from then on (swept if this stops before it is removed).
+    Status swapped = fs.Exchange(tmp, final_dir);
+    if (!swapped.ok()) {
+      return Status(swapped.code(),
+                    "cannot replace the checkpoint '" + final_dir + "': " + swapped.message());
     }
-    JT_RETURN_IF_ERROR(RemoveTree(tmp));
-  } else if (rename(tmp.c_str(), final_dir.c_str()) != 0) {  // the commit point
-    return PathError("cannot commit the checkpoint", final_dir, errno);
+    JT_RETURN_IF_ERROR(fs.RemoveTree(tmp));
+  } else if (existing.status().code() != StatusCode::kNotFound) {
+    return existing.status();
+  } else {
+    Status renamed = fs.Rename(tmp, final_dir);  // the commit point
+    if (!renamed.ok()) {
+      return Status(renamed.code(),
+                    "cannot commit the checkpoint '" + final_dir + "': " + renamed.message());
+    }
   }
-  JT_RETURN_IF_ERROR(FsyncPath(run_dir, /*directory=*/true));
-  for (const auto& rc : ranks) JT_RETURN_IF_ERROR(RemoveTree(rc.staging_dir));
+  JT_RETURN_IF_ERROR(fs.Fsync(run_dir, /*directory=*/true));
+  for (const auto& rc : ranks) JT_RETURN_IF_ERROR(fs.RemoveTree(rc.staging_dir));
   return record;
 }
 
-StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir) {
-  auto text = ReadFile(JoinPath(dir, kManifestName));
+StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir, FileSystem& fs) {
+  auto text = fs.ReadFile(JoinPath(dir, kManifestName));
   if (!text.ok()) {
     return NotFoundError("'" + dir + "' is not a committed checkpoint: it has no manifest");
   }
@@ -628,8 +637,13 @@ std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& mani
 namespace {
 
 // One entry of a committed checkpoint against its manifest; `buffer` is this thread's.
+Status Cancelled(const std::string& dir) {
+  return Status(StatusCode::kCancelled,
+                "the verification of checkpoint '" + dir + "' was cancelled");
+}
+
 Status VerifyEntry(const std::string& dir, const FileEntry& f, bool checksums,
-                   std::vector<char>& buffer) {
+                   std::vector<char>& buffer, const std::atomic<bool>* cancel) {
   std::string path = JoinPath(dir, f.path);
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {
@@ -658,6 +672,7 @@ Status VerifyEntry(const std::string& dir, const FileEntry& f, bool checksums,
   posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   uint32_t crc = 0;
   for (;;) {
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) return Cancelled(dir);
     ssize_t n = read(in.fd, buffer.data(), buffer.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return PathError("cannot read", path, errno);
@@ -673,7 +688,8 @@ Status VerifyEntry(const std::string& dir, const FileEntry& f, bool checksums,
 
 }  // namespace
 
-Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads) {
+Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads,
+                        const std::atomic<bool>* cancel) {
   auto text = ReadFile(JoinPath(dir, kManifestName));
   if (!text.ok()) {
     return NotFoundError("'" + dir + "' is not a committed checkpoint: it has no manifest");
@@ -695,7 +711,9 @@ Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads) {
   auto work = [&] {
     std::vector<char> buffer(kCopyChunk);
     for (size_t k = next++; k < order.size() && !failed; k = next++) {
-      Status s = VerifyEntry(dir, (*entries)[order[k]], checksums, buffer);
+      Status s = cancel != nullptr && cancel->load()
+                     ? Cancelled(dir)
+                     : VerifyEntry(dir, (*entries)[order[k]], checksums, buffer, cancel);
       if (!s.ok()) failed = true;
       results[order[k]] = std::move(s);
     }
@@ -710,11 +728,13 @@ Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads) {
 }
 
 StatusOr<CheckpointIndex> CheckpointIndex::Load(const std::string& run_dir,
-                                                std::vector<std::string>* warnings) {
+                                                std::vector<std::string>* warnings,
+                                                FileSystem& fs) {
   CheckpointIndex index;
   index.run_dir_ = run_dir;
+  index.fs_ = &fs;
   const std::string index_path = JoinPath(run_dir, kIndexName);
-  auto text = ReadFile(index_path);
+  auto text = fs.ReadFile(index_path);
   if (!text.ok() && text.status().code() != StatusCode::kNotFound) {
     return DataLossError("cannot read '" + index_path + "': " + text.status().message());
   }
@@ -729,7 +749,7 @@ StatusOr<CheckpointIndex> CheckpointIndex::Load(const std::string& run_dir,
     }
     if (damaged) return DataLossError("'" + index_path + "' is damaged");
     for (auto& r : listed) {
-      if (ReadCheckpointRecord(JoinPath(run_dir, r.dir_name)).ok()) {
+      if (ReadCheckpointRecord(JoinPath(run_dir, r.dir_name), fs).ok()) {
         index.records_.push_back(std::move(r));
       } else {
         warnings->push_back("checkpoint '" + r.dir_name +
@@ -738,15 +758,15 @@ StatusOr<CheckpointIndex> CheckpointIndex::Load(const std::string& run_dir,
     }
   }
   // A commit that renamed its directory into place but crashed before updating the index.
-  std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(run_dir.c_str()), closedir);
+  StatusOr<std::vector<std::string>> names = fs.List(run_dir);
+  if (names.ok()) std::sort(names->begin(), names->end());
   std::vector<CheckpointRecord> found;
-  for (dirent* e = dir ? readdir(dir.get()) : nullptr; e; e = readdir(dir.get())) {
-    std::string name = e->d_name;
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
     if (!ValidDirName(name)) continue;
     bool known = std::any_of(index.records_.begin(), index.records_.end(),
                              [&](const CheckpointRecord& r) { return r.dir_name == name; });
     if (known) continue;
-    auto record = ReadCheckpointRecord(JoinPath(run_dir, name));
+    auto record = ReadCheckpointRecord(JoinPath(run_dir, name), fs);
     if (record.ok()) {
       record->dir_name = name;
       warnings->push_back("checkpoint '" + name +
@@ -780,7 +800,7 @@ Status CheckpointIndex::Save() const {
       {"version", 1},
       {"checkpoints", list},
       {"latest", records_.empty() ? nlohmann::json() : nlohmann::json(records_.back().dir_name)}};
-  return WriteFileAtomically(JoinPath(run_dir_, kIndexName), j.dump(1) + "\n");
+  return fs_->WriteFileAtomically(JoinPath(run_dir_, kIndexName), j.dump(1) + "\n");
 }
 
 std::vector<CheckpointRecord> RankByScore(std::vector<CheckpointRecord> records,

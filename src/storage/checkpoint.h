@@ -21,9 +21,14 @@
 //          <run>/<dir_name>/...  + <run>/<dir_name>/.jaxtrain_manifest.json
 //          <run>/checkpoints.json
 //
+// Committing, the index and reading manifests go through a FileSystem (storage/filesystem.h), the
+// local one unless a test passes its own; the file contents are copied and checked with POSIX
+// calls.
+//
 // Functions are thread-safe except that one run directory must have one writer (the controller).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -32,6 +37,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "storage/filesystem.h"
 
 namespace jaxtrain::storage {
 
@@ -136,23 +142,31 @@ Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
 // Errors: kInvalidArgument for a dir_name that is not one plain directory name, for a part that
 // CheckStagedPart refuses, for a file written by two ranks (naming both and the file) or for the
 // reserved manifest name; kInternal / kPermissionDenied for filesystem failures, naming the path.
+// A commit stopped at any step (an error, or a crash of the process) leaves the committed
+// checkpoints as they were, or the new one whole in place when it stopped after the commit point;
+// its leftovers are under .staging/ only, where the next commit of the name, or the sweep at the
+// next attempt's start, removes them.
 StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const std::string& dir_name,
                                             uint64_t round, double time,
                                             const std::string& metrics_json,
-                                            const std::vector<RankCheckpoint>& ranks);
+                                            const std::vector<RankCheckpoint>& ranks,
+                                            FileSystem& fs = LocalFileSystem());
 
 // Checks a committed checkpoint against its manifest: every file present as a regular file with
 // its size, every kept link a link with its target, and with `checksums` also each file's CRC-32C,
 // files read in parallel on up to `threads` threads (0: one per core, at most 8), so the time
 // scales with the largest file rather than the sum. Errors: kDataLoss naming the file and what
-// differs; kNotFound when the directory or its manifest is missing.
-Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads = 0);
+// differs; kNotFound when the directory or its manifest is missing; kCancelled soon after `cancel`
+// (when given) becomes true, checked between files and between the chunks of a file.
+Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads = 0,
+                        const std::atomic<bool>* cancel = nullptr);
 
 // The entries a manifest lists: its files, then its kept links. nullopt when it is damaged.
 std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& manifest);
 
 // Reads the manifest's record of a committed checkpoint directory.
-StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir);
+StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir,
+                                                FileSystem& fs = LocalFileSystem());
 
 // The committed checkpoints of a run, oldest first.
 class CheckpointIndex {
@@ -160,9 +174,10 @@ class CheckpointIndex {
   // Loads checkpoints.json and reconciles it with the directory: entries whose directory or
   // manifest is gone are dropped, committed directories missing from the index are added.
   // `warnings` (not null) receives a line for each change. Errors: kDataLoss for an index that
-  // cannot be read or parsed.
+  // cannot be read or parsed. Save() writes through the same `fs`, which must outlive the index.
   static StatusOr<CheckpointIndex> Load(const std::string& run_dir,
-                                        std::vector<std::string>* warnings);
+                                        std::vector<std::string>* warnings,
+                                        FileSystem& fs = LocalFileSystem());
 
   const std::vector<CheckpointRecord>& records() const { return records_; }
   // Adds or replaces (same dir_name) a record as the newest.
@@ -172,6 +187,7 @@ class CheckpointIndex {
 
  private:
   std::string run_dir_;
+  FileSystem* fs_ = &LocalFileSystem();
   std::vector<CheckpointRecord> records_;
 };
 

@@ -20,6 +20,7 @@
 #include "storage/crc32c.h"
 #include "storage/files.h"
 #include "storage/metrics.h"
+#include "storage/testing/fault_injecting_filesystem.h"
 
 namespace jaxtrain::storage {
 namespace {
@@ -1351,6 +1352,126 @@ TEST_F(RemoveTreeTest, RemovesSymlinksWithoutFollowingThem) {
   EXPECT_FALSE(Exists(Path("tree")));
   EXPECT_EQ(ReadTestFile(Path("outside/precious.bin")), "keep me");
 }
+
+// --- crash points inside CommitCheckpoint
+// ---------------------------------------------------------
+
+// A commit stopped before each of its filesystem operations in turn, as a killed controller would
+// stop: parameter true replaces a committed checkpoint of the same name (the exchange), false adds
+// a new one (the rename).
+class CommitCrashTest : public CommitTest, public ::testing::WithParamInterface<bool> {
+ protected:
+  // Round 2's checkpoint: two ranks, nested directories, a kept link.
+  std::vector<RankCheckpoint> StageRound2() {
+    RankCheckpoint rank0 =
+        StageRank(0, 2, {{"model.bin", Pattern(3000, 2)}, {"shared/opt/a.bin", "a2"}});
+    RankCheckpoint rank1 = StageRank(1, 2, {{"rank1.bin", "b2"}, {"shared/b.bin", "bb2"}});
+    return {rank0, rank1};
+  }
+
+  std::string Round2Name() const { return GetParam() ? "checkpoint_000001" : "checkpoint_000002"; }
+
+  // What every reader of the run sees must be whole checkpoints: the index (as the next start
+  // loads it), each directory it names verified with checksums, and no other directory under a
+  // checkpoint's name.
+  void ExpectOnlyWholeCheckpoints(const std::string& when) {
+    std::vector<std::string> warnings;
+    auto index = CheckpointIndex::Load(run_, &warnings);
+    ASSERT_TRUE(index.ok()) << when << ": " << index.status().ToString();
+    ASSERT_FALSE(index->records().empty()) << when << ": the committed checkpoint is gone";
+    for (const auto& r : index->records()) {
+      Status verified = VerifyCheckpoint(Dir(r.dir_name), /*checksums=*/true);
+      EXPECT_TRUE(verified.ok()) << when << ": " << verified.ToString();
+      // The directory's own record: a reused name's index entry is updated after the commit.
+      auto own = ReadCheckpointRecord(Dir(r.dir_name));
+      ASSERT_TRUE(own.ok()) << when << ": " << own.status().ToString();
+      const std::string model = ReadTestFile(JoinPath(Dir(r.dir_name), "model.bin"));
+      EXPECT_EQ(model, own->round == 1 ? "r1" : Pattern(3000, 2)) << when << ": " << r.dir_name;
+      if (own->round == 2) {
+        EXPECT_EQ(ReadTestFile(JoinPath(Dir(r.dir_name), "shared/b.bin")), "bb2") << when;
+      }
+    }
+    std::vector<std::string> visible;
+    for (const auto& name : ListEntries(run_)) {
+      if (name != kStagingDir && name != "checkpoints.json") visible.push_back(name);
+    }
+    EXPECT_EQ(visible, Sorted(Names(index->records()))) << when;
+  }
+};
+
+TEST_P(CommitCrashTest, ACommitStoppedAtAnyStepLeavesOnlyWholeCheckpointsAndIsCleanedUpAfter) {
+  // How many operations a whole commit performs.
+  uint64_t total = 0;
+  {
+    CommitOne("checkpoint_000001", 1, R"({"loss": 1})");
+    testing::FaultInjectingFileSystem counting;
+    auto record = CommitCheckpoint(run_, Round2Name(), 2, 2.0, "{}", StageRound2(), counting);
+    ASSERT_TRUE(record.ok()) << record.status().ToString();
+    total = counting.operations();
+    ASSERT_GT(total, 10u) << "the commit should be made of many steps";
+    fs::remove_all(run_);
+    fs::create_directories(run_);
+  }
+  for (uint64_t n = 0; n < total; ++n) {
+    const std::string when =
+        "crash at operation " + std::to_string(n) + " of " + std::to_string(total);
+    CommitOne("checkpoint_000001", 1, R"({"loss": 1})");
+    std::vector<std::string> warnings;
+    auto before = CheckpointIndex::Load(run_, &warnings);
+    ASSERT_TRUE(before.ok() && before->Save().ok()) << when;
+    testing::FaultInjectingFileSystem crashing;
+    crashing.CrashAt(n);
+    auto record = CommitCheckpoint(run_, Round2Name(), 2, 2.0, "{}", StageRound2(), crashing);
+    ASSERT_FALSE(record.ok()) << when;
+    EXPECT_EQ(record.status().code(), StatusCode::kUnavailable) << when;
+    ASSERT_TRUE(crashing.crashed()) << when;
+    ExpectOnlyWholeCheckpoints(when);
+
+    // The next attempt sweeps .staging/ (the controller's SweepStaging) and commits again.
+    ASSERT_TRUE(RemoveTree(JoinPath(run_, kStagingDir)).ok());
+    auto again = CommitCheckpoint(run_, Round2Name(), 2, 2.0, "{}", StageRound2());
+    ASSERT_TRUE(again.ok()) << when << ": " << again.status().ToString();
+    ExpectOnlyWholeCheckpoints(when + ", then committed again");
+    EXPECT_TRUE(ListEntries(JoinPath(run_, kStagingDir)).empty()) << when;
+
+    fs::remove_all(run_);
+    fs::create_directories(run_);
+  }
+}
+
+TEST_P(CommitCrashTest, TheNextCommitOfTheSameNameRemovesTheLeftoversOfAStoppedOne) {
+  CommitOne("checkpoint_000001", 1, R"({"loss": 1})");
+  testing::FaultInjectingFileSystem crashing;
+  crashing.CrashAt(8);  // after the merge has begun: part of round 2 is in the commit directory
+  ASSERT_FALSE(CommitCheckpoint(run_, Round2Name(), 2, 2.0, "{}", StageRound2(), crashing).ok());
+  ASSERT_FALSE(ListEntries(JoinPath(run_, kStagingDir)).empty());
+  // Without a sweep: the staging directories are written afresh and the commit replaces its own
+  // interrupted directory.
+  for (int rank : {0, 1}) ASSERT_TRUE(RemoveTree(StagingPath(run_, 1, 2, rank)).ok());
+  auto again = CommitCheckpoint(run_, Round2Name(), 2, 2.0, "{}", StageRound2());
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ExpectOnlyWholeCheckpoints("committed after a stopped commit");
+  EXPECT_TRUE(ListEntries(JoinPath(run_, kStagingDir)).empty());
+}
+
+TEST_F(CommitTest, AnIndexSaveStoppedByACrashKeepsTheOldIndex) {
+  CommitOne("checkpoint_000001", 1, "{}");
+  std::vector<std::string> warnings;
+  auto index = CheckpointIndex::Load(run_, &warnings);
+  ASSERT_TRUE(index.ok());
+  ASSERT_TRUE(index->Save().ok());
+  testing::FaultInjectingFileSystem crashing;
+  auto loaded = CheckpointIndex::Load(run_, &warnings, crashing);
+  ASSERT_TRUE(loaded.ok());
+  loaded->Add(CommitOne("checkpoint_000002", 2, "{}"));
+  crashing.CrashAt(crashing.operations());
+  EXPECT_EQ(loaded->Save().code(), StatusCode::kUnavailable);
+  json saved = json::parse(ReadTestFile(JoinPath(run_, "checkpoints.json")));
+  EXPECT_EQ(saved["latest"], "checkpoint_000001");
+}
+
+INSTANTIATE_TEST_SUITE_P(NewAndReusedName, CommitCrashTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "ReusedName" : "NewName"; });
 
 }  // namespace
 }  // namespace jaxtrain::storage

@@ -1,0 +1,86 @@
+#include "controller/restore_verifier.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <iterator>
+
+#include "storage/files.h"
+
+namespace jaxtrain::controller {
+
+RestoreVerifier::Result RestoreVerifier::Choose(
+    const std::string& run_dir, const std::vector<storage::CheckpointRecord>& records,
+    bool checksums, const std::atomic<bool>* cancel) {
+  Result out;
+  for (auto it = records.rbegin(); it != records.rend(); ++it) {
+    std::string dir = storage::JoinPath(run_dir, it->dir_name);
+    Status s = storage::VerifyCheckpoint(dir, checksums, /*threads=*/0, cancel);
+    if (s.code() == StatusCode::kCancelled) {
+      out.cancelled = true;
+      return out;
+    }
+    if (s.ok()) {
+      out.dir = std::move(dir);
+      return out;
+    }
+    out.warnings.push_back(
+        "not restoring checkpoint " + it->dir_name + ": " + s.message() +
+        (std::next(it) == records.rend() ? "" : "; falling back to the one before it"));
+  }
+  if (!records.empty()) {
+    out.warnings.push_back("none of the run's " + std::to_string(records.size()) +
+                           " checkpoints can be restored; the run starts from scratch");
+  }
+  return out;
+}
+
+StatusOr<std::unique_ptr<RestoreVerifier>> RestoreVerifier::Create() {
+  int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (fd < 0) return ErrnoError("cannot create the restore verifier's eventfd", errno);
+  return std::unique_ptr<RestoreVerifier>(new RestoreVerifier(fd));
+}
+
+RestoreVerifier::~RestoreVerifier() {
+  cancel_ = true;
+  if (thread_.joinable()) thread_.join();
+  close(ready_fd_);
+}
+
+Status RestoreVerifier::Start(std::string run_dir, std::vector<storage::CheckpointRecord> records,
+                              bool checksums) {
+  if (busy_) {
+    return FailedPreconditionError(
+        "a checkpoint verification was started while another one is in flight");
+  }
+  busy_ = true;
+  if (thread_.joinable()) thread_.join();  // the last one, whose result was taken
+  cancel_ = false;
+  thread_ =
+      std::thread([this, run_dir = std::move(run_dir), records = std::move(records), checksums] {
+        Result result = Choose(run_dir, records, checksums, &cancel_);
+        // Written under the lock, so that TakeResult() never reads the count without the result.
+        MutexLock lock(mu_);
+        result_ = std::move(result);
+        uint64_t one = 1;
+        [[maybe_unused]] ssize_t n = write(ready_fd_, &one, sizeof(one));
+      });
+  return OkStatus();
+}
+
+std::optional<RestoreVerifier::Result> RestoreVerifier::TakeResult() {
+  std::optional<Result> out;
+  {
+    MutexLock lock(mu_);
+    if (!result_) return std::nullopt;
+    out = std::move(result_);
+    result_.reset();
+  }
+  uint64_t count;
+  [[maybe_unused]] ssize_t n = read(ready_fd_, &count, sizeof(count));
+  busy_ = false;
+  return out;
+}
+
+}  // namespace jaxtrain::controller

@@ -1,0 +1,76 @@
+// RestoreVerifier: chooses the checkpoint an attempt restores from, the newest committed one that
+// verifies against its manifest (storage::VerifyCheckpoint: sizes, and CRC-32C of every file
+// unless checksums are off), falling back to older ones with a warning each. Reading a large
+// checkpoint takes as long as the disk needs, so the verification runs on a thread of its own and
+// the controller's event loop stays free to honour Abort() meanwhile.
+//
+// Ownership and threads: one thread (the controller's loop) calls every method; each Start()
+// verifies on a new thread, which ends with the verification. When it ends, ready_fd() becomes
+// readable and TakeResult() returns the choice, so the loop learns of it through poll().
+//
+//   idle ──Start()──> verifying ──ends, or Cancel() (ready_fd readable)──> done ──TakeResult()──>
+//   idle
+//
+// Cancel() stops a verification soon (between files and between a file's 4 MiB chunks); the
+// destructor cancels the one in flight and waits for its thread.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/mutex.h"
+#include "base/status.h"
+#include "storage/checkpoint.h"
+
+namespace jaxtrain::controller {
+
+class RestoreVerifier {
+ public:
+  struct Result {
+    std::string dir;                    // the checkpoint to restore from; "" = from the start
+    std::vector<std::string> warnings;  // one line per checkpoint passed over, then a summary
+    bool cancelled = false;             // Cancel() stopped it: `dir` is "" and means nothing
+  };
+
+  // The choice itself, on the calling thread: the newest of `records` (oldest first, directories
+  // of `run_dir`) that verifies. Stops early, with `cancelled`, once `cancel` (if given) is true.
+  static Result Choose(const std::string& run_dir,
+                       const std::vector<storage::CheckpointRecord>& records, bool checksums,
+                       const std::atomic<bool>* cancel = nullptr);
+
+  // Errors: kInternal when the wake-up descriptor cannot be created.
+  static StatusOr<std::unique_ptr<RestoreVerifier>> Create();
+  ~RestoreVerifier();  // cancels the verification in flight and joins its thread
+  RestoreVerifier(const RestoreVerifier&) = delete;
+  RestoreVerifier& operator=(const RestoreVerifier&) = delete;
+
+  // Readable while a result waits for TakeResult().
+  int ready_fd() const { return ready_fd_; }
+
+  // Starts Choose() on a thread of its own. Errors: kFailedPrecondition while a verification is
+  // in flight or its result has not been taken; nothing is started then.
+  Status Start(std::string run_dir, std::vector<storage::CheckpointRecord> records, bool checksums);
+
+  // Asks the verification in flight to stop; its result (cancelled) still comes through ready_fd.
+  void Cancel() { cancel_ = true; }
+
+  // The result of the verification that ended, once; nullopt while it runs or when none was
+  // started.
+  std::optional<Result> TakeResult();
+
+ private:
+  explicit RestoreVerifier(int ready_fd) : ready_fd_(ready_fd) {}
+
+  const int ready_fd_;
+  bool busy_ = false;  // the loop's view: started, result not yet taken
+  std::atomic<bool> cancel_{false};
+  Mutex mu_;
+  std::optional<Result> result_ GUARDED_BY(mu_);  // ended, not yet taken
+  std::thread thread_;
+};
+
+}  // namespace jaxtrain::controller
