@@ -419,7 +419,7 @@ StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot
     if (out.fd < 0) return PathError("cannot create", to, errno);
     struct stat written;
     if (fstat(out.fd, &written) != 0) return PathError("cannot stat", to, errno);
-    JT_RETURN_IF_ERROR(WriteFully(out.fd, item.data.get(), item.size, to));
+    JT_RETURN_IF_ERROR(WriteFd(out.fd, std::string_view(item.data.get(), item.size), to));
     entries.push_back({.path = item.rel,
                        .size = item.size,
                        .crc32c = Crc32c(0, item.data.get(), item.size),
