@@ -17,9 +17,9 @@ class Checkpoint:
 
     In the training function, ``Checkpoint.from_directory(d)`` names files to save with
     ``report(metrics, checkpoint=...)``: they are read (or, above the snapshot budget, copied) when
-    ``report`` is called, so ``d`` may be reused or deleted afterwards. ``get_checkpoint()``, ``Result.checkpoint`` and
-    ``Result.best_checkpoints`` return committed checkpoints, whose directory also holds the
-    manifest ``.jaxtrain_manifest.json`` (files, sizes, checksums).
+    ``report`` is called, so ``d`` may be reused or deleted afterwards. ``get_checkpoint()``,
+    ``Result.checkpoint`` and ``Result.best_checkpoints`` return committed checkpoints, whose
+    directory also holds the manifest ``.jaxtrain_manifest.json`` (files, sizes, checksums).
     """
 
     def __init__(self, path: str | os.PathLike, filesystem: Any = None) -> None:

@@ -136,7 +136,8 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
                 f"{failed[0]['attempt']}): {f['message']}",
                 rank=f["rank"], host=f["host"], attempt=failed[0]["attempt"],
                 cause=f["cause"], exit_code=f.get("exit_code"), signal=f.get("signal"),
-                status_code=f.get("status_code"), log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
+                status_code=f.get("status_code"),
+                log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
             )
     return _load(path, state.get("config", {}).get("checkpoint_config"), error, remote)
 

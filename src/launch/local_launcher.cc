@@ -15,20 +15,6 @@
 namespace jaxtrain::launch {
 namespace {
 
-constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
-
-std::vector<std::string> BuildEnv(const ProcessSpec& spec) {
-  std::vector<std::string> out;
-  for (const auto& [k, v] : LocalEnvironment(spec)) out.push_back(k + "=" + v);
-  return out;
-}
-
-std::string RanksText(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
-  return out;
-}
-
 void Discard(LaunchedProcess& p) {
   kill(p.pid, SIGKILL);
   WaitForExit(p.pid);
@@ -90,7 +76,7 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
       notes_.push_back(activated.message() + "; starting a fresh process");
       Discard(standby.process);
     }
-    std::vector<std::string> env = BuildEnv(spec);
+    std::vector<std::string> env = EnvironmentEntries(LocalEnvironment(spec));
     int secret_fd = -1;
     if (!spec.secret.empty()) {
       auto fd = PipeHolding(spec.secret);

@@ -18,26 +18,12 @@
 namespace jaxtrain::launch {
 namespace {
 
-constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
 constexpr char kStandbyEnv[] = "JAXTRAIN_STANDBY";
 constexpr char kWarmWorkersEnv[] = "JAXTRAIN_WARM_WORKERS";
 
 bool IsActivationName(const std::string& name) {
   return std::any_of(std::begin(kActivationEnv), std::end(kActivationEnv),
                      [&](const char* a) { return name == a; });
-}
-
-std::vector<std::string> Entries(const std::map<std::string, std::string>& env) {
-  std::vector<std::string> out;
-  out.reserve(env.size());
-  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
-  return out;
-}
-
-std::string RanksText(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
-  return out;
 }
 
 void EndStandby(Standby& s) {
@@ -67,7 +53,7 @@ StatusOr<Standby> StartStandby(const ProcessSpec& spec, pid_t pgid) {
   }
   env[kStandbyEnv] = "1";
   env[kSecretFdEnv] = std::to_string(read_fd);
-  auto started = StartLocalProcess(spec, Entries(env), pgid, read_fd);
+  auto started = StartLocalProcess(spec, EnvironmentEntries(env), pgid, read_fd);
   close(read_fd);
   if (!started.ok()) {
     close(fds[1]);
@@ -87,6 +73,19 @@ std::map<std::string, std::string> LocalEnvironment(const ProcessSpec& spec) {
   for (const auto& name : spec.unset_env) env.erase(name);
   for (const auto& [k, v] : spec.env) env[k] = v;
   return env;
+}
+
+std::vector<std::string> EnvironmentEntries(const std::map<std::string, std::string>& env) {
+  std::vector<std::string> out;
+  out.reserve(env.size());
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+std::string RanksText(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
+  return out;
 }
 
 StatusOr<bool> WarmWorkersRequested() {

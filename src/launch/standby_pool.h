@@ -36,9 +36,18 @@ namespace jaxtrain::launch {
 inline constexpr const char* kActivationEnv[] = {"JAXTRAIN_ATTEMPT", "JAXTRAIN_CONTROLLER_ADDR",
                                                  "JAXTRAIN_RUN_DIR", "JAXTRAIN_EXPERIMENT_NAME"};
 
+// Names the inherited pipe a local process reads the run's secret from.
+inline constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
+
 // The environment a local process of `spec` gets: this process's, less any run secret it was
 // handed, less spec.unset_env, plus spec.env.
 std::map<std::string, std::string> LocalEnvironment(const ProcessSpec& spec);
+
+// `env` as "NAME=value" entries, for execve.
+std::vector<std::string> EnvironmentEntries(const std::map<std::string, std::string>& env);
+
+// "0,1,2": the ranks a process runs, for messages.
+std::string RanksText(const std::vector<int>& ranks);
 
 // JAXTRAIN_WARM_WORKERS: "1" or unset = on, "0" = off.
 // Errors: kInvalidArgument for any other value (the message names the variable and the value).
