@@ -11,9 +11,9 @@ import json
 import os
 import sys
 import threading
-import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxtrain.checkpoint import Checkpoint
 
@@ -55,8 +55,6 @@ class TrainContext:
 
 
 SNAPSHOT_BUDGET_ENV = "JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB"
-# The exit code of a worker whose training function raised (jaxtrain.worker.EXIT_RAISED).
-_EXIT_RAISED = 1
 
 
 def snapshot_budget_bytes(local_world_size: int) -> int:
@@ -94,11 +92,13 @@ class _Stager:
     Reports go to the controller in round order: a metrics-only report is sent at once when
     nothing is queued, and queued behind the pending checkpoint otherwise. A failure to stage
     (a full disk, a permission) ends the worker as a raising training function does, with the
-    rank and the path in the message: a checkpoint is never lost silently."""
+    rank and the path in the message: a checkpoint is never lost silently. ``fail(message)``
+    is the worker's: it reports the exception being handled with ``message`` and exits."""
 
-    def __init__(self, client: Any, rank: int) -> None:
+    def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn]) -> None:
         self._client = client
         self._rank = rank
+        self._fail = fail
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple] = collections.deque()
         self._busy = False  # an item is taken off the queue and not yet sent
@@ -150,27 +150,16 @@ class _Stager:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _fail(self, message: str) -> None:
-        tb = traceback.format_exc()
-        sys.stderr.write(f"{tb}jaxtrain worker: {message}\n")
-        sys.stderr.flush()
-        try:
-            self._client.send_error(json.dumps(
-                {"message": message, "traceback": tb, "phase": "training"}))
-        except Exception:  # the controller may already be gone; the exit code still tells
-            pass
-        sys.stdout.flush()
-        os._exit(_EXIT_RAISED)
-
 
 class _Session:
-    def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None):
+    def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
+                 fail: Callable[[str], NoReturn]):
         self.client = client
         self.context = context
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
-        self.stager = _Stager(client, context.world_rank)
+        self.stager = _Stager(client, context.world_rank, fail)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
 

@@ -170,14 +170,17 @@ def _local_device_ids(platform: str) -> list[int] | None:
     return None
 
 
-def _fail(client, phase: str, exit_code: int) -> None:
+def _fail(client, phase: str, exit_code: int, message: str | None = None) -> None:
+    """Reports the exception being handled to the controller (as `message` when given, with the
+    traceback either way) and ends the worker with `exit_code`."""
     exc_type, exc, _ = sys.exc_info()
     tb = traceback.format_exc()
-    sys.stderr.write(tb)
+    sys.stderr.write(tb if message is None else f"{tb}jaxtrain worker: {message}\n")
     sys.stderr.flush()
-    message = f"{exc_type.__name__}: {exc}" if exc_type else "unknown error"
-    if phase == "start-up":
-        message = f"start-up failed: {message}"
+    if message is None:
+        message = f"{exc_type.__name__}: {exc}" if exc_type else "unknown error"
+        if phase == "start-up":
+            message = f"start-up failed: {message}"
     try:
         client.send_error(json.dumps({"message": message, "traceback": tb, "phase": phase}))
     except Exception:  # the controller may already be gone; the exit code still tells
@@ -353,6 +356,7 @@ def main() -> None:
                 run_dir=start["run_dir"],
             ),
             checkpoint,
+            fail=lambda message: _fail(client, "training", EXIT_RAISED, message),
         )
     )
     try:

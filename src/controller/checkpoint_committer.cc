@@ -1,10 +1,5 @@
 #include "controller/checkpoint_committer.h"
 
-#include <sys/eventfd.h>
-#include <unistd.h>
-
-#include <cerrno>
-
 #include "storage/files.h"
 
 namespace jaxtrain::controller {
@@ -19,20 +14,21 @@ StatusOr<storage::CheckpointRecord> CheckpointCommitter::CommitToStorage(const s
 StatusOr<std::unique_ptr<CheckpointCommitter>> CheckpointCommitter::Create(
     std::string run_dir, storage::CheckpointIndex index, storage::RetentionPolicy retention,
     const Clock& clock, CommitFn commit) {
-  int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (fd < 0) return ErrnoError("cannot create the checkpoint committer's eventfd", errno);
-  return std::unique_ptr<CheckpointCommitter>(new CheckpointCommitter(
-      std::move(run_dir), std::move(index), std::move(retention), clock, std::move(commit), fd));
+  JT_ASSIGN_OR_RETURN(std::unique_ptr<Mailbox<Result>> results,
+                      Mailbox<Result>::Create("checkpoint committer"));
+  return std::unique_ptr<CheckpointCommitter>(
+      new CheckpointCommitter(std::move(run_dir), std::move(index), std::move(retention), clock,
+                              std::move(commit), std::move(results)));
 }
 
 CheckpointCommitter::CheckpointCommitter(std::string run_dir, storage::CheckpointIndex index,
                                          storage::RetentionPolicy retention, const Clock& clock,
-                                         CommitFn commit, int ready_fd)
+                                         CommitFn commit, std::unique_ptr<Mailbox<Result>> results)
     : run_dir_(std::move(run_dir)),
       retention_(std::move(retention)),
       clock_(clock),
       commit_(std::move(commit)),
-      ready_fd_(ready_fd),
+      results_(std::move(results)),
       index_(std::move(index)),
       thread_([this] { Run(); }) {}
 
@@ -43,7 +39,6 @@ CheckpointCommitter::~CheckpointCommitter() {
   }
   cv_.NotifyAll();
   thread_.join();
-  close(ready_fd_);
 }
 
 Status CheckpointCommitter::Submit(Job job) {
@@ -61,16 +56,8 @@ Status CheckpointCommitter::Submit(Job job) {
 }
 
 std::optional<CheckpointCommitter::Result> CheckpointCommitter::TakeResult() {
-  std::optional<Result> out;
-  {
-    MutexLock lock(mu_);
-    if (!result_) return std::nullopt;
-    out = std::move(result_);
-    result_.reset();
-  }
-  uint64_t count;
-  [[maybe_unused]] ssize_t n = read(ready_fd_, &count, sizeof(count));
-  busy_ = false;
+  std::optional<Result> out = results_->Take();
+  if (out) busy_ = false;
   return out;
 }
 
@@ -97,15 +84,10 @@ void CheckpointCommitter::Run() {
       committing_ = true;
     }
     Result result = Commit(job);
+    results_->Post(std::move(result));  // before WaitForCommit() returns
     {
-      // Written under the lock, so that TakeResult() never sees the result before the count it
-      // reads back (ready_fd would stay readable without a result).
       MutexLock lock(mu_);
-      result_ = std::move(result);
       committing_ = false;
-      uint64_t one = 1;
-      // Fails only when the counter would overflow, which leaves it readable: nothing is lost.
-      [[maybe_unused]] ssize_t n = write(ready_fd_, &one, sizeof(one));
     }
     cv_.NotifyAll();
   }

@@ -24,12 +24,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "base/clock.h"
+#include "base/mailbox.h"
 #include "base/mutex.h"
 #include "base/status.h"
 #include "storage/checkpoint.h"
@@ -71,7 +73,7 @@ class CheckpointCommitter {
   CheckpointCommitter& operator=(const CheckpointCommitter&) = delete;
 
   // Readable while a result waits for TakeResult().
-  int ready_fd() const { return ready_fd_; }
+  int ready_fd() const { return results_->fd(); }
 
   // Starts committing `job` in the background. Errors: kFailedPrecondition when a commit is in
   // flight or its result has not been taken (busy()); nothing is started then.
@@ -93,7 +95,7 @@ class CheckpointCommitter {
  private:
   CheckpointCommitter(std::string run_dir, storage::CheckpointIndex index,
                       storage::RetentionPolicy retention, const Clock& clock, CommitFn commit,
-                      int ready_fd);
+                      std::unique_ptr<Mailbox<Result>> results);
   void Run();
   Result Commit(const Job& job);
 
@@ -101,15 +103,14 @@ class CheckpointCommitter {
   const storage::RetentionPolicy retention_;
   const Clock& clock_;
   const CommitFn commit_;
-  const int ready_fd_;
+  const std::unique_ptr<Mailbox<Result>> results_;  // ended, not yet taken
   bool busy_ = false;  // the loop's view: touched only by the thread that calls the methods
 
   mutable Mutex mu_;
   CondVar cv_;
   storage::CheckpointIndex index_ GUARDED_BY(mu_);
-  std::optional<Job> job_ GUARDED_BY(mu_);        // submitted, not yet started
-  bool committing_ GUARDED_BY(mu_) = false;       // the thread is committing a job
-  std::optional<Result> result_ GUARDED_BY(mu_);  // ended, not yet taken
+  std::optional<Job> job_ GUARDED_BY(mu_);   // submitted, not yet started
+  bool committing_ GUARDED_BY(mu_) = false;  // the thread is committing a job
   bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: starts once every field above is initialised
 };

@@ -1148,16 +1148,27 @@ struct Controller::Loop {
   }
 
   // True once the attempt is over: every process reaped and its output drained.
-  bool Step() {
-    if (ctl.abort_requested_.exchange(false)) {
-      std::lock_guard<std::mutex> lock(ctl.mu_);
-      if (!aborted && !failure && phase != Phase::kDraining) {
-        aborted = true;
-        abort_reason = ctl.abort_reason_;
-        Say("stopping the run: " + abort_reason);
-      }
-      BeginStop();
+  // True when Abort() was called since the last look; the run is then marked aborted, with
+  // Abort()'s reason, unless `counts` is false (a failure or a drain already ends the attempt).
+  bool TakeAbortRequest(bool counts) {
+    if (!ctl.abort_requested_.exchange(false)) return false;
+    std::lock_guard<std::mutex> lock(ctl.mu_);
+    if (counts && !aborted) {
+      aborted = true;
+      abort_reason = ctl.abort_reason_;
+      Say("stopping the run: " + abort_reason);
     }
+    return true;
+  }
+
+  // Resets the wake-up eventfd once poll() has found it readable.
+  void DrainWake() {
+    uint64_t v;
+    [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
+  }
+
+  bool Step() {
+    if (TakeAbortRequest(/*counts=*/!failure && phase != Phase::kDraining)) BeginStop();
     if (!AnyUnreaped()) {
       if (!drain_deadline) drain_deadline = Now() + kDrainTime;
       phase = Phase::kDraining;
@@ -1179,10 +1190,7 @@ struct Controller::Loop {
       timeout_ms = static_cast<int>(std::clamp<long long>(ms, 0, 60'000));
     }
     if (poll(fds, std::size(fds), timeout_ms) > 0) {
-      if (fds[0].revents != 0) {
-        uint64_t v;
-        [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
-      }
+      if (fds[0].revents != 0) DrainWake();
       if (fds[1].revents != 0) OnConnsReady();
       if (fds[2].revents != 0) OnCommitted();
       if (fds[3].revents != 0) Accept();
@@ -1205,8 +1213,12 @@ struct Controller::Loop {
   // The checkpoint the first attempt restores from (RestoreVerifier), chosen on the thread that
   // calls Start(), before the loop runs.
   std::string CheckpointToRestore() {
-    RestoreVerifier::Result chosen =
-        RestoreVerifier::Choose(store.dir(), committer->records(), opts.verify_checksums);
+    return Chosen(
+        RestoreVerifier::Choose(store.dir(), committer->records(), opts.verify_checksums));
+  }
+
+  // The directory `chosen` names, its warnings said.
+  std::string Chosen(const RestoreVerifier::Result& chosen) {
     for (const auto& w : chosen.warnings) Say("warning: " + w);
     return chosen.dir;
   }
@@ -1219,23 +1231,11 @@ struct Controller::Loop {
     if (!started.ok()) return CheckpointToRestore();
     for (;;) {
       pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0}, {verifier->ready_fd(), POLLIN, 0}};
-      if (poll(fds, std::size(fds), -1) > 0 && fds[0].revents != 0) {
-        uint64_t v;
-        [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
-      }
-      if (ctl.abort_requested_.exchange(false)) {
-        std::lock_guard<std::mutex> lock(ctl.mu_);
-        if (!aborted) {
-          aborted = true;
-          abort_reason = ctl.abort_reason_;
-          Say("stopping the run: " + abort_reason);
-        }
-        verifier->Cancel();
-      }
+      if (poll(fds, std::size(fds), -1) > 0 && fds[0].revents != 0) DrainWake();
+      if (TakeAbortRequest(/*counts=*/true)) verifier->Cancel();
       if (std::optional<RestoreVerifier::Result> chosen = verifier->TakeResult()) {
         if (chosen->cancelled) return std::nullopt;
-        for (const auto& w : chosen->warnings) Say("warning: " + w);
-        return chosen->dir;
+        return Chosen(*chosen);
       }
     }
   }

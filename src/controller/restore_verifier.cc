@@ -1,9 +1,5 @@
 #include "controller/restore_verifier.h"
 
-#include <sys/eventfd.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <iterator>
 
 #include "storage/files.h"
@@ -37,15 +33,14 @@ RestoreVerifier::Result RestoreVerifier::Choose(
 }
 
 StatusOr<std::unique_ptr<RestoreVerifier>> RestoreVerifier::Create() {
-  int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (fd < 0) return ErrnoError("cannot create the restore verifier's eventfd", errno);
-  return std::unique_ptr<RestoreVerifier>(new RestoreVerifier(fd));
+  JT_ASSIGN_OR_RETURN(std::unique_ptr<Mailbox<Result>> results,
+                      Mailbox<Result>::Create("restore verifier"));
+  return std::unique_ptr<RestoreVerifier>(new RestoreVerifier(std::move(results)));
 }
 
 RestoreVerifier::~RestoreVerifier() {
   cancel_ = true;
   if (thread_.joinable()) thread_.join();
-  close(ready_fd_);
 }
 
 Status RestoreVerifier::Start(std::string run_dir, std::vector<storage::CheckpointRecord> records,
@@ -59,27 +54,14 @@ Status RestoreVerifier::Start(std::string run_dir, std::vector<storage::Checkpoi
   cancel_ = false;
   thread_ =
       std::thread([this, run_dir = std::move(run_dir), records = std::move(records), checksums] {
-        Result result = Choose(run_dir, records, checksums, &cancel_);
-        // Written under the lock, so that TakeResult() never reads the count without the result.
-        MutexLock lock(mu_);
-        result_ = std::move(result);
-        uint64_t one = 1;
-        [[maybe_unused]] ssize_t n = write(ready_fd_, &one, sizeof(one));
+        results_->Post(Choose(run_dir, records, checksums, &cancel_));
       });
   return OkStatus();
 }
 
 std::optional<RestoreVerifier::Result> RestoreVerifier::TakeResult() {
-  std::optional<Result> out;
-  {
-    MutexLock lock(mu_);
-    if (!result_) return std::nullopt;
-    out = std::move(result_);
-    result_.reset();
-  }
-  uint64_t count;
-  [[maybe_unused]] ssize_t n = read(ready_fd_, &count, sizeof(count));
-  busy_ = false;
+  std::optional<Result> out = results_->Take();
+  if (out) busy_ = false;
   return out;
 }
 

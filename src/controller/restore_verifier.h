@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "base/mutex.h"
+#include "base/mailbox.h"
 #include "base/status.h"
 #include "storage/checkpoint.h"
 
@@ -49,7 +49,7 @@ class RestoreVerifier {
   RestoreVerifier& operator=(const RestoreVerifier&) = delete;
 
   // Readable while a result waits for TakeResult().
-  int ready_fd() const { return ready_fd_; }
+  int ready_fd() const { return results_->fd(); }
 
   // Starts Choose() on a thread of its own. Errors: kFailedPrecondition while a verification is
   // in flight or its result has not been taken; nothing is started then.
@@ -63,13 +63,12 @@ class RestoreVerifier {
   std::optional<Result> TakeResult();
 
  private:
-  explicit RestoreVerifier(int ready_fd) : ready_fd_(ready_fd) {}
+  explicit RestoreVerifier(std::unique_ptr<Mailbox<Result>> results)
+      : results_(std::move(results)) {}
 
-  const int ready_fd_;
+  const std::unique_ptr<Mailbox<Result>> results_;  // ended, not yet taken
   bool busy_ = false;  // the loop's view: started, result not yet taken
   std::atomic<bool> cancel_{false};
-  Mutex mu_;
-  std::optional<Result> result_ GUARDED_BY(mu_);  // ended, not yet taken
   std::thread thread_;
 };
 
