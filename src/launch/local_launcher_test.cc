@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "launch/process.h"
+#include "launch/testing/process_state.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -114,7 +115,7 @@ std::vector<ProcessSpec> EchoSpecs(const std::string& dir, const std::string& x)
   for (int r = 0; r < 2; ++r) {
     ProcessSpec spec{{r},
                      {"/bin/sh", "-c",
-                      "echo $$ > " + dir + "/pid.$JT_R.tmp && mv " + dir + "/pid.$JT_R.tmp " + dir +
+                      "echo $$ > " + dir + "/pid.$JT_R.$$ && mv " + dir + "/pid.$JT_R.$$ " + dir +
                           "/pid.$JT_R; cat <&$JAXTRAIN_RUN_SECRET_FD; echo;"
                           " echo standby=${JAXTRAIN_STANDBY:-no} attempt=${JAXTRAIN_ATTEMPT:-no}"},
                      {{"JT_R", std::to_string(r)}, {"JT_X", x}, {"JAXTRAIN_ATTEMPT", "3"}},
@@ -145,6 +146,17 @@ std::vector<std::string> LaunchAndRead(LocalLauncher& launcher,
     close(p.output_fd);
   }
   return out;
+}
+
+// The pid written (atomically, by a rename) to `path`, once it is there: 0 after 10 s without it.
+int WaitForPidFile(const std::string& path) {
+  for (int i = 0; i < 1000 && access(path.c_str(), F_OK) != 0; ++i) usleep(10000);
+  FILE* f = fopen(path.c_str(), "r");
+  if (f == nullptr) return 0;
+  int pid = 0;
+  if (fscanf(f, "%d", &pid) != 1) pid = 0;
+  fclose(f);
+  return pid;
 }
 
 std::string Joined(const std::vector<std::string>& notes) {
@@ -211,13 +223,8 @@ TEST(StandbyTest, AStandbyThatDiedIsReplacedByAFreshProcessInTheSameGroup) {
   const std::string dir = TempDir();
   auto specs = EchoSpecs(dir, "a");
   ASSERT_TRUE(launcher.PrepareNext(specs).ok());
-  std::string pid_path = dir + "/pid.1";
-  for (int i = 0; i < 1000 && access(pid_path.c_str(), F_OK) != 0; ++i) usleep(10000);
-  FILE* f = fopen(pid_path.c_str(), "r");
-  ASSERT_NE(f, nullptr);
-  int pid = 0;
-  ASSERT_EQ(fscanf(f, "%d", &pid), 1);
-  fclose(f);
+  const int pid = WaitForPidFile(dir + "/pid.1");
+  ASSERT_GT(pid, 0);
   kill(pid, SIGKILL);
   siginfo_t info{};
   ASSERT_EQ(waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT), 0);  // not reaped
@@ -231,6 +238,26 @@ TEST(StandbyTest, AStandbyThatDiedIsReplacedByAFreshProcessInTheSameGroup) {
             std::string::npos)
       << notes;
   EXPECT_NE(notes.find("rank 0 started from standby workers"), std::string::npos) << notes;
+}
+
+TEST(StandbyTest, AStandbysChildrenEndWithIt) {
+  StandbyPool pool;
+  LocalLauncher launcher(&pool);
+  const std::string dir = TempDir();
+  ProcessSpec spec{{0},
+                   {"/bin/sh", "-c",
+                    "sleep 1000 & echo $! > " + dir + "/child.tmp && mv " + dir + "/child.tmp " +
+                        dir + "/child; wait"},
+                   {},
+                   {},
+                   ""};
+  ASSERT_TRUE(launcher.PrepareNext({spec}).ok());
+  const int child = WaitForPidFile(dir + "/child");
+  ASSERT_GT(child, 0);
+  launcher.EndRun(/*keep=*/false);
+  const std::string state = testing::SettledState(child);
+  EXPECT_TRUE(state.empty() || state == "Z") << "the standby's child is still there: " << state;
+  if (!state.empty() && state != "Z") kill(child, SIGKILL);
 }
 
 TEST(StandbyTest, EndingARunWithoutKeepingEndsItsStandbys) {

@@ -17,6 +17,7 @@
 
 #include "launch/process.h"
 #include "launch/slurm_launcher.h"
+#include "launch/testing/process_state.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -284,11 +285,8 @@ TEST_F(FakeSshTest, WhenTheLauncherGoesItsWorkersAndTheirChildrenGoToo) {
   ReadOutput(p);
   EXPECT_EQ(Finish(p).exit_code, 128 + 9);
   // Killed with the worker's process group: gone, or a zombie until init reaps it.
-  std::ifstream stat("/proc/" + std::to_string(child) + "/stat");
-  std::string pid, name, state;
-  if (stat >> pid >> name >> state) {
-    EXPECT_EQ(state, "Z");
-  }
+  const std::string state = testing::SettledState(child);
+  EXPECT_TRUE(state.empty() || state == "Z") << "the worker's child is still there: " << state;
 }
 
 }  // namespace

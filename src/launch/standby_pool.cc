@@ -158,6 +158,12 @@ StandbyPool::~StandbyPool() {
 }
 
 void StandbyPool::EndSet(Set& set) {
+  // The set's group goes first, so that no child a standby started (a shell's command, a
+  // subprocess of its imports) outlives it. Safe against a reused id: while one member is
+  // unreaped, zombie or alive, its group id cannot be given to anyone else.
+  const bool unreaped = std::any_of(set.members.begin(), set.members.end(),
+                                    [](const Standby& s) { return s.process.pid > 0; });
+  if (unreaped && set.pgid > 0) killpg(set.pgid, SIGKILL);
   for (Standby& s : set.members) {
     if (s.process.pid > 0) EndStandby(s);
   }
