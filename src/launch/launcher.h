@@ -25,15 +25,17 @@ struct ProcessSpec {
   std::vector<int> ranks;                  // the ranks this process runs
   std::vector<std::string> argv;           // argv[0] is an absolute path
   std::map<std::string, std::string> env;  // set on top of the launcher's own environment
-  // Set before `env` (whose entries win): the entries every process of a group shares, held once
-  // for all of them, so 16,384 specs do not each copy a dozen long names and values.
-  std::shared_ptr<const std::map<std::string, std::string>> shared_env;
-  std::vector<std::string> unset_env;  // removed from it
-  std::string cwd;                     // empty = the launcher's
+  std::vector<std::string> unset_env;      // removed from it
+  std::string cwd;                         // empty = the launcher's
   // The run's secret: handed to the process neither in its environment nor in its argv, where
   // /proc/PID/environ and ps would show it for the process's whole life. How is the launcher's
   // (LocalLauncher: an inherited pipe named by JAXTRAIN_RUN_SECRET_FD).
   std::string secret;
+  // Set before `env` (whose entries win): the entries every process of a group shares, held once
+  // for all of them, so 16,384 specs do not each copy a dozen long names and values. Launchers
+  // read a process's environment with Env(), never `env` alone. Last, so that the fields above
+  // keep their order in aggregate initialisers.
+  std::shared_ptr<const std::map<std::string, std::string>> shared_env;
 
   // What the process's environment gets set: shared_env, then env on top.
   std::map<std::string, std::string> Env() const;

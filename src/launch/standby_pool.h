@@ -37,7 +37,7 @@ inline constexpr const char* kActivationEnv[] = {"JAXTRAIN_ATTEMPT", "JAXTRAIN_C
                                                  "JAXTRAIN_RUN_DIR", "JAXTRAIN_EXPERIMENT_NAME"};
 
 // The environment a local process of `spec` gets: this process's, less any run secret it was
-// handed, less spec.unset_env, plus spec.env.
+// handed, less spec.unset_env, plus spec.Env().
 std::map<std::string, std::string> LocalEnvironment(const ProcessSpec& spec);
 
 // JAXTRAIN_WARM_WORKERS: "1" or unset = on, "0" = off.
