@@ -124,7 +124,7 @@ class PoolLauncher : public launch::Launcher {
     }
     return local_.Launch(pools);
   }
-  void SignalGroup(int signal) override { local_.SignalGroup(signal); }
+  Status SignalGroup(int signal) override { return local_.SignalGroup(signal); }
 
  private:
   int per_process_;
