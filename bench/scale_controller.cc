@@ -47,6 +47,8 @@
 //   report_cpu_cores   CPU seconds of this process (the controller's loop; the main thread only
 //                      samples) over that window, per second of it
 //   cpu_us_per_report  the same CPU divided by the reports
+//   last_spawned_s     Start() to the last fake process's first instruction (the launch's part)
+//   last_registered_s  Start() to the last process having connected and registered all its ranks
 //   rendezvous_cpu_s   CPU seconds of this process during the rendezvous
 //   rss_before_mb, peak_rss_mb  VmRSS before Start(), VmHWM at the end
 // Exit codes: 0 measured; 1 a run failed; 2 misuse.
@@ -207,11 +209,13 @@ int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
     return 1;
   }
 
-  double started = 0, first_report = 1e300, last_sent = 0;
+  double spawned = 0, registered = 0, started = 0, first_report = 1e300, last_sent = 0;
   int processes = 0;
   std::ifstream times(times_file);
   for (std::string line; std::getline(times, line); ++processes) {
     auto j = nlohmann::json::parse(line);
+    spawned = std::max(spawned, j["spawned"].get<double>());
+    registered = std::max(registered, j["registered"].get<double>());
     started = std::max(started, j["started"].get<double>());
     first_report = std::min(first_report, j["first_report"].get<double>());
     last_sent = std::max(last_sent, j["last_report"].get<double>());
@@ -230,6 +234,8 @@ int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
       {"rounds", rounds},
       {"reports", reports},
       {"rendezvous_s", started - t_start},
+      {"last_spawned_s", spawned - t_start},
+      {"last_registered_s", registered - t_start},
       {"rendezvous_cpu_s", CpuBetween(samples, t_start, started)},
       {"reports_per_s", reports / window},
       {"offered_per_s", reports / (last_sent - first_report)},
