@@ -3,10 +3,6 @@
 #include "wire/big_endian.h"
 
 namespace jaxtrain::wire {
-namespace {
-
-
-}  // namespace
 
 StatusOr<std::string> EncodeFrameHeader(MessageType type, size_t body_size) {
   if (body_size > kMaxFrameBody) {
