@@ -29,6 +29,14 @@
 //   reports/s/core   1e6 / CPU per report: what one controller core sustains (target 300,000)
 //   RSS              peak RSS (VmHWM) less RSS before Start(), per rank; baseline: the 1k
 //                    figure (ratio 1: O(1) memory per rank)
+// and then each figure's growth from the smallest size (rendezvous and RSS should grow as the
+// ranks do, the rate per core not fall), and the largest size's figures as a ratio to the targets
+// (rendezvous < 1 s, >= 300,000 reports/s per core, RSS < 64 MB).
+//
+// Descriptors: the controller holds one connection per rank, the fake workers' pidfds and output
+// pipes (one each per process of per-process ranks), and the logs of the ranks that print (the
+// fake ranks print nothing); the fake workers, the floor's senders, are other processes with their
+// own limits. 16,384 ranks thus need about 16,700 descriptors in the controller's process.
 //
 // With a single --ranks N it runs the controller once in this process and prints its one JSON
 // line (the figures below), as bench/compare_ray.py reads it; --floor N prints the floor's.
@@ -39,6 +47,8 @@
 //   report_cpu_cores   CPU seconds of this process (the controller's loop; the main thread only
 //                      samples) over that window, per second of it
 //   cpu_us_per_report  the same CPU divided by the reports
+//   last_spawned_s     Start() to the last fake process's first instruction (the launch's part)
+//   last_registered_s  Start() to the last process having connected and registered all its ranks
 //   rendezvous_cpu_s   CPU seconds of this process during the rendezvous
 //   rss_before_mb, peak_rss_mb  VmRSS before Start(), VmHWM at the end
 // Exit codes: 0 measured; 1 a run failed; 2 misuse.
@@ -52,6 +62,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -115,7 +126,7 @@ class PoolLauncher : public launch::Launcher {
     }
     return local_.Launch(pools);
   }
-  void SignalGroup(int signal) override { local_.SignalGroup(signal); }
+  Status SignalGroup(int signal) override { return local_.SignalGroup(signal); }
 
  private:
   int per_process_;
@@ -198,11 +209,13 @@ int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
     return 1;
   }
 
-  double started = 0, first_report = 1e300, last_sent = 0;
+  double spawned = 0, registered = 0, started = 0, first_report = 1e300, last_sent = 0;
   int processes = 0;
   std::ifstream times(times_file);
   for (std::string line; std::getline(times, line); ++processes) {
     auto j = nlohmann::json::parse(line);
+    spawned = std::max(spawned, j["spawned"].get<double>());
+    registered = std::max(registered, j["registered"].get<double>());
     started = std::max(started, j["started"].get<double>());
     first_report = std::min(first_report, j["first_report"].get<double>());
     last_sent = std::max(last_sent, j["last_report"].get<double>());
@@ -221,6 +234,8 @@ int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
       {"rounds", rounds},
       {"reports", reports},
       {"rendezvous_s", started - t_start},
+      {"last_spawned_s", spawned - t_start},
+      {"last_registered_s", registered - t_start},
       {"rendezvous_cpu_s", CpuBetween(samples, t_start, started)},
       {"reports_per_s", reports / window},
       {"offered_per_s", reports / (last_sent - first_report)},
@@ -234,13 +249,16 @@ int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
   return 0;
 }
 
-// The floor: N loopback TCP connections; a child process sends the same report frames the fake
-// workers send (one per connection per round, rounds paced alike) and this process receives them
-// in a bare epoll loop that splits the bytes into frames and counts them.
+// The floor: N loopback TCP connections; child processes (per-process connections each, which
+// they open themselves) send the same report frames the fake workers send (one per connection per
+// round, rounds paced alike) and this process receives them in a bare epoll loop that splits the
+// bytes into frames and counts them.
 int RunFloor(const Load& load) {
   const int n = load.ranks;
   const int rounds = load.rounds();
-  Status limit = RaiseOpenFileLimit(2 * static_cast<uint64_t>(n) + 64, 0);
+  // This process holds the receiving ends only; each sender process connects its own ranks, so
+  // neither needs more descriptors than it has connections (the controller's case too).
+  Status limit = RaiseOpenFileLimit(static_cast<uint64_t>(n) + 64, 0);
   if (!limit.ok()) return Misuse("the floor: " + limit.ToString());
   int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_LOOPBACK)}};
@@ -250,20 +268,10 @@ int RunFloor(const Load& load) {
       getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     return Misuse("the floor: cannot listen on 127.0.0.1");
   }
-  std::vector<int> senders, receivers;
-  for (int i = 0; i < n; ++i) {
-    int c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (c < 0 || connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      return Misuse("the floor: cannot connect");
-    }
-    int one = 1;
-    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    int a = accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (a < 0) return Misuse("the floor: cannot accept");
-    senders.push_back(c);
-    receivers.push_back(a);
-  }
-  close(listener);
+  // The senders start sending once this process closes its end of `go` (every connection then
+  // has been accepted).
+  int go[2];
+  if (pipe2(go, O_CLOEXEC) != 0) return Misuse("the floor: cannot create a pipe");
   std::vector<pid_t> children;
   for (int proc = 0; proc < load.processes(); ++proc) {
     const pid_t child = fork();
@@ -272,9 +280,21 @@ int RunFloor(const Load& load) {
       children.push_back(child);
       continue;
     }
-    for (int fd : receivers) close(fd);
+    close(listener);
+    close(go[1]);
     const int first = proc * load.per_process;
     const int last = std::min(n, first + load.per_process);
+    std::vector<int> senders;
+    for (int i = first; i < last; ++i) {
+      int c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (c < 0 || connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(2);
+      int one = 1;
+      setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      senders.push_back(c);
+    }
+    char byte;
+    while (read(go[0], &byte, 1) < 0 && errno == EINTR) {
+    }
     using Clock = std::chrono::steady_clock;
     const auto begin = Clock::now();
     for (int round = 1; round <= rounds; ++round) {
@@ -288,15 +308,23 @@ int RunFloor(const Load& load) {
         const std::string frame = *wire::EncodeFrame(
             wire::MessageType::kReport,
             wire::EncodeReportBody(static_cast<uint64_t>(round), metrics.dump()));
-        if (send(senders[static_cast<size_t>(i)], frame.data(), frame.size(), MSG_NOSIGNAL) !=
-            static_cast<ssize_t>(frame.size())) {
+        if (send(senders[static_cast<size_t>(i - first)], frame.data(), frame.size(),
+                 MSG_NOSIGNAL) != static_cast<ssize_t>(frame.size())) {
           _exit(2);
         }
       }
     }
     _exit(0);
   }
-  for (int fd : senders) close(fd);
+  close(go[0]);
+  std::vector<int> receivers;
+  for (int i = 0; i < n; ++i) {
+    int a = accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (a < 0) return Misuse("the floor: cannot accept");
+    receivers.push_back(a);
+  }
+  close(listener);
+  close(go[1]);
   int ep = epoll_create1(EPOLL_CLOEXEC);
   for (int i = 0; i < n; ++i) {
     epoll_event ev{.events = EPOLLIN, .data = {.u64 = static_cast<uint64_t>(i)}};
@@ -436,6 +464,26 @@ int Sweep(const std::vector<int>& sizes, const Load& base, double progress_timeo
   }
   const nlohmann::json& last = rows.back().run;
   const double last_us = last["cpu_us_per_report"].get<double>();
+  // Growth from the smallest size to each: a figure that grows with the ranks (rendezvous, RSS)
+  // is O(1) per rank when its growth equals the ranks'; the rate per core should not fall.
+  std::printf("\ngrowth from %.0f ranks: %6s | %9s %6s | %11s %6s | %8s %8s %6s\n", n0, "ranks",
+              "rdv s", "x", "rep/s/core", "x", "RSS MB", "KB/rank", "x");
+  for (const Row& row : rows) {
+    const nlohmann::json& r = row.run;
+    const double n = r["ranks"].get<double>();
+    const double rate = 1e6 / r["cpu_us_per_report"].get<double>();
+    std::printf("%*s x%-5.0f | %9.3f %6.2f | %11.0f %6.2f | %8.1f %8.2f %6.2f\n", 18, "", n / n0,
+                r["rendezvous_s"].get<double>(),
+                r["rendezvous_s"].get<double>() / first["rendezvous_s"].get<double>(), rate,
+                rate / (1e6 / first["cpu_us_per_report"].get<double>()),
+                r["peak_rss_mb"].get<double>(), rss_per_rank_kb(r),
+                rss_per_rank_kb(r) / rss_per_rank_kb(first));
+  }
+  std::printf(
+      "ratio to target at %.0f ranks: rendezvous %.2f of 1 s; rate %.2f x 300,000/s per core; "
+      "RSS %.2f of 64 MB\n",
+      last["ranks"].get<double>(), last["rendezvous_s"].get<double>() / 1.0, 1e6 / last_us / 300000,
+      last["peak_rss_mb"].get<double>() / 64);
   auto verdict = [](bool met) { return met ? "met" : "NOT met"; };
   std::printf(
       "targets at %.0f ranks: rendezvous < 1 s: %s (%.3f s); >= 300,000 reports/s per "

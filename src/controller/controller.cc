@@ -9,6 +9,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -23,6 +24,7 @@
 #include "controller/checkpoint_committer.h"
 #include "controller/console.h"
 #include "controller/failure_policy.h"
+#include "controller/rank_logs.h"
 #include "controller/report_collector.h"
 #include "controller/restore_verifier.h"
 #include "controller/status_line.h"
@@ -52,6 +54,7 @@ constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
 // end: output without newlines never grows a buffer without bound.
 constexpr size_t kConsoleLineCap = 64 << 10;
 constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
+constexpr uint64_t kMinOpenLogs = 16;  // logs held open however low the limit is
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
 size_t TerminalWidth(int fd) {
   winsize ws{};
@@ -178,6 +181,7 @@ struct Controller::Loop {
         collector(WorldSize(c), store.LastRound() + 1),
         policy(c.options_.max_failures, c.options_.max_start_failures),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
+        logs([this](int r) { return store.LogPath(r); }, WorldSize(c)),
         conn_epoll(epoll_create1(EPOLL_CLOEXEC)),
         proc_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
   ~Loop() {
@@ -212,6 +216,7 @@ struct Controller::Loop {
   nlohmann::json attempt_log = nlohmann::json::array();  // run.json's attempts, earlier runs' too
   std::string restore_from;  // the checkpoint this attempt starts from; "" for none
   std::vector<launch::ProcessSpec> specs;
+  std::shared_ptr<std::map<std::string, std::string>> shared_env;  // every spec's shared_env
   std::vector<RankFailure> failures;
   bool sent_sigterm = false;
   bool sent_sigkill = false;
@@ -220,9 +225,9 @@ struct Controller::Loop {
   std::vector<std::string> warnings;
   Phase phase = Phase::kStarting;
   std::vector<Proc> procs;
-  size_t unreaped = 0;       // procs not yet reaped
-  size_t outputs_open = 0;   // procs whose output is still open
-  std::vector<int> log_fds;  // by rank
+  size_t unreaped = 0;      // procs not yet reaped
+  size_t outputs_open = 0;  // procs whose output is still open
+  RankLogs logs;            // created on each rank's first output (rank_logs.h)
   std::vector<RankState> ranks;
   size_t registered = 0;  // ranks of this attempt registered
   std::vector<std::unique_ptr<Conn>> conns;
@@ -331,16 +336,12 @@ struct Controller::Loop {
 
   // Rank output to its log. A log that cannot be written is said once, not fatal: the output
   // still reaches the console, and the metrics and checkpoints are recorded elsewhere.
-  void WriteLog(int rank, std::string_view text) {
-    int err = 0;
-    if (WriteAll(log_fds[static_cast<size_t>(rank)], text, "write", &err).ok() || log_failed) {
-      return;
-    }
+  void WriteLog(int rank, std::string_view text) { WarnLogs(logs.Write(rank, text)); }
+  void WarnLogs(const Status& s) {
+    if (s.ok() || log_failed) return;
     log_failed = true;
-    const std::string why = std::strerror(err);
-    Say("warning: cannot write " + store.LogPath(rank) + " (" + why +
-        "); rank output is missing from the logs from here on");
-    warnings.push_back("cannot write " + store.LogPath(rank) + ": " + why);
+    Say("warning: " + s.message() + "; rank output is missing from the logs from here on");
+    warnings.push_back(s.message());
   }
 
   void BeginStop() {
@@ -1271,10 +1272,8 @@ struct Controller::Loop {
       Say("restarting the worker group: attempt " + std::to_string(attempt) +
           (restore_from.empty() ? ", from the start" : ", from checkpoint " + restore_from));
     }
-    Status logged = store.AppendToLogs(
-        world_size, "===== jaxtrain: attempt " + std::to_string(attempt) + " =====\n");
-    if (!logged.ok()) Say("cannot write the logs: " + logged.message());
-    for (auto& spec : specs) spec.env["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
+    logs.BeginAttempt(attempt);  // each log gets the attempt's header before its first output
+    (*shared_env)["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
     // An attempt that run.json does not show must not run: its rounds would be lost with it.
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
     auto launched_or = ctl.launcher_->Launch(specs);
@@ -1282,6 +1281,13 @@ struct Controller::Loop {
     JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched, std::move(launched_or));
     procs.clear();
     for (auto& l : launched) procs.push_back({.launched = l});
+    // The descriptors left beside a connection per rank and the processes' pidfds and pipes are
+    // the logs' to keep open; the others are opened again when written to.
+    rlimit files{};
+    getrlimit(RLIMIT_NOFILE, &files);
+    const uint64_t taken = ranks.size() + 2 * procs.size() + kSpareFiles;
+    logs.set_max_open(files.rlim_cur > taken + kMinOpenLogs ? files.rlim_cur - taken
+                                                            : kMinOpenLogs);
     unreaped = procs.size();
     outputs_open = 0;
     JT_RETURN_IF_ERROR(WatchProcs());
@@ -1347,6 +1353,8 @@ struct Controller::Loop {
   // Ends the attempt whose processes are all reaped; true when a new attempt has started.
   bool EndAttempt() {
     for (auto& p : procs) CloseOutput(p);
+    // The ranks that printed nothing in this attempt get its header now (rank_logs.h).
+    WarnLogs(logs.HeadAll());
     if (!failure && !aborted) {
       for (Round& r : collector.TakeUnmatchedRank0()) Record(std::move(r));
       std::string mismatch = collector.CountMismatchWarning();
@@ -1400,7 +1408,7 @@ struct Controller::Loop {
     ctl.launcher_->EndRun(/*keep=*/!aborted);
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
-    for (int fd : log_fds) close(fd);
+    logs.CloseAll();
     for (auto& c : conns) CloseConn(*c);
     conns.clear();
     if (listen_fd >= 0) close(listen_fd);
@@ -1507,10 +1515,11 @@ Status Controller::Start() {
                                 std::to_string(wire::kMaxControllerFrameBody) +
                                 "; pass large data as files, not in train_loop_config");
   }
-  // A log file and a control connection per rank, and at most a pidfd and an output pipe per
-  // process (one process per rank at most), beside the driver's own files.
+  // A control connection per rank is needed; a pidfd and an output pipe per process (one process
+  // per rank at most) and a log file per rank that prints are wanted, beside the driver's own
+  // files. Logs beyond what the limit leaves are opened when written to (rank_logs.h).
   const auto ranks = static_cast<uint64_t>(world_size);
-  JT_RETURN_IF_ERROR(RaiseOpenFileLimit(2 * ranks + kSpareFiles, 4 * ranks + kSpareFiles));
+  JT_RETURN_IF_ERROR(RaiseOpenFileLimit(ranks + kSpareFiles, 4 * ranks + kSpareFiles));
   JT_ASSIGN_OR_RETURN(storage::RunStore store, storage::RunStore::Open(options_.run_dir));
   std::vector<std::string> warnings;
   JT_ASSIGN_OR_RETURN(storage::CheckpointIndex index,
@@ -1552,36 +1561,49 @@ Status Controller::Start() {
   loop->start_time = clock_.UnixSeconds();
 
   const std::string address = wire::HostPort{options_.listen_host, port_}.ToString();
+  // What every rank's environment shares is held once (ProcessSpec::shared_env); a plan's
+  // per-worker entry of the same name is overridden by it, as it always was.
+  auto shared = std::make_shared<std::map<std::string, std::string>>(options_.worker_env);
+  (*shared)["JAXTRAIN_CONTROLLER_ADDR"] = address;
+  (*shared)["JAXTRAIN_WORLD_SIZE"] = std::to_string(world_size);
+  (*shared)["JAXTRAIN_RUN_DIR"] = loop->store.dir();
+  (*shared)["JAXTRAIN_EXPERIMENT_NAME"] = options_.experiment_name;
+  (*shared)["JAXTRAIN_PLATFORM"] = options_.plan.platform;
+  // The per-worker numbers too, when every worker has the same (one host: one node, and so on).
+  const auto& workers = options_.plan.workers;
+  using Worker = placement::WorkerPlacement;
+  const std::pair<const char*, int Worker::*> numbers[] = {
+      {"JAXTRAIN_LOCAL_RANK", &Worker::local_rank},
+      {"JAXTRAIN_LOCAL_WORLD_SIZE", &Worker::local_world_size},
+      {"JAXTRAIN_NODE_RANK", &Worker::node_rank}};
+  std::vector<std::pair<const char*, int Worker::*>> per_worker = {
+      {"JAXTRAIN_RANK", &Worker::rank}};
+  for (const auto& [name, field] : numbers) {
+    const bool same = std::all_of(workers.begin(), workers.end(), [&](const Worker& w) {
+      return w.*field == workers.front().*field;
+    });
+    if (same) {
+      (*shared)[name] = std::to_string(workers.front().*field);
+    } else {
+      per_worker.emplace_back(name, field);
+    }
+  }
+  loop->shared_env = shared;
+  const std::string secret = wire::ToHex(loop->secret);
+  loop->specs.reserve(options_.plan.workers.size());
   for (const auto& w : options_.plan.workers) {
     launch::ProcessSpec spec;
     spec.ranks = {w.rank};
     spec.argv = options_.worker_argv;
     spec.cwd = options_.worker_cwd;
-    spec.env = w.env;
-    spec.unset_env = w.unset_env;
-    for (const auto& [k, v] : options_.worker_env) spec.env[k] = v;
-    spec.env["JAXTRAIN_CONTROLLER_ADDR"] = address;
-    spec.secret = wire::ToHex(loop->secret);
-    spec.env["JAXTRAIN_RANK"] = std::to_string(w.rank);
-    spec.env["JAXTRAIN_WORLD_SIZE"] = std::to_string(world_size);
-    spec.env["JAXTRAIN_LOCAL_RANK"] = std::to_string(w.local_rank);
-    spec.env["JAXTRAIN_LOCAL_WORLD_SIZE"] = std::to_string(w.local_world_size);
-    spec.env["JAXTRAIN_NODE_RANK"] = std::to_string(w.node_rank);
-    spec.env["JAXTRAIN_RUN_DIR"] = loop->store.dir();
-    spec.env["JAXTRAIN_EXPERIMENT_NAME"] = options_.experiment_name;
-    spec.env["JAXTRAIN_PLATFORM"] = options_.plan.platform;
-    loop->specs.push_back(std::move(spec));
-  }
-  for (int r = 0; r < world_size; ++r) {
-    std::string path = loop->store.LogPath(r);
-    int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd < 0) {
-      Status s = storage::PathError("cannot open the log file", path, errno);
-      for (int open_fd : loop->log_fds) close(open_fd);
-      close(loop->listen_fd);
-      return s;
+    for (const auto& [k, v] : w.env) {
+      if (!shared->count(k)) spec.env[k] = v;
     }
-    loop->log_fds.push_back(fd);
+    spec.unset_env = w.unset_env;
+    spec.shared_env = shared;
+    spec.secret = secret;
+    for (const auto& [name, field] : per_worker) spec.env[name] = std::to_string(w.*field);
+    loop->specs.push_back(std::move(spec));
   }
   Status started = loop->StartAttempt(loop->CheckpointToRestore());
   if (!started.ok()) {
@@ -1594,7 +1616,6 @@ Status Controller::Start() {
     loop->attempt_log.push_back(loop->AttemptState("ERRORED"));
     Status recorded = loop->WriteRunState("ERRORED");
     if (!recorded.ok()) loop->Say("cannot write run.json: " + recorded.message());
-    for (int fd : loop->log_fds) close(fd);
     close(loop->listen_fd);
     return started;
   }

@@ -368,6 +368,28 @@ TEST_F(ControllerTest, AWorkerKilledBySignalIsNamed) {
   ExpectWorkersGone(WorkerPids(3));
 }
 
+TEST_F(ControllerTest, RanksThatNeverPrintGetTheirLogsWhenTheAttemptEnds) {
+  ControllerOptions options = Options(3, {"crash"});
+  options.worker_env["FAKE_FAIL_RANK"] = "1";
+  options.worker_env["FAKE_QUIET"] = "1";
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 1);
+  // No rank printed: each log was created when the attempt ended, with its header, so the path
+  // the failure names is a file and every log numbers the attempt.
+  EXPECT_EQ(out.failure->log_path, RunDir() + "/logs/rank-1.log");
+  EXPECT_EQ(out.failure->log_tail, "===== jaxtrain: attempt 0 =====\n");
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(RunFile("logs/rank-" + std::to_string(r) + ".log"),
+              "===== jaxtrain: attempt 0 =====\n");
+  }
+  EXPECT_TRUE(Contains(RunFile("error.txt"), "--- last lines of " + out.failure->log_path))
+      << RunFile("error.txt");
+}
+
 TEST_F(ControllerTest, AWorkerThatExitsZeroEarlyIsAFailure) {
   ControllerOptions options = Options(2, {"exit0"});
   options.worker_env["FAKE_FAIL_RANK"] = "1";

@@ -2,11 +2,19 @@
 
 namespace jaxtrain::launch {
 
+std::map<std::string, std::string> ProcessSpec::Env() const {
+  if (!shared_env) return env;
+  std::map<std::string, std::string> out = *shared_env;
+  for (const auto& [k, v] : env) out[k] = v;
+  return out;
+}
+
 StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
                                     const std::set<std::string>& per_rank,
                                     std::string_view engine) {
   if (specs.empty()) return InvalidArgumentError("no processes to launch");
   const ProcessSpec& first = specs.front();
+  const std::map<std::string, std::string> first_env = first.Env();
   UniformGroup group{.argv = first.argv, .cwd = first.cwd, .secret = first.secret};
   for (const auto& spec : specs) {
     if (spec.argv != first.argv || spec.cwd != first.cwd || spec.secret != first.secret) {
@@ -15,14 +23,15 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
                                   "or working directories differ");
     }
     group.unset_env.insert(spec.unset_env.begin(), spec.unset_env.end());
+    const std::map<std::string, std::string> env = spec.Env();
     std::set<std::string> names;
-    for (const auto& [k, v] : spec.env) names.insert(k);
-    for (const auto& [k, v] : first.env) names.insert(k);
+    for (const auto& [k, v] : env) names.insert(k);
+    for (const auto& [k, v] : first_env) names.insert(k);
     for (const auto& name : names) {
       if (per_rank.count(name)) continue;
-      auto a = first.env.find(name);
-      auto b = spec.env.find(name);
-      if (a == first.env.end() || b == spec.env.end() || a->second != b->second) {
+      auto a = first_env.find(name);
+      auto b = env.find(name);
+      if (a == first_env.end() || b == env.end() || a->second != b->second) {
         return InvalidArgumentError("the environment variable " + name +
                                     " differs between ranks, " + "which one " +
                                     std::string(engine) + " launch cannot give");
@@ -30,7 +39,7 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
     }
     group.ranks.insert(group.ranks.end(), spec.ranks.begin(), spec.ranks.end());
   }
-  for (const auto& [k, v] : first.env) {
+  for (const auto& [k, v] : first_env) {
     if (!per_rank.count(k)) group.env[k] = v;
   }
   return group;

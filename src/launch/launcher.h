@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -30,6 +31,14 @@ struct ProcessSpec {
   // /proc/PID/environ and ps would show it for the process's whole life. How is the launcher's
   // (LocalLauncher: an inherited pipe named by JAXTRAIN_RUN_SECRET_FD).
   std::string secret;
+  // Set before `env` (whose entries win): the entries every process of a group shares, held once
+  // for all of them, so 16,384 specs do not each copy a dozen long names and values. Launchers
+  // read a process's environment with Env(), never `env` alone. Last, so that the fields above
+  // keep their order in aggregate initialisers.
+  std::shared_ptr<const std::map<std::string, std::string>> shared_env;
+
+  // What the process's environment gets set: shared_env, then env on top.
+  std::map<std::string, std::string> Env() const;
 };
 
 struct LaunchedProcess {

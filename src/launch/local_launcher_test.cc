@@ -6,7 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <map>
+#include <memory>
+
+#include "launch/launcher.h"
 #include "launch/process.h"
+#include "launch/standby_pool.h"
 #include "launch/testing/process_state.h"
 
 namespace jaxtrain::launch {
@@ -54,6 +59,50 @@ TEST(LocalLauncherTest, RunsProcessesWithEnvAndMergedOutput) {
     close((*procs)[r].pidfd);
     close((*procs)[r].output_fd);
   }
+}
+
+TEST(LocalLauncherTest, TheSharedEnvironmentReachesEveryProcessAndItsOwnEntriesWin) {
+  LocalLauncher launcher;
+  auto shared = std::make_shared<std::map<std::string, std::string>>(
+      std::map<std::string, std::string>{{"JT_SHARED", "all"}, {"JT_MINE", "shared"}});
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    ProcessSpec spec{{r}, {"/bin/sh", "-c", "echo $JT_SHARED $JT_MINE"}, {}, {}, ""};
+    spec.shared_env = shared;
+    if (r == 1) spec.env["JT_MINE"] = "own";
+    specs.push_back(std::move(spec));
+  }
+  EXPECT_EQ(specs[1].Env(),
+            (std::map<std::string, std::string>{{"JT_MINE", "own"}, {"JT_SHARED", "all"}}));
+  auto procs = launcher.Launch(specs);
+  ASSERT_TRUE(procs.ok()) << procs.status().ToString();
+  const std::string expected[] = {"all shared\n", "all own\n"};
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ReadAll((*procs)[r].output_fd), expected[r]);
+    EXPECT_TRUE(WaitExit((*procs)[r]).ok());
+    close((*procs)[r].pidfd);
+    close((*procs)[r].output_fd);
+  }
+}
+
+TEST(LauncherTest, MergeUniformSeesTheSharedEnvironment) {
+  auto shared = std::make_shared<std::map<std::string, std::string>>(
+      std::map<std::string, std::string>{{"JT_SHARED", "all"}});
+  std::vector<ProcessSpec> specs(2, ProcessSpec{{0}, {"/bin/true"}, {}, {}, ""});
+  specs[1].ranks = {1};
+  for (auto& spec : specs) spec.shared_env = shared;
+  specs[0].env["JT_RANK"] = "0";
+  specs[1].env["JT_RANK"] = "1";
+  auto group = MergeUniform(specs, {"JT_RANK"}, "Test");
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  EXPECT_EQ(group->env, (std::map<std::string, std::string>{{"JT_SHARED", "all"}}));
+  EXPECT_EQ(group->ranks, (std::vector<int>{0, 1}));
+  // A shared entry one spec overrides differs between ranks like any other.
+  specs[1].env["JT_SHARED"] = "other";
+  auto differs = MergeUniform(specs, {"JT_RANK"}, "Test");
+  ASSERT_FALSE(differs.ok());
+  EXPECT_NE(differs.status().message().find("JT_SHARED differs between ranks"), std::string::npos)
+      << differs.status().message();
 }
 
 TEST(LocalLauncherTest, TheSecretArrivesOnAnInheritedPipeAndNotInTheEnvironment) {
@@ -215,6 +264,20 @@ TEST(StandbyTest, AKeptSetServesTheNextLauncherOfTheSameProcesses) {
   specs[0].env["JAXTRAIN_ATTEMPT"] = specs[1].env["JAXTRAIN_ATTEMPT"] = "0";
   auto out = LaunchAndRead(second, specs);
   for (const auto& o : out) EXPECT_NE(o.find(R"("JAXTRAIN_ATTEMPT":"0")"), std::string::npos) << o;
+}
+
+TEST(StandbyTest, TheKeyCoversTheSharedEnvironmentButNotTheActivationsVariables) {
+  auto shared = std::make_shared<std::map<std::string, std::string>>(
+      std::map<std::string, std::string>{{"JT_X", "a"}, {"JAXTRAIN_ATTEMPT", "0"}});
+  ProcessSpec spec{{0}, {"/bin/true"}, {}, {}, ""};
+  spec.shared_env = shared;
+  const std::string key = StandbyKey(spec);
+  (*shared)["JAXTRAIN_ATTEMPT"] = "1";  // given on activation: the same standby serves
+  EXPECT_EQ(StandbyKey(spec), key);
+  (*shared)["JT_X"] = "b";  // in the standby's environment: another process
+  EXPECT_NE(StandbyKey(spec), key);
+  ProcessSpec unshared{{0}, {"/bin/true"}, {{"JT_X", "b"}, {"JAXTRAIN_ATTEMPT", "7"}}, {}, ""};
+  EXPECT_EQ(StandbyKey(unshared), StandbyKey(spec));  // shared or not, the same environment
 }
 
 TEST(StandbyTest, AStandbyThatDiedIsReplacedByAFreshProcessInTheSameGroup) {

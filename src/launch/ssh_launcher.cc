@@ -495,7 +495,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     const std::string& target = options_.targets[spec.ranks.front()];
     nlohmann::json env = forwarded;
     for (const auto& name : spec.unset_env) env.erase(name);
-    for (const auto& [k, v] : spec.env) env[k] = v;
+    for (const auto& [k, v] : spec.Env()) env[k] = v;
     const std::string header = nlohmann::json{{"argv", spec.argv},
                                               {"env", env},
                                               {"unset", spec.unset_env},

@@ -71,7 +71,7 @@ std::map<std::string, std::string> LocalEnvironment(const ProcessSpec& spec) {
     env.erase(name);
   }
   for (const auto& name : spec.unset_env) env.erase(name);
-  for (const auto& [k, v] : spec.env) env[k] = v;
+  for (const auto& [k, v] : spec.Env()) env[k] = v;
   return env;
 }
 

@@ -40,7 +40,7 @@ inline constexpr const char* kActivationEnv[] = {"JAXTRAIN_ATTEMPT", "JAXTRAIN_C
 inline constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
 
 // The environment a local process of `spec` gets: this process's, less any run secret it was
-// handed, less spec.unset_env, plus spec.env.
+// handed, less spec.unset_env, plus spec.Env().
 std::map<std::string, std::string> LocalEnvironment(const ProcessSpec& spec);
 
 // `env` as "NAME=value" entries, for execve.

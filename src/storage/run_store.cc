@@ -193,11 +193,6 @@ nlohmann::json RunStore::PreviousRunState() const {
   return state.is_object() ? state : nullptr;
 }
 
-Status RunStore::AppendToLogs(int world_size, std::string_view line) const {
-  for (int r = 0; r < world_size; ++r) JT_RETURN_IF_ERROR(AppendToFile(LogPath(r), line));
-  return OkStatus();
-}
-
 std::string RunStore::LogPath(int rank) const {
   return JoinPath(dir_, "logs/rank-" + std::to_string(rank) + ".log");
 }

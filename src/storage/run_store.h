@@ -80,9 +80,6 @@ class RunStore {
 
   Status WriteError(std::string_view text);
 
-  // Appends a line to every rank's log (e.g. the start of a new attempt).
-  Status AppendToLogs(int world_size, std::string_view line) const;
-
  private:
   explicit RunStore(std::string dir) : dir_(std::move(dir)) {}
 

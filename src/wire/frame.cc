@@ -3,11 +3,6 @@
 #include "wire/big_endian.h"
 
 namespace jaxtrain::wire {
-namespace {
-
-constexpr size_t kKeptCapacity = 4096;  // what an empty FrameDecoder may keep allocated
-
-}  // namespace
 
 StatusOr<std::string> EncodeFrameHeader(MessageType type, size_t body_size) {
   if (body_size > kMaxFrameBody) {
@@ -105,8 +100,9 @@ void FrameDecoder::ReleaseConsumed() {
   if (consumed_ == 0 || consumed_ != buffer_.size()) return;
   buffer_.clear();
   consumed_ = 0;
-  // A connection between frames keeps no large buffer, so thousands of them stay small.
-  if (buffer_.capacity() > kKeptCapacity) std::string().swap(buffer_);
+  // A connection between frames keeps no buffer at all, so thousands of idle ones hold nothing
+  // (a frame's bytes are copied in and freed once taken: one allocation per read, not per byte).
+  std::string().swap(buffer_);
 }
 
 StatusOr<std::optional<FrameView>> FrameDecoder::NextView() {

@@ -102,7 +102,8 @@ class FrameDecoder {
   StatusOr<std::optional<FrameView>> NextView();
 
   size_t buffered() const { return buffer_.size() - consumed_; }
-  // Bytes allocated for the buffer; at most a few KiB while no frame is partly received.
+  // Bytes allocated for the buffer; none beyond std::string's inline capacity once every frame
+  // received has been taken.
   size_t capacity() const { return buffer_.capacity(); }
 
  private:

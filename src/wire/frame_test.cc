@@ -155,6 +155,18 @@ TEST(FrameDecoderTest, KeepsNoLargeBufferBetweenFrames) {
   EXPECT_LE(d.capacity(), 4096u);
 }
 
+TEST(FrameDecoderTest, KeepsNoBufferOnceEveryFrameIsTaken) {
+  FrameDecoder d(1 << 20);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(d.Feed(F(MessageType::kReport, std::string(200, 'x'))).ok());
+    auto f = d.NextView();
+    ASSERT_TRUE(f.ok() && f->has_value());
+    auto none = d.NextView();
+    ASSERT_TRUE(none.ok() && !none->has_value());
+    EXPECT_LE(d.capacity(), std::string().capacity());  // its inline bytes only
+  }
+}
+
 TEST(FrameDecoderTest, NextViewGivesTheFramesWithoutCopyingThem) {
   FrameDecoder d(1 << 20);
   ASSERT_TRUE(d.Feed(F(MessageType::kReport, "first") + F(MessageType::kDone, "{}") +

@@ -15,6 +15,7 @@ constexpr size_t kMaxIov = 16;  // chunks handed to one sendmsg()
 
 void OutQueue::Push(std::string bytes) {
   if (bytes.empty()) return;
+  Compact();
   pending_bytes_ += bytes.size();
   owned_bytes_ += bytes.size();
   chunks_.push_back({.owned = std::move(bytes)});
@@ -22,6 +23,7 @@ void OutQueue::Push(std::string bytes) {
 
 void OutQueue::PushShared(std::shared_ptr<const std::string> bytes) {
   if (!bytes || bytes->empty()) return;
+  Compact();
   pending_bytes_ += bytes->size();
   chunks_.push_back({.shared = std::move(bytes)});
 }
@@ -29,7 +31,7 @@ void OutQueue::PushShared(std::shared_ptr<const std::string> bytes) {
 void OutQueue::Consume(size_t n) {
   pending_bytes_ -= n;
   while (n > 0) {
-    Chunk& c = chunks_.front();
+    Chunk& c = chunks_[head_];
     size_t left = c.rest().size();
     if (n < left) {
       c.offset += n;
@@ -38,17 +40,27 @@ void OutQueue::Consume(size_t n) {
     }
     n -= left;
     if (!c.shared) owned_bytes_ -= left;
-    chunks_.pop_front();
+    c = Chunk{};
+    if (++head_ == chunks_.size()) {
+      std::vector<Chunk>().swap(chunks_);
+      head_ = 0;
+    }
+  }
+}
+
+void OutQueue::Compact() {
+  if (head_ > 0 && head_ * 2 >= chunks_.size()) {
+    chunks_.erase(chunks_.begin(), chunks_.begin() + static_cast<std::ptrdiff_t>(head_));
+    head_ = 0;
   }
 }
 
 Status OutQueue::Flush(int fd) {
-  while (!chunks_.empty()) {
+  while (!empty()) {
     iovec iov[kMaxIov];
     size_t count = 0;
-    for (const Chunk& c : chunks_) {
-      if (count == kMaxIov) break;
-      std::string_view rest = c.rest();
+    for (size_t i = head_; i < chunks_.size() && count < kMaxIov; ++i) {
+      std::string_view rest = chunks_[i].rest();
       iov[count++] = {const_cast<char*>(rest.data()), rest.size()};
     }
     msghdr msg{};

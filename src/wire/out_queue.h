@@ -5,10 +5,10 @@
 // O(payload), not O(N x payload). Not thread-safe (one owner, e.g. the controller's loop).
 #pragma once
 
-#include <deque>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/status.h"
 
@@ -20,7 +20,7 @@ class OutQueue {
   // `bytes` is read, never copied, until it has been written.
   void PushShared(std::shared_ptr<const std::string> bytes);
 
-  bool empty() const { return chunks_.empty(); }
+  bool empty() const { return head_ == chunks_.size(); }
   // Bytes queued and not yet written, shared ones included.
   size_t pending_bytes() const { return pending_bytes_; }
   // Bytes this queue holds a copy of (queued with Push and not yet written).
@@ -40,8 +40,13 @@ class OutQueue {
     }
   };
   void Consume(size_t n);
+  // Drops the chunks already written once they are half of the vector.
+  void Compact();
 
-  std::deque<Chunk> chunks_;
+  // chunks_[head_ ..] are queued. An empty queue holds no allocation: thousands of idle
+  // connections keep nothing (a std::deque allocates its first block even when empty).
+  std::vector<Chunk> chunks_;
+  size_t head_ = 0;
   size_t pending_bytes_ = 0;
   size_t owned_bytes_ = 0;
 };

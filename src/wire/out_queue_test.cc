@@ -77,6 +77,28 @@ TEST(OutQueueTest, APartialWriteResumesWhereItStopped) {
   EXPECT_EQ(q.owned_bytes(), 0u);
 }
 
+TEST(OutQueueTest, PushesBetweenPartialWritesKeepTheirOrder) {
+  SocketPair pair;
+  int small = 4096;
+  ASSERT_EQ(setsockopt(pair.writer(), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
+  OutQueue q;
+  std::string sent, received;
+  for (int i = 0; i < 2000; ++i) {
+    std::string chunk = std::to_string(i) + std::string(static_cast<size_t>(i % 97), '.') + ";";
+    sent += chunk;
+    q.Push(chunk);
+    ASSERT_TRUE(q.Flush(pair.writer()).ok());
+    if (i % 7 == 0) received += pair.Drain();
+  }
+  while (!q.empty()) {
+    ASSERT_TRUE(q.Flush(pair.writer()).ok());
+    received += pair.Drain();
+  }
+  received += pair.Drain();
+  EXPECT_EQ(received, sent);
+  EXPECT_EQ(q.owned_bytes(), 0u);
+}
+
 TEST(OutQueueTest, APeerThatIsGoneIsUnavailable) {
   OutQueue q;
   q.Push("x");

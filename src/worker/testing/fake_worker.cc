@@ -30,7 +30,8 @@
 //   FAKE_CONNECT_GATE_FIFO  the same, before it connects to the controller
 // The test keeps both FIFOs open read-write for the whole run, so no open() here blocks.
 //
-// Every rank first prints "fake_worker rank=R pid=P" so a test can find its process.
+// Every rank first prints "fake_worker rank=R pid=P" so a test can find its process, unless
+// FAKE_QUIET=1 (then no rank prints anything).
 // Exit codes: 0 done; 1 failed as asked; 2 misuse or an unexpected error; 3 start-up failed as
 // asked; 4 controller gone.
 #include <fcntl.h>
@@ -111,8 +112,10 @@ StatusOr<WorkerClientOptions> OptionsFromEnv() {
 int Run(const std::string& mode, int rounds) {
   const int rank = EnvInt("JAXTRAIN_RANK", 0);
   const bool failing_rank = rank == EnvInt("FAKE_FAIL_RANK", 0);
-  std::printf("fake_worker rank=%d pid=%d\n", rank, static_cast<int>(getpid()));
-  std::fflush(stdout);
+  if (EnvInt("FAKE_QUIET", 0) == 0) {
+    std::printf("fake_worker rank=%d pid=%d\n", rank, static_cast<int>(getpid()));
+    std::fflush(stdout);
+  }
   SignalEvent('P');
   if (mode == "noconnect" && failing_rank) WaitToBeKilled();
   if (mode == "earlyexit" && failing_rank) return kExitStartUp;

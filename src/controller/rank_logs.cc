@@ -1,0 +1,82 @@
+#include "controller/rank_logs.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "base/fd_io.h"
+
+namespace jaxtrain::controller {
+namespace {
+
+Status LogError(const std::string& what, int err) {
+  std::string message = what + ": " + std::strerror(err);
+  if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(message);
+  if (err == EMFILE || err == ENFILE || err == ENOSPC || err == EDQUOT) {
+    return ResourceExhaustedError(message);
+  }
+  return InternalError(message);
+}
+
+}  // namespace
+
+RankLogs::RankLogs(std::function<std::string(int)> path, int world_size)
+    : path_(std::move(path)),
+      fds_(static_cast<size_t>(world_size), -1),
+      headed_(static_cast<size_t>(world_size), -1) {}
+
+RankLogs::~RankLogs() { CloseAll(); }
+
+void RankLogs::set_max_open(size_t n) {
+  max_open_ = std::max<size_t>(n, 1);
+  while (open_.size() > max_open_) CloseOldest();
+}
+
+void RankLogs::CloseOldest() {
+  close(fds_[static_cast<size_t>(open_.front())]);
+  fds_[static_cast<size_t>(open_.front())] = -1;
+  open_.pop_front();
+}
+
+void RankLogs::CloseAll() {
+  while (!open_.empty()) CloseOldest();
+}
+
+Status RankLogs::Write(int rank, std::string_view text) {
+  const auto r = static_cast<size_t>(rank);
+  if (fds_[r] < 0) {
+    if (open_.size() >= max_open_) CloseOldest();
+    const std::string path = path_(rank);
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return LogError("cannot open " + path, errno);
+    fds_[r] = fd;
+    open_.push_back(rank);
+  }
+  int err = 0;
+  if (headed_[r] != attempt_) {
+    const std::string header = "===== jaxtrain: attempt " + std::to_string(attempt_) + " =====\n";
+    if (!WriteAll(fds_[r], header, "write", &err).ok()) {
+      return LogError("cannot write " + path_(rank), err);
+    }
+    headed_[r] = attempt_;
+  }
+  if (!WriteAll(fds_[r], text, "write", &err).ok()) {
+    return LogError("cannot write " + path_(rank), err);
+  }
+  return OkStatus();
+}
+
+Status RankLogs::HeadAll() {
+  Status first = OkStatus();
+  for (size_t r = 0; r < headed_.size(); ++r) {
+    if (headed_[r] == attempt_) continue;
+    Status s = Write(static_cast<int>(r), "");
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+}  // namespace jaxtrain::controller
