@@ -12,13 +12,11 @@
 namespace jaxtrain::controller {
 namespace {
 
+// The errno's kind (ErrnoCode), and kResourceExhausted when the process is out of descriptors.
 Status LogError(const std::string& what, int err) {
-  std::string message = what + ": " + std::strerror(err);
-  if (err == EACCES || err == EPERM || err == EROFS) return PermissionDeniedError(message);
-  if (err == EMFILE || err == ENFILE || err == ENOSPC || err == EDQUOT) {
-    return ResourceExhaustedError(message);
-  }
-  return InternalError(message);
+  const StatusCode code =
+      err == EMFILE || err == ENFILE ? StatusCode::kResourceExhausted : ErrnoCode(err);
+  return {code, what + ": " + std::strerror(err)};
 }
 
 }  // namespace
@@ -50,7 +48,13 @@ Status RankLogs::Write(int rank, std::string_view text) {
   if (fds_[r] < 0) {
     if (open_.size() >= max_open_) CloseOldest();
     const std::string path = path_(rank);
-    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    int fd;
+    // Out of descriptors (the budget is a guess: other parts of the process hold some too):
+    // close the log opened longest ago and try again, until this one is the only one left.
+    while ((fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0 &&
+           (errno == EMFILE || errno == ENFILE) && !open_.empty()) {
+      CloseOldest();
+    }
     if (fd < 0) return LogError("cannot open " + path, errno);
     fds_[r] = fd;
     open_.push_back(rank);

@@ -11,7 +11,9 @@
 //
 // Descriptors: at most `max_open` logs are held open (set_max_open()); opening one more closes
 // the one opened longest ago, which is opened again when next written to. So the controller's
-// need for descriptors is its connections plus a budget, not two per rank.
+// need for descriptors is its connections plus a budget, not two per rank. The budget is a
+// guess (the process holds other descriptors too): when the process runs out of descriptors,
+// logs are closed, oldest first, until the one being opened fits.
 //
 // Owned by the controller's loop thread; not thread-safe.
 #pragma once

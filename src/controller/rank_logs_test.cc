@@ -1,10 +1,13 @@
 #include "controller/rank_logs.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <vector>
 
 #include "storage/files.h"
 
@@ -95,10 +98,63 @@ TEST_F(RankLogsTest, HoldsAtMostMaxOpenAndReopensTheOthers) {
   EXPECT_EQ(logs.open_count(), 0u);
 }
 
+// While it lives, the process can open exactly `free` more descriptors.
+class FewDescriptors {
+ public:
+  explicit FewDescriptors(int free) {
+    getrlimit(RLIMIT_NOFILE, &old_);
+    rlimit low = old_;
+    low.rlim_cur = 256;
+    setrlimit(RLIMIT_NOFILE, &low);
+    for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fillers_.push_back(fd);
+    for (int i = 0; i < free && !fillers_.empty(); ++i) {
+      close(fillers_.back());
+      fillers_.pop_back();
+    }
+  }
+  ~FewDescriptors() {
+    for (int fd : fillers_) close(fd);
+    setrlimit(RLIMIT_NOFILE, &old_);
+  }
+
+ private:
+  rlimit old_{};
+  std::vector<int> fillers_;
+};
+
+TEST_F(RankLogsTest, WhenTheProcessRunsOutOfDescriptorsTheOldestLogsAreClosed) {
+  RankLogs logs = Make(8);
+  logs.set_max_open(100);  // a budget the process cannot give
+  std::vector<Status> written;
+  size_t open_at_limit = 0;
+  {
+    FewDescriptors few(3);
+    for (int round = 0; round < 2; ++round) {
+      for (int r = 0; r < 8; ++r) written.push_back(logs.Write(r, std::to_string(round)));
+    }
+    open_at_limit = logs.open_count();
+    logs.CloseAll();
+  }
+  for (const Status& s : written) EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(open_at_limit, 3u);
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(Read(r), "===== jaxtrain: attempt 0 =====\n01");
+}
+
+TEST_F(RankLogsTest, WithNoLogLeftToCloseRunningOutOfDescriptorsIsResourceExhausted) {
+  RankLogs logs = Make(1);
+  Status s = OkStatus();
+  {
+    FewDescriptors few(0);
+    s = logs.Write(0, "x");
+  }
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find(Path(0)), std::string::npos) << s.message();
+}
+
 TEST_F(RankLogsTest, ALogThatCannotBeOpenedIsAnErrorNamingItsPath) {
   RankLogs logs([this](int) { return dir_ + "/missing/rank-0.log"; }, 1);
   Status s = logs.Write(0, "x");
-  EXPECT_EQ(s.code(), StatusCode::kInternal) << s.ToString();  // ENOENT
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();  // ENOENT, as ErrnoCode says
   EXPECT_NE(s.message().find(dir_ + "/missing/rank-0.log"), std::string::npos) << s.message();
 }
 
