@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,17 @@ def _step_once(config):
     hits.clear()  # only the step's own compilation counts
     step = jax.jit(lambda x: jnp.tanh(2 * x).sum(), in_shardings=sharding)
     loss = float(step(x))
-    Path(config["out"], f"a{attempt}-r{rank}.json").write_text(json.dumps(
+    note = Path(config["out"], f"a{attempt}-r{rank}.json")
+    Path(f"{note}.tmp").write_text(json.dumps(
         {"cache_dir": cache_dir, "entries_before": before, "step_hits": len(hits)}))
+    os.replace(f"{note}.tmp", note)  # whole or absent, as a killed rank leaves it
     if attempt == 0 and rank == 1 and config.get("fail"):
+        # Rank 0's note is written after its step, which may end after this rank's; the
+        # failure kills the group, so it waits for the note (the step itself is a collective,
+        # so what rank 0 compiled and cached is on disk by then).
+        note, deadline = Path(config["out"], "a0-r0.json"), time.monotonic() + 60
+        while not note.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise RuntimeError("injected failure after the first step")
     report({"loss": loss})
 
