@@ -342,6 +342,25 @@ StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const st
 
 void SnapshotUnmap::operator()(char* p) const { munmap(p, bytes); }
 
+namespace {
+
+// Writes `data` into the file `fd` (`path`) through the page cache, starting the disk's
+// writeback of each chunk as soon as it is written (sync_file_range), so that most of it is on
+// disk by the time the commit fsyncs the file.
+Status WriteAndStartWriteback(int fd, std::string_view data, const std::string& path) {
+  constexpr size_t kChunk = 16 << 20;
+  for (size_t done = 0; done < data.size();) {
+    const size_t n = std::min(kChunk, data.size() - done);
+    JT_RETURN_IF_ERROR(WriteFd(fd, data.substr(done, n), path));
+    // A hint: where it fails, the commit's fsync writes everything.
+    sync_file_range(fd, static_cast<off_t>(done), static_cast<off_t>(n), SYNC_FILE_RANGE_WRITE);
+    done += n;
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
 StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t budget_bytes) {
   JT_ASSIGN_OR_RETURN(std::vector<TreeItem> items, ListCheckpointDirectory(src));
   uint64_t listed = 0;
@@ -419,7 +438,8 @@ StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot
     if (out.fd < 0) return PathError("cannot create", to, errno);
     struct stat written;
     if (fstat(out.fd, &written) != 0) return PathError("cannot stat", to, errno);
-    JT_RETURN_IF_ERROR(WriteFd(out.fd, std::string_view(item.data.get(), item.size), to));
+    JT_RETURN_IF_ERROR(
+        WriteAndStartWriteback(out.fd, std::string_view(item.data.get(), item.size), to));
     entries.push_back({.path = item.rel,
                        .size = item.size,
                        .crc32c = Crc32c(0, item.data.get(), item.size),

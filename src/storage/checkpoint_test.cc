@@ -489,7 +489,8 @@ bool SameEntry(const FileEntry& a, const FileEntry& b) {
 
 TEST_F(SnapshotDirectoryTest, WritesTheSameFilesModesLinksAndChecksumsAsStageDirectory) {
   ScopedUmask mask(022);
-  WriteTestFile(Path("src/model.bin"), Pattern((4 << 20) + 7, 4));
+  // More than two of the 16 MiB chunks WriteSnapshot writes and starts the writeback of at once.
+  WriteTestFile(Path("src/model.bin"), Pattern((33 << 20) + 7, 4));
   WriteTestFile(Path("src/empty.txt"), "");
   WriteTestFile(Path("src/opt/deep/state.txt"), "step=3\n");
   fs::permissions(Path("src/model.bin"), fs::perms(0600));
@@ -501,7 +502,7 @@ TEST_F(SnapshotDirectoryTest, WritesTheSameFilesModesLinksAndChecksumsAsStageDir
   ASSERT_TRUE(staged.ok()) << staged.status().ToString();
   auto snapshot = SnapshotDirectory(Path("src"), 64 << 20);
   ASSERT_TRUE(snapshot.ok()) << snapshot.status().ToString();
-  EXPECT_EQ(snapshot->bytes, (4u << 20) + 7 + 7);
+  EXPECT_EQ(snapshot->bytes, (33u << 20) + 7 + 7);
   auto written = WriteSnapshot(*snapshot, Path("written"));
   ASSERT_TRUE(written.ok()) << written.status().ToString();
 
