@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs every test: lint, the C++ unit tests under AddressSanitizer and
-# UndefinedBehaviorSanitizer (CTest), a short fuzz run of the control protocol (libFuzzer), and the
-# Python and end-to-end tests with real JAX workers (pytest), on real Slurm and Kubernetes clusters
+# UndefinedBehaviorSanitizer, then under ThreadSanitizer (CTest), a short fuzz run of the control
+# protocol (libFuzzer), and the Python and end-to-end tests with real JAX workers (pytest), on real Slurm and Kubernetes clusters
 # that the tests start on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,12 @@ cmake -S . -B build/test-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug \
   -DJAXTRAIN_BUILD_TESTS=ON -DJAXTRAIN_SANITIZE=ON >/dev/null
 ninja -C build/test-sanitize
 ctest --test-dir build/test-sanitize --output-on-failure -j2
+
+echo "test: C++ unit tests (TSan: any data race fails its test)"
+cmake -S . -B build/test-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+  -DJAXTRAIN_BUILD_TESTS=ON -DJAXTRAIN_SANITIZE_THREAD=ON >/dev/null
+ninja -C build/test-tsan
+ctest --test-dir build/test-tsan --output-on-failure -j2
 
 echo "test: fuzz the control protocol (short run; scripts/fuzz.sh 600 for a long one)"
 ./scripts/fuzz.sh

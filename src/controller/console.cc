@@ -1,34 +1,29 @@
 #include "controller/console.h"
 
+#include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <utility>
-
-#include "base/fd_io.h"
 
 namespace jaxtrain::controller {
 
-Console::Console(size_t capacity) : capacity_(capacity), state_(std::make_shared<State>()) {
-  writer_ = std::thread([state = state_] { Run(state); });
+Console::Console(size_t capacity) : capacity_(capacity), state_(std::make_unique<State>()) {
+  writer_ = std::thread([this] { Run(*state_); });
 }
 
 Console::~Console() {
   Flush(kFlushOnDestruction);
-  bool busy;
   {
     MutexLock lock(state_->mu);
     state_->stop = true;
-    busy = state_->writing;
     state_->changed.NotifyAll();
   }
-  // A writer inside write() sees `stop` when that write returns; it holds its own reference to
-  // the state, so it may outlive this object.
-  if (busy) {
-    writer_.detach();
-  } else {
-    writer_.join();
-  }
+  writer_.join();  // a writer waiting for room sees `stop` within kStopCheckMs
 }
 
 bool Console::Write(int fd, std::string text) {
@@ -62,14 +57,13 @@ uint64_t Console::dropped_bytes() const {
   return state_->dropped;
 }
 
-void Console::Run(const std::shared_ptr<State>& state) {
+void Console::Run(State& st) {
   // A reader that goes away makes write() fail with EPIPE here instead of killing the process:
   // SIGPIPE is raised in the thread that wrote, where it stays blocked.
   sigset_t pipe;
   sigemptyset(&pipe);
   sigaddset(&pipe, SIGPIPE);
   pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
-  State& st = *state;
   for (;;) {
     Chunk chunk;
     {
@@ -90,12 +84,13 @@ void Console::Run(const std::shared_ptr<State>& state) {
       }
       st.writing = true;
     }
-    // Not under the lock: write() may block for as long as the reader does not read.
-    Status written = WriteAll(chunk.fd, chunk.text, "write to the console");
+    // Not under the lock: the reader may take its time.
+    const Written written = WriteUnlessStopped(st, chunk.fd, chunk.text);
+    if (written == Written::kStopped) return;
     {
       MutexLock lock(st.mu);
       st.writing = false;
-      if (!written.ok()) {
+      if (written == Written::kFailed) {
         // The reader is gone (EPIPE) or the fd is unusable: nothing more can be shown.
         st.broken = true;
         st.dropped += chunk.text.size() + st.queued_bytes;
@@ -106,6 +101,28 @@ void Console::Run(const std::shared_ptr<State>& state) {
     }
     st.changed.NotifyAll();
   }
+}
+
+Console::Written Console::WriteUnlessStopped(State& st, int fd, std::string_view text) {
+  while (!text.empty()) {
+    pollfd out = {.fd = fd, .events = POLLOUT, .revents = 0};
+    const int ready = poll(&out, 1, kStopCheckMs);
+    if (ready < 0 && errno != EINTR) return Written::kFailed;
+    if (ready <= 0) {
+      MutexLock lock(st.mu);
+      if (st.stop) return Written::kStopped;
+      continue;
+    }
+    if (out.revents & POLLNVAL) return Written::kFailed;
+    // At most PIPE_BUF: a pipe that polls writable takes that much without blocking.
+    const ssize_t n = write(fd, text.data(), std::min<size_t>(text.size(), PIPE_BUF));
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return Written::kFailed;  // the reader is gone (EPIPE) or the fd is unusable
+    }
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+  return Written::kAll;
 }
 
 }  // namespace jaxtrain::controller

@@ -14,6 +14,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "base/clock.h"
@@ -27,9 +28,10 @@ class Console {
   static constexpr Duration kFlushOnDestruction = std::chrono::seconds(2);
 
   explicit Console(size_t capacity = kDefaultCapacity);
-  // Waits up to kFlushOnDestruction for what is queued, then stops the writer. A write() blocked on
-  // a reader that never reads is left to finish on its own (the thread is detached then); nothing
-  // queued after it is written.
+  // Waits up to kFlushOnDestruction for what is queued, then stops the writer and joins it: the
+  // writer waits for room in poll(), never inside a write() that could block, and looks at `stop`
+  // every kStopCheckMs, so a reader that never reads does not hold it; once this returns, no fd
+  // is written again. What is still queued then is not written.
   ~Console();
   Console(const Console&) = delete;
   Console& operator=(const Console&) = delete;
@@ -57,14 +59,19 @@ class Console {
     uint64_t dropped GUARDED_BY(mu) = 0;  // in all
     uint64_t unsaid GUARDED_BY(mu) = 0;   // dropped since the last notice
     int notice_fd GUARDED_BY(mu) = -1;    // where the next notice goes
-    bool writing GUARDED_BY(mu) = false;  // the writer is inside write()
+    bool writing GUARDED_BY(mu) = false;  // the writer is writing a chunk
     bool broken GUARDED_BY(mu) = false;   // a write failed (EPIPE, EBADF, ...)
     bool stop GUARDED_BY(mu) = false;
   };
-  static void Run(const std::shared_ptr<State>& state);
+  enum class Written { kAll, kFailed, kStopped };
+  static constexpr int kStopCheckMs = 100;
+  static void Run(State& state);
+  // Writes `text` to `fd` in pieces a pipe takes whole (PIPE_BUF) once poll() says there is room;
+  // kStopped once `stop` is seen while waiting for room.
+  static Written WriteUnlessStopped(State& state, int fd, std::string_view text);
 
   const size_t capacity_;
-  std::shared_ptr<State> state_;
+  std::unique_ptr<State> state_;
   std::thread writer_;
 };
 

@@ -103,6 +103,12 @@ TEST_F(ConsoleTest, DestroyingItWhileAWriteIsBlockedReturns) {
   auto start = std::chrono::steady_clock::now();
   console.reset();  // must not wait for a reader that never comes
   EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(5));
+  // Once it is gone, nothing more is written: the rest of the chunk is not left to a writer
+  // that outlives it (which would write to whatever the fd is by then).
+  const size_t shown = Drain().size();
+  EXPECT_LT(shown, 1u << 20);
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_EQ(Drain(), "");
 }
 
 }  // namespace
