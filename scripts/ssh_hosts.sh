@@ -56,7 +56,9 @@ install_packages() {
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
       >/dev/null
-    [[ -n $made_policy ]] && rm -f "$policy"
+    # As the function's last command, a bare `[[ ]] && rm` would return 1 where the machine had
+    # its own policy (Docker images do) and end the script under `set -e`.
+    if [[ -n $made_policy ]]; then rm -f "$policy"; fi
   fi
 }
 
