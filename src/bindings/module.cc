@@ -228,52 +228,23 @@ class PyController {
   }
 
  private:
-  // The allocation (the driver's own, or one requested and waited for), the address the nodes
-  // reach the controller at, and the Slurm launcher; then the controller is made as for local runs.
+  // The Slurm launcher (launch::StartSlurm), waiting for an allocation without the GIL; Ctrl-C
+  // withdraws the request. Then the controller is made as for local runs.
   void StartOnSlurm() {
-    const accelerators::HostView& env = accelerators::RealHost();
-    launch::SlurmShape shape = Unwrap(launch::SlurmShapeFor(*scaling_config_, env));
-    std::unique_ptr<launch::SlurmAllocation> allocation;
-    auto job = env.GetEnv("SLURM_JOB_ID");
-    if (job && !job->empty()) {
-      allocation = Unwrap(launch::SlurmAllocation::Current(env));
-    } else {
-      StatusOr<std::unique_ptr<launch::SlurmAllocation>> requested = AbortedError("");
-      {
-        nb::gil_scoped_release release;
-        requested =
-            launch::SlurmAllocation::Request(shape, "jaxtrain-" + options_.experiment_name, [] {
-              nb::gil_scoped_acquire acquire;
-              return PyErr_CheckSignals() != 0;  // Ctrl-C: KeyboardInterrupt is then pending
-            });
-      }
-      if (PyErr_Occurred()) throw nb::python_error();
-      allocation = Unwrap(std::move(requested));
+    StatusOr<launch::SlurmStart> started = AbortedError("");
+    {
+      nb::gil_scoped_release release;
+      started = launch::StartSlurm(*scaling_config_, accelerators::RealHost(),
+                                   "jaxtrain-" + options_.experiment_name, [] {
+                                     nb::gil_scoped_acquire acquire;
+                                     return PyErr_CheckSignals() != 0;  // KeyboardInterrupt pending
+                                   });
     }
-    std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
-    if (host.empty()) {
-      StatusOr<std::string> chosen = UnavailableError("");
-      {
-        nb::gil_scoped_release release;
-        chosen = [&]() -> StatusOr<std::string> {
-          JT_ASSIGN_OR_RETURN(std::vector<std::string> nodes, allocation->Nodes());
-          JT_ASSIGN_OR_RETURN(std::string address, allocation->NodeAddress(nodes.front()));
-          return launch::AddressTowards(address);
-        }();
-      }
-      if (!chosen.ok()) {
-        Raise(UnavailableError("cannot choose the address the Slurm nodes reach this driver at: " +
-                               chosen.status().message() + "; set " + launch::kListenHostEnv));
-      }
-      host = *chosen;
-    }
-    options_.listen_host = host;
-    launch::SlurmLauncherOptions lo{.job_id = allocation->job_id(),
-                                    .shape = shape,
-                                    .step_name = "jaxtrain-" + options_.experiment_name};
-    controller_ = std::make_unique<controller::Controller>(
-        std::move(options_),
-        std::make_unique<launch::SlurmLauncher>(std::move(lo), std::move(allocation)));
+    if (PyErr_Occurred()) throw nb::python_error();
+    launch::SlurmStart start = Unwrap(std::move(started));
+    options_.listen_host = std::move(start.listen_host);
+    controller_ =
+        std::make_unique<controller::Controller>(std::move(options_), std::move(start.launcher));
   }
 
   // The address the hosts reach the controller at (its address on the route to the first host

@@ -644,4 +644,35 @@ void SlurmLauncher::CancelStep() {
   }
 }
 
+StatusOr<SlurmStart> StartSlurm(const config::ScalingConfig& config,
+                                const accelerators::HostView& env, const std::string& step_name,
+                                const std::function<bool()>& cancelled) {
+  JT_ASSIGN_OR_RETURN(SlurmShape shape, SlurmShapeFor(config, env));
+  std::unique_ptr<SlurmAllocation> allocation;
+  if (auto job = env.GetEnv("SLURM_JOB_ID"); job && !job->empty()) {
+    JT_ASSIGN_OR_RETURN(allocation, SlurmAllocation::Current(env));
+  } else {
+    JT_ASSIGN_OR_RETURN(allocation, SlurmAllocation::Request(shape, step_name, cancelled));
+  }
+  std::string host = env.GetEnv(kListenHostEnv).value_or("");
+  if (host.empty()) {
+    StatusOr<std::string> chosen = [&]() -> StatusOr<std::string> {
+      JT_ASSIGN_OR_RETURN(std::vector<std::string> nodes, allocation->Nodes());
+      JT_ASSIGN_OR_RETURN(std::string address, allocation->NodeAddress(nodes.front()));
+      return AddressTowards(address);
+    }();
+    if (!chosen.ok()) {
+      return UnavailableError("cannot choose the address the Slurm nodes reach this driver at: " +
+                              chosen.status().message() + "; set " + kListenHostEnv);
+    }
+    host = *chosen;
+  }
+  std::string job_id = allocation->job_id();
+  return SlurmStart{
+      .launcher = std::make_unique<SlurmLauncher>(
+          SlurmLauncherOptions{.job_id = std::move(job_id), .shape = shape, .step_name = step_name},
+          std::move(allocation)),
+      .listen_host = std::move(host)};
+}
+
 }  // namespace jaxtrain::launch

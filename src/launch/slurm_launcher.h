@@ -177,4 +177,21 @@ class SlurmLauncher : public Launcher {
   std::string step_name_;  // of the last Launch()
 };
 
+// What a Slurm run starts with: its launcher and the address the nodes reach the controller at.
+struct SlurmStart {
+  std::unique_ptr<SlurmLauncher> launcher;
+  std::string listen_host;
+};
+
+// Readies a Slurm run of `config`: in the allocation the driver runs inside (SLURM_JOB_ID in
+// `env`), or in one requested and waited for (SlurmAllocation::Request, with `cancelled`), which
+// the launcher releases when it is destroyed. The listen host is JAXTRAIN_LISTEN_HOST, else this
+// host's address on the route to the allocation's first node. Steps are named `step_name`.
+// Blocks for salloc's wait and one scontrol per node asked about.
+// Errors: those of SlurmShapeFor, Current and Request; kUnavailable when no listen host can be
+// chosen (the message says to set JAXTRAIN_LISTEN_HOST).
+StatusOr<SlurmStart> StartSlurm(const config::ScalingConfig& config,
+                                const accelerators::HostView& env, const std::string& step_name,
+                                const std::function<bool()>& cancelled);
+
 }  // namespace jaxtrain::launch

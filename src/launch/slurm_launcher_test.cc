@@ -134,6 +134,35 @@ TEST(SlurmShapeTest, SettingsOverrideTheShapeAndAreChecked) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(StartSlurmTest, InTheDriversAllocationWithAListenHostSlurmIsNotAsked) {
+  accelerators::FakeHost host;
+  host.env["SLURM_JOB_ID"] = "4242";
+  host.env[kListenHostEnv] = "10.1.2.3";
+  bool asked = false;
+  auto started = StartSlurm(Config({.num_workers = 2}), host, "jaxtrain-t", [&] {
+    asked = true;
+    return true;
+  });
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  EXPECT_NE(started->launcher, nullptr);
+  EXPECT_EQ(started->listen_host, "10.1.2.3");
+  EXPECT_FALSE(asked);  // no allocation was requested, so nothing waited
+}
+
+TEST(StartSlurmTest, ABadShapeIsRefusedBeforeAnyAllocationIsRequested) {
+  accelerators::FakeHost host;  // no SLURM_JOB_ID: an allocation would be requested
+  host.env[kSlurmNodesEnv] = "0";
+  bool asked = false;
+  auto started = StartSlurm(Config({.num_workers = 2}), host, "jaxtrain-t", [&] {
+    asked = true;
+    return true;
+  });
+  EXPECT_EQ(started.status().code(), StatusCode::kInvalidArgument) << started.status().ToString();
+  EXPECT_TRUE(Contains(started.status().message(), "JAXTRAIN_SLURM_NODES='0'"))
+      << started.status().message();
+  EXPECT_FALSE(asked);
+}
+
 TEST(PlanForSlurmTest, OneEnvironmentForEveryRankAndNoDevices) {
   accelerators::FakeHost host;
   auto cpu = PlanForSlurm(Config({.num_workers = 3}), host);
