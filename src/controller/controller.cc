@@ -25,6 +25,7 @@
 #include "controller/console.h"
 #include "controller/failure_policy.h"
 #include "controller/rank_logs.h"
+#include "controller/rank_output.h"
 #include "controller/report_collector.h"
 #include "controller/restore_verifier.h"
 #include "controller/status_line.h"
@@ -50,9 +51,6 @@ constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
 // How long the end of a run waits for a console that does not read (the output is in the logs).
 constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
-// A rank's output line longer than this reaches the console in pieces instead of waiting for its
-// end: output without newlines never grows a buffer without bound.
-constexpr size_t kConsoleLineCap = 64 << 10;
 constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
 constexpr uint64_t kMinOpenLogs = 16;  // logs held open however low the limit is
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
@@ -87,20 +85,6 @@ std::string HostName() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   return host;
-}
-
-// "12: text" (srun --label; the number may be padded with spaces) -> "text" and *rank = 12;
-// anything else is returned whole, with *rank = -1.
-std::string_view StripRankLabel(std::string_view line, int* rank) {
-  *rank = -1;
-  size_t i = line.find_first_not_of(' ');
-  size_t digits = i == std::string_view::npos ? 0 : line.find_first_not_of("0123456789", i);
-  if (i == std::string_view::npos || digits == i || digits == std::string_view::npos ||
-      digits - i > 7 || line.substr(digits, 2) != ": ") {
-    return line;
-  }
-  *rank = std::atoi(std::string(line.substr(i, digits - i)).c_str());
-  return line.substr(digits + 2);
 }
 
 std::string PeerName(const sockaddr_storage& addr) {
@@ -159,10 +143,7 @@ struct Controller::Loop {
     launch::LaunchedProcess launched;
     bool reaped = false;
     launch::ExitStatus exit;
-    std::string partial_line;
-    bool after_cr = false;  // the last text shown of this process ended with '\r'
-    std::vector<std::pair<int, launch::TaskEnd>> task_ends;  // by rank, as srun reported them
-    std::string launcher_error;  // the first error line of the launcher's own
+    std::unique_ptr<RankOutput> output;  // its output split into logs and console (rank_output.h)
   };
 
   struct RankState {
@@ -350,6 +331,7 @@ struct Controller::Loop {
     if (AnyUnreaped()) {
       Signal(SIGTERM);
       sent_sigterm = true;
+      for (Proc& p : procs) p.output->Stopping();
       // A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued.
       Signal(SIGCONT);
       kill_deadline = Now() + opts.terminate_grace;
@@ -904,7 +886,7 @@ struct Controller::Loop {
     // srun reports the task that failed first first, and then those it killed for it: a better
     // witness than the order in which one loop step saw several connections close.
     const std::pair<int, launch::TaskEnd>* first = nullptr;
-    for (const auto& task : p.task_ends) {
+    for (const auto& task : p.output->task_ends()) {
       if (!task.second.exit.ok() && !ours(task.second.exit)) {
         first = &task;
         break;
@@ -924,8 +906,8 @@ struct Controller::Loop {
     if (failure && failure->cause == FailureCause::kConnection) {
       if (first) {
         blame_first(*failure);
-      } else if (!p.launcher_error.empty()) {
-        failure->message += " (" + p.launcher_error + ")";
+      } else if (!p.output->launcher_error().empty()) {
+        failure->message += " (" + p.output->launcher_error() + ")";
       }
     }
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
@@ -937,13 +919,14 @@ struct Controller::Loop {
     if (first) {
       blame_first(f);
     } else {
-      f = {.rank = not_done != p.launched.ranks.end() ? *not_done : p.launched.ranks.front(),
-           .cause = p.exit.signal ? FailureCause::kSignal : FailureCause::kExit,
-           .exit_code = p.exit.exit_code,
-           .signal = p.exit.signal,
-           .message = "its job step ended (" + p.exit.ToString() +
-                      ") before its training function returned" +
-                      (p.launcher_error.empty() ? "" : ": " + p.launcher_error)};
+      f = {
+          .rank = not_done != p.launched.ranks.end() ? *not_done : p.launched.ranks.front(),
+          .cause = p.exit.signal ? FailureCause::kSignal : FailureCause::kExit,
+          .exit_code = p.exit.exit_code,
+          .signal = p.exit.signal,
+          .message = "its job step ended (" + p.exit.ToString() +
+                     ") before its training function returned" +
+                     (p.output->launcher_error().empty() ? "" : ": " + p.output->launcher_error())};
     }
     // A step that ends before its ranks have registered could not start (srun refused it).
     if (phase == Phase::kStarting) f.cause = FailureCause::kStartUp;
@@ -960,99 +943,13 @@ struct Controller::Loop {
         CloseOutput(p);
         return;
       }
-      std::string_view chunk(buf, static_cast<size_t>(n));
-      if (p.launched.ranks.size() > 1) {
-        SplitLabelledLines(p, chunk);
-        continue;
-      }
-      WriteLog(p.launched.ranks.front(), chunk);
-      EchoLines(p, chunk);
+      ToConsole(p.output->Take(std::string_view(buf, static_cast<size_t>(n))));
     }
-  }
-
-  // Output of a process that runs several ranks: a "<rank>: text" line goes to that rank's log
-  // and, prefixed, to the console; the launcher's own lines go to the console as they are, and to
-  // the log of the rank they name (srun's "task 1: Killed"), or else of every rank.
-  void SplitLabelledLines(Proc& p, std::string_view chunk) {
-    p.partial_line.append(chunk);
-    std::string console;
-    size_t start = 0;
-    for (size_t nl; (nl = p.partial_line.find('\n', start)) != std::string::npos; start = nl + 1) {
-      std::string_view line(p.partial_line.data() + start, nl + 1 - start);
-      auto is_ours = [&](int r) {
-        return std::find(p.launched.ranks.begin(), p.launched.ranks.end(), r) !=
-               p.launched.ranks.end();
-      };
-      int rank = -1;
-      std::string_view text = StripRankLabel(line, &rank);
-      if (is_ours(rank)) {
-        // Slurm's own messages on a task's output: "slurmstepd-node1: error: *** STEP 8.0 ..."
-        if (p.launcher_error.empty() && !sent_sigterm && text.substr(0, 10) == "slurmstepd" &&
-            text.find("error") != std::string_view::npos) {
-          p.launcher_error = std::string(text.substr(0, text.size() - 1));
-        }
-        WriteLog(rank, text);
-        console += "(rank=" + std::to_string(rank) + ") ";
-        console += text;
-        continue;
-      }
-      std::vector<int> targets;
-      if (auto end = ctl.launcher_->ParseTaskEnd(line)) {
-        for (int t : end->tasks) {
-          if (!is_ours(t)) continue;
-          targets.push_back(t);
-          p.task_ends.emplace_back(t, *end);
-        }
-      } else if (p.launcher_error.empty() && !sent_sigterm &&
-                 line.find("error") != std::string_view::npos) {
-        p.launcher_error = std::string(line.substr(0, line.size() - 1));
-      }
-      if (targets.empty()) targets = p.launched.ranks;
-      for (int r : targets) WriteLog(r, line);
-      console += line;
-    }
-    p.partial_line.erase(0, start);
-    ToConsole(std::move(console));
-    // A line longer than the cap is taken as ended (what follows of it is the launcher's text).
-    if (p.partial_line.size() >= kConsoleLineCap) SplitLabelledLines(p, "\n");
-  }
-
-  // A one-rank process's output to the console, each line prefixed with its rank. A line ends at
-  // '\n', or at '\r' so that a progress bar (tqdm redraws its line after a '\r') is shown as it
-  // moves; a line longer than kConsoleLineCap is shown in pieces.
-  void EchoLines(Proc& p, std::string_view chunk) {
-    if (opts.console_fd < 0) return;
-    p.partial_line.append(chunk);
-    size_t start = 0;
-    std::string text;
-    const std::string prefix = "(rank=" + std::to_string(p.launched.ranks.front()) + ") ";
-    auto emit = [&](size_t end) {
-      std::string_view piece(p.partial_line.data() + start, end - start);
-      if (piece == "\n" && p.after_cr) {
-        text += piece;  // the '\n' of a "\r\n" that arrived on its own
-      } else if (piece != "\r") {
-        text += prefix;
-        text += piece;
-      }
-      p.after_cr = !piece.empty() && piece.back() == '\r';
-      start = end;
-    };
-    for (size_t end; (end = p.partial_line.find_first_of("\r\n", start)) != std::string::npos;) {
-      if (p.partial_line[end] == '\r' && end + 1 < p.partial_line.size() &&
-          p.partial_line[end + 1] == '\n') {
-        ++end;  // "\r\n" ends one line
-      }
-      emit(end + 1);
-    }
-    if (p.partial_line.size() - start >= kConsoleLineCap) emit(p.partial_line.size());
-    p.partial_line.erase(0, start);
-    ToConsole(std::move(text));
   }
 
   void CloseOutput(Proc& p) {
     if (p.launched.output_fd < 0) return;
-    if (!p.partial_line.empty() && p.launched.ranks.size() > 1) SplitLabelledLines(p, "\n");
-    if (!p.partial_line.empty()) EchoLines(p, "\n");
+    ToConsole(p.output->Close());
     epoll_ctl(proc_epoll, EPOLL_CTL_DEL, p.launched.output_fd, nullptr);
     --outputs_open;
     close(p.launched.output_fd);
@@ -1280,7 +1177,15 @@ struct Controller::Loop {
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
     JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched, std::move(launched_or));
     procs.clear();
-    for (auto& l : launched) procs.push_back({.launched = l});
+    for (auto& l : launched) {
+      auto output = std::make_unique<RankOutput>(
+          l.ranks, opts.console_fd >= 0,
+          [this](int rank, std::string_view text) { WriteLog(rank, text); },
+          [launcher = ctl.launcher_.get()](std::string_view line) {
+            return launcher->ParseTaskEnd(line);
+          });
+      procs.push_back({.launched = l, .output = std::move(output)});
+    }
     // The descriptors left beside a connection per rank and the processes' pidfds and pipes are
     // the logs' to keep open; the others are opened again when written to.
     rlimit files{};

@@ -31,8 +31,8 @@
 // Worker processes: a launched process runs one rank (local) or several (one Slurm step, srun).
 // A process with several ranks labels each line of its output "<rank>: " (srun --label); those
 // lines go to that rank's log and console prefix, and its unlabelled lines (srun's own) to the
-// ranks they name. How each of its ranks ended is read from the launcher's own lines
-// (Launcher::ParseTaskEnd: srun's reports, the Kubernetes supervisor's).
+// ranks they name (RankOutput, rank_output.h). How each of its ranks ended is read from the
+// launcher's own lines (Launcher::ParseTaskEnd: srun's reports, the Kubernetes supervisor's).
 //
 // Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
 // timeout with a rank of this attempt that has no connection yet; anything else is closed without
