@@ -23,6 +23,7 @@
 #include "base/open_files.h"
 #include "controller/checkpoint_committer.h"
 #include "controller/console.h"
+#include "controller/control_port.h"
 #include "controller/failure_policy.h"
 #include "controller/rank_logs.h"
 #include "controller/rank_output.h"
@@ -43,11 +44,8 @@ namespace jaxtrain::controller {
 namespace {
 
 constexpr size_t kReadChunk = 64 << 10;
-constexpr size_t kMaxRefusalText = 200;  // the reason in a kRefused frame
-constexpr int kMaxReadyConns = 1024;     // connection events taken per wake
-constexpr int kMaxReadyProcs = 256;      // process events (output, exit) taken per wake
+constexpr int kMaxReadyProcs = 256;  // process events (output, exit) taken per wake
 constexpr size_t kLogTailBytes = 4096;
-constexpr int kMaxRefusalsLogged = 10;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
 // How long the end of a run waits for a console that does not read (the output is in the logs).
 constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
@@ -87,21 +85,6 @@ std::string HostName() {
   return host;
 }
 
-std::string PeerName(const sockaddr_storage& addr) {
-  char host[64] = "?";
-  int port = 0;
-  if (addr.ss_family == AF_INET) {
-    const auto* a = reinterpret_cast<const sockaddr_in*>(&addr);
-    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-    port = ntohs(a->sin_port);
-  } else if (addr.ss_family == AF_INET6) {
-    const auto* a = reinterpret_cast<const sockaddr_in6*>(&addr);
-    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-    port = ntohs(a->sin6_port);
-  }
-  return wire::HostPort{host, port}.ToString();
-}
-
 }  // namespace
 
 std::string_view OutcomeStateName(Outcome::State state) {
@@ -114,27 +97,8 @@ std::string_view OutcomeStateName(Outcome::State state) {
 }
 
 // All state of a running attempt; touched only by the event-loop thread.
-struct Controller::Loop {
+struct Controller::Loop : ControlPort::Delegate {
   enum class Phase { kStarting, kRunning, kStopping, kDraining };
-
-  // A control connection. Its buffers are bounded: the decoder holds at most one frame under the
-  // limit of its stage plus one read chunk, and `out` only frames the controller queued (the
-  // payload's body is shared by every connection, not copied).
-  struct Conn {
-    int fd = -1;
-    std::string peer;
-    wire::FrameDecoder decoder{wire::kHelloSize};
-    wire::OutQueue out;
-    // kHello: nothing valid received yet; such a connection is "unproven", counted against the
-    // cap and the first to be dropped. kAuth: its hello was made with the secret and answered.
-    enum class Stage { kHello, kAuth, kAuthed } stage = Stage::kHello;
-    wire::Hello hello;
-    wire::Nonce nonce{};
-    TimePoint deadline;
-    int rank = -1;
-    bool closed = false;
-    bool watching_out = false;  // EPOLLOUT is in its interest set
-  };
 
   // One launched process: one rank (local) or several (a Slurm job step, whose srun labels each
   // line of its ranks' output "<rank>: " and writes its own lines unlabelled). What the launcher
@@ -147,7 +111,6 @@ struct Controller::Loop {
   };
 
   struct RankState {
-    Conn* conn = nullptr;
     bool registered = false;
     bool done = false;
     std::string host;
@@ -163,10 +126,8 @@ struct Controller::Loop {
         policy(c.options_.max_failures, c.options_.max_start_failures),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
         logs([this](int r) { return store.LogPath(r); }, WorldSize(c)),
-        conn_epoll(epoll_create1(EPOLL_CLOEXEC)),
         proc_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
   ~Loop() {
-    if (conn_epoll >= 0) close(conn_epoll);
     if (proc_epoll >= 0) close(proc_epoll);
   }
 
@@ -189,7 +150,9 @@ struct Controller::Loop {
   FailurePolicy policy;
   Watchdog watchdog;  // this attempt's progress watchdog
   std::string secret;
-  int listen_fd = -1;
+  // The listener and the ranks' connections, through the handshake (control_port.h); set by
+  // Start().
+  std::unique_ptr<ControlPort> port;
   int first_attempt = 0;  // attempts of earlier runs of this run directory
   int attempt = 0;
   double start_time = 0;
@@ -211,22 +174,9 @@ struct Controller::Loop {
   RankLogs logs;            // created on each rank's first output (rank_logs.h)
   std::vector<RankState> ranks;
   size_t registered = 0;  // ranks of this attempt registered
-  std::vector<std::unique_ptr<Conn>> conns;
-  // Every open connection is in this epoll set (data.ptr: its Conn), so a wake costs O(ready
-  // connections), not O(connections); the loop polls the set's descriptor.
-  int conn_epoll = -1;
   // Every process's output (data.u64: 2 x its index in procs) and pidfd (2 x index + 1) until it
   // is closed: a wake costs O(ready processes), not O(processes).
   int proc_epoll = -1;
-  // Connections not yet authenticated, in accept order, which is their handshake deadlines'
-  // order (the same timeout from a monotonic clock); closed or authenticated ones are skipped.
-  std::deque<Conn*> handshaking;
-  bool any_closed = false;     // a connection was closed since the last clean-up
-  std::deque<Conn*> unproven;  // Stage::kHello connections, oldest first; stale entries skipped
-  size_t unproven_count = 0;   // the live ones among them
-  std::set<wire::Nonce> hello_nonces;  // of this attempt's answered hellos: a replay is refused
-  std::vector<Conn*> answered;  // by rank: the connection whose hello was answered, until auth
-  int dropped = 0;  // unproven connections dropped in this attempt (evicted or timed out)
   std::string payload_header;                  // the kPayload frame's header
   std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
   TimePoint start_deadline;
@@ -237,11 +187,10 @@ struct Controller::Loop {
   std::string abort_reason;
   uint64_t rounds = 0;
   std::string last_metrics;
-  int refusals = 0;
 
   TimePoint Now() const { return ctl.clock_.Now(); }
 
-  void Say(const std::string& line) {
+  void Say(const std::string& line) override {
     std::string text = "jaxtrain: " + line + "\n";
     if (!status.empty()) console.Write(opts.console_fd, kEraseLine);
     console.Write(2, std::move(text));
@@ -346,246 +295,45 @@ struct Controller::Loop {
 
   bool AnyUnreaped() const { return unreaped > 0; }
 
-  // --- connections ---------------------------------------------------------------------------
-
-  // At most this many unproven connections are held; when one more arrives, the oldest is
-  // dropped. A real worker sends its hello as soon as it has connected, so the oldest unproven
-  // connections are those of peers that send nothing valid; a worker whose connection is dropped
-  // all the same connects again (WorkerClient::Connect).
-  size_t MaxUnproven() const { return ranks.size() * 2 + 64; }
-
-  // Accepts waiting connections: at most half the unproven cap per wake, and each is read at once
-  // (its hello is often there already). Step() reads the connections before it accepts, so a
-  // connection accepted in one wake is read again before enough newer ones can arrive to push it
-  // out.
-  void Accept() {
-    const size_t cap = MaxUnproven();
-    for (size_t accepted = 0; accepted < std::max<size_t>(cap / 2, 1); ++accepted) {
-      sockaddr_storage addr{};
-      socklen_t len = sizeof(addr);
-      int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
-                       SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
-      while (unproven_count >= cap) DropOldestUnproven();
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      // A host that vanishes without closing its connections is noticed in about 10 s.
-      wire::EnableKeepAlive(fd);
-      auto conn = std::make_unique<Conn>();
-      conn->fd = fd;
-      conn->peer = PeerName(addr);
-      conn->deadline = Now() + opts.handshake_timeout;
-      Conn* c = conn.get();
-      epoll_event ev{.events = EPOLLIN, .data = {.ptr = c}};
-      if (epoll_ctl(conn_epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
-        close(fd);  // out of memory for the set: as if the peer had not connected
-        continue;
-      }
-      conns.push_back(std::move(conn));
-      handshaking.push_back(c);
-      unproven.push_back(c);
-      ++unproven_count;
-      ReadConn(*c);
-    }
-  }
-
-  void DropOldestUnproven() {
-    while (unproven.front()->closed || unproven.front()->stage != Conn::Stage::kHello) {
-      unproven.pop_front();
-    }
-    if (dropped++ == 0) {
-      Say("more than " + std::to_string(MaxUnproven()) +
-          " connections to the control port have not sent a valid hello; dropping the oldest "
-          "(is another process flooding the port?)");
-    }
-    CloseConn(*unproven.front());
-    unproven.pop_front();
-  }
+  // --- connections (control_port.h) ---------------------------------------------------------
 
   // What a start-up failure adds when connections were dropped meanwhile.
   std::string FloodNote() const {
-    if (dropped == 0) return "";
-    return "; meanwhile the controller dropped " + std::to_string(dropped) +
+    if (port->dropped() == 0) return "";
+    return "; meanwhile the controller dropped " + std::to_string(port->dropped()) +
            " connection(s) to its control port that sent no valid hello (is another process "
            "flooding it?)";
   }
 
-  // Closes a connection that has not authenticated. `tell`: the peer proved it holds the secret,
-  // or at least sent a well-framed hello, so it gets the reason in a kRefused frame (one
-  // non-blocking send; a worker then stops trying instead of reconnecting).
-  void Refuse(Conn& c, const std::string& why, bool tell = false) {
-    if (refusals++ < kMaxRefusalsLogged) {
-      Say("refused a control connection from " + c.peer + ": " + why);
-    }
-    if (tell) {
-      // The reason is short: never over the frame limit.
-      c.out.Push(*wire::EncodeFrame(wire::MessageType::kRefused, why.substr(0, kMaxRefusalText)));
-      Flush(c);
-    }
-    CloseConn(c);
-  }
-
-  void CloseConn(Conn& c) {
-    if (c.closed) return;
-    c.closed = true;
-    any_closed = true;
-    if (c.stage == Conn::Stage::kHello) --unproven_count;
-    if (c.stage == Conn::Stage::kAuth && answered[c.hello.rank] == &c) {
-      answered[c.hello.rank] = nullptr;
-    }
-    epoll_ctl(conn_epoll, EPOLL_CTL_DEL, c.fd, nullptr);
-    close(c.fd);
-    if (c.rank >= 0 && ranks[static_cast<size_t>(c.rank)].conn == &c) {
-      RankState& r = ranks[static_cast<size_t>(c.rank)];
-      r.conn = nullptr;
-      if (!r.done && phase != Phase::kStopping && phase != Phase::kDraining) {
-        Fail({.rank = c.rank,
-              .cause = FailureCause::kConnection,
-              .message = "its control connection closed before its training function returned"});
-      }
+  void OnClosed(int rank) override {
+    if (!ranks[static_cast<size_t>(rank)].done && phase != Phase::kStopping &&
+        phase != Phase::kDraining) {
+      Fail({.rank = rank,
+            .cause = FailureCause::kConnection,
+            .message = "its control connection closed before its training function returned"});
     }
   }
 
-  // `body` is one of the controller's own small messages (challenge, start): never over the limit.
-  void Send(Conn& c, wire::MessageType type, std::string_view body) {
-    c.out.Push(*wire::EncodeFrame(type, body));
-    Flush(c);
-  }
-
-  // Writes what the socket takes now; the rest waits for EPOLLOUT.
-  void Flush(Conn& c) {
-    if (c.closed) return;
-    if (!c.out.Flush(c.fd).ok()) {
-      // A rank that has gone may have sent its last frames (kDone) just before: they are read
-      // before its connection closes, so a notice it never read does not turn into a failure.
-      if (c.stage == Conn::Stage::kAuthed) ReadConn(c);
-      return CloseConn(c);
-    }
-    if (c.watching_out == c.out.empty()) {
-      c.watching_out = !c.out.empty();
-      epoll_event ev{.events = EPOLLIN | (c.watching_out ? EPOLLOUT : 0u), .data = {.ptr = &c}};
-      epoll_ctl(conn_epoll, EPOLL_CTL_MOD, c.fd, &ev);
-    }
-  }
-
-  // The connections that are ready, at most kMaxReadyConns per wake (the rest stay ready).
-  void OnConnsReady() {
-    epoll_event events[kMaxReadyConns];
-    int n = epoll_wait(conn_epoll, events, kMaxReadyConns, 0);
-    for (int i = 0; i < n; ++i) {
-      Conn* conn = static_cast<Conn*>(events[i].data.ptr);
-      if (conn->closed) continue;  // closed by an earlier event of this wake
-      if (events[i].events & EPOLLOUT) Flush(*conn);
-      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ReadConn(*conn);
-    }
-  }
-
-  void ReadConn(Conn& c) {
-    char buf[kReadChunk];
-    while (!c.closed) {
-      ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n <= 0) {
-        CloseConn(c);
-        return;
-      }
-      Status s = c.decoder.Feed(std::string_view(buf, static_cast<size_t>(n)));
-      if (!s.ok()) return DecoderError(c, s);
-      while (!c.closed) {
-        auto f = c.decoder.NextView();
-        if (!f.ok()) return DecoderError(c, f.status());
-        if (!f->has_value()) break;
-        OnFrame(c, **f);
-      }
-    }
-  }
-
-  void DecoderError(Conn& c, const Status& s) {
-    if (c.stage == Conn::Stage::kAuthed) {
-      ProtocolError(c, s.message());
-    } else {
-      Refuse(c, s.message());
-    }
-  }
-
-  void OnFrame(Conn& c, const wire::FrameView& f) {
-    using wire::MessageType;
-    switch (c.stage) {
-      case Conn::Stage::kHello: {
-        if (f.type != MessageType::kHello) return Refuse(c, "did not start with a hello");
-        auto hello = wire::DecodeHello(f.body, secret);
-        if (!hello.ok()) return Refuse(c, hello.status().message(), /*tell=*/true);
-        // From here on the hello was made with the secret: a worker of this run, or a replay.
-        if (hello->rank >= ranks.size() || static_cast<int>(hello->attempt) != attempt) {
-          return Refuse(c,
-                        "rank " + std::to_string(hello->rank) + " of attempt " +
-                            std::to_string(hello->attempt) + " is not part of this attempt (" +
-                            std::to_string(attempt) + ")",
-                        /*tell=*/true);
-        }
-        if (ranks[hello->rank].conn != nullptr) {
-          return Refuse(c, "rank " + std::to_string(hello->rank) + " is already connected",
-                        /*tell=*/true);
-        }
-        if (!hello_nonces.insert(hello->nonce).second) {
-          return Refuse(c, "a replayed hello (its nonce was seen before)");
-        }
-        if (answered[hello->rank] != nullptr) {
-          // The rank is authenticating on another connection; this one may be its worker's retry
-          // after a drop, so it is closed without a reason: the worker tries again, and is told
-          // "already connected" once the other connection has authenticated.
-          return Refuse(c, "rank " + std::to_string(hello->rank) + " is in a handshake already");
-        }
-        answered[hello->rank] = &c;
-        c.hello = *hello;
-        c.nonce = wire::GenerateNonce();
-        wire::Mac proof = wire::ControllerProof(secret, c.hello, c.nonce);
-        std::string body(reinterpret_cast<const char*>(c.nonce.data()), c.nonce.size());
-        body.append(reinterpret_cast<const char*>(proof.data()), proof.size());
-        c.stage = Conn::Stage::kAuth;
-        --unproven_count;
-        c.decoder.set_max_body(wire::kAuthSize);
-        Send(c, MessageType::kChallenge, body);
-        return;
-      }
-      case Conn::Stage::kAuth: {
-        if (f.type != MessageType::kAuth ||
-            !wire::MacEquals(wire::WorkerProof(secret, c.hello, c.nonce), f.body)) {
-          return Refuse(c, "failed authentication (it does not hold this run's secret)");
-        }
-        // The hello was answered only because the rank had no connection and no other answered
-        // hello (answered): this connection is now the rank's.
-        RankState& r = ranks[c.hello.rank];
-        answered[c.hello.rank] = nullptr;
-        c.stage = Conn::Stage::kAuthed;
-        c.rank = static_cast<int>(c.hello.rank);
-        c.decoder.set_max_body(wire::kMaxWorkerFrameBody);
-        r.conn = &c;
-        return;
-      }
-      case Conn::Stage::kAuthed: return OnWorkerMessage(c, f);
-    }
-  }
+  void OnBadFrame(int rank, const std::string& what) override { ProtocolError(rank, what); }
 
   // A body of the wrong shape from an authenticated worker fails that rank; it never escapes as
   // an exception into the loop.
-  void OnWorkerMessage(Conn& c, const wire::FrameView& f) {
+  void OnFrame(int rank, const wire::FrameView& f) override {
     try {
-      HandleWorkerMessage(c, f);
+      HandleWorkerMessage(rank, f);
     } catch (const nlohmann::json::exception& e) {
-      ProtocolError(c, "malformed message of type " + std::to_string(static_cast<int>(f.type)) +
-                           ": " + e.what());
+      ProtocolError(rank, "malformed message of type " + std::to_string(static_cast<int>(f.type)) +
+                              ": " + e.what());
     }
   }
 
-  void HandleWorkerMessage(Conn& c, const wire::FrameView& f) {
+  void HandleWorkerMessage(int rank, const wire::FrameView& f) {
     using wire::MessageType;
-    RankState& r = ranks[static_cast<size_t>(c.rank)];
+    RankState& r = ranks[static_cast<size_t>(rank)];
     switch (f.type) {
       case MessageType::kRegister: {
         auto j = nlohmann::json::parse(f.body, nullptr, false);
-        if (!j.is_object()) return ProtocolError(c, "registration is not a JSON object");
+        if (!j.is_object()) return ProtocolError(rank, "registration is not a JSON object");
         if (!r.registered) ++registered;
         r.registered = true;
         r.host = j.value("host", "");
@@ -598,33 +346,33 @@ struct Controller::Loop {
         uint64_t round = 0;
         std::string_view metrics;
         Status s = wire::DecodeReportBody(f.body, &round, &metrics);
-        if (!s.ok()) return ProtocolError(c, s.message());
-        watchdog.Progress(c.rank);
-        for (Round& done : collector.Add(c.rank, metrics)) Record(std::move(done));
+        if (!s.ok()) return ProtocolError(rank, s.message());
+        watchdog.Progress(rank);
+        for (Round& done : collector.Add(rank, metrics)) Record(std::move(done));
         return;
       }
       case MessageType::kReportCheckpoint: {
         uint64_t round = 0;
         std::string_view checkpoint, metrics;
         Status s = wire::DecodeCheckpointReportBody(f.body, &round, &checkpoint, &metrics);
-        if (!s.ok()) return ProtocolError(c, s.message());
+        if (!s.ok()) return ProtocolError(rank, s.message());
         auto j = nlohmann::json::parse(checkpoint, nullptr, false);
         if (!j.is_object() || !j.contains("files")) {
-          return ProtocolError(c, "malformed checkpoint description");
+          return ProtocolError(rank, "malformed checkpoint description");
         }
         CheckpointPart part;
-        part.staged.rank = c.rank;
+        part.staged.rank = rank;
         part.staged.staging_dir = j.value("staging", "");
         // Only this rank's own staging directory of this round may be moved from and deleted.
-        const std::string expected = storage::StagingPath(store.dir(), attempt, round, c.rank);
+        const std::string expected = storage::StagingPath(store.dir(), attempt, round, rank);
         if (part.staged.staging_dir != expected || !j["files"].is_array()) {
-          return ProtocolError(c, "rank " + std::to_string(c.rank) + "'s checkpoint of round " +
-                                      std::to_string(round) + " names the staging directory '" +
-                                      part.staged.staging_dir + "', not its own ('" + expected +
-                                      "'); refused, nothing was moved or deleted");
+          return ProtocolError(rank, "rank " + std::to_string(rank) + "'s checkpoint of round " +
+                                         std::to_string(round) + " names the staging directory '" +
+                                         part.staged.staging_dir + "', not its own ('" + expected +
+                                         "'); refused, nothing was moved or deleted");
         }
         for (const auto& file : j["files"]) {
-          if (!file.is_object()) return ProtocolError(c, "malformed checkpoint description");
+          if (!file.is_object()) return ProtocolError(rank, "malformed checkpoint description");
           part.staged.files.push_back({.path = file.value("path", ""),
                                        .size = file.value("size", uint64_t{0}),
                                        .crc32c = file.value("crc32c", uint32_t{0}),
@@ -632,15 +380,15 @@ struct Controller::Loop {
                                        .link = file.value("link", "")});
         }
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
-        watchdog.Progress(c.rank);
-        for (Round& done : collector.Add(c.rank, metrics, std::move(part))) {
+        watchdog.Progress(rank);
+        for (Round& done : collector.Add(rank, metrics, std::move(part))) {
           Record(std::move(done));
         }
         return;
       }
       case MessageType::kError: {
         auto j = nlohmann::json::parse(f.body, nullptr, false);
-        RankFailure failure{.rank = c.rank, .cause = FailureCause::kException};
+        RankFailure failure{.rank = rank, .cause = FailureCause::kException};
         if (j.is_object()) {
           failure.message = j.value("message", "the training function raised an exception");
           failure.traceback = j.value("traceback", "");
@@ -651,28 +399,27 @@ struct Controller::Loop {
       }
       case MessageType::kDone: {
         r.done = true;
-        watchdog.Done(c.rank);
+        watchdog.Done(rank);
         // No round can complete without this rank any more: no commit can be ahead of another
         // rank's next checkpoint, so none of them waits for one (said once per attempt).
         if (checkpoints_released) return;
         checkpoints_released = true;
-        for (RankState& other : ranks) {
-          if (other.conn && !other.done) {
-            Send(*other.conn, MessageType::kCheckpointSettled, "release");
+        for (size_t other = 0; other < ranks.size(); ++other) {
+          if (!ranks[other].done) {
+            port->Send(static_cast<int>(other), MessageType::kCheckpointSettled, "release");
           }
         }
         return;
       }
       default:
-        return ProtocolError(c,
+        return ProtocolError(rank,
                              "unexpected message type " + std::to_string(static_cast<int>(f.type)));
     }
   }
 
-  void ProtocolError(Conn& c, const std::string& what) {
-    Fail(
-        {.rank = c.rank, .cause = FailureCause::kConnection, .message = "protocol error: " + what});
-    CloseConn(c);
+  void ProtocolError(int rank, const std::string& what) {
+    Fail({.rank = rank, .cause = FailureCause::kConnection, .message = "protocol error: " + what});
+    port->Close(rank);
   }
 
   void MaybeStartTraining() {
@@ -695,11 +442,8 @@ struct Controller::Loop {
     // by every connection's queue like the payload (O(start), not O(ranks x start)).
     auto head = std::make_shared<const std::string>(
         *wire::EncodeFrame(wire::MessageType::kStart, start.dump()) + payload_header);
-    for (RankState& r : ranks) {
-      if (!r.conn) continue;
-      r.conn->out.PushShared(head);
-      r.conn->out.PushShared(payload);
-      Flush(*r.conn);
+    for (size_t rank = 0; rank < ranks.size(); ++rank) {
+      port->SendShared(static_cast<int>(rank), {head, payload});
     }
     // The group is ready: the next attempt's processes can start ahead (standby workers), at
     // low priority, so that a restart or a later fit() finds them past import jax.
@@ -777,8 +521,7 @@ struct Controller::Loop {
   // next report(checkpoint=) may go on (WorkerClient::WaitCheckpointsSettled()).
   void SettleCheckpoints(const Round& round) {
     for (const auto& part : round.checkpoints) {
-      Conn* conn = ranks[static_cast<size_t>(part.staged.rank)].conn;
-      if (conn) Send(*conn, wire::MessageType::kCheckpointSettled, "settled");
+      port->Send(part.staged.rank, wire::MessageType::kCheckpointSettled, "settled");
     }
   }
 
@@ -839,7 +582,7 @@ struct Controller::Loop {
     const int rank = p.launched.ranks.front();
     RankState& r = ranks[static_cast<size_t>(rank)];
     // A frame sent just before exit may still be unread: read it first.
-    if (r.conn) ReadConn(*r.conn);
+    port->Read(rank);
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
     const bool oom = p.exit.signal == SIGKILL && !sent_sigkill && OomKillCount() > oom_kills_before;
     RankFailure exit_failure{
@@ -876,10 +619,7 @@ struct Controller::Loop {
   // The process that ran several ranks (srun) has ended. How each rank ended is known from srun's
   // own lines ("task 1: Killed") when it said; the first rank that failed is blamed.
   void OnStepExit(Proc& p) {
-    for (int rank : p.launched.ranks) {
-      RankState& r = ranks[static_cast<size_t>(rank)];
-      if (r.conn) ReadConn(*r.conn);
-    }
+    for (int rank : p.launched.ranks) port->Read(rank);
     auto ours = [this](const launch::ExitStatus& e) {
       return (e.signal == SIGTERM && sent_sigterm) || (e.signal == SIGKILL && sent_sigkill);
     };
@@ -974,13 +714,7 @@ struct Controller::Loop {
 
   void CheckTimers() {
     TimePoint now = Now();
-    while (const Conn* c = OldestHandshaking()) {
-      if (now < c->deadline) break;
-      Conn& conn = *handshaking.front();
-      handshaking.pop_front();
-      if (conn.stage == Conn::Stage::kHello) ++dropped;
-      Refuse(conn, "did not complete the handshake within " + SecondsText(opts.handshake_timeout));
-    }
+    port->ExpireHandshakes();
     if (phase == Phase::kStarting && now >= start_deadline) {
       int missing = 0;
       while (missing < static_cast<int>(ranks.size()) && ranks[missing].registered) ++missing;
@@ -1000,20 +734,10 @@ struct Controller::Loop {
     }
   }
 
-  // The connection still in its handshake that was accepted first (its deadline is the next), or
-  // null; drops the entries of connections that have since closed or authenticated.
-  const Conn* OldestHandshaking() {
-    while (!handshaking.empty() &&
-           (handshaking.front()->closed || handshaking.front()->stage == Conn::Stage::kAuthed)) {
-      handshaking.pop_front();
-    }
-    return handshaking.empty() ? nullptr : handshaking.front();
-  }
-
   std::optional<TimePoint> NextDeadline() {
     std::optional<TimePoint> next;
     auto consider = [&](TimePoint t) { next = next ? std::min(*next, t) : t; };
-    if (const Conn* c = OldestHandshaking()) consider(c->deadline);
+    if (auto t = port->NextDeadline()) consider(*t);
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning) {
       if (auto t = watchdog.NextDeadline()) consider(*t);
@@ -1076,11 +800,11 @@ struct Controller::Loop {
 
     // Connections before the listener: a hello that has arrived is handled before new
     // connections can push its connection out (Accept()). Connections before processes: a
-    // worker's last frames are handled before its exit. (poll() skips a listen_fd of -1.)
+    // worker's last frames are handled before its exit.
     pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},
-                    {conn_epoll, POLLIN, 0},
+                    {port->ready_fd(), POLLIN, 0},
                     {committer->ready_fd(), POLLIN, 0},
-                    {listen_fd, POLLIN, 0},
+                    {port->listen_fd(), POLLIN, 0},
                     {proc_epoll, POLLIN, 0}};
     int timeout_ms = -1;
     if (auto next = NextDeadline()) {
@@ -1089,20 +813,13 @@ struct Controller::Loop {
     }
     if (poll(fds, std::size(fds), timeout_ms) > 0) {
       if (fds[0].revents != 0) DrainWake();
-      if (fds[1].revents != 0) OnConnsReady();
+      if (fds[1].revents != 0) port->OnConnsReady();
       if (fds[2].revents != 0) OnCommitted();
-      if (fds[3].revents != 0) Accept();
+      if (fds[3].revents != 0) port->Accept();
       if (fds[4].revents != 0) OnProcsReady();
     }
     CheckTimers();
-    if (any_closed) {
-      any_closed = false;
-      std::erase_if(handshaking, [](const Conn* c) { return c->closed; });
-      std::erase_if(unproven, [](const Conn* c) { return c->closed; });
-      conns.erase(
-          std::remove_if(conns.begin(), conns.end(), [](const auto& c) { return c->closed; }),
-          conns.end());
-    }
+    port->Sweep();
     return false;
   }
 
@@ -1145,13 +862,7 @@ struct Controller::Loop {
     ranks.assign(ranks.size(), RankState{});
     registered = 0;
     watchdog = Watchdog(ctl.clock_, world_size, opts.progress_timeout);
-    for (auto& c : conns) CloseConn(*c);
-    conns.clear();
-    handshaking.clear();
-    unproven.clear();
-    hello_nonces.clear();
-    answered.assign(ranks.size(), nullptr);
-    dropped = 0;
+    port->BeginAttempt(attempt, ranks.size());
     failure.reset();
     kill_deadline.reset();
     drain_deadline.reset();
@@ -1314,9 +1025,7 @@ struct Controller::Loop {
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
     logs.CloseAll();
-    for (auto& c : conns) CloseConn(*c);
-    conns.clear();
-    if (listen_fd >= 0) close(listen_fd);
+    port.reset();  // every connection closed, and the listener
 
     Outcome out;
     out.attempts = attempt - first_attempt + 1;
@@ -1438,7 +1147,7 @@ Status Controller::Start() {
   JT_ASSIGN_OR_RETURN(std::unique_ptr<RestoreVerifier> verifier, RestoreVerifier::Create());
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(committer));
   loop->verifier = std::move(verifier);
-  if (loop->conn_epoll < 0 || loop->proc_epoll < 0) {
+  if (loop->proc_epoll < 0) {
     return ErrnoError("cannot create the controller's epoll sets", errno);
   }
   // Abort() wakes the loop through it; without it an abort would wait for the next event.
@@ -1455,8 +1164,10 @@ Status Controller::Start() {
     loop->MarkCrashedAttempts();
   }
   loop->rounds = loop->collector.next_round() - 1;
-  JT_ASSIGN_OR_RETURN(loop->listen_fd, wire::Listen(options_.listen_host, 0, &port_));
+  JT_ASSIGN_OR_RETURN(int listen_fd, wire::Listen(options_.listen_host, 0, &port_));
   loop->secret = wire::GenerateSecret();
+  JT_ASSIGN_OR_RETURN(loop->port, ControlPort::Create(listen_fd, loop->secret, clock_,
+                                                      options_.handshake_timeout, *loop));
   // The payload's size was checked above: its header always encodes.
   loop->payload_header =
       *wire::EncodeFrameHeader(wire::MessageType::kPayload, options_.payload.size());
@@ -1521,7 +1232,6 @@ Status Controller::Start() {
     loop->attempt_log.push_back(loop->AttemptState("ERRORED"));
     Status recorded = loop->WriteRunState("ERRORED");
     if (!recorded.ok()) loop->Say("cannot write run.json: " + recorded.message());
-    close(loop->listen_fd);
     return started;
   }
   loop_ = std::move(loop);

@@ -34,11 +34,9 @@
 // ranks they name (RankOutput, rank_output.h). How each of its ranks ended is read from the
 // launcher's own lines (Launcher::ParseTaskEnd: srun's reports, the Kubernetes supervisor's).
 //
-// Worker connections: a peer must complete the handshake (wire/handshake.h) within the handshake
-// timeout with a rank of this attempt that has no connection yet; anything else is closed without
-// a reply beyond the handshake. Connections that have not sent a hello made with the run's secret
-// are capped (2 x world size + 64), the oldest dropped first, so a flood of them never keeps a
-// worker out; a rank that ends before registering is a start-up failure. See docs/wire.md.
+// Worker connections: the control port (control_port.h) accepts them, authenticates them by the
+// run's secret and caps those that have not proven it; from then on a connection is its rank's,
+// and a rank that ends before registering is a start-up failure. See docs/wire.md.
 #pragma once
 
 #include <atomic>

@@ -8,11 +8,11 @@
 // Each side proves it holds the secret without sending it, and each proof covers both fresh
 // nonces, so a recorded handshake cannot be replayed. The hello's own MAC is the cheap first proof:
 // the controller answers only hellos made with the secret, so a peer without it never holds more
-// than a connection that has sent nothing valid (controller.h says how those are bounded); a
-// recorded hello is valid again only within its run and attempt, and the controller refuses a
-// worker nonce it has already seen. The worker checks the controller's proof before it accepts any
-// other frame; the controller parses nothing but these fixed-size bodies from a peer that has not
-// proven itself. HMAC-SHA-256 (libsodium). Thread-safe (pure functions).
+// than a connection that has sent nothing valid (controller/control_port.h says how those are
+// bounded); a recorded hello is valid again only within its run and attempt, and the controller
+// refuses a worker nonce it has already seen. The worker checks the controller's proof before it
+// accepts any other frame; the controller parses nothing but these fixed-size bodies from a peer
+// that has not proven itself. HMAC-SHA-256 (libsodium). Thread-safe (pure functions).
 #pragma once
 
 #include <array>
