@@ -31,6 +31,7 @@
 #include "controller/restore_verifier.h"
 #include "controller/status_line.h"
 #include "controller/watchdog.h"
+#include "controller/worker_group.h"
 #include "launch/process.h"
 #include "launch/slurm_launcher.h"
 #include "storage/files.h"
@@ -43,8 +44,6 @@
 namespace jaxtrain::controller {
 namespace {
 
-constexpr size_t kReadChunk = 64 << 10;
-constexpr int kMaxReadyProcs = 256;  // process events (output, exit) taken per wake
 constexpr size_t kLogTailBytes = 4096;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
 // How long the end of a run waits for a console that does not read (the output is in the logs).
@@ -97,18 +96,8 @@ std::string_view OutcomeStateName(Outcome::State state) {
 }
 
 // All state of a running attempt; touched only by the event-loop thread.
-struct Controller::Loop : ControlPort::Delegate {
+struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
   enum class Phase { kStarting, kRunning, kStopping, kDraining };
-
-  // One launched process: one rank (local) or several (a Slurm job step, whose srun labels each
-  // line of its ranks' output "<rank>: " and writes its own lines unlabelled). What the launcher
-  // says once the group is being stopped is a consequence of the stop, never kept as a cause.
-  struct Proc {
-    launch::LaunchedProcess launched;
-    bool reaped = false;
-    launch::ExitStatus exit;
-    std::unique_ptr<RankOutput> output;  // its output split into logs and console (rank_output.h)
-  };
 
   struct RankState {
     bool registered = false;
@@ -125,11 +114,7 @@ struct Controller::Loop : ControlPort::Delegate {
         collector(WorldSize(c), store.LastRound() + 1),
         policy(c.options_.max_failures, c.options_.max_start_failures),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
-        logs([this](int r) { return store.LogPath(r); }, WorldSize(c)),
-        proc_epoll(epoll_create1(EPOLL_CLOEXEC)) {}
-  ~Loop() {
-    if (proc_epoll >= 0) close(proc_epoll);
-  }
+        logs([this](int r) { return store.LogPath(r); }, WorldSize(c)) {}
 
   static int WorldSize(const Controller& c) {
     return static_cast<int>(c.options_.plan.workers.size());
@@ -168,15 +153,11 @@ struct Controller::Loop : ControlPort::Delegate {
   bool log_failed = false;
   std::vector<std::string> warnings;
   Phase phase = Phase::kStarting;
-  std::vector<Proc> procs;
-  size_t unreaped = 0;      // procs not yet reaped
-  size_t outputs_open = 0;  // procs whose output is still open
-  RankLogs logs;            // created on each rank's first output (rank_logs.h)
+  // This attempt's processes (worker_group.h); set by Start().
+  std::unique_ptr<WorkerGroup> group;
+  RankLogs logs;  // created on each rank's first output (rank_logs.h)
   std::vector<RankState> ranks;
-  size_t registered = 0;  // ranks of this attempt registered
-  // Every process's output (data.u64: 2 x its index in procs) and pidfd (2 x index + 1) until it
-  // is closed: a wake costs O(ready processes), not O(processes).
-  int proc_epoll = -1;
+  size_t registered = 0;                       // ranks of this attempt registered
   std::string payload_header;                  // the kPayload frame's header
   std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
   TimePoint start_deadline;
@@ -280,7 +261,6 @@ struct Controller::Loop : ControlPort::Delegate {
     if (AnyUnreaped()) {
       Signal(SIGTERM);
       sent_sigterm = true;
-      for (Proc& p : procs) p.output->Stopping();
       // A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued.
       Signal(SIGCONT);
       kill_deadline = Now() + opts.terminate_grace;
@@ -289,11 +269,11 @@ struct Controller::Loop : ControlPort::Delegate {
 
   // A signal that cannot be delivered is said; the stop goes on (SIGKILL after the grace period).
   void Signal(int signal) {
-    Status s = ctl.launcher_->SignalGroup(signal);
+    Status s = group->Signal(signal);
     if (!s.ok()) Say("warning: " + s.message());
   }
 
-  bool AnyUnreaped() const { return unreaped > 0; }
+  bool AnyUnreaped() const { return group->running() > 0; }
 
   // --- connections (control_port.h) ---------------------------------------------------------
 
@@ -569,31 +549,28 @@ struct Controller::Loop : ControlPort::Delegate {
 
   // --- processes -----------------------------------------------------------------------------
 
-  void OnProcessExit(Proc& p) {
-    auto status = launch::TryReap(p.launched.pid);
-    if (!status) return;
-    p.reaped = true;
-    --unreaped;
-    p.exit = *status;
-    epoll_ctl(proc_epoll, EPOLL_CTL_DEL, p.launched.pidfd, nullptr);
-    close(p.launched.pidfd);
-    p.launched.pidfd = -1;
-    if (p.launched.ranks.size() > 1) return OnStepExit(p);
-    const int rank = p.launched.ranks.front();
+  void OnLog(int rank, std::string_view text) override { WriteLog(rank, text); }
+  void OnConsole(std::string text) override { ToConsole(std::move(text)); }
+
+  // A process has exited: a failure unless its rank had returned (or the group is being stopped).
+  void OnExit(const std::vector<int>& proc_ranks, const launch::ExitStatus& exit,
+              const RankOutput& output) override {
+    if (proc_ranks.size() > 1) return OnStepExit(proc_ranks, exit, output);
+    const int rank = proc_ranks.front();
     RankState& r = ranks[static_cast<size_t>(rank)];
     // A frame sent just before exit may still be unread: read it first.
     port->Read(rank);
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
-    const bool oom = p.exit.signal == SIGKILL && !sent_sigkill && OomKillCount() > oom_kills_before;
+    const bool oom = exit.signal == SIGKILL && !sent_sigkill && OomKillCount() > oom_kills_before;
     RankFailure exit_failure{
         .rank = rank,
-        .cause = oom             ? FailureCause::kOom
-                 : p.exit.signal ? FailureCause::kSignal
-                                 : FailureCause::kExit,
-        .exit_code = p.exit.exit_code,
-        .signal = p.exit.signal,
-        .message = std::string("its process ") + (p.exit.signal ? "was " : "") + p.exit.ToString() +
-                   (p.exit.ok() ? " before its training function returned" : "") +
+        .cause = oom           ? FailureCause::kOom
+                 : exit.signal ? FailureCause::kSignal
+                               : FailureCause::kExit,
+        .exit_code = exit.exit_code,
+        .signal = exit.signal,
+        .message = std::string("its process ") + (exit.signal ? "was " : "") + exit.ToString() +
+                   (exit.ok() ? " before its training function returned" : "") +
                    (oom ? " by the kernel's out-of-memory killer" : "")};
     // The connection usually closes just before the exit is seen; the exit says more, unless the
     // process died of the signal the controller sent to stop the group.
@@ -604,7 +581,7 @@ struct Controller::Loop : ControlPort::Delegate {
       exit_failure.message += FloodNote();
     }
     const bool our_signal =
-        (p.exit.signal == SIGTERM && sent_sigterm) || (p.exit.signal == SIGKILL && sent_sigkill);
+        (exit.signal == SIGTERM && sent_sigterm) || (exit.signal == SIGKILL && sent_sigkill);
     if (failure && failure->rank == rank && failure->cause == FailureCause::kConnection &&
         !our_signal) {
       failure->cause = exit_failure.cause;
@@ -612,21 +589,22 @@ struct Controller::Loop : ControlPort::Delegate {
       failure->signal = exit_failure.signal;
       failure->message = exit_failure.message;
     }
-    if (stopping || (p.exit.ok() && r.done)) return;
+    if (stopping || (exit.ok() && r.done)) return;
     Fail(std::move(exit_failure));
   }
 
   // The process that ran several ranks (srun) has ended. How each rank ended is known from srun's
   // own lines ("task 1: Killed") when it said; the first rank that failed is blamed.
-  void OnStepExit(Proc& p) {
-    for (int rank : p.launched.ranks) port->Read(rank);
+  void OnStepExit(const std::vector<int>& proc_ranks, const launch::ExitStatus& exit,
+                  const RankOutput& output) {
+    for (int rank : proc_ranks) port->Read(rank);
     auto ours = [this](const launch::ExitStatus& e) {
       return (e.signal == SIGTERM && sent_sigterm) || (e.signal == SIGKILL && sent_sigkill);
     };
     // srun reports the task that failed first first, and then those it killed for it: a better
     // witness than the order in which one loop step saw several connections close.
     const std::pair<int, launch::TaskEnd>* first = nullptr;
-    for (const auto& task : p.output->task_ends()) {
+    for (const auto& task : output.task_ends()) {
       if (!task.second.exit.ok() && !ours(task.second.exit)) {
         first = &task;
         break;
@@ -646,54 +624,30 @@ struct Controller::Loop : ControlPort::Delegate {
     if (failure && failure->cause == FailureCause::kConnection) {
       if (first) {
         blame_first(*failure);
-      } else if (!p.output->launcher_error().empty()) {
-        failure->message += " (" + p.output->launcher_error() + ")";
+      } else if (!output.launcher_error().empty()) {
+        failure->message += " (" + output.launcher_error() + ")";
       }
     }
     const bool stopping = phase == Phase::kStopping || phase == Phase::kDraining;
-    const auto not_done =
-        std::find_if(p.launched.ranks.begin(), p.launched.ranks.end(),
-                     [this](int r) { return !ranks[static_cast<size_t>(r)].done; });
-    if (stopping || (p.exit.ok() && not_done == p.launched.ranks.end())) return;
+    const auto not_done = std::find_if(proc_ranks.begin(), proc_ranks.end(), [this](int r) {
+      return !ranks[static_cast<size_t>(r)].done;
+    });
+    if (stopping || (exit.ok() && not_done == proc_ranks.end())) return;
     RankFailure f;
     if (first) {
       blame_first(f);
     } else {
-      f = {
-          .rank = not_done != p.launched.ranks.end() ? *not_done : p.launched.ranks.front(),
-          .cause = p.exit.signal ? FailureCause::kSignal : FailureCause::kExit,
-          .exit_code = p.exit.exit_code,
-          .signal = p.exit.signal,
-          .message = "its job step ended (" + p.exit.ToString() +
-                     ") before its training function returned" +
-                     (p.output->launcher_error().empty() ? "" : ": " + p.output->launcher_error())};
+      f = {.rank = not_done != proc_ranks.end() ? *not_done : proc_ranks.front(),
+           .cause = exit.signal ? FailureCause::kSignal : FailureCause::kExit,
+           .exit_code = exit.exit_code,
+           .signal = exit.signal,
+           .message = "its job step ended (" + exit.ToString() +
+                      ") before its training function returned" +
+                      (output.launcher_error().empty() ? "" : ": " + output.launcher_error())};
     }
     // A step that ends before its ranks have registered could not start (srun refused it).
     if (phase == Phase::kStarting) f.cause = FailureCause::kStartUp;
     Fail(std::move(f));
-  }
-
-  void ReadOutput(Proc& p) {
-    char buf[kReadChunk];
-    for (;;) {
-      ssize_t n = read(p.launched.output_fd, buf, sizeof(buf));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n <= 0) {
-        CloseOutput(p);
-        return;
-      }
-      ToConsole(p.output->Take(std::string_view(buf, static_cast<size_t>(n))));
-    }
-  }
-
-  void CloseOutput(Proc& p) {
-    if (p.launched.output_fd < 0) return;
-    ToConsole(p.output->Close());
-    epoll_ctl(proc_epoll, EPOLL_CTL_DEL, p.launched.output_fd, nullptr);
-    --outputs_open;
-    close(p.launched.output_fd);
-    p.launched.output_fd = -1;
   }
 
   // --- the loop ------------------------------------------------------------------------------
@@ -750,24 +704,7 @@ struct Controller::Loop : ControlPort::Delegate {
     return next;
   }
 
-  bool OutputsOpen() const { return outputs_open > 0; }
-
-  // The processes whose output or exit is ready, at most kMaxReadyProcs per wake (the rest stay
-  // ready). Output first: a process's last lines are logged before its exit is handled.
-  void OnProcsReady() {
-    epoll_event events[kMaxReadyProcs];
-    int n = epoll_wait(proc_epoll, events, kMaxReadyProcs, 0);
-    for (int i = 0; i < n; ++i) {
-      if (events[i].data.u64 % 2 != 0) continue;
-      Proc& p = procs[events[i].data.u64 / 2];
-      if (p.launched.output_fd >= 0) ReadOutput(p);
-    }
-    for (int i = 0; i < n; ++i) {
-      if (events[i].data.u64 % 2 == 0) continue;
-      Proc& p = procs[events[i].data.u64 / 2];
-      if (!p.reaped) OnProcessExit(p);
-    }
-  }
+  bool OutputsOpen() const { return group->outputs_open() > 0; }
 
   // True once the attempt is over: every process reaped and its output drained.
   // True when Abort() was called since the last look; the run is then marked aborted, with
@@ -805,7 +742,7 @@ struct Controller::Loop : ControlPort::Delegate {
                     {port->ready_fd(), POLLIN, 0},
                     {committer->ready_fd(), POLLIN, 0},
                     {port->listen_fd(), POLLIN, 0},
-                    {proc_epoll, POLLIN, 0}};
+                    {group->ready_fd(), POLLIN, 0}};
     int timeout_ms = -1;
     if (auto next = NextDeadline()) {
       auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - Now()).count();
@@ -816,7 +753,7 @@ struct Controller::Loop : ControlPort::Delegate {
       if (fds[1].revents != 0) port->OnConnsReady();
       if (fds[2].revents != 0) OnCommitted();
       if (fds[3].revents != 0) port->Accept();
-      if (fds[4].revents != 0) OnProcsReady();
+      if (fds[4].revents != 0) group->OnReady();
     }
     CheckTimers();
     port->Sweep();
@@ -884,59 +821,19 @@ struct Controller::Loop : ControlPort::Delegate {
     (*shared_env)["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
     // An attempt that run.json does not show must not run: its rounds would be lost with it.
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
-    auto launched_or = ctl.launcher_->Launch(specs);
+    Status started = group->Start(specs);
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
-    JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched, std::move(launched_or));
-    procs.clear();
-    for (auto& l : launched) {
-      auto output = std::make_unique<RankOutput>(
-          l.ranks, opts.console_fd >= 0,
-          [this](int rank, std::string_view text) { WriteLog(rank, text); },
-          [launcher = ctl.launcher_.get()](std::string_view line) {
-            return launcher->ParseTaskEnd(line);
-          });
-      procs.push_back({.launched = l, .output = std::move(output)});
-    }
+    JT_RETURN_IF_ERROR(started);
     // The descriptors left beside a connection per rank and the processes' pidfds and pipes are
     // the logs' to keep open; the others are opened again when written to.
     rlimit files{};
     getrlimit(RLIMIT_NOFILE, &files);
-    const uint64_t taken = ranks.size() + 2 * procs.size() + kSpareFiles;
+    const uint64_t taken = ranks.size() + 2 * group->size() + kSpareFiles;
     logs.set_max_open(files.rlim_cur > taken + kMinOpenLogs ? files.rlim_cur - taken
                                                             : kMinOpenLogs);
-    unreaped = procs.size();
-    outputs_open = 0;
-    JT_RETURN_IF_ERROR(WatchProcs());
     phase = Phase::kStarting;
     start_deadline = Now() + opts.start_timeout;
     RefreshStatus();
-    return OkStatus();
-  }
-
-  // Puts every process's pidfd and output in proc_epoll. Errors: kUnavailable when the set cannot
-  // take them (out of memory); the group is then killed and reaped, so nothing is left running.
-  Status WatchProcs() {
-    for (const Proc& p : procs) outputs_open += p.launched.output_fd >= 0 ? 1 : 0;
-    for (size_t i = 0; i < procs.size(); ++i) {
-      launch::LaunchedProcess& l = procs[i].launched;
-      epoll_event exit_ev{.events = EPOLLIN, .data = {.u64 = 2 * i + 1}};
-      epoll_event out_ev{.events = EPOLLIN, .data = {.u64 = 2 * i}};
-      if (epoll_ctl(proc_epoll, EPOLL_CTL_ADD, l.pidfd, &exit_ev) == 0 &&
-          (l.output_fd < 0 || epoll_ctl(proc_epoll, EPOLL_CTL_ADD, l.output_fd, &out_ev) == 0)) {
-        continue;
-      }
-      const int err = errno;
-      Signal(SIGKILL);
-      for (Proc& p : procs) {
-        launch::WaitForExit(p.launched.pid);
-        p.reaped = true;
-        CloseOutput(p);
-        close(p.launched.pidfd);
-      }
-      unreaped = 0;
-      return UnavailableError(std::string("cannot watch the worker processes: ") +
-                              std::strerror(err));
-    }
     return OkStatus();
   }
 
@@ -968,7 +865,7 @@ struct Controller::Loop : ControlPort::Delegate {
 
   // Ends the attempt whose processes are all reaped; true when a new attempt has started.
   bool EndAttempt() {
-    for (auto& p : procs) CloseOutput(p);
+    group->CloseOutputs();
     // The ranks that printed nothing in this attempt get its header now (rank_logs.h).
     WarnLogs(logs.HeadAll());
     if (!failure && !aborted) {
@@ -1147,9 +1044,8 @@ Status Controller::Start() {
   JT_ASSIGN_OR_RETURN(std::unique_ptr<RestoreVerifier> verifier, RestoreVerifier::Create());
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(committer));
   loop->verifier = std::move(verifier);
-  if (loop->proc_epoll < 0) {
-    return ErrnoError("cannot create the controller's epoll sets", errno);
-  }
+  JT_ASSIGN_OR_RETURN(loop->group,
+                      WorkerGroup::Create(*launcher_, options_.console_fd >= 0, *loop));
   // Abort() wakes the loop through it; without it an abort would wait for the next event.
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) return ErrnoError("cannot create the controller's wake-up eventfd", errno);

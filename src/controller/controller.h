@@ -1,9 +1,10 @@
 // Controller: runs one training run's worker group, from spawn to the final outcome, restarting
 // the whole group from the latest committed checkpoint when a worker fails.
 //
-// It owns one event-loop thread that touches all of its state: the listening socket, every
-// worker connection, every worker process (reaped through its pidfd) and its output pipe, and the
-// run directory. Other threads only call Abort(), Wait() and outcome().
+// It owns one event-loop thread that touches all of its state: the control port (the listening
+// socket and every worker connection), the worker group (every worker process, reaped through its
+// pidfd, and its output pipe), and the run directory. Other threads only call Abort(), Wait() and
+// outcome().
 //
 // One attempt, as the loop sees it:
 //
@@ -28,10 +29,10 @@
 // the last committed checkpoint. Rounds continue across attempts and across runs that resume the
 // same run directory.
 //
-// Worker processes: a launched process runs one rank (local) or several (one Slurm step, srun).
-// A process with several ranks labels each line of its output "<rank>: " (srun --label); those
-// lines go to that rank's log and console prefix, and its unlabelled lines (srun's own) to the
-// ranks they name (RankOutput, rank_output.h). How each of its ranks ended is read from the
+// Worker processes: the worker group (worker_group.h) starts them through the Launcher, watches
+// their pidfds and output pipes, and reports each exit; the loop decides what an exit means. A
+// launched process runs one rank (local) or several (one Slurm step, srun), whose output is split
+// per rank (rank_output.h). How each rank of a process with several ended is read from the
 // launcher's own lines (Launcher::ParseTaskEnd: srun's reports, the Kubernetes supervisor's).
 //
 // Worker connections: the control port (control_port.h) accepts them, authenticates them by the
