@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 
+#include "base/strings.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
@@ -34,12 +34,6 @@ std::string PeerName(const sockaddr_storage& addr) {
     port = ntohs(a->sin6_port);
   }
   return wire::HostPort{host, port}.ToString();
-}
-
-std::string SecondsText(Duration d) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g s", std::chrono::duration<double>(d).count());
-  return buf;
 }
 
 }  // namespace
@@ -299,7 +293,9 @@ void ControlPort::ExpireHandshakes() {
     Conn& conn = *handshaking_.front();
     handshaking_.pop_front();
     if (conn.stage == Conn::Stage::kHello) ++dropped_;
-    Refuse(conn, "did not complete the handshake within " + SecondsText(handshake_timeout_));
+    Refuse(conn, "did not complete the handshake within " +
+                     FormatNumber(std::chrono::duration<double>(handshake_timeout_).count()) +
+                     " s");
   }
 }
 

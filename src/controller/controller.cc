@@ -1,26 +1,21 @@
 #include "controller/controller.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
-#include <set>
 
 #include "base/fd_io.h"
 #include "base/open_files.h"
+#include "base/strings.h"
 #include "controller/checkpoint_committer.h"
 #include "controller/console.h"
 #include "controller/control_port.h"
@@ -33,12 +28,10 @@
 #include "controller/watchdog.h"
 #include "controller/worker_group.h"
 #include "launch/process.h"
-#include "launch/slurm_launcher.h"
 #include "storage/files.h"
 #include "storage/run_store.h"
 #include "wire/frame.h"
 #include "wire/handshake.h"
-#include "wire/out_queue.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
@@ -55,12 +48,6 @@ size_t TerminalWidth(int fd) {
   winsize ws{};
   if (ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
   return 100;
-}
-
-std::string SecondsText(Duration d) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g s", std::chrono::duration<double>(d).count());
-  return buf;
 }
 
 std::string DefaultCheckpointName(uint64_t round) {
@@ -134,7 +121,6 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
   ReportCollector collector;
   FailurePolicy policy;
   Watchdog watchdog;  // this attempt's progress watchdog
-  std::string secret;
   // The listener and the ranks' connections, through the handshake (control_port.h); set by
   // Start().
   std::unique_ptr<ControlPort> port;
@@ -661,8 +647,9 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     for (int r : stale->ranks) names += (names.empty() ? "" : ", ") + std::to_string(r);
     Fail({.rank = stale->blamed,
           .cause = FailureCause::kWatchdog,
-          .message = "no report() for " + SecondsText(opts.progress_timeout) +
-                     " (the progress watchdog's limit) from rank(s) " + names +
+          .message = "no report() for " +
+                     FormatNumber(std::chrono::duration<double>(opts.progress_timeout).count()) +
+                     " s (the progress watchdog's limit) from rank(s) " + names +
                      ", alive but stuck"});
   }
 
@@ -1061,8 +1048,8 @@ Status Controller::Start() {
   }
   loop->rounds = loop->collector.next_round() - 1;
   JT_ASSIGN_OR_RETURN(int listen_fd, wire::Listen(options_.listen_host, 0, &port_));
-  loop->secret = wire::GenerateSecret();
-  JT_ASSIGN_OR_RETURN(loop->port, ControlPort::Create(listen_fd, loop->secret, clock_,
+  const std::string secret = wire::GenerateSecret();  // the port checks hellos against it
+  JT_ASSIGN_OR_RETURN(loop->port, ControlPort::Create(listen_fd, secret, clock_,
                                                       options_.handshake_timeout, *loop));
   // The payload's size was checked above: its header always encodes.
   loop->payload_header =
@@ -1101,7 +1088,7 @@ Status Controller::Start() {
     }
   }
   loop->shared_env = shared;
-  const std::string secret = wire::ToHex(loop->secret);
+  const std::string secret_hex = wire::ToHex(secret);
   loop->specs.reserve(options_.plan.workers.size());
   for (const auto& w : options_.plan.workers) {
     launch::ProcessSpec spec;
@@ -1113,7 +1100,7 @@ Status Controller::Start() {
     }
     spec.unset_env = w.unset_env;
     spec.shared_env = shared;
-    spec.secret = secret;
+    spec.secret = secret_hex;
     for (const auto& [name, field] : per_worker) spec.env[name] = std::to_string(w.*field);
     loop->specs.push_back(std::move(spec));
   }
