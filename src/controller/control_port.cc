@@ -9,8 +9,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <deque>
+#include <set>
 
 #include "base/strings.h"
+#include "wire/handshake.h"
+#include "wire/out_queue.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
@@ -36,6 +40,78 @@ std::string PeerName(const sockaddr_storage& addr) {
   return wire::HostPort{host, port}.ToString();
 }
 
+// The port over TCP: one epoll set of every open connection.
+class TcpControlPort final : public ControlPort {
+ public:
+  TcpControlPort(int listen_fd, int epoll_fd, std::string secret, const Clock& clock,
+                 Duration handshake_timeout, Delegate& delegate);
+  ~TcpControlPort() override;
+
+  void BeginAttempt(int attempt, size_t world_size) override;
+  int listen_fd() const override { return listen_fd_; }
+  int ready_fd() const override { return epoll_fd_; }
+  void OnConnsReady() override;
+  void Accept() override;
+  void ExpireHandshakes() override;
+  std::optional<TimePoint> NextDeadline() override;
+  void Sweep() override;
+  bool connected(int rank) const override { return by_rank_[static_cast<size_t>(rank)] != nullptr; }
+  void Send(int rank, wire::MessageType type, std::string_view body) override;
+  void SendShared(int rank, const std::vector<std::shared_ptr<const std::string>>& parts) override;
+  void Read(int rank) override;
+  void Close(int rank) override;
+  int dropped() const override { return dropped_; }
+
+ private:
+  struct Conn {
+    int fd = -1;
+    std::string peer;
+    wire::FrameDecoder decoder{wire::kHelloSize};
+    wire::OutQueue out;
+    // kHello: nothing valid received yet (unproven). kAuth: its hello was made with the secret
+    // and answered. kAuthed: the connection is `rank`'s.
+    enum class Stage { kHello, kAuth, kAuthed } stage = Stage::kHello;
+    wire::Hello hello;
+    wire::Nonce nonce{};
+    TimePoint deadline;
+    int rank = -1;
+    bool closed = false;
+    bool watching_out = false;  // EPOLLOUT is in its interest set
+  };
+
+  void DropOldestUnproven();
+  void Refuse(Conn& c, const std::string& why, bool tell = false);
+  void CloseConn(Conn& c);
+  void Flush(Conn& c);
+  void ReadConn(Conn& c);
+  void DecoderError(Conn& c, const Status& s);
+  void OnFrame(Conn& c, const wire::FrameView& f);
+  void OnHello(Conn& c, const wire::FrameView& f);
+  void OnAuth(Conn& c, const wire::FrameView& f);
+  const Conn* OldestHandshaking();
+
+  const int listen_fd_;
+  const int epoll_fd_;  // every open connection (data.ptr: its Conn): a wake costs O(ready)
+  const std::string secret_;
+  const Clock& clock_;
+  const Duration handshake_timeout_;
+  Delegate& delegate_;
+
+  int attempt_ = 0;
+  std::vector<std::unique_ptr<Conn>> conns_;
+  std::vector<Conn*> by_rank_;   // the rank's authenticated connection, or null
+  std::vector<Conn*> answered_;  // by rank: the connection whose hello was answered, until auth
+  // Connections not yet authenticated, in accept order, which is their deadlines' order (the same
+  // timeout from a monotonic clock); closed or authenticated ones are skipped.
+  std::deque<Conn*> handshaking_;
+  std::deque<Conn*> unproven_;  // Stage::kHello connections, oldest first; stale entries skipped
+  size_t unproven_count_ = 0;   // the live ones among them
+  std::set<wire::Nonce> hello_nonces_;  // of this attempt's answered hellos
+  bool any_closed_ = false;             // a connection was closed since the last Sweep()
+  int dropped_ = 0;
+  int refusals_ = 0;  // of the whole run: only the first few are said
+};
+
 }  // namespace
 
 StatusOr<std::unique_ptr<ControlPort>> ControlPort::Create(int listen_fd, std::string secret,
@@ -48,12 +124,12 @@ StatusOr<std::unique_ptr<ControlPort>> ControlPort::Create(int listen_fd, std::s
     close(listen_fd);
     return ErrnoError("cannot create the control port's epoll set", err);
   }
-  return std::unique_ptr<ControlPort>(
-      new ControlPort(listen_fd, epoll_fd, std::move(secret), clock, handshake_timeout, delegate));
+  return std::unique_ptr<ControlPort>(new TcpControlPort(listen_fd, epoll_fd, std::move(secret),
+                                                         clock, handshake_timeout, delegate));
 }
 
-ControlPort::ControlPort(int listen_fd, int epoll_fd, std::string secret, const Clock& clock,
-                         Duration handshake_timeout, Delegate& delegate)
+TcpControlPort::TcpControlPort(int listen_fd, int epoll_fd, std::string secret, const Clock& clock,
+                               Duration handshake_timeout, Delegate& delegate)
     : listen_fd_(listen_fd),
       epoll_fd_(epoll_fd),
       secret_(std::move(secret)),
@@ -61,14 +137,14 @@ ControlPort::ControlPort(int listen_fd, int epoll_fd, std::string secret, const 
       handshake_timeout_(handshake_timeout),
       delegate_(delegate) {}
 
-ControlPort::~ControlPort() {
+TcpControlPort::~TcpControlPort() {
   by_rank_.assign(by_rank_.size(), nullptr);  // closed without telling the delegate
   for (auto& c : conns_) CloseConn(*c);
   close(epoll_fd_);
   close(listen_fd_);
 }
 
-void ControlPort::BeginAttempt(int attempt, size_t world_size) {
+void TcpControlPort::BeginAttempt(int attempt, size_t world_size) {
   by_rank_.assign(by_rank_.size(), nullptr);  // closed without telling the delegate
   for (auto& c : conns_) CloseConn(*c);
   conns_.clear();
@@ -82,8 +158,8 @@ void ControlPort::BeginAttempt(int attempt, size_t world_size) {
   dropped_ = 0;
 }
 
-void ControlPort::Accept() {
-  const size_t cap = MaxUnproven();
+void TcpControlPort::Accept() {
+  const size_t cap = MaxUnproven(by_rank_.size());
   for (size_t accepted = 0; accepted < std::max<size_t>(cap / 2, 1); ++accepted) {
     sockaddr_storage addr{};
     socklen_t len = sizeof(addr);
@@ -113,12 +189,12 @@ void ControlPort::Accept() {
   }
 }
 
-void ControlPort::DropOldestUnproven() {
+void TcpControlPort::DropOldestUnproven() {
   while (unproven_.front()->closed || unproven_.front()->stage != Conn::Stage::kHello) {
     unproven_.pop_front();
   }
   if (dropped_++ == 0) {
-    delegate_.Say("more than " + std::to_string(MaxUnproven()) +
+    delegate_.Say("more than " + std::to_string(MaxUnproven(by_rank_.size())) +
                   " connections to the control port have not sent a valid hello; dropping the "
                   "oldest (is another process flooding the port?)");
   }
@@ -129,7 +205,7 @@ void ControlPort::DropOldestUnproven() {
 // Closes a connection that has not authenticated. `tell`: the peer proved it holds the secret, or
 // at least sent a well-framed hello, so it gets the reason in a kRefused frame (one non-blocking
 // send; a worker then stops trying instead of reconnecting).
-void ControlPort::Refuse(Conn& c, const std::string& why, bool tell) {
+void TcpControlPort::Refuse(Conn& c, const std::string& why, bool tell) {
   if (refusals_++ < kMaxRefusalsSaid) {
     delegate_.Say("refused a control connection from " + c.peer + ": " + why);
   }
@@ -141,7 +217,7 @@ void ControlPort::Refuse(Conn& c, const std::string& why, bool tell) {
   CloseConn(c);
 }
 
-void ControlPort::CloseConn(Conn& c) {
+void TcpControlPort::CloseConn(Conn& c) {
   if (c.closed) return;
   c.closed = true;
   any_closed_ = true;
@@ -158,7 +234,7 @@ void ControlPort::CloseConn(Conn& c) {
 }
 
 // Writes what the socket takes now; the rest waits for EPOLLOUT.
-void ControlPort::Flush(Conn& c) {
+void TcpControlPort::Flush(Conn& c) {
   if (c.closed) return;
   if (!c.out.Flush(c.fd).ok()) {
     // A rank that has gone may have sent its last frames (kDone) just before: they are read
@@ -173,7 +249,7 @@ void ControlPort::Flush(Conn& c) {
   }
 }
 
-void ControlPort::OnConnsReady() {
+void TcpControlPort::OnConnsReady() {
   epoll_event events[kMaxReadyConns];
   int n = epoll_wait(epoll_fd_, events, kMaxReadyConns, 0);
   for (int i = 0; i < n; ++i) {
@@ -184,7 +260,7 @@ void ControlPort::OnConnsReady() {
   }
 }
 
-void ControlPort::ReadConn(Conn& c) {
+void TcpControlPort::ReadConn(Conn& c) {
   char buf[kReadChunk];
   while (!c.closed) {
     ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
@@ -205,7 +281,7 @@ void ControlPort::ReadConn(Conn& c) {
   }
 }
 
-void ControlPort::DecoderError(Conn& c, const Status& s) {
+void TcpControlPort::DecoderError(Conn& c, const Status& s) {
   if (c.stage == Conn::Stage::kAuthed) {
     delegate_.OnBadFrame(c.rank, s.message());
   } else {
@@ -213,7 +289,7 @@ void ControlPort::DecoderError(Conn& c, const Status& s) {
   }
 }
 
-void ControlPort::OnFrame(Conn& c, const wire::FrameView& f) {
+void TcpControlPort::OnFrame(Conn& c, const wire::FrameView& f) {
   switch (c.stage) {
     case Conn::Stage::kHello: return OnHello(c, f);
     case Conn::Stage::kAuth: return OnAuth(c, f);
@@ -221,7 +297,7 @@ void ControlPort::OnFrame(Conn& c, const wire::FrameView& f) {
   }
 }
 
-void ControlPort::OnHello(Conn& c, const wire::FrameView& f) {
+void TcpControlPort::OnHello(Conn& c, const wire::FrameView& f) {
   if (f.type != wire::MessageType::kHello) return Refuse(c, "did not start with a hello");
   auto hello = wire::DecodeHello(f.body, secret_);
   if (!hello.ok()) return Refuse(c, hello.status().message(), /*tell=*/true);
@@ -259,7 +335,7 @@ void ControlPort::OnHello(Conn& c, const wire::FrameView& f) {
   Flush(c);
 }
 
-void ControlPort::OnAuth(Conn& c, const wire::FrameView& f) {
+void TcpControlPort::OnAuth(Conn& c, const wire::FrameView& f) {
   if (f.type != wire::MessageType::kAuth ||
       !wire::MacEquals(wire::WorkerProof(secret_, c.hello, c.nonce), f.body)) {
     return Refuse(c, "failed authentication (it does not hold this run's secret)");
@@ -273,7 +349,7 @@ void ControlPort::OnAuth(Conn& c, const wire::FrameView& f) {
   by_rank_[c.hello.rank] = &c;
 }
 
-const ControlPort::Conn* ControlPort::OldestHandshaking() {
+const TcpControlPort::Conn* TcpControlPort::OldestHandshaking() {
   while (!handshaking_.empty() &&
          (handshaking_.front()->closed || handshaking_.front()->stage == Conn::Stage::kAuthed)) {
     handshaking_.pop_front();
@@ -281,12 +357,12 @@ const ControlPort::Conn* ControlPort::OldestHandshaking() {
   return handshaking_.empty() ? nullptr : handshaking_.front();
 }
 
-std::optional<TimePoint> ControlPort::NextDeadline() {
+std::optional<TimePoint> TcpControlPort::NextDeadline() {
   const Conn* c = OldestHandshaking();
   return c ? std::optional<TimePoint>(c->deadline) : std::nullopt;
 }
 
-void ControlPort::ExpireHandshakes() {
+void TcpControlPort::ExpireHandshakes() {
   const TimePoint now = clock_.Now();
   while (const Conn* c = OldestHandshaking()) {
     if (now < c->deadline) break;
@@ -299,7 +375,7 @@ void ControlPort::ExpireHandshakes() {
   }
 }
 
-void ControlPort::Sweep() {
+void TcpControlPort::Sweep() {
   if (!any_closed_) return;
   any_closed_ = false;
   std::erase_if(handshaking_, [](const Conn* c) { return c->closed; });
@@ -307,26 +383,26 @@ void ControlPort::Sweep() {
   std::erase_if(conns_, [](const auto& c) { return c->closed; });
 }
 
-void ControlPort::Send(int rank, wire::MessageType type, std::string_view body) {
+void TcpControlPort::Send(int rank, wire::MessageType type, std::string_view body) {
   Conn* c = by_rank_[static_cast<size_t>(rank)];
   if (c == nullptr) return;
   c->out.Push(*wire::EncodeFrame(type, body));
   Flush(*c);
 }
 
-void ControlPort::SendShared(int rank,
-                             const std::vector<std::shared_ptr<const std::string>>& parts) {
+void TcpControlPort::SendShared(int rank,
+                                const std::vector<std::shared_ptr<const std::string>>& parts) {
   Conn* c = by_rank_[static_cast<size_t>(rank)];
   if (c == nullptr) return;
   for (const auto& part : parts) c->out.PushShared(part);
   Flush(*c);
 }
 
-void ControlPort::Read(int rank) {
+void TcpControlPort::Read(int rank) {
   if (Conn* c = by_rank_[static_cast<size_t>(rank)]) ReadConn(*c);
 }
 
-void ControlPort::Close(int rank) {
+void TcpControlPort::Close(int rank) {
   if (Conn* c = by_rank_[static_cast<size_t>(rank)]) CloseConn(*c);
 }
 

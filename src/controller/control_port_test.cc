@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "wire/handshake.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
@@ -215,7 +216,7 @@ TEST_F(ControlPortTest, AWrongProofIsRefused) {
 }
 
 TEST_F(ControlPortTest, AFloodOfSilentConnectionsIsCappedAndAWorkerStillGetsThrough) {
-  const size_t cap = port_->MaxUnproven();
+  const size_t cap = ControlPort::MaxUnproven(kWorld);
   std::vector<int> silent;
   for (size_t i = 0; i < cap + 20; ++i) silent.push_back(Connect());
   int worker = Authenticated(0);

@@ -245,11 +245,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     if (phase == Phase::kStopping || phase == Phase::kDraining) return;
     phase = Phase::kStopping;
     if (AnyUnreaped()) {
+      // The grace period runs from the decision to stop, not from when the signals were sent.
+      kill_deadline = Now() + opts.terminate_grace;
       Signal(SIGTERM);
       sent_sigterm = true;
       // A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued.
       Signal(SIGCONT);
-      kill_deadline = Now() + opts.terminate_grace;
     }
   }
 
@@ -725,22 +726,17 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     // Connections before the listener: a hello that has arrived is handled before new
     // connections can push its connection out (Accept()). Connections before processes: a
     // worker's last frames are handled before its exit.
-    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},
-                    {port->ready_fd(), POLLIN, 0},
-                    {committer->ready_fd(), POLLIN, 0},
-                    {port->listen_fd(), POLLIN, 0},
-                    {group->ready_fd(), POLLIN, 0}};
-    int timeout_ms = -1;
-    if (auto next = NextDeadline()) {
-      auto ms = std::chrono::ceil<std::chrono::milliseconds>(*next - Now()).count();
-      timeout_ms = static_cast<int>(std::clamp<long long>(ms, 0, 60'000));
-    }
-    if (poll(fds, std::size(fds), timeout_ms) > 0) {
+    // A descriptor of -1 (a port without a listener, a clock that moves by itself) is ignored.
+    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},          {port->ready_fd(), POLLIN, 0},
+                    {committer->ready_fd(), POLLIN, 0}, {port->listen_fd(), POLLIN, 0},
+                    {group->ready_fd(), POLLIN, 0},     {ctl.clock_.wake_fd(), POLLIN, 0}};
+    if (poll(fds, std::size(fds), PollTimeoutMs(ctl.clock_, NextDeadline())) > 0) {
       if (fds[0].revents != 0) DrainWake();
       if (fds[1].revents != 0) port->OnConnsReady();
       if (fds[2].revents != 0) OnCommitted();
       if (fds[3].revents != 0) port->Accept();
       if (fds[4].revents != 0) group->OnReady();
+      if (fds[5].revents != 0) ClearWake(ctl.clock_);
     }
     CheckTimers();
     port->Sweep();
@@ -992,8 +988,21 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
 };
 
 Controller::Controller(ControllerOptions options, std::unique_ptr<launch::Launcher> launcher,
-                       const Clock& clock)
-    : options_(std::move(options)), launcher_(std::move(launcher)), clock_(clock) {}
+                       const Clock& clock, ControllerSeams seams)
+    : options_(std::move(options)),
+      launcher_(std::move(launcher)),
+      clock_(clock),
+      seams_(std::move(seams)) {
+  if (!seams_.open_port) {
+    seams_.open_port = [this](std::string secret, ControlPort::Delegate& delegate,
+                              int* port_number) -> StatusOr<std::unique_ptr<ControlPort>> {
+      JT_ASSIGN_OR_RETURN(int listen_fd, wire::Listen(options_.listen_host, 0, port_number));
+      return ControlPort::Create(listen_fd, std::move(secret), clock_, options_.handshake_timeout,
+                                 delegate);
+    };
+  }
+  if (!seams_.make_group) seams_.make_group = WorkerGroup::Create;
+}
 
 Controller::~Controller() {
   if (thread_.joinable()) {
@@ -1031,8 +1040,7 @@ Status Controller::Start() {
   JT_ASSIGN_OR_RETURN(std::unique_ptr<RestoreVerifier> verifier, RestoreVerifier::Create());
   auto loop = std::make_unique<Loop>(*this, std::move(store), std::move(committer));
   loop->verifier = std::move(verifier);
-  JT_ASSIGN_OR_RETURN(loop->group,
-                      WorkerGroup::Create(*launcher_, options_.console_fd >= 0, *loop));
+  JT_ASSIGN_OR_RETURN(loop->group, seams_.make_group(*launcher_, options_.console_fd >= 0, *loop));
   // Abort() wakes the loop through it; without it an abort would wait for the next event.
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) return ErrnoError("cannot create the controller's wake-up eventfd", errno);
@@ -1047,10 +1055,8 @@ Status Controller::Start() {
     loop->MarkCrashedAttempts();
   }
   loop->rounds = loop->collector.next_round() - 1;
-  JT_ASSIGN_OR_RETURN(int listen_fd, wire::Listen(options_.listen_host, 0, &port_));
   const std::string secret = wire::GenerateSecret();  // the port checks hellos against it
-  JT_ASSIGN_OR_RETURN(loop->port, ControlPort::Create(listen_fd, secret, clock_,
-                                                      options_.handshake_timeout, *loop));
+  JT_ASSIGN_OR_RETURN(loop->port, seams_.open_port(secret, *loop, &port_));
   // The payload's size was checked above: its header always encodes.
   loop->payload_header =
       *wire::EncodeFrameHeader(wire::MessageType::kPayload, options_.payload.size());

@@ -42,6 +42,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,7 +54,9 @@
 
 #include "base/clock.h"
 #include "base/status.h"
+#include "controller/control_port.h"
 #include "controller/failure_policy.h"
+#include "controller/worker_group.h"
 #include "launch/launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
@@ -82,6 +85,22 @@ struct ControllerOptions {
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
   // Keep a live status line (status_line.h) below the rank output on console_fd: for a terminal.
   bool status_line = false;
+};
+
+// Where the controller meets the network and processes, besides its launcher and clock: how it
+// opens its control port and how it watches its workers' processes. An empty function means the
+// real one: TCP on ControllerOptions::listen_host (ControlPort::Create), and the processes' pidfds
+// and pipes (WorkerGroup::Create). Tests give fakes (controller/testing/) to drive the run's state
+// machine without sockets or processes.
+struct ControllerSeams {
+  // Opens the port, whose hellos must be made with `secret`, and sets *port_number.
+  // Errors: kUnavailable when it cannot listen; as ControlPort::Create.
+  std::function<StatusOr<std::unique_ptr<ControlPort>>(
+      std::string secret, ControlPort::Delegate& delegate, int* port_number)>
+      open_port;
+  std::function<StatusOr<std::unique_ptr<WorkerGroup>>(launch::Launcher& launcher, bool echo,
+                                                       WorkerGroup::Delegate& delegate)>
+      make_group;
 };
 
 struct RankFailure {
@@ -118,8 +137,9 @@ std::string_view OutcomeStateName(Outcome::State state);
 
 class Controller {
  public:
+  // Deadlines are kept on `clock`; a FakeClock wakes the loop when advanced (Clock::wake_fd()).
   Controller(ControllerOptions options, std::unique_ptr<launch::Launcher> launcher,
-             const Clock& clock = RealClock());
+             const Clock& clock = RealClock(), ControllerSeams seams = {});
   ~Controller();  // aborts a run still in progress and waits for it to end
   Controller(const Controller&) = delete;
   Controller& operator=(const Controller&) = delete;
@@ -150,6 +170,7 @@ class Controller {
   ControllerOptions options_;
   std::unique_ptr<launch::Launcher> launcher_;
   const Clock& clock_;
+  ControllerSeams seams_;
   std::unique_ptr<Loop> loop_;
   std::thread thread_;
   int port_ = 0;

@@ -13,19 +13,57 @@ namespace {
 constexpr size_t kReadChunk = 64 << 10;
 constexpr int kMaxReadyProcs = 256;  // process events (output, exit) taken per call
 
+// Real processes, each watched through its pidfd and output pipe in one epoll set.
+class ProcessGroup final : public WorkerGroup {
+ public:
+  ProcessGroup(launch::Launcher& launcher, bool echo, int epoll_fd, Delegate& delegate);
+  ~ProcessGroup() override;
+
+  Status Start(const std::vector<launch::ProcessSpec>& specs) override;
+  int ready_fd() const override { return epoll_fd_; }
+  void OnReady() override;
+  Status Signal(int signal) override;
+  size_t running() const override { return running_; }
+  size_t outputs_open() const override { return outputs_open_; }
+  size_t size() const override { return procs_.size(); }
+  void CloseOutputs() override;
+
+ private:
+  struct Proc {
+    launch::LaunchedProcess launched;
+    bool reaped = false;
+    std::unique_ptr<RankOutput> output;
+  };
+
+  Status Watch();
+  void ReadOutput(Proc& p);
+  void CloseOutput(Proc& p);
+  void Reap(Proc& p);
+
+  launch::Launcher& launcher_;
+  const bool echo_;
+  // Every process's output (data.u64: 2 x its index in procs_) and pidfd (2 x index + 1) until
+  // it is closed.
+  const int epoll_fd_;
+  Delegate& delegate_;
+  std::vector<Proc> procs_;
+  size_t running_ = 0;
+  size_t outputs_open_ = 0;
+};
+
 }  // namespace
 
 StatusOr<std::unique_ptr<WorkerGroup>> WorkerGroup::Create(launch::Launcher& launcher, bool echo,
                                                            Delegate& delegate) {
   int epoll_fd = epoll_create1(EPOLL_CLOEXEC);
   if (epoll_fd < 0) return ErrnoError("cannot create the worker group's epoll set", errno);
-  return std::unique_ptr<WorkerGroup>(new WorkerGroup(launcher, echo, epoll_fd, delegate));
+  return std::unique_ptr<WorkerGroup>(new ProcessGroup(launcher, echo, epoll_fd, delegate));
 }
 
-WorkerGroup::WorkerGroup(launch::Launcher& launcher, bool echo, int epoll_fd, Delegate& delegate)
+ProcessGroup::ProcessGroup(launch::Launcher& launcher, bool echo, int epoll_fd, Delegate& delegate)
     : launcher_(launcher), echo_(echo), epoll_fd_(epoll_fd), delegate_(delegate) {}
 
-WorkerGroup::~WorkerGroup() {
+ProcessGroup::~ProcessGroup() {
   for (Proc& p : procs_) {
     if (p.launched.output_fd >= 0) close(p.launched.output_fd);
     if (p.launched.pidfd >= 0) close(p.launched.pidfd);
@@ -33,7 +71,7 @@ WorkerGroup::~WorkerGroup() {
   close(epoll_fd_);
 }
 
-Status WorkerGroup::Start(const std::vector<launch::ProcessSpec>& specs) {
+Status ProcessGroup::Start(const std::vector<launch::ProcessSpec>& specs) {
   JT_ASSIGN_OR_RETURN(std::vector<launch::LaunchedProcess> launched, launcher_.Launch(specs));
   procs_.clear();
   for (auto& l : launched) {
@@ -48,7 +86,7 @@ Status WorkerGroup::Start(const std::vector<launch::ProcessSpec>& specs) {
   return Watch();
 }
 
-Status WorkerGroup::Watch() {
+Status ProcessGroup::Watch() {
   for (size_t i = 0; i < procs_.size(); ++i) {
     launch::LaunchedProcess& l = procs_[i].launched;
     epoll_event exit_ev{.events = EPOLLIN, .data = {.u64 = 2 * i + 1}};
@@ -73,7 +111,7 @@ Status WorkerGroup::Watch() {
   return OkStatus();
 }
 
-void WorkerGroup::OnReady() {
+void ProcessGroup::OnReady() {
   epoll_event events[kMaxReadyProcs];
   int n = epoll_wait(epoll_fd_, events, kMaxReadyProcs, 0);
   for (int i = 0; i < n; ++i) {
@@ -88,7 +126,7 @@ void WorkerGroup::OnReady() {
   }
 }
 
-void WorkerGroup::Reap(Proc& p) {
+void ProcessGroup::Reap(Proc& p) {
   std::optional<launch::ExitStatus> status = launch::TryReap(p.launched.pid);
   if (!status) return;
   p.reaped = true;
@@ -99,7 +137,7 @@ void WorkerGroup::Reap(Proc& p) {
   delegate_.OnExit(p.launched.ranks, *status, *p.output);
 }
 
-void WorkerGroup::ReadOutput(Proc& p) {
+void ProcessGroup::ReadOutput(Proc& p) {
   char buf[kReadChunk];
   for (;;) {
     ssize_t n = read(p.launched.output_fd, buf, sizeof(buf));
@@ -111,7 +149,7 @@ void WorkerGroup::ReadOutput(Proc& p) {
   }
 }
 
-void WorkerGroup::CloseOutput(Proc& p) {
+void ProcessGroup::CloseOutput(Proc& p) {
   if (p.launched.output_fd < 0) return;
   std::string text = p.output->Close();
   if (!text.empty()) delegate_.OnConsole(std::move(text));
@@ -121,11 +159,11 @@ void WorkerGroup::CloseOutput(Proc& p) {
   p.launched.output_fd = -1;
 }
 
-void WorkerGroup::CloseOutputs() {
+void ProcessGroup::CloseOutputs() {
   for (Proc& p : procs_) CloseOutput(p);
 }
 
-Status WorkerGroup::Signal(int signal) {
+Status ProcessGroup::Signal(int signal) {
   if (signal == SIGTERM) {
     for (Proc& p : procs_) p.output->Stopping();
   }

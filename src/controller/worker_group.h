@@ -16,6 +16,9 @@
 //
 // Threads: not thread-safe; one owner (the controller's loop) calls every method. The Delegate
 // is called from within OnReady() and CloseOutputs(), and may call Signal() from there.
+//
+// An interface, because it is where the controller meets processes: Create() makes the group of
+// real ones; tests of the controller's state machine use FakeWorkerGroup (testing/).
 #pragma once
 
 #include <memory>
@@ -45,65 +48,41 @@ class WorkerGroup {
                         const RankOutput& output) = 0;
   };
 
-  // `echo`: whether console text is made (a console to write it to exists).
+  // The group of real processes, started by `launcher`. `echo`: whether console text is made (a
+  // console to write it to exists).
   // Errors: as ErrnoError when the epoll set cannot be created.
   static StatusOr<std::unique_ptr<WorkerGroup>> Create(launch::Launcher& launcher, bool echo,
                                                        Delegate& delegate);
-  ~WorkerGroup();  // closes what is left open; signals nothing (the launcher owns the processes)
-  WorkerGroup(const WorkerGroup&) = delete;
-  WorkerGroup& operator=(const WorkerGroup&) = delete;
+  // Closes what is left open; signals nothing (the launcher owns the processes).
+  virtual ~WorkerGroup() = default;
 
   // Starts the processes of `specs`, replacing the previous attempt's, which must all be reaped.
   // Errors: as Launcher::Launch() (nothing was started); kUnavailable when the processes cannot
   // be watched (out of memory for the epoll set): they are then killed and reaped, so nothing is
   // left running.
-  Status Start(const std::vector<launch::ProcessSpec>& specs);
+  virtual Status Start(const std::vector<launch::ProcessSpec>& specs) = 0;
 
   // For the owner's poll(): readable when a process has output or has exited.
-  int ready_fd() const { return epoll_fd_; }
+  virtual int ready_fd() const = 0;
 
   // Reads the output that is ready, then reaps the processes that have exited: at most 256
   // events per call, the rest stay ready.
-  void OnReady();
+  virtual void OnReady() = 0;
 
   // Sends `signal` to every process (Launcher::SignalGroup). After SIGTERM, what the launcher
   // says is taken as a consequence of the stop (RankOutput::Stopping()).
   // Errors: those of Launcher::SignalGroup.
-  Status Signal(int signal);
+  virtual Status Signal(int signal) = 0;
 
   // Processes started and not yet reaped.
-  size_t running() const { return running_; }
+  virtual size_t running() const = 0;
   // Processes whose output is still open (it may outlast the process: a child holds the pipe).
-  size_t outputs_open() const { return outputs_open_; }
+  virtual size_t outputs_open() const = 0;
   // Processes of this attempt.
-  size_t size() const { return procs_.size(); }
+  virtual size_t size() const = 0;
 
   // Ends every output still open, with what is left of its unended line.
-  void CloseOutputs();
-
- private:
-  struct Proc {
-    launch::LaunchedProcess launched;
-    bool reaped = false;
-    std::unique_ptr<RankOutput> output;
-  };
-
-  WorkerGroup(launch::Launcher& launcher, bool echo, int epoll_fd, Delegate& delegate);
-
-  Status Watch();
-  void ReadOutput(Proc& p);
-  void CloseOutput(Proc& p);
-  void Reap(Proc& p);
-
-  launch::Launcher& launcher_;
-  const bool echo_;
-  // Every process's output (data.u64: 2 x its index in procs_) and pidfd (2 x index + 1) until
-  // it is closed.
-  const int epoll_fd_;
-  Delegate& delegate_;
-  std::vector<Proc> procs_;
-  size_t running_ = 0;
-  size_t outputs_open_ = 0;
+  virtual void CloseOutputs() = 0;
 };
 
 }  // namespace jaxtrain::controller

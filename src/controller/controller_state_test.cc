@@ -1,0 +1,373 @@
+// The controller's run state machine — attempts, restarts, failure budgets, the grace period, the
+// watchdog — driven through fakes of its edges: the ranks' connections (FakeConnections), their
+// processes (FakeProcesses) and the time (FakeClock, which wakes the loop when advanced). No
+// process, socket or sleep: each test says exactly what the ranks do and in which order, and
+// waits only for what the controller does in answer. The run directory is real.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "accelerators/discovery.h"
+#include "config/scaling_config.h"
+#include "controller/controller.h"
+#include "controller/testing/fake_control_port.h"
+#include "controller/testing/fake_worker_group.h"
+#include "placement/plan.h"
+#include "storage/checkpoint.h"
+#include "wire/frame.h"
+
+namespace jaxtrain::controller {
+namespace {
+
+using nlohmann::json;
+using State = Outcome::State;
+using wire::MessageType;
+using namespace std::chrono_literals;
+
+constexpr auto kNoHang = 30s;  // bounds every wait, so that a bug fails a test instead of hanging
+
+// The processes are FakeProcesses': this launcher is never asked to start any.
+class UnusedLauncher : public launch::Launcher {
+ public:
+  StatusOr<std::vector<launch::LaunchedProcess>> Launch(
+      const std::vector<launch::ProcessSpec>&) override {
+    return InternalError("the fake worker group launches nothing");
+  }
+  Status SignalGroup(int) override { return InternalError("the fake worker group signals"); }
+};
+
+class ControllerStateTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    std::string dir = testing::TempDir() + "/controller_state_test.XXXXXX";
+    ASSERT_NE(mkdtemp(dir.data()), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  ControllerOptions Options(int workers) {
+    auto config = config::ScalingConfig::Create({.num_workers = workers});
+    EXPECT_TRUE(config.ok()) << config.status().ToString();
+    accelerators::FakeHost host;
+    auto plan = placement::PlanLocal(*config, host);
+    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+    ControllerOptions options;
+    options.run_dir = RunDir();
+    options.experiment_name = "state_test";
+    options.plan = *plan;
+    options.worker_argv = {"/nonexistent/worker"};
+    options.console_fd = -1;
+    options.terminate_grace = 5s;
+    options.start_timeout = 60s;
+    return options;
+  }
+
+  std::unique_ptr<Controller> Start(ControllerOptions options) {
+    auto controller = std::make_unique<Controller>(
+        std::move(options), std::make_unique<UnusedLauncher>(), clock_,
+        ControllerSeams{.open_port = ranks_.Opener(), .make_group = processes_.Maker()});
+    Status s = controller->Start();
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    return controller;
+  }
+
+  // Waits for the group's `start`-th start (1 = the first attempt).
+  void WaitForStart(int start) {
+    ASSERT_TRUE(processes_.WaitForStarts(start, kNoHang)) << "start " << start << " never came";
+  }
+
+  // Every rank of `attempt` registers (rank 0 publishing a coordinator); the kStart each gets.
+  std::vector<json> RegisterAll(int attempt, int workers) {
+    for (int rank = 0; rank < workers; ++rank) {
+      json body = {{"host", "host-" + std::to_string(rank)},
+                   {"coordinator", rank == 0 ? "127.0.0.1:8476" : ""}};
+      ranks_.Deliver(rank, MessageType::kRegister, body.dump());
+    }
+    std::vector<json> starts;
+    for (int rank = 0; rank < workers; ++rank) {
+      auto start = ranks_.WaitForSent(attempt, rank, MessageType::kStart, kNoHang);
+      EXPECT_TRUE(start.has_value()) << "rank " << rank << " got no start in attempt " << attempt;
+      starts.push_back(start ? json::parse(start->body) : json());
+    }
+    return starts;
+  }
+
+  void Report(int rank, uint64_t round, json metrics) {
+    ranks_.Deliver(rank, MessageType::kReport, wire::EncodeReportBody(round, metrics.dump()));
+  }
+
+  // `rank` stages one file as its part of round `round`'s checkpoint and reports it.
+  void ReportCheckpoint(int attempt, int rank, uint64_t round) {
+    const std::string src = dir_ + "/src-" + std::to_string(rank);
+    std::filesystem::create_directories(src);
+    std::ofstream(src + "/shard-" + std::to_string(rank)) << "weights of rank " << rank;
+    const std::string staging = storage::StagingPath(RunDir(), attempt, round, rank);
+    auto files = storage::StageDirectory(src, staging);
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    json description = {{"staging", staging}, {"files", json::array()}};
+    for (const auto& f : *files) {
+      description["files"].push_back(
+          {{"path", f.path}, {"size", f.size}, {"crc32c", f.crc32c}, {"mode", f.mode}});
+    }
+    auto body =
+        wire::EncodeCheckpointReportBody(round, description.dump(), json{{"round", round}}.dump());
+    ASSERT_TRUE(body.ok());
+    ranks_.Deliver(rank, MessageType::kReportCheckpoint, *body);
+  }
+
+  // `rank`'s training function returns and its process exits 0.
+  void Finish(int rank) {
+    ranks_.Deliver(rank, MessageType::kDone, "");
+    processes_.Exit(rank, 0);
+  }
+
+  // `rank`'s training function raises.
+  void Raise(int rank, const std::string& message) {
+    ranks_.Deliver(rank, MessageType::kError,
+                   json{{"message", message}, {"traceback", "Traceback: " + message}}.dump());
+  }
+
+  static const Outcome& WaitForOutcome(Controller& controller) {
+    EXPECT_TRUE(controller.Wait(kNoHang)) << "the run did not end";
+    return controller.outcome();
+  }
+
+  std::string RunDir() const { return dir_ + "/run"; }
+  json RunState() const {
+    std::ifstream in(RunDir() + "/run.json");
+    return json::parse(in, nullptr, false);
+  }
+
+  std::string dir_;
+  FakeClock clock_;
+  FakeConnections ranks_;
+  FakeProcesses processes_;
+};
+
+TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestCommittedCheckpoint) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  std::vector<json> first = RegisterAll(/*attempt=*/0, 2);
+  EXPECT_EQ(first[0]["attempt"], 0);
+  EXPECT_TRUE(first[0]["checkpoint"].is_null());
+  EXPECT_EQ(first[1]["coordinator"], "127.0.0.1:8476");
+  EXPECT_TRUE(ranks_.WaitForSent(0, 1, MessageType::kPayload, kNoHang).has_value());
+
+  ReportCheckpoint(/*attempt=*/0, 0, /*round=*/1);
+  ReportCheckpoint(/*attempt=*/0, 1, /*round=*/1);
+  for (int rank : {0, 1}) {  // the commit has ended: its ranks are told
+    ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kCheckpointSettled, kNoHang));
+  }
+  processes_.Kill(1, SIGSEGV);
+
+  WaitForStart(2);
+  EXPECT_GE(processes_.signals(SIGTERM), 1) << "the rest of the group was not stopped";
+  std::vector<json> second = RegisterAll(/*attempt=*/1, 2);
+  EXPECT_EQ(second[1]["attempt"], 1);
+  EXPECT_EQ(second[1]["checkpoint"], RunDir() + "/checkpoint_000001");
+  for (int rank : {0, 1}) Report(rank, 2, {{"loss", 0.5}, {"rank", rank}});
+  for (int rank : {0, 1}) Finish(rank);
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_EQ(out.attempts, 2);
+  EXPECT_EQ(out.rounds, 2u);
+  EXPECT_EQ(json::parse(out.last_metrics_json)["rank"], 0);
+  ASSERT_EQ(out.failures.size(), 1u);
+  const RankFailure& f = out.failures[0];
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.attempt, 0);
+  EXPECT_EQ(f.cause, FailureCause::kSignal);
+  EXPECT_EQ(f.signal, SIGSEGV);
+  EXPECT_EQ(f.host, "host-1");
+  EXPECT_TRUE(f.retried);
+  json state = RunState();
+  EXPECT_EQ(state["status"], "FINISHED");
+  ASSERT_EQ(state["attempts"].size(), 2u);
+  EXPECT_EQ(state["attempts"][0]["status"], "ERRORED");
+  EXPECT_EQ(state["attempts"][0]["failure"]["cause"], "signal");
+  EXPECT_EQ(state["attempts"][1]["restored_from"], RunDir() + "/checkpoint_000001");
+}
+
+TEST_F(ControllerStateTest, TrainingFailuresAreRestartedUntilMaxFailuresIsSpentThenTheRunRaises) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 2;
+  auto controller = Start(std::move(options));
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    WaitForStart(attempt + 1);
+    RegisterAll(attempt, 2);
+    Raise(attempt % 2, "failure " + std::to_string(attempt));
+  }
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  EXPECT_EQ(out.attempts, 3);
+  EXPECT_EQ(processes_.starts(), 3);
+  ASSERT_EQ(out.failures.size(), 3u);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const RankFailure& f = out.failures[static_cast<size_t>(attempt)];
+    EXPECT_EQ(f.attempt, attempt);
+    EXPECT_EQ(f.rank, attempt % 2);
+    EXPECT_EQ(f.cause, FailureCause::kException);
+    EXPECT_EQ(f.message, "failure " + std::to_string(attempt));
+    EXPECT_EQ(f.retried, attempt < 2) << "attempt " << attempt << ": " << f.decision;
+  }
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->message, "failure 0");  // the first failure is the run's
+  EXPECT_EQ(RunState()["status"], "ERRORED");
+}
+
+TEST_F(ControllerStateTest, StartUpFailuresSpendTheirOwnBudgetNotMaxFailures) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 0;
+  options.max_start_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  // Only rank 0 registers; rank 1 never connects.
+  ranks_.Deliver(0, MessageType::kRegister, json{{"coordinator", "127.0.0.1:8476"}}.dump());
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  clock_.Advance(61s);  // past the start-up timeout
+
+  WaitForStart(2);  // restarted although max_failures is 0
+  RegisterAll(/*attempt=*/1, 2);
+  Raise(0, "a training failure");  // max_failures = 0: not restarted
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  EXPECT_EQ(processes_.starts(), 2);
+  ASSERT_EQ(out.failures.size(), 2u);
+  EXPECT_EQ(out.failures[0].cause, FailureCause::kStartUp);
+  EXPECT_EQ(out.failures[0].rank, 1);  // the rank that did not register is named
+  EXPECT_TRUE(out.failures[0].retried);
+  EXPECT_NE(out.failures[0].message.find("start-up timeout"), std::string::npos);
+  EXPECT_EQ(out.failures[1].cause, FailureCause::kException);
+  EXPECT_FALSE(out.failures[1].retried);
+}
+
+TEST_F(ControllerStateTest, WorkersThatIgnoreSigtermAreKilledOnlyWhenTheGracePeriodEnds) {
+  processes_.IgnoreSigterm();
+  auto controller = Start(Options(3));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 3);
+  Raise(2, "boom");
+
+  ASSERT_TRUE(processes_.WaitForSignal(SIGTERM, 1, kNoHang));
+  // Time has not moved: the grace period cannot have ended.
+  EXPECT_EQ(processes_.signals(SIGKILL), 0);
+  clock_.Advance(5s);
+  ASSERT_TRUE(processes_.WaitForSignal(SIGKILL, 1, kNoHang));
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 2);  // the cause, not the SIGKILL that ended the group
+  EXPECT_EQ(out.failure->cause, FailureCause::kException);
+  EXPECT_EQ(out.failure->traceback, "Traceback: boom");
+}
+
+TEST_F(ControllerStateTest, TheWatchdogBlamesOnlyTheRankThatStoppedReporting) {
+  ControllerOptions options = Options(2);
+  options.progress_timeout = 30s;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  for (int rank : {0, 1}) Report(rank, 1, {{"rank", rank}});
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  clock_.Advance(20s);
+  Report(0, 2, {{"rank", 0}});  // rank 1 is stuck in round 2
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  clock_.Advance(15s);  // rank 1: 35 s without a report; rank 0: 15 s
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->cause, FailureCause::kWatchdog);
+  EXPECT_EQ(out.failure->rank, 1);
+  EXPECT_NE(out.failure->message.find("from rank(s) 1,"), std::string::npos)
+      << out.failure->message;
+  EXPECT_EQ(out.rounds, 1u);
+}
+
+TEST_F(ControllerStateTest, AConnectionLostJustBeforeItsProcessDiedIsBlamedOnTheSignal) {
+  auto controller = Start(Options(2));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  // What a crash often looks like: the process is gone, its socket's close is seen first, and
+  // its exit only after the controller has begun to stop the group.
+  processes_.Die(0, {.signal = SIGABRT});
+  ranks_.Disconnect(0);
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 0);
+  EXPECT_EQ(out.failure->cause, FailureCause::kSignal);
+  EXPECT_EQ(out.failure->signal, SIGABRT);
+}
+
+TEST_F(ControllerStateTest, AGroupThatCannotBeStartedAgainEndsTheRunSayingWhy) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 3;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  processes_.FailStarts(1, UnavailableError("host-1 does not answer"));
+  Raise(1, "boom");
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  EXPECT_EQ(processes_.starts(), 1);
+  ASSERT_EQ(out.failures.size(), 2u);
+  EXPECT_EQ(out.failures[0].cause, FailureCause::kException);
+  EXPECT_EQ(out.failures[1].cause, FailureCause::kStartUp);
+  EXPECT_EQ(out.failures[1].attempt, 1);
+  EXPECT_NE(out.failures[1].message.find("host-1 does not answer"), std::string::npos)
+      << out.failures[1].message;
+  json state = RunState();
+  EXPECT_EQ(state["status"], "ERRORED");
+  EXPECT_EQ(state["attempts"].back()["status"], "ERRORED");
+}
+
+TEST_F(ControllerStateTest, AnAbortWhileRanksAreStartingStopsTheGroupWithoutARestart) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 3;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  ranks_.Deliver(0, MessageType::kRegister, json{{"coordinator", "127.0.0.1:8476"}}.dump());
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  controller->Abort("interrupted by the user");
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kAborted);
+  EXPECT_EQ(out.abort_reason, "interrupted by the user");
+  EXPECT_TRUE(out.failures.empty());
+  EXPECT_EQ(processes_.starts(), 1);
+  EXPECT_GE(processes_.signals(SIGTERM), 1);
+  EXPECT_EQ(RunState()["status"], "ABORTED");
+}
+
+TEST_F(ControllerStateTest, AnExitWithoutAFailureAfterEveryRankReturnedSucceeds) {
+  auto controller = Start(Options(3));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 3);
+  for (int round = 1; round <= 3; ++round) {
+    for (int rank = 0; rank < 3; ++rank) Report(rank, round, {{"step", round}});
+  }
+  for (int rank = 0; rank < 3; ++rank) Finish(rank);
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_EQ(out.attempts, 1);
+  EXPECT_EQ(out.rounds, 3u);
+  EXPECT_EQ(json::parse(out.last_metrics_json)["step"], 3);
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);  // nothing had to be stopped
+}
+
+}  // namespace
+}  // namespace jaxtrain::controller
