@@ -4,7 +4,10 @@
 
 It does the least a process must do to join a ``jax.distributed`` run: import jax, call
 ``jax.distributed.initialize`` with every argument given, and then emit NUM_REPORTS metric lines
-the cheapest way a process can: one JSON line per metric, written straight to a file.
+the cheapest way a process can: one JSON line per metric, written straight to a file. A process
+other than 0 first waits until the coordinator accepts connections, as jaxtrain's workers do:
+one that connects earlier is refused and gRPC retries about a second later, which would make the
+floor a second slower whenever rank 0 comes last (the best a hand-written script can do).
 The launcher sets JAX_PLATFORMS, JAX_NUM_CPU_DEVICES and JAX_CPU_COLLECTIVES_IMPLEMENTATION.
 
 This file is also the one place that defines how a rank times report-like calls and saves what it
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +45,14 @@ def main() -> None:
     coordinator, num_processes, process_id, t0, out_dir, num_reports = sys.argv[1:]
     import jax
 
+    if int(process_id) != 0:
+        host, port = coordinator.rsplit(":", 1)
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=1.0).close()
+                break
+            except OSError:
+                time.sleep(0.002)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=int(num_processes),

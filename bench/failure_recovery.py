@@ -74,6 +74,14 @@ def read_time(path: str) -> float:
         return json.load(f)["time"]
 
 
+def _kill_now(config: dict, step: int) -> bool:
+    """Whether the killing rank dies at `step`: its ``kill_step``-th report, or, with a
+    ``kill_file`` (warm_workers.py), the first report after that file appeared."""
+    if config.get("kill_file"):
+        return os.path.exists(config["kill_file"])
+    return step == config["kill_step"]
+
+
 def train_func(config: dict) -> None:
     t_first = time.time()  # must stay the first line: this is what start-up and restart measure
     from jaxtrain import Checkpoint, get_checkpoint, get_context, report
@@ -93,7 +101,7 @@ def train_func(config: dict) -> None:
     steps = sys.maxsize if killing else STEPS_AFTER_START  # the other ranks run until stopped
     for step in range(1, steps + 1):
         time.sleep(config["interval_s"])
-        if killing and rank == config["kill_rank"] and step == config["kill_step"]:
+        if killing and rank == config["kill_rank"] and _kill_now(config, step):
             with open(os.path.join(out_dir, "kill.json"), "w") as f:
                 f.write(json.dumps({"time": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)

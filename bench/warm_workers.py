@@ -12,7 +12,12 @@ Every repeat runs, in this one driver process and in turn:
 * warm: the same fit() with warm workers on, after an earlier warm fit() of the same processes
   (the warm-up makes the first). Its attempt 0 is a second fit() in the same driver, served by the
   standbys the earlier fit() left in the pool; its attempt 1 a restart served by the standbys
-  started once attempt 0's group was ready.
+  started once attempt 0's group was ready. The rank dies once those standbys are idle (past
+  import jax), as they are when a failure comes minutes or hours into training: the restart
+  measured is the one a long run gets.
+* warm, early failure: the same, with the rank dying at its ``--kill-step``-th report (1 s into
+  training by default), while the standbys are still importing jax at low priority: what a
+  failure in the first seconds of a run gets.
 * floor: bare processes (bench/bare_worker.py: import jax, ``jax.distributed.initialize``), as
   in startup_and_report.py: the first ``subprocess.Popen`` to the line after the initialize, last
   rank.
@@ -20,8 +25,9 @@ Every repeat runs, in this one driver process and in turn:
 Before each measured fit() the benchmark waits until every standby of this driver is idle (its
 CPU time no longer grows), so that no standby still importing jax slows the run measured.
 
-Printed: (a) warm restart / fresh start (target <= 0.25 x), with the cold restart beside it;
-(b) second fit() / bare floor (target <= 0.5 x); and an idle standby's memory (RSS and PSS).
+Printed: (a) warm restart / fresh start (target <= 0.25 x), with the cold and the early restart
+beside it; (b) second fit() / bare floor (target <= 0.5 x); and an idle standby's memory (RSS and
+PSS).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 from failure_recovery import fit, last_first_line, read_time
@@ -68,15 +75,41 @@ def cpu_ticks(pid: int) -> int:
         return 0
 
 
+def idle(pids: list[int], window_s: float = 0.5) -> bool:
+    """True when none of `pids` used CPU over `window_s` (they have finished importing jax)."""
+    before = [cpu_ticks(p) for p in pids]
+    time.sleep(window_s)
+    return [cpu_ticks(p) for p in pids] == before
+
+
 def settle(timeout_s: float = 120) -> None:
     """Waits until the standbys have finished importing (no CPU used over 0.5 s)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = standbys()
-        before = [cpu_ticks(p) for p in pids]
-        time.sleep(0.5)
-        if [cpu_ticks(p) for p in pids] == before:
-            return
+    while time.monotonic() < deadline and not idle(standbys()):
+        pass
+
+
+def kill_when_standbys_idle(kill_file: str, workers: int, taken: set[int],
+                            timeout_s: float = 120) -> threading.Thread:
+    """Creates `kill_file` once the standbys that the running fit() started for its next attempt
+    (those not in `taken`, the ones it was started from) are `workers` and idle."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            fresh = [p for p in standbys() if p not in taken]
+            if len(fresh) >= workers and idle(fresh):
+                break
+            time.sleep(0.05)
+        else:
+            print(f"warning: the next attempt's standbys were not idle within {timeout_s:g} s",
+                  flush=True)
+        with open(kill_file, "w"):
+            pass
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
 
 
 def memory_mb(pid: int) -> tuple[float, float]:
@@ -86,15 +119,23 @@ def memory_mb(pid: int) -> tuple[float, float]:
     return int(fields["Rss"]) / 1024, int(fields["Pss"]) / 1024
 
 
-def run_killed(workers: int, config: dict, out_dir: str, warm: bool) -> tuple[float, float]:
+def run_killed(workers: int, config: dict, out_dir: str, warm: bool,
+               kill_when_idle: bool = False) -> tuple[float, float]:
     """One fit() with a failure: fit() -> first line of attempt 0, and kill -> first line of
-    attempt 1 (both on the last rank)."""
+    attempt 1 (both on the last rank). `kill_when_idle`: the rank dies once the standbys of the
+    next attempt are idle, not at its kill_step-th report."""
     if warm:
         os.environ.pop("JAXTRAIN_WARM_WORKERS", None)
     else:
         os.environ["JAXTRAIN_WARM_WORKERS"] = "0"
+    trigger = None
+    if kill_when_idle:
+        config = {**config, "kill_file": os.path.join(out_dir, "kill-now")}
+        trigger = kill_when_standbys_idle(config["kill_file"], workers, set(standbys()))
     t0 = time.time()
     state = fit(out_dir, workers, {**config, "kill": True})
+    if trigger is not None:
+        trigger.join()
     if len(state["attempts"]) != 2 or not state["attempts"][1].get("restored_from"):
         sys.exit(f"expected one failure, then a restart from the checkpoint: {state['attempts']}")
     with open(os.path.join(out_dir, "console.log")) as f:
@@ -122,7 +163,7 @@ def main() -> None:
     config = {"interval_s": 0.05, "kill_step": args.kill_step, "kill_rank": args.kill_rank}
 
     rows: dict[str, list[float]] = {k: [] for k in (
-        "fresh", "cold_restart", "warm_restart", "second_fit", "floor")}
+        "fresh", "cold_restart", "warm_restart", "early_restart", "second_fit", "floor")}
     others: list[float] = []
     memory: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="jaxtrain-bench-") as tmp:
@@ -138,25 +179,32 @@ def main() -> None:
                 lambda: run_killed(args.workers, config, tempfile.mkdtemp(dir=tmp), warm=False))
             settle()
             (second_fit, warm_restart), other_b = measure(
+                lambda: run_killed(args.workers, config, tempfile.mkdtemp(dir=tmp), warm=True,
+                                   kill_when_idle=True))
+            settle()
+            (_, early_restart), other_c = measure(
                 lambda: run_killed(args.workers, config, tempfile.mkdtemp(dir=tmp), warm=True))
             settle()
-            floor, other_c = measure(
+            floor, other_d = measure(
                 lambda: run_floor(args.workers, 1, tempfile.mkdtemp(dir=tmp)))
             print(f"{'repeat' if measured else 'warm-up'} {i + 1}: fresh {fresh:.2f} s, cold "
-                  f"restart {cold_restart:.2f} s, warm restart {warm_restart:.2f} s, second fit() "
-                  f"{second_fit:.2f} s, bare floor {floor.startup_s:.2f} s", flush=True)
+                  f"restart {cold_restart:.2f} s, warm restart {warm_restart:.2f} s, early warm "
+                  f"restart {early_restart:.2f} s, second fit() {second_fit:.2f} s, bare floor "
+                  f"{floor.startup_s:.2f} s", flush=True)
             if measured:
                 for k, v in (("fresh", fresh), ("cold_restart", cold_restart),
-                             ("warm_restart", warm_restart), ("second_fit", second_fit),
-                             ("floor", floor.startup_s)):
+                             ("warm_restart", warm_restart), ("early_restart", early_restart),
+                             ("second_fit", second_fit), ("floor", floor.startup_s)):
                     rows[k].append(v)
-                others += [other_a, other_b, other_c]
+                others += [other_a, other_b, other_c, other_d]
 
     restart_ratio = [w / f for w, f in zip(rows["warm_restart"], rows["fresh"], strict=True)]
     cold_ratio = [c / f for c, f in zip(rows["cold_restart"], rows["fresh"], strict=True)]
+    early_ratio = [e / f for e, f in zip(rows["early_restart"], rows["fresh"], strict=True)]
     second_ratio = [s / b for s, b in zip(rows["second_fit"], rows["floor"], strict=True)]
-    print(f"\n{args.workers} workers, rank {args.kill_rank} SIGKILLs itself at report "
-          f"{args.kill_step}, {args.repeats} repeats; median [min-max]")
+    print(f"\n{args.workers} workers, rank {args.kill_rank} SIGKILLs itself once the next "
+          f"attempt's standbys are idle (early failure, and cold: at report {args.kill_step}), "
+          f"{args.repeats} repeats; median [min-max]")
     print(f"other processes kept {spread(others, 'cores')} of {os.cpu_count()} busy")
     print("group ready = the first line of the training function on the last rank")
     targets = (("(a) warm restart / fresh start", restart_ratio, RESTART_TARGET),
@@ -171,6 +219,8 @@ def main() -> None:
           f"{spread(cold_ratio, 'x')} of fresh start")
     print(f"{'restart, warm (kill -> group ready)':40}{spread(rows['warm_restart'], 's'):28}"
           f"{spread(restart_ratio, 'x')} of fresh start")
+    print(f"{'restart, warm, early failure':40}{spread(rows['early_restart'], 's'):28}"
+          f"{spread(early_ratio, 'x')} of fresh start")
     print(f"{'bare floor (import jax + initialize)':40}{spread(rows['floor'], 's'):28}")
     print(f"{'second fit(), warm (fit() -> ready)':40}{spread(rows['second_fit'], 's'):28}"
           f"{spread(second_ratio, 'x')} of bare floor")

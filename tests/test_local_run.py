@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -350,3 +351,36 @@ jax.distributed.shutdown()
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "process_count 1 devices 1" in proc.stdout
+
+
+def test_ranks_above_0_wait_until_the_coordinator_listens(monkeypatch):
+    # A rank that calls jax.distributed.initialize before rank 0's coordinator listens is refused,
+    # and gRPC waits about a second before it tries again: the others wait for the port instead.
+    from jaxtrain import worker
+
+    held, address = worker._reserve_coordinator("127.0.0.1")
+    tries = []
+    connect = socket.create_connection
+
+    def connect_counting(where, timeout):
+        tries.append(where)
+        if len(tries) == 3:
+            held.listen()  # the coordinator binds the port and listens
+        return connect(where, timeout=timeout)
+
+    monkeypatch.setattr(worker.socket, "create_connection", connect_counting)
+    try:
+        worker._wait_for_coordinator(address, timeout_s=240)
+    finally:
+        held.close()
+    assert len(tries) == 3  # refused twice while the port was only reserved, then accepted
+
+
+def test_a_coordinator_that_never_listens_is_left_to_jax_to_report():
+    from jaxtrain import worker
+
+    held, address = worker._reserve_coordinator("127.0.0.1")
+    try:
+        worker._wait_for_coordinator(address, timeout_s=0.05)  # returns; initialize then fails
+    finally:
+        held.close()
