@@ -24,7 +24,11 @@ rank from its call until the round's commit has ended: after ``report()`` return
 until its background stager has written and reported the checkpoint and the controller's notice
 that the commit ended has come (what the next ``report(checkpoint=)`` waits for) and notes the
 time. The background commit's time is the rest: the last rank's return to the
-commit's end.
+commit's end. Each run checkpoints the same files ``--rounds`` times (default 3), as a training
+loop does: the first checkpoint of a worker process reads into fresh memory, the later ones into
+the memory its last snapshot left (storage/checkpoint.h); both are printed, and the target is
+judged on the later ones, what every checkpoint of a run after its first costs. The commit
+figures are those of the first round.
 
 After each jaxtrain run, restoring is measured on its committed checkpoint, as a resume does it
 before handing the checkpoint to the workers: ``verify_checkpoint`` (every file's CRC-32C, files in
@@ -74,6 +78,12 @@ class CommitFigures:
     read_s: float = 0.0  # cat of the checkpoint's files to /dev/null
     blocked_s: float = 0.0  # jaxtrain: the slowest rank's report() call -> return
     sync_s: float = 0.0  # jaxtrain: the slowest rank's report() call -> commit ended (notice)
+    # The same for the rounds after the first (median over them): checkpoints of the same files.
+    blocked_later_s: float = 0.0
+    sync_later_s: float = 0.0
+    # Every rank's files read at once into memory already touched, the slowest rank: the floor of
+    # an in-memory snapshot (measured after the run, on the same page-cached sources).
+    memory_floor_s: float = 0.0
 
 
 def write_sources(src_root: str, workers: int, shard_bytes: int) -> list[str]:
@@ -106,24 +116,26 @@ def train_func(config: dict) -> None:
 
     rank = get_context().get_world_rank()
     checkpoint = Checkpoint.from_directory(config["sources"][rank])
-    multihost_utils.sync_global_devices("checkpoint_commit")  # every rank calls report() at once
-    t_call = time.time()
-    report({"rank": rank}, checkpoint=checkpoint)
-    t_staged = time.time()
-    # What a synchronous commit would block until: the controller's notice that it ended.
-    session._require("report").wait_checkpoints_settled()
-    t_settled = time.time()
+    rounds = []
+    for round_ in range(config["rounds"]):
+        multihost_utils.sync_global_devices(f"checkpoint_commit-{round_}")  # all call at once
+        t_call = time.time()
+        report({"rank": rank}, checkpoint=checkpoint)
+        t_staged = time.time()
+        # What a synchronous commit would block until: the controller's notice that it ended.
+        session._require("report").wait_checkpoints_settled()
+        rounds.append({"t_call": t_call, "t_staged": t_staged, "t_settled": time.time()})
     with open(os.path.join(config["out_dir"], f"rank{rank}.json"), "w") as f:
-        json.dump({"t_call": t_call, "t_staged": t_staged, "t_settled": t_settled}, f)
+        json.dump(rounds, f)
 
 
-def run_jaxtrain(sources: list[str], shard_bytes: int, out_dir: str) -> CommitFigures:
+def run_jaxtrain(sources: list[str], shard_bytes: int, rounds: int, out_dir: str) -> CommitFigures:
     workers = len(sources)
     try:
         with console_to(os.path.join(out_dir, "console.log")):
             JaxTrainer(
                 train_func,
-                train_loop_config={"sources": sources, "out_dir": out_dir},
+                train_loop_config={"sources": sources, "out_dir": out_dir, "rounds": rounds},
                 scaling_config=ScalingConfig(num_workers=workers),
                 run_config=RunConfig(name="run", storage_path=out_dir),
             ).fit()
@@ -136,18 +148,27 @@ def run_jaxtrain(sources: list[str], shard_bytes: int, out_dir: str) -> CommitFi
         record = json.load(f)["checkpoints"][0]
     if round_1.get("checkpoint") != record["dir_name"] or record["bytes"] != workers * shard_bytes:
         sys.exit(f"round 1 did not commit a checkpoint of {workers * shard_bytes} bytes: {record}")
-    ranks = []
+    by_rank = []
     for rank in range(workers):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            ranks.append(json.load(f))
+            by_rank.append(json.load(f))
+    ranks = [r[0] for r in by_rank]  # the first round
     first_call = min(r["t_call"] for r in ranks)
+
+    def slowest(round_: int, start: str, end: str) -> float:
+        return max(r[round_][end] - r[round_][start] for r in by_rank)
+
+    later = range(1, rounds)
     figures = CommitFigures(
         total_s=round_1["time"] - first_call,
         staged_s=max(r["t_staged"] for r in ranks) - first_call,
         skew_s=max(r["t_call"] for r in ranks) - first_call,
-        blocked_s=max(r["t_staged"] - r["t_call"] for r in ranks),
-        sync_s=max(r["t_settled"] - r["t_call"] for r in ranks),
+        blocked_s=slowest(0, "t_call", "t_staged"),
+        sync_s=slowest(0, "t_call", "t_settled"),
+        blocked_later_s=statistics.median(slowest(i, "t_call", "t_staged") for i in later),
+        sync_later_s=statistics.median(slowest(i, "t_call", "t_settled") for i in later),
     )
+    figures.memory_floor_s = run_memory_floor(sources)
     ckpt = os.path.join(run_dir, record["dir_name"])
     figures.verify_s = timed(lambda: _core.verify_checkpoint(ckpt, True))
     figures.verify_1_s = timed(lambda: _core.verify_checkpoint(ckpt, True, 1))
@@ -158,6 +179,42 @@ def run_jaxtrain(sources: list[str], shard_bytes: int, out_dir: str) -> CommitFi
     shutil.rmtree(run_dir)
     sync_filesystem(out_dir)
     return figures
+
+
+# One process per rank reads its shard into memory it has touched already, once told to go on its
+# stdin, and prints how long the read took: what any in-memory snapshot of the files must pay.
+READ_INTO_MEMORY = """
+import os, sys, time
+files = sys.argv[1:]
+buffers = [bytearray(os.path.getsize(f)) for f in files]  # zero-filled: every page touched
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.perf_counter()
+for f, buffer in zip(files, buffers):
+    with open(f, "rb", buffering=0) as src:
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):
+            done += src.readinto(view[done:])
+print(time.perf_counter() - start, flush=True)
+"""
+
+
+def run_memory_floor(sources: list[str]) -> float:
+    """The slowest rank's copy of its files into touched memory, every rank at once."""
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", READ_INTO_MEMORY,
+         *[os.path.join(d, name) for name in sorted(os.listdir(d))]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for d in sources]
+    for p in procs:  # every process has allocated and touched its buffers
+        if p.stdout.readline().strip() != "ready":
+            sys.exit("a reader of the memory floor did not start")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    seconds = [float(p.communicate()[0]) for p in procs]
+    if any(p.returncode for p in procs):
+        sys.exit("the memory floor's readers failed")
+    return max(seconds)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -193,9 +250,14 @@ def main() -> None:
     parser.add_argument(
         "--warmup", type=int, default=1, help="unmeasured pairs run first (default 1)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="checkpoints of the same files per run, the first into fresh memory (default 3)"
+    )
     args = parser.parse_args()
-    if min(args.workers, args.shard_mib, args.repeats) < 1 or args.warmup < 0:
-        parser.error("--workers, --shard-mib and --repeats must be >= 1, --warmup >= 0")
+    if min(args.workers, args.shard_mib, args.repeats) < 1 or args.warmup < 0 or args.rounds < 2:
+        parser.error("--workers, --shard-mib and --repeats must be >= 1, --warmup >= 0, "
+                     "--rounds >= 2")
     shard_bytes = args.shard_mib << 20
     if shard_bytes % BLOCK_BYTES:
         parser.error(f"--shard-mib must be a multiple of {BLOCK_BYTES >> 20}")
@@ -206,7 +268,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="jaxtrain-bench-") as tmp:
         sources = write_sources(os.path.join(tmp, "src"), args.workers, shard_bytes)
         runners: dict[str, Callable[[str], CommitFigures]] = {
-            "jaxtrain": functools.partial(run_jaxtrain, sources, shard_bytes),
+            "jaxtrain": functools.partial(run_jaxtrain, sources, shard_bytes, args.rounds),
             "cp + sync": functools.partial(run_copy, sources, True),
             "cp": functools.partial(run_copy, sources, False),
         }
@@ -266,24 +328,33 @@ def main() -> None:
 
 
 def print_blocking(runs: list[CommitFigures]) -> None:
-    blocked = [f.blocked_s for f in runs]
-    sync = [f.sync_s for f in runs]
-    background = [f.total_s - f.staged_s for f in runs]
+    sync = [f.sync_later_s for f in runs]
+    blocked = [f.blocked_later_s for f in runs]
     ratio = statistics.median(a / b for a, b in zip(blocked, sync, strict=True))
     verdict = "met" if ratio <= TARGET_BLOCKED_RATIO else "NOT met"
     print(
         "\ntraining time blocked per checkpoint: report(checkpoint=) call -> return, slowest rank\n"
         "baseline (synchronous commit): report(checkpoint=) call -> the round's commit ended, "
-        "slowest rank, same runs"
+        "slowest rank, same runs\n"
+        "later checkpoints: rounds 2.. of a run (median), the same files again, read into the "
+        "memory of the last snapshot; first: round 1, into fresh memory"
     )
-    print(f"target blocked <= {TARGET_BLOCKED_RATIO:.2f} x synchronous: {verdict} "
-          f"(median {ratio:.3f} x)")
-    print(f"{'figure':<28}{'value':<24}{'baseline (sync)':<24}value/baseline")
-    for title, values in [("blocked per checkpoint", blocked),
-                          ("background commit (info)", background),
-                          ("commit total (info)", [f.total_s for f in runs])]:
-        ratios = [a / b for a, b in zip(values, sync, strict=True)]
-        print(f"{title:<28}{spread(values, 's'):<24}{spread(sync, 's'):<24}{spread(ratios, 'x')}")
+    print(f"target blocked <= {TARGET_BLOCKED_RATIO:.2f} x synchronous (later checkpoints): "
+          f"{verdict} (median {ratio:.3f} x)")
+    print(f"{'figure':<32}{'value':<24}{'baseline (sync)':<24}value/baseline")
+    rows = [("blocked, later checkpoints", blocked, sync),
+            ("blocked, first checkpoint", [f.blocked_s for f in runs], [f.sync_s for f in runs]),
+            ("background commit, first (info)", [f.total_s - f.staged_s for f in runs],
+             [f.sync_s for f in runs])]
+    for title, values, base in rows:
+        ratios = [a / b for a, b in zip(values, base, strict=True)]
+        print(f"{title:<32}{spread(values, 's'):<24}{spread(base, 's'):<24}{spread(ratios, 'x')}")
+    floor = [f.memory_floor_s for f in runs]
+    ratios = [a / b for a, b in zip(blocked, floor, strict=True)]
+    print("floor of any in-memory snapshot: every rank's files read at once into memory already "
+          "touched, slowest rank")
+    print(f"{'blocked, later checkpoints':<32}{spread(blocked, 's'):<24}{spread(floor, 's'):<24}"
+          f"{spread(ratios, 'x')} of the memory floor")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "storage/crc32c.h"
@@ -340,7 +341,67 @@ StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const st
   return entries;
 }
 
-void SnapshotUnmap::operator()(char* p) const { munmap(p, bytes); }
+namespace {
+
+// Buffers of destroyed snapshots, by size, kept for the next snapshot (SnapshotRelease).
+struct KeptBuffers {
+  std::mutex mu;
+  std::multimap<size_t, char*> free;  // mapping size -> mapping
+  uint64_t bytes = 0;
+};
+
+KeptBuffers& Kept() {
+  static auto* kept = new KeptBuffers;  // never destroyed: released from any thread until exit
+  return *kept;
+}
+
+// The smallest kept buffer of at least `size` bytes, or a new mapping; null when none can be had.
+std::unique_ptr<char, SnapshotRelease> TakeBuffer(size_t size) {
+  const size_t mapped = std::max<size_t>(size, 1);
+  {
+    KeptBuffers& kept = Kept();
+    std::lock_guard<std::mutex> lock(kept.mu);
+    auto it = kept.free.lower_bound(mapped);
+    if (it != kept.free.end()) {
+      std::unique_ptr<char, SnapshotRelease> buffer(it->second, {.bytes = it->first});
+      kept.bytes -= it->first;
+      kept.free.erase(it);
+      return buffer;
+    }
+  }
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  // Huge pages where the kernel has them: a few faults per file instead of one per 4 KiB page.
+  madvise(p, mapped, MADV_HUGEPAGE);
+  return std::unique_ptr<char, SnapshotRelease>(static_cast<char*>(p), {.bytes = mapped});
+}
+
+// Unmaps the kept buffers: a snapshot has taken what it could reuse of them.
+void DropKeptBuffers() {
+  std::multimap<size_t, char*> dropped;
+  {
+    KeptBuffers& kept = Kept();
+    std::lock_guard<std::mutex> lock(kept.mu);
+    dropped.swap(kept.free);
+    kept.bytes = 0;
+  }
+  for (const auto& [size, p] : dropped) munmap(p, size);
+}
+
+}  // namespace
+
+void SnapshotRelease::operator()(char* p) const {
+  KeptBuffers& kept = Kept();
+  std::lock_guard<std::mutex> lock(kept.mu);
+  kept.free.emplace(bytes, p);
+  kept.bytes += bytes;
+}
+
+uint64_t KeptSnapshotBytes() {
+  KeptBuffers& kept = Kept();
+  std::lock_guard<std::mutex> lock(kept.mu);
+  return kept.bytes;
+}
 
 namespace {
 
@@ -374,6 +435,10 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
   };
   if (listed > budget_bytes) return over_budget(listed);
   DirectorySnapshot snapshot;
+  // Whatever this snapshot does not reuse of the kept buffers is unmapped when it ends.
+  struct DropUnused {
+    ~DropUnused() { DropKeptBuffers(); }
+  } drop_unused;
   for (TreeItem& item : items) {
     DirectorySnapshot::Item out;
     out.rel = std::move(item.rel);
@@ -395,14 +460,8 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
     const uint64_t size = static_cast<uint64_t>(st.st_size);
     if (snapshot.bytes + size > budget_bytes) return over_budget(snapshot.bytes + size);
     out.mode = static_cast<uint32_t>(st.st_mode & 0777);
-    // Anonymous memory in huge pages where the kernel has them: a few faults per file instead of
-    // one per 4 KiB page, which is most of the time a snapshot blocks training for.
-    const size_t mapped = std::max<size_t>(size, 1);
-    void* buffer =
-        mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (buffer == MAP_FAILED) return over_budget(snapshot.bytes + size);
-    madvise(buffer, mapped, MADV_HUGEPAGE);
-    out.data = std::unique_ptr<char, SnapshotUnmap>(static_cast<char*>(buffer), {.bytes = mapped});
+    out.data = TakeBuffer(size);
+    if (out.data == nullptr) return over_budget(snapshot.bytes + size);
     posix_fadvise(in.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
     while (out.size < size) {  // a file cut short while it is read ends where it ends
       ssize_t n = read(in.fd, out.data.get() + out.size, size - out.size);

@@ -533,6 +533,39 @@ TEST_F(SnapshotDirectoryTest, IsIndependentOfTheSourceOnceTaken) {
   EXPECT_TRUE(ReadTestFile(Path("dst/shard.bin")) == contents);
 }
 
+TEST_F(SnapshotDirectoryTest, TheNextSnapshotReadsIntoTheLastOnesMemoryAndHoldsItsOwnBytes) {
+  WriteTestFile(Path("round1/shard.bin"), Pattern(300000, 6));
+  WriteTestFile(Path("round2/shard.bin"), Pattern(300000, 7));
+  const char* first = nullptr;
+  {
+    auto snapshot = SnapshotDirectory(Path("round1"), 1 << 20);
+    ASSERT_TRUE(snapshot.ok()) << snapshot.status().ToString();
+    first = snapshot->items[0].data.get();
+  }
+  EXPECT_GE(KeptSnapshotBytes(), 300000u);  // kept for the next snapshot, not unmapped
+
+  auto second = SnapshotDirectory(Path("round2"), 1 << 20);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->items[0].data.get(), first);
+  EXPECT_EQ(KeptSnapshotBytes(), 0u);
+  auto written = WriteSnapshot(*second, Path("dst"));
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  EXPECT_TRUE(ReadTestFile(Path("dst/shard.bin")) == Pattern(300000, 7));
+  EXPECT_EQ((*written)[0].crc32c, CrcOf(Pattern(300000, 7)));
+}
+
+TEST_F(SnapshotDirectoryTest, KeptMemoryThatTheNextSnapshotCannotUseIsUnmapped) {
+  WriteTestFile(Path("small/a.bin"), Pattern(5000, 1));
+  WriteTestFile(Path("small/b.bin"), Pattern(6000, 2));
+  WriteTestFile(Path("large/a.bin"), Pattern(200000, 3));
+  { ASSERT_TRUE(SnapshotDirectory(Path("small"), 1 << 20).ok()); }
+  EXPECT_GE(KeptSnapshotBytes(), 11000u);
+
+  auto large = SnapshotDirectory(Path("large"), 1 << 20);  // too large for either kept buffer
+  ASSERT_TRUE(large.ok()) << large.status().ToString();
+  EXPECT_EQ(KeptSnapshotBytes(), 0u);
+}
+
 TEST_F(SnapshotDirectoryTest, AboveTheBudgetIsResourceExhaustedNamingTheSizes) {
   WriteTestFile(Path("src/a.bin"), Pattern(600, 6));
   WriteTestFile(Path("src/b.bin"), Pattern(600, 7));
