@@ -399,7 +399,10 @@ def main() -> None:
     session._require("report").flush()  # queued reports go before done
     sys.stdout.flush()
     sys.stderr.flush()
-    client.send_done("{}")
+    try:
+        client.send_done("{}")  # returns once the controller's host has it
+    except OSError as e:  # not taken within its timeout: the controller is stuck or gone
+        sys.stderr.write(f"jaxtrain worker: the controller did not take the done message: {e}\n")
     try:
         jax.distributed.shutdown()
     except Exception as e:  # a peer already gone; nothing left to coordinate

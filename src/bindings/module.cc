@@ -361,8 +361,23 @@ class PyWorkerClient {
     Check(s);
   }
 
-  void SendError(const std::string& json) { Check(client_->SendError(json)); }
-  void SendDone(const std::string& json) { Check(client_->SendDone(json)); }
+  // Both wait until the controller's host has acknowledged them (up to 10 s).
+  void SendError(std::string_view json) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->SendError(json);
+    }
+    Check(s);
+  }
+  void SendDone(std::string_view json) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->SendDone(json);
+    }
+    Check(s);
+  }
   void WatchController(int exit_code) { client_->WatchController(exit_code); }
   void Stop() {
     nb::gil_scoped_release release;

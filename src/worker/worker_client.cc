@@ -1,7 +1,9 @@
 #include "worker/worker_client.h"
 
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,6 +69,9 @@ StatusOr<std::string> TakeRunSecret() {
 namespace {
 
 constexpr size_t kMaxRefusalSize = 256;  // a kRefused body: one line of reason
+// How long a last frame waits to be acknowledged (SendLast): a controller that reads nothing for
+// this long is stuck or gone, and the worker ends anyway.
+constexpr std::chrono::seconds kLastFrameTimeout{10};
 
 std::string Millis(Duration d) {
   return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) + " ms";
@@ -246,11 +251,28 @@ Status WorkerClient::WaitCheckpointsSettled() {
 }
 
 Status WorkerClient::SendError(std::string_view json) {
-  return Send(wire::MessageType::kError, json);
+  return SendLast(wire::MessageType::kError, json);
 }
 
 Status WorkerClient::SendDone(std::string_view json) {
-  return Send(wire::MessageType::kDone, json);
+  return SendLast(wire::MessageType::kDone, json);
+}
+
+Status WorkerClient::SendLast(wire::MessageType type, std::string_view body) {
+  JT_RETURN_IF_ERROR(Send(type, body));
+  // The kernel's send queue (SIOCOUTQ) holds what the peer has not acknowledged; there is no
+  // event for it becoming empty, so it is looked at every millisecond.
+  const auto deadline = std::chrono::steady_clock::now() + kLastFrameTimeout;
+  for (;;) {
+    int unacknowledged = 0;
+    if (ioctl(fd_, SIOCOUTQ, &unacknowledged) != 0 || unacknowledged == 0) return OkStatus();
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return DeadlineExceededError("the controller did not take the worker's last " +
+                                   std::to_string(unacknowledged) + " bytes within " +
+                                   Millis(kLastFrameTimeout));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void WorkerClient::WatchController(int exit_code) {

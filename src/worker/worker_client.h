@@ -77,6 +77,11 @@ class WorkerClient {
   // WatchController(), which reads the notices. Errors: kUnavailable when the connection ends
   // first.
   Status WaitCheckpointsSettled();
+  // The last frames a worker sends: each returns once the controller's host has acknowledged
+  // every byte sent so far (at most 10 s), so that the process may end at once.
+  // Ending with a notice unread resets the connection, and a reset drops what the controller's
+  // TCP has not yet acknowledged (the controller may be busy reading other ranks). Errors: as
+  // Report(); kDeadlineExceeded when the acknowledgement did not come in time.
   Status SendError(std::string_view json);
   Status SendDone(std::string_view json);
 
@@ -92,6 +97,8 @@ class WorkerClient {
   static StatusOr<std::unique_ptr<WorkerClient>> TryConnect(const WorkerClientOptions& o,
                                                             TimePoint deadline);
   Status Send(wire::MessageType type, std::string_view body);
+  // Sends a last frame and waits until all that was sent is acknowledged (SendDone()).
+  Status SendLast(wire::MessageType type, std::string_view body);
   StatusOr<wire::Frame> ReadFrame();
 
   int fd_;

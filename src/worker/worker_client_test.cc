@@ -309,6 +309,28 @@ TEST(WorkerClientTest, SendsAnError) {
   EXPECT_EQ(controller.received[0].body, R"({"message":"boom"})");
 }
 
+TEST(WorkerClientTest, ItsLastFrameReachesABusyControllerThoughItClosesWithANoticeUnread) {
+  // A worker ends right after its last frame, with a notice it never read on its socket: closing
+  // such a socket resets the connection, and a reset drops what the controller's TCP has not yet
+  // acknowledged. The controller here reads 4 KiB at a time, behind a worker that reports 12 MB.
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve({{.type = MessageType::kCheckpointSettled, .body = "release"}});
+  constexpr int kReports = 200;
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    const std::string metrics = R"({"pad":")" + std::string(60000, 'x') + R"("})";
+    for (int round = 1; round <= kReports; ++round) {
+      ASSERT_TRUE((*client)->Report(static_cast<uint64_t>(round), metrics).ok());
+    }
+    ASSERT_TRUE((*client)->SendDone("{}").ok());
+  }
+  controller.Join();
+  ASSERT_EQ(controller.received.size(), kReports + 1u);
+  EXPECT_EQ(controller.received.back().type, MessageType::kDone);
+}
+
 TEST(WorkerClientTest, WaitStartReturnsTheStartMessageAndThePayload) {
   const std::string secret = wire::GenerateSecret();
   const std::string start = R"({"coordinator":"127.0.0.1:1234","world_size":4})";
