@@ -55,13 +55,16 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -108,8 +111,10 @@ double StatusMb(const std::string& field) {
 // Starts the controller's one-rank specs as fake_worker_pool processes of `per_process` ranks.
 class PoolLauncher : public launch::Launcher {
  public:
-  PoolLauncher(int per_process, std::string times_file)
-      : per_process_(per_process), times_file_(std::move(times_file)) {}
+  PoolLauncher(int per_process, std::string times_file, std::string barrier_dir)
+      : per_process_(per_process),
+        times_file_(std::move(times_file)),
+        barrier_dir_(std::move(barrier_dir)) {}
 
   StatusOr<std::vector<launch::LaunchedProcess>> Launch(
       const std::vector<launch::ProcessSpec>& specs) override {
@@ -122,6 +127,8 @@ class PoolLauncher : public launch::Launcher {
       pool.env["FAKE_FIRST_RANK"] = std::to_string(first);
       pool.env["FAKE_RANK_COUNT"] = std::to_string(count);
       pool.env["FAKE_TIMES_FILE"] = times_file_;
+      pool.env["FAKE_STARTED_FIFO"] = barrier_dir_ + "/started";
+      pool.env["FAKE_GO_FIFO"] = barrier_dir_ + "/go";
       pools.push_back(std::move(pool));
     }
     return local_.Launch(pools);
@@ -131,7 +138,55 @@ class PoolLauncher : public launch::Launcher {
  private:
   int per_process_;
   std::string times_file_;
+  std::string barrier_dir_;
   launch::LocalLauncher local_;
+};
+
+// The fake processes start reporting together, once every one of them holds its ranks' starts:
+// reports of the first processes must not take the CPU from those still starting (on a cluster
+// they run on other hosts), or the rendezvous would measure this machine's two cores. Each process
+// writes a byte to the FIFO `started` when it holds its starts and then reads the FIFO `go` until
+// it ends, which it does once Release() closes the only writer.
+class StartBarrier {
+ public:
+  // Errors: kInternal when the FIFOs cannot be made in `dir`.
+  static StatusOr<std::unique_ptr<StartBarrier>> Create(const std::string& dir, int processes) {
+    for (const char* name : {"/started", "/go"}) {
+      if (mkfifo((dir + name).c_str(), 0600) != 0) {
+        return ErrnoError("cannot make the FIFO " + dir + name, errno);
+      }
+    }
+    // Read-write opens never block; holding `go` open for writing keeps its readers waiting.
+    int started = open((dir + "/started").c_str(), O_RDWR | O_CLOEXEC);
+    int go = open((dir + "/go").c_str(), O_RDWR | O_CLOEXEC);
+    if (started < 0 || go < 0) return ErrnoError("cannot open the FIFOs in " + dir, errno);
+    return std::unique_ptr<StartBarrier>(new StartBarrier(started, go, processes));
+  }
+  ~StartBarrier() {
+    stop_ = true;
+    thread_.join();
+    close(started_);
+    if (go_ >= 0) close(go_);
+  }
+
+ private:
+  StartBarrier(int started, int go, int processes) : started_(started), go_(go) {
+    thread_ = std::thread([this, processes] {
+      for (int seen = 0; seen < processes && !stop_;) {
+        pollfd p{started_, POLLIN, 0};
+        char bytes[256];
+        // The timeout only lets the destructor end a run whose processes never all started.
+        if (poll(&p, 1, 100) == 1) seen += std::max<int>(0, read(started_, bytes, sizeof(bytes)));
+      }
+      close(go_);  // every process reads the end of `go` and reports
+      go_ = -1;
+    });
+  }
+
+  const int started_;
+  int go_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 struct Sample {
@@ -188,9 +243,11 @@ int Run(const Load& load, double progress_timeout_s, const std::string& fake) {
       std::chrono::duration_cast<Duration>(std::chrono::duration<double>(progress_timeout_s));
 
   const std::string times_file = dir + "/times.jsonl";
+  auto barrier = StartBarrier::Create(dir, load.processes());
+  if (!barrier.ok()) return Misuse(barrier.status().ToString());
   const double rss_before = StatusMb("VmRSS");
-  controller::Controller controller(std::move(options),
-                                    std::make_unique<PoolLauncher>(load.per_process, times_file));
+  controller::Controller controller(
+      std::move(options), std::make_unique<PoolLauncher>(load.per_process, times_file, dir));
   std::vector<Sample> samples;
   samples.reserve(100000);
   const double t_start = UnixNow();

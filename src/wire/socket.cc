@@ -1,5 +1,6 @@
 #include "wire/socket.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -33,6 +34,35 @@ StatusOr<std::unique_ptr<addrinfo, AddrInfoDeleter>> Resolve(const std::string& 
     return UnavailableError("cannot resolve host '" + host + "': " + gai_strerror(rc));
   }
   return std::unique_ptr<addrinfo, AddrInfoDeleter>(result);
+}
+
+// Binds `fd` to the local address `source` of `family`, its port left to connect() (so that the
+// port is chosen for the 4-tuple, not reserved for the address alone).
+Status BindSource(int fd, int family, const std::string& source) {
+  const std::string what = "the source address '" + source + "'";
+  int one = 1;
+  setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  if (family == AF_INET) {
+    auto* in = reinterpret_cast<sockaddr_in*>(&addr);
+    in->sin_family = AF_INET;
+    if (inet_pton(AF_INET, source.c_str(), &in->sin_addr) != 1) {
+      return InvalidArgumentError(what + " is not an IPv4 address");
+    }
+    len = sizeof(sockaddr_in);
+  } else {
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(&addr);
+    in6->sin6_family = AF_INET6;
+    if (inet_pton(AF_INET6, source.c_str(), &in6->sin6_addr) != 1) {
+      return InvalidArgumentError(what + " is not an IPv6 address");
+    }
+    len = sizeof(sockaddr_in6);
+  }
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    return InvalidArgumentError("cannot connect from " + what + ": " + std::strerror(errno));
+  }
+  return OkStatus();
 }
 
 }  // namespace
@@ -106,7 +136,7 @@ StatusOr<int> Listen(const std::string& host, int port, int* bound_port) {
                           std::strerror(last_errno));
 }
 
-StatusOr<int> Connect(const HostPort& address, Duration timeout) {
+StatusOr<int> Connect(const HostPort& address, Duration timeout, const std::string& source) {
   JT_ASSIGN_OR_RETURN(auto ai, Resolve(address.host, address.port, /*passive=*/false));
   int last_errno = ECONNREFUSED;
   for (addrinfo* a = ai.get(); a != nullptr; a = a->ai_next) {
@@ -114,6 +144,13 @@ StatusOr<int> Connect(const HostPort& address, Duration timeout) {
     if (fd < 0) {
       last_errno = errno;
       continue;
+    }
+    if (!source.empty()) {
+      Status bound = BindSource(fd, a->ai_family, source);
+      if (!bound.ok()) {
+        close(fd);
+        return bound;
+      }
     }
     int rc = connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {

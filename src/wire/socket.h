@@ -24,9 +24,11 @@ StatusOr<HostPort> ParseHostPort(std::string_view text);
 // port. Errors: kUnavailable when the address cannot be bound.
 StatusOr<int> Listen(const std::string& host, int port, int* bound_port);
 
-// A blocking connected socket with TCP_NODELAY. Errors: kUnavailable when the peer refuses or
-// cannot be reached, kDeadlineExceeded when `timeout` passes first.
-StatusOr<int> Connect(const HostPort& address, Duration timeout);
+// A blocking connected socket with TCP_NODELAY, from the local address `source` (a numeric
+// address; empty: the system's choice), its port chosen by the system. Errors: kUnavailable when
+// the peer refuses or cannot be reached, kDeadlineExceeded when `timeout` passes first,
+// kInvalidArgument when `source` is not a local address of the peer's family.
+StatusOr<int> Connect(const HostPort& address, Duration timeout, const std::string& source = "");
 
 // Writes all of `data` to a blocking socket. Errors: kUnavailable when the peer is gone.
 Status WriteAll(int fd, std::string_view data);

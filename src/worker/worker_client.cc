@@ -106,7 +106,7 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const WorkerClient
 StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerClientOptions& o,
                                                                  TimePoint deadline) {
   const Duration left = deadline - std::chrono::steady_clock::now();
-  JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, left));
+  JT_ASSIGN_OR_RETURN(int fd, wire::Connect(o.controller, left, o.source_address));
   std::unique_ptr<WorkerClient> client(new WorkerClient(fd));
   // Bound the handshake: a silent peer must not hold the worker forever. A zero timeval would
   // mean no bound at all, so the microseconds count and the bound is at least one.

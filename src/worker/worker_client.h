@@ -33,6 +33,10 @@ struct WorkerClientOptions {
   uint32_t rank = 0;
   uint32_t attempt = 0;
   Duration timeout = std::chrono::seconds(60);  // connect, handshake
+  // The local address to connect from (numeric); empty: the system's choice. The scale
+  // benchmark's fake hosts each take one of 127/8, as ranks on different hosts have addresses of
+  // their own.
+  std::string source_address;
 };
 
 // The run's secret (raw bytes) where the launcher put it for this process: the inherited pipe

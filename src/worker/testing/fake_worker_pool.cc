@@ -1,7 +1,9 @@
 // fake_worker_pool: many fake ranks in one process, for the controller's scale benchmark
 // (bench/scale_controller.cc). Each rank is one real WorkerClient connection, without JAX or
-// Python; the process runs them one after the other, so thousands of ranks need only a few
-// processes.
+// Python, so thousands of ranks need only a few processes. Each process plays one host, with a
+// loopback address of its own; its ranks connect, authenticate and register from kConnectThreads
+// threads at once, as real workers, each a process, do in parallel; their reports are then sent
+// one rank after the other.
 //
 //   fake_worker_pool <rounds> <rounds_per_second>
 //
@@ -16,6 +18,9 @@
 //   FAKE_TIMES_FILE                   where the process appends one JSON line of its times
 //                                     (CLOCK_REALTIME seconds): spawned, registered (every rank),
 //                                     started (every rank), first_report, last_report
+//   FAKE_STARTED_FIFO, FAKE_GO_FIFO   optional: once the process holds every start it writes a
+//                                     byte to the first and reads the second until it ends, and
+//                                     only then reports (the benchmark's start barrier)
 // The process dies with its parent (PR_SET_PDEATHSIG), which is the controller's process.
 // Exit codes: 0 done; 2 misuse or an unexpected error.
 #include <fcntl.h>
@@ -39,6 +44,7 @@ namespace jaxtrain::worker {
 namespace {
 
 constexpr int kExitMisuse = 2;
+constexpr int kConnectThreads = 16;
 
 int Misuse(const std::string& why) {
   std::fprintf(stderr, "fake_worker_pool: %s\n", why.c_str());
@@ -71,19 +77,52 @@ int Run(int rounds, double rounds_per_second) {
   options.controller = *controller;
   options.secret = *key;
   options.attempt = static_cast<uint32_t>(EnvInt("JAXTRAIN_ATTEMPT", 0));
+  // Each process is a host of its own, with an address of its own on loopback (127.1.x.y), so
+  // that its ranks' connections need no ephemeral port that another process's use: from one
+  // address, the kernel's search for a free port among 16k connections to the same port took
+  // most of the benchmark's CPU (perf: __inet_check_established).
+  const int host_index = count > 0 ? first / count : 0;
+  options.source_address =
+      "127.1." + std::to_string(host_index / 200) + "." + std::to_string(host_index % 200 + 2);
 
+  // Opened before anything else, while the benchmark holds it open for writing: a read then
+  // waits for the benchmark's go (the end of the FIFO) however late this process gets there.
+  int go = -1;
+  if (const char* path = std::getenv("FAKE_GO_FIFO")) {
+    go = open(path, O_RDONLY | O_CLOEXEC);
+    if (go < 0 || std::getenv("FAKE_STARTED_FIFO") == nullptr) {
+      return Misuse("FAKE_GO_FIFO cannot be opened, or FAKE_STARTED_FIFO is not set");
+    }
+  }
   char host[256] = "";
   gethostname(host, sizeof(host) - 1);
-  std::vector<std::unique_ptr<WorkerClient>> clients;
-  for (int rank = first; rank < first + count; ++rank) {
-    options.rank = static_cast<uint32_t>(rank);
-    auto client = WorkerClient::Connect(options);
-    if (!client.ok()) return Misuse(client.status().ToString());
-    nlohmann::json registration = {{"host", host}, {"pid", getpid()}};
-    if (rank == 0) registration["coordinator"] = "127.0.0.1:1";
-    Status s = (*client)->Register(registration.dump());
+  std::vector<std::unique_ptr<WorkerClient>> clients(static_cast<size_t>(count));
+  std::vector<Status> errors(kConnectThreads);
+  std::vector<std::thread> connecting;
+  for (int t = 0; t < kConnectThreads; ++t) {
+    connecting.emplace_back([&, t, options]() mutable {
+      for (int i = t; i < count; i += kConnectThreads) {
+        const int rank = first + i;
+        options.rank = static_cast<uint32_t>(rank);
+        auto client = WorkerClient::Connect(options);
+        if (!client.ok()) {
+          errors[static_cast<size_t>(t)] = client.status();
+          return;
+        }
+        nlohmann::json registration = {{"host", host}, {"pid", getpid()}};
+        if (rank == 0) registration["coordinator"] = "127.0.0.1:1";
+        Status s = (*client)->Register(registration.dump());
+        if (!s.ok()) {
+          errors[static_cast<size_t>(t)] = s;
+          return;
+        }
+        clients[static_cast<size_t>(i)] = std::move(*client);
+      }
+    });
+  }
+  for (auto& thread : connecting) thread.join();
+  for (const Status& s : errors) {
     if (!s.ok()) return Misuse(s.ToString());
-    clients.push_back(std::move(*client));
   }
   const double registered = UnixNow();
   for (auto& client : clients) {
@@ -91,6 +130,15 @@ int Run(int rounds, double rounds_per_second) {
     if (!start.ok()) return Misuse(start.status().ToString());
   }
   const double started = UnixNow();
+  if (go >= 0) {
+    int fifo = open(std::getenv("FAKE_STARTED_FIFO"), O_WRONLY | O_CLOEXEC);
+    if (fifo < 0 || write(fifo, "s", 1) != 1) return Misuse("cannot write FAKE_STARTED_FIFO");
+    close(fifo);
+    char byte;
+    while (read(go, &byte, 1) > 0) {
+    }
+    close(go);
+  }
 
   using Clock = std::chrono::steady_clock;
   const auto begin = Clock::now();
