@@ -38,6 +38,7 @@ Status FailedPreconditionError(std::string m) {
   return {StatusCode::kFailedPrecondition, std::move(m)};
 }
 Status UnavailableError(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
+Status CancelledError(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
 Status AbortedError(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
 Status DeadlineExceededError(std::string m) {
   return {StatusCode::kDeadlineExceeded, std::move(m)};

@@ -55,6 +55,7 @@ class [[nodiscard]] Status {
 };
 
 inline Status OkStatus() { return Status(); }
+Status CancelledError(std::string message);
 Status InvalidArgumentError(std::string message);
 Status FailedPreconditionError(std::string message);
 Status UnavailableError(std::string message);

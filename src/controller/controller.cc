@@ -881,6 +881,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     if (!restore) return false;
     ++attempt;
     Status s = StartAttempt(std::move(*restore));
+    if (!s.ok() && TakeAbortRequest(/*counts=*/true)) {
+      // Stopped while the group started (Abort() interrupts the launcher): the run is aborted,
+      // not failed, and this attempt never ran.
+      attempt_log.push_back(AttemptState("ABORTED"));
+      return false;
+    }
     if (!s.ok()) {
       Say("cannot restart the worker group: " + s.message());
       failures.push_back({.rank = -1,
@@ -1159,6 +1165,8 @@ void Controller::Abort(std::string reason) {
     if (abort_reason_.empty()) abort_reason_ = std::move(reason);
   }
   abort_requested_ = true;
+  // A restart may be starting its group on the loop's thread: the launcher cuts that short.
+  launcher_->Interrupt();
   uint64_t one = 1;
   // Fails only when the counter would overflow, which leaves it readable: no wake-up is lost.
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));

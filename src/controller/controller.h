@@ -153,8 +153,9 @@ class Controller {
   // Waits up to `timeout` for the outcome; true once it is final.
   bool Wait(Duration timeout);
 
-  // Ends the run: every worker is terminated. Thread-safe; the outcome becomes kAborted unless the
-  // run had already ended.
+  // Ends the run: every worker is terminated; a restart whose group is being started is cut short
+  // (Launcher::Interrupt). Thread-safe; the outcome becomes kAborted unless the run had already
+  // ended.
   void Abort(std::string reason);
 
   // The final outcome; call only after Wait() returned true.

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -30,14 +31,20 @@ using namespace std::chrono_literals;
 
 constexpr auto kNoHang = 30s;  // bounds every wait, so that a bug fails a test instead of hanging
 
-// The processes are FakeProcesses': this launcher is never asked to start any.
+// The processes are FakeProcesses': this launcher is never asked to start any. It counts the
+// controller's interrupts (Abort()).
 class UnusedLauncher : public launch::Launcher {
  public:
+  explicit UnusedLauncher(std::atomic<int>& interrupts) : interrupts_(interrupts) {}
   StatusOr<std::vector<launch::LaunchedProcess>> Launch(
       const std::vector<launch::ProcessSpec>&) override {
     return InternalError("the fake worker group launches nothing");
   }
   Status SignalGroup(int) override { return InternalError("the fake worker group signals"); }
+  void Interrupt() override { ++interrupts_; }
+
+ private:
+  std::atomic<int>& interrupts_;
 };
 
 class ControllerStateTest : public testing::Test {
@@ -68,7 +75,7 @@ class ControllerStateTest : public testing::Test {
 
   std::unique_ptr<Controller> Start(ControllerOptions options) {
     auto controller = std::make_unique<Controller>(
-        std::move(options), std::make_unique<UnusedLauncher>(), clock_,
+        std::move(options), std::make_unique<UnusedLauncher>(interrupts_), clock_,
         ControllerSeams{.open_port = ranks_.Opener(), .make_group = processes_.Maker()});
     Status s = controller->Start();
     EXPECT_TRUE(s.ok()) << s.ToString();
@@ -143,6 +150,7 @@ class ControllerStateTest : public testing::Test {
   }
 
   std::string dir_;
+  std::atomic<int> interrupts_{0};  // Launcher::Interrupt() calls
   FakeClock clock_;
   FakeConnections ranks_;
   FakeProcesses processes_;
@@ -350,6 +358,33 @@ TEST_F(ControllerStateTest, AnAbortWhileRanksAreStartingStopsTheGroupWithoutARes
   EXPECT_EQ(processes_.starts(), 1);
   EXPECT_GE(processes_.signals(SIGTERM), 1);
   EXPECT_EQ(RunState()["status"], "ABORTED");
+}
+
+TEST_F(ControllerStateTest, AnAbortWhileARestartStartsItsGroupEndsTheRunAbortedNotFailed) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 3;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  // Ctrl-C while the launcher starts the restart's group: Abort() interrupts it, and the
+  // interrupted launch fails as SshLauncher's does.
+  processes_.OnNextStart([&] {
+    controller->Abort("interrupted by the user");
+    return interrupts_ > 0 ? CancelledError("the run is being stopped") : OkStatus();
+  });
+  Raise(0, "boom");
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kAborted);
+  EXPECT_EQ(out.abort_reason, "interrupted by the user");
+  EXPECT_EQ(interrupts_, 1);
+  ASSERT_EQ(out.failures.size(), 1u);  // the exception; the interrupted start is no failure
+  EXPECT_EQ(out.failures[0].cause, FailureCause::kException);
+  EXPECT_EQ(processes_.starts(), 1);
+  json state = RunState();
+  EXPECT_EQ(state["status"], "ABORTED");
+  ASSERT_EQ(state["attempts"].size(), 2u);
+  EXPECT_EQ(state["attempts"][1]["status"], "ABORTED");
 }
 
 TEST_F(ControllerStateTest, AnExitWithoutAFailureAfterEveryRankReturnedSucceeds) {

@@ -87,6 +87,12 @@ class Launcher {
 
   // What the last calls did that the run's log should say (standbys used or lost), once each.
   virtual std::vector<std::string> TakeNotes() { return {}; }
+
+  // The run is being stopped: a Launch() in progress on another thread ends soon with kCancelled,
+  // as does every later one, leaving nothing running. Thread-safe. The default does nothing: a
+  // launcher whose Launch() only spawns processes ends soon anyway (SshLauncher's probe waits for
+  // the hosts, up to its timeout, and is cut short).
+  virtual void Interrupt() {}
 };
 
 // One command for a whole group (a launcher for a cluster engine starts every rank the same way):

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -346,9 +347,25 @@ StatusOr<std::string> SshHostName(const std::vector<std::string>& ssh, const std
 
 // --- SshLauncher --------------------------------------------------------------------------------
 
-SshLauncher::SshLauncher(SshLauncherOptions options) : options_(std::move(options)) {}
+SshLauncher::SshLauncher(SshLauncherOptions options)
+    : options_(std::move(options)), interrupt_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
 
-SshLauncher::~SshLauncher() { CloseInputs(); }
+SshLauncher::~SshLauncher() {
+  CloseInputs();
+  if (interrupt_fd_ >= 0) close(interrupt_fd_);
+}
+
+void SshLauncher::Interrupt() {
+  uint64_t one = 1;
+  // Fails only when the counter would overflow, which leaves it readable: nothing is lost.
+  if (interrupt_fd_ < 0) return;
+  [[maybe_unused]] ssize_t n = write(interrupt_fd_, &one, sizeof(one));
+}
+
+bool SshLauncher::Interrupted() const {
+  pollfd p{interrupt_fd_, POLLIN, 0};
+  return interrupt_fd_ >= 0 && poll(&p, 1, 0) == 1;
+}
 
 void SshLauncher::CloseInputs() {
   for (int fd : inputs_) close(fd);
@@ -388,6 +405,7 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
     probes.push_back({target, *spawned});
   }
   const auto deadline = std::chrono::steady_clock::now() + options_.probe_timeout;
+  bool interrupted = false;
   for (;;) {
     std::vector<pollfd> fds;
     for (auto& p : probes) {
@@ -397,7 +415,12 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) break;
+    fds.push_back({interrupt_fd_, POLLIN, 0});  // ignored by poll() when -1
     poll(fds.data(), fds.size(), static_cast<int>(left.count()));
+    if (fds.back().revents != 0) {
+      interrupted = true;  // every probe still running is killed below
+      break;
+    }
     for (auto& p : probes) {
       if (!p.open) continue;
       char buf[4096];
@@ -440,6 +463,9 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
                                HintFor(said, p.target));
     }
   }
+  if (interrupted) {
+    return CancelledError("the run is being stopped: the hosts were not probed to the end");
+  }
   if (!error.ok()) return error;
   if (!late.empty()) {
     std::string names;
@@ -456,6 +482,7 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
 StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<ProcessSpec>& specs) {
   CloseInputs();
   pgid_ = 0;
+  if (Interrupted()) return CancelledError("the run is being stopped: no workers are started");
   if (specs.empty()) return InvalidArgumentError("no processes to launch");
   for (const auto& spec : specs) {
     if (spec.ranks.size() != 1) {

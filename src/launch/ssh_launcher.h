@@ -108,11 +108,19 @@ class SshLauncher : public Launcher {
   // see their stdin end and kill their workers.
   Status SignalGroup(int signal) override;
 
+  // Cuts a probe in progress short (its ssh processes are killed and reaped): Launch() returns
+  // kCancelled, now and from then on. Thread-safe.
+  void Interrupt() override;
+
  private:
   Status Probe(const std::vector<ProcessSpec>& specs);
   void CloseInputs();
+  bool Interrupted() const;
 
   SshLauncherOptions options_;
+  // Readable once Interrupt() was called (an eventfd; -1 when none could be made, and then a
+  // probe runs to its end).
+  const int interrupt_fd_;
   pid_t pgid_ = 0;
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
 };

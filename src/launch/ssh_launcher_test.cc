@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "launch/process.h"
 #include "launch/slurm_launcher.h"
@@ -146,6 +147,9 @@ class FakeSshTest : public ::testing::Test {
                                "target=$1; shift\n"
                                "if [ \"$target\" = down ]; then echo \"ssh: connect to host down "
                                "port 22: Connection refused\" >&2; exit 255; fi\n"
+                               "if [ \"$target\" = silent ]; then echo $$ > " +
+                               (dir_ / "silent").string() +
+                               "; exec sleep 300; fi\n"
                                "exec sh -c \"$*\"\n";
     chmod(ssh_.c_str(), 0755);
   }
@@ -267,6 +271,33 @@ TEST_F(FakeSshTest, AWorkerKilledBySignalIsReportedAs128PlusTheSignal) {
   const auto& p = launched->front();
   EXPECT_TRUE(Contains(ReadOutput(p), "the worker on h1 was killed by signal 9 (SIGKILL)"));
   EXPECT_EQ(Finish(p).exit_code, 128 + 9);
+}
+
+TEST_F(FakeSshTest, AnInterruptCutsAProbeShortAndLeavesNoSshBehind) {
+  // "silent" is a host that never answers; the fake ssh tells its pid through a FIFO.
+  const std::string fifo = (dir_ / "silent").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const int said = open(fifo.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(said, 0);
+  SshLauncher launcher(
+      {.ssh = {ssh_}, .targets = {"h1", "silent"}, .probe_timeout = std::chrono::seconds(300)});
+  StatusOr<std::vector<LaunchedProcess>> launched = InternalError("Launch() did not return");
+  std::thread launching([&] {
+    launched = launcher.Launch({Python(0, "pass"), Python(1, "pass")});
+  });
+  pollfd p{said, POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 60'000), 1) << "the probe of the silent host did not start";
+  char pid_text[32] = {};
+  ASSERT_GT(read(said, pid_text, sizeof(pid_text) - 1), 0);
+  launcher.Interrupt();
+  launching.join();
+  close(said);
+
+  EXPECT_EQ(launched.status().code(), StatusCode::kCancelled) << launched.status().ToString();
+  const std::string state = testing::SettledState(std::atoi(pid_text));
+  EXPECT_TRUE(state.empty()) << "the probe's ssh is still there: " << state;
+  // And from then on, nothing is started.
+  EXPECT_EQ(launcher.Launch({Python(0, "pass")}).status().code(), StatusCode::kCancelled);
 }
 
 TEST_F(FakeSshTest, WhenTheLauncherGoesItsWorkersAndTheirChildrenGoToo) {

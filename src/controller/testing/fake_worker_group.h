@@ -72,6 +72,12 @@ class FakeProcesses {
     failing_starts_ = count;
     start_error_ = std::move(why);
   }
+  // The next start runs `hook` on the controller's loop thread, where a launcher's Launch()
+  // runs, and fails with what it returns unless that is OK.
+  void OnNextStart(std::function<Status()> hook) EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    next_start_ = std::move(hook);
+  }
   // SIGTERM leaves the processes running; only SIGKILL ends them.
   void IgnoreSigterm() EXCLUDES(mu_) {
     MutexLock lock(mu_);
@@ -127,6 +133,13 @@ class FakeProcesses {
 
   // A start: fails as told, or counts and keeps `specs`.
   Status Start(const std::vector<launch::ProcessSpec>& specs) EXCLUDES(mu_) {
+    std::function<Status()> hook;
+    {
+      MutexLock lock(mu_);
+      hook = std::move(next_start_);
+      next_start_ = nullptr;
+    }
+    if (hook) JT_RETURN_IF_ERROR(hook());  // without the lock: it may call into the controller
     MutexLock lock(mu_);
     if (failing_starts_ > 0) {
       --failing_starts_;
@@ -179,6 +192,7 @@ class FakeProcesses {
   int failing_starts_ GUARDED_BY(mu_) = 0;
   Status start_error_ GUARDED_BY(mu_);
   bool ignore_sigterm_ GUARDED_BY(mu_) = false;
+  std::function<Status()> next_start_ GUARDED_BY(mu_);
 };
 
 // The group the controller owns: which ranks' processes run is the loop's state.
