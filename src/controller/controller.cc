@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <deque>
 
 #include "base/fd_io.h"
 #include "base/open_files.h"
@@ -24,6 +23,7 @@
 #include "controller/rank_output.h"
 #include "controller/report_collector.h"
 #include "controller/restore_verifier.h"
+#include "controller/round_recorder.h"
 #include "controller/status_line.h"
 #include "controller/watchdog.h"
 #include "controller/worker_group.h"
@@ -48,12 +48,6 @@ size_t TerminalWidth(int fd) {
   winsize ws{};
   if (ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
   return 100;
-}
-
-std::string DefaultCheckpointName(uint64_t round) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "checkpoint_%06llu", static_cast<unsigned long long>(round));
-  return buf;
 }
 
 // How many processes the kernel's out-of-memory killer has killed since boot. A SIGKILL that the
@@ -83,7 +77,7 @@ std::string_view OutcomeStateName(Outcome::State state) {
 }
 
 // All state of a running attempt; touched only by the event-loop thread.
-struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
+struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRecorder::Delegate {
   enum class Phase { kStarting, kRunning, kStopping, kDraining };
 
   struct RankState {
@@ -97,7 +91,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
       : ctl(c),
         opts(c.options_),
         store(std::move(s)),
-        committer(std::move(committer)),
+        recorder(store, std::move(committer), c.clock_, *this),
         collector(WorldSize(c), store.LastRound() + 1),
         policy(c.options_.max_failures, c.options_.max_start_failures),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
@@ -110,14 +104,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
   Controller& ctl;
   const ControllerOptions& opts;
   storage::RunStore store;
-  // Commits checkpoints off this thread, one at a time (checkpoint_committer.h). Rounds are
-  // recorded in order: while a commit is in flight, the round it belongs to is `committing` and
-  // rounds completed after it wait in `unrecorded`.
-  std::unique_ptr<CheckpointCommitter> committer;
+  // Records completed rounds in order, committing their checkpoints off this thread, one at a
+  // time (round_recorder.h).
+  RoundRecorder recorder;
   std::unique_ptr<RestoreVerifier> verifier;  // set by Start()
-  std::optional<Round> committing;
-  std::deque<Round> unrecorded;
-  bool checkpoints_released = false;  // this attempt's ranks were told no commit is ahead
+  bool checkpoints_released = false;          // this attempt's ranks were told no commit is ahead
   ReportCollector collector;
   FailurePolicy policy;
   Watchdog watchdog;  // this attempt's progress watchdog
@@ -315,7 +306,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
         Status s = wire::DecodeReportBody(f.body, &round, &metrics);
         if (!s.ok()) return ProtocolError(rank, s.message());
         watchdog.Progress(rank);
-        for (Round& done : collector.Add(rank, metrics)) Record(std::move(done));
+        for (Round& done : collector.Add(rank, metrics)) recorder.Add(std::move(done));
         return;
       }
       case MessageType::kReportCheckpoint: {
@@ -349,7 +340,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
         watchdog.Progress(rank);
         for (Round& done : collector.Add(rank, metrics, std::move(part))) {
-          Record(std::move(done));
+          recorder.Add(std::move(done));
         }
         return;
       }
@@ -419,119 +410,24 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
   }
 
-  // Records a completed round in order: one with a checkpoint is committed first, in the
-  // background (OnCommitted() records it), and rounds after it wait for that.
-  void Record(Round round) {
-    if (committing || !unrecorded.empty()) {
-      unrecorded.push_back(std::move(round));
-      return;
-    }
-    RecordOrCommit(std::move(round));
-  }
+  // --- rounds (round_recorder.h) ---------------------------------------------------------
 
-  // The next round in order: recorded now, or, with a checkpoint, handed to the committer.
-  void RecordOrCommit(Round round) {
-    if (round.checkpoints.empty()) return RecordRound(round, "");
-    StatusOr<CheckpointCommitter::Job> job = CommitJob(round);
-    Status submitted = job.ok() ? committer->Submit(*std::move(job)) : job.status();
-    if (!submitted.ok()) {
-      SettleCheckpoints(round);
-      return CommitFailed(round, submitted);
-    }
-    committing = std::move(round);
-  }
-
-  // The committer's commit has ended: the round is recorded, its ranks may snapshot their next
-  // checkpoints, and the rounds that waited for it are recorded (or the next one committed).
-  void OnCommitted() {
-    std::optional<CheckpointCommitter::Result> result = committer->TakeResult();
-    if (!result) return;
-    Round round = *std::move(committing);
-    committing.reset();
-    SettleCheckpoints(round);
-    for (const auto& w : result->warnings) Say(w);
-    if (!result->record.ok()) {
-      CommitFailed(round, result->record.status());
-    } else {
-      const std::string committed = result->record->dir_name;
-      if (!result->index.ok()) {
-        // The directory is committed (complete, with its manifest) and the next start adds it
-        // back to the index; say exactly that, record the round, and stop the run.
-        // No status code: a restart could not see the checkpoint, so this is never retried.
-        Fail({.rank = round.checkpoints.front().staged.rank,
-              .cause = FailureCause::kCheckpoint,
-              .message = "the checkpoint of round " + std::to_string(round.round) +
-                         " is committed as '" + storage::JoinPath(store.dir(), committed) +
-                         "', but the index checkpoints.json could not be updated (" +
-                         result->index.message() +
-                         "); the run stops here, and resuming it by name adds the checkpoint "
-                         "back to the index and restores from it"});
-      }
-      RecordRound(round, committed);
-    }
-    while (!unrecorded.empty() && !committing) {
-      Round next = std::move(unrecorded.front());
-      unrecorded.pop_front();
-      RecordOrCommit(std::move(next));
-    }
-  }
-
-  void CommitFailed(const Round& round, const Status& why) {
-    Fail({.rank = round.checkpoints.front().staged.rank,
-          .cause = FailureCause::kCheckpoint,
-          .status_code = why.code(),
-          .message = "the checkpoint of round " + std::to_string(round.round) +
-                     " could not be committed: " + why.message()});
-  }
-
-  // Tells the ranks that passed a part of the round's checkpoint that its commit has ended: their
-  // next report(checkpoint=) may go on (WorkerClient::WaitCheckpointsSettled()).
-  void SettleCheckpoints(const Round& round) {
-    for (const auto& part : round.checkpoints) {
-      port->Send(part.staged.rank, wire::MessageType::kCheckpointSettled, "settled");
-    }
-  }
-
-  void RecordRound(const Round& round, const std::string& committed) {
-    Status s =
-        store.AppendRound(round.round, ctl.clock_.UnixSeconds(), round.metrics_json, committed);
-    if (!s.ok()) {
-      // A round that is not on disk must not be counted as done: the attempt fails, and a
-      // restart (FailureConfig.max_failures) repeats the round from the latest checkpoint.
-      Fail(StorageFailure(s, "report round " + std::to_string(round.round) +
-                                 " could not be recorded in the run directory: " + s.message()));
-      return;
-    }
+  void OnRecorded(const Round& round, const std::string&) override {
     rounds = round.round;
     last_metrics = round.metrics_json;
     if (attempt_rounds++ == 0) attempt_first_round = Now();
     RefreshStatus();
   }
 
-  // The committer's job for the round's checkpoint. Ranks that ask for different names are at
-  // different steps (e.g. they restored different states): such a round is an error
-  // (kInvalidArgument) and nothing of it is committed.
-  StatusOr<CheckpointCommitter::Job> CommitJob(const Round& round) {
-    std::optional<std::string> name;
-    int name_rank = -1;
-    CheckpointCommitter::Job job{.round = round.round, .metrics_json = round.metrics_json};
-    for (const auto& part : round.checkpoints) {
-      if (part.dir_name && name && *part.dir_name != *name) {
-        return InvalidArgumentError(
-            "rank " + std::to_string(name_rank) + " names it '" + *name + "' and rank " +
-            std::to_string(part.staged.rank) + " '" + *part.dir_name +
-            "': the ranks are at different steps, so their files are not one "
-            "checkpoint and none of them was committed; every rank must call report() "
-            "the same number of times, with the same checkpoint_dir_name");
-      }
-      if (!name && part.dir_name) {
-        name = part.dir_name;
-        name_rank = part.staged.rank;
-      }
-      job.parts.push_back(part.staged);
-    }
-    job.dir_name = name.value_or(DefaultCheckpointName(round.round));
-    return job;
+  // The rank's next report(checkpoint=) may go on (WorkerClient::WaitCheckpointsSettled()).
+  void OnSettled(int rank) override {
+    port->Send(rank, wire::MessageType::kCheckpointSettled, "settled");
+  }
+
+  void OnFailed(RoundFailure f) override {
+    if (f.rank < 0) return Fail(StorageFailure(Status(f.code, f.message), std::move(f.message)));
+    Fail(
+        {.rank = f.rank, .cause = f.cause, .status_code = f.code, .message = std::move(f.message)});
   }
 
   // --- processes -----------------------------------------------------------------------------
@@ -686,7 +582,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     }
     if (kill_deadline) consider(*kill_deadline);
     // Past it, only a commit in flight holds the attempt open: its descriptor wakes the loop.
-    if (drain_deadline && !(committer->busy() && Now() >= *drain_deadline)) {
+    if (drain_deadline && !(recorder.busy() && Now() >= *drain_deadline)) {
       consider(*drain_deadline);
     }
     return next;
@@ -720,20 +616,20 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
       if (!drain_deadline) drain_deadline = Now() + kDrainTime;
       phase = Phase::kDraining;
       // An attempt ends only once its commit in flight has ended and its round is recorded.
-      if ((!OutputsOpen() || Now() >= *drain_deadline) && !committer->busy()) return true;
+      if ((!OutputsOpen() || Now() >= *drain_deadline) && !recorder.busy()) return true;
     }
 
     // Connections before the listener: a hello that has arrived is handled before new
     // connections can push its connection out (Accept()). Connections before processes: a
     // worker's last frames are handled before its exit.
     // A descriptor of -1 (a port without a listener, a clock that moves by itself) is ignored.
-    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},          {port->ready_fd(), POLLIN, 0},
-                    {committer->ready_fd(), POLLIN, 0}, {port->listen_fd(), POLLIN, 0},
-                    {group->ready_fd(), POLLIN, 0},     {ctl.clock_.wake_fd(), POLLIN, 0}};
+    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},        {port->ready_fd(), POLLIN, 0},
+                    {recorder.ready_fd(), POLLIN, 0}, {port->listen_fd(), POLLIN, 0},
+                    {group->ready_fd(), POLLIN, 0},   {ctl.clock_.wake_fd(), POLLIN, 0}};
     if (poll(fds, std::size(fds), PollTimeoutMs(ctl.clock_, NextDeadline())) > 0) {
       if (fds[0].revents != 0) DrainWake();
       if (fds[1].revents != 0) port->OnConnsReady();
-      if (fds[2].revents != 0) OnCommitted();
+      if (fds[2].revents != 0) recorder.OnCommitReady();
       if (fds[3].revents != 0) port->Accept();
       if (fds[4].revents != 0) group->OnReady();
       if (fds[5].revents != 0) ClearWake(ctl.clock_);
@@ -748,8 +644,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
   // The checkpoint the first attempt restores from (RestoreVerifier), chosen on the thread that
   // calls Start(), before the loop runs.
   std::string CheckpointToRestore() {
-    return Chosen(
-        RestoreVerifier::Choose(store.dir(), committer->records(), opts.verify_checksums));
+    return Chosen(RestoreVerifier::Choose(store.dir(), recorder.records(), opts.verify_checksums));
   }
 
   // The directory `chosen` names, its warnings said.
@@ -762,7 +657,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
   // keeps honouring Abort() (no worker is alive and no commit in flight by then); nullopt when
   // the run was aborted meanwhile, the verification cancelled.
   std::optional<std::string> CheckpointToRestoreServingAbort() {
-    Status started = verifier->Start(store.dir(), committer->records(), opts.verify_checksums);
+    Status started = verifier->Start(store.dir(), recorder.records(), opts.verify_checksums);
     if (!started.ok()) return CheckpointToRestore();
     for (;;) {
       pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0}, {verifier->ready_fd(), POLLIN, 0}};
@@ -852,7 +747,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate {
     // The ranks that printed nothing in this attempt get its header now (rank_logs.h).
     WarnLogs(logs.HeadAll());
     if (!failure && !aborted) {
-      for (Round& r : collector.TakeUnmatchedRank0()) Record(std::move(r));
+      for (Round& r : collector.TakeUnmatchedRank0()) recorder.Add(std::move(r));
       std::string mismatch = collector.CountMismatchWarning();
       if (!mismatch.empty()) {
         Say("warning: " + mismatch);

@@ -21,10 +21,11 @@
 //
 // Report rounds: a round is complete when every rank has reported it (ReportCollector); rank 0's
 // metrics are recorded, and the ranks' checkpoints, if any, are committed as one checkpoint
-// (storage/checkpoint.h) before the round is recorded. The commit runs on the CheckpointCommitter's
-// thread (checkpoint_committer.h), never on the loop: rounds that complete meanwhile are recorded
-// after it, in order, and the ranks that passed a part are told when it has ended, which their
-// next report(checkpoint=) waits for (at most one commit in flight). An attempt ends only once its
+// (storage/checkpoint.h) before the round is recorded (RoundRecorder, round_recorder.h). The
+// commit runs on the CheckpointCommitter's thread (checkpoint_committer.h), never on the loop:
+// rounds that complete meanwhile are recorded after it, in order, and the ranks that passed a
+// part are told when it has ended, which their next report(checkpoint=) waits for (at most one
+// commit in flight). An attempt ends only once its
 // commit in flight has ended, so a restart never sweeps a commit's files and the outcome names
 // the last committed checkpoint. Rounds continue across attempts and across runs that resume the
 // same run directory.
