@@ -124,6 +124,13 @@ StatusOr<std::unique_ptr<ControlPort>> ControlPort::Create(int listen_fd, std::s
     close(listen_fd);
     return ErrnoError("cannot create the control port's epoll set", err);
   }
+  // Set once on the listener, which every accepted connection inherits (Linux copies a listening
+  // socket's options to the connections it accepts): no frame waits for Nagle, and a host that
+  // vanishes without closing its connections is noticed in about 10 s. Five system calls fewer
+  // per connection, which the rendezvous of 16k ranks pays 16k times.
+  int one = 1;
+  setsockopt(listen_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  wire::EnableKeepAlive(listen_fd);
   return std::unique_ptr<ControlPort>(new TcpControlPort(listen_fd, epoll_fd, std::move(secret),
                                                          clock, handshake_timeout, delegate));
 }
@@ -167,10 +174,6 @@ void TcpControlPort::Accept() {
         accept4(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;
     while (unproven_count_ >= cap) DropOldestUnproven();
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    // A host that vanishes without closing its connections is noticed in about 10 s.
-    wire::EnableKeepAlive(fd);
     auto conn = std::make_unique<Conn>();
     conn->fd = fd;
     conn->peer = PeerName(addr);
@@ -278,6 +281,9 @@ void TcpControlPort::ReadConn(Conn& c) {
       if (!f->has_value()) break;
       OnFrame(c, **f);
     }
+    // A short read took all there was: what arrives later makes the connection ready again (the
+    // epoll set is level-triggered), so no recv() is spent on learning that nothing is left.
+    if (static_cast<size_t>(n) < sizeof(buf)) return;
   }
 }
 

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -24,6 +25,36 @@ std::string AcceptedFrom(int listen_fd) {
   char text[INET_ADDRSTRLEN] = "";
   inet_ntop(AF_INET, &peer.sin_addr, text, sizeof(text));
   return text;
+}
+
+// The control port sets TCP_NODELAY and keepalive once, on its listener, and relies on this.
+TEST(ListenTest, OptionsSetOnAListenerReachTheConnectionsItAccepts) {
+  int port = 0;
+  auto listener = Listen("127.0.0.1", 0, &port);
+  ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+  int one = 1;
+  ASSERT_EQ(setsockopt(*listener, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)), 0);
+  EnableKeepAlive(*listener);
+  auto client = Connect({"127.0.0.1", port}, 10s);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  pollfd p{*listener, POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 30'000), 1);
+  int accepted = accept4(*listener, nullptr, nullptr, SOCK_CLOEXEC);
+  ASSERT_GE(accepted, 0);
+  auto option = [&](int level, int name) {
+    int value = -1;
+    socklen_t len = sizeof(value);
+    EXPECT_EQ(getsockopt(accepted, level, name, &value, &len), 0);
+    return value;
+  };
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_NODELAY), 1);
+  EXPECT_EQ(option(SOL_SOCKET, SO_KEEPALIVE), 1);
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_KEEPIDLE), 5);
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_KEEPINTVL), 1);
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_KEEPCNT), 5);
+  close(accepted);
+  close(*client);
+  close(*listener);
 }
 
 TEST(ConnectTest, ConnectsFromTheSourceAddressGiven) {
