@@ -356,9 +356,9 @@ SshLauncher::~SshLauncher() {
 }
 
 void SshLauncher::Interrupt() {
+  if (interrupt_fd_ < 0) return;
   uint64_t one = 1;
   // Fails only when the counter would overflow, which leaves it readable: nothing is lost.
-  if (interrupt_fd_ < 0) return;
   [[maybe_unused]] ssize_t n = write(interrupt_fd_, &one, sizeof(one));
 }
 

@@ -16,9 +16,9 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <thread>
 
+#include "base/mutex.h"
 #include "storage/crc32c.h"
 #include "storage/files.h"
 #include "storage/metrics.h"
@@ -345,9 +345,9 @@ namespace {
 
 // Buffers of destroyed snapshots, by size, kept for the next snapshot (SnapshotRelease).
 struct KeptBuffers {
-  std::mutex mu;
-  std::multimap<size_t, char*> free;  // mapping size -> mapping
-  uint64_t bytes = 0;
+  Mutex mu;
+  std::multimap<size_t, char*> free GUARDED_BY(mu);  // mapping size -> mapping
+  uint64_t bytes GUARDED_BY(mu) = 0;
 };
 
 KeptBuffers& Kept() {
@@ -360,7 +360,7 @@ std::unique_ptr<char, SnapshotRelease> TakeBuffer(size_t size) {
   const size_t mapped = std::max<size_t>(size, 1);
   {
     KeptBuffers& kept = Kept();
-    std::lock_guard<std::mutex> lock(kept.mu);
+    MutexLock lock(kept.mu);
     auto it = kept.free.lower_bound(mapped);
     if (it != kept.free.end()) {
       std::unique_ptr<char, SnapshotRelease> buffer(it->second, {.bytes = it->first});
@@ -381,7 +381,7 @@ void DropKeptBuffers() {
   std::multimap<size_t, char*> dropped;
   {
     KeptBuffers& kept = Kept();
-    std::lock_guard<std::mutex> lock(kept.mu);
+    MutexLock lock(kept.mu);
     dropped.swap(kept.free);
     kept.bytes = 0;
   }
@@ -392,14 +392,14 @@ void DropKeptBuffers() {
 
 void SnapshotRelease::operator()(char* p) const {
   KeptBuffers& kept = Kept();
-  std::lock_guard<std::mutex> lock(kept.mu);
+  MutexLock lock(kept.mu);
   kept.free.emplace(bytes, p);
   kept.bytes += bytes;
 }
 
 uint64_t KeptSnapshotBytes() {
   KeptBuffers& kept = Kept();
-  std::lock_guard<std::mutex> lock(kept.mu);
+  MutexLock lock(kept.mu);
   return kept.bytes;
 }
 
