@@ -424,10 +424,13 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     port->Send(rank, wire::MessageType::kCheckpointSettled, "settled");
   }
 
+  // Fail() names the host of a rank's failure; one of the run directory's is this host's.
   void OnFailed(RoundFailure f) override {
-    if (f.rank < 0) return Fail(StorageFailure(Status(f.code, f.message), std::move(f.message)));
-    Fail(
-        {.rank = f.rank, .cause = f.cause, .status_code = f.code, .message = std::move(f.message)});
+    Fail({.rank = f.rank,
+          .host = f.rank < 0 ? HostName() : "",
+          .cause = f.cause,
+          .status_code = f.code,
+          .message = std::move(f.message)});
   }
 
   // --- processes -----------------------------------------------------------------------------

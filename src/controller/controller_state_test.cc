@@ -12,12 +12,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "accelerators/discovery.h"
-#include "config/scaling_config.h"
 #include "controller/controller.h"
+#include "controller/testing/cpu_plan.h"
 #include "controller/testing/fake_control_port.h"
 #include "controller/testing/fake_worker_group.h"
-#include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "wire/frame.h"
 
@@ -57,15 +55,10 @@ class ControllerStateTest : public testing::Test {
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
   ControllerOptions Options(int workers) {
-    auto config = config::ScalingConfig::Create({.num_workers = workers});
-    EXPECT_TRUE(config.ok()) << config.status().ToString();
-    accelerators::FakeHost host;
-    auto plan = placement::PlanLocal(*config, host);
-    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
     ControllerOptions options;
     options.run_dir = RunDir();
     options.experiment_name = "state_test";
-    options.plan = *plan;
+    options.plan = CpuPlan(workers);
     options.worker_argv = {"/nonexistent/worker"};
     options.console_fd = -1;
     options.terminate_grace = 5s;

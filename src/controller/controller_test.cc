@@ -22,10 +22,8 @@
 #include <sstream>
 #include <thread>
 
-#include "accelerators/discovery.h"
-#include "config/scaling_config.h"
+#include "controller/testing/cpu_plan.h"
 #include "launch/local_launcher.h"
-#include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "storage/crc32c.h"
 #include "storage/files.h"
@@ -233,15 +231,10 @@ class ControllerTest : public testing::Test {
 
   // A CPU plan of `workers` fake_worker processes started with `args`.
   ControllerOptions Options(int workers, std::vector<std::string> args) {
-    auto config = config::ScalingConfig::Create({.num_workers = workers});
-    EXPECT_TRUE(config.ok()) << config.status().ToString();
-    accelerators::FakeHost host;
-    auto plan = placement::PlanLocal(*config, host);
-    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
     ControllerOptions options;
     options.run_dir = RunDir();
     options.experiment_name = "controller_test";
-    options.plan = *plan;
+    options.plan = CpuPlan(workers);
     options.worker_argv = {FAKE_WORKER_PATH};
     options.worker_argv.insert(options.worker_argv.end(), args.begin(), args.end());
     options.console_fd = -1;

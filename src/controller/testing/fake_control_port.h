@@ -3,7 +3,7 @@
 //
 // The test plays the ranks: Deliver() a frame from a rank (its connection is taken to have
 // completed the handshake), Disconnect() it; and reads what the controller sent to them
-// (WaitForSent(), sent()). What the test posts reaches the controller's loop in the order posted,
+// (WaitForSent()). What the test posts reaches the controller's loop in the order posted,
 // on the loop's thread: the port it opened (FakeControlPort) becomes ready and hands the frames
 // to its delegate in OnConnsReady(), or those of one rank in Read(rank), as a real port does.
 //
@@ -78,11 +78,6 @@ class FakeConnections {
   bool WaitUntilHandled(std::chrono::seconds timeout) EXCLUDES(mu_) {
     MutexLock lock(mu_);
     return cv_.WaitFor(mu_, timeout, [&]() REQUIRES(mu_) { return handled_ == posted_; });
-  }
-
-  std::vector<Sent> sent() const EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    return sent_;
   }
 
  private:

@@ -2,8 +2,8 @@
 // (ControllerSeams::make_group = processes.Maker()). One process per spec, as the local launcher
 // starts them.
 //
-// The test plays the processes: Exit() ends a rank's process with a status, Output() prints for
-// it; and reads what the controller did to them (WaitForStarts(), WaitForSignal(), specs()).
+// The test plays the processes: Exit() ends a rank's process with a status; and reads what the
+// controller did to them (WaitForStarts(), WaitForSignal(), signals()).
 // What the test posts reaches the controller's loop in the order posted, on the loop's thread:
 // the group it made (FakeWorkerGroup) becomes ready and hands the events to its delegate in
 // OnReady(), as a real group does once it has reaped a process.
@@ -61,10 +61,6 @@ class FakeProcesses {
     dead_.push_back({.start = starts_, .rank = rank, .exit = status});
   }
   // The process of `rank` (of the latest start) prints `text`.
-  void Output(int rank, std::string text) EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    PostLocked({.start = starts_, .rank = rank, .output = std::move(text), .is_output = true});
-  }
 
   // The next `count` starts fail with `why` (as a launcher that cannot start the group).
   void FailStarts(int count, Status why) EXCLUDES(mu_) {
@@ -102,11 +98,6 @@ class FakeProcesses {
     MutexLock lock(mu_);
     return starts_;
   }
-  // The specs of the latest start.
-  std::vector<launch::ProcessSpec> specs() const EXCLUDES(mu_) {
-    MutexLock lock(mu_);
-    return specs_;
-  }
 
  private:
   friend class FakeWorkerGroup;
@@ -115,8 +106,6 @@ class FakeProcesses {
     int start = 0;
     int rank = -1;
     launch::ExitStatus exit;
-    std::string output;
-    bool is_output = false;
   };
 
   void PostLocked(Event e) REQUIRES(mu_) {
@@ -131,8 +120,8 @@ class FakeProcesses {
     return n;
   }
 
-  // A start: fails as told, or counts and keeps `specs`.
-  Status Start(const std::vector<launch::ProcessSpec>& specs) EXCLUDES(mu_) {
+  // A start: fails as told, or counts.
+  Status Start() EXCLUDES(mu_) {
     std::function<Status()> hook;
     {
       MutexLock lock(mu_);
@@ -146,7 +135,6 @@ class FakeProcesses {
       return start_error_;
     }
     ++starts_;
-    specs_ = specs;
     cv_.NotifyAll();
     return OkStatus();
   }
@@ -187,7 +175,6 @@ class FakeProcesses {
   std::deque<Event> events_ GUARDED_BY(mu_);
   std::vector<Event> dead_ GUARDED_BY(mu_);  // Die(): posted with the next signal
   int starts_ GUARDED_BY(mu_) = 0;
-  std::vector<launch::ProcessSpec> specs_ GUARDED_BY(mu_);
   std::vector<int> signals_ GUARDED_BY(mu_);
   int failing_starts_ GUARDED_BY(mu_) = 0;
   Status start_error_ GUARDED_BY(mu_);
@@ -202,7 +189,7 @@ class FakeWorkerGroup final : public WorkerGroup {
       : processes_(processes), delegate_(delegate) {}
 
   Status Start(const std::vector<launch::ProcessSpec>& specs) override {
-    JT_RETURN_IF_ERROR(processes_.Start(specs));
+    JT_RETURN_IF_ERROR(processes_.Start());
     procs_.clear();
     for (const auto& spec : specs) {
       procs_.push_back(
@@ -219,10 +206,6 @@ class FakeWorkerGroup final : public WorkerGroup {
     for (auto& e : processes_.Take()) {
       Proc* p = Find(e.rank);
       if (p == nullptr || !p->running) continue;
-      if (e.is_output) {
-        (void)p->output->Take(e.output);
-        continue;
-      }
       p->running = false;
       delegate_.OnExit(p->ranks, e.exit, *p->output);
     }
