@@ -42,9 +42,9 @@ class DirectorySnapshot:
     @property
     def bytes(self) -> int: ...
 
-    def write(self, dst: str) -> list:
+    def write(self, dst: str, release: bool = True) -> list:
         """
-        Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums, and frees its memory; returns the files as stage_directory does.
+        Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums; returns the files as stage_directory does. Then frees its memory, unless release is False (to write it again).
         """
 
 def snapshot_directory(src: str, budget_bytes: int) -> object:
@@ -121,7 +121,7 @@ def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 
 class Controller:
-    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False, launcher_options_json: str = '') -> None: ...
+    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False, launcher_options_json: str = '', verify_checksums_on_restart: bool = True) -> None: ...
 
     def start(self) -> None: ...
 

@@ -26,6 +26,9 @@ class Checkpoint:
         self.path: str = os.fspath(path)
         # The fsspec filesystem of a remote checkpoint; None for a local (or NFS) path.
         self.filesystem = filesystem
+        # A view in host memory (checkpoint_memory.py) whose files not held there are links to
+        # the committed checkpoint: that checkpoint, which to_directory() copies instead.
+        self._source: str | None = None
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
@@ -46,7 +49,7 @@ class Checkpoint:
 
         had_manifest = os.path.lexists(os.path.join(target, MANIFEST_NAME))
         # The engine's copy: the same rules for modes and links as report(checkpoint=...).
-        _core.stage_directory(self.path, target)
+        _core.stage_directory(self._source or self.path, target)
         if not had_manifest and os.path.lexists(os.path.join(target, MANIFEST_NAME)):
             os.unlink(os.path.join(target, MANIFEST_NAME))
         return target

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.checkpoint_memory import HostMemory
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,20 @@ class _Stager:
     rank and the path in the message: a checkpoint is never lost silently. ``fail(message)``
     is the worker's: it reports the exception being handled with ``message`` and exits."""
 
-    def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn]) -> None:
+    def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn],
+                 memory: HostMemory | None = None) -> None:
         self._client = client
         self._rank = rank
         self._fail = fail
+        self._memory = memory  # JAXTRAIN_CHECKPOINT_IN_MEMORY=1: where copies are kept
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple] = collections.deque()
         self._busy = False  # an item is taken off the queue and not yet sent
         self._thread: threading.Thread | None = None
+
+    @property
+    def holds_copies(self) -> bool:
+        return self._memory is not None
 
     def report(self, round_: int, text: str) -> None:
         with self._cv:
@@ -137,12 +145,15 @@ class _Stager:
                 else:
                     snapshot, description = work
                     try:
-                        description["files"] = snapshot.write(description["staging"])
+                        description["files"] = snapshot.write(description["staging"],
+                                                              release=self._memory is None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{description['staging']}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
                     self._client.report_checkpoint(round_, json.dumps(description), text)
+                    if self._memory is not None:
+                        self._hold(round_, snapshot)
             except Exception as e:
                 self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
                            f"in the background failed: {type(e).__name__}: {e}")
@@ -151,15 +162,35 @@ class _Stager:
                 self._cv.notify_all()
 
 
+    def _hold(self, round_: int, snapshot: Any) -> None:
+        """Keeps a copy of the snapshot just staged in this host's memory (after its report went,
+        so the commit does not wait for it). A copy that cannot be kept (a full memory
+        filesystem) is said on stderr and leaves the restores to read the storage."""
+        assert self._memory is not None
+        attempt = int(os.environ.get("JAXTRAIN_ATTEMPT", "0"))
+        written = None
+        try:
+            written = self._memory.prepare(attempt, round_)
+            self._memory.keep(written, attempt, round_, snapshot.write(written))
+        except Exception as e:
+            del snapshot  # its memory goes back
+            if written is not None:
+                shutil.rmtree(written, ignore_errors=True)
+            sys.stderr.write(f"jaxtrain worker: rank {self._rank}: keeping the checkpoint of "
+                             f"round {round_} in host memory failed ({type(e).__name__}: {e}); "
+                             "a restart restores it from storage\n")
+            sys.stderr.flush()
+
+
 class _Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
-                 fail: Callable[[str], NoReturn]):
+                 fail: Callable[[str], NoReturn], memory: HostMemory | None = None):
         self.client = client
         self.context = context
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
-        self.stager = _Stager(client, context.world_rank, fail)
+        self.stager = _Stager(client, context.world_rank, fail, memory)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
 
@@ -274,7 +305,8 @@ def _say_over_budget(session: _Session, path: str) -> None:
         f"jaxtrain worker: rank {session.context.world_rank}: the checkpoint in '{path}' is larger "
         f"than the snapshot budget ({session.snapshot_budget >> 20} MiB, {SNAPSHOT_BUDGET_ENV}); "
         "report(checkpoint=) copies such checkpoints before it returns instead of in the "
-        "background (said once)\n")
+        "background (said once)"
+        + ("; nor are they kept in host memory" if session.stager.holds_copies else "") + "\n")
     sys.stderr.flush()
 
 

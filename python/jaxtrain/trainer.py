@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, ray_args, session, storage
+from jaxtrain import _core, callbacks, checkpoint_memory, ray_args, session, storage
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
@@ -136,6 +136,7 @@ class JaxTrainer:
         payload = _pickle_task(fn, self.train_loop_config, self._takes_config)
         compilation_cache = _compilation_cache()  # refused before anything starts
         snapshot_budget = session.check_snapshot_budget()  # likewise
+        in_memory = checkpoint_memory.check_switch()  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
@@ -170,6 +171,11 @@ class JaxTrainer:
         worker_env["JAXTRAIN_COMPILATION_CACHE"] = compilation_cache  # every launcher passes it
         if snapshot_budget is not None:
             worker_env[session.SNAPSHOT_BUDGET_ENV] = snapshot_budget
+        if in_memory is not None:
+            worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
+            if os.environ.get(checkpoint_memory.MEMORY_DIR_ENV):
+                worker_env[checkpoint_memory.MEMORY_DIR_ENV] = os.environ[
+                    checkpoint_memory.MEMORY_DIR_ENV]
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         sys.stdout.flush()
@@ -205,6 +211,8 @@ class JaxTrainer:
             scaling_config=self.scaling_config._core,
             status_line=self.status_line and console_fd >= 0 and os.isatty(console_fd),
             launcher_options_json=launcher_options,
+            # Restarts restore from host memory: only the files' sizes are checked in storage.
+            verify_checksums_on_restart=in_memory != "1",
         )
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         sigterm = _SigtermAsException()
@@ -235,6 +243,8 @@ class JaxTrainer:
         finally:
             controller.close()  # releases a Slurm allocation jaxtrain requested, now
             sigterm.restore()
+            if in_memory == "1":
+                checkpoint_memory.remove_store(run_dir)  # this host's copies; others: sweep()
         remote = (mirror.fs, mirror.root) if mirror is not None else None
         result = _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
         if events is not None:

@@ -290,6 +290,32 @@ def _await_activation() -> str:
     return activation["secret"]
 
 
+def _restore_point(path: str | None, memory, rank: int, attempt: int):
+    """The Checkpoint that get_checkpoint() returns: the committed checkpoint at ``path`` (None:
+    none), or with JAXTRAIN_CHECKPOINT_IN_MEMORY=1 this rank's view of it in host memory when this
+    host holds copies of its files (jaxtrain/checkpoint_memory.py); said in the rank's log."""
+    from jaxtrain.checkpoint import Checkpoint
+
+    if not path:
+        return None
+    began = time.monotonic()
+    view = memory.view(path, attempt) if memory is not None else None
+    if view is None:
+        if memory is not None:
+            sys.stderr.write(f"jaxtrain worker: rank {rank}: this host's memory holds no copy of "
+                             f"'{os.path.basename(path)}'; restoring it from storage\n")
+        return Checkpoint(path)
+    checkpoint = Checkpoint(view.path)
+    if view.in_memory < view.files:
+        checkpoint._source = path  # the view links to storage: to_directory() copies from there
+    sys.stderr.write(f"jaxtrain worker: rank {rank}: restoring '{os.path.basename(path)}' from "
+                     f"host memory: {view.in_memory} of {view.files} files "
+                     f"({view.bytes / 2**20:.1f} MiB)"
+                     + (", the others from storage" if view.in_memory < view.files else "")
+                     + f"; linked in {time.monotonic() - began:.3f} s\n")
+    return checkpoint
+
+
 def main() -> None:
     standby = os.environ.get("JAXTRAIN_STANDBY") == "1"
     secret = _await_activation() if standby else _take_secret()
@@ -298,8 +324,7 @@ def main() -> None:
             "jaxtrain.worker is started by jaxtrain (JaxTrainer.fit); it is not run by hand\n"
         )
         sys.exit(2)
-    from jaxtrain import _core, session
-    from jaxtrain.checkpoint import Checkpoint
+    from jaxtrain import _core, checkpoint_memory, session
 
     _place_from_slurm()
     _place_from_kubernetes()
@@ -369,7 +394,12 @@ def main() -> None:
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
 
-    checkpoint = Checkpoint(start["checkpoint"]) if start.get("checkpoint") else None
+    memory = None
+    if checkpoint_memory.enabled():
+        memory = checkpoint_memory.HostMemory(start["run_dir"], rank)
+        if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
+            checkpoint_memory.sweep(start["run_dir"])
+    checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt)
     session._install(
         session._Session(
             client,
@@ -385,6 +415,7 @@ def main() -> None:
             ),
             checkpoint,
             fail=lambda message: _fail(client, "training", EXIT_RAISED, message),
+            memory=memory,
         )
     )
     try:

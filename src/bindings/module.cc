@@ -118,7 +118,7 @@ class PyController {
                const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
                int console_fd, std::string launcher,
                std::optional<config::ScalingConfig> scaling_config, bool status_line,
-               std::string launcher_options_json)
+               std::string launcher_options_json, bool verify_checksums_on_restart)
       : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
     controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
@@ -139,6 +139,7 @@ class PyController {
                    .score_attribute = cc.checkpoint_score_attribute,
                    .higher_is_better = checkpoint_config.higher_is_better()};
     o.verify_checksums = verify_checksums;
+    o.verify_checksums_on_restart = verify_checksums_on_restart;
     o.status_line = status_line;
     o.console_fd = console_fd;
     if (launcher_ == "local") {
@@ -488,19 +489,20 @@ NB_MODULE(_core, m) {
       .def_prop_ro("bytes", [](const storage::DirectorySnapshot& s) { return s.bytes; })
       .def(
           "write",
-          [](storage::DirectorySnapshot& s, const std::string& dst) {
+          [](storage::DirectorySnapshot& s, const std::string& dst, bool release) {
             StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
             {
-              nb::gil_scoped_release release;
+              nb::gil_scoped_release gil;
               entries = storage::WriteSnapshot(s, dst);
-              s = storage::DirectorySnapshot();  // the memory goes back at once, written or not
+              // The memory goes back at once, written or not, unless it is to be written again.
+              if (release || !entries.ok()) s = storage::DirectorySnapshot();
             }
             return EntriesToList(Unwrap(std::move(entries)));
           },
-          "dst"_a,
+          "dst"_a, "release"_a = true,
           "Writes the snapshot into dst as stage_directory(durable=False) would have copied its "
-          "source, computing the checksums, and frees its memory; returns the files as "
-          "stage_directory does.");
+          "source, computing the checksums; returns the files as stage_directory does. Then frees "
+          "its memory, unless release is False (to write it again).");
 
   m.def(
       "snapshot_directory",
@@ -662,12 +664,14 @@ NB_MODULE(_core, m) {
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
                     double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
-                    int, std::string, std::optional<config::ScalingConfig>, bool, std::string>(),
+                    int, std::string, std::optional<config::ScalingConfig>, bool, std::string,
+                    bool>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
            "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none(),
-           "status_line"_a = false, "launcher_options_json"_a = "")
+           "status_line"_a = false, "launcher_options_json"_a = "",
+           "verify_checksums_on_restart"_a = true)
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

@@ -660,7 +660,8 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   // keeps honouring Abort() (no worker is alive and no commit in flight by then); nullopt when
   // the run was aborted meanwhile, the verification cancelled.
   std::optional<std::string> CheckpointToRestoreServingAbort() {
-    Status started = verifier->Start(store.dir(), recorder.records(), opts.verify_checksums);
+    Status started = verifier->Start(store.dir(), recorder.records(),
+                                     opts.verify_checksums && opts.verify_checksums_on_restart);
     if (!started.ok()) return CheckpointToRestore();
     for (;;) {
       pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0}, {verifier->ready_fd(), POLLIN, 0}};

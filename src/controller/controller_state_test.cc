@@ -196,6 +196,42 @@ TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestComm
   EXPECT_EQ(state["attempts"][1]["restored_from"], RunDir() + "/checkpoint_000001");
 }
 
+// The checkpoint a restart names when the latest one's contents no longer match its checksums
+// (same sizes): the one before it, unless checksums are not checked on restarts (ranks that
+// restore from host memory).
+class RestartVerificationTest : public ControllerStateTest {
+ public:
+  std::string RestartsFromAfterCorruption(bool verify_on_restart) {
+    ControllerOptions options = Options(2);
+    options.max_failures = 1;
+    options.verify_checksums_on_restart = verify_on_restart;
+    auto controller = Start(std::move(options));
+    WaitForStart(1);
+    RegisterAll(/*attempt=*/0, 2);
+    for (uint64_t round : {1, 2}) {
+      for (int rank : {0, 1}) ReportCheckpoint(/*attempt=*/0, rank, round);
+      for (int rank : {0, 1}) {
+        EXPECT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kCheckpointSettled, kNoHang, round));
+      }
+    }
+    std::ofstream(RunDir() + "/checkpoint_000002/shard-0") << "WEIGHTS of rank 0";  // same size
+    processes_.Kill(1, SIGKILL);
+    WaitForStart(2);
+    std::vector<json> second = RegisterAll(/*attempt=*/1, 2);
+    controller->Abort("done");
+    WaitForOutcome(*controller);
+    return second[0]["checkpoint"];
+  }
+};
+
+TEST_F(RestartVerificationTest, ARestartChecksChecksumsByDefault) {
+  EXPECT_EQ(RestartsFromAfterCorruption(true), RunDir() + "/checkpoint_000001");
+}
+
+TEST_F(RestartVerificationTest, ARestartChecksOnlySizesWhenRanksRestoreFromHostMemory) {
+  EXPECT_EQ(RestartsFromAfterCorruption(false), RunDir() + "/checkpoint_000002");
+}
+
 TEST_F(ControllerStateTest, TrainingFailuresAreRestartedUntilMaxFailuresIsSpentThenTheRunRaises) {
   ControllerOptions options = Options(2);
   options.max_failures = 2;

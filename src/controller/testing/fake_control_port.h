@@ -57,16 +57,19 @@ class FakeConnections {
   // `rank`'s connection closes.
   void Disconnect(int rank) EXCLUDES(mu_) { Post({.rank = rank, .close = true}); }
 
-  // Waits up to `timeout` until the controller has sent `type` to `rank` in `attempt`; the first
-  // such frame, or nullopt.
+  // Waits up to `timeout` until the controller has sent `type` to `rank` in `attempt` `nth`
+  // times; the nth such frame, or nullopt.
   std::optional<Sent> WaitForSent(int attempt, int rank, wire::MessageType type,
-                                  std::chrono::seconds timeout) EXCLUDES(mu_) {
+                                  std::chrono::seconds timeout, size_t nth = 1) EXCLUDES(mu_) {
     MutexLock lock(mu_);
     std::optional<Sent> found;
     cv_.WaitFor(mu_, timeout, [&]() REQUIRES(mu_) {
+      size_t seen = 0;
       for (const Sent& s : sent_) {
-        if (s.attempt == attempt && s.rank == rank && s.type == type) found = s;
-        if (found) return true;
+        if (s.attempt == attempt && s.rank == rank && s.type == type && ++seen == nth) {
+          found = s;
+          return true;
+        }
       }
       return false;
     });
