@@ -5,9 +5,11 @@ ends. End to end with real JAX workers, and the store's rules on their own."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from pathlib import Path
 
@@ -147,22 +149,25 @@ def test_a_bad_switch_is_refused_naming_it(monkeypatch, storage):
 
 # The store's rules, without workers.
 
-def _hold(memory: HostMemory, attempt: int, round_: int, files: dict[str, bytes]) -> None:
+def _hold(memory: HostMemory, attempt: int, round_: int, files: dict[str, bytes]) -> str:
     src = tempfile.mkdtemp()
     for name, data in files.items():
         Path(src, name).write_bytes(data)
     snapshot = _core.snapshot_directory(src, 1 << 30)
     written = memory.prepare(attempt, round_)
-    memory.keep(written, attempt, round_, snapshot.write(written))
+    copy_id = f"id-{attempt}-{round_}"
+    memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
+    return copy_id
 
 
-def _commit(run_dir: Path, name: str, files: dict[str, bytes]) -> Path:
+def _commit(run_dir: Path, name: str, files: dict[str, bytes], copy_id: str) -> Path:
     staging = run_dir / ".staging" / f"a0-r1-rank0-{name}"
     staging.mkdir(parents=True)
     for f, data in files.items():
         (staging / f).write_bytes(data)
     entries = _core.stage_directory(str(staging), str(staging) + "-staged", durable=False)
-    manifest = {"file_list": [{**e, "rank": 0} for e in entries]}
+    manifest = {"file_list": [{**e, "rank": 0} for e in entries],
+                "copies": [{"rank": 0, "id": copy_id}]}
     ckpt = run_dir / name
     ckpt.mkdir()
     for f, data in files.items():
@@ -186,30 +191,76 @@ def test_a_copy_the_manifest_does_not_vouch_for_is_not_used(tmp_path, monkeypatc
     (tmp_path / "shm").mkdir()
     run_dir = tmp_path / "run"
     memory = HostMemory(str(run_dir), 0)
-    _hold(memory, 0, 1, {"same": b"x" * 100, "changed": b"old" * 100})
-    ckpt = _commit(run_dir, "checkpoint_000001", {"same": b"x" * 100, "changed": b"new" * 100})
+    copy_id = _hold(memory, 0, 1, {"same": b"x" * 100, "changed": b"old" * 100})
+    ckpt = _commit(run_dir, "checkpoint_000001", {"same": b"x" * 100, "changed": b"new" * 100},
+                   copy_id)
     view = memory.view(str(ckpt), attempt=1)
     assert (view.in_memory, view.files) == (1, 2)
     assert not os.path.islink(os.path.join(view.path, "same"))
     assert os.readlink(os.path.join(view.path, "changed")) == str(ckpt / "changed")
     assert Path(view.path, "changed").read_bytes() == b"new" * 100
-    # Nothing in memory matches: no view, the storage is read.
-    other = _commit(run_dir, "checkpoint_000002", {"other": b"y"})
-    assert memory.view(str(other), attempt=2) is None
+    # The same files, sizes and checksums, but another part than the copy: not used.
+    same = _commit(run_dir, "checkpoint_000002", {"same": b"x" * 100}, "another-part")
+    assert memory.view(str(same), attempt=2) is None
+    # A checkpoint committed without copies: the storage is read.
+    other = _commit(run_dir, "checkpoint_000003", {"same": b"x" * 100}, copy_id)
+    manifest = json.loads((other / ".jaxtrain_manifest.json").read_text())
+    del manifest["copies"]
+    (other / ".jaxtrain_manifest.json").write_text(json.dumps(manifest))
+    assert memory.view(str(other), attempt=3) is None
+
+
+def _hold_lock(run_dir: Path) -> int:
+    """Takes the run's lock as a live driver holds it (an open-file-description lock on LOCK)."""
+    fd = os.open(run_dir / "LOCK", os.O_RDWR | os.O_CREAT)
+    os.write(fd, json.dumps({"host": "h", "pid": os.getpid()}).encode())
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
+                                                   0, 0, 0))
+    return fd
 
 
 def test_the_sweep_frees_the_stores_of_runs_that_ended(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
     runs = {}
+    locks = []
     for name, status in (("ended", "FINISHED"), ("running", "RUNNING"), ("gone", None),
-                         ("own", "RUNNING")):
+                         ("driver-killed", "RUNNING"), ("own", "RUNNING")):
         run_dir = tmp_path / name
         if status is not None:
             run_dir.mkdir()
             (run_dir / "run.json").write_text(json.dumps({"status": status}))
+        if name == "running":
+            locks.append(_hold_lock(run_dir))
         memory = HostMemory(str(run_dir), 0)
         _hold(memory, 0, 1, {"a": b"1"})
         runs[name] = Path(memory.root)
     checkpoint_memory.sweep(str(tmp_path / "own"))
     assert {name for name, root in runs.items() if root.exists()} == {"running", "own"}
+    for fd in locks:
+        os.close(fd)
+
+
+def test_a_store_another_user_could_have_made_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path))
+    run_dir = tmp_path / "run"
+    memory = HostMemory(str(run_dir), 0)
+    copy_id = _hold(memory, 0, 1, {"a": b"1"})
+    ckpt = _commit(run_dir, "checkpoint_000001", {"a": b"1"}, copy_id)
+    assert memory.view(str(ckpt), attempt=1).in_memory == 1
+    os.chmod(memory.root, 0o755)  # as a store made by someone else would be: open to others
+    assert memory.view(str(ckpt), attempt=2) is None
+    with pytest.raises(PermissionError, match="is not a private directory of this user's"):
+        memory.prepare(0, 2)
+
+
+def test_a_copy_left_unfinished_is_removed_by_the_next(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path))
+    memory = HostMemory(str(tmp_path / "run"), 0)
+    _hold(memory, 0, 1, {"a": b"1"})
+    written = memory.prepare(0, 2)
+    os.makedirs(written)  # a worker killed while writing it
+    Path(memory.dir, "a0-r9").mkdir()  # a copy whose record was never written
+    _hold(memory, 0, 3, {"a": b"3"})
+    assert sorted(os.listdir(memory.dir)) == ["a0-r1", "a0-r1.json", "a0-r3", "a0-r3.json"]
+

@@ -7,35 +7,44 @@ from the run directory's path, so every attempt of a run (and a run resumed by n
 
     <store>/owner.json                     {"run_dir": ...}: what the sweep reads
     <store>/rank<r>/a<attempt>-r<round>/   a copy of rank r's files of one checkpoint
-    <store>/rank<r>/a<attempt>-r<round>.json   their entries (paths, sizes, CRC-32C, modes),
-                                           written last: a copy without it is not used
+    <store>/rank<r>/a<attempt>-r<round>.json   the copy's id and its entries (paths, sizes,
+                                           CRC-32C, modes), written last: a copy without it is
+                                           not used
     <store>/views/rank<r>-a<attempt>/<checkpoint name>/   what get_checkpoint() returned
 
-A rank writes its copy in the background, after its staging copy (report() does not wait for
-it), and keeps its newest two: the checkpoint being committed and the one before it, which is
-the latest committed until the new one is. A file on a memory filesystem outlives the process
-that wrote it, so the copies survive the worker's death; they do not survive the host's.
+A rank writes its copy in the background, after its staging copy and before its report (so
+every part of a committed checkpoint has one, unless writing it failed), and keeps its newest two
+(the checkpoint being committed and the one before it, which is the latest committed until the
+new one is) and the one its current view restored. A file on a memory filesystem outlives the
+process that wrote it, so the copies survive the worker's death; they do not survive the host's.
 
-At a restart each rank builds a *view* of the checkpoint it restores from: every file of the
-committed checkpoint whose copy in this host's memory matches the manifest (path, size and
-CRC-32C) is a hard link to that copy (no data is copied); a file that no copy here matches (one
+Each copy has an id, a random token that the rank's checkpoint report carries and the commit
+records in the manifest ("copies": rank -> id). At a restart each rank builds a *view* of the
+checkpoint it restores from: every file of the committed checkpoint of which this host holds the
+copy that the manifest names for the file's rank, with the manifest's size and CRC-32C, is a hard
+link to that copy (no data is copied); a file that no copy here matches (one
 written by a rank on another host, or whose copy is gone) is a symbolic link to the committed
 file in storage, so it is read from there, and only if the training function reads it. The
 view holds the manifest too. Nothing is ever restored from memory that the manifest does not
 vouch for, and with no copy at all the checkpoint is restored from storage as without the switch.
 
+In a local run the controller checks a checkpoint whose every part has its copy here by sizes
+only before a restart (storage/memory_copies.h reads this layout).
+
 Freed: by the driver on its own host when ``fit()`` ends; on other hosts by the next worker
-started there with the switch on, which removes the stores of runs whose run.json says they
-ended. docs/checkpoint-memory.md has the rest.
+started there with the switch on, which removes the stores of runs that ended (_running).
+docs/checkpoint-memory.md has the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -84,8 +93,8 @@ def remove_store(run_dir: str) -> None:
 
 
 def sweep(run_dir: str) -> None:
-    """Removes this host's stores of other runs that have ended (their run.json says so, or their
-    run directory is gone): the only way a host where no driver runs gets its memory back."""
+    """Removes this host's stores of other runs that have ended (_running): the only way a host
+    where no driver runs gets its memory back."""
     memory_dir = os.path.dirname(store_path(run_dir))
     own = store_path(run_dir)
     try:
@@ -97,19 +106,31 @@ def sweep(run_dir: str) -> None:
         if not name.startswith("jaxtrain-") or store == own:
             continue
         try:
+            if os.lstat(store).st_uid != os.geteuid():
+                continue  # another user's
             with open(os.path.join(store, _OWNER), encoding="utf-8") as f:
                 other = json.load(f)["run_dir"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a store, or one being created
-        try:
-            with open(os.path.join(other, "run.json"), encoding="utf-8") as f:
-                running = json.load(f).get("status") == "RUNNING"
-        except FileNotFoundError:
-            running = os.path.isdir(other)  # a run dir without run.json yet: starting
-        except (OSError, ValueError):
-            running = True  # unreadable here: not ours to judge
-        if not running:
+        if not _running(other):
             shutil.rmtree(store, ignore_errors=True)
+
+
+def _running(run_dir: str) -> bool:
+    """Whether the run in ``run_dir`` may still need its copies: its run.json says RUNNING and a
+    live driver holds its lock (a driver killed by SIGKILL leaves RUNNING behind, but not the
+    lock); True when that cannot be told from here."""
+    from jaxtrain import _core
+
+    try:
+        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
+            if json.load(f).get("status") != "RUNNING":
+                return False
+        return _core.run_lock_holder(run_dir) is not None
+    except FileNotFoundError:
+        return os.path.isdir(run_dir)  # a run directory without run.json yet: starting
+    except Exception:  # unreadable here, a lock that cannot be queried: not ours to judge
+        return True
 
 
 @dataclass(frozen=True)
@@ -132,51 +153,90 @@ class HostMemory:
         self.dir = os.path.join(self.root, f"rank{rank}")
 
     def prepare(self, attempt: int, round_: int) -> str:
-        """A new, empty directory for a copy of this rank's checkpoint of ``round_``."""
-        # The store is the owner's alone (0700): checkpoints are often private.
+        """A new, empty directory for a copy of this rank's checkpoint of ``round_``. What an
+        earlier copy left unfinished here (a worker killed while writing it) is removed.
+        Raises PermissionError when the store is not this user's private directory."""
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        _check_private(self.root)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         owner = os.path.join(self.root, _OWNER)
         if not os.path.exists(owner):
             _write_atomically(owner, json.dumps({"run_dir": os.path.abspath(self.run_dir)}))
-        path = os.path.join(self.dir, f".writing-a{attempt}-r{round_}")
-        shutil.rmtree(path, ignore_errors=True)
-        return path
+        held = {name for _, name in self._held()}
+        for name in os.listdir(self.dir):
+            if name.removesuffix(".json") not in held:
+                _remove(os.path.join(self.dir, name))
+        return os.path.join(self.dir, f".writing-a{attempt}-r{round_}")
 
-    def keep(self, written: str, attempt: int, round_: int, entries: list[dict]) -> None:
+    def keep(self, written: str, attempt: int, round_: int, entries: list[dict],
+             copy_id: str) -> None:
         """Makes the copy in ``written`` (from prepare) one this rank's restores may use, and frees
-        the older copies but one: the checkpoint before it stays the latest committed until this
-        one is."""
+        older copies: all but the newest of them (the checkpoint before this one stays the latest
+        committed until this one is) and the one this rank's current view restored from (a rank
+        that has not yet built its view may still need it)."""
         name = f"a{attempt}-r{round_}"
         final = os.path.join(self.dir, name)
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         os.rename(written, final)
-        _write_atomically(final + ".json", json.dumps({"files": entries}))
-        held = sorted(self._held(), reverse=True)  # newest first
-        for _, old in held[2:]:
+        try:
+            _write_atomically(final + ".json", json.dumps({"id": copy_id, "files": entries}))
+        except OSError:
+            _remove(final)
+            raise
+        restored = self._restored_ids()
+        for _, old in sorted(self._held(), reverse=True)[2:]:  # newest first
+            try:
+                with open(os.path.join(self.dir, old + ".json"), encoding="utf-8") as f:
+                    if json.load(f).get("id") in restored:
+                        continue
+            except (OSError, ValueError, AttributeError):
+                pass
             os.unlink(os.path.join(self.dir, old + ".json"))
-            shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
+            _remove(os.path.join(self.dir, old))
 
     def _held(self) -> list[tuple[tuple[int, int], str]]:
+        """This rank's copies: ((attempt, round), name), those with their record only."""
         out = []
-        for name in os.listdir(self.dir):
+        for name in _listdir(self.dir):
             m = _HELD.fullmatch(name.removesuffix(".json"))
             if m and name.endswith(".json"):
                 out.append(((int(m[1]), int(m[2])), m[0]))
         return out
+
+    def _restored_ids(self) -> set[str]:
+        """The copy ids of the checkpoint this rank's current view restored."""
+        views = os.path.join(self.root, "views")
+        ids: set[str] = set()
+        for top in _listdir(views):
+            if top.startswith(f"rank{self.rank}-"):
+                for name in _listdir(os.path.join(views, top)):
+                    try:
+                        with open(os.path.join(views, top, name, MANIFEST_NAME),
+                                  encoding="utf-8") as f:
+                            ids.update(_copy_ids(json.load(f)).values())
+                    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                        pass
+        return ids
 
     def view(self, checkpoint_dir: str, attempt: int) -> View | None:
         """Builds this rank's view of the committed checkpoint in ``checkpoint_dir``; None when
         this host holds no copy of any of its files (or its manifest cannot be read): the restore
         then reads the storage."""
         try:
+            _check_private(self.root)
             with open(os.path.join(checkpoint_dir, MANIFEST_NAME), encoding="utf-8") as f:
                 manifest = json.load(f)
-        except (OSError, ValueError):
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # PermissionError: another user's store
+            sys.stderr.write(f"jaxtrain worker: rank {self.rank}: not restoring from host "
+                             f"memory: {e}\n")
             return None
         copies = _copies(self.root)
+        ids = _copy_ids(manifest)
         entries = manifest.get("file_list", [])
-        if not any((e["path"], e["size"], e["crc32c"]) in copies for e in entries):
+        found = [_find(copies, ids, e) for e in entries]
+        if not any(found):
             return None
         views = os.path.join(self.root, "views")
         top = os.path.join(views, f"rank{self.rank}-a{attempt}")
@@ -185,10 +245,9 @@ class HostMemory:
         try:
             shutil.rmtree(top, ignore_errors=True)
             os.makedirs(view)
-            for entry in entries:
+            for entry, copy in zip(entries, found, strict=True):
                 dst = os.path.join(view, entry["path"])
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
-                copy = copies.get((entry["path"], entry["size"], entry["crc32c"]))
                 try:
                     if copy is None:
                         raise FileNotFoundError(entry["path"])
@@ -217,25 +276,44 @@ class HostMemory:
         return View(view, in_memory, len(entries), bytes_)
 
 
-def _copies(root: str) -> dict[tuple[str, int, int], str]:
-    """Every usable copy in a store: (path, size, CRC-32C) -> a file with those contents. The
+def _copy_ids(manifest: dict) -> dict[int, str]:
+    """rank -> the id of that rank's part (the manifest's "copies"; ranks without a copy absent)."""
+    return {c["rank"]: c["id"] for c in manifest.get("copies", [])}
+
+
+def _find(copies: dict[tuple[str, str], tuple[int, int, str]], ids: dict[int, str],
+          entry: dict) -> str | None:
+    """The file in memory that is ``entry`` of a committed manifest, or None: a copy of the very
+    part the entry's rank staged (its copy id), with the entry's size and CRC-32C. The id matters:
+    files that end with their own CRC-32C (OCDBT's, say) all have the same CRC-32C at a given
+    size, so size and checksum alone could take another checkpoint's file for this one."""
+    copy_id = ids.get(entry.get("rank"))
+    found = copies.get((copy_id, entry["path"])) if copy_id else None
+    if found is None or found[:2] != (entry["size"], entry["crc32c"]):
+        return None
+    return found[2]
+
+
+def _copies(root: str) -> dict[tuple[str, str], tuple[int, int, str]]:
+    """Every usable copy in a store: (copy id, path) -> (size, CRC-32C, the copy's file). The
     ranks' kept copies, and the files of earlier views that came from memory (a view's hard links
     keep the checkpoint it restored in memory after the ranks' newer copies replaced it, so that
     the next restart finds it even if the checkpoints after it were never committed)."""
-    out: dict[tuple[str, int, int], str] = {}
+    out: dict[tuple[str, str], tuple[int, int, str]] = {}
     views = os.path.join(root, "views")
     for top in _listdir(views):
         for name in _listdir(os.path.join(views, top)):
             view = os.path.join(views, top, name)
             try:
                 with open(os.path.join(view, MANIFEST_NAME), encoding="utf-8") as f:
-                    entries = json.load(f)["file_list"]
-            except (OSError, ValueError, KeyError):
+                    manifest = json.load(f)
+                ids = _copy_ids(manifest)
+                for e in manifest["file_list"]:
+                    path = os.path.join(view, e["path"])
+                    if e.get("rank") in ids and os.path.isfile(path) and not os.path.islink(path):
+                        out[(ids[e["rank"]], e["path"])] = (e["size"], e["crc32c"], path)
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
-            for e in entries:
-                path = os.path.join(view, e["path"])
-                if os.path.isfile(path) and not os.path.islink(path):
-                    out[(e["path"], e["size"], e["crc32c"])] = path
     for rank_dir in _listdir(root):
         if not rank_dir.startswith("rank") or not rank_dir[4:].isdigit():
             continue
@@ -245,13 +323,33 @@ def _copies(root: str) -> dict[tuple[str, int, int], str]:
             base = os.path.join(root, rank_dir, name[:-5])
             try:
                 with open(base + ".json", encoding="utf-8") as f:
-                    held = json.load(f)["files"]
-            except (OSError, ValueError, KeyError):
+                    held = json.load(f)
+                for e in held["files"]:
+                    if "link" not in e:
+                        out[(held["id"], e["path"])] = (e["size"], e["crc32c"],
+                                                        os.path.join(base, e["path"]))
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
-            for e in held:
-                if "link" not in e:
-                    out[(e["path"], e["size"], e["crc32c"])] = os.path.join(base, e["path"])
     return out
+
+
+def _check_private(root: str) -> None:
+    """Raises PermissionError unless ``root`` is a directory of this user's that no one else may
+    enter: its name is predictable, so another user could have made it first."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"'{root}' is not a private directory of this user's (mode "
+            f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); remove it, or set "
+            f"{MEMORY_DIR_ENV} to a directory of your own")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _listdir(path: str) -> list[str]:

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -151,9 +152,12 @@ class _Stager:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{description['staging']}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
-                    self._client.report_checkpoint(round_, json.dumps(description), text)
                     if self._memory is not None:
-                        self._hold(round_, snapshot)
+                        # Before the report: every part of a committed checkpoint then has its
+                        # copy, unless keeping it failed (said in the log).
+                        self._hold(round_, snapshot, description["copy_id"])
+                    del snapshot, work
+                    self._client.report_checkpoint(round_, json.dumps(description), text)
             except Exception as e:
                 self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
                            f"in the background failed: {type(e).__name__}: {e}")
@@ -162,18 +166,18 @@ class _Stager:
                 self._cv.notify_all()
 
 
-    def _hold(self, round_: int, snapshot: Any) -> None:
-        """Keeps a copy of the snapshot just staged in this host's memory (after its report went,
-        so the commit does not wait for it). A copy that cannot be kept (a full memory
-        filesystem) is said on stderr and leaves the restores to read the storage."""
+    def _hold(self, round_: int, snapshot: Any, copy_id: str) -> None:
+        """Keeps a copy of the snapshot just staged in this host's memory. A copy that cannot be
+        kept (a full memory filesystem) is said on stderr and leaves the restores of its
+        checkpoint to read the storage."""
         assert self._memory is not None
         attempt = int(os.environ.get("JAXTRAIN_ATTEMPT", "0"))
         written = None
         try:
             written = self._memory.prepare(attempt, round_)
-            self._memory.keep(written, attempt, round_, snapshot.write(written))
+            self._memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
         except Exception as e:
-            del snapshot  # its memory goes back
+            del snapshot  # its memory goes back (write() has freed it already, if it ran)
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
             sys.stderr.write(f"jaxtrain worker: rank {self._rank}: keeping the checkpoint of "
@@ -200,7 +204,8 @@ class _Session:
         self.client.wait_checkpoints_settled()
 
     def flush(self) -> None:
-        """Returns once every report of this rank has been sent (before the worker says done)."""
+        """Returns once every report of this rank has been sent (before the worker says done or
+        reports its error)."""
         self.stager.drain()
 
 
@@ -294,6 +299,8 @@ def report(
         if snapshot is None:  # copied: nothing is queued (drained above), so it goes now
             session.client.report_checkpoint(session.round, json.dumps(description), text)
         else:
+            if session.stager.holds_copies:  # names the copy kept in host memory
+                description["copy_id"] = uuid.uuid4().hex
             session.stager.checkpoint(session.round, text, snapshot, description)
 
 
@@ -312,7 +319,9 @@ def _say_over_budget(session: _Session, path: str) -> None:
 
 def get_checkpoint() -> Checkpoint | None:
     """The latest committed checkpoint of this run when this worker group started (after a
-    restart, or when a run is resumed by name), or None."""
+    restart, or when a run is resumed by name), or None. With JAXTRAIN_CHECKPOINT_IN_MEMORY=1, after
+    a restart: a view of it in this host's memory, under another path but with the same files
+    (docs/checkpoint-memory.md)."""
     return _require("get_checkpoint").checkpoint
 
 

@@ -211,8 +211,10 @@ class JaxTrainer:
             scaling_config=self.scaling_config._core,
             status_line=self.status_line and console_fd >= 0 and os.isatty(console_fd),
             launcher_options_json=launcher_options,
-            # Restarts restore from host memory: only the files' sizes are checked in storage.
-            verify_checksums_on_restart=in_memory != "1",
+            # A local run's restarts restore from this host's memory: a checkpoint held there
+            # whole is checked by sizes only (docs/checkpoint-memory.md).
+            memory_store=checkpoint_memory.store_path(run_dir)
+            if in_memory == "1" and launcher == "local" else "",
         )
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         sigterm = _SigtermAsException()

@@ -399,7 +399,12 @@ def main() -> None:
         memory = checkpoint_memory.HostMemory(start["run_dir"], rank)
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
             checkpoint_memory.sweep(start["run_dir"])
-    checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt)
+    try:
+        checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt)
+    except Exception as e:  # the store in a state of its own making: the storage still serves
+        sys.stderr.write(f"jaxtrain worker: rank {rank}: restoring from host memory failed "
+                         f"({type(e).__name__}: {e}); restoring from storage\n")
+        checkpoint = _restore_point(start.get("checkpoint"), None, rank, attempt)
     session._install(
         session._Session(
             client,
@@ -425,6 +430,9 @@ def main() -> None:
         else:
             fn()
     except BaseException:
+        # What report() accepted before the function raised still reaches the controller (a
+        # checkpoint whose round every rank reported is committed before the restart).
+        session._require("report").flush()
         _fail(client, "training", EXIT_RAISED)
 
     session._require("report").flush()  # queued reports go before done

@@ -118,7 +118,7 @@ class PyController {
                const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
                int console_fd, std::string launcher,
                std::optional<config::ScalingConfig> scaling_config, bool status_line,
-               std::string launcher_options_json, bool verify_checksums_on_restart)
+               std::string launcher_options_json, std::string memory_store)
       : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
     controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
@@ -139,7 +139,7 @@ class PyController {
                    .score_attribute = cc.checkpoint_score_attribute,
                    .higher_is_better = checkpoint_config.higher_is_better()};
     o.verify_checksums = verify_checksums;
-    o.verify_checksums_on_restart = verify_checksums_on_restart;
+    o.memory_store = std::move(memory_store);
     o.status_line = status_line;
     o.console_fd = console_fd;
     if (launcher_ == "local") {
@@ -665,13 +665,12 @@ NB_MODULE(_core, m) {
                     std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
                     double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
                     int, std::string, std::optional<config::ScalingConfig>, bool, std::string,
-                    bool>(),
+                    std::string>(),
            "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
            "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
            "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
            "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none(),
-           "status_line"_a = false, "launcher_options_json"_a = "",
-           "verify_checksums_on_restart"_a = true)
+           "status_line"_a = false, "launcher_options_json"_a = "", "memory_store"_a = "")
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

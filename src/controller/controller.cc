@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 
@@ -63,6 +64,15 @@ std::string HostName() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   return host;
+}
+
+// A checkpoint part's copy_id as a worker may send it: 1 to 64 letters, digits and '-'.
+bool IsCopyId(const nlohmann::json& id) {
+  if (!id.is_string()) return false;
+  const std::string& s = id.get_ref<const std::string&>();
+  return !s.empty() && s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-';
+  });
 }
 
 }  // namespace
@@ -338,6 +348,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                                        .link = file.value("link", "")});
         }
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
+        if (j.contains("copy_id")) {
+          if (!IsCopyId(j["copy_id"])) {
+            return ProtocolError(rank, "malformed copy_id in the checkpoint description");
+          }
+          part.staged.copy_id = j["copy_id"];
+        }
         watchdog.Progress(rank);
         for (Round& done : collector.Add(rank, metrics, std::move(part))) {
           recorder.Add(std::move(done));
@@ -660,8 +676,8 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   // keeps honouring Abort() (no worker is alive and no commit in flight by then); nullopt when
   // the run was aborted meanwhile, the verification cancelled.
   std::optional<std::string> CheckpointToRestoreServingAbort() {
-    Status started = verifier->Start(store.dir(), recorder.records(),
-                                     opts.verify_checksums && opts.verify_checksums_on_restart);
+    Status started =
+        verifier->Start(store.dir(), recorder.records(), opts.verify_checksums, opts.memory_store);
     if (!started.ok()) return CheckpointToRestore();
     for (;;) {
       pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0}, {verifier->ready_fd(), POLLIN, 0}};

@@ -83,10 +83,12 @@ struct ControllerOptions {
   int max_start_failures = 3;  // start-up failures restarted; -1 = without limit
   storage::RetentionPolicy retention;
   bool verify_checksums = true;  // on restore: CRC-32C of every file; false: sizes only
-  // On a restart within the run, with verify_checksums: false checks sizes only, for ranks that
-  // restore from their copies in host memory (python/jaxtrain/checkpoint_memory.py) and would
-  // otherwise wait for the whole checkpoint to be read from storage first.
-  bool verify_checksums_on_restart = true;
+  // Where every rank runs on this host and keeps copies of its checkpoints in this host's memory
+  // (python/jaxtrain/checkpoint_memory.py): the store. A restart within the run then checks a
+  // checkpoint whose every part has its copy there by sizes only (storage/memory_copies.h): its
+  // ranks restore from the copies and need not wait for the whole checkpoint to be read from
+  // storage first. "" = every restart checks checksums (verify_checksums).
+  std::string memory_store;
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
   // Keep a live status line (status_line.h) below the rank output on console_fd: for a terminal.
   bool status_line = false;

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -101,7 +102,8 @@ class ControllerStateTest : public testing::Test {
   }
 
   // `rank` stages one file as its part of round `round`'s checkpoint and reports it.
-  void ReportCheckpoint(int attempt, int rank, uint64_t round) {
+  // `copy_id`: the id of the part's copy in host memory, "" for none.
+  void ReportCheckpoint(int attempt, int rank, uint64_t round, const std::string& copy_id = "") {
     const std::string src = dir_ + "/src-" + std::to_string(rank);
     std::filesystem::create_directories(src);
     std::ofstream(src + "/shard-" + std::to_string(rank)) << "weights of rank " << rank;
@@ -109,6 +111,7 @@ class ControllerStateTest : public testing::Test {
     auto files = storage::StageDirectory(src, staging);
     ASSERT_TRUE(files.ok()) << files.status().ToString();
     json description = {{"staging", staging}, {"files", json::array()}};
+    if (!copy_id.empty()) description["copy_id"] = copy_id;
     for (const auto& f : *files) {
       description["files"].push_back(
           {{"path", f.path}, {"size", f.size}, {"crc32c", f.crc32c}, {"mode", f.mode}});
@@ -197,19 +200,30 @@ TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestComm
 }
 
 // The checkpoint a restart names when the latest one's contents no longer match its checksums
-// (same sizes): the one before it, unless checksums are not checked on restarts (ranks that
-// restore from host memory).
+// (same sizes): the one before it, unless every part of it has its copy in the host's memory
+// store, where its ranks restore from (sizes are checked then).
 class RestartVerificationTest : public ControllerStateTest {
  public:
-  std::string RestartsFromAfterCorruption(bool verify_on_restart) {
+  std::string RestartsFromAfterCorruption(const std::vector<int>& held_ranks) {
+    const std::string store = dir_ + "/store";
+    std::filesystem::create_directories(store);
+    std::filesystem::permissions(store, std::filesystem::perms::owner_all);
     ControllerOptions options = Options(2);
     options.max_failures = 1;
-    options.verify_checksums_on_restart = verify_on_restart;
+    options.memory_store = store;
     auto controller = Start(std::move(options));
     WaitForStart(1);
     RegisterAll(/*attempt=*/0, 2);
     for (uint64_t round : {1, 2}) {
-      for (int rank : {0, 1}) ReportCheckpoint(/*attempt=*/0, rank, round);
+      for (int rank : {0, 1}) {
+        const std::string id = "r" + std::to_string(round) + "-" + std::to_string(rank);
+        ReportCheckpoint(/*attempt=*/0, rank, round, id);
+        if (std::count(held_ranks.begin(), held_ranks.end(), rank) != 0) {
+          const std::string copy = store + "/rank" + std::to_string(rank);
+          std::filesystem::create_directories(copy);
+          std::ofstream(copy + "/a0-r" + std::to_string(round) + ".json") << json{{"id", id}};
+        }
+      }
       for (int rank : {0, 1}) {
         EXPECT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kCheckpointSettled, kNoHang, round));
       }
@@ -224,12 +238,25 @@ class RestartVerificationTest : public ControllerStateTest {
   }
 };
 
-TEST_F(RestartVerificationTest, ARestartChecksChecksumsByDefault) {
-  EXPECT_EQ(RestartsFromAfterCorruption(true), RunDir() + "/checkpoint_000001");
+TEST_F(RestartVerificationTest, ARestartChecksOnlySizesWhenEveryPartHasItsCopyInHostMemory) {
+  EXPECT_EQ(RestartsFromAfterCorruption({0, 1}), RunDir() + "/checkpoint_000002");
 }
 
-TEST_F(RestartVerificationTest, ARestartChecksOnlySizesWhenRanksRestoreFromHostMemory) {
-  EXPECT_EQ(RestartsFromAfterCorruption(false), RunDir() + "/checkpoint_000002");
+TEST_F(RestartVerificationTest, ARestartChecksChecksumsWhenAPartHasNoCopyInHostMemory) {
+  EXPECT_EQ(RestartsFromAfterCorruption({1}), RunDir() + "/checkpoint_000001");
+}
+
+TEST_F(ControllerStateTest, ACheckpointWithAMalformedCopyIdIsAProtocolErrorOfItsRank) {
+  auto controller = Start(Options(2));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  ReportCheckpoint(/*attempt=*/0, 1, /*round=*/1, "../elsewhere");
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_EQ(out.failures.size(), 1u);
+  EXPECT_EQ(out.failures[0].rank, 1);
+  EXPECT_EQ(out.failures[0].message,
+            "protocol error: malformed copy_id in the checkpoint description");
 }
 
 TEST_F(ControllerStateTest, TrainingFailuresAreRestartedUntilMaxFailuresIsSpentThenTheRunRaises) {

@@ -3,16 +3,19 @@
 #include <iterator>
 
 #include "storage/files.h"
+#include "storage/memory_copies.h"
 
 namespace jaxtrain::controller {
 
 RestoreVerifier::Result RestoreVerifier::Choose(
     const std::string& run_dir, const std::vector<storage::CheckpointRecord>& records,
-    bool checksums, const std::atomic<bool>* cancel) {
+    bool checksums, const std::atomic<bool>* cancel, const std::string& memory_store) {
   Result out;
   for (auto it = records.rbegin(); it != records.rend(); ++it) {
     std::string dir = storage::JoinPath(run_dir, it->dir_name);
-    Status s = storage::VerifyCheckpoint(dir, checksums, /*threads=*/0, cancel);
+    const bool crc =
+        checksums && (memory_store.empty() || !storage::AllPartsHeldIn(memory_store, dir));
+    Status s = storage::VerifyCheckpoint(dir, crc, /*threads=*/0, cancel);
     if (s.code() == StatusCode::kCancelled) {
       out.cancelled = true;
       return out;
@@ -44,7 +47,7 @@ RestoreVerifier::~RestoreVerifier() {
 }
 
 Status RestoreVerifier::Start(std::string run_dir, std::vector<storage::CheckpointRecord> records,
-                              bool checksums) {
+                              bool checksums, std::string memory_store) {
   if (busy_) {
     return FailedPreconditionError(
         "a checkpoint verification was started while another one is in flight");
@@ -52,10 +55,10 @@ Status RestoreVerifier::Start(std::string run_dir, std::vector<storage::Checkpoi
   busy_ = true;
   if (thread_.joinable()) thread_.join();  // the last one, whose result was taken
   cancel_ = false;
-  thread_ =
-      std::thread([this, run_dir = std::move(run_dir), records = std::move(records), checksums] {
-        results_->Post(Choose(run_dir, records, checksums, &cancel_));
-      });
+  thread_ = std::thread([this, run_dir = std::move(run_dir), records = std::move(records),
+                         checksums, memory_store = std::move(memory_store)] {
+    results_->Post(Choose(run_dir, records, checksums, &cancel_, memory_store));
+  });
   return OkStatus();
 }
 

@@ -38,9 +38,13 @@ class RestoreVerifier {
 
   // The choice itself, on the calling thread: the newest of `records` (oldest first, directories
   // of `run_dir`) that verifies. Stops early, with `cancelled`, once `cancel` (if given) is true.
+  // With `memory_store` (the store of ranks that keep their checkpoints in this host's memory,
+  // storage/memory_copies.h), a checkpoint whose every part has its copy there is checked by
+  // sizes only: its ranks restore from those copies, not from storage.
   static Result Choose(const std::string& run_dir,
                        const std::vector<storage::CheckpointRecord>& records, bool checksums,
-                       const std::atomic<bool>* cancel = nullptr);
+                       const std::atomic<bool>* cancel = nullptr,
+                       const std::string& memory_store = "");
 
   // Errors: kInternal when the wake-up descriptor cannot be created.
   static StatusOr<std::unique_ptr<RestoreVerifier>> Create();
@@ -53,7 +57,8 @@ class RestoreVerifier {
 
   // Starts Choose() on a thread of its own. Errors: kFailedPrecondition while a verification is
   // in flight or its result has not been taken; nothing is started then.
-  Status Start(std::string run_dir, std::vector<storage::CheckpointRecord> records, bool checksums);
+  Status Start(std::string run_dir, std::vector<storage::CheckpointRecord> records, bool checksums,
+               std::string memory_store = "");
 
   // Asks the verification in flight to stop; its result (cancelled) still comes through ready_fd.
   void Cancel() { cancel_ = true; }

@@ -648,6 +648,11 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   manifest["file_list"] = files;
   if (!links.empty()) manifest["links"] = links;
   if (!dir_modes.empty()) manifest["dirs"] = dir_modes;
+  nlohmann::json copies = nlohmann::json::array();
+  for (const auto& rc : ranks) {
+    if (!rc.copy_id.empty()) copies.push_back({{"rank", rc.rank}, {"id", rc.copy_id}});
+  }
+  if (!copies.empty()) manifest["copies"] = copies;
   JT_RETURN_IF_ERROR(fs.WriteFileAtomically(JoinPath(tmp, kManifestName), manifest.dump(1) + "\n"));
   // The renames above changed directory entries: make them durable before the commit point.
   for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {

@@ -126,6 +126,9 @@ struct RankCheckpoint {
   int rank = 0;
   std::string staging_dir;
   std::vector<FileEntry> files;
+  // A token the rank chose for this part, naming its copies kept elsewhere (host memory:
+  // python/jaxtrain/checkpoint_memory.py); recorded in the manifest's "copies". "" = none.
+  std::string copy_id;
 };
 
 struct CheckpointRecord {
@@ -148,7 +151,8 @@ bool IsCleanRelativePath(const std::string& path);
 // component is a link. Errors: kInvalidArgument naming the rank, the path and what is wrong.
 Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
 
-// Commits one round's checkpoint as <run_dir>/<dir_name> (replacing a directory of that name
+// Commits one round's checkpoint as <run_dir>/<dir_name>; the manifest's "copies" lists each
+// part's copy_id that is set, as {"rank": r, "id": copy_id} (replacing a directory of that name
 // atomically). Every part is checked with CheckStagedPart first; every staged file is fsynced
 // before it is moved, so parts staged without `durable` are committed as durably as the others.
 // Errors: kInvalidArgument for a dir_name that is not one plain directory name, for a part that

@@ -690,6 +690,23 @@ TEST_F(CommitTest, CommitsEveryRanksFilesAndTheManifest) {
   EXPECT_TRUE(verified.ok()) << verified.ToString();
 }
 
+TEST_F(CommitTest, TheManifestListsThePartsCopyIds) {
+  RankCheckpoint rank0 = StageRank(0, 2, {{"a.bin", "a"}});
+  RankCheckpoint rank1 = StageRank(1, 2, {{"b.bin", "b"}});
+  RankCheckpoint rank2 = StageRank(2, 2, {{"c.bin", "c"}});
+  rank0.copy_id = "0f3a";
+  rank2.copy_id = "77-b";
+  ASSERT_TRUE(
+      CommitCheckpoint(run_, "checkpoint_000002", 2, 1.0, "{}", {rank0, rank1, rank2}).ok());
+  json manifest = json::parse(ReadTestFile(JoinPath(Dir("checkpoint_000002"), kManifestName)));
+  EXPECT_EQ(manifest["copies"],
+            json::parse(R"([{"rank": 0, "id": "0f3a"}, {"rank": 2, "id": "77-b"}])"));
+  // Without any, the manifest has none.
+  CommitOne("checkpoint_000003", 3, "{}");
+  EXPECT_FALSE(json::parse(ReadTestFile(JoinPath(Dir("checkpoint_000003"), kManifestName)))
+                   .contains("copies"));
+}
+
 TEST_F(CommitTest, RanksStagedFromParallelThreadsCommitTogether) {
   constexpr int kRanks = 4;
   std::vector<std::string> sources(kRanks);

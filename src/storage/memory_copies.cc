@@ -1,0 +1,74 @@
+#include "storage/memory_copies.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string_view>
+
+#include "storage/checkpoint.h"
+#include "storage/files.h"
+
+namespace jaxtrain::storage {
+namespace {
+
+nlohmann::json ReadJson(const std::string& path) {
+  StatusOr<std::string> text = ReadFile(path);
+  return text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+}
+
+// The ids of the copies in one rank's directory of the store.
+std::set<std::string> CopyIds(const std::string& rank_dir) {
+  std::set<std::string> ids;
+  DIR* d = opendir(rank_dir.c_str());
+  if (d == nullptr) return ids;
+  while (dirent* e = readdir(d)) {
+    std::string_view name = e->d_name;
+    if (name.size() <= 5 || name.substr(name.size() - 5) != ".json") continue;
+    nlohmann::json copy = ReadJson(JoinPath(rank_dir, name));
+    if (copy.is_object() && copy.contains("id") && copy["id"].is_string()) {
+      ids.insert(copy["id"].get<std::string>());
+    }
+  }
+  closedir(d);
+  return ids;
+}
+
+}  // namespace
+
+bool AllPartsHeldIn(const std::string& store, const std::string& checkpoint_dir) {
+  struct stat st;
+  if (lstat(store.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
+      (st.st_mode & 077) != 0) {
+    return false;
+  }
+  nlohmann::json manifest = ReadJson(JoinPath(checkpoint_dir, kManifestName));
+  if (!manifest.is_object() || !manifest.contains("copies") || !manifest["copies"].is_array()) {
+    return false;
+  }
+  try {
+    std::map<int, std::string> ids;
+    for (const auto& c : manifest["copies"]) ids[c.at("rank").get<int>()] = c.at("id");
+    std::set<int> ranks;
+    for (const char* list : {"file_list", "links"}) {
+      for (const auto& entry : manifest.value(list, nlohmann::json::array())) {
+        ranks.insert(entry.at("rank").get<int>());
+      }
+    }
+    for (int rank : ranks) {
+      auto id = ids.find(rank);
+      if (id == ids.end() ||
+          !CopyIds(JoinPath(store, "rank" + std::to_string(rank))).contains(id->second)) {
+        return false;
+      }
+    }
+    return true;
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+}
+
+}  // namespace jaxtrain::storage
