@@ -9,8 +9,11 @@ job that streams its dataset through the page cache would have it by the time a 
 committed files are dropped from the page cache (``posix_fadvise(DONTNEED)``; they were fsynced
 by the commit, so nothing is lost). Rank 1 notes ``time.time()`` and raises; the group restarts
 from that checkpoint (warm workers, as by default) and every rank reads its own shard in full from
-``get_checkpoint()``, noting when it started and ended. Three configurations, in turn within each
-repeat (ABCABC..., so that machine noise hits all):
+``get_checkpoint()``, noting when it started and ended. Warm workers are off
+(JAXTRAIN_WARM_WORKERS=0; ``--warm-workers`` keeps them): with them, the next attempt's standbys
+start and import jax exactly while the restarted ranks read, which adds 0-0.5 s of noise to every
+configuration's read. Three configurations, in turn within each repeat (ABCABC..., so that
+machine noise hits all):
 
 * memory: JAXTRAIN_CHECKPOINT_IN_MEMORY=1 (copies on /dev/shm; the controller checks the
   checkpoint's sizes only before a restart);
@@ -142,6 +145,8 @@ def main() -> None:
                         help="MiB each rank checkpoints (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
+    parser.add_argument("--warm-workers", action="store_true",
+                        help="keep warm workers on (their start-up then overlaps the reads)")
     args = parser.parse_args()
     if min(args.workers, args.shard_mib, args.repeats) < 1 or args.warmup < 0:
         parser.error("--workers, --shard-mib and --repeats must be >= 1, --warmup >= 0")
@@ -151,10 +156,11 @@ def main() -> None:
     if shard_bytes % BLOCK_BYTES:
         parser.error(f"--shard-mib must be a multiple of {BLOCK_BYTES >> 20}")
 
+    common = {} if args.warm_workers else {"JAXTRAIN_WARM_WORKERS": "0"}
     configs = {
-        "memory": {"JAXTRAIN_CHECKPOINT_IN_MEMORY": "1"},
-        "storage": {},
-        "storage, no check": {"JAXTRAIN_VERIFY_CHECKSUMS": "0"},
+        "memory": {**common, "JAXTRAIN_CHECKPOINT_IN_MEMORY": "1"},
+        "storage": common,
+        "storage, no check": {**common, "JAXTRAIN_VERIFY_CHECKSUMS": "0"},
     }
     results: dict[str, list[RestoreFigures]] = {name: [] for name in configs}
     others: list[float] = []
@@ -177,7 +183,7 @@ def main() -> None:
     print(f"\n{args.workers} workers x {args.shard_mib} MiB = {gib:.2f} GiB, {args.repeats} "
           "repeats; median [min-max] over repeats")
     print(f"other processes kept {spread(others, 'cores')} of {os.cpu_count()} busy during the "
-          "runs")
+          f"runs; warm workers {'on' if args.warm_workers else 'off'}")
     floor = [f.restore_s for f in results["storage, no check"]]
     print(f"{'configuration':<20}{'restore':<24}{'ratio to storage':<22}"
           f"{'failure -> restored':<24}{'view linked'}")
