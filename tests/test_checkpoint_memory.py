@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from jaxtrain import (
     JaxTrainer,
     RunConfig,
     ScalingConfig,
+    TrainingFailedError,
     _core,
     checkpoint_memory,
 )
@@ -72,6 +74,14 @@ def _train(config):
                 time.sleep(0.01)
             if rank == 0 and config["drop_rank1"]:
                 shutil.rmtree(store / "rank1")  # as if rank 1's copies were lost
+            if rank == 0 and config.get("sabotage"):
+                # The committed file damaged in storage (same size), and no view can be built:
+                # the restart reads storage although the controller checked sizes only.
+                shard = Path(ctx.run_dir) / "checkpoint_000002" / "shard-1.bin"
+                data = bytearray(shard.read_bytes())
+                data[0] ^= 0xFF
+                shard.write_bytes(bytes(data))
+                (store / "views").write_text("in the way")
             if rank == 1:
                 time.sleep(0.2)
                 raise RuntimeError("rank 1 fails after round 2")
@@ -133,6 +143,30 @@ def test_files_whose_copies_are_gone_are_read_from_storage(storage, tmp_path, mo
                 in logs[rank])
 
 
+def test_a_rank_that_reads_storage_after_a_sizes_only_check_checks_checksums_first(
+        storage, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_CHECKPOINT_IN_MEMORY", "1")
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(TrainingFailedError) as e:
+        JaxTrainer(
+            _train,
+            train_loop_config={"out": str(out), "drop_rank1": False, "sabotage": True},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name="held", storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=1,
+                                                              controller_failure_limit=0)),
+        ).fit()
+    # Every part had its copy here, so the controller checked sizes only (had it not recognised
+    # the workers' store, it would have passed over the damaged checkpoint for checkpoint_000001
+    # and the run would have succeeded); the ranks, reading storage, checked and refused it.
+    message = str(e.value)
+    assert "failed its check before rank" in message, message
+    assert "shard-1.bin" in message, message
+
+
 def test_a_bad_switch_is_refused_naming_it(monkeypatch, storage):
     monkeypatch.setenv("JAXTRAIN_CHECKPOINT_IN_MEMORY", "yes")
     with pytest.raises(ValueError, match=r"JAXTRAIN_CHECKPOINT_IN_MEMORY='yes' is not allowed; "
@@ -184,6 +218,41 @@ def test_a_rank_keeps_its_two_newest_copies(tmp_path, monkeypatch):
     kept = sorted(p.name for p in Path(memory.dir).iterdir())
     assert kept == ["a0-r3", "a0-r3.json", "a1-r1", "a1-r1.json"]
     assert oct(os.stat(memory.root).st_mode & 0o777) == "0o700"
+
+
+def test_a_rank_keeps_the_copy_its_restore_came_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    run_dir = tmp_path / "run"
+    memory = HostMemory(str(run_dir), 0)
+    restored = _hold(memory, 0, 4, {"a": b"4"})
+    _hold(memory, 0, 5, {"a": b"5"})  # never committed: the restart restores round 4
+    ckpt = _commit(run_dir, "checkpoint_000004", {"a": b"4"}, restored)
+    assert memory.view(str(ckpt), attempt=1).in_memory == 1
+    _hold(memory, 1, 1, {"a": b"6"})
+    _hold(memory, 1, 2, {"a": b"7"})
+    kept = sorted(p.name for p in Path(memory.dir).iterdir() if not p.name.endswith(".json"))
+    assert kept == ["a0-r4", "a1-r1", "a1-r2"]
+    # The next attempt's view of another checkpoint no longer protects it.
+    later = _commit(run_dir, "checkpoint_000007", {"a": b"7"}, "id-1-2")
+    assert memory.view(str(later), attempt=2).in_memory == 1
+    _hold(memory, 2, 1, {"a": b"8"})
+    kept = sorted(p.name for p in Path(memory.dir).iterdir() if not p.name.endswith(".json"))
+    assert kept == ["a1-r2", "a2-r1"]
+    assert sorted(os.listdir(Path(memory.root) / "views")) == ["rank0-a2"]
+
+
+def test_a_copy_changed_through_a_view_is_not_used_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    run_dir = tmp_path / "run"
+    memory = HostMemory(str(run_dir), 0)
+    copy_id = _hold(memory, 0, 1, {"a": b"1" * 100})
+    ckpt = _commit(run_dir, "checkpoint_000001", {"a": b"1" * 100}, copy_id)
+    view = memory.view(str(ckpt), attempt=1)
+    time.sleep(0.01)
+    Path(view.path, "a").write_bytes(b"2" * 100)  # the training function writes into it
+    assert memory.view(str(ckpt), attempt=2) is None  # from storage, where it is intact
 
 
 def test_a_copy_the_manifest_does_not_vouch_for_is_not_used(tmp_path, monkeypatch):

@@ -81,10 +81,15 @@ def enabled() -> bool:
     return os.environ.get(IN_MEMORY_ENV) == "1"
 
 
+def memory_dir() -> str:
+    """JAXTRAIN_MEMORY_DIR, absolute (the driver passes it on so), or /dev/shm."""
+    return os.path.abspath(os.environ.get(MEMORY_DIR_ENV) or DEFAULT_MEMORY_DIR)
+
+
 def store_path(run_dir: str) -> str:
     """This host's store for the run in ``run_dir``."""
     key = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
-    return os.path.join(os.environ.get(MEMORY_DIR_ENV) or DEFAULT_MEMORY_DIR, f"jaxtrain-{key}")
+    return os.path.join(memory_dir(), f"jaxtrain-{key}")
 
 
 def remove_store(run_dir: str) -> None:
@@ -179,11 +184,14 @@ class HostMemory:
         _remove(final)
         os.rename(written, final)
         try:
-            _write_atomically(final + ".json", json.dumps({"id": copy_id, "files": entries}))
+            files = [e if "link" in e else
+                     {**e, "mtime_ns": os.stat(os.path.join(final, e["path"])).st_mtime_ns}
+                     for e in entries]
+            _write_atomically(final + ".json", json.dumps({"id": copy_id, "files": files}))
         except OSError:
             _remove(final)
             raise
-        restored = self._restored_ids()
+        restored = self._restored_ids(attempt)
         for _, old in sorted(self._held(), reverse=True)[2:]:  # newest first
             try:
                 with open(os.path.join(self.dir, old + ".json"), encoding="utf-8") as f:
@@ -203,25 +211,32 @@ class HostMemory:
                 out.append(((int(m[1]), int(m[2])), m[0]))
         return out
 
-    def _restored_ids(self) -> set[str]:
-        """The copy ids of the checkpoint this rank's current view restored."""
-        views = os.path.join(self.root, "views")
+    def _restored_ids(self, attempt: int) -> set[str]:
+        """The copy ids of the checkpoint this rank's view of ``attempt`` restored."""
+        top = os.path.join(self.root, "views", f"rank{self.rank}-a{attempt}")
         ids: set[str] = set()
-        for top in _listdir(views):
-            if top.startswith(f"rank{self.rank}-"):
-                for name in _listdir(os.path.join(views, top)):
-                    try:
-                        with open(os.path.join(views, top, name, MANIFEST_NAME),
-                                  encoding="utf-8") as f:
-                            ids.update(_copy_ids(json.load(f)).values())
-                    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                        pass
+        for name in _listdir(top):
+            try:
+                with open(os.path.join(top, name, MANIFEST_NAME), encoding="utf-8") as f:
+                    ids.update(_copy_ids(json.load(f)).values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass
         return ids
 
     def view(self, checkpoint_dir: str, attempt: int) -> View | None:
         """Builds this rank's view of the committed checkpoint in ``checkpoint_dir``; None when
         this host holds no copy of any of its files (or its manifest cannot be read): the restore
-        then reads the storage."""
+        then reads the storage. This rank's views of earlier attempts are removed either way."""
+        views = os.path.join(self.root, "views")
+        top = os.path.join(views, f"rank{self.rank}-a{attempt}")
+        try:
+            return self._build_view(checkpoint_dir, top)
+        finally:
+            for old in _listdir(views):
+                if old.startswith(f"rank{self.rank}-") and old != os.path.basename(top):
+                    shutil.rmtree(os.path.join(views, old), ignore_errors=True)
+
+    def _build_view(self, checkpoint_dir: str, top: str) -> View | None:
         try:
             _check_private(self.root)
             with open(os.path.join(checkpoint_dir, MANIFEST_NAME), encoding="utf-8") as f:
@@ -238,8 +253,6 @@ class HostMemory:
         found = [_find(copies, ids, e) for e in entries]
         if not any(found):
             return None
-        views = os.path.join(self.root, "views")
-        top = os.path.join(views, f"rank{self.rank}-a{attempt}")
         view = os.path.join(top, os.path.basename(os.path.normpath(checkpoint_dir)))
         in_memory = bytes_ = 0
         try:
@@ -269,10 +282,6 @@ class HostMemory:
                              f"failed ({e}); restoring from storage\n")
             shutil.rmtree(top, ignore_errors=True)
             return None
-        # This rank's earlier views go only now: other ranks may have been linking from them.
-        for old in _listdir(views):
-            if old.startswith(f"rank{self.rank}-") and old != os.path.basename(top):
-                shutil.rmtree(os.path.join(views, old), ignore_errors=True)
         return View(view, in_memory, len(entries), bytes_)
 
 
@@ -281,39 +290,29 @@ def _copy_ids(manifest: dict) -> dict[int, str]:
     return {c["rank"]: c["id"] for c in manifest.get("copies", [])}
 
 
-def _find(copies: dict[tuple[str, str], tuple[int, int, str]], ids: dict[int, str],
+def _find(copies: dict[tuple[str, str], tuple[int, int, int, str]], ids: dict[int, str],
           entry: dict) -> str | None:
     """The file in memory that is ``entry`` of a committed manifest, or None: a copy of the very
-    part the entry's rank staged (its copy id), with the entry's size and CRC-32C. The id matters:
-    files that end with their own CRC-32C (OCDBT's, say) all have the same CRC-32C at a given
-    size, so size and checksum alone could take another checkpoint's file for this one."""
+    part the entry's rank staged (its copy id), with the entry's size and CRC-32C, unchanged
+    since it was written (its mtime: a write into a restored checkpoint, whose files are the
+    copies, makes them unusable). The id matters: files that end with their own CRC-32C (OCDBT's,
+    say) all have the same CRC-32C at a given size, so size and checksum alone could take another
+    checkpoint's file for this one."""
     copy_id = ids.get(entry.get("rank"))
     found = copies.get((copy_id, entry["path"])) if copy_id else None
     if found is None or found[:2] != (entry["size"], entry["crc32c"]):
         return None
-    return found[2]
+    size, _, mtime_ns, path = found
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path if (st.st_size, st.st_mtime_ns) == (size, mtime_ns) else None
 
 
-def _copies(root: str) -> dict[tuple[str, str], tuple[int, int, str]]:
-    """Every usable copy in a store: (copy id, path) -> (size, CRC-32C, the copy's file). The
-    ranks' kept copies, and the files of earlier views that came from memory (a view's hard links
-    keep the checkpoint it restored in memory after the ranks' newer copies replaced it, so that
-    the next restart finds it even if the checkpoints after it were never committed)."""
-    out: dict[tuple[str, str], tuple[int, int, str]] = {}
-    views = os.path.join(root, "views")
-    for top in _listdir(views):
-        for name in _listdir(os.path.join(views, top)):
-            view = os.path.join(views, top, name)
-            try:
-                with open(os.path.join(view, MANIFEST_NAME), encoding="utf-8") as f:
-                    manifest = json.load(f)
-                ids = _copy_ids(manifest)
-                for e in manifest["file_list"]:
-                    path = os.path.join(view, e["path"])
-                    if e.get("rank") in ids and os.path.isfile(path) and not os.path.islink(path):
-                        out[(ids[e["rank"]], e["path"])] = (e["size"], e["crc32c"], path)
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+def _copies(root: str) -> dict[tuple[str, str], tuple[int, int, int, str]]:
+    """Every copy in a store: (copy id, path) -> (size, CRC-32C, mtime_ns, the copy's file)."""
+    out: dict[tuple[str, str], tuple[int, int, int, str]] = {}
     for rank_dir in _listdir(root):
         if not rank_dir.startswith("rank") or not rank_dir[4:].isdigit():
             continue
@@ -326,7 +325,7 @@ def _copies(root: str) -> dict[tuple[str, str], tuple[int, int, str]]:
                     held = json.load(f)
                 for e in held["files"]:
                     if "link" not in e:
-                        out[(held["id"], e["path"])] = (e["size"], e["crc32c"],
+                        out[(held["id"], e["path"])] = (e["size"], e["crc32c"], e["mtime_ns"],
                                                         os.path.join(base, e["path"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue

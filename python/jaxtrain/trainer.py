@@ -173,9 +173,8 @@ class JaxTrainer:
             worker_env[session.SNAPSHOT_BUDGET_ENV] = snapshot_budget
         if in_memory is not None:
             worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
-            if os.environ.get(checkpoint_memory.MEMORY_DIR_ENV):
-                worker_env[checkpoint_memory.MEMORY_DIR_ENV] = os.environ[
-                    checkpoint_memory.MEMORY_DIR_ENV]
+            # Absolute: workers may run in another working directory.
+            worker_env[checkpoint_memory.MEMORY_DIR_ENV] = checkpoint_memory.memory_dir()
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         sys.stdout.flush()

@@ -290,16 +290,29 @@ def _await_activation() -> str:
     return activation["secret"]
 
 
-def _restore_point(path: str | None, memory, rank: int, attempt: int):
+def _restore_point(path: str | None, memory, rank: int, attempt: int,
+                   checksums_skipped: bool = False):
     """The Checkpoint that get_checkpoint() returns: the committed checkpoint at ``path`` (None:
     none), or with JAXTRAIN_CHECKPOINT_IN_MEMORY=1 this rank's view of it in host memory when this
-    host holds copies of its files (jaxtrain/checkpoint_memory.py); said in the rank's log."""
+    host holds copies of its files (jaxtrain/checkpoint_memory.py); said in the rank's log.
+
+    ``checksums_skipped``: the controller checked the checkpoint by sizes only, because every part
+    of it has its copy here. A rank that reads any of it from storage after all (a view that
+    could not be built whole) checks every file's CRC-32C first; a mismatch raises."""
+    from jaxtrain import _core
     from jaxtrain.checkpoint import Checkpoint
 
     if not path:
         return None
     began = time.monotonic()
-    view = memory.view(path, attempt) if memory is not None else None
+    try:
+        view = memory.view(path, attempt) if memory is not None else None
+    except Exception as e:  # the store in a state of its own making: the storage still serves
+        sys.stderr.write(f"jaxtrain worker: rank {rank}: restoring from host memory failed "
+                         f"({type(e).__name__}: {e}); restoring from storage\n")
+        view = None
+    if checksums_skipped and (view is None or view.in_memory < view.files):
+        _core.verify_checkpoint(path, True)
     if view is None:
         if memory is not None:
             sys.stderr.write(f"jaxtrain worker: rank {rank}: this host's memory holds no copy of "
@@ -400,11 +413,12 @@ def main() -> None:
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
             checkpoint_memory.sweep(start["run_dir"])
     try:
-        checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt)
-    except Exception as e:  # the store in a state of its own making: the storage still serves
-        sys.stderr.write(f"jaxtrain worker: rank {rank}: restoring from host memory failed "
-                         f"({type(e).__name__}: {e}); restoring from storage\n")
-        checkpoint = _restore_point(start.get("checkpoint"), None, rank, attempt)
+        checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt,
+                                    start.get("checkpoint_checksums_skipped", False))
+    except Exception as e:
+        _fail(client, "start-up", EXIT_START_UP,
+              f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
+              f"before rank {rank} read it from storage: {e}")
     session._install(
         session._Session(
             client,

@@ -131,6 +131,8 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   double attempt_start_time = 0;
   nlohmann::json attempt_log = nlohmann::json::array();  // run.json's attempts, earlier runs' too
   std::string restore_from;  // the checkpoint this attempt starts from; "" for none
+  // restore_from was checked by sizes only: its parts are in host memory (RestoreVerifier).
+  bool restore_checksums_skipped = false;
   std::vector<launch::ProcessSpec> specs;
   std::shared_ptr<std::map<std::string, std::string>> shared_env;  // every spec's shared_env
   std::vector<RankFailure> failures;
@@ -412,6 +414,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         {"run_dir", store.dir()},
         {"experiment_name", opts.experiment_name},
         {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
+    if (restore_checksums_skipped) start["checkpoint_checksums_skipped"] = true;
     // The start frame and the payload's header are the same for every rank: one buffer, shared
     // by every connection's queue like the payload (O(start), not O(ranks x start)).
     auto head = std::make_shared<const std::string>(
@@ -669,6 +672,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   // The directory `chosen` names, its warnings said.
   std::string Chosen(const RestoreVerifier::Result& chosen) {
     for (const auto& w : chosen.warnings) Say("warning: " + w);
+    restore_checksums_skipped = chosen.checksums_skipped;
     return chosen.dir;
   }
 

@@ -234,6 +234,8 @@ class RestartVerificationTest : public ControllerStateTest {
     std::vector<json> second = RegisterAll(/*attempt=*/1, 2);
     controller->Abort("done");
     WaitForOutcome(*controller);
+    // The ranks are told when checksums were skipped: one that reads storage checks them.
+    EXPECT_EQ(second[0].value("checkpoint_checksums_skipped", false), held_ranks.size() == 2);
     return second[0]["checkpoint"];
   }
 };

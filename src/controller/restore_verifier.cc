@@ -22,6 +22,7 @@ RestoreVerifier::Result RestoreVerifier::Choose(
     }
     if (s.ok()) {
       out.dir = std::move(dir);
+      out.checksums_skipped = checksums && !crc;
       return out;
     }
     out.warnings.push_back(

@@ -34,6 +34,9 @@ class RestoreVerifier {
     std::string dir;                    // the checkpoint to restore from; "" = from the start
     std::vector<std::string> warnings;  // one line per checkpoint passed over, then a summary
     bool cancelled = false;             // Cancel() stopped it: `dir` is "" and means nothing
+    // `dir` was checked by sizes only because every part of it has its copy in memory_store:
+    // a rank that reads any of it from storage must check it first.
+    bool checksums_skipped = false;
   };
 
   // The choice itself, on the calling thread: the newest of `records` (oldest first, directories
