@@ -8,8 +8,8 @@ from the run directory's path, so every attempt of a run (and a run resumed by n
     <store>/owner.json                     {"run_dir": ...}: what the sweep reads
     <store>/rank<r>/a<attempt>-r<round>/   a copy of rank r's files of one checkpoint
     <store>/rank<r>/a<attempt>-r<round>.json   the copy's id and its entries (paths, sizes,
-                                           CRC-32C, modes), written last: a copy without it is
-                                           not used
+                                           CRC-32C, modes, mtimes), written last: a copy
+                                           without it is not used
     <store>/views/rank<r>-a<attempt>/<checkpoint name>/   what get_checkpoint() returned
 
 A rank writes its copy in the background, after its staging copy and before its report (so
@@ -22,10 +22,10 @@ Each copy has an id, a random token that the rank's checkpoint report carries an
 records in the manifest ("copies": rank -> id). At a restart each rank builds a *view* of the
 checkpoint it restores from: every file of the committed checkpoint of which this host holds the
 copy that the manifest names for the file's rank, with the manifest's size and CRC-32C, is a hard
-link to that copy (no data is copied); a file that no copy here matches (one
-written by a rank on another host, or whose copy is gone) is a symbolic link to the committed
-file in storage, so it is read from there, and only if the training function reads it. The
-view holds the manifest too. Nothing is ever restored from memory that the manifest does not
+link to that copy (no data is copied); a file that no copy here matches (one written by a rank
+on another host, or whose copy is gone or was written to) is a symbolic link to the committed
+file in storage, so it is read from there, and only if the training function reads it. The view
+holds the manifest too. Nothing is ever restored from memory that the manifest does not
 vouch for, and with no copy at all the checkpoint is restored from storage as without the switch.
 
 In a local run the controller checks a checkpoint whose every part has its copy here by sizes
@@ -100,14 +100,14 @@ def remove_store(run_dir: str) -> None:
 def sweep(run_dir: str) -> None:
     """Removes this host's stores of other runs that have ended (_running): the only way a host
     where no driver runs gets its memory back."""
-    memory_dir = os.path.dirname(store_path(run_dir))
     own = store_path(run_dir)
+    parent = os.path.dirname(own)
     try:
-        names = os.listdir(memory_dir)
+        names = os.listdir(parent)
     except OSError:
         return
     for name in names:
-        store = os.path.join(memory_dir, name)
+        store = os.path.join(parent, name)
         if not name.startswith("jaxtrain-") or store == own:
             continue
         try:
