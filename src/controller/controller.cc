@@ -768,8 +768,10 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   // Ends the attempt whose processes are all reaped; true when a new attempt has started.
   bool EndAttempt() {
     group->CloseOutputs();
-    // The ranks that printed nothing in this attempt get its header now (rank_logs.h).
-    WarnLogs(logs.HeadAll());
+    // The failed rank's log exists now, with this attempt's header, even if it printed nothing:
+    // its tail goes into the failure. The other silent ranks' headers wait for their next text
+    // or the end of the run (rank_logs.h): a restart creates no file per silent rank.
+    if (failure && failure->rank >= 0) WriteLog(failure->rank, "");
     if (!failure && !aborted) {
       for (Round& r : collector.TakeUnmatchedRank0()) recorder.Add(std::move(r));
       std::string mismatch = collector.CountMismatchWarning();
@@ -829,6 +831,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     ctl.launcher_->EndRun(/*keep=*/!aborted);
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
+    WarnLogs(logs.HeadAll());  // every log numbers every attempt (rank_logs.h)
     logs.CloseAll();
     port.reset();  // every connection closed, and the listener
 

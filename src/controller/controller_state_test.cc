@@ -11,6 +11,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "controller/controller.h"
@@ -140,6 +141,10 @@ class ControllerStateTest : public testing::Test {
   }
 
   std::string RunDir() const { return dir_ + "/run"; }
+  static std::string ReadAll(const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
   json RunState() const {
     std::ifstream in(RunDir() + "/run.json");
     return json::parse(in, nullptr, false);
@@ -259,6 +264,29 @@ TEST_F(ControllerStateTest, ACheckpointWithAMalformedCopyIdIsAProtocolErrorOfIts
   EXPECT_EQ(out.failures[0].rank, 1);
   EXPECT_EQ(out.failures[0].message,
             "protocol error: malformed copy_id in the checkpoint description");
+}
+
+TEST_F(ControllerStateTest, ARestartCreatesNoLogForSilentRanksAndTheRunsEndHeadsThemAll) {
+  ControllerOptions options = Options(3);
+  options.max_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 3);
+  processes_.Kill(1, SIGKILL);  // no rank printed anything
+  WaitForStart(2);
+  RegisterAll(/*attempt=*/1, 3);
+  const std::string logs = RunDir() + "/logs/rank-";
+  // The failed rank's log holds its attempt's header (its tail is the failure's); the silent
+  // ranks have none yet.
+  EXPECT_EQ(ReadAll(logs + "1.log"), "===== jaxtrain: attempt 0 =====\n");
+  EXPECT_FALSE(std::filesystem::exists(logs + "0.log"));
+  EXPECT_FALSE(std::filesystem::exists(logs + "2.log"));
+  for (int rank : {0, 1, 2}) Finish(rank);
+  EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
+  for (int rank : {0, 1, 2}) {
+    EXPECT_EQ(ReadAll(logs + std::to_string(rank) + ".log"),
+              "===== jaxtrain: attempt 0 =====\n===== jaxtrain: attempt 1 =====\n");
+  }
 }
 
 TEST_F(ControllerStateTest, TrainingFailuresAreRestartedUntilMaxFailuresIsSpentThenTheRunRaises) {

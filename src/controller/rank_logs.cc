@@ -61,8 +61,11 @@ Status RankLogs::Write(int rank, std::string_view text) {
   }
   int err = 0;
   if (headed_[r] != attempt_) {
-    const std::string header = "===== jaxtrain: attempt " + std::to_string(attempt_) + " =====\n";
-    if (!WriteAll(fds_[r], header, "write", &err).ok()) {
+    std::string headers;
+    for (int a = std::max(headed_[r] + 1, std::max(first_attempt_, 0)); a <= attempt_; ++a) {
+      headers += "===== jaxtrain: attempt " + std::to_string(a) + " =====\n";
+    }
+    if (!WriteAll(fds_[r], headers, "write", &err).ok()) {
       return LogError("cannot write " + path_(rank), err);
     }
     headed_[r] = attempt_;

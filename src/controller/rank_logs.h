@@ -3,11 +3,13 @@
 // Nothing is created when an attempt starts, so starting thousands of ranks touches no file per
 // rank: a rank's log is created by its first output byte of the run. Every log gets each
 // attempt's header line ("===== jaxtrain: attempt N =====") before the rank's first text of that
-// attempt, or, for a rank that printed nothing in it, when the attempt ends (HeadAll()). So once
-// an attempt has ended, every rank has a log and every log numbers every attempt, as if each had
-// been written when the attempt started; while it runs, a rank that has printed nothing has no
-// log yet (readers skip a missing one). Files are appended to (O_APPEND): a run resumed in the
-// same directory continues its logs.
+// attempt; the headers of the attempts in which it printed nothing come first (an empty section
+// each), or, at the end of the run, from HeadAll(). So once the run has ended, every rank has a
+// log and every log numbers every attempt, as if each had been written when the attempt started;
+// while it runs, a rank's log numbers the attempts up to its latest text, and a rank that has
+// printed nothing has no log yet (readers skip a missing one). A restart therefore creates no
+// file for the ranks that were silent (at 16k ranks, creating them took 1-3 s of every restart).
+// Files are appended to (O_APPEND): a run resumed in the same directory continues its logs.
 //
 // Descriptors: at most `max_open` logs are held open (set_max_open()); opening one more closes
 // the one opened longest ago, which is opened again when next written to. So the controller's
@@ -37,17 +39,21 @@ class RankLogs {
   RankLogs& operator=(const RankLogs&) = delete;
 
   // Text written from now on belongs to `attempt`: each log gets its header before its first text.
-  void BeginAttempt(int attempt) { attempt_ = attempt; }
+  // The first call names the first attempt whose header the logs get.
+  void BeginAttempt(int attempt) {
+    if (first_attempt_ < 0) first_attempt_ = attempt;
+    attempt_ = attempt;
+  }
 
-  // Appends `text` to rank's log, creating it (and writing the attempt's header) first if need
-  // be; an empty `text` only does that. Errors: kPermissionDenied / kInternal / kResourceExhausted
-  // (the errno's kind) when the log cannot be opened or written; the message names the path and
-  // the reason.
+  // Appends `text` to rank's log, creating it and writing the headers it lacks (the attempts
+  // since its last text, this one included) first if need be; an empty `text` only does that.
+  // Errors: kPermissionDenied / kInternal / kResourceExhausted (the errno's kind) when the log
+  // cannot be opened or written; the message names the path and the reason.
   Status Write(int rank, std::string_view text);
 
-  // Writes the attempt's header to every log that lacks it (creating the log if need be): for the
-  // end of an attempt. O(ranks that printed nothing in it). Errors: as Write(), for the first log
-  // that fails; the others are still tried.
+  // Writes the headers every log lacks, up to this attempt (creating the log if need be): for the
+  // end of the run. O(ranks that printed nothing in the last attempt). Errors: as Write(), for the
+  // first log that fails; the others are still tried.
   Status HeadAll();
 
   // At most `n` (>= 1) logs open at a time.
@@ -64,6 +70,7 @@ class RankLogs {
 
   std::function<std::string(int)> path_;
   int attempt_ = 0;
+  int first_attempt_ = -1;   // the first BeginAttempt(); -1 before it
   std::vector<int> fds_;     // by rank: its open log, or -1
   std::vector<int> headed_;  // by rank: the attempt whose header its log has, or -1
   std::deque<int> open_;     // ranks whose log is open, the oldest opened first

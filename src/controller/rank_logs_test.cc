@@ -47,17 +47,24 @@ TEST_F(RankLogsTest, NothingIsCreatedUntilARankWrites) {
   EXPECT_FALSE(fs::exists(Path(2)));
 }
 
-TEST_F(RankLogsTest, EachAttemptIsHeadedBeforeItsFirstTextOnly) {
+TEST_F(RankLogsTest, EachAttemptIsHeadedOnceBeforeItsFirstText) {
   RankLogs logs = Make(2);
-  logs.BeginAttempt(0);
+  logs.BeginAttempt(3);  // a resumed run: its first attempt is 3
   ASSERT_TRUE(logs.Write(0, "a").ok());
   ASSERT_TRUE(logs.Write(0, "b\n").ok());
-  logs.BeginAttempt(1);  // rank 0 prints nothing in attempt 1
-  logs.BeginAttempt(2);
-  ASSERT_TRUE(logs.Write(0, "c\n").ok());
-  ASSERT_TRUE(logs.Write(1, "").ok());  // an empty write creates the log with its header
-  EXPECT_EQ(Read(0), "===== jaxtrain: attempt 0 =====\nab\n===== jaxtrain: attempt 2 =====\nc\n");
-  EXPECT_EQ(Read(1), "===== jaxtrain: attempt 2 =====\n");
+  EXPECT_EQ(Read(0), "===== jaxtrain: attempt 3 =====\nab\n");
+  logs.BeginAttempt(4);  // rank 0 prints nothing in attempt 4: no file is touched for it
+  logs.BeginAttempt(5);
+  EXPECT_EQ(Read(0), "===== jaxtrain: attempt 3 =====\nab\n");
+  EXPECT_FALSE(fs::exists(Path(1)));
+  ASSERT_TRUE(logs.Write(0, "c\n").ok());  // the silent attempt's header comes first
+  ASSERT_TRUE(logs.Write(1, "").ok());     // an empty write creates the log with its headers
+  EXPECT_EQ(Read(0),
+            "===== jaxtrain: attempt 3 =====\nab\n===== jaxtrain: attempt 4 =====\n"
+            "===== jaxtrain: attempt 5 =====\nc\n");
+  EXPECT_EQ(Read(1),
+            "===== jaxtrain: attempt 3 =====\n===== jaxtrain: attempt 4 =====\n"
+            "===== jaxtrain: attempt 5 =====\n");
 }
 
 TEST_F(RankLogsTest, HeadAllGivesTheSilentRanksTheAttemptsHeader) {
