@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 from startup_and_report import console_to, measure, spread
 
@@ -106,10 +107,8 @@ def train_func(config: dict) -> None:
 
 
 def run(workers: int, shard_bytes: int, env: dict[str, str], out_dir: str) -> RestoreFigures:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        with console_to(os.path.join(out_dir, "console.log")):
+        with mock.patch.dict(os.environ, env), console_to(os.path.join(out_dir, "console.log")):
             JaxTrainer(
                 train_func,
                 train_loop_config={"out_dir": out_dir, "shard_bytes": shard_bytes,
@@ -120,12 +119,6 @@ def run(workers: int, shard_bytes: int, env: dict[str, str], out_dir: str) -> Re
             ).fit()
     except TrainingFailedError as e:
         sys.exit(f"jaxtrain fit() failed during the benchmark: {e}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     failed = json.load(open(os.path.join(out_dir, "failed.json")))["at"]
     reads = [json.load(open(os.path.join(out_dir, f"restored-{r}.json"))) for r in range(workers)]
     links = []

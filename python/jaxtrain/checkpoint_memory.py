@@ -193,12 +193,9 @@ class HostMemory:
             raise
         restored = self._restored_ids(attempt)
         for _, old in sorted(self._held(), reverse=True)[2:]:  # newest first
-            try:
-                with open(os.path.join(self.dir, old + ".json"), encoding="utf-8") as f:
-                    if json.load(f).get("id") in restored:
-                        continue
-            except (OSError, ValueError, AttributeError):
-                pass
+            record = _record(os.path.join(self.dir, old))
+            if record is not None and record["id"] in restored:
+                continue
             os.unlink(os.path.join(self.dir, old + ".json"))
             _remove(os.path.join(self.dir, old))
 
@@ -261,13 +258,10 @@ class HostMemory:
             for entry, copy in zip(entries, found, strict=True):
                 dst = os.path.join(view, entry["path"])
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
-                try:
-                    if copy is None:
-                        raise FileNotFoundError(entry["path"])
-                    os.link(copy, dst)
+                if copy is not None and _link(copy, dst):
                     in_memory += 1
                     bytes_ += entry["size"]
-                except FileNotFoundError:  # no copy, or one freed since it was listed
+                else:
                     os.symlink(os.path.join(os.path.abspath(checkpoint_dir), entry["path"]), dst)
             for link in manifest.get("links", []):
                 os.makedirs(os.path.dirname(os.path.join(view, link["path"])), exist_ok=True)
@@ -320,16 +314,27 @@ def _copies(root: str) -> dict[tuple[str, str], tuple[int, int, int, str]]:
             if not (name.endswith(".json") and _HELD.fullmatch(name[:-5])):
                 continue
             base = os.path.join(root, rank_dir, name[:-5])
-            try:
-                with open(base + ".json", encoding="utf-8") as f:
-                    held = json.load(f)
-                for e in held["files"]:
-                    if "link" not in e:
-                        out[(held["id"], e["path"])] = (e["size"], e["crc32c"], e["mtime_ns"],
-                                                        os.path.join(base, e["path"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+            record = _record(base)
+            for e in record["files"] if record is not None else []:
+                if "link" not in e:
+                    out[(record["id"], e["path"])] = (e["size"], e["crc32c"], e["mtime_ns"],
+                                                      os.path.join(base, e["path"]))
     return out
+
+
+def _record(copy: str) -> dict | None:
+    """The record of the copy in directory ``copy`` (``<copy>.json``: its id and entries), or
+    None when it is missing or damaged."""
+    try:
+        with open(copy + ".json", encoding="utf-8") as f:
+            record = json.load(f)
+        if isinstance(record["id"], str) and all(
+                "link" in e or {"path", "size", "crc32c", "mtime_ns"} <= e.keys()
+                for e in record["files"]):
+            return record
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 def _check_private(root: str) -> None:
@@ -341,6 +346,15 @@ def _check_private(root: str) -> None:
             f"'{root}' is not a private directory of this user's (mode "
             f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); remove it, or set "
             f"{MEMORY_DIR_ENV} to a directory of your own")
+
+
+def _link(copy: str, dst: str) -> bool:
+    """Hard-links ``copy`` as ``dst``; False when the copy is gone (freed since it was listed)."""
+    try:
+        os.link(copy, dst)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _remove(path: str) -> None:

@@ -153,8 +153,9 @@ class _Stager:
                                    f"checkpoint of round {round_} into '{description['staging']}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
                     if self._memory is not None:
-                        # Before the report: every part of a committed checkpoint then has its
-                        # copy, unless keeping it failed (said in the log).
+                        # Before the report, which names the copy: every part of a committed
+                        # checkpoint then has its copy, unless keeping it failed (said in the log).
+                        description["copy_id"] = uuid.uuid4().hex
                         self._hold(round_, snapshot, description["copy_id"])
                     del snapshot, work
                     self._client.report_checkpoint(round_, json.dumps(description), text)
@@ -164,7 +165,6 @@ class _Stager:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-
 
     def _hold(self, round_: int, snapshot: Any, copy_id: str) -> None:
         """Keeps a copy of the snapshot just staged in this host's memory. A copy that cannot be
@@ -177,7 +177,6 @@ class _Stager:
             written = self._memory.prepare(attempt, round_)
             self._memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
         except Exception as e:
-            del snapshot  # its memory goes back (write() has freed it already, if it ran)
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
             sys.stderr.write(f"jaxtrain worker: rank {self._rank}: keeping the checkpoint of "
@@ -299,8 +298,6 @@ def report(
         if snapshot is None:  # copied: nothing is queued (drained above), so it goes now
             session.client.report_checkpoint(session.round, json.dumps(description), text)
         else:
-            if session.stager.holds_copies:  # names the copy kept in host memory
-                description["copy_id"] = uuid.uuid4().hex
             session.stager.checkpoint(session.round, text, snapshot, description)
 
 

@@ -418,7 +418,8 @@ def main() -> None:
     except Exception as e:
         _fail(client, "start-up", EXIT_START_UP,
               f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
-              f"before rank {rank} read it from storage: {e}")
+              f"before rank {rank} read it from storage: {e}; a new fit() of the run checks "
+              "every checkpoint and restores the newest whole one")
     session._install(
         session._Session(
             client,

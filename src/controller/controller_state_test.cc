@@ -11,7 +11,6 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "controller/controller.h"
@@ -19,6 +18,7 @@
 #include "controller/testing/fake_control_port.h"
 #include "controller/testing/fake_worker_group.h"
 #include "storage/checkpoint.h"
+#include "storage/files.h"
 #include "wire/frame.h"
 
 namespace jaxtrain::controller {
@@ -142,8 +142,8 @@ class ControllerStateTest : public testing::Test {
 
   std::string RunDir() const { return dir_ + "/run"; }
   static std::string ReadAll(const std::string& path) {
-    std::ifstream in(path);
-    return std::string(std::istreambuf_iterator<char>(in), {});
+    StatusOr<std::string> text = storage::ReadFile(path);
+    return text.ok() ? *text : "";
   }
   json RunState() const {
     std::ifstream in(RunDir() + "/run.json");
