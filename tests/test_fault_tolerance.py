@@ -142,6 +142,24 @@ def test_a_start_up_failure_is_retried_on_its_own_budget(storage, tmp_path):
     assert result.metrics == {"started": 1}
 
 
+def test_a_rank_that_cannot_make_its_registration_says_why(tmp_path, monkeypatch):
+    # Rank 0 reserves the coordinator's port before it joins (its registration carries the
+    # address); an address that is not this host's cannot be bound, and the rank still reports it.
+    monkeypatch.setenv("JAXTRAIN_COORDINATOR_HOST", "192.0.2.1")
+
+    def train():
+        pass
+
+    with pytest.raises(TrainingFailedError) as e:
+        JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name="unbindable", storage_path=str(tmp_path),
+                                        failure_config=FailureConfig(
+                                            max_failures=0, controller_failure_limit=0))).fit()
+    assert e.value.rank == 0 and e.value.cause == "start-up"
+    assert "start-up failed: OSError" in str(e.value)
+    assert "_reserve_coordinator" in e.value.worker_traceback
+
+
 def test_a_spent_budget_raises_with_every_attempt_listed(storage, tmp_path):
     with pytest.raises(TrainingFailedError) as e:
         _fit(storage, tmp_path, "spent", "raise", max_failures=1, fail_attempts=99)

@@ -345,13 +345,18 @@ def main() -> None:
     attempt = _env_int("JAXTRAIN_ATTEMPT")
     world_size = _env_int("JAXTRAIN_WORLD_SIZE")
     platform = os.environ.get("JAXTRAIN_PLATFORM", "cpu")
-    try:
-        client = _core.WorkerClient.connect(
-            os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0
-        )
-    except OSError as e:  # refused, unreachable, or no handshake within the timeout
-        sys.stderr.write(f"jaxtrain worker: rank {rank} could not join the run: {e}\n")
-        sys.exit(EXIT_START_UP)
+
+    def join(registration: str):
+        try:
+            return _core.WorkerClient.connect(
+                os.environ["JAXTRAIN_CONTROLLER_ADDR"], secret, rank, attempt, 60.0, registration
+            )
+        except OSError as e:  # refused, unreachable, or no handshake within the timeout
+            sys.stderr.write(f"jaxtrain worker: rank {rank} could not join the run: {e}\n")
+            sys.exit(EXIT_START_UP)
+
+    # The registration goes with the handshake's last frame (one segment fewer per rank), so it
+    # is made first; a worker that cannot make it joins only to say why.
     try:
         coordinator_host = os.environ.get("JAXTRAIN_COORDINATOR_HOST") or _address_towards(
             os.environ["JAXTRAIN_CONTROLLER_ADDR"]
@@ -359,8 +364,13 @@ def main() -> None:
         reserved, coordinator = (
             _reserve_coordinator(coordinator_host) if rank == 0 else (None, "")
         )
-        host = socket.gethostname()
-        client.register(json.dumps({"host": host, "pid": os.getpid(), "coordinator": coordinator}))
+        registration = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "coordinator": coordinator}
+        )
+    except Exception:
+        _fail(join(""), "start-up", EXIT_START_UP)
+    client = join(registration)
+    try:
         import jax  # the slow part of start-up, overlapped with the other ranks'
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)

@@ -307,13 +307,15 @@ nb::list EntriesToList(const std::vector<storage::FileEntry>& entries) {
 class PyWorkerClient {
  public:
   static PyWorkerClient Connect(const std::string& address, const std::string& secret_hex,
-                                uint32_t rank, uint32_t attempt, double timeout_s) {
+                                uint32_t rank, uint32_t attempt, double timeout_s,
+                                const std::string& registration_json) {
     worker::WorkerClientOptions o;
     o.controller = Unwrap(wire::ParseHostPort(address));
     o.secret = Unwrap(wire::FromHex(secret_hex));
     o.rank = rank;
     o.attempt = attempt;
     o.timeout = Seconds(timeout_s);
+    o.registration = registration_json;
     StatusOr<std::unique_ptr<worker::WorkerClient>> client = UnavailableError("");
     {
       nb::gil_scoped_release release;
@@ -321,8 +323,6 @@ class PyWorkerClient {
     }
     return PyWorkerClient(Unwrap(std::move(client)));
   }
-
-  void Register(const std::string& json) { Check(client_->Register(json)); }
 
   nb::tuple WaitStart() {
     StatusOr<worker::StartInfo> info = UnavailableError("");
@@ -679,8 +679,7 @@ NB_MODULE(_core, m) {
 
   nb::class_<PyWorkerClient>(m, "WorkerClient")
       .def_static("connect", &PyWorkerClient::Connect, "address"_a, "secret_hex"_a, "rank"_a,
-                  "attempt"_a, "timeout_s"_a)
-      .def("register", &PyWorkerClient::Register, "json"_a)
+                  "attempt"_a, "timeout_s"_a, "registration_json"_a)
       .def("wait_start", &PyWorkerClient::WaitStart)
       .def("report", &PyWorkerClient::Report, "round"_a, "metrics_json"_a)
       .def("report_checkpoint", &PyWorkerClient::ReportCheckpoint, "round"_a, "checkpoint_json"_a,

@@ -155,6 +155,30 @@ TEST_F(ControlPortTest, AWorkersHandshakeMakesTheConnectionItsRanksBothWays) {
   EXPECT_TRUE(recorder_.closed.empty());
 }
 
+// A worker sends its proof and its registration in one write (worker_client.h): the frame after
+// the proof is read under the authenticated limit and reaches the owner.
+TEST_F(ControlPortTest, ARegistrationInTheProofsSegmentIsDelivered) {
+  int fd = Connect();
+  wire::Hello hello{.rank = 0, .nonce = wire::GenerateNonce()};
+  SendFrame(fd, wire::MessageType::kHello, wire::EncodeHello(hello, secret_));
+  std::optional<wire::Frame> challenge = NextFrame(fd);
+  ASSERT_TRUE(challenge && challenge->type == wire::MessageType::kChallenge);
+  wire::Nonce nonce;
+  std::copy_n(challenge->body.begin(), nonce.size(), nonce.begin());
+  wire::Mac proof = wire::WorkerProof(secret_, hello, nonce);
+  // Longer than the proof's own limit (32 bytes), so it is read under the authenticated one.
+  const std::string registration = R"({"host":")" + std::string(100, 'h') + R"(","pid":1})";
+  std::string both = *wire::EncodeFrame(
+      wire::MessageType::kAuth,
+      std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size()));
+  both += *wire::EncodeFrame(wire::MessageType::kRegister, registration);
+  ASSERT_TRUE(wire::WriteAll(fd, both).ok());
+  ASSERT_TRUE(PumpUntil([&] { return !recorder_.frames.empty(); }));
+  EXPECT_TRUE(port_->connected(0));
+  EXPECT_EQ(recorder_.frames[0], (std::pair<int, std::string>{0, registration}));
+  EXPECT_TRUE(recorder_.bad.empty());
+}
+
 TEST_F(ControlPortTest, AHelloWithoutTheSecretIsRefusedUntold) {
   int fd = Connect();
   SendFrame(fd, wire::MessageType::kHello,

@@ -152,9 +152,16 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
                                 " could not prove it holds this run's secret; not trusting it");
   }
   wire::Mac proof = wire::WorkerProof(o.secret, hello, controller_nonce);
-  JT_RETURN_IF_ERROR(
-      client->Send(wire::MessageType::kAuth,
-                   std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
+  JT_ASSIGN_OR_RETURN(
+      std::string frames,
+      wire::EncodeFrame(wire::MessageType::kAuth,
+                        std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
+  if (!o.registration.empty()) {
+    JT_ASSIGN_OR_RETURN(std::string reg,
+                        wire::EncodeFrame(wire::MessageType::kRegister, o.registration));
+    frames += reg;
+  }
+  JT_RETURN_IF_ERROR(wire::WriteAll(fd, frames));
   timeval none{0, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
   // A controller whose host vanishes (a network cut between hosts) ends this worker as a closed
@@ -189,10 +196,6 @@ StatusOr<wire::Frame> WorkerClient::ReadFrame() {
     if (n <= 0) return UnavailableError("the controller closed the connection");
     JT_RETURN_IF_ERROR(decoder_.Feed(std::string_view(buf, static_cast<size_t>(n))));
   }
-}
-
-Status WorkerClient::Register(std::string_view json) {
-  return Send(wire::MessageType::kRegister, json);
 }
 
 StatusOr<StartInfo> WorkerClient::WaitStart() {

@@ -4,7 +4,8 @@
 // cannot prove it holds the run's secret, before reading anything else from it. A connection the
 // controller closes before answering the hello (it drops the oldest unproven connections when a
 // flood of peers fills its table, docs/wire.md) is retried with backoff until the timeout. After
-// that: Register(), WaitStart() for the coordinator and the payload, then
+// that (the registration went with the handshake's last frame): WaitStart() for the coordinator
+// and the payload, then
 // Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
 // of the process, so a worker never outlives its controller, and reads what the controller sends
 // during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for.
@@ -37,6 +38,10 @@ struct WorkerClientOptions {
   // benchmark's fake hosts each take one of 127/8, as ranks on different hosts have addresses of
   // their own.
   std::string source_address;
+  // The kRegister body (JSON: docs/wire.md), sent with the handshake's proof in one write, so a
+  // rank joins in one segment fewer; empty: the worker does not register (it only reports why it
+  // cannot, with SendError()).
+  std::string registration;
 };
 
 // The run's secret (raw bytes) where the launcher put it for this process: the inherited pipe
@@ -65,7 +70,6 @@ class WorkerClient {
   static StatusOr<std::unique_ptr<WorkerClient>> Connect(const WorkerClientOptions& options);
   ~WorkerClient();
 
-  Status Register(std::string_view json);
   // Blocks until the controller starts training. Errors: kUnavailable when the connection ends.
   StatusOr<StartInfo> WaitStart();
   // Queues one report; does not wait for the controller. Errors: kInvalidArgument when the metrics

@@ -265,9 +265,10 @@ TEST(WorkerClientTest, SendsRegisterReportsAndDoneInOrder) {
   FakeController controller(secret);
   controller.Serve();
   {
-    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    WorkerClientOptions options = controller.ClientOptions(secret);
+    options.registration = R"({"host":"h","pid":1})";
+    auto client = WorkerClient::Connect(options);
     ASSERT_TRUE(client.ok()) << client.status().ToString();
-    ASSERT_TRUE((*client)->Register(R"({"host":"h","pid":1})").ok());
     ASSERT_TRUE((*client)->Report(1, R"({"loss":1.0})").ok());
     ASSERT_TRUE((*client)->Report(2, R"({"loss":0.5})").ok());
     ASSERT_TRUE((*client)->Report(uint64_t{1} << 40, "{}").ok());

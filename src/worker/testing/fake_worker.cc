@@ -131,17 +131,15 @@ int Run(const std::string& mode, int rounds) {
                     refused.status().ToString());
     }
   }
-  PassGate("FAKE_CONNECT_GATE_FIFO");
-  auto client = WorkerClient::Connect(*options);
-  if (!client.ok()) return Misuse(client.status().ToString());
-
   char host[256] = "";
   gethostname(host, sizeof(host) - 1);
   nlohmann::json registration = {{"host", host}, {"pid", getpid()}};
   // Rank 0 publishes a coordinator, as the controller requires; no JAX runs here to use it.
   if (rank == 0) registration["coordinator"] = "127.0.0.1:1";
-  Status s = (*client)->Register(registration.dump());
-  if (!s.ok()) return Misuse(s.ToString());
+  options->registration = registration.dump();
+  PassGate("FAKE_CONNECT_GATE_FIFO");
+  auto client = WorkerClient::Connect(*options);
+  if (!client.ok()) return Misuse(client.status().ToString());
   SignalEvent('R');
   if (mode == "duplicate") {
     auto second = WorkerClient::Connect(*options);
@@ -159,6 +157,7 @@ int Run(const std::string& mode, int rounds) {
   PrintOutput();
   PassGate();
 
+  Status s;
   if (mode == "ok" || mode == "wrong-secret" || mode == "duplicate") {
     for (int round = 1; round <= rounds; ++round) {
       nlohmann::json metrics = {{"loss", 1.0 / round}, {"rank", rank}};

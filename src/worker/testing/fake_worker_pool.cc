@@ -104,16 +104,12 @@ int Run(int rounds, double rounds_per_second) {
       for (int i = t; i < count; i += kConnectThreads) {
         const int rank = first + i;
         options.rank = static_cast<uint32_t>(rank);
+        nlohmann::json registration = {{"host", host}, {"pid", getpid()}};
+        if (rank == 0) registration["coordinator"] = "127.0.0.1:1";
+        options.registration = registration.dump();
         auto client = WorkerClient::Connect(options);
         if (!client.ok()) {
           errors[static_cast<size_t>(t)] = client.status();
-          return;
-        }
-        nlohmann::json registration = {{"host", host}, {"pid", getpid()}};
-        if (rank == 0) registration["coordinator"] = "127.0.0.1:1";
-        Status s = (*client)->Register(registration.dump());
-        if (!s.ok()) {
-          errors[static_cast<size_t>(t)] = s;
           return;
         }
         clients[static_cast<size_t>(i)] = std::move(*client);
