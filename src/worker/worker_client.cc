@@ -154,8 +154,9 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
   wire::Mac proof = wire::WorkerProof(o.secret, hello, controller_nonce);
   JT_ASSIGN_OR_RETURN(
       std::string frames,
-      wire::EncodeFrame(wire::MessageType::kAuth,
-                        std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
+      wire::EncodeFrame(
+          wire::MessageType::kAuth,
+          std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
   if (!o.registration.empty()) {
     JT_ASSIGN_OR_RETURN(std::string reg,
                         wire::EncodeFrame(wire::MessageType::kRegister, o.registration));
