@@ -10,7 +10,8 @@
 # bridge, where the driver lives, is 198.19.13.1), hostname (host1, host2, ...: a UTS namespace)
 # and /etc/hosts. Hosts 1..SSHD_HOSTS run Debian's sshd on port 22; the others run none (a host
 # that refuses ssh). The hosts share this machine's filesystems, so the checkout's virtual
-# environment runs on every host; $STATE/shared stands for an NFS mount.
+# environment runs on every host; $STATE/shared stands for an NFS mount. Each sshd host has a
+# /dev/shm of its own (a tmpfs in its mount namespace), as hosts have their own memory.
 #
 # Keys are made fresh by every `start`, in $STATE, never anywhere else: a client key (the only
 # one sshd accepts), one host key per host, and $STATE/ssh_config, which names the hosts
@@ -127,9 +128,11 @@ start_sshd() {
   mkdir -p /run/sshd  # sshd's privilege separation directory
   for i in $(seq "$SSHD_HOSTS"); do
     write_sshd_config "$i"
-    # A new UTS namespace for the host's name; sshd keeps it alive, and every session inherits it.
-    ip netns exec "$(host_ns "$i")" unshare --uts sh -c \
-      "hostname $(host_name "$i") && exec /usr/sbin/sshd -f $STATE/sshd_config_$i -E $STATE/log/sshd-$i.log"
+    # New UTS and mount namespaces for the host's name and its own memory filesystem (/dev/shm,
+    # as every host has its own); sshd keeps them alive, and every session inherits them.
+    ip netns exec "$(host_ns "$i")" unshare --uts --mount --propagation private sh -c \
+      "hostname $(host_name "$i") && mount -t tmpfs -o mode=1777,size=2g jtshm /dev/shm &&
+       exec /usr/sbin/sshd -f $STATE/sshd_config_$i -E $STATE/log/sshd-$i.log"
   done
   for i in $(seq "$SSHD_HOSTS"); do
     local up=""

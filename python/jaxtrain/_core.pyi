@@ -47,6 +47,11 @@ class DirectorySnapshot:
         Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums; returns the files as stage_directory does. Then frees its memory, unless release is False (to write it again).
         """
 
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """
+    Extends the CRC-32C `crc` (0 to start) with `data`, as checkpoint manifests record it.
+    """
+
 def snapshot_directory(src: str, budget_bytes: int) -> object:
     """
     Reads a checkpoint directory into memory (DirectorySnapshot), by the rules of stage_directory; None when its files hold more than budget_bytes together.

@@ -151,10 +151,11 @@ class View:
 class HostMemory:
     """One rank's side of its host's store."""
 
-    def __init__(self, run_dir: str, rank: int) -> None:
+    def __init__(self, run_dir: str, rank: int, root: str | None = None) -> None:
+        """``root``: the store (default: this host's for the run, store_path)."""
         self.run_dir = run_dir
         self.rank = rank
-        self.root = store_path(run_dir)
+        self.root = root or store_path(run_dir)
         self.dir = os.path.join(self.root, f"rank{rank}")
 
     def prepare(self, attempt: int, round_: int) -> str:
@@ -174,11 +175,11 @@ class HostMemory:
         return os.path.join(self.dir, f".writing-a{attempt}-r{round_}")
 
     def keep(self, written: str, attempt: int, round_: int, entries: list[dict],
-             copy_id: str) -> None:
+             copy_id: str) -> str:
         """Makes the copy in ``written`` (from prepare) one this rank's restores may use, and frees
         older copies: all but the newest of them (the checkpoint before this one stays the latest
         committed until this one is) and the one this rank's current view restored from (a rank
-        that has not yet built its view may still need it)."""
+        that has not yet built its view may still need it). Returns the copy's directory."""
         name = f"a{attempt}-r{round_}"
         final = os.path.join(self.dir, name)
         _remove(final)
@@ -198,6 +199,7 @@ class HostMemory:
                 continue
             os.unlink(os.path.join(self.dir, old + ".json"))
             _remove(os.path.join(self.dir, old))
+        return final
 
     def _held(self) -> list[tuple[tuple[int, int], str]]:
         """This rank's copies: ((attempt, round), name), those with their record only."""

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
+from jaxtrain.checkpoint_peers import PeerError, Peers
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,12 @@ class _Stager:
     is the worker's: it reports the exception being handled with ``message`` and exits."""
 
     def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn],
-                 memory: HostMemory | None = None) -> None:
+                 memory: HostMemory | None = None, peers: Peers | None = None) -> None:
         self._client = client
         self._rank = rank
         self._fail = fail
         self._memory = memory  # JAXTRAIN_CHECKPOINT_IN_MEMORY=1: where copies are kept
+        self._peers = peers  # and, across hosts, who keeps a second one
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple] = collections.deque()
         self._busy = False  # an item is taken off the queue and not yet sent
@@ -167,15 +169,16 @@ class _Stager:
                 self._cv.notify_all()
 
     def _hold(self, round_: int, snapshot: Any, copy_id: str) -> None:
-        """Keeps a copy of the snapshot just staged in this host's memory. A copy that cannot be
-        kept (a full memory filesystem) is said on stderr and leaves the restores of its
-        checkpoint to read the storage."""
+        """Keeps a copy of the snapshot just staged in this host's memory, and sends it to this
+        rank's peer (checkpoint_peers.py) when there is one. A copy that cannot be kept (a full
+        memory filesystem) or sent is said on stderr and leaves the restores of its checkpoint
+        to the other copy, or to storage."""
         assert self._memory is not None
         attempt = int(os.environ.get("JAXTRAIN_ATTEMPT", "0"))
         written = None
         try:
             written = self._memory.prepare(attempt, round_)
-            self._memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
+            kept = self._memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
         except Exception as e:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
@@ -183,17 +186,27 @@ class _Stager:
                              f"round {round_} in host memory failed ({type(e).__name__}: {e}); "
                              "a restart restores it from storage\n")
             sys.stderr.flush()
+            return
+        if self._peers is None or self._peers.peer is None:
+            return
+        try:
+            self._peers.replicate(kept, copy_id)
+        except (PeerError, OSError) as e:
+            self._peers.say_once("replicate", f"sending the checkpoint of round {round_} to its "
+                                 f"peer, rank {self._peers.peer}, failed ({e}); where this "
+                                 "host's copy is lost, a restart reads storage (said once)")
 
 
 class _Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
-                 fail: Callable[[str], NoReturn], memory: HostMemory | None = None):
+                 fail: Callable[[str], NoReturn], memory: HostMemory | None = None,
+                 peers: Peers | None = None):
         self.client = client
         self.context = context
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
-        self.stager = _Stager(client, context.world_rank, fail, memory)
+        self.stager = _Stager(client, context.world_rank, fail, memory, peers)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
 

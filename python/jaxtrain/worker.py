@@ -290,8 +290,60 @@ def _await_activation() -> str:
     return activation["secret"]
 
 
+def _start_peers(memory, secret: str, rank: int, world_size: int, host: str):
+    """This rank's peer copies (checkpoint_peers.py) in a run across hosts, or None: on one host,
+    or where this jax has no coordination service to publish the peer server's address in."""
+    from jaxtrain import checkpoint_peers
+
+    local_world_size = _env_int("JAXTRAIN_LOCAL_WORLD_SIZE")
+    if checkpoint_peers.peer_of(rank, world_size, local_world_size) is None:
+        return None
+    try:
+        from jax._src.distributed import global_state
+
+        return checkpoint_peers.Peers(memory, bytes.fromhex(secret), rank, world_size,
+                                      local_world_size, host, global_state.client)
+    except Exception as e:  # no key-value store in this jax, no address to listen on
+        sys.stderr.write(f"jaxtrain worker: rank {rank}: no peer copies of checkpoints "
+                         f"({type(e).__name__}: {e}); each is kept in this host's memory only\n")
+        return None
+
+
+def _fetch_own_part(path: str, peers, rank: int) -> None:
+    """Fetches this rank's part of the checkpoint at ``path`` from its peer's host when this
+    host's memory holds no copy of it (the host was replaced or its memory freed); said in the
+    log. Anything short of the whole part leaves the restore to read storage."""
+    from jaxtrain import checkpoint_memory, checkpoint_peers
+    from jaxtrain.storage import MANIFEST_NAME
+
+    try:
+        with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return
+    copy_id = checkpoint_memory._copy_ids(manifest).get(rank)
+    expected = {e["path"]: (e["size"], e["crc32c"]) for e in manifest.get("file_list", [])
+                if e.get("rank") == rank}
+    if not copy_id or not expected:
+        return
+    if any(cid == copy_id for cid, _ in checkpoint_memory._copies(peers.memory.root)):
+        return  # this host kept it
+    began = time.monotonic()
+    try:
+        fetched = peers.fetch(copy_id, expected)
+    except (checkpoint_peers.PeerError, OSError) as e:
+        sys.stderr.write(f"jaxtrain worker: rank {rank}: this host's memory holds no copy of its "
+                         f"part of '{os.path.basename(path)}', nor could its peer's host send "
+                         f"it ({e})\n")
+        return
+    sys.stderr.write(f"jaxtrain worker: rank {rank}: fetched its part of "
+                     f"'{os.path.basename(path)}' from the memory of its peer's host (rank "
+                     f"{peers.peer}): {fetched / 2**20:.1f} MiB in "
+                     f"{time.monotonic() - began:.3f} s\n")
+
+
 def _restore_point(path: str | None, memory, rank: int, attempt: int,
-                   checksums_skipped: bool = False):
+                   checksums_skipped: bool = False, peers=None):
     """The Checkpoint that get_checkpoint() returns: the committed checkpoint at ``path`` (None:
     none), or with JAXTRAIN_CHECKPOINT_IN_MEMORY=1 this rank's view of it in host memory when this
     host holds copies of its files (jaxtrain/checkpoint_memory.py); said in the rank's log.
@@ -305,6 +357,8 @@ def _restore_point(path: str | None, memory, rank: int, attempt: int,
     if not path:
         return None
     began = time.monotonic()
+    if peers is not None:
+        _fetch_own_part(path, peers, rank)
     try:
         view = memory.view(path, attempt) if memory is not None else None
     except Exception as e:  # the store in a state of its own making: the storage still serves
@@ -417,14 +471,15 @@ def main() -> None:
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
 
-    memory = None
+    memory = peers = None
     if checkpoint_memory.enabled():
         memory = checkpoint_memory.HostMemory(start["run_dir"], rank)
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
             checkpoint_memory.sweep(start["run_dir"])
+        peers = _start_peers(memory, secret, rank, world_size, coordinator_host)
     try:
         checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt,
-                                    start.get("checkpoint_checksums_skipped", False))
+                                    start.get("checkpoint_checksums_skipped", False), peers)
     except Exception as e:
         _fail(client, "start-up", EXIT_START_UP,
               f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
@@ -446,6 +501,7 @@ def main() -> None:
             checkpoint,
             fail=lambda message: _fail(client, "training", EXIT_RAISED, message),
             memory=memory,
+            peers=peers,
         )
     )
     try:

@@ -23,6 +23,7 @@
 #include "launch/ssh_launcher.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
+#include "storage/crc32c.h"
 #include "storage/run_store.h"
 #include "wire/handshake.h"
 #include "worker/worker_client.h"
@@ -503,6 +504,15 @@ NB_MODULE(_core, m) {
           "Writes the snapshot into dst as stage_directory(durable=False) would have copied its "
           "source, computing the checksums; returns the files as stage_directory does. Then frees "
           "its memory, unless release is False (to write it again).");
+
+  m.def(
+      "crc32c",
+      [](nb::bytes data, uint32_t crc) {
+        nb::gil_scoped_release release;
+        return storage::Crc32c(crc, data.c_str(), data.size());
+      },
+      "data"_a, "crc"_a = 0,
+      "Extends the CRC-32C `crc` (0 to start) with `data`, as checkpoint manifests record it.");
 
   m.def(
       "snapshot_directory",

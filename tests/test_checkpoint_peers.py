@@ -1,0 +1,180 @@
+"""The peer copies' protocol (jaxtrain/checkpoint_peers.py) between real peer servers on loopback:
+two ranks, each with a store of its own (two memory directories stand for two hosts' memory), and
+a dict for the coordination service's key-value store. The whole path across hosts, with real
+JAX workers, is tests/test_ssh.py's test_a_host_that_lost_its_memory_restores_from_its_peers_*."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import struct
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from jaxtrain import _core, checkpoint_memory, checkpoint_peers
+from jaxtrain.checkpoint_memory import HostMemory
+from jaxtrain.checkpoint_peers import PeerError, Peers, peer_of
+
+SECRET = secrets.token_bytes(32)
+
+
+class FakeKeyValue:
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        if key not in self.values:
+            raise TimeoutError(f"{key} not set within {timeout_ms} ms")
+        return self.values[key]
+
+
+def _host(memory_dir: Path, run_dir: Path, rank: int, kv, hostname: str,
+          secret: bytes = SECRET) -> Peers:
+    """Rank ``rank`` of a 2-rank run with one rank per host, on a host whose memory is
+    ``memory_dir``."""
+    with mock.patch.dict(os.environ, {"JAXTRAIN_MEMORY_DIR": str(memory_dir)}), \
+            mock.patch("socket.gethostname", return_value=hostname):
+        return Peers(HostMemory(str(run_dir), rank), secret, rank, 2, 1, "127.0.0.1", kv)
+
+
+def _copy(peers: Peers, memory_dir: Path, files: dict[str, bytes]) -> tuple[str, str, list]:
+    """Keeps ``files`` as rank's copy of round 1 of attempt 0; returns (dir, id, entries)."""
+    with mock.patch.dict(os.environ, {"JAXTRAIN_MEMORY_DIR": str(memory_dir)}):
+        written = peers.memory.prepare(0, 1)
+        entries = []
+        for path, data in files.items():
+            Path(written, path).parent.mkdir(parents=True, exist_ok=True)
+            Path(written, path).write_bytes(data)
+            entries.append({"path": path, "size": len(data), "crc32c": _core.crc32c(data),
+                            "mode": 0o644})
+        copy_id = secrets.token_hex(16)
+        return peers.memory.keep(written, 0, 1, entries, copy_id), copy_id, entries
+
+
+@pytest.fixture
+def hosts(tmp_path, monkeypatch):
+    """Rank 0 on host "a" and rank 1 on host "b", each rank the other's peer."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_dir = tmp_path / "run"
+    kv = FakeKeyValue()
+    a = _host(tmp_path / "a", run_dir, 0, kv, "a")
+    b = _host(tmp_path / "b", run_dir, 1, kv, "b")
+    yield tmp_path, a, b, kv
+    # Each store is the one its Peers was made with, never the default (/dev/shm).
+    monkeypatch.delenv("JAXTRAIN_MEMORY_DIR", raising=False)
+    assert not os.path.exists(checkpoint_memory.store_path(str(run_dir)))
+
+
+FILES = {"shard.bin": os.urandom(3 << 20) + b"tail", "sub/dir/step.json": b'{"step": 1}'}
+
+
+def test_peers_are_the_same_local_rank_on_the_next_host():
+    assert [peer_of(r, 8, 2) for r in range(8)] == [2, 3, 4, 5, 6, 7, 0, 1]
+    assert peer_of(0, 4, 4) is None  # one host
+    assert peer_of(0, 4, 0) is None
+
+
+def test_a_copy_sent_to_the_peer_is_fetched_back_whole(hosts):
+    tmp_path, a, b, _ = hosts
+    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_dir, copy_id)
+    # Host b keeps rank 0's copy as rank 0's own copies are kept.
+    held = b.memory.root + "/rank0/a0-r1"
+    assert json.loads(Path(held + ".json").read_text())["id"] == copy_id
+    assert Path(held, "shard.bin").read_bytes() == FILES["shard.bin"]
+    # Host a loses its memory; rank 0 fetches its part back from host b.
+    for p in sorted(Path(a.memory.root).rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() else p.rmdir()
+    expected = {e["path"]: (e["size"], e["crc32c"]) for e in entries}
+    assert a.fetch(copy_id, expected) == sum(len(d) for d in FILES.values())
+    record = json.loads(Path(a.memory.root, "rank0", "a0-r1.json").read_text())
+    assert record["id"] == copy_id
+    for path, data in FILES.items():
+        assert Path(a.memory.root, "rank0", "a0-r1", path).read_bytes() == data
+
+
+def test_a_fetch_of_a_copy_the_peer_does_not_hold_keeps_nothing(hosts):
+    tmp_path, a, _, _ = hosts
+    with pytest.raises(PeerError, match=r"rank 1's host: no copy deadbeef of rank 0 here"):
+        a.fetch("deadbeef", {"shard.bin": (1, 2)})
+    assert not list(Path(a.memory.root).glob("rank0/a*"))
+
+
+def test_a_copy_that_differs_from_the_manifest_is_not_kept(hosts):
+    tmp_path, a, b, _ = hosts
+    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_dir, copy_id)
+    expected = {e["path"]: (e["size"], e["crc32c"] ^ 1) for e in entries}
+    with pytest.raises(PeerError, match="does not list the committed files"):
+        a.fetch(copy_id, expected)
+    # Damaged on the peer's host (same size): the bytes fail their CRC-32C on the way in.
+    shard = Path(b.memory.root, "rank0", "a0-r1", "shard.bin")
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for p in sorted(Path(a.memory.root, "rank0").rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() else p.rmdir()
+    with pytest.raises(PeerError, match="'shard.bin' arrived with CRC-32C"):
+        a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
+    assert not list(Path(a.memory.root, "rank0").iterdir())
+
+
+def test_a_peer_without_the_secret_is_neither_served_nor_believed(hosts):
+    tmp_path, a, b, kv = hosts
+    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_dir, copy_id)
+    # A requester without the secret: the server closes the connection without a word.
+    (tmp_path / "c").mkdir()
+    impostor = _host(tmp_path / "c", tmp_path / "run", 0, FakeKeyValue(), "c",
+                     secret=secrets.token_bytes(32))
+    impostor._kv = kv
+    impostor._addresses.clear()
+    with pytest.raises(PeerError, match="connection ended early|reply"):
+        impostor.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
+    # A server without the secret (published where rank 1's was): its reply is not believed.
+    liar = _host(tmp_path / "c", tmp_path / "run", 1, FakeKeyValue(), "c",
+                 secret=secrets.token_bytes(32))
+    kv.values["jaxtrain/peer/1"] = liar._kv.values["jaxtrain/peer/1"]
+    a._addresses.clear()
+    with pytest.raises(PeerError):
+        a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
+
+
+def test_a_put_from_a_rank_that_is_not_the_donor_or_escapes_the_copy_is_refused(hosts):
+    tmp_path, a, b, _ = hosts
+
+    def put(request: dict, body: bytes = b"") -> dict:
+        exchange = checkpoint_peers._Exchange(a, 1, request)
+        with exchange as (sock, prove):
+            sock.sendall(body)
+            return prove(checkpoint_peers._read_message(sock))
+
+    entry = {"path": "x", "size": 1, "crc32c": _core.crc32c(b"x"), "mode": 0o644}
+    reply = put({"op": "put", "rank": 1, "host": "a", "name": "a0-r1", "id": "i",
+                 "files": [entry]}, b"x")
+    assert reply == {"error": "rank 1 keeps the copies of rank 0, not of rank 1"}
+    reply = put({"op": "put", "rank": 0, "host": "b", "name": "a0-r1", "id": "i",
+                 "files": [entry]}, b"x")
+    assert reply == {"error": "rank 0 runs on this host (b) too"}
+    with pytest.raises(PeerError):  # the server drops the connection: nothing is written
+        put({"op": "put", "rank": 0, "host": "a", "name": "a0-r1", "id": "i",
+             "files": [{**entry, "path": "../../escaped"}]}, b"x")
+    assert not (Path(b.memory.root).parent / "escaped").exists()
+    assert not list(Path(b.memory.root).glob("rank0/a0-r1*"))
+
+
+def test_a_request_larger_than_allowed_is_dropped_before_it_is_read(hosts):
+    _, a, b, _ = hosts
+    host, port, _ = a.address(1)
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.recv(32)
+        s.sendall(struct.pack(">I", (16 << 20) + 1))
+        assert s.recv(1) == b""  # closed
