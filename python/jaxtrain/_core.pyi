@@ -47,9 +47,9 @@ class DirectorySnapshot:
         Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums; returns the files as stage_directory does. Then frees its memory, unless release is False (to write it again).
         """
 
-def crc32c(data: bytes, crc: int = 0) -> int:
+def crc32c(data: object, crc: int = 0) -> int:
     """
-    Extends the CRC-32C `crc` (0 to start) with `data`, as checkpoint manifests record it.
+    Extends the CRC-32C `crc` (0 to start) with `data` (bytes, or any contiguous buffer: bytearray, memoryview, mmap), as checkpoint manifests record it.
     """
 
 def snapshot_directory(src: str, budget_bytes: int) -> object:

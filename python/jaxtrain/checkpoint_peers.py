@@ -312,14 +312,15 @@ def _receive_file(sock: socket.socket, path: str, entry: dict) -> None:
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crc, left = 0, entry["size"]
-    with open(path, "wb") as f:
+    buffer = memoryview(bytearray(min(left, _CHUNK)))
+    with open(path, "wb", buffering=0) as f:
         while left > 0:
-            chunk = sock.recv(min(left, _CHUNK))
-            if not chunk:
+            n = sock.recv_into(buffer, min(left, len(buffer)))
+            if n == 0:
                 raise PeerError(f"the connection ended in '{entry['path']}'")
-            crc = _core.crc32c(chunk, crc)
-            f.write(chunk)
-            left -= len(chunk)
+            crc = _core.crc32c(buffer[:n], crc)
+            f.write(buffer[:n])
+            left -= n
     if crc != entry["crc32c"]:
         raise PeerError(f"'{entry['path']}' arrived with CRC-32C {crc}, not {entry['crc32c']}")
     if "mode" in entry:

@@ -507,12 +507,19 @@ NB_MODULE(_core, m) {
 
   m.def(
       "crc32c",
-      [](nb::bytes data, uint32_t crc) {
-        nb::gil_scoped_release release;
-        return storage::Crc32c(crc, data.c_str(), data.size());
+      [](nb::handle data, uint32_t crc) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+        {
+          nb::gil_scoped_release release;
+          crc = storage::Crc32c(crc, view.buf, static_cast<size_t>(view.len));
+        }
+        PyBuffer_Release(&view);
+        return crc;
       },
       "data"_a, "crc"_a = 0,
-      "Extends the CRC-32C `crc` (0 to start) with `data`, as checkpoint manifests record it.");
+      "Extends the CRC-32C `crc` (0 to start) with `data` (bytes, or any contiguous buffer: "
+      "bytearray, memoryview, mmap), as checkpoint manifests record it.");
 
   m.def(
       "snapshot_directory",
