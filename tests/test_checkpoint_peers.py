@@ -10,6 +10,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -176,5 +177,33 @@ def test_a_request_larger_than_allowed_is_dropped_before_it_is_read(hosts):
     host, port, _ = a.address(1)
     with socket.create_connection((host, port), timeout=10) as s:
         s.recv(32)
-        s.sendall(struct.pack(">I", (16 << 20) + 1))
+        s.sendall(struct.pack(">I", checkpoint_peers._MAX_HEADER + 1))
         assert s.recv(1) == b""  # closed
+
+
+def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(hosts):
+    tmp_path, a, b, _ = hosts
+    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    host, port, _ = a.address(1)
+    silent = [socket.create_connection((host, port), timeout=10)
+              for _ in range(checkpoint_peers._MAX_CONNECTIONS)]
+    try:
+        for s in silent:
+            assert len(s.recv(32)) == 32  # each holds a slot, answered with the server's nonce
+        with socket.create_connection((host, port), timeout=10) as extra:
+            assert extra.recv(32) == b""  # no slot left: closed unanswered
+        with pytest.raises(PeerError):
+            a.replicate(copy_dir, copy_id)
+    finally:
+        for s in silent:
+            s.close()
+    # Once they are gone, the slots serve again.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            a.replicate(copy_dir, copy_id)
+            break
+        except PeerError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert Path(b.memory.root, "rank0", "a0-r1.json").exists()

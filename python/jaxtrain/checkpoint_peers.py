@@ -42,7 +42,8 @@ import threading
 from jaxtrain.checkpoint_memory import HostMemory, _listdir, _record
 
 _NONCE = 32
-_MAX_HEADER = 16 << 20
+_MAX_HEADER = 4 << 20
+_MAX_CONNECTIONS = 8  # served at once; more are closed unanswered (a flood costs only fallbacks)
 _CHUNK = 4 << 20
 _TIMEOUT_S = 60.0
 _KEY = "jaxtrain/peer/{}"
@@ -73,6 +74,7 @@ class Peers:
         self._kv = kv
         self._addresses: dict[int, tuple[str, int, str]] = {}
         self._said: set[str] = set()
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         self._listener = socket.create_server((host, 0), family=_family(host), backlog=16)
         port = self._listener.getsockname()[1]
         threading.Thread(target=self._serve, name="jaxtrain-peer-server", daemon=True).start()
@@ -165,6 +167,9 @@ class Peers:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
             threading.Thread(target=self._answer, args=(conn,), name="jaxtrain-peer-request",
                              daemon=True).start()
 
@@ -191,7 +196,9 @@ class Peers:
                 elif request.get("op") == "get":
                     self._get(conn, request, nonce_c, nonce_s)
             except (OSError, ValueError, KeyError, TypeError, PeerError):
-                return  # the requester sees the connection end and falls back
+                pass  # the requester sees the connection end and falls back
+            finally:
+                self._slots.release()
 
     def _put(self, conn: socket.socket, request: dict) -> dict:
         donor = request["rank"]
@@ -258,16 +265,16 @@ class _Exchange:
 
     def __enter__(self):
         host, port, _ = self.peers.address(self.rank)
+        nonce_c = secrets.token_bytes(_NONCE)
+        header = json.dumps({**self.request, "nonce": nonce_c.hex()}).encode()
         try:
             self.sock = socket.create_connection((host, port), timeout=_TIMEOUT_S)
             nonce_s = _read_exactly(self.sock, _NONCE)
-        except OSError as e:
+            self.sock.sendall(struct.pack(">I", len(header)) + header +
+                              self.peers._mac(b"jaxtrain-peer-request", nonce_s, header))
+        except (OSError, PeerError) as e:
             self.__exit__(None, None, None)
             raise PeerError(f"rank {self.rank}'s peer server at {host}:{port}: {e}") from None
-        nonce_c = secrets.token_bytes(_NONCE)
-        header = json.dumps({**self.request, "nonce": nonce_c.hex()}).encode()
-        self.sock.sendall(struct.pack(">I", len(header)) + header +
-                          self.peers._mac(b"jaxtrain-peer-request", nonce_s, header))
 
         def prove(raw: tuple[bytes, bytes]) -> dict:
             body, mac = raw
