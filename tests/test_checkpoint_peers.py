@@ -5,11 +5,13 @@ JAX workers, is tests/test_ssh.py's test_a_host_that_lost_its_memory_restores_fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -37,12 +39,13 @@ class FakeKeyValue:
 
 
 def _host(memory_dir: Path, run_dir: Path, rank: int, kv, hostname: str,
-          secret: bytes = SECRET) -> Peers:
-    """Rank ``rank`` of a 2-rank run with one rank per host, on a host whose memory is
-    ``memory_dir``."""
+          secret: bytes = SECRET, world_size: int = 2, local_world_size: int = 1) -> Peers:
+    """Rank ``rank`` (of a 2-rank run with one rank per host unless said), on a host named
+    ``hostname`` whose memory is ``memory_dir``."""
     with mock.patch.dict(os.environ, {"JAXTRAIN_MEMORY_DIR": str(memory_dir)}), \
             mock.patch("socket.gethostname", return_value=hostname):
-        return Peers(HostMemory(str(run_dir), rank), secret, rank, 2, 1, "127.0.0.1", kv)
+        return Peers(HostMemory(str(run_dir), rank), secret, rank, world_size, local_world_size,
+                     "127.0.0.1", kv)
 
 
 def _copy(peers: Peers, memory_dir: Path, files: dict[str, bytes]) -> tuple[str, str, list]:
@@ -59,6 +62,10 @@ def _copy(peers: Peers, memory_dir: Path, files: dict[str, bytes]) -> tuple[str,
         return peers.memory.keep(written, 0, 1, entries, copy_id), copy_id, entries
 
 
+def _nothing_in(directory: Path) -> bool:
+    return not directory.exists() or not list(directory.iterdir())
+
+
 @pytest.fixture
 def hosts(tmp_path, monkeypatch):
     """Rank 0 on host "a" and rank 1 on host "b", each rank the other's peer."""
@@ -69,6 +76,8 @@ def hosts(tmp_path, monkeypatch):
     a = _host(tmp_path / "a", run_dir, 0, kv, "a")
     b = _host(tmp_path / "b", run_dir, 1, kv, "b")
     yield tmp_path, a, b, kv
+    a.close()
+    b.close()
     # Each store is the one its Peers was made with, never the default (/dev/shm).
     monkeypatch.delenv("JAXTRAIN_MEMORY_DIR", raising=False)
     assert not os.path.exists(checkpoint_memory.store_path(str(run_dir)))
@@ -106,7 +115,7 @@ def test_a_fetch_of_a_copy_the_peer_does_not_hold_keeps_nothing(hosts):
     tmp_path, a, _, _ = hosts
     with pytest.raises(PeerError, match=r"rank 1's host: no copy deadbeef of rank 0 here"):
         a.fetch("deadbeef", {"shard.bin": (1, 2)})
-    assert not list(Path(a.memory.root).glob("rank0/a*"))
+    assert _nothing_in(Path(a.memory.root, "rank0"))
 
 
 def test_a_copy_that_differs_from_the_manifest_is_not_kept(hosts):
@@ -125,7 +134,7 @@ def test_a_copy_that_differs_from_the_manifest_is_not_kept(hosts):
         p.unlink() if not p.is_dir() else p.rmdir()
     with pytest.raises(PeerError, match="'shard.bin' arrived with CRC-32C"):
         a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
-    assert not list(Path(a.memory.root, "rank0").iterdir())
+    assert _nothing_in(Path(a.memory.root, "rank0"))
 
 
 def test_a_peer_without_the_secret_is_neither_served_nor_believed(hosts):
@@ -137,39 +146,82 @@ def test_a_peer_without_the_secret_is_neither_served_nor_believed(hosts):
     impostor = _host(tmp_path / "c", tmp_path / "run", 0, FakeKeyValue(), "c",
                      secret=secrets.token_bytes(32))
     impostor._kv = kv
-    impostor._addresses.clear()
     with pytest.raises(PeerError, match="connection ended early|reply"):
         impostor.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
-    # A server without the secret (published where rank 1's was): its reply is not believed.
-    liar = _host(tmp_path / "c", tmp_path / "run", 1, FakeKeyValue(), "c",
-                 secret=secrets.token_bytes(32))
-    kv.values["jaxtrain/peer/1"] = liar._kv.values["jaxtrain/peer/1"]
-    a._addresses.clear()
-    with pytest.raises(PeerError):
-        a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
+    impostor.close()
+    # A server without the secret, published where rank 1's was: it answers the request with a
+    # copy of its choosing, and the rank believes none of it.
+    with socket.create_server(("127.0.0.1", 0)) as liar:
+        def answer():
+            conn, _ = liar.accept()
+            with conn:
+                conn.sendall(secrets.token_bytes(32))
+                (length,) = struct.unpack(">I", conn.recv(4))
+                while length + 32 > 0:
+                    length -= len(conn.recv(length + 32))
+                reply = json.dumps({"name": "a0-r1", "files": entries}).encode()
+                conn.sendall(struct.pack(">I", len(reply)) + reply + secrets.token_bytes(32))
+                with contextlib.suppress(OSError):  # the rank hangs up on the unproven reply
+                    conn.sendall(b"\0" * sum(e["size"] for e in entries))
+
+        server = threading.Thread(target=answer)
+        server.start()
+        kv.values["jaxtrain/peer/1"] = json.dumps(["127.0.0.1", liar.getsockname()[1], "c"])
+        a._addresses.clear()
+        for p in sorted(Path(a.memory.root, "rank0").rglob("*"), reverse=True):
+            p.unlink() if not p.is_dir() else p.rmdir()
+        with pytest.raises(PeerError, match="could not prove it holds this run's secret"):
+            a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
+        server.join()
+    assert _nothing_in(Path(a.memory.root, "rank0"))
 
 
 def test_a_put_from_a_rank_that_is_not_the_donor_or_escapes_the_copy_is_refused(hosts):
     tmp_path, a, b, _ = hosts
 
     def put(request: dict, body: bytes = b"") -> dict:
-        exchange = checkpoint_peers._Exchange(a, 1, request)
-        with exchange as (sock, prove):
+        sock, nonces = a._open(1, request)
+        with sock:
             sock.sendall(body)
-            return prove(checkpoint_peers._read_message(sock))
+            return a._reply(sock, nonces)
 
     entry = {"path": "x", "size": 1, "crc32c": _core.crc32c(b"x"), "mode": 0o644}
-    reply = put({"op": "put", "rank": 1, "host": "a", "name": "a0-r1", "id": "i",
-                 "files": [entry]}, b"x")
-    assert reply == {"error": "rank 1 keeps the copies of rank 0, not of rank 1"}
-    reply = put({"op": "put", "rank": 0, "host": "b", "name": "a0-r1", "id": "i",
-                 "files": [entry]}, b"x")
+    put_ = {"op": "put", "local_world_size": 1, "name": "a0-r1", "id": "i", "files": [entry]}
+    reply = put({**put_, "rank": 1, "host": "a"}, b"x")
+    assert reply == {"error": "rank 1 is not rank 1's peer"}
+    reply = put({**put_, "rank": 0, "host": "b"}, b"x")
     assert reply == {"error": "rank 0 runs on this host (b) too"}
     with pytest.raises(PeerError):  # the server drops the connection: nothing is written
-        put({"op": "put", "rank": 0, "host": "a", "name": "a0-r1", "id": "i",
-             "files": [{**entry, "path": "../../escaped"}]}, b"x")
-    assert not (Path(b.memory.root).parent / "escaped").exists()
-    assert not list(Path(b.memory.root).glob("rank0/a0-r1*"))
+        put({**put_, "rank": 0, "host": "a", "files": [{**entry, "path": "../../escaped"}]}, b"x")
+    for place in (Path(b.memory.root), Path(b.memory.root).parent):
+        assert not (place / "escaped").exists()
+    assert _nothing_in(Path(b.memory.root, "rank0"))  # no .writing-* left either
+
+
+def test_hosts_of_uneven_sizes_send_to_the_peer_their_own_size_names(tmp_path):
+    # Host a runs ranks 0 and 1, host b rank 2: rank 0's peer is rank 2 (0 + 2), rank 2's is
+    # rank 0 (2 + 1, modulo 3), and rank 1's (1 + 2 = 0) is on its own host, so it has none.
+    kv = FakeKeyValue()
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    run = tmp_path / "run"
+    r0 = _host(tmp_path / "a", run, 0, kv, "a", world_size=3, local_world_size=2)
+    r1 = _host(tmp_path / "a", run, 1, kv, "a", world_size=3, local_world_size=2)
+    r2 = _host(tmp_path / "b", run, 2, kv, "b", world_size=3, local_world_size=1)
+    try:
+        for donor, memory_dir, keeper in ((r0, "a", r2), (r2, "b", r0)):
+            copy_dir, copy_id, _ = _copy(donor, tmp_path / memory_dir, FILES)
+            donor.replicate(copy_dir, copy_id)
+            record = Path(keeper.memory.root, f"rank{donor.rank}", "a0-r1.json")
+            assert json.loads(record.read_text())["id"] == copy_id
+        copy_dir, copy_id, _ = _copy(r1, tmp_path / "a", FILES)
+        with pytest.raises(PeerError, match=r"rank 0 runs on this host \(a\) too"):
+            r1.replicate(copy_dir, copy_id)
+        with pytest.raises(PeerError, match="runs on this host"):  # remembered: not asked again
+            r1.address(0)
+    finally:
+        for peers in (r0, r1, r2):
+            peers.close()
 
 
 def test_a_request_larger_than_allowed_is_dropped_before_it_is_read(hosts):

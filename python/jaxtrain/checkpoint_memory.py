@@ -46,6 +46,7 @@ import re
 import shutil
 import stat
 import sys
+import threading
 from dataclasses import dataclass
 
 from jaxtrain.storage import MANIFEST_NAME
@@ -375,7 +376,7 @@ def _listdir(path: str) -> list[str]:
 
 
 def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"  # the peer server writes too
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.rename(tmp, path)

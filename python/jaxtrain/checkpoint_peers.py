@@ -14,15 +14,18 @@ request, both ways proven with the run's secret as the control connection's hand
     server -> client   32-byte nonce
     client -> server   u32 length, request JSON (with the client's nonce, hex), then
                        HMAC-SHA-256(secret, "jaxtrain-peer-request" || server nonce || request)
-    put:  client -> server   the files' bytes, in the order of the request's entries
-          server -> client   u32 length, reply JSON, HMAC(secret, "jaxtrain-peer-reply" ||
-                             client nonce || server nonce || reply)
-    get:  server -> client   the reply as for put, then the copy's files' bytes in its order
+    server -> client   a reply: u32 length, JSON, HMAC(secret, "jaxtrain-peer-reply" ||
+                       client nonce || server nonce || JSON); {"error": why} ends the request
+    put:  server -> client   {"ready": true}
+          client -> server   the files' bytes, in the order of the request's entries
+          server -> client   {"kept": true} once the copy and its record are written
+    get:  server -> client   {"name", "files"}, then the copy's files' bytes in that order
 
-A put is accepted from the peer's donor only (the rank whose peer this one is), into the store's
-``rank<donor>/`` as that rank's own copy would be; every file's size and CRC-32C are checked on
-the way in, by the server against the request, and by a fetching rank against the committed
-manifest. Nothing read from a peer is used that the manifest does not vouch for.
+A put is accepted from the peer's donor only (the rank whose peer this one is, by the donor's
+own host size), into the store's ``rank<donor>/`` as that rank's own copy would be; every file's
+size and CRC-32C are checked on the way in, by the server against the request, and by a fetching
+rank against the committed manifest. Nothing read from a peer is used that the manifest does not
+vouch for. The bytes after a proven header carry no MAC of their own (docs/checkpoint-memory.md).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 from jaxtrain.checkpoint_memory import HostMemory, _listdir, _record
 
@@ -46,6 +50,7 @@ _MAX_HEADER = 4 << 20
 _MAX_CONNECTIONS = 8  # served at once; more are closed unanswered (a flood costs only fallbacks)
 _CHUNK = 4 << 20
 _TIMEOUT_S = 60.0
+_PROOF_S = 10.0  # from a connection to its proven request
 _KEY = "jaxtrain/peer/{}"
 
 
@@ -69,39 +74,54 @@ class Peers:
         self.memory = memory
         self.rank = rank
         self.peer = peer_of(rank, world_size, local_world_size)
-        self.donor = None if self.peer is None else (rank - local_world_size) % world_size
+        self._world_size = world_size
+        self._local_world_size = local_world_size
         self._secret = secret
         self._kv = kv
-        self._addresses: dict[int, tuple[str, int, str]] = {}
+        self._addresses: dict[int, tuple[str, int, str] | PeerError] = {}
         self._said: set[str] = set()
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._closed = False
+        self._hostname = socket.gethostname()
         self._listener = socket.create_server((host, 0), family=_family(host), backlog=16)
         port = self._listener.getsockname()[1]
         threading.Thread(target=self._serve, name="jaxtrain-peer-server", daemon=True).start()
-        self._hostname = socket.gethostname()
-        kv.key_value_set(_KEY.format(rank), json.dumps([host, port, self._hostname]))
+        try:
+            kv.key_value_set(_KEY.format(rank), json.dumps([host, port, self._hostname]))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stops serving (requests in progress end with their connections)."""
+        self._closed = True
+        self._listener.close()
 
     # -- requests ------------------------------------------------------------------------------
 
     def replicate(self, copy_dir: str, copy_id: str) -> None:
         """Sends this rank's kept copy in ``copy_dir`` (checkpoint_memory's a<attempt>-r<round>)
-        to its peer. Raises PeerError (said by the caller; the checkpoint then has one copy)."""
+        to its peer. Raises PeerError or OSError (said by the caller; the checkpoint then has one
+        copy)."""
         record = _record(copy_dir)
         if self.peer is None or record is None or record["id"] != copy_id:
             raise PeerError(f"no kept copy '{copy_dir}' with id {copy_id} to send")
-        files = [{k: v for k, v in e.items() if k != "mtime_ns"} for e in record["files"]]
-        request = {"op": "put", "rank": self.rank, "host": self._hostname,
-                   "name": os.path.basename(copy_dir), "id": copy_id, "files": files}
-        with self._request(self.peer, request) as (sock, prove):
+        files = _declared(record["files"])
+        sock, nonces = self._open(self.peer, {
+            "op": "put", "rank": self.rank, "local_world_size": self._local_world_size,
+            "host": self._hostname, "name": os.path.basename(copy_dir), "id": copy_id,
+            "files": files})
+        with sock:
+            reply = self._reply(sock, nonces)  # the peer takes the copy, or says why not
+            if "error" in reply:
+                raise PeerError(f"rank {self.peer} refused the copy: {reply['error']}")
             for e in files:
                 if "link" not in e:
                     with open(os.path.join(copy_dir, e["path"]), "rb") as f:
-                        sent = sock.sendfile(f)
-                    if sent != e["size"]:
-                        raise PeerError(f"'{e['path']}' changed while it was sent")
-            reply = prove(_read_message(sock))
-        if "error" in reply:
-            raise PeerError(f"rank {self.peer} refused the copy: {reply['error']}")
+                        if sock.sendfile(f) != e["size"]:
+                            raise PeerError(f"'{e['path']}' changed while it was sent")
+            if not self._reply(sock, nonces).get("kept"):
+                raise PeerError(f"rank {self.peer} did not keep the copy")
 
     def fetch(self, copy_id: str, expected: dict[str, tuple[int, int]]) -> int:
         """Fetches this rank's copy ``copy_id`` from its peer's host into this host's store, and
@@ -109,11 +129,11 @@ class Peers:
         committed manifest lists it; any difference raises PeerError and keeps nothing."""
         if self.peer is None:
             raise PeerError("every rank is on one host")
+        sock, nonces = self._open(self.peer, {"op": "get", "rank": self.rank, "id": copy_id})
         written = None
         try:
-            with self._request(self.peer, {"op": "get", "rank": self.rank, "id": copy_id}) as (
-                    sock, prove):
-                reply = prove(_read_message(sock))
+            with sock:
+                reply = self._reply(sock, nonces)
                 if "error" in reply:
                     raise PeerError(f"rank {self.peer}'s host: {reply['error']}")
                 attempt, round_ = _name(reply.get("name", ""))
@@ -123,41 +143,73 @@ class Peers:
                     raise PeerError(f"rank {self.peer}'s copy {copy_id} does not list the "
                                     "committed files")
                 written = self.memory.prepare(attempt, round_)
-                total = 0
                 for e in files:
                     if "link" not in e:
                         _receive_file(sock, os.path.join(written, e["path"]), e)
-                        total += e["size"]
             self.memory.keep(written, attempt, round_, files, copy_id)
-            return total
+            return sum(size for size, _ in expected.values())
         except BaseException:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
             raise
 
-    def _request(self, rank: int, request: dict):
-        return _Exchange(self, rank, request)
-
     def address(self, rank: int) -> tuple[str, int, str]:
-        """``rank``'s peer server: (address, port, host name), as it published them."""
+        """``rank``'s peer server: (address, port, host name), as it published them. A rank that
+        published none in time, or runs on this host, is remembered as such: asked once."""
         if rank not in self._addresses:
             try:
                 value = self._kv.blocking_key_value_get(_KEY.format(rank), int(_TIMEOUT_S * 1000))
+                host, port, hostname = json.loads(value)
+                if hostname == self._hostname:
+                    # Hosts of uneven sizes: a copy on this host would be no second copy, and
+                    # would share the store with the rank's own.
+                    raise PeerError(f"rank {rank} runs on this host ({hostname}) too")
+                self._addresses[rank] = (host, int(port), hostname)
+            except PeerError as e:
+                self._addresses[rank] = e
             except Exception as e:
-                raise PeerError(f"rank {rank} published no peer address: {e}") from None
-            host, port, hostname = json.loads(value)
-            if hostname == self._hostname:
-                # A layout with uneven hosts: a copy on this host would be no second copy, and
-                # would share the store with the rank's own.
-                raise PeerError(f"rank {rank} runs on this host ({hostname}) too")
-            self._addresses[rank] = (host, int(port), hostname)
-        return self._addresses[rank]
+                self._addresses[rank] = PeerError(f"rank {rank} published no peer address: {e}")
+        found = self._addresses[rank]
+        if isinstance(found, PeerError):
+            raise found
+        return found
 
     def say_once(self, key: str, line: str) -> None:
         if key not in self._said:
             self._said.add(key)
             sys.stderr.write(f"jaxtrain worker: rank {self.rank}: {line}\n")
             sys.stderr.flush()
+
+    def _open(self, rank: int, request: dict) -> tuple[socket.socket, bytes]:
+        """Connects to ``rank``'s server and sends ``request``, proven; returns the socket and the
+        nonces (this side's, then the server's) that the server's reply must prove."""
+        host, port, _ = self.address(rank)
+        nonce_c = secrets.token_bytes(_NONCE)
+        header = json.dumps({**request, "nonce": nonce_c.hex()}).encode()
+        sock = None
+        try:
+            sock = socket.create_connection((host, port), timeout=_TIMEOUT_S)
+            nonce_s = _read_exactly(sock, _NONCE)
+            sock.sendall(struct.pack(">I", len(header)) + header +
+                         self._mac(b"jaxtrain-peer-request", nonce_s, header))
+        except (OSError, PeerError) as e:
+            if sock is not None:
+                sock.close()
+            raise PeerError(f"rank {rank}'s peer server at {host}:{port}: {e}") from None
+        return sock, nonce_c + nonce_s
+
+    def _reply(self, sock: socket.socket, nonces: bytes) -> dict:
+        """The server's reply; PeerError unless the server proves it holds the run's secret."""
+        try:
+            (length,) = struct.unpack(">I", _read_exactly(sock, 4))
+            if length > _MAX_HEADER:
+                raise PeerError(f"a reply of {length} bytes")
+            body, mac = _read_exactly(sock, length), _read_exactly(sock, 32)
+        except OSError as e:
+            raise PeerError(f"the peer's reply: {e}") from None
+        if not hmac.compare_digest(mac, self._mac(b"jaxtrain-peer-reply", nonces, body)):
+            raise PeerError("the peer server could not prove it holds this run's secret")
+        return json.loads(body)
 
     # -- the server ----------------------------------------------------------------------------
 
@@ -166,7 +218,10 @@ class Peers:
             try:
                 conn, _ = self._listener.accept()
             except OSError:
-                return
+                if self._closed:
+                    return
+                time.sleep(0.1)  # out of descriptors, say: the next request may find some
+                continue
             if not self._slots.acquire(blocking=False):
                 conn.close()
                 continue
@@ -174,44 +229,53 @@ class Peers:
                              daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
+        """Serves one connection: its request proven, then ``_put`` or ``_get``. Whatever goes
+        wrong ends the connection, so the requester falls back; after the proof it is also said
+        (once) in this rank's log."""
+        request = None
         with conn:
             try:
-                conn.settimeout(_TIMEOUT_S)
+                # Until the request is proven, one deadline for all of it: a peer without the
+                # secret holds a slot for _PROOF_S at most, however it trickles its bytes.
+                deadline = time.monotonic() + _PROOF_S
                 nonce_s = secrets.token_bytes(_NONCE)
+                conn.settimeout(_PROOF_S)
                 conn.sendall(nonce_s)
-                raw = _read_exactly(conn, 4)
-                (length,) = struct.unpack(">I", raw)
+                (length,) = struct.unpack(">I", _read_exactly(conn, 4, deadline))
                 if length > _MAX_HEADER:
                     return
-                header = _read_exactly(conn, length)
-                mac = _read_exactly(conn, 32)
+                header = _read_exactly(conn, length, deadline)
+                mac = _read_exactly(conn, 32, deadline)
                 if not hmac.compare_digest(mac, self._mac(b"jaxtrain-peer-request", nonce_s,
                                                           header)):
                     return  # not a rank of this run: nothing is said to it
+                conn.settimeout(_TIMEOUT_S)
                 request = json.loads(header)
-                nonce_c = bytes.fromhex(request["nonce"])
-                if request.get("op") == "put":
-                    reply = self._put(conn, request)
-                    self._send_reply(conn, nonce_c, nonce_s, reply)
-                elif request.get("op") == "get":
-                    self._get(conn, request, nonce_c, nonce_s)
-            except (OSError, ValueError, KeyError, TypeError, PeerError):
-                pass  # the requester sees the connection end and falls back
+                nonces = bytes.fromhex(request["nonce"]) + nonce_s
+                {"put": self._put, "get": self._get}[request["op"]](conn, request, nonces)
+            except Exception as e:
+                if request is not None:
+                    self.say_once(f"serve-{request.get('op')}",
+                                  f"a {request.get('op')} request of rank {request.get('rank')} "
+                                  f"failed here ({type(e).__name__}: {e}); said once")
             finally:
                 self._slots.release()
 
-    def _put(self, conn: socket.socket, request: dict) -> dict:
+    def _put(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
         donor = request["rank"]
         if request.get("host") == self._hostname:
-            return {"error": f"rank {donor} runs on this host ({self._hostname}) too"}
-        if donor != self.donor:
-            return {"error": f"rank {self.rank} keeps the copies of rank {self.donor}, not of "
-                             f"rank {donor}"}
+            return self._send_reply(conn, nonces, {
+                "error": f"rank {donor} runs on this host ({self._hostname}) too"})
+        # The donor's own host size names its peer (hosts may differ in size).
+        if peer_of(donor, self._world_size, request["local_world_size"]) != self.rank:
+            return self._send_reply(conn, nonces, {
+                "error": f"rank {self.rank} is not rank {donor}'s peer"})
         attempt, round_ = _name(request["name"])
         files = _entries(request["files"])
         memory = HostMemory(self.memory.run_dir, donor, self.memory.root)
         written = memory.prepare(attempt, round_)
         try:
+            self._send_reply(conn, nonces, {"ready": True})
             for e in files:
                 if "link" not in e:
                     _receive_file(conn, os.path.join(written, e["path"]), e)
@@ -219,9 +283,9 @@ class Peers:
         except BaseException:
             shutil.rmtree(written, ignore_errors=True)
             raise
-        return {"ok": True}
+        self._send_reply(conn, nonces, {"kept": True})
 
-    def _get(self, conn: socket.socket, request: dict, nonce_c: bytes, nonce_s: bytes) -> None:
+    def _get(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
         rank_dir = os.path.join(self.memory.root, f"rank{int(request['rank'])}")
         for name in _listdir(rank_dir):
             if not name.endswith(".json"):
@@ -230,81 +294,37 @@ class Peers:
             record = _record(copy)
             if record is None or record["id"] != request["id"]:
                 continue
-            files = [{k: v for k, v in e.items() if k != "mtime_ns"} for e in record["files"]]
-            # Opened before the reply, so that a copy freed meanwhile is refused, not cut short.
-            handles = [open(os.path.join(copy, e["path"]), "rb")
-                       for e in files if "link" not in e]
-            try:
-                self._send_reply(conn, nonce_c, nonce_s,
-                                 {"name": os.path.basename(copy), "files": files})
-                for f in handles:
-                    conn.sendfile(f)
-            finally:
-                for f in handles:
-                    f.close()
+            files = _declared(record["files"])
+            self._send_reply(conn, nonces, {"name": os.path.basename(copy), "files": files})
+            # A file freed meanwhile ends the connection short: the fetching rank keeps nothing.
+            for e in files:
+                if "link" not in e:
+                    with open(os.path.join(copy, e["path"]), "rb") as f:
+                        if conn.sendfile(f) != e["size"]:
+                            return
             return
-        self._send_reply(conn, nonce_c, nonce_s,
+        self._send_reply(conn, nonces,
                          {"error": f"no copy {request['id']} of rank {request['rank']} here"})
 
-    def _send_reply(self, conn, nonce_c: bytes, nonce_s: bytes, reply: dict) -> None:
+    def _send_reply(self, conn: socket.socket, nonces: bytes, reply: dict) -> None:
         body = json.dumps(reply).encode()
         conn.sendall(struct.pack(">I", len(body)) + body +
-                     self._mac(b"jaxtrain-peer-reply", nonce_c + nonce_s, body))
+                     self._mac(b"jaxtrain-peer-reply", nonces, body))
 
     def _mac(self, label: bytes, nonces: bytes, body: bytes) -> bytes:
         return hmac.new(self._secret, label + nonces + body, hashlib.sha256).digest()
 
 
-class _Exchange:
-    """One request to ``rank``'s server: connects and proves the request; yields the socket and
-    ``prove(raw reply) -> reply``, which raises PeerError unless the server holds the secret."""
-
-    def __init__(self, peers: Peers, rank: int, request: dict) -> None:
-        self.peers, self.rank, self.request = peers, rank, request
-        self.sock: socket.socket | None = None
-
-    def __enter__(self):
-        host, port, _ = self.peers.address(self.rank)
-        nonce_c = secrets.token_bytes(_NONCE)
-        header = json.dumps({**self.request, "nonce": nonce_c.hex()}).encode()
-        try:
-            self.sock = socket.create_connection((host, port), timeout=_TIMEOUT_S)
-            nonce_s = _read_exactly(self.sock, _NONCE)
-            self.sock.sendall(struct.pack(">I", len(header)) + header +
-                              self.peers._mac(b"jaxtrain-peer-request", nonce_s, header))
-        except (OSError, PeerError) as e:
-            self.__exit__(None, None, None)
-            raise PeerError(f"rank {self.rank}'s peer server at {host}:{port}: {e}") from None
-
-        def prove(raw: tuple[bytes, bytes]) -> dict:
-            body, mac = raw
-            if not hmac.compare_digest(mac, self.peers._mac(b"jaxtrain-peer-reply",
-                                                            nonce_c + nonce_s, body)):
-                raise PeerError(f"rank {self.rank}'s peer server could not prove it holds "
-                                "this run's secret")
-            return json.loads(body)
-
-        return self.sock, prove
-
-    def __exit__(self, *exc) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+def _declared(files: list[dict]) -> list[dict]:
+    """A copy's record entries as they are sent: without this host's modification times."""
+    return [{k: v for k, v in e.items() if k != "mtime_ns"} for e in files]
 
 
-def _read_message(sock: socket.socket) -> tuple[bytes, bytes]:
-    try:
-        (length,) = struct.unpack(">I", _read_exactly(sock, 4))
-        if length > _MAX_HEADER:
-            raise PeerError(f"a reply of {length} bytes")
-        return _read_exactly(sock, length), _read_exactly(sock, 32)
-    except OSError as e:
-        raise PeerError(f"the peer's reply: {e}") from None
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     parts = []
     while n > 0:
+        if deadline is not None and time.monotonic() > deadline:
+            raise PeerError("too slow")
         chunk = sock.recv(min(n, _CHUNK))
         if not chunk:
             raise PeerError("the connection ended early")

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
-from jaxtrain.checkpoint_peers import PeerError, Peers
+from jaxtrain.checkpoint_peers import Peers
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,10 @@ class _Stager:
                 self._cv.notify_all()
 
     def _hold(self, round_: int, snapshot: Any, copy_id: str) -> None:
-        """Keeps a copy of the snapshot just staged in this host's memory, and sends it to this
-        rank's peer (checkpoint_peers.py) when there is one. A copy that cannot be kept (a full
-        memory filesystem) or sent is said on stderr and leaves the restores of its checkpoint
-        to the other copy, or to storage."""
+        """Keeps a copy of the snapshot just staged in this host's memory, and sends that copy to
+        this rank's peer (checkpoint_peers.py) when there is one. A copy that cannot be kept (a
+        full memory filesystem) is said on stderr and not sent, so the restores of its checkpoint
+        read storage; one that cannot be sent is said once, and only this host holds it."""
         assert self._memory is not None
         attempt = int(os.environ.get("JAXTRAIN_ATTEMPT", "0"))
         written = None
@@ -191,7 +191,7 @@ class _Stager:
             return
         try:
             self._peers.replicate(kept, copy_id)
-        except (PeerError, OSError) as e:
+        except Exception as e:  # PeerError, OSError, a peer of another version: never fatal
             self._peers.say_once("replicate", f"sending the checkpoint of round {round_} to its "
                                  f"peer, rank {self._peers.peer}, failed ({e}); where this "
                                  "host's copy is lost, a restart reads storage (said once)")

@@ -290,9 +290,10 @@ def _await_activation() -> str:
     return activation["secret"]
 
 
-def _start_peers(memory, secret: str, rank: int, world_size: int, host: str):
+def _start_peers(memory, secret: str, rank: int, world_size: int):
     """This rank's peer copies (checkpoint_peers.py) in a run across hosts, or None: on one host,
-    or where this jax has no coordination service to publish the peer server's address in."""
+    or where this jax has no coordination service to publish the peer server's address in. The
+    server listens on this host's address towards the controller, which the other hosts reach."""
     from jaxtrain import checkpoint_peers
 
     local_world_size = _env_int("JAXTRAIN_LOCAL_WORLD_SIZE")
@@ -301,6 +302,7 @@ def _start_peers(memory, secret: str, rank: int, world_size: int, host: str):
     try:
         from jax._src.distributed import global_state
 
+        host = _address_towards(os.environ["JAXTRAIN_CONTROLLER_ADDR"])
         return checkpoint_peers.Peers(memory, bytes.fromhex(secret), rank, world_size,
                                       local_world_size, host, global_state.client)
     except Exception as e:  # no key-value store in this jax, no address to listen on
@@ -313,25 +315,26 @@ def _fetch_own_part(path: str, peers, rank: int) -> None:
     """Fetches this rank's part of the checkpoint at ``path`` from its peer's host when this
     host's memory holds no copy of it (the host was replaced or its memory freed); said in the
     log. Anything short of the whole part leaves the restore to read storage."""
-    from jaxtrain import checkpoint_memory, checkpoint_peers
+    from jaxtrain import checkpoint_memory
     from jaxtrain.storage import MANIFEST_NAME
 
     try:
         with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, ValueError):
+        ids = checkpoint_memory._copy_ids(manifest)
+        own = [e for e in manifest.get("file_list", []) if e.get("rank") == rank]
+        expected = {e["path"]: (e["size"], e["crc32c"]) for e in own}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # the restore reads what it can, and says why
+    if rank not in ids or not own:
         return
-    copy_id = checkpoint_memory._copy_ids(manifest).get(rank)
-    expected = {e["path"]: (e["size"], e["crc32c"]) for e in manifest.get("file_list", [])
-                if e.get("rank") == rank}
-    if not copy_id or not expected:
-        return
-    if any(cid == copy_id for cid, _ in checkpoint_memory._copies(peers.memory.root)):
-        return  # this host kept it
+    copies = checkpoint_memory._copies(peers.memory.root)
+    if all(checkpoint_memory._find(copies, ids, e) for e in own):
+        return  # this host kept it, unchanged
     began = time.monotonic()
     try:
-        fetched = peers.fetch(copy_id, expected)
-    except (checkpoint_peers.PeerError, OSError) as e:
+        fetched = peers.fetch(ids[rank], expected)
+    except Exception as e:  # a peer gone, refusing, or sending what does not check out
         sys.stderr.write(f"jaxtrain worker: rank {rank}: this host's memory holds no copy of its "
                          f"part of '{os.path.basename(path)}', nor could its peer's host send "
                          f"it ({e})\n")
@@ -476,7 +479,7 @@ def main() -> None:
         memory = checkpoint_memory.HostMemory(start["run_dir"], rank)
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
             checkpoint_memory.sweep(start["run_dir"])
-        peers = _start_peers(memory, secret, rank, world_size, coordinator_host)
+        peers = _start_peers(memory, secret, rank, world_size)
     try:
         checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt,
                                     start.get("checkpoint_checksums_skipped", False), peers)
