@@ -8,8 +8,8 @@
 #
 # Each node is its own host: a network namespace joined to a bridge by a veth pair, with its own
 # address (198.18.0.1N; the bridge, where slurmctld and the driver live, is 198.18.0.1), its own
-# hostname (a UTS namespace) and its own /etc/hosts (so that Gloo finds its address). The nodes
-# share this machine's filesystems, so the driver's virtual environment (wherever the checkout is)
+# hostname (a UTS namespace), its own /etc/hosts (so that Gloo finds its address) and its own
+# /dev/shm (a tmpfs in its mount namespace). Otherwise the nodes share this machine's filesystems, so the driver's virtual environment (wherever the checkout is)
 # runs on every node; $STATE/shared stands for an NFS mount, and a path on a local filesystem
 # counts as node-local by its filesystem type, as jaxtrain judges it on a real cluster. Addresses are in
 # 198.18.0.0/15 (reserved for benchmark testing); the namespaces have no route beyond the bridge,
@@ -134,10 +134,12 @@ setup_network() {
 start_daemons() {
   slurmctld -f "$CONF" -c
   for i in $(seq "$NODES"); do
-    # A new UTS namespace for the node's hostname; the daemon keeps it alive, and every task it
-    # starts inherits it.
-    ip netns exec "$(node_ns "$i")" unshare --uts sh -c \
-      "hostname $(node_name "$i") && exec slurmd -f $CONF -N $(node_name "$i")"
+    # New UTS and mount namespaces for the node's hostname and its own memory filesystem
+    # (/dev/shm, as every node has its own); the daemon keeps them alive, and every task it
+    # starts inherits them.
+    ip netns exec "$(node_ns "$i")" unshare --uts --mount --propagation private sh -c \
+      "hostname $(node_name "$i") && mount -t tmpfs -o mode=1777,size=2g jtshm /dev/shm &&
+       exec slurmd -f $CONF -N $(node_name "$i")"
   done
 }
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import peer_copies
 from seed_program import with_psum_first
 
 if TYPE_CHECKING:
@@ -229,6 +230,14 @@ def test_a_worker_killed_on_one_node_restarts_the_group_in_the_same_allocation(s
     assert "killing myself on node2" in rank1
     assert "srun: error: node2: task 1: Killed" in rank1
     assert "killing myself" not in (shared_dir / "killed" / "logs" / "rank-0.log").read_text()
+
+
+def test_a_node_that_lost_its_memory_restores_from_its_peers_then_from_storage(slurm_cluster,
+                                                                             shared_dir):
+    # Two nodes of two tasks each (Slurm's block distribution: ranks 0 and 1 on node1).
+    proc = drive(slurm_cluster, shared_dir, peer_copies.PROGRAM, allocation=["-N2", "-n4"],
+                 timeout=240, JAXTRAIN_CHECKPOINT_IN_MEMORY="1")
+    peer_copies.check(proc, shared_dir, ["node1", "node1", "node2", "node2"])
 
 
 def test_a_node_local_storage_path_is_refused_before_slurm_is_asked(slurm_cluster, shared_dir,

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import pytest
 from test_slurm import seed_program, seen
 
+import peer_copies
+
 if TYPE_CHECKING:
     from ssh_fixtures import SshHosts
 
@@ -157,99 +159,11 @@ def test_a_worker_killed_on_host2_restarts_the_group_from_its_checkpoint(ssh_hos
     assert "jaxtrain: the worker on host2 was killed by signal 9 (SIGKILL)" in rank2
 
 
-# Each rank checkpoints 1 MiB of its own a round, with its copies in host memory: its host's, and
-# its peer's on the other host (rank + 2). Attempt 0 loses host2's memory after round 2 and fails;
-# attempt 1 loses both hosts' memory after round 3 and fails; attempt 2 finishes. Each rank notes
-# what its restore read: a file linked into host memory, or one linked to storage.
-PEER_COPIES = """
-import json, os, shutil, socket, tempfile, time
-from pathlib import Path
-import numpy as np
-from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
-                      checkpoint_memory, get_checkpoint, get_context, report)
-
-
-def shard(rank, step):
-    return np.full(1 << 18, rank * 1000 + step, dtype=np.float32)
-
-
-def train():
-    ctx = get_context()
-    rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
-    store = Path(checkpoint_memory.store_path(ctx.run_dir))
-    first = 1
-    if (ckpt := get_checkpoint()) is not None:
-        own = Path(ckpt.path, f"shard-{rank}.npy")
-        step = json.loads(Path(ckpt.path, f"step-{rank}.json").read_text())["step"]
-        assert (np.load(own) == shard(rank, step)).all()
-        Path(f"a{attempt}-rank{rank}.json").write_text(json.dumps(
-            {"host": socket.gethostname(), "step": step, "path": ckpt.path,
-             "own_from_storage": own.is_symlink()}))
-        first = step + 1
-    last = {0: 2, 1: 3}.get(attempt, 4)
-    for step in range(first, last + 1):
-        with tempfile.TemporaryDirectory() as d:
-            np.save(os.path.join(d, f"shard-{rank}.npy"), shard(rank, step))
-            Path(d, f"step-{rank}.json").write_text(json.dumps({"step": step}))
-            report({"step": step}, checkpoint=Checkpoint.from_directory(d))
-    if attempt == 2:
-        return
-    while not Path(ctx.run_dir, f"checkpoint_{last:06d}").exists():
-        time.sleep(0.01)
-    # The commit came after every rank's copies were kept, here and at its peer's.
-    Path(f"a{attempt}-held-{rank}.json").write_text(json.dumps(sorted(
-        {p.parent.name for p in store.glob(f"rank*/a{attempt}-r*.json")})))
-    while len(list(Path().glob(f"a{attempt}-held-*.json"))) < 4:
-        time.sleep(0.01)
-    if attempt == 0 and rank == 2:
-        shutil.rmtree(store)  # host2's memory lost
-        raise RuntimeError("host2 lost its memory")
-    if attempt == 1 and rank == 0:
-        shutil.rmtree(store)  # host1's memory lost
-        Path("host1-lost").write_text("")
-    if attempt == 1 and rank == 2:
-        while not Path("host1-lost").exists():
-            time.sleep(0.01)
-        shutil.rmtree(store)  # and host2's
-        raise RuntimeError("both hosts lost their memory")
-    time.sleep(60)
-
-
-result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=4),
-                    run_config=RunConfig(name="peers", storage_path=os.getcwd(),
-                                         failure_config=FailureConfig(max_failures=2))).fit()
-print("final", json.dumps(result.metrics))
-"""
-
-
 def test_a_host_that_lost_its_memory_restores_from_its_peers_then_from_storage(ssh_hosts,
                                                                              shared_dir):
-    proc = drive(ssh_hosts, shared_dir, PEER_COPIES, JAXTRAIN_SSH_HOSTS="host1,host2",
+    proc = drive(ssh_hosts, shared_dir, peer_copies.PROGRAM, JAXTRAIN_SSH_HOSTS="host1,host2",
                  JAXTRAIN_CHECKPOINT_IN_MEMORY="1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert 'final {"step": 4}' in proc.stdout
-    # Each host held its own ranks' copies and its donors': host1 ranks 2 and 3's, host2 0 and 1's.
-    for attempt in (0, 1):
-        for rank in range(4):
-            held = json.loads((shared_dir / f"a{attempt}-held-{rank}.json").read_text())
-            assert held == ["rank0", "rank1", "rank2", "rank3"], (attempt, rank, held)
-    logs = [(shared_dir / "peers" / "logs" / f"rank-{r}.log").read_text() for r in range(4)]
-    # Attempt 1: host1's ranks restore from their own copies; host2's fetch theirs from host1.
-    first = [json.loads((shared_dir / f"a1-rank{r}.json").read_text()) for r in range(4)]
-    assert [a["host"] for a in first] == ["host1", "host1", "host2", "host2"]
-    assert all(a["step"] == 2 and "/dev/shm/" in a["path"] for a in first), first
-    assert not any(a["own_from_storage"] for a in first), first
-    for rank in (2, 3):
-        assert (f"rank {rank}: fetched its part of 'checkpoint_000002' from the memory of its "
-                f"peer's host (rank {rank - 2}): 1.0 MiB") in logs[rank], logs[rank][-2000:]
-    assert "restoring 'checkpoint_000002' from host memory: 8 of 8 files" in logs[0]
-    # Attempt 2: neither copy is left anywhere, so every rank reads storage.
-    second = [json.loads((shared_dir / f"a2-rank{r}.json").read_text()) for r in range(4)]
-    assert all(a["step"] == 3 and a["own_from_storage"] is False and
-               "/dev/shm/" not in a["path"] for a in second), second
-    for rank in range(4):
-        assert (f"rank {rank}: this host's memory holds no copy of its part of "
-                "'checkpoint_000003', nor could its peer's host send it") in logs[rank]
+    peer_copies.check(proc, shared_dir, ["host1", "host1", "host2", "host2"])
 
 
 # Reports every 0.1 s for a minute; rank 0 marks that the run got going.
