@@ -24,6 +24,7 @@ disk; a shared filesystem or an object store, what runs across hosts use, reads 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -34,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from unittest import mock
+
+import startup_and_report
 
 from jaxtrain import _core
 from jaxtrain.checkpoint_memory import HostMemory
@@ -118,7 +121,8 @@ def main() -> None:
             shutil.copyfile(stored, os.path.join(written, "shard-0.bin"))
             entry = {"path": "shard-0.bin", "size": size, "crc32c": crc, "mode": 0o644}
             copy_id = secrets.token_hex(16)
-            rank0.replicate(rank0.memory.keep(written, 0, 1, [entry], copy_id), copy_id)
+            rank0.memory.keep(written, 0, 1, [entry], copy_id)
+            rank0.replicate(copy_id)
             expected = {"shard-0.bin": (size, crc)}
 
             def from_peer() -> float:
@@ -145,9 +149,7 @@ def main() -> None:
             stop.set()
             server.join()
     ratios = [p / s for p, s in zip(peer, storage, strict=True)]
-
-    def spread(values: list[float], unit: str) -> str:
-        return f"{statistics.median(values):.3f} {unit} [{min(values):.3f}-{max(values):.3f}]"
+    spread = functools.partial(startup_and_report.spread, digits=3)
 
     print(f"restore of one rank's part ({args.shard_mib} MiB) after its host lost its memory, "
           f"{args.repeats} repeats, median [min-max]:")

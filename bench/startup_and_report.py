@@ -180,9 +180,9 @@ def measure(run: Callable[[], RunFigures]) -> tuple[RunFigures, float]:
     return figures, ((busy_cpu_s() - busy) - (own_cpu_s() - own)) / elapsed
 
 
-def spread(values: list[float], unit: str, scale: float = 1.0) -> str:
+def spread(values: list[float], unit: str, scale: float = 1.0, digits: int = 2) -> str:
     v = [x * scale for x in values]
-    return f"{statistics.median(v):.2f} {unit} [{min(v):.2f}-{max(v):.2f}]"
+    return f"{statistics.median(v):.{digits}f} {unit} [{min(v):.{digits}f}-{max(v):.{digits}f}]"
 
 
 def main() -> None:

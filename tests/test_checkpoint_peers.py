@@ -48,8 +48,8 @@ def _host(memory_dir: Path, run_dir: Path, rank: int, kv, hostname: str,
                      "127.0.0.1", kv)
 
 
-def _copy(peers: Peers, memory_dir: Path, files: dict[str, bytes]) -> tuple[str, str, list]:
-    """Keeps ``files`` as rank's copy of round 1 of attempt 0; returns (dir, id, entries)."""
+def _copy(peers: Peers, memory_dir: Path, files: dict[str, bytes]) -> tuple[str, list]:
+    """Keeps ``files`` as rank's copy of round 1 of attempt 0; returns (id, entries)."""
     with mock.patch.dict(os.environ, {"JAXTRAIN_MEMORY_DIR": str(memory_dir)}):
         written = peers.memory.prepare(0, 1)
         entries = []
@@ -59,7 +59,8 @@ def _copy(peers: Peers, memory_dir: Path, files: dict[str, bytes]) -> tuple[str,
             entries.append({"path": path, "size": len(data), "crc32c": _core.crc32c(data),
                             "mode": 0o644})
         copy_id = secrets.token_hex(16)
-        return peers.memory.keep(written, 0, 1, entries, copy_id), copy_id, entries
+        peers.memory.keep(written, 0, 1, entries, copy_id)
+        return copy_id, entries
 
 
 def _nothing_in(directory: Path) -> bool:
@@ -94,8 +95,8 @@ def test_peers_are_the_same_local_rank_on_the_next_host():
 
 def test_a_copy_sent_to_the_peer_is_fetched_back_whole(hosts):
     tmp_path, a, b, _ = hosts
-    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
-    a.replicate(copy_dir, copy_id)
+    copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_id)
     # Host b keeps rank 0's copy as rank 0's own copies are kept.
     held = b.memory.root + "/rank0/a0-r1"
     assert json.loads(Path(held + ".json").read_text())["id"] == copy_id
@@ -120,8 +121,8 @@ def test_a_fetch_of_a_copy_the_peer_does_not_hold_keeps_nothing(hosts):
 
 def test_a_copy_that_differs_from_the_manifest_is_not_kept(hosts):
     tmp_path, a, b, _ = hosts
-    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
-    a.replicate(copy_dir, copy_id)
+    copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_id)
     expected = {e["path"]: (e["size"], e["crc32c"] ^ 1) for e in entries}
     with pytest.raises(PeerError, match="does not list the committed files"):
         a.fetch(copy_id, expected)
@@ -139,8 +140,8 @@ def test_a_copy_that_differs_from_the_manifest_is_not_kept(hosts):
 
 def test_a_peer_without_the_secret_is_neither_served_nor_believed(hosts):
     tmp_path, a, b, kv = hosts
-    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
-    a.replicate(copy_dir, copy_id)
+    copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_id)
     # A requester without the secret: the server closes the connection without a word.
     (tmp_path / "c").mkdir()
     impostor = _host(tmp_path / "c", tmp_path / "run", 0, FakeKeyValue(), "c",
@@ -210,13 +211,13 @@ def test_hosts_of_uneven_sizes_send_to_the_peer_their_own_size_names(tmp_path):
     r2 = _host(tmp_path / "b", run, 2, kv, "b", world_size=3, local_world_size=1)
     try:
         for donor, memory_dir, keeper in ((r0, "a", r2), (r2, "b", r0)):
-            copy_dir, copy_id, _ = _copy(donor, tmp_path / memory_dir, FILES)
-            donor.replicate(copy_dir, copy_id)
+            copy_id, _ = _copy(donor, tmp_path / memory_dir, FILES)
+            donor.replicate(copy_id)
             record = Path(keeper.memory.root, f"rank{donor.rank}", "a0-r1.json")
             assert json.loads(record.read_text())["id"] == copy_id
-        copy_dir, copy_id, _ = _copy(r1, tmp_path / "a", FILES)
+        copy_id, _ = _copy(r1, tmp_path / "a", FILES)
         with pytest.raises(PeerError, match=r"rank 0 runs on this host \(a\) too"):
-            r1.replicate(copy_dir, copy_id)
+            r1.replicate(copy_id)
         with pytest.raises(PeerError, match="runs on this host"):  # remembered: not asked again
             r1.address(0)
     finally:
@@ -235,7 +236,7 @@ def test_a_request_larger_than_allowed_is_dropped_before_it_is_read(hosts):
 
 def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(hosts):
     tmp_path, a, b, _ = hosts
-    copy_dir, copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    copy_id, entries = _copy(a, tmp_path / "a", FILES)
     host, port, _ = a.address(1)
     silent = [socket.create_connection((host, port), timeout=10)
               for _ in range(checkpoint_peers._MAX_CONNECTIONS)]
@@ -245,7 +246,7 @@ def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(host
         with socket.create_connection((host, port), timeout=10) as extra:
             assert extra.recv(32) == b""  # no slot left: closed unanswered
         with pytest.raises(PeerError):
-            a.replicate(copy_dir, copy_id)
+            a.replicate(copy_id)
     finally:
         for s in silent:
             s.close()
@@ -253,7 +254,7 @@ def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(host
     deadline = time.monotonic() + 10
     while True:
         try:
-            a.replicate(copy_dir, copy_id)
+            a.replicate(copy_id)
             break
         except PeerError:
             assert time.monotonic() < deadline

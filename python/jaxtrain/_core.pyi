@@ -59,6 +59,11 @@ def snapshot_directory(src: str, budget_bytes: int) -> object:
 
 def verify_checkpoint(dir: str, checksums: bool, threads: int = 0) -> None: ...
 
+def is_clean_relative_path(path: str) -> bool:
+    """
+    Whether a checkpoint file's path stays inside its directory: relative, with no empty, '.' or '..' component (the rule the commit applies to staged files).
+    """
+
 def ranked_checkpoints(run_dir: str, score_attribute: str | None, higher_is_better: bool) -> list:
     """
     The committed checkpoints of a run directory, best first: (dir_name, metrics JSON).

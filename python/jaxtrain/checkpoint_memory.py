@@ -176,11 +176,11 @@ class HostMemory:
         return os.path.join(self.dir, f".writing-a{attempt}-r{round_}")
 
     def keep(self, written: str, attempt: int, round_: int, entries: list[dict],
-             copy_id: str) -> str:
+             copy_id: str) -> None:
         """Makes the copy in ``written`` (from prepare) one this rank's restores may use, and frees
         older copies: all but the newest of them (the checkpoint before this one stays the latest
         committed until this one is) and the one this rank's current view restored from (a rank
-        that has not yet built its view may still need it). Returns the copy's directory."""
+        that has not yet built its view may still need it)."""
         name = f"a{attempt}-r{round_}"
         final = os.path.join(self.dir, name)
         _remove(final)
@@ -200,15 +200,44 @@ class HostMemory:
                 continue
             os.unlink(os.path.join(self.dir, old + ".json"))
             _remove(os.path.join(self.dir, old))
-        return final
+
+    def copy_named(self, copy_id: str) -> tuple[str, dict] | None:
+        """This rank's kept copy ``copy_id``: its directory and its record; None when there is
+        no such copy here."""
+        for _, name in self._held():
+            copy = os.path.join(self.dir, name)
+            record = _record(copy)
+            if record is not None and record["id"] == copy_id:
+                return copy, record
+        return None
+
+    def missing_part(self, checkpoint_dir: str) -> tuple[str, dict[str, tuple[int, int]]] | None:
+        """What this host lacks to restore this rank's own part of the committed checkpoint in
+        ``checkpoint_dir`` from memory: the id of the part's copy and its files (path -> (size,
+        CRC-32C)), as the manifest names them; None when this host holds that part unchanged, or
+        the manifest names no copy of it (or cannot be read: the restore then says why)."""
+        try:
+            with open(os.path.join(checkpoint_dir, MANIFEST_NAME), encoding="utf-8") as f:
+                manifest = json.load(f)
+            ids = _copy_ids(manifest)
+            own = [e for e in manifest.get("file_list", []) if e.get("rank") == self.rank]
+            expected = {e["path"]: (e["size"], e["crc32c"]) for e in own}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if self.rank not in ids or not own:
+            return None
+        copies = _copies(self.root)
+        if all(_find(copies, ids, e) for e in own):
+            return None
+        return ids[self.rank], expected
 
     def _held(self) -> list[tuple[tuple[int, int], str]]:
         """This rank's copies: ((attempt, round), name), those with their record only."""
         out = []
         for name in _listdir(self.dir):
-            m = _HELD.fullmatch(name.removesuffix(".json"))
-            if m and name.endswith(".json"):
-                out.append(((int(m[1]), int(m[2])), m[0]))
+            held = copy_name(name.removesuffix(".json"))
+            if held and name.endswith(".json"):
+                out.append((held, name.removesuffix(".json")))
         return out
 
     def _restored_ids(self, attempt: int) -> set[str]:
@@ -282,6 +311,12 @@ class HostMemory:
         return View(view, in_memory, len(entries), bytes_)
 
 
+def copy_name(name: str) -> tuple[int, int] | None:
+    """(attempt, round) of a copy's name in a store (a<attempt>-r<round>); None for another."""
+    m = _HELD.fullmatch(name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
 def _copy_ids(manifest: dict) -> dict[int, str]:
     """rank -> the id of that rank's part (the manifest's "copies"; ranks without a copy absent)."""
     return {c["rank"]: c["id"] for c in manifest.get("copies", [])}
@@ -314,7 +349,7 @@ def _copies(root: str) -> dict[tuple[str, str], tuple[int, int, int, str]]:
         if not rank_dir.startswith("rank") or not rank_dir[4:].isdigit():
             continue
         for name in _listdir(os.path.join(root, rank_dir)):
-            if not (name.endswith(".json") and _HELD.fullmatch(name[:-5])):
+            if not (name.endswith(".json") and copy_name(name[:-5])):
                 continue
             base = os.path.join(root, rank_dir, name[:-5])
             record = _record(base)

@@ -34,7 +34,6 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -43,7 +42,8 @@ import sys
 import threading
 import time
 
-from jaxtrain.checkpoint_memory import HostMemory, _listdir, _record
+from jaxtrain import _core
+from jaxtrain.checkpoint_memory import HostMemory, copy_name
 
 _NONCE = 32
 _MAX_HEADER = 4 << 20
@@ -67,7 +67,9 @@ def peer_of(rank: int, world_size: int, local_world_size: int) -> int | None:
 
 class Peers:
     """One rank's side of the peer copies: its server, and its requests to other ranks' servers.
-    ``kv``: the coordination service's client (jax.distributed), or None: no peer copies."""
+    ``kv``: where the servers' addresses are published, the coordination service's client
+    (jax.distributed): key_value_set(key, value) and blocking_key_value_get(key, timeout_ms).
+    ``host``: the address to listen on, one the other hosts reach."""
 
     def __init__(self, memory: HostMemory, secret: bytes, rank: int, world_size: int,
                  local_world_size: int, host: str, kv) -> None:
@@ -99,13 +101,13 @@ class Peers:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def replicate(self, copy_dir: str, copy_id: str) -> None:
-        """Sends this rank's kept copy in ``copy_dir`` (checkpoint_memory's a<attempt>-r<round>)
-        to its peer. Raises PeerError or OSError (said by the caller; the checkpoint then has one
-        copy)."""
-        record = _record(copy_dir)
-        if self.peer is None or record is None or record["id"] != copy_id:
-            raise PeerError(f"no kept copy '{copy_dir}' with id {copy_id} to send")
+    def replicate(self, copy_id: str) -> None:
+        """Sends this rank's kept copy ``copy_id`` to its peer. Raises PeerError or OSError (said
+        by the caller; the checkpoint then has one copy)."""
+        held = self.memory.copy_named(copy_id)
+        if self.peer is None or held is None:
+            raise PeerError(f"no kept copy {copy_id} of rank {self.rank} to send")
+        copy_dir, record = held
         files = _declared(record["files"])
         sock, nonces = self._open(self.peer, {
             "op": "put", "rank": self.rank, "local_world_size": self._local_world_size,
@@ -286,25 +288,20 @@ class Peers:
         self._send_reply(conn, nonces, {"kept": True})
 
     def _get(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
-        rank_dir = os.path.join(self.memory.root, f"rank{int(request['rank'])}")
-        for name in _listdir(rank_dir):
-            if not name.endswith(".json"):
-                continue
-            copy = os.path.join(rank_dir, name[:-5])
-            record = _record(copy)
-            if record is None or record["id"] != request["id"]:
-                continue
-            files = _declared(record["files"])
-            self._send_reply(conn, nonces, {"name": os.path.basename(copy), "files": files})
-            # A file freed meanwhile ends the connection short: the fetching rank keeps nothing.
-            for e in files:
-                if "link" not in e:
-                    with open(os.path.join(copy, e["path"]), "rb") as f:
-                        if conn.sendfile(f) != e["size"]:
-                            return
-            return
-        self._send_reply(conn, nonces,
-                         {"error": f"no copy {request['id']} of rank {request['rank']} here"})
+        held = HostMemory(self.memory.run_dir, int(request["rank"]),
+                          self.memory.root).copy_named(request["id"])
+        if held is None:
+            return self._send_reply(conn, nonces, {
+                "error": f"no copy {request['id']} of rank {request['rank']} here"})
+        copy, record = held
+        files = _declared(record["files"])
+        self._send_reply(conn, nonces, {"name": os.path.basename(copy), "files": files})
+        # A file freed meanwhile ends the connection short: the fetching rank keeps nothing.
+        for e in files:
+            if "link" not in e:
+                with open(os.path.join(copy, e["path"]), "rb") as f:
+                    if conn.sendfile(f) != e["size"]:
+                        return
 
     def _send_reply(self, conn: socket.socket, nonces: bytes, reply: dict) -> None:
         body = json.dumps(reply).encode()
@@ -335,8 +332,6 @@ def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) ->
 
 def _receive_file(sock: socket.socket, path: str, entry: dict) -> None:
     """Reads ``entry["size"]`` bytes into ``path``, checking them against the entry's CRC-32C."""
-    from jaxtrain import _core
-
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crc, left = 0, entry["size"]
     buffer = memoryview(bytearray(min(left, _CHUNK)))
@@ -360,8 +355,7 @@ def _entries(files) -> list[dict]:
         raise PeerError("no list of files")
     for e in files:
         path = e.get("path") if isinstance(e, dict) else None
-        if not isinstance(path, str) or path.startswith("/") or \
-                any(part in ("", ".", "..") for part in path.split("/")):
+        if not isinstance(path, str) or not _core.is_clean_relative_path(path):
             raise PeerError(f"a file entry that is not allowed: {e!r}")
         if "link" not in e and not (isinstance(e.get("size"), int) and e["size"] >= 0 and
                                     isinstance(e.get("crc32c"), int)):
@@ -369,11 +363,11 @@ def _entries(files) -> list[dict]:
     return files
 
 
-def _name(name: str) -> tuple[int, int]:
-    m = re.fullmatch(r"a(\d+)-r(\d+)", name)
-    if not m:
+def _name(name) -> tuple[int, int]:
+    held = copy_name(name) if isinstance(name, str) else None
+    if held is None:
         raise PeerError(f"a copy named {name!r}")
-    return int(m[1]), int(m[2])
+    return held
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -100,9 +100,11 @@ class _Stager:
     is the worker's: it reports the exception being handled with ``message`` and exits."""
 
     def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn],
-                 memory: HostMemory | None = None, peers: Peers | None = None) -> None:
+                 memory: HostMemory | None = None, peers: Peers | None = None,
+                 attempt: int = 0) -> None:
         self._client = client
         self._rank = rank
+        self._attempt = attempt  # names the copies kept in memory
         self._fail = fail
         self._memory = memory  # JAXTRAIN_CHECKPOINT_IN_MEMORY=1: where copies are kept
         self._peers = peers  # and, across hosts, who keeps a second one
@@ -174,11 +176,10 @@ class _Stager:
         full memory filesystem) is said on stderr and not sent, so the restores of its checkpoint
         read storage; one that cannot be sent is said once, and only this host holds it."""
         assert self._memory is not None
-        attempt = int(os.environ.get("JAXTRAIN_ATTEMPT", "0"))
         written = None
         try:
-            written = self._memory.prepare(attempt, round_)
-            kept = self._memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
+            written = self._memory.prepare(self._attempt, round_)
+            self._memory.keep(written, self._attempt, round_, snapshot.write(written), copy_id)
         except Exception as e:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
@@ -187,10 +188,10 @@ class _Stager:
                              "a restart restores it from storage\n")
             sys.stderr.flush()
             return
-        if self._peers is None or self._peers.peer is None:
+        if self._peers is None:
             return
         try:
-            self._peers.replicate(kept, copy_id)
+            self._peers.replicate(copy_id)
         except Exception as e:  # PeerError, OSError, a peer of another version: never fatal
             self._peers.say_once("replicate", f"sending the checkpoint of round {round_} to its "
                                  f"peer, rank {self._peers.peer}, failed ({e}); where this "
@@ -206,7 +207,7 @@ class _Session:
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
-        self.stager = _Stager(client, context.world_rank, fail, memory, peers)
+        self.stager = _Stager(client, context.world_rank, fail, memory, peers, context.attempt)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
 

@@ -315,25 +315,12 @@ def _fetch_own_part(path: str, peers, rank: int) -> None:
     """Fetches this rank's part of the checkpoint at ``path`` from its peer's host when this
     host's memory holds no copy of it (the host was replaced or its memory freed); said in the
     log. Anything short of the whole part leaves the restore to read storage."""
-    from jaxtrain import checkpoint_memory
-    from jaxtrain.storage import MANIFEST_NAME
-
-    try:
-        with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
-            manifest = json.load(f)
-        ids = checkpoint_memory._copy_ids(manifest)
-        own = [e for e in manifest.get("file_list", []) if e.get("rank") == rank]
-        expected = {e["path"]: (e["size"], e["crc32c"]) for e in own}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # the restore reads what it can, and says why
-    if rank not in ids or not own:
-        return
-    copies = checkpoint_memory._copies(peers.memory.root)
-    if all(checkpoint_memory._find(copies, ids, e) for e in own):
-        return  # this host kept it, unchanged
+    missing = peers.memory.missing_part(path)
+    if missing is None:
+        return  # this host kept it, unchanged (or there is no copy to fetch)
     began = time.monotonic()
     try:
-        fetched = peers.fetch(ids[rank], expected)
+        fetched = peers.fetch(*missing)
     except Exception as e:  # a peer gone, refusing, or sending what does not check out
         sys.stderr.write(f"jaxtrain worker: rank {rank}: this host's memory holds no copy of its "
                          f"part of '{os.path.basename(path)}', nor could its peer's host send "

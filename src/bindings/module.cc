@@ -548,6 +548,10 @@ NB_MODULE(_core, m) {
       },
       "dir"_a, "checksums"_a, "threads"_a = 0);
 
+  m.def("is_clean_relative_path", &storage::IsCleanRelativePath, "path"_a,
+        "Whether a checkpoint file's path stays inside its directory: relative, with no empty, "
+        "'.' or '..' component (the rule the commit applies to staged files).");
+
   m.def(
       "ranked_checkpoints",
       [](const std::string& run_dir, std::optional<std::string> score_attribute,

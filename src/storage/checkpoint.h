@@ -151,10 +151,11 @@ bool IsCleanRelativePath(const std::string& path);
 // component is a link. Errors: kInvalidArgument naming the rank, the path and what is wrong.
 Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
 
-// Commits one round's checkpoint as <run_dir>/<dir_name>; the manifest's "copies" lists each
-// part's copy_id that is set, as {"rank": r, "id": copy_id} (replacing a directory of that name
-// atomically). Every part is checked with CheckStagedPart first; every staged file is fsynced
-// before it is moved, so parts staged without `durable` are committed as durably as the others.
+// Commits one round's checkpoint as <run_dir>/<dir_name> (replacing a directory of that name
+// atomically); the manifest's "copies" lists each part's copy_id that is set, as
+// {"rank": r, "id": copy_id}. Every part is checked with CheckStagedPart first; every staged file
+// is fsynced before it is moved, so parts staged without `durable` are committed as durably as
+// the others.
 // Errors: kInvalidArgument for a dir_name that is not one plain directory name, for a part that
 // CheckStagedPart refuses, for a file written by two ranks (naming both and the file) or for the
 // reserved manifest name; kInternal / kPermissionDenied for filesystem failures, naming the path.

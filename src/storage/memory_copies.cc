@@ -1,16 +1,16 @@
 #include "storage/memory_copies.h"
 
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <string_view>
+#include <vector>
 
 #include "storage/checkpoint.h"
 #include "storage/files.h"
+#include "storage/filesystem.h"
 
 namespace jaxtrain::storage {
 namespace {
@@ -23,17 +23,14 @@ nlohmann::json ReadJson(const std::string& path) {
 // The ids of the copies in one rank's directory of the store.
 std::set<std::string> CopyIds(const std::string& rank_dir) {
   std::set<std::string> ids;
-  DIR* d = opendir(rank_dir.c_str());
-  if (d == nullptr) return ids;
-  while (dirent* e = readdir(d)) {
-    std::string_view name = e->d_name;
-    if (name.size() <= 5 || name.substr(name.size() - 5) != ".json") continue;
+  StatusOr<std::vector<std::string>> names = LocalFileSystem().List(rank_dir);
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+    if (name.size() <= 5 || !name.ends_with(".json")) continue;
     nlohmann::json copy = ReadJson(JoinPath(rank_dir, name));
     if (copy.is_object() && copy.contains("id") && copy["id"].is_string()) {
       ids.insert(copy["id"].get<std::string>());
     }
   }
-  closedir(d);
   return ids;
 }
 
