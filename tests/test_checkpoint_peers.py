@@ -19,6 +19,7 @@ from unittest import mock
 import pytest
 
 from jaxtrain import _core, checkpoint_memory, checkpoint_peers
+from jaxtrain.channel import Connection
 from jaxtrain.checkpoint_memory import HostMemory
 from jaxtrain.checkpoint_peers import PeerError, Peers, peer_of
 
@@ -138,62 +139,107 @@ def test_a_copy_that_differs_from_the_manifest_is_not_kept(hosts):
     assert _nothing_in(Path(a.memory.root, "rank0"))
 
 
+def _clear(directory: Path) -> None:
+    for p in sorted(directory.rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() else p.rmdir()
+
+
 def test_a_peer_without_the_secret_is_neither_served_nor_believed(hosts):
     tmp_path, a, b, kv = hosts
     copy_id, entries = _copy(a, tmp_path / "a", FILES)
     a.replicate(copy_id)
-    # A requester without the secret: the server closes the connection without a word.
+    expected = {e["path"]: (e["size"], e["crc32c"]) for e in entries}
+    # A requester without the secret: the server refuses it before reading any request.
     (tmp_path / "c").mkdir()
     impostor = _host(tmp_path / "c", tmp_path / "run", 0, FakeKeyValue(), "c",
                      secret=secrets.token_bytes(32))
     impostor._kv = kv
-    with pytest.raises(PeerError, match="connection ended early|reply"):
-        impostor.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
+    impostor._addresses[1] = a.address(1)
+    with pytest.raises(PeerError, match="do not hold the same secret"):
+        impostor.fetch(copy_id, expected)
     impostor.close()
-    # A server without the secret, published where rank 1's was: it answers the request with a
-    # copy of its choosing, and the rank believes none of it.
+    # A server without the secret, its address written where rank 1's was (the coordination
+    # service takes writes from anyone): the rank does not even connect to it.
     with socket.create_server(("127.0.0.1", 0)) as liar:
-        def answer():
-            conn, _ = liar.accept()
-            with conn:
-                conn.sendall(secrets.token_bytes(32))
-                (length,) = struct.unpack(">I", conn.recv(4))
-                while length + 32 > 0:
-                    length -= len(conn.recv(length + 32))
-                reply = json.dumps({"name": "a0-r1", "files": entries}).encode()
-                conn.sendall(struct.pack(">I", len(reply)) + reply + secrets.token_bytes(32))
-                with contextlib.suppress(OSError):  # the rank hangs up on the unproven reply
-                    conn.sendall(b"\0" * sum(e["size"] for e in entries))
-
-        server = threading.Thread(target=answer)
-        server.start()
-        kv.values["jaxtrain/peer/1"] = json.dumps(["127.0.0.1", liar.getsockname()[1], "c"])
+        kv.values["jaxtrain/peer/1"] = json.dumps(["127.0.0.1", liar.getsockname()[1], "c",
+                                                   "00" * 32])
         a._addresses.clear()
-        for p in sorted(Path(a.memory.root, "rank0").rglob("*"), reverse=True):
-            p.unlink() if not p.is_dir() else p.rmdir()
-        with pytest.raises(PeerError, match="could not prove it holds this run's secret"):
-            a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
-        server.join()
+        _clear(Path(a.memory.root, "rank0"))
+        with pytest.raises(PeerError, match="not vouched for by this run's secret"):
+            a.fetch(copy_id, expected)
+    assert _nothing_in(Path(a.memory.root, "rank0"))
+
+
+class _Flipper:
+    """An on-path attacker between a rank and its peer's server: relays every byte, but flips
+    one bit of the `nth` byte the server sends (after the handshake: in a copy's bytes, whose
+    CRC-32C it cannot fix in a sealed record)."""
+
+    def __init__(self, target: tuple[str, int], nth: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._target, self._nth = target, nth
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self._target)
+
+        def pump(src, dst, flip: int | None) -> None:
+            seen = 0
+            with contextlib.suppress(OSError):
+                while data := src.recv(65536):
+                    if flip is not None and seen <= flip < seen + len(data):
+                        data = bytearray(data)
+                        data[flip - seen] ^= 1
+                    seen += len(data)
+                    dst.sendall(data)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=pump, args=(client, server, None), daemon=True).start()
+        pump(server, client, self._nth)
+
+
+def test_a_copy_changed_on_the_way_is_refused_and_nothing_is_kept(hosts):
+    tmp_path, a, b, _ = hosts
+    copy_id, entries = _copy(a, tmp_path / "a", FILES)
+    a.replicate(copy_id)
+    _clear(Path(a.memory.root, "rank0"))
+    # The attacker is on the path (its address published as the peer's, with the run's MAC, as
+    # a network attacker between the hosts would be): the file bytes it changes fail their
+    # record's check.
+    host, port, name = a.address(1)
+    flipper = _Flipper((host, port), nth=200_000)
+    a._addresses[1] = ("127.0.0.1", flipper.port, name)
+    with pytest.raises(PeerError, match="did not seal as its next one"):
+        a.fetch(copy_id, {e["path"]: (e["size"], e["crc32c"]) for e in entries})
     assert _nothing_in(Path(a.memory.root, "rank0"))
 
 
 def test_a_put_from_a_rank_that_is_not_the_donor_or_escapes_the_copy_is_refused(hosts):
     tmp_path, a, b, _ = hosts
+    host, port, _ = a.address(1)
 
-    def put(request: dict, body: bytes = b"") -> dict:
-        sock, nonces = a._open(1, request)
-        with sock:
-            sock.sendall(body)
-            return a._reply(sock, nonces)
+    def put(me: str, request: dict, body: bytes = b"") -> dict:
+        with Connection.connect((host, port), SECRET, checkpoint_peers._PURPOSE, me, "rank-1",
+                                10) as conn:
+            conn.send_json(request)
+            reply = conn.receive_json(10)
+            if "ready" in reply:
+                conn.send(body)
+                reply = conn.receive_json(10)
+            return reply
 
     entry = {"path": "x", "size": 1, "crc32c": _core.crc32c(b"x"), "mode": 0o644}
     put_ = {"op": "put", "local_world_size": 1, "name": "a0-r1", "id": "i", "files": [entry]}
-    reply = put({**put_, "rank": 1, "host": "a"}, b"x")
+    # The rank is the one the channel proved, whatever the request says.
+    reply = put("rank-1", {**put_, "rank": 0, "host": "a"}, b"x")
     assert reply == {"error": "rank 1 is not rank 1's peer"}
-    reply = put({**put_, "rank": 0, "host": "b"}, b"x")
+    reply = put("rank-0", {**put_, "host": "b"}, b"x")
     assert reply == {"error": "rank 0 runs on this host (b) too"}
-    with pytest.raises(PeerError):  # the server drops the connection: nothing is written
-        put({**put_, "rank": 0, "host": "a", "files": [{**entry, "path": "../../escaped"}]}, b"x")
+    with pytest.raises(OSError):  # the server drops the connection: nothing is written
+        put("rank-0", {**put_, "host": "a", "files": [{**entry, "path": "../../escaped"}]}, b"x")
     for place in (Path(b.memory.root), Path(b.memory.root).parent):
         assert not (place / "escaped").exists()
     assert _nothing_in(Path(b.memory.root, "rank0"))  # no .writing-* left either
@@ -225,13 +271,16 @@ def test_hosts_of_uneven_sizes_send_to_the_peer_their_own_size_names(tmp_path):
             peers.close()
 
 
-def test_a_request_larger_than_allowed_is_dropped_before_it_is_read(hosts):
+def test_a_message_larger_than_allowed_is_dropped_before_it_is_read(hosts):
     _, a, b, _ = hosts
     host, port, _ = a.address(1)
     with socket.create_connection((host, port), timeout=10) as s:
-        s.recv(32)
-        s.sendall(struct.pack(">I", checkpoint_peers._MAX_HEADER + 1))
+        s.sendall(struct.pack(">I", 1 << 30))
         assert s.recv(1) == b""  # closed
+
+
+def _serving(peers: Peers) -> int:
+    return sum(t.name == "jaxtrain-peer-request" and t.is_alive() for t in threading.enumerate())
 
 
 def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(hosts):
@@ -241,10 +290,12 @@ def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(host
     silent = [socket.create_connection((host, port), timeout=10)
               for _ in range(checkpoint_peers._MAX_CONNECTIONS)]
     try:
-        for s in silent:
-            assert len(s.recv(32)) == 32  # each holds a slot, answered with the server's nonce
+        deadline = time.monotonic() + 10
+        while _serving(b) < checkpoint_peers._MAX_CONNECTIONS:  # each holds a slot
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         with socket.create_connection((host, port), timeout=10) as extra:
-            assert extra.recv(32) == b""  # no slot left: closed unanswered
+            assert extra.recv(1) == b""  # no slot left: closed unanswered
         with pytest.raises(PeerError):
             a.replicate(copy_id)
     finally:

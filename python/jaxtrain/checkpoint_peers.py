@@ -7,25 +7,27 @@ the part from its peer's host before it builds its view; with neither copy left 
 
 Each worker runs a *peer server*: one thread listening on the host's address towards the
 controller, on a port of the system's choice, published in the JAX coordination service's
-key-value store (``jaxtrain/peer/<rank>``) right after ``jax.distributed.initialize``, so a rank
-finds its peer's address in its attempt's own coordination service. A connection carries one
-request, both ways proven with the run's secret as the control connection's handshake is:
+key-value store (``jaxtrain/peer/<rank>``: address, port, host name and their HMAC with the run's
+secret, which a reader checks) right after ``jax.distributed.initialize``, so a rank finds its
+peer's address in its attempt's own coordination service. A connection carries one request over
+the secure channel (channel.py): ``jaxtrain-peer-copy`` from ``rank-<r>`` to ``rank-<peer>``,
+proven both ways with the run's secret, every byte after the handshake encrypted and
+authenticated. Then, one record each:
 
-    server -> client   32-byte nonce
-    client -> server   u32 length, request JSON (with the client's nonce, hex), then
-                       HMAC-SHA-256(secret, "jaxtrain-peer-request" || server nonce || request)
-    server -> client   a reply: u32 length, JSON, HMAC(secret, "jaxtrain-peer-reply" ||
-                       client nonce || server nonce || JSON); {"error": why} ends the request
+    client -> server   the request (JSON)
+    server -> client   a reply (JSON); {"error": why} ends the request
     put:  server -> client   {"ready": true}
           client -> server   the files' bytes, in the order of the request's entries
           server -> client   {"kept": true} once the copy and its record are written
     get:  server -> client   {"name", "files"}, then the copy's files' bytes in that order
 
 A put is accepted from the peer's donor only (the rank whose peer this one is, by the donor's
-own host size), into the store's ``rank<donor>/`` as that rank's own copy would be; every file's
-size and CRC-32C are checked on the way in, by the server against the request, and by a fetching
-rank against the committed manifest. Nothing read from a peer is used that the manifest does not
-vouch for. The bytes after a proven header carry no MAC of their own (docs/checkpoint-memory.md).
+own host size): the rank the channel proved, not one the request claims, into the store's
+``rank<donor>/`` as that rank's own copy would be; every file's size and CRC-32C are checked on
+the way in, by the server against the request, and by a fetching rank against the committed
+manifest. Nothing read from a peer is used that the manifest does not vouch for. Every rank of a
+run holds its secret, so these checks keep out whoever does not, not a rank of the run itself
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -34,23 +36,24 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
 import shutil
 import socket
-import struct
 import sys
 import threading
 import time
 
-from jaxtrain import _core
+from jaxtrain import _core, channel
+from jaxtrain.channel import Connection
 from jaxtrain.checkpoint_memory import HostMemory, copy_name
 
-_NONCE = 32
-_MAX_HEADER = 4 << 20
 _MAX_CONNECTIONS = 8  # served at once; more are closed unanswered (a flood costs only fallbacks)
-_CHUNK = 4 << 20
 _TIMEOUT_S = 60.0
 _PROOF_S = 10.0  # from a connection to its proven request
+# A fetch's deadline: this much, and a second per this many bytes more (a slow or stuck peer
+# holds a restarted rank's start no longer than that; it then reads storage).
+_FETCH_BASE_S = 30.0
+_FETCH_BYTES_PER_S = 50 << 20
+_PURPOSE = "jaxtrain-peer-copy"
 _KEY = "jaxtrain/peer/{}"
 
 
@@ -89,7 +92,8 @@ class Peers:
         port = self._listener.getsockname()[1]
         threading.Thread(target=self._serve, name="jaxtrain-peer-server", daemon=True).start()
         try:
-            kv.key_value_set(_KEY.format(rank), json.dumps([host, port, self._hostname]))
+            kv.key_value_set(_KEY.format(rank), json.dumps(
+                [host, port, self._hostname, self._address_mac(rank, host, port, self._hostname)]))
         except BaseException:
             self.close()
             raise
@@ -109,20 +113,20 @@ class Peers:
             raise PeerError(f"no kept copy {copy_id} of rank {self.rank} to send")
         copy_dir, record = held
         files = _declared(record["files"])
-        sock, nonces = self._open(self.peer, {
-            "op": "put", "rank": self.rank, "local_world_size": self._local_world_size,
-            "host": self._hostname, "name": os.path.basename(copy_dir), "id": copy_id,
-            "files": files})
-        with sock:
-            reply = self._reply(sock, nonces)  # the peer takes the copy, or says why not
+        with self._open(self.peer, {
+                "op": "put", "local_world_size": self._local_world_size,
+                "host": self._hostname, "name": os.path.basename(copy_dir), "id": copy_id,
+                "files": files}) as conn:
+            reply = self._reply(conn)  # the peer takes the copy, or says why not
             if "error" in reply:
                 raise PeerError(f"rank {self.peer} refused the copy: {reply['error']}")
             for e in files:
                 if "link" not in e:
                     with open(os.path.join(copy_dir, e["path"]), "rb") as f:
-                        if sock.sendfile(f) != e["size"]:
-                            raise PeerError(f"'{e['path']}' changed while it was sent")
-            if not self._reply(sock, nonces).get("kept"):
+                        if os.fstat(f.fileno()).st_size != e["size"]:
+                            raise PeerError(f"'{e['path']}' changed since it was kept")
+                        _send_file(conn, f, e["size"])
+            if not self._reply(conn).get("kept"):
                 raise PeerError(f"rank {self.peer} did not keep the copy")
 
     def fetch(self, copy_id: str, expected: dict[str, tuple[int, int]]) -> int:
@@ -131,11 +135,12 @@ class Peers:
         committed manifest lists it; any difference raises PeerError and keeps nothing."""
         if self.peer is None:
             raise PeerError("every rank is on one host")
-        sock, nonces = self._open(self.peer, {"op": "get", "rank": self.rank, "id": copy_id})
+        deadline = time.monotonic() + _FETCH_BASE_S + sum(
+            size for size, *_ in expected.values()) / _FETCH_BYTES_PER_S
         written = None
         try:
-            with sock:
-                reply = self._reply(sock, nonces)
+            with self._open(self.peer, {"op": "get", "id": copy_id}) as conn:
+                reply = self._reply(conn)
                 if "error" in reply:
                     raise PeerError(f"rank {self.peer}'s host: {reply['error']}")
                 attempt, round_ = _name(reply.get("name", ""))
@@ -147,7 +152,7 @@ class Peers:
                 written = self.memory.prepare(attempt, round_)
                 for e in files:
                     if "link" not in e:
-                        _receive_file(sock, os.path.join(written, e["path"]), e)
+                        _receive_file(conn, os.path.join(written, e["path"]), e, deadline)
             self.memory.keep(written, attempt, round_, files, copy_id)
             return sum(size for size, _ in expected.values())
         except BaseException:
@@ -161,7 +166,11 @@ class Peers:
         if rank not in self._addresses:
             try:
                 value = self._kv.blocking_key_value_get(_KEY.format(rank), int(_TIMEOUT_S * 1000))
-                host, port, hostname = json.loads(value)
+                host, port, hostname, mac = json.loads(value)
+                if not hmac.compare_digest(str(mac),
+                                           self._address_mac(rank, host, port, hostname)):
+                    raise PeerError(f"rank {rank}'s published address {host}:{port} is not "
+                                    "vouched for by this run's secret (written by someone else)")
                 if hostname == self._hostname:
                     # Hosts of uneven sizes: a copy on this host would be no second copy, and
                     # would share the store with the rank's own.
@@ -182,36 +191,31 @@ class Peers:
             sys.stderr.write(f"jaxtrain worker: rank {self.rank}: {line}\n")
             sys.stderr.flush()
 
-    def _open(self, rank: int, request: dict) -> tuple[socket.socket, bytes]:
-        """Connects to ``rank``'s server and sends ``request``, proven; returns the socket and the
-        nonces (this side's, then the server's) that the server's reply must prove."""
+    def _open(self, rank: int, request: dict) -> Connection:
+        """A proven channel to ``rank``'s server, ``request`` sent on it."""
         host, port, _ = self.address(rank)
-        nonce_c = secrets.token_bytes(_NONCE)
-        header = json.dumps({**request, "nonce": nonce_c.hex()}).encode()
-        sock = None
         try:
-            sock = socket.create_connection((host, port), timeout=_TIMEOUT_S)
-            nonce_s = _read_exactly(sock, _NONCE)
-            sock.sendall(struct.pack(">I", len(header)) + header +
-                         self._mac(b"jaxtrain-peer-request", nonce_s, header))
-        except (OSError, PeerError) as e:
-            if sock is not None:
-                sock.close()
+            conn = Connection.connect((host, port), self._secret, _PURPOSE, f"rank-{self.rank}",
+                                      f"rank-{rank}", _PROOF_S)
+        except channel.Errors as e:
             raise PeerError(f"rank {rank}'s peer server at {host}:{port}: {e}") from None
-        return sock, nonce_c + nonce_s
-
-    def _reply(self, sock: socket.socket, nonces: bytes) -> dict:
-        """The server's reply; PeerError unless the server proves it holds the run's secret."""
         try:
-            (length,) = struct.unpack(">I", _read_exactly(sock, 4))
-            if length > _MAX_HEADER:
-                raise PeerError(f"a reply of {length} bytes")
-            body, mac = _read_exactly(sock, length), _read_exactly(sock, 32)
-        except OSError as e:
+            conn.send_json(request, _TIMEOUT_S)
+        except channel.Errors as e:
+            conn.close()
+            raise PeerError(f"rank {rank}'s peer server at {host}:{port}: {e}") from None
+        return conn
+
+    def _reply(self, conn: Connection) -> dict:
+        """The server's next reply."""
+        try:
+            return conn.receive_json(_TIMEOUT_S)
+        except channel.Errors as e:
             raise PeerError(f"the peer's reply: {e}") from None
-        if not hmac.compare_digest(mac, self._mac(b"jaxtrain-peer-reply", nonces, body)):
-            raise PeerError("the peer server could not prove it holds this run's secret")
-        return json.loads(body)
+
+    def _address_mac(self, rank: int, host: str, port: int, hostname: str) -> str:
+        return hmac.new(self._secret, b"jaxtrain-peer-address" + json.dumps(
+            [rank, host, port, hostname]).encode(), hashlib.sha256).hexdigest()
 
     # -- the server ----------------------------------------------------------------------------
 
@@ -230,86 +234,66 @@ class Peers:
             threading.Thread(target=self._answer, args=(conn,), name="jaxtrain-peer-request",
                              daemon=True).start()
 
-    def _answer(self, conn: socket.socket) -> None:
-        """Serves one connection: its request proven, then ``_put`` or ``_get``. Whatever goes
-        wrong ends the connection, so the requester falls back; after the proof it is also said
-        (once) in this rank's log."""
+    def _answer(self, sock: socket.socket) -> None:
+        """Serves one connection: its handshake and request within _PROOF_S (however a peer
+        without the secret trickles its bytes), then ``_put`` or ``_get``. Whatever goes wrong
+        ends the connection, so the requester falls back; after the proof it is also said (once)
+        in this rank's log."""
         request = None
-        with conn:
-            try:
-                # Until the request is proven, one deadline for all of it: a peer without the
-                # secret holds a slot for _PROOF_S at most, however it trickles its bytes.
-                deadline = time.monotonic() + _PROOF_S
-                nonce_s = secrets.token_bytes(_NONCE)
-                conn.settimeout(_PROOF_S)
-                conn.sendall(nonce_s)
-                (length,) = struct.unpack(">I", _read_exactly(conn, 4, deadline))
-                if length > _MAX_HEADER:
-                    return
-                header = _read_exactly(conn, length, deadline)
-                mac = _read_exactly(conn, 32, deadline)
-                if not hmac.compare_digest(mac, self._mac(b"jaxtrain-peer-request", nonce_s,
-                                                          header)):
-                    return  # not a rank of this run: nothing is said to it
-                conn.settimeout(_TIMEOUT_S)
-                request = json.loads(header)
-                nonces = bytes.fromhex(request["nonce"]) + nonce_s
-                {"put": self._put, "get": self._get}[request["op"]](conn, request, nonces)
-            except Exception as e:
-                if request is not None:
-                    self.say_once(f"serve-{request.get('op')}",
-                                  f"a {request.get('op')} request of rank {request.get('rank')} "
-                                  f"failed here ({type(e).__name__}: {e}); said once")
-            finally:
-                self._slots.release()
+        try:
+            deadline = time.monotonic() + _PROOF_S
+            with Connection.accept(sock, self._secret, _PURPOSE, f"rank-{self.rank}", [],
+                                   _PROOF_S) as conn:
+                request = conn.receive_json(max(0.0, deadline - time.monotonic()))
+                request["rank"] = _rank_of(conn.peer)  # the proven rank, not a claimed one
+                {"put": self._put, "get": self._get}[request["op"]](conn, request)
+        except Exception as e:
+            if request is not None:
+                self.say_once(f"serve-{request.get('op')}",
+                              f"a {request.get('op')} request of rank {request.get('rank')} "
+                              f"failed here ({type(e).__name__}: {e}); said once")
+        finally:
+            self._slots.release()
 
-    def _put(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
+    def _put(self, conn: Connection, request: dict) -> None:
         donor = request["rank"]
         if request.get("host") == self._hostname:
-            return self._send_reply(conn, nonces, {
+            return conn.send_json({
                 "error": f"rank {donor} runs on this host ({self._hostname}) too"})
         # The donor's own host size names its peer (hosts may differ in size).
         if peer_of(donor, self._world_size, request["local_world_size"]) != self.rank:
-            return self._send_reply(conn, nonces, {
+            return conn.send_json({
                 "error": f"rank {self.rank} is not rank {donor}'s peer"})
         attempt, round_ = _name(request["name"])
         files = _entries(request["files"])
         memory = HostMemory(self.memory.run_dir, donor, self.memory.root)
         written = memory.prepare(attempt, round_)
         try:
-            self._send_reply(conn, nonces, {"ready": True})
+            conn.send_json({"ready": True})
             for e in files:
                 if "link" not in e:
-                    _receive_file(conn, os.path.join(written, e["path"]), e)
+                    _receive_file(conn, os.path.join(written, e["path"]), e,
+                                  time.monotonic() + _TIMEOUT_S)
             memory.keep(written, attempt, round_, files, request["id"])
         except BaseException:
             shutil.rmtree(written, ignore_errors=True)
             raise
-        self._send_reply(conn, nonces, {"kept": True})
+        conn.send_json({"kept": True})
 
-    def _get(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
+    def _get(self, conn: Connection, request: dict) -> None:
         held = HostMemory(self.memory.run_dir, int(request["rank"]),
                           self.memory.root).copy_named(request["id"])
         if held is None:
-            return self._send_reply(conn, nonces, {
+            return conn.send_json({
                 "error": f"no copy {request['id']} of rank {request['rank']} here"})
         copy, record = held
         files = _declared(record["files"])
-        self._send_reply(conn, nonces, {"name": os.path.basename(copy), "files": files})
+        conn.send_json({"name": os.path.basename(copy), "files": files})
         # A file freed meanwhile ends the connection short: the fetching rank keeps nothing.
         for e in files:
             if "link" not in e:
                 with open(os.path.join(copy, e["path"]), "rb") as f:
-                    if conn.sendfile(f) != e["size"]:
-                        return
-
-    def _send_reply(self, conn: socket.socket, nonces: bytes, reply: dict) -> None:
-        body = json.dumps(reply).encode()
-        conn.sendall(struct.pack(">I", len(body)) + body +
-                     self._mac(b"jaxtrain-peer-reply", nonces, body))
-
-    def _mac(self, label: bytes, nonces: bytes, body: bytes) -> bytes:
-        return hmac.new(self._secret, label + nonces + body, hashlib.sha256).digest()
+                    _send_file(conn, f, e["size"])
 
 
 def _declared(files: list[dict]) -> list[dict]:
@@ -317,32 +301,33 @@ def _declared(files: list[dict]) -> list[dict]:
     return [{k: v for k, v in e.items() if k != "mtime_ns"} for e in files]
 
 
-def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    parts = []
-    while n > 0:
-        if deadline is not None and time.monotonic() > deadline:
-            raise PeerError("too slow")
-        chunk = sock.recv(min(n, _CHUNK))
-        if not chunk:
-            raise PeerError("the connection ended early")
-        parts.append(chunk)
-        n -= len(chunk)
-    return b"".join(parts)
+def _send_file(conn: Connection, f, size: int) -> None:
+    """Sends ``size`` bytes of the open file ``f`` (one that ends sooner ends the connection: the
+    receiver keeps nothing)."""
+    try:
+        conn.send_file(f.fileno(), size, _TIMEOUT_S)
+    except channel.Errors as e:
+        raise PeerError(f"sending '{f.name}': {e}") from None
 
 
-def _receive_file(sock: socket.socket, path: str, entry: dict) -> None:
-    """Reads ``entry["size"]`` bytes into ``path``, checking them against the entry's CRC-32C."""
+def _receive_file(conn: Connection, path: str, entry: dict, deadline: float) -> None:
+    """Reads ``entry["size"]`` bytes into ``path`` by ``deadline``, checking them against the
+    entry's CRC-32C."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crc, left = 0, entry["size"]
-    buffer = memoryview(bytearray(min(left, _CHUNK)))
     with open(path, "wb", buffering=0) as f:
         while left > 0:
-            n = sock.recv_into(buffer, min(left, len(buffer)))
-            if n == 0:
-                raise PeerError(f"the connection ended in '{entry['path']}'")
-            crc = _core.crc32c(buffer[:n], crc)
-            f.write(buffer[:n])
-            left -= n
+            try:
+                data = conn.receive(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise PeerError(f"'{entry['path']}' did not arrive in time") from None
+            except channel.Errors as e:
+                raise PeerError(f"the connection ended in '{entry['path']}': {e}") from None
+            if len(data) > left:
+                raise PeerError(f"'{entry['path']}' arrived longer than {entry['size']} bytes")
+            crc = _core.crc32c(data, crc)
+            f.write(data)
+            left -= len(data)
     if crc != entry["crc32c"]:
         raise PeerError(f"'{entry['path']}' arrived with CRC-32C {crc}, not {entry['crc32c']}")
     if "mode" in entry:
@@ -368,6 +353,14 @@ def _name(name) -> tuple[int, int]:
     if held is None:
         raise PeerError(f"a copy named {name!r}")
     return held
+
+
+def _rank_of(name: str) -> int:
+    """R of a proven end named rank-R."""
+    prefix, _, number = name.partition("-")
+    if prefix != "rank" or not number.isdigit():
+        raise PeerError(f"a peer named {name!r}")
+    return int(number)
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -6,16 +6,20 @@ slice (host 0 of TPU_WORKER_HOSTNAMES, this host's TPU_WORKER_ID).
 Host 0 drives the run. It waits until every other host has joined at the coordinator port, then
 runs its JaxTrainer with the ssh launcher (src/launch/ssh_launcher.h), whose transport to each
 host is this module's relay instead of ssh: ``python -m jaxtrain.hosts relay [ssh options]
-TARGET COMMAND`` connects to the agent server of that host, which runs COMMAND there with the
-relay's stdin as its stdin and sends back its output and exit status. So the run is one run:
-one controller, one run directory, one Result, every rank's log on host 0.
+TARGET COMMAND`` opens a session on the agent server of that host, which runs COMMAND there with
+the session's input as its stdin and sends back its output and exit status. So the run is one
+run: one controller, one run directory, one Result, every rank's log on host 0.
 
-Every connection (a join, a relay session) proves that both ends hold the join secret before
-anything else is read: HMAC-SHA256 over a fresh nonce of each end, the joining end first. The
-join secret comes from --join-secret-file (a file readable by its owner only) or
-JAXTRAIN_JOIN_SECRET; the run's own secret travels inside the relay, never on a command line.
-The connections are authenticated, not encrypted: on a network you do not trust, use the ssh
-launcher (--hosts).
+Every connection is a secure channel (channel.py, src/wire/channel.h): a join is
+``jaxtrain-join`` from ``host-K`` to ``host-0``, proven with the join secret; a relay session is
+``jaxtrain-agent:<run token>`` from ``host-0`` to ``host-K``, proven with the run's agent key (the
+join secret and the token host 0 drew for this run, which each host learns when it joins). A proof
+made for one connection opens no other, and every message after it (commands, stdin, output,
+exit status) is encrypted and authenticated. An agent server listens on the address towards host
+0 and takes sessions from host 0's address only. The join secret comes from --join-secret-file (a
+file readable by its owner only) or JAXTRAIN_JOIN_SECRET, which is removed from the environment
+once read; host 0's relays get the agent key on an inherited descriptor, and no worker gets
+either (docs/security.md).
 
 Every other host serves the relay sessions host 0 opens and exits with host 0's exit status once
 host 0 says the run has ended; if host 0's connection drops, it ends every session (which kills
@@ -28,6 +32,7 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 import socket
 import struct
 import subprocess
@@ -39,13 +44,25 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxtrain import channel
+from jaxtrain.channel import Connection
+
 SECRET_ENV = "JAXTRAIN_JOIN_SECRET"
-# target -> [address, agent port] of every host of the run; set on host 0 for its relays.
+# target -> [address, agent port, host rank] of every host of the run; set on host 0 for its relays.
 JOINED_HOSTS_ENV = "JAXTRAIN_JOINED_HOSTS"
+# The run's token, and the descriptor holding its agent key; set on host 0 for its relays.
+TOKEN_ENV = "JAXTRAIN_JOIN_TOKEN"
+AGENT_KEY_FD_ENV = "JAXTRAIN_AGENT_KEY_FD"
+# Never passed on to what an agent server runs (the workers).
+_PRIVATE_ENV = (SECRET_ENV, JOINED_HOSTS_ENV, TOKEN_ENV, AGENT_KEY_FD_ENV)
 DEFAULT_PORT = 8490
 # Seconds host 0 waits for the other hosts to join, and every host for a connection's handshake.
 JOIN_TIMEOUT_S = 600.0
 HANDSHAKE_TIMEOUT_S = 10.0
+# Connections whose handshake is in progress at once, at the coordinator port and at each agent
+# server; more are closed unanswered (a flood of silent ones costs only retries).
+_MAX_UNPROVEN = 16
+_JOIN = "jaxtrain-join"
 _MIN_SECRET = 16
 _TPU_METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
 
@@ -55,11 +72,12 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-# --- the join secret and the handshake ----------------------------------------------------------
+# --- the join secret and the agent key ----------------------------------------------------------
 
 
 def load_secret(path: str | None) -> bytes:
-    """The join secret: the file at `path`, else JAXTRAIN_JOIN_SECRET. ValueError when neither is
+    """The join secret: the file at `path`, else JAXTRAIN_JOIN_SECRET (then removed from this
+    process's environment, so that nothing it starts inherits it). ValueError when neither is
     given, the file is readable by others, or the secret is shorter than 16 characters."""
     if path:
         path = os.path.expanduser(path)
@@ -75,7 +93,7 @@ def load_secret(path: str | None) -> bytes:
             raise ValueError(f"--join-secret-file '{path}' cannot be read: {e.strerror}") from None
         where = f"--join-secret-file '{path}'"
     elif os.environ.get(SECRET_ENV):
-        secret = os.environ[SECRET_ENV].encode()
+        secret = os.environ.pop(SECRET_ENV).encode()
         where = SECRET_ENV
     else:
         raise ValueError(
@@ -88,71 +106,55 @@ def load_secret(path: str | None) -> bytes:
     return secret
 
 
-def _proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> str:
-    return hmac.new(secret, role + first + second, hashlib.sha256).hexdigest()
+def agent_key(secret: bytes, token: str) -> bytes:
+    """The key of the relay sessions of the run whose token is `token`."""
+    return hmac.new(secret, b"jaxtrain-agent-key" + token.encode(), hashlib.sha256).digest()
 
 
-def _send(sock: socket.socket, message: dict) -> None:
-    sock.sendall(json.dumps(message).encode() + b"\n")
+def agent_purpose(token: str) -> str:
+    return f"jaxtrain-agent:{token}"
 
 
-def _receive(sock: socket.socket) -> dict:
-    """One JSON line; ConnectionError when the peer closes first or sends more than 64 KiB."""
-    data = bytearray()
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk:
-            raise ConnectionError("the connection closed")
-        data += chunk
-        if len(data) > 65536:
-            raise ConnectionError("a message longer than 64 KiB")
-    message = json.loads(data)
-    if not isinstance(message, dict):
-        raise ConnectionError("a message that is not an object")
-    return message
-
-
-def _authenticate(sock: socket.socket, secret: bytes, *, joining: bool) -> None:
-    """Both ends prove they hold `secret`; the joining (connecting) end proves it first, so the
-    accepting end never answers a peer that does not. PermissionError when the peer fails."""
-    sock.settimeout(HANDSHAKE_TIMEOUT_S)
-    mine = os.urandom(32)
-    if joining:
-        theirs = bytes.fromhex(_receive(sock)["nonce"])
-        _send(sock, {"nonce": mine.hex(), "proof": _proof(secret, b"join", theirs, mine)})
-        answer = _receive(sock)
-        if "refused" in answer:
-            raise PermissionError(answer["refused"])
-        if not hmac.compare_digest(str(answer.get("proof")),
-                                   _proof(secret, b"accept", mine, theirs)):
-            raise PermissionError("the other end does not hold the join secret")
-    else:
-        _send(sock, {"nonce": mine.hex()})
-        hello = _receive(sock)
-        theirs = bytes.fromhex(str(hello.get("nonce")))
-        if not hmac.compare_digest(str(hello.get("proof")),
-                                   _proof(secret, b"join", mine, theirs)):
-            _send(sock, {"refused": "wrong join secret: it does not hold this run's join secret"})
-            raise PermissionError("it does not hold the join secret")
-        _send(sock, {"proof": _proof(secret, b"accept", theirs, mine)})
-    sock.settimeout(None)
+def _pass_agent_key(key: bytes) -> int:
+    """A descriptor holding `key` that host 0's relays inherit (the ssh launcher starts them);
+    Python's own child processes close it, as they close every descriptor."""
+    fd = os.memfd_create("jaxtrain-agent-key", 0)
+    os.write(fd, key)
+    os.set_inheritable(fd, True)
+    return fd
 
 
 # --- the agent server: runs host 0's relay sessions on this host --------------------------------
 
+# Session messages, one per record, each a kind byte and its bytes:
+#   relay -> agent   {"command": ...} first (JSON), then b"d" + stdin bytes, b"e" at stdin's end
+#   agent -> relay   b"o" + output bytes, b"x" + the exit status (i32; 128 + n for signal n)
+
 
 class AgentServer:
-    """Accepts relay sessions from host 0; each runs one command under /bin/sh with the session
-    as its stdin, its output sent back in frames (b"o", length, bytes), then its exit status
-    (b"x", status; 128 + n for signal n)."""
+    """Serves relay sessions of host 0 on this host: each runs one command under /bin/sh with the
+    session's stdin as its stdin, and sends back its output and exit status. It listens on
+    `bind` (the address towards host 0) and takes sessions only from `host0_address`, once
+    `admit()` has told it the run's token."""
 
-    def __init__(self, secret: bytes, bind: str = "0.0.0.0") -> None:
+    def __init__(self, secret: bytes, me: str, bind: str, host0_address: str) -> None:
         self._secret = secret
-        self._listener = socket.create_server((bind, 0))
+        self._me = me
+        self._host0 = host0_address
+        self._key: bytes | None = None
+        self._purpose = ""
+        self._listener = socket.create_server((bind, 0), family=_family(bind))
         self.port = self._listener.getsockname()[1]
         self._sessions: list[subprocess.Popen] = []
         self._lock = threading.Lock()
+        self._unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
+        self._env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def admit(self, token: str) -> None:
+        """Takes sessions of the run whose token is `token` from now on."""
+        self._purpose = agent_purpose(token)
+        self._key = agent_key(self._secret, token)
 
     def _accept(self) -> None:
         while True:
@@ -160,38 +162,72 @@ class AgentServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
+            if peer[0] != self._host0 or self._key is None:
+                _say(f"refused a session from {peer[0]}:{peer[1]}: only host 0 "
+                     f"({self._host0}) opens sessions here, once this host has joined")
+                conn.close()
+                continue
+            if not self._unproven.acquire(blocking=False):
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         try:
-            _authenticate(conn, self._secret, joining=False)
-            command = str(_receive(conn)["command"])
-        except (OSError, ValueError, KeyError, PermissionError) as e:
+            try:
+                session = Connection.accept(conn, self._key, self._purpose, self._me,
+                                            ["host-0"], HANDSHAKE_TIMEOUT_S)
+                command = str(session.receive_json(HANDSHAKE_TIMEOUT_S)["command"])
+            finally:
+                self._unproven.release()
+        except (*channel.Errors, KeyError) as e:
             _say(f"refused a session from {peer[0]}:{peer[1]}: {e}")
             conn.close()
             return
+        with session:
+            self._run(session, command)
+
+    def _run(self, session: Connection, command: str) -> None:
         try:
-            proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=conn.fileno(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    env=self._env)
         except OSError as e:
-            conn.sendall(b"o" + struct.pack(">I", len(str(e))) + str(e).encode()
-                         + b"x" + struct.pack(">i", 127))
-            conn.close()
+            session.send(b"o" + str(e).encode())
+            session.send(b"x" + struct.pack(">i", 127))
             return
         with self._lock:
             self._sessions.append(proc)
+        threading.Thread(target=self._forward_stdin, args=(session, proc), daemon=True).start()
         try:
             while chunk := proc.stdout.read1(65536):
-                conn.sendall(b"o" + struct.pack(">I", len(chunk)) + chunk)
+                session.send(b"o" + chunk)
             rc = proc.wait()
-            conn.sendall(b"x" + struct.pack(">i", 128 - rc if rc < 0 else rc))
-        except OSError:
+            session.send(b"x" + struct.pack(">i", 128 - rc if rc < 0 else rc))
+        except channel.Errors:
             proc.kill()  # host 0 went away: its agent kills the worker (stdin ends too)
             proc.wait()
         finally:
-            conn.close()
             with self._lock:
                 self._sessions.remove(proc)
+
+    @staticmethod
+    def _forward_stdin(session: Connection, proc: subprocess.Popen) -> None:
+        """The session's stdin records into the command's stdin. A record that fails its check
+        (changed or forged on the way) ends the command."""
+        try:
+            while (record := session.receive())[:1] == b"d":
+                proc.stdin.write(record[1:])
+                proc.stdin.flush()
+        except PermissionError as e:
+            _say(f"ended a session of host 0: {e}")
+            proc.kill()
+        except (OSError, ValueError):
+            pass  # the connection ended: as stdin's end
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Ends every session: each agent's end kills its worker (PR_SET_PDEATHSIG)."""
@@ -205,9 +241,9 @@ class AgentServer:
 
 
 def relay(argv: list[str]) -> int:
-    """``relay [ssh options] TARGET COMMAND`` or ``relay -G TARGET``, as the ssh launcher calls
-    ssh: runs COMMAND on TARGET's agent server, stdin to it, its output to stdout; returns its
-    exit status, or 255 when TARGET cannot be reached (the reason on stderr, as ssh does)."""
+    """``relay [ssh options] [--] TARGET COMMAND`` or ``relay -G TARGET``, as the ssh launcher
+    calls ssh: runs COMMAND on TARGET's agent server, stdin to it, its output to stdout; returns
+    its exit status, or 255 when TARGET cannot be reached (the reason on stderr, as ssh does)."""
     words, resolve = [], False
     i = 0
     while i < len(argv):
@@ -215,6 +251,9 @@ def relay(argv: list[str]) -> int:
             resolve = True
         elif argv[i] in ("-o", "-F", "-i", "-p", "-l", "-J"):
             i += 1
+        elif argv[i] == "--":
+            words = argv[i + 1:]
+            break
         elif not argv[i].startswith("-"):
             words = argv[i:]
             break
@@ -224,36 +263,41 @@ def relay(argv: list[str]) -> int:
         sys.stderr.write(f"relay: no joined host {words[0] if words else '(none)'!r}; the hosts "
                          f"of this run are {', '.join(hosts) or 'none'}\n")
         return 255
-    address, port = hosts[words[0]]
+    address, port, rank = hosts[words[0]]
     if resolve:
         print(f"hostname {address}")
         return 0
     try:
-        sock = socket.create_connection((address, port), timeout=HANDSHAKE_TIMEOUT_S)
-        _authenticate(sock, os.environb[SECRET_ENV.encode()], joining=True)
-        _send(sock, {"command": " ".join(words[1:])})
-    except (OSError, PermissionError, KeyError) as e:
+        key = os.pread(int(os.environ[AGENT_KEY_FD_ENV]), 64, 0)
+        token = os.environ[TOKEN_ENV]
+        session = Connection.connect((address, port), key, agent_purpose(token), "host-0",
+                                     f"host-{rank}", HANDSHAKE_TIMEOUT_S)
+        session.send_json({"command": " ".join(words[1:])})
+    except (*channel.Errors, KeyError) as e:
         sys.stderr.write(f"relay: cannot open a session on {words[0]} ({address}:{port}): {e}\n")
         return 255
 
     def forward_stdin() -> None:
         try:
             while data := os.read(0, 65536):
-                sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)  # the driver closed it, or died: the worker ends
+                session.send(b"d" + data)
+            session.send(b"e")  # the driver closed it, or died: the worker ends
         except OSError:
             pass
 
     threading.Thread(target=forward_stdin, daemon=True).start()
-    stream = sock.makefile("rb")
     out = sys.stdout.buffer
-    while kind := stream.read(1):
-        if kind == b"x":
-            return struct.unpack(">i", stream.read(4))[0]
-        (length,) = struct.unpack(">I", stream.read(4))
-        out.write(stream.read(length))
-        out.flush()
-    sys.stderr.write(f"relay: lost the connection to {words[0]} ({address}:{port})\n")
+    try:
+        while True:
+            record = session.receive()
+            if record[:1] == b"x":
+                return struct.unpack(">i", record[1:5])[0]
+            out.write(record[1:])
+            out.flush()
+    except PermissionError as e:
+        sys.stderr.write(f"relay: the session on {words[0]} ({address}:{port}) failed: {e}\n")
+    except channel.Errors:
+        sys.stderr.write(f"relay: lost the connection to {words[0]} ({address}:{port})\n")
     return 255
 
 
@@ -294,7 +338,9 @@ def _tpu_metadata(name: str) -> str | None:
     try:
         request = urllib.request.Request(_TPU_METADATA + name,
                                          headers={"Metadata-Flavor": "Google"})
-        with urllib.request.urlopen(request, timeout=2) as r:
+        # Never through a proxy: only the host's own metadata server may answer.
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with direct.open(request, timeout=2) as r:
             return r.read().decode()
     except OSError:
         return None
@@ -328,7 +374,7 @@ class SameCommand:
     host_rank: int
     num_hosts: int
     secret: bytes
-    _joiners: list[socket.socket] = field(default_factory=list)
+    _joiners: list[Connection] = field(default_factory=list)
     _agents: AgentServer | None = None
     _description: Any = None  # the joined hosts' description file, while the run lasts
 
@@ -359,55 +405,89 @@ class SameCommand:
 
     def gather(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Host 0: waits until every other host has joined, then sets this process's settings so
-        that JaxTrainer.fit() starts the workers on every host through the relay."""
-        self._agents = AgentServer(self.secret)
-        listener = socket.create_server(("", self.coordinator[1]))
-        listener.settimeout(1.0)
-        hosts: dict[int, tuple[str, str, int]] = {}  # host rank -> (name, address, agent port)
-        has: dict[int, dict] = {0: self_description()}  # host rank -> what it has
-        here = None
+        that JaxTrainer.fit() starts the workers on every host through the relay. OSError when
+        the coordinator port cannot be had, TimeoutError when a host does not join in time."""
+        port = self.coordinator[1]
+        try:
+            listener = socket.create_server(("", port))
+        except OSError as e:
+            raise OSError(
+                f"host 0 cannot listen at the coordinator port {port}: {e.strerror}. Another "
+                "program holds it; the other hosts refuse whatever answers there (it does not "
+                "hold the join secret). Free the port or give another with --coordinator "
+                "HOST:PORT on every host") from None
+        listener.settimeout(0.5)
+        token = secrets.token_hex(16)
+        joined: dict[int, tuple[Connection, dict, str, str]] = {}  # rank -> (conn, hello, ...)
+        lock = threading.Lock()
+        unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
+
+        def admit(conn: socket.socket, peer) -> None:
+            """One joining host, its handshake and hello within HANDSHAKE_TIMEOUT_S."""
+            try:
+                try:
+                    host = Connection.accept(conn, self.secret, _JOIN, "host-0", [],
+                                             HANDSHAKE_TIMEOUT_S)
+                    hello = host.receive_json(HANDSHAKE_TIMEOUT_S)
+                finally:
+                    unproven.release()
+                rank = _host_rank(host.peer)
+                with lock:
+                    taken = rank is None or not 0 < rank < self.num_hosts or rank in joined
+                    if not taken:
+                        joined[rank] = (host, hello, peer[0], conn.getsockname()[0])
+                if taken:
+                    host.send_json({"refused": f"{host.peer} is taken or not host-1.."
+                                    f"host-{self.num_hosts - 1}"})
+                    host.close()
+                    raise ValueError(f"{host.peer} is taken or out of range")
+            except (*channel.Errors, KeyError) as e:
+                _say(f"refused a host joining from {peer[0]}:{peer[1]}: {e}")
+                return
+            _say(f"host {rank} ({hello.get('hostname')}, {peer[0]}) joined")
+
         deadline = time.monotonic() + timeout_s
         if self.num_hosts > 1:
-            _say(f"host 0 of {self.num_hosts}: waiting for the other hosts to join at port "
-                 f"{self.coordinator[1]}")
-        while len(hosts) < self.num_hosts - 1:
-            if time.monotonic() > deadline:
-                missing = [k for k in range(1, self.num_hosts) if k not in hosts]
-                listener.close()
-                raise TimeoutError(f"host(s) {', '.join(map(str, missing))} did not join within "
-                                   f"{timeout_s:.0f} s at port {self.coordinator[1]}")
-            try:
-                conn, peer = listener.accept()
-            except TimeoutError:
-                continue
-            try:
-                _authenticate(conn, self.secret, joining=False)
-                hello = _receive(conn)
-                rank = int(hello["host_rank"])
-                if not 0 < rank < self.num_hosts or rank in hosts:
-                    _send(conn, {"refused": f"host rank {rank} is taken or not in 1.."
-                                 f"{self.num_hosts - 1}"})
-                    raise ValueError(f"host rank {rank} is taken or out of range")
-            except (OSError, ValueError, KeyError, PermissionError) as e:
-                _say(f"refused a host joining from {peer[0]}:{peer[1]}: {e}")
-                conn.close()
-                continue
-            here = conn.getsockname()[0]
-            hosts[rank] = (str(hello["hostname"]), peer[0], int(hello["agent_port"]))
+            _say(f"host 0 of {self.num_hosts}: waiting for the other hosts to join at port {port}")
+        try:
+            while True:
+                with lock:
+                    if len(joined) == self.num_hosts - 1:
+                        break
+                if time.monotonic() > deadline:
+                    missing = [k for k in range(1, self.num_hosts) if k not in joined]
+                    raise TimeoutError(f"host(s) {', '.join(map(str, missing))} did not join "
+                                       f"within {timeout_s:.0f} s at port {port}")
+                try:
+                    conn, peer = listener.accept()
+                except TimeoutError:
+                    continue
+                if not unproven.acquire(blocking=False):
+                    conn.close()  # a flood: the joiners retry
+                    continue
+                threading.Thread(target=admit, args=(conn, peer), daemon=True).start()
+        finally:
+            listener.close()
+        here = next((local for *_, local in joined.values()), "127.0.0.1")
+        self._agents = AgentServer(self.secret, "host-0", here, here)
+        self._agents.admit(token)
+        hosts: dict[int, tuple[str, str, int]] = {0: (socket.gethostname(), here,
+                                                      self._agents.port)}
+        has: dict[int, dict] = {0: self_description()}
+        for rank, (conn, hello, address, _) in sorted(joined.items()):
+            hosts[rank] = (str(hello.get("hostname")), address, int(hello["agent_port"]))
             has[rank] = dict(hello.get("has") or {})
-            _send(conn, {"joined": True})
+            conn.send_json({"joined": True, "token": token})
             self._joiners.append(conn)
-            _say(f"host {rank} ({hello['hostname']}, {peer[0]}) joined")
-        listener.close()
-        hosts[0] = (socket.gethostname(), here or "127.0.0.1", self._agents.port)
         targets: dict[str, list] = {}
         described = []
         for rank in sorted(hosts):
-            name, address, port = hosts[rank]
+            name, address, agent_port = hosts[rank]
             target = name if name not in targets else f"{name}-{rank}"
-            targets[target] = [address, port]
+            targets[target] = [address, agent_port, rank]
             described.append(host_entry(target, address, has[rank], rank, self.coordinator[0]))
-        os.environ[SECRET_ENV] = self.secret.decode()  # for the relays; never passed on to workers
+        os.environ[AGENT_KEY_FD_ENV] = str(_pass_agent_key(agent_key(self.secret, token)))
+        os.environ[TOKEN_ENV] = token
         os.environ[JOINED_HOSTS_ENV] = json.dumps(targets)
         os.environ["JAXTRAIN_LAUNCHER"] = "ssh"
         os.environ["JAXTRAIN_SSH_COMMAND"] = f"{sys.executable} -m jaxtrain.hosts relay"
@@ -425,53 +505,81 @@ class SameCommand:
         """Host 0: tells every other host that the run has ended."""
         for conn in self._joiners:
             try:
-                _send(conn, {"ended": status, "run_dir": run_dir, "host": socket.gethostname()})
-                conn.close()
-            except OSError:
+                conn.send_json({"ended": status, "run_dir": run_dir,
+                                "host": socket.gethostname()}, HANDSHAKE_TIMEOUT_S)
+            except channel.Errors:
                 pass
+            conn.close()
         if self._agents is not None:
             self._agents.close()
 
     def join(self) -> int:
         """Every other host: joins host 0, serves its sessions until host 0 says the run has
         ended, and returns host 0's exit status (1 when host 0 went away or refused)."""
-        self._agents = AgentServer(self.secret)
         host, port = self.coordinator
+        me = f"host-{self.host_rank}"
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while True:  # host 0 may start later than this host
+        while True:  # host 0 may start later than this host, or be slow to answer
             try:
-                conn = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+                conn = self._join_once(me)
                 break
-            except OSError as e:
+            except PermissionError as e:
+                if channel.NOT_THE_SAME_SECRET in str(e):
+                    e = PermissionError(f"wrong join secret: {e} (or another program answers "
+                                        f"at port {port} on host 0)")
+                _say(f"host 0 at {host}:{port} refused this host (host rank {self.host_rank}): "
+                     f"{e}")
+                return 1
+            except channel.Errors as e:
                 if time.monotonic() > deadline:
                     _say(f"cannot join the run at {host}:{port}: {e}")
                     return 1
                 time.sleep(0.5)
-        try:
-            _authenticate(conn, self.secret, joining=True)
-            _send(conn, {"host_rank": self.host_rank, "hostname": socket.gethostname(),
-                         "agent_port": self._agents.port, "has": self_description()})
-            answer = _receive(conn)
-            if "refused" in answer:
-                raise PermissionError(answer["refused"])
-        except (OSError, PermissionError) as e:
-            _say(f"host 0 at {host}:{port} refused this host (host rank {self.host_rank}): {e}")
-            self._agents.close()
-            return 1
         _say(f"host {self.host_rank} joined the run of host 0 ({host}:{port}); the workers' "
              "output and the results are on host 0")
         try:
-            conn.settimeout(None)
-            ended = _receive(conn)
-        except (OSError, ValueError):
+            ended = conn.receive_json()
+        except channel.Errors:
             _say(f"lost the connection to host 0 ({host}:{port}); this host's workers were "
                  "stopped")
             self._agents.close()
             return 1
         self._agents.close()
+        conn.close()
         _say(f"the run ended on host 0 ({ended.get('host')}) with status {ended.get('ended')}; "
              f"results in {ended.get('run_dir')} there")
         return int(ended.get("ended", 1))
+
+    def _join_once(self, me: str) -> Connection:
+        """One try at joining: the handshake, this host's hello, host 0's answer. Its agent
+        server listens on the address towards host 0, for host 0's address only."""
+        conn = Connection.connect(self.coordinator, self.secret, _JOIN, me, "host-0",
+                                  HANDSHAKE_TIMEOUT_S)
+        try:
+            local, host0 = conn.sock.getsockname()[0], conn.sock.getpeername()[0]
+            if self._agents is not None:
+                self._agents.close()
+            self._agents = AgentServer(self.secret, me, local, host0)
+            conn.send_json({"hostname": socket.gethostname(), "agent_port": self._agents.port,
+                            "has": self_description()})
+            answer = conn.receive_json()  # as long as host 0 takes to gather every host
+            if "refused" in answer:
+                raise PermissionError(answer["refused"])
+            self._agents.admit(str(answer["token"]))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+
+def _host_rank(name: str) -> int | None:
+    """K of a proven end named host-K."""
+    prefix, _, number = name.partition("-")
+    return int(number) if prefix == "host" and number.isdigit() else None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 if __name__ == "__main__":

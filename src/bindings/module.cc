@@ -25,6 +25,7 @@
 #include "storage/checkpoint.h"
 #include "storage/crc32c.h"
 #include "storage/run_store.h"
+#include "wire/channel.h"
 #include "wire/handshake.h"
 #include "worker/worker_client.h"
 
@@ -61,6 +62,11 @@ T Unwrap(StatusOr<T> v) {
 
 Duration Seconds(double s) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+}
+
+// A channel's timeout; None: none (ten years).
+Duration ChannelTimeout(std::optional<double> seconds) {
+  return Seconds(seconds.value_or(10.0 * 365 * 24 * 3600));
 }
 
 nb::dict PlanToDict(const placement::Plan& plan) {
@@ -680,6 +686,79 @@ NB_MODULE(_core, m) {
         Check(launch::CheckSharedStorage(path, accelerators::RealHost()));
       },
       "path"_a, "Raises ValueError when `path` is on storage local to this host.");
+
+  // The secure channel (wire/channel.h) over a connected socket's descriptor, which the caller
+  // keeps open while the channel is used. Errors: PermissionError (the other end refused, or does
+  // not hold the secret), TimeoutError, ConnectionError, ValueError.
+  nb::class_<wire::Channel>(m, "Channel")
+      .def_prop_ro("peer", &wire::Channel::peer, "The other end's proven name.")
+      .def(
+          "send",
+          [](wire::Channel& c, nb::bytes data, std::optional<double> timeout_s) {
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = c.Send(std::string_view(data.c_str(), data.size()), ChannelTimeout(timeout_s));
+            }
+            Check(s);
+          },
+          "data"_a, "timeout_s"_a = nb::none(),
+          "Sends `data` sealed, in records of at most 1 MiB.")
+      .def(
+          "send_file",
+          [](wire::Channel& c, int file_fd, uint64_t size, std::optional<double> timeout_s) {
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = c.SendFile(file_fd, size, ChannelTimeout(timeout_s));
+            }
+            Check(s);
+          },
+          "file_fd"_a, "size"_a, "timeout_s"_a = nb::none(),
+          "Sends the first `size` bytes of the open file `file_fd`, sealed.")
+      .def(
+          "receive",
+          [](wire::Channel& c, std::optional<double> timeout_s) {
+            StatusOr<std::string> got = UnavailableError("");
+            {
+              nb::gil_scoped_release release;
+              got = c.Receive(ChannelTimeout(timeout_s));
+            }
+            std::string data = Unwrap(std::move(got));
+            return nb::bytes(data.data(), data.size());
+          },
+          "timeout_s"_a = nb::none(), "The next record's bytes, checked.");
+  m.def(
+      "channel_connect",
+      [](int fd, nb::bytes secret, const std::string& purpose, const std::string& me,
+         const std::string& responder, double timeout_s) {
+        StatusOr<wire::Channel> c = UnavailableError("");
+        {
+          nb::gil_scoped_release release;
+          c = wire::Channel::Connect(fd, std::string_view(secret.c_str(), secret.size()),
+                                     {purpose, me, responder}, Seconds(timeout_s));
+        }
+        return Unwrap(std::move(c));
+      },
+      "fd"_a, "secret"_a, "purpose"_a, "me"_a, "responder"_a, "timeout_s"_a,
+      "The connecting end's handshake on the connected socket `fd`: proves `me` to `responder` "
+      "for `purpose` with `secret`, and returns the channel.");
+  m.def(
+      "channel_accept",
+      [](int fd, nb::bytes secret, const std::string& purpose, const std::string& me,
+         std::vector<std::string> initiators, double timeout_s) {
+        StatusOr<wire::Channel> c = UnavailableError("");
+        {
+          nb::gil_scoped_release release;
+          c = wire::Channel::Accept(fd, std::string_view(secret.c_str(), secret.size()), purpose,
+                                    me, initiators, Seconds(timeout_s));
+        }
+        return Unwrap(std::move(c));
+      },
+      "fd"_a, "secret"_a, "purpose"_a, "me"_a, "initiators"_a, "timeout_s"_a,
+      "The accepting end's handshake on the accepted socket `fd`, all of it within `timeout_s`: "
+      "accepts an end in `initiators` (any when empty) that proves it holds `secret` and means "
+      "`me` for `purpose`; the channel's `peer` is its name.");
 
   nb::class_<PyController>(m, "Controller")
       .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,

@@ -14,17 +14,6 @@ void InitSodium() {
   (void)kInit;
 }
 
-Mac Hmac(std::string_view secret, std::string_view message) {
-  Mac mac{};
-  crypto_auth_hmacsha256_state state;
-  crypto_auth_hmacsha256_init(&state, reinterpret_cast<const unsigned char*>(secret.data()),
-                              secret.size());
-  crypto_auth_hmacsha256_update(&state, reinterpret_cast<const unsigned char*>(message.data()),
-                                message.size());
-  crypto_auth_hmacsha256_final(&state, mac.data());
-  return mac;
-}
-
 // The hello's fields, without its MAC.
 std::string HelloFields(const Hello& hello) {
   std::string out = "JXTR";
@@ -50,6 +39,18 @@ Mac Proof(std::string_view role, std::string_view secret, const Hello& hello,
 }
 
 }  // namespace
+
+Mac Hmac(std::string_view secret, std::string_view message) {
+  InitSodium();
+  Mac mac{};
+  crypto_auth_hmacsha256_state state;
+  crypto_auth_hmacsha256_init(&state, reinterpret_cast<const unsigned char*>(secret.data()),
+                              secret.size());
+  crypto_auth_hmacsha256_update(&state, reinterpret_cast<const unsigned char*>(message.data()),
+                                message.size());
+  crypto_auth_hmacsha256_final(&state, mac.data());
+  return mac;
+}
 
 std::string GenerateSecret() {
   InitSodium();

@@ -58,6 +58,9 @@ Mac ControllerProof(std::string_view secret, const Hello& hello, const Nonce& co
 // The worker's proof; the kAuth body.
 Mac WorkerProof(std::string_view secret, const Hello& hello, const Nonce& controller_nonce);
 
+// HMAC-SHA-256 of `message` under `key` (the handshakes' and the secure channel's MAC).
+Mac Hmac(std::string_view key, std::string_view message);
+
 // Constant-time comparison of a received MAC.
 bool MacEquals(const Mac& expected, std::string_view received);
 

@@ -1,0 +1,290 @@
+"""The joins and relay sessions of a run started on every host (jaxtrain/hosts.py), attacked on
+loopback: a relayed join proof, tampered records, a trickling connection at the coordinator port,
+the secrets in what the agents run. The whole path on real hosts is tests/test_ssh.py's
+test_the_same_command_on_two_hosts_*.
+
+Attack traffic goes only to 127.0.0.1, from this process, bounded in count and time."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxtrain import hosts
+from jaxtrain.channel import Connection
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+TOKEN = "0f" * 16
+
+
+@pytest.fixture
+def agent():
+    """Host 1's agent server on loopback, admitted to the run TOKEN; host 0 is 127.0.0.1."""
+    server = hosts.AgentServer(SECRET, "host-1", "127.0.0.1", "127.0.0.1")
+    server.admit(TOKEN)
+    yield server
+    server.close()
+
+
+def _read_message(sock: socket.socket) -> bytes:
+    (length,) = struct.unpack(">I", _exactly(sock, 4))
+    return _exactly(sock, length)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _message(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _session(agent: hosts.AgentServer, command: str) -> Connection:
+    session = Connection.connect(("127.0.0.1", agent.port), hosts.agent_key(SECRET, TOKEN),
+                                 hosts.agent_purpose(TOKEN), "host-0", "host-1", 10)
+    session.send_json({"command": command})
+    return session
+
+
+def _output(session: Connection) -> tuple[bytes, int]:
+    out = b""
+    while (record := session.receive(30))[:1] == b"o":
+        out += record[1:]
+    return out, struct.unpack(">i", record[1:5])[0]
+
+
+def test_host_0s_session_runs_its_command_with_stdin_and_no_secret(agent, monkeypatch):
+    # What an agent runs (the ssh agent, then the worker) inherits none of the run's secrets.
+    monkeypatch.setenv(hosts.SECRET_ENV, "x" * 20)
+    server = hosts.AgentServer(SECRET, "host-1", "127.0.0.1", "127.0.0.1")
+    server.admit(TOKEN)
+    try:
+        with _session(server, "cat; env") as session:
+            session.send(b"dhello ")
+            session.send(b"dworld\n")
+            session.send(b"e")
+            out, status = _output(session)
+    finally:
+        server.close()
+    assert status == 0
+    assert out.startswith(b"hello world\n")
+    for name in hosts._PRIVATE_ENV:
+        assert f"{name}=".encode() not in out
+
+
+def test_a_relayed_join_proof_opens_no_agent_session(agent, tmp_path):
+    # The attack of the review: whoever holds host 0's coordinator port gets a joining host's
+    # proof and relays it to an agent server of the run. The proof names its purpose (a join)
+    # and both ends, so the agent refuses it, and nothing is run.
+    squat = socket.create_server(("127.0.0.1", 0))
+    joiner = hosts.SameCommand(("127.0.0.1", squat.getsockname()[1]), 1, 2, SECRET)
+    threading.Thread(target=joiner.join, daemon=True).start()
+    marker = tmp_path / "pwned"
+    conn, _ = squat.accept()
+    with conn, socket.create_connection(("127.0.0.1", agent.port), timeout=10) as a:
+        conn.settimeout(10)
+        a.sendall(_message(_read_message(conn)))  # the joiner's open, relayed to the agent
+        answer = _read_message(a)
+        assert answer[:1] == b"R"  # refused ...
+        assert b"do not hold the same secret" in answer
+        assert a.recv(1) == b""  # ... and closed
+        conn.sendall(_message(answer))
+    time.sleep(0.5)
+    assert not marker.exists()
+    squat.close()
+
+
+class _Tamper:
+    """A TCP relay between a client and `target` that flips one bit in the `nth` message the
+    client sends (length-prefixed, counting from 0: the open, the confirm, then records)."""
+
+    def __init__(self, target: int, nth: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._target, self._nth = target, nth
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self._target))
+
+        def back() -> None:
+            try:
+                while data := server.recv(65536):
+                    client.sendall(data)
+            except OSError:
+                pass
+            client.close()
+
+        threading.Thread(target=back, daemon=True).start()
+        try:
+            for n in range(100):
+                message = bytearray(_message(_read_message(client)))
+                if n == self._nth:
+                    message[-1] ^= 1
+                server.sendall(message)
+        except OSError:
+            pass
+        server.close()
+
+
+def test_a_tampered_command_record_is_refused(agent, tmp_path):
+    marker = tmp_path / "ran"
+    tamper = _Tamper(agent.port, nth=2)  # the first record: the command
+    session = Connection.connect(("127.0.0.1", tamper.port), hosts.agent_key(SECRET, TOKEN),
+                                 hosts.agent_purpose(TOKEN), "host-0", "host-1", 10)
+    with session:
+        session.send_json({"command": f"touch {marker}"})
+        with pytest.raises(OSError):
+            session.receive(10)
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+def test_a_tampered_stdin_record_ends_the_command(agent, tmp_path):
+    marker = tmp_path / "got"
+    tamper = _Tamper(agent.port, nth=3)  # the second record: the first stdin bytes
+    session = Connection.connect(("127.0.0.1", tamper.port), hosts.agent_key(SECRET, TOKEN),
+                                 hosts.agent_purpose(TOKEN), "host-0", "host-1", 10)
+    with session:
+        session.send_json({"command": f"cat > {marker}.part && mv {marker}.part {marker}"})
+        session.send(b"dprint('trusted')\n")
+        session.send(b"e")
+        out, status = _output(session)
+    assert status == 128 + 9  # killed
+    assert not marker.exists()
+
+
+def test_sessions_of_another_run_or_from_another_host_are_refused(agent):
+    with pytest.raises(PermissionError, match="do not hold the same secret"):
+        Connection.connect(("127.0.0.1", agent.port), hosts.agent_key(SECRET, "1" * 32),
+                           hosts.agent_purpose("1" * 32), "host-0", "host-1", 10)
+    with pytest.raises(PermissionError, match="meant for 'host-2' reached 'host-1'"):
+        Connection.connect(("127.0.0.1", agent.port), hosts.agent_key(SECRET, TOKEN),
+                           hosts.agent_purpose(TOKEN), "host-0", "host-2", 10)
+    with pytest.raises(PermissionError, match="accepts no connection from 'host-3'"):
+        Connection.connect(("127.0.0.1", agent.port), hosts.agent_key(SECRET, TOKEN),
+                           hosts.agent_purpose(TOKEN), "host-3", "host-1", 10)
+    other = hosts.AgentServer(SECRET, "host-1", "127.0.0.1", "127.0.0.2")  # host 0 elsewhere
+    other.admit(TOKEN)
+    try:
+        with socket.create_connection(("127.0.0.1", other.port), timeout=10) as s:
+            assert s.recv(1) == b""  # closed unanswered
+    finally:
+        other.close()
+
+
+def _quietly(function, *args, **kwargs):
+    def run() -> None:
+        try:
+            function(*args, **kwargs)
+        except (OSError, TimeoutError):
+            pass
+
+    return run
+
+
+def test_one_trickling_connection_does_not_keep_a_host_from_joining(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # gather() sets host 0's settings
+    host0 = hosts.SameCommand(("127.0.0.1", _free_port()), 0, 2, SECRET)
+    gathered = threading.Thread(target=host0.gather, kwargs={"timeout_s": 60}, daemon=True)
+    gathered.start()
+    trickle = _connect_when_listening(host0.coordinator[1])
+    stop = threading.Event()
+
+    def drip() -> None:
+        with trickle:
+            while not stop.is_set():
+                try:
+                    trickle.sendall(b"\0")
+                except OSError:
+                    return
+                stop.wait(0.5)
+
+    threading.Thread(target=drip, daemon=True).start()
+    host1 = hosts.SameCommand(host0.coordinator, 1, 2, SECRET)
+    status: list[int] = []
+    joiner = threading.Thread(target=lambda: status.append(host1.join()), daemon=True)
+    joiner.start()
+    gathered.join(60)
+    stop.set()
+    assert not gathered.is_alive()
+    assert os.environ[hosts.JOINED_HOSTS_ENV]
+    host0.end(0, "/nowhere")
+    joiner.join(30)
+    assert status == [0]
+
+
+def test_host_0_without_its_coordinator_port_says_so(tmp_path):
+    with socket.create_server(("", 0)) as squat:
+        host0 = hosts.SameCommand(("127.0.0.1", squat.getsockname()[1]), 0, 2, SECRET)
+        with pytest.raises(OSError, match="host 0 cannot listen at the coordinator port .*"
+                                          "Another program holds it"):
+            host0.gather(timeout_s=5)
+
+
+def test_a_host_with_another_secret_is_refused_and_says_why(tmp_path):
+    host0 = hosts.SameCommand(("127.0.0.1", _free_port()), 0, 2, SECRET)
+    threading.Thread(target=_quietly(host0.gather, timeout_s=30), daemon=True).start()
+    _connect_when_listening(host0.coordinator[1]).close()
+    code = (f"import sys; from jaxtrain import hosts; sys.exit(hosts.SameCommand(('127.0.0.1', "
+            f"{host0.coordinator[1]}), 1, 2, b'another secret of 32 characters!').join())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert "refused this host (host rank 1): wrong join secret" in proc.stderr
+
+
+def test_tpu_metadata_is_never_asked_through_a_proxy(monkeypatch):
+    seen = []
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        monkeypatch.setattr(hosts, "_TPU_METADATA", "http://127.0.0.1:9/")
+        proxy.settimeout(0.2)
+        assert hosts._tpu_metadata("accelerator-type") is None
+        try:
+            seen.append(proxy.accept())
+        except TimeoutError:
+            pass
+    assert seen == []
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def _connect_when_listening(port: int) -> socket.socket:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_the_relay_reads_its_key_from_the_descriptor_host_0_passed(agent, tmp_path, monkeypatch):
+    fd = hosts._pass_agent_key(hosts.agent_key(SECRET, TOKEN))
+    monkeypatch.setenv(hosts.AGENT_KEY_FD_ENV, str(fd))
+    monkeypatch.setenv(hosts.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(hosts.JOINED_HOSTS_ENV, f'{{"h1": ["127.0.0.1", {agent.port}, 1]}}')
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.hosts", "relay", "-o", "X=y", "--",
+                           "h1", "echo", "relayed"], input=b"", capture_output=True,
+                          timeout=60, pass_fds=(fd,), env=dict(os.environ))
+    os.close(fd)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"relayed\n"
