@@ -130,8 +130,9 @@ StatusOr<std::string> Session::Open(std::string_view sealed) {
 
 // --- the handshake -------------------------------------------------------------------------------
 
-ChannelInitiator::ChannelInitiator(std::string_view secret, ChannelEnds ends)
-    : secret_(secret), ends_(std::move(ends)), nonce_(GenerateNonce()) {}
+ChannelInitiator::ChannelInitiator(std::string_view secret, ChannelEnds ends,
+                                   std::optional<Nonce> nonce)
+    : secret_(secret), ends_(std::move(ends)), nonce_(nonce ? *nonce : GenerateNonce()) {}
 
 StatusOr<std::string> ChannelInitiator::Open() {
   JT_RETURN_IF_ERROR(CheckName("purpose", ends_.purpose));

@@ -39,6 +39,7 @@
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -94,8 +95,10 @@ class Session {
 // The connecting end's side of the handshake.
 class ChannelInitiator {
  public:
-  // Errors of the ends (empty or too long) surface from Open().
-  ChannelInitiator(std::string_view secret, ChannelEnds ends);
+  // Errors of the ends (empty or too long) surface from Open(). `nonce`: a fixed one, for the
+  // fuzzers only (a fresh random one otherwise).
+  ChannelInitiator(std::string_view secret, ChannelEnds ends,
+                   std::optional<Nonce> nonce = std::nullopt);
 
   // The open message's body. Errors: kInvalidArgument naming an empty or too long field.
   StatusOr<std::string> Open();

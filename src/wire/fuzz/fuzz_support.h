@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "wire/channel.h"
 #include "wire/handshake.h"
 
 // Aborts (libFuzzer then saves the input as a crash) when an invariant of the code under test does
@@ -35,6 +36,23 @@ inline Hello SeedHello() {
   Hello h{.rank = 1, .attempt = 0, .pid = 4242};
   for (size_t i = 0; i < h.nonce.size(); ++i) h.nonce[i] = static_cast<uint8_t>(i * 7 + 1);
   return h;
+}
+
+// The secure channel's ends, initiator nonce and record keys in the channel harness.
+inline ChannelEnds FixedEnds() {
+  return {.purpose = "jaxtrain-join", .initiator = "host-1", .responder = "host-0"};
+}
+
+inline Nonce FixedChannelNonce() {
+  Nonce n{};
+  for (size_t i = 0; i < n.size(); ++i) n[i] = static_cast<uint8_t>(0x30 + i);
+  return n;
+}
+
+inline Mac FixedKey(uint8_t seed) {
+  Mac k{};
+  for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<uint8_t>(seed * 31 + i);
+  return k;
 }
 
 }  // namespace jaxtrain::wire::fuzz

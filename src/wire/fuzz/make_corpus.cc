@@ -1,7 +1,7 @@
 // Writes the fuzzers' seed corpus: valid conversations of the control protocol (docs/wire.md) and
 // the classic hostile openings, each in its own small file.
 //
-//   make_corpus <dir>   writes <dir>/frame_decoder/* and <dir>/handshake/*
+//   make_corpus <dir>   writes <dir>/channel/*, <dir>/frame_decoder/* and <dir>/handshake/*
 //
 // The checked-in corpus (src/wire/fuzz/corpus) is this program's output plus the inputs of crashes
 // the fuzzers found; when the wire format changes, rebuild and rerun it after scripts/fuzz.sh:
@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "wire/channel.h"
 #include "wire/frame.h"
 #include "wire/fuzz/fuzz_support.h"
 #include "wire/handshake.h"
@@ -180,6 +181,36 @@ bool WriteCorpus(const std::filesystem::path& root) {
   for (const auto& s : handshake_seeds) {
     if (!Write(hs, s.name, s.bytes)) return false;
   }
+
+  // channel_fuzzer.cc: a first byte choosing the part, then its bytes.
+  ChannelInitiator initiator(FixedSecret(), FixedEnds(), FixedChannelNonce());
+  const std::string open = initiator.Open().value();
+  ChannelResponder responder(FixedSecret(), "jaxtrain-join", "host-0");
+  if (!responder.OnOpen(open).ok()) return false;
+  const std::string accept = responder.Accept();
+  const std::string refusal = responder.Refuse("host rank 1 is taken");
+  Session sender(FixedKey(1), FixedKey(2));
+  const std::string record = sender.Seal("{\"command\": \"true\"}").value().substr(4);
+  std::string wrong_record = record;
+  wrong_record[0] ^= 1;
+  const std::filesystem::path ch = root / "channel";
+  std::filesystem::create_directories(ch);
+  const struct {
+    const char* name;
+    std::string bytes;
+  } channel_seeds[] = {
+      {"open", std::string(1, '\0') + open},
+      {"open_short", std::string(1, '\0') + open.substr(0, 40)},
+      {"accept", std::string(1, '\1') + accept},
+      {"refusal", std::string(1, '\1') + refusal},
+      {"unauthenticated_refusal",
+       std::string(1, '\1') + ChannelResponder::UnauthenticatedRefusal()},
+      {"record", std::string(1, '\2') + record},
+      {"record_changed", std::string(1, '\2') + wrong_record},
+  };
+  for (const auto& s : channel_seeds) {
+    if (!Write(ch, s.name, s.bytes)) return false;
+  }
   return true;
 }
 
@@ -188,8 +219,9 @@ bool WriteCorpus(const std::filesystem::path& root) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr,
-                 "usage: make_corpus <dir>  (writes <dir>/frame_decoder, <dir>/handshake)\n");
+    std::fprintf(
+        stderr,
+        "usage: make_corpus <dir>  (writes <dir>/channel, <dir>/frame_decoder, <dir>/handshake)\n");
     return 2;
   }
   return jaxtrain::wire::fuzz::WriteCorpus(argv[1]) ? 0 : 1;
