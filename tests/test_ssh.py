@@ -295,19 +295,29 @@ def test_jaxtrain_run_with_a_hostfile_runs_an_unmodified_script_on_the_hosts(ssh
 # --- the same command on every host --------------------------------------------------------------
 
 SAME_SCRIPT = """\
+import os
 import socket
 import jax
 import jaxtrain
 
 ctx = jaxtrain.get_context()
 print(f"rank {ctx.get_world_rank()} on {socket.gethostname()} of {jax.process_count()}")
+# What a worker must not hold: the join secret, host 0's relay settings, the agent key's memfd.
+held = sorted(k for k in os.environ if k.startswith(("JAXTRAIN_JOIN", "JAXTRAIN_AGENT")))
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if "jaxtrain-agent-key" in os.readlink(f"/proc/self/fd/{fd}"):
+            held.append("agent key descriptor")
+    except OSError:
+        pass
+print(f"rank {ctx.get_world_rank()} holds {held}")
 jaxtrain.report({"rank": ctx.get_world_rank()})
 """
 
 
-def on_host(hosts: SshHosts, host: str, cwd: Path, *args: str) -> subprocess.Popen:
+def on_host(hosts: SshHosts, host: str, cwd: Path, *args: str, env: str = "") -> subprocess.Popen:
     """`jaxtrain run ARGS` started on `host` over ssh, as pdsh or gcloud --worker=all do."""
-    command = (f"cd {cwd} && HOME={cwd} JAXTRAIN_SHARED_STORAGE={hosts.shared} exec "
+    command = (f"cd {cwd} && HOME={cwd} JAXTRAIN_SHARED_STORAGE={hosts.shared} {env} exec "
                f"{sys.executable} -m jaxtrain run --no-status-line " + " ".join(args))
     return subprocess.Popen([*hosts.ssh_command.split(), "-o", "BatchMode=yes", host, command],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -325,8 +335,9 @@ def test_the_same_command_on_two_hosts_is_one_run_and_a_wrong_secret_is_refused(
     good = secret_file(shared_dir / "secret", "0123456789abcdef-the-right-one")
     bad = secret_file(shared_dir / "wrong", "0123456789abcdef-a-wrong-secret")
     common = ["--coordinator", "host1:8490", "--num-hosts", "2", "-n", "4", "--name", "same"]
-    host0 = on_host(ssh_hosts, "host1", shared_dir, *common, "--host-rank", "0",
-                    "--join-secret-file", good, "same.py")
+    # Host 0 has its secret in its environment, which none of its workers may inherit.
+    host0 = on_host(ssh_hosts, "host1", shared_dir, *common, "--host-rank", "0", "same.py",
+                    env="JAXTRAIN_JOIN_SECRET=0123456789abcdef-the-right-one")
     try:
         # A host that does not hold the join secret is turned away; the run waits on.
         intruder = on_host(ssh_hosts, "host2", shared_dir, *common, "--host-rank", "1",
@@ -347,10 +358,11 @@ def test_the_same_command_on_two_hosts_is_one_run_and_a_wrong_secret_is_refused(
     assert host0.returncode == 0, err[-3000:]
     assert host1.returncode == 0, joined_err[-3000:]
     assert re.search(r"jaxtrain: refused a host joining from 198\.19\.13\.12:\d+: it does not "
-                     r"hold the join secret", err), err[-3000:]
+                     r"hold the secret", err), err[-3000:]
     assert "jaxtrain: host 1 (host2, 198.19.13.12) joined" in err
     for rank, host in enumerate(["host1", "host1", "host2", "host2"]):
         assert f"(rank={rank}) rank {rank} on {host} of 4" in out, out
+        assert f"(rank={rank}) rank {rank} holds []" in out, out
     assert "rank 0 on" not in joined_out  # the output is gathered on host 0 only
     assert "the run ended on host 0 (host1) with status 0" in joined_err
     rundir = shared_dir / "jaxtrain_results" / "same"
