@@ -130,6 +130,30 @@ def describe_this_host() -> dict:
 def check_shared_storage(path: str) -> None:
     """Raises ValueError when `path` is on storage local to this host."""
 
+class Channel:
+    @property
+    def peer(self) -> str:
+        """The other end's proven name."""
+
+    def send(self, data: bytes, timeout_s: float | None = None) -> None:
+        """Sends `data` sealed, in records of at most 1 MiB."""
+
+    def send_file(self, file_fd: int, size: int, timeout_s: float | None = None) -> None:
+        """Sends the first `size` bytes of the open file `file_fd`, sealed."""
+
+    def receive(self, timeout_s: float | None = None) -> bytes:
+        """The next record's bytes, checked."""
+
+def channel_connect(fd: int, secret: bytes, purpose: str, me: str, responder: str, timeout_s: float) -> Channel:
+    """
+    The connecting end's handshake on the connected socket `fd`: proves `me` to `responder` for `purpose` with `secret`, and returns the channel.
+    """
+
+def channel_accept(fd: int, secret: bytes, purpose: str, me: str, initiators: Sequence[str], timeout_s: float) -> Channel:
+    """
+    The accepting end's handshake on the accepted socket `fd`, all of it within `timeout_s`: accepts an end in `initiators` (any when empty) that proves it holds `secret` and means `me` for `purpose`; the channel's `peer` is its name.
+    """
+
 class Controller:
     def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False, launcher_options_json: str = '', memory_store: str = '') -> None: ...
 
