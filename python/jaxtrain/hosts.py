@@ -215,8 +215,8 @@ def relay(argv: list[str]) -> int:
             resolve = True
         elif argv[i] in ("-o", "-F", "-i", "-p", "-l", "-J"):
             i += 1
-        elif not argv[i].startswith("-"):
-            words = argv[i:]
+        elif argv[i] == "--" or not argv[i].startswith("-"):
+            words = argv[i + (argv[i] == "--"):]
             break
         i += 1
     hosts = json.loads(os.environ.get(JOINED_HOSTS_ENV, "{}"))
