@@ -124,8 +124,9 @@ def sweep(run_dir: str) -> None:
 
 def _running(run_dir: str) -> bool:
     """Whether the run in ``run_dir`` may still need its copies: its run.json says RUNNING and a
-    live driver holds its lock (a driver killed by SIGKILL leaves RUNNING behind, but not the
-    lock); True when that cannot be told from here."""
+    live driver holds its lock or, where locks do not cross hosts (FUSE, NFS ``nolock``), renews
+    its lease (run_lock_holder says either; a driver killed by SIGKILL leaves RUNNING behind, but
+    neither a lock nor a fresh lease); True when that cannot be told from here."""
     from jaxtrain import _core
 
     try:

@@ -18,6 +18,14 @@ Object stores keep neither file modes nor symbolic links: each checkpoint's mani
 (every file's and directory's mode, every kept link with its target), and a download applies them
 again, never wider than the umask, recreating only links that stay inside the checkpoint.
 
+Every local path made from a remote name (an object key under ``logs/``, a ``dir_name`` of the
+remote index, a file of a manifest) is checked first: a key that is not a plain relative path
+(``_core.is_clean_relative_path``, the rule the commit applies) and a ``dir_name`` that is not one
+plain component (the controller's rule) are refused, never written; and every file is opened
+directory by directory without following a symbolic link (``O_NOFOLLOW``), so that nothing inside
+the local copy redirects a write out of it. Whoever can write objects under the run's prefix
+therefore cannot write outside the local copy of the machine that reads the run.
+
 On the remote side a checkpoint therefore exists once the index names it: a reader
 (``Result.from_path``, the next ``fit()``) never sees a partial upload, and the next ``pull()``
 sweeps one away. Files are copied in chunks, never read whole into memory; an upload that takes
@@ -27,17 +35,21 @@ longer than a few seconds reports its progress on the driver's stderr.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import posixpath
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from jaxtrain import _core
 
 # The file in each committed checkpoint directory that lists its files, sizes and checksums
 # (written by the engine's CommitCheckpoint).
@@ -226,7 +238,7 @@ class Mirror:
         if os.path.exists(self.local):
             shutil.rmtree(self.local)
         os.makedirs(self.local)
-        self._download_records(with_logs=True)
+        self._download_records(index)
         restore = None
         for name in reversed(kept):
             manifest = self._download_manifest(name)
@@ -255,10 +267,23 @@ class Mirror:
         if not self.fs.exists(path):
             return {}
         try:
-            return json.loads(self.fs.cat_file(path))
-        except (ValueError, UnicodeDecodeError) as e:
+            index = json.loads(self.fs.cat_file(path))
+            records = index.get("checkpoints", [])
+            if not isinstance(records, list) or not all(isinstance(c, dict) for c in records):
+                raise ValueError("'checkpoints' is not a list of records")
+        except (ValueError, UnicodeDecodeError, AttributeError) as e:
             raise ValueError(
                 f"the checkpoint index {url(self.fs, path)!r} is damaged: {e}") from None
+        kept = []
+        for c in records:
+            if valid_dir_name(c.get("dir_name")) and isinstance(c.get("round"), int):
+                kept.append(c)
+            else:
+                print(f"jaxtrain: warning: ignoring the record {json.dumps(c)[:200]} of "
+                      f"{url(self.fs, path)!r}: its dir_name is not one plain directory name "
+                      "(no '/', not beginning with '.') or it has no whole-number round",
+                      file=sys.stderr)
+        return dict(index, checkpoints=kept)
 
     def _sweep(self, kept: set[str]) -> None:
         """Deletes remote directories that the index does not name: interrupted uploads."""
@@ -273,23 +298,31 @@ class Mirror:
                       "not finish", file=sys.stderr)
                 self.fs.rm(entry["name"], recursive=True)
 
-    def _download_records(self, with_logs: bool) -> None:
-        names = [*_RECORDS, INDEX_NAME]
-        for name in names:
-            self._get(posixpath.join(self.root, name), os.path.join(self.local, name))
+    def _download_records(self, index: dict) -> None:
+        """The records, the logs, and `index` (the remote index as _remote_index() read it: only
+        its valid records)."""
+        for name in _RECORDS:
+            self._get(posixpath.join(self.root, name), [name])
+        if index:
+            with os.fdopen(_create_inside(self.local, [INDEX_NAME]), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=1) + "\n")
         logs = posixpath.join(self.root, "logs")
-        if with_logs and self.fs.exists(logs):
+        if self.fs.exists(logs):
             for path in self.fs.find(logs):
-                rel = posixpath.relpath(path, logs)
-                self._get(path, os.path.join(self.local, "logs", *rel.split("/")))
+                rel = path[len(logs) + 1:] if path.startswith(logs + "/") else ""
+                if not _core.is_clean_relative_path(rel):
+                    print(f"jaxtrain: warning: not copying {url(self.fs, path)!r}: its key is not "
+                          f"a plain relative path under {url(self.fs, logs)!r} (no '..', '.' or "
+                          "empty parts)", file=sys.stderr)
+                    continue
+                self._get(path, ["logs", *rel.split("/")])
 
     def _download_manifest(self, name: str) -> dict | None:
         remote = posixpath.join(self.root, name, MANIFEST_NAME)
-        local = os.path.join(self.local, name, MANIFEST_NAME)
-        if not self._get(remote, local):
+        if not self._get(remote, [name, MANIFEST_NAME]):
             return None
         try:
-            with open(local, encoding="utf-8") as f:
+            with open(os.path.join(self.local, name, MANIFEST_NAME), encoding="utf-8") as f:
                 return json.load(f)
         except ValueError:
             return None
@@ -313,13 +346,14 @@ class Mirror:
         progress.total = manifest.get("bytes", 0)
         where = url(self.fs, posixpath.join(self.root, name))
         for f in manifest.get("file_list", []):
-            self._get(posixpath.join(self.root, name, f["path"]),
-                      os.path.join(self.local, name, *_clean_parts(f["path"], where)), progress)
+            parts = _clean_parts(f["path"], where)
+            self._get(posixpath.join(self.root, name, f["path"]), [name, *parts], progress)
         apply_manifest(manifest, os.path.join(self.local, name), where)
         progress.finish()
 
-    def _get(self, remote: str, local: str, progress: _Progress | None = None) -> bool:
-        return _download(self.fs, remote, local, progress)
+    def _get(self, remote: str, parts: list[str], progress: _Progress | None = None) -> bool:
+        """Downloads `remote` to the path `parts` inside the local copy."""
+        return _download(self.fs, remote, self.local, parts, progress)
 
     # --- during and after the run: from staging to remote -----------------------------------
 
@@ -451,9 +485,14 @@ def local_view(fs: Any, root: str) -> str:
         shutil.rmtree(view)
         raise FileNotFoundError(f"{url(fs, root)!r} is not a jaxtrain run directory: it has no "
                                 "run.json")
-    mirror._download_records(with_logs=True)
-    for c in mirror._remote_index().get("checkpoints", []):
-        mirror._download_manifest(c["dir_name"])
+    try:
+        index = mirror._remote_index()
+        mirror._download_records(index)
+        for c in index.get("checkpoints", []):
+            mirror._download_manifest(c["dir_name"])
+    except BaseException:
+        shutil.rmtree(view, ignore_errors=True)
+        raise
     return view
 
 
@@ -467,27 +506,86 @@ def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -
     progress.total = sum(e["size"] for e in files.values())
     progress.what = posixpath.basename(root)
     manifest = None
+    os.makedirs(target, exist_ok=True)
+    prefix = root.rstrip("/") + "/"
     for path in files:
-        rel = posixpath.relpath(path, root)
+        if not path.startswith(prefix):
+            raise ValueError(f"{url(fs, root)!r} lists {path!r}, which is not inside it; "
+                             "refusing to copy it")
+        rel = path[len(prefix):]
         parts = _clean_parts(rel, url(fs, root))
         if rel == MANIFEST_NAME:
             with fs.open(path, "rb") as f:
                 manifest = json.loads(f.read())
         if rel in skip:
             continue
-        _download(fs, path, os.path.join(target, *parts), progress)
+        _download(fs, path, target, parts, progress)
     if manifest is not None:
         apply_manifest(manifest, target, url(fs, root))
     progress.finish()
 
 
 def _clean_parts(rel: str, where: str) -> list[str]:
-    """The parts of a checkpoint-relative path, refusing one that would leave the checkpoint."""
-    parts = rel.split("/")
-    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+    """The parts of a checkpoint-relative path, refusing one that would leave the checkpoint
+    (the commit's rule, storage::IsCleanRelativePath)."""
+    if not isinstance(rel, str) or not _core.is_clean_relative_path(rel):
         raise ValueError(f"checkpoint {where} names the file {rel!r}, which is not a plain "
-                         "relative path inside it (no leading '/', no '..'); refusing to copy it")
-    return parts
+                         "relative path inside it (no leading '/', no '..', '.' or empty parts); "
+                         "refusing to copy it")
+    return rel.split("/")
+
+
+def valid_dir_name(name: Any) -> bool:
+    """Whether a checkpoint's dir_name is one the engine writes and reads (the controller's
+    ValidDirName): one plain path component, not beginning with '.', not a record's name."""
+    return (isinstance(name, str) and _core.is_clean_relative_path(name) and "/" not in name
+            and not name.startswith(".") and name not in (INDEX_NAME, "logs"))
+
+
+def _open_dir(base: str, parts: list[str], create: bool) -> int:
+    """A descriptor of the directory `parts` inside `base`, reached one component at a time
+    without following a symbolic link (created when `create`). Raises ValueError naming the part
+    that is a link or not a directory."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o777, dir_fd=fd)
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _not_through(base, parts[:i + 1]) from None
+                raise
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_through(base: str, parts: list[str]) -> ValueError:
+    return ValueError(f"{os.path.join(base, *parts)!r} is a symbolic link or not a directory; "
+                      "refusing to write through it (a copy is written only to plain files and "
+                      "directories inside it)")
+
+
+def _create_inside(base: str, parts: list[str]) -> int:
+    """A new, empty file at `parts` inside `base` (its directories made), open for writing; no
+    symbolic link on the way or at the end is followed."""
+    parent = _open_dir(base, parts[:-1], create=True)
+    try:
+        return os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                       | os.O_CLOEXEC, 0o666, dir_fd=parent)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR):
+            raise _not_through(base, parts) from None
+        raise
+    finally:
+        os.close(parent)
 
 
 def link_inside(path: str, target: str) -> bool:
@@ -515,28 +613,100 @@ def current_umask() -> int:
 def apply_manifest(manifest: dict, target: str, where: str) -> None:
     """Gives the files and directories of a checkpoint copied into `target` the modes its manifest
     records (never wider than the umask; the owner keeps read, and rwx on directories) and
-    recreates its kept links. Raises ValueError,
-    naming the link and its target, for a link that would point outside the checkpoint."""
+    recreates its kept links, never following a symbolic link inside `target` on the way. Raises
+    ValueError, naming the link and its target, for a link that would point outside the
+    checkpoint, and naming the path for one that leads through a link."""
     mask = current_umask()
     for f in manifest.get("file_list", []):
-        local = os.path.join(target, *_clean_parts(f["path"], where))
-        if "mode" in f and os.path.lexists(local) and not os.path.islink(local):
-            os.chmod(local, (int(f["mode"]) | 0o400) & 0o777 & ~mask)
+        if "mode" in f:
+            _chmod_inside(target, _clean_parts(f["path"], where),
+                          (int(f["mode"]) | 0o400) & 0o777 & ~mask, directory=False)
     for d in manifest.get("dirs", []):
-        local = os.path.join(target, *_clean_parts(d["path"], where))
-        if os.path.isdir(local) and not os.path.islink(local):
-            os.chmod(local, (int(d["mode"]) | 0o700) & 0o777 & ~mask)
+        _chmod_inside(target, _clean_parts(d["path"], where),
+                      (int(d["mode"]) | 0o700) & 0o777 & ~mask, directory=True)
     for link in manifest.get("links", []):
         path, link_target = link["path"], link["target"]
-        local = os.path.join(target, *_clean_parts(path, where))
+        parts = _clean_parts(path, where)
         if not link_inside(path, link_target):
             raise ValueError(
                 f"checkpoint {where} lists a symbolic link {path!r} -> {link_target!r}, which "
                 "points outside the checkpoint; refusing to create it")
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        if os.path.lexists(local):
-            os.unlink(local)
-        os.symlink(link_target, local)
+        parent = _open_dir(target, parts[:-1], create=True)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(parts[-1], dir_fd=parent)
+            os.symlink(link_target, parts[-1], dir_fd=parent)
+        finally:
+            os.close(parent)
+
+
+def _chmod_inside(target: str, parts: list[str], mode: int, directory: bool) -> None:
+    """Sets the mode of the file or directory `parts` inside `target` when it is one (not a link,
+    not missing), reaching it without following a link."""
+    try:
+        parent = _open_dir(target, parts[:-1], create=False)
+    except (ValueError, FileNotFoundError):
+        return
+    try:
+        kind = os.O_DIRECTORY if directory else 0
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | kind,
+                     dir_fd=parent)
+    except OSError:  # missing, a link, or not of that kind
+        return
+    finally:
+        os.close(parent)
+    try:
+        if directory or stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+# The run's lease (src/storage/run_store.h): renewed every 10 s, another driver's counts for 60 s.
+LEASE_PERIOD_S = 10
+LEASE_STALE_AFTER_S = 60
+
+
+def lock_free_mount(path: str, mounts: str = "/proc/mounts") -> str | None:
+    """The mount that holds `path` ("<type> at <mount point>") when file locks taken there do not
+    reach other hosts: a FUSE mount (GCS FUSE, s3fs, ...), NFS mounted with ``nolock`` or
+    ``local_lock``, Lustre with ``localflock``; None otherwise, and when `mounts` cannot be
+    read."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best: tuple[str, str, set[str]] | None = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fields[2], set(fields[3].split(",")))
+    if best is None:
+        return None
+    point, kind, options = best
+    local_lock = {o for o in options if o.startswith("local_lock=") and o != "local_lock=none"}
+    if (kind.startswith("fuse") or (kind.startswith("nfs") and ("nolock" in options or local_lock))
+            or (kind == "lustre" and "localflock" in options)):
+        return f"{kind} at {point}"
+    return None
+
+
+def warn_if_locks_stay_local(run_dir: str) -> None:
+    """Says on stderr when the run directory is on a mount whose locks do not cross hosts: there
+    only the run's lease keeps a second driver on another host out."""
+    mount = lock_free_mount(run_dir)
+    if mount is not None:
+        print(f"jaxtrain: warning: the run directory {run_dir} is on {mount}, where a file lock "
+              "does not reach other hosts; a second driver of this run on another host is kept "
+              f"out only by the run's lease (LEASE, renewed every {LEASE_PERIOD_S} s, another "
+              f"driver's counted as live for {LEASE_STALE_AFTER_S} s), so keep the hosts' clocks "
+              "in sync (NTP)", file=sys.stderr)
 
 
 def private_requested() -> bool:
@@ -565,13 +735,15 @@ def make_private(run_dir: str) -> None:
     os.chmod(run_dir, 0o700)
 
 
-def _download(fs: Any, remote: str, local: str, progress: _Progress | None) -> bool:
-    """Streams one file from `fs` to a local path; False when it does not exist."""
+def _download(fs: Any, remote: str, base: str, parts: list[str],
+              progress: _Progress | None) -> bool:
+    """Streams one file from `fs` to the path `parts` inside the local directory `base` (clean
+    parts: the caller checked them), never through a symbolic link; False when it does not
+    exist."""
     try:
         src = fs.open(remote, "rb")
     except FileNotFoundError:
         return False
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    with src, open(local, "wb") as dst:
+    with src, os.fdopen(_create_inside(base, parts), "wb") as dst:
         _copy(src.read, dst.write, progress)
     return True

@@ -139,6 +139,7 @@ class JaxTrainer:
         in_memory = checkpoint_memory.check_switch()  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
+        storage.warn_if_locks_stay_local(run_dir)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
         launcher_options = ""
         if launcher == "slurm":

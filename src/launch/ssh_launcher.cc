@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -186,6 +187,33 @@ std::string Remote(const std::vector<std::string>& words) {
 
 }  // namespace
 
+std::string Base64(std::string_view data) {
+  static constexpr char kAlphabet[] =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((data.size() + 2) / 3 * 4);
+  for (size_t i = 0; i < data.size(); i += 3) {
+    uint32_t n = static_cast<uint32_t>(static_cast<unsigned char>(data[i])) << 16;
+    if (i + 1 < data.size())
+      n |= static_cast<uint32_t>(static_cast<unsigned char>(data[i + 1])) << 8;
+    if (i + 2 < data.size()) n |= static_cast<unsigned char>(data[i + 2]);
+    out += kAlphabet[(n >> 18) & 63];
+    out += kAlphabet[(n >> 12) & 63];
+    out += i + 1 < data.size() ? kAlphabet[(n >> 6) & 63] : '=';
+    out += i + 2 < data.size() ? kAlphabet[n & 63] : '=';
+  }
+  return out;
+}
+
+std::string AgentCommand(const std::string& python, const std::string& target) {
+  // The program travels as base64 inside one line: a csh or tcsh login shell refuses a newline
+  // inside quotes, and the line holds no character that any of the shells treats specially
+  // between single quotes.
+  const std::string program =
+      "import base64; exec(base64.b64decode(\"" + Base64(kAgentSource) + "\"))";
+  return "exec " + Remote({python, "-c", program, target});
+}
+
 std::string ShellQuote(std::string_view s) {
   std::string out = "'";
   for (char c : s) {
@@ -215,6 +243,7 @@ StatusOr<std::vector<SshHost>> ParseSshHosts(std::string_view text, const std::s
     SshHost host;
     if (hostfile) {
       std::vector<std::string> words;
+      std::replace(entry.begin(), entry.end(), '\t', ' ');
       for (auto& w : Split(entry, ' ')) {
         if (!w.empty()) words.push_back(w);
       }
@@ -245,6 +274,7 @@ StatusOr<std::vector<SshHost>> ParseSshHosts(std::string_view text, const std::s
       }
     }
     if (host.target.empty()) return InvalidArgumentError(where + ": no host name");
+    JT_RETURN_IF_ERROR(placement::CheckHostName(host.target, where));
     if (!seen.insert(host.target).second) {
       return InvalidArgumentError(where + ": host '" + host.target +
                                   "' is listed twice; list each host once, with its slots");
@@ -324,7 +354,7 @@ std::vector<std::string> SshCommand(const accelerators::HostView& env) {
 
 StatusOr<std::string> SshHostName(const std::vector<std::string>& ssh, const std::string& target) {
   std::vector<std::string> argv = ssh;
-  argv.insert(argv.end(), {"-G", target});
+  argv.insert(argv.end(), {"-G", "--", target});
   auto spawned = SpawnWithOutputPipe({.argv = argv, .search_path = true});
   if (!spawned.ok()) {
     return UnavailableError("cannot start '" + ssh.front() + "': " + spawned.status().message());
@@ -391,7 +421,7 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
     }
     std::vector<std::string> argv = options_.ssh;
     argv.insert(argv.end(), kSshOptions.begin(), kSshOptions.end());
-    argv.insert(argv.end(), {target, command});
+    argv.insert(argv.end(), {"--", target, command});
     auto spawned = SpawnWithOutputPipe({.argv = argv, .search_path = true});
     if (!spawned.ok()) {
       error = UnavailableError("cannot start '" + options_.ssh.front() + "' to reach " + target +
@@ -534,8 +564,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     if (pipe2(in, O_CLOEXEC) != 0) return fail(ErrnoError("pipe2", errno));
     std::vector<std::string> argv = options_.ssh;
     argv.insert(argv.end(), kSshOptions.begin(), kSshOptions.end());
-    argv.insert(argv.end(),
-                {target, "exec " + Remote({spec.argv.front(), "-c", kAgentSource, target})});
+    argv.insert(argv.end(), {"--", target, AgentCommand(spec.argv.front(), target)});
     auto spawned = SpawnWithOutputPipe(
         {.argv = argv, .process_group = pgid_, .search_path = true, .stdin_fd = in[0]});
     close(in[0]);

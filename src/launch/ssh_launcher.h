@@ -3,7 +3,8 @@
 // Used for bare machines and for TPU VM slices driven from one host (docs/hosts.md).
 //
 // One ssh per rank, all in one new local process group. Each runs, on its host, a small agent in
-// the worker's Python (`python -c`, kAgentSource in ssh_launcher.cc) that reads one JSON line on
+// the worker's Python (`python -c`, kAgentSource in ssh_launcher.cc, sent as one line by
+// AgentCommand so that any login shell runs it, csh and tcsh included) that reads one JSON line on
 // its stdin — the worker's command, working directory, environment and the run's secret
 // (ProcessSpec::secret) — and starts the worker in a new session, handing it the secret on an
 // inherited pipe (JAXTRAIN_RUN_SECRET_FD) as the local launcher does. Nothing of the environment
@@ -18,6 +19,9 @@
 // deadline): ssh must connect without prompting (BatchMode) and the worker's Python and working
 // directory must exist there. A failed probe fails Launch() with a message that names the host
 // and quotes ssh.
+//
+// Every ssh command line puts "--" before the host, which ParseSshHosts and the JSON host
+// description have already checked (placement::CheckHostName): a host is never read as an option.
 //
 // Thread-safety: SshLauncher is used by the controller's event loop only. The free functions are
 // thread-safe; SshHostName runs `ssh -G` and blocks for it.
@@ -56,7 +60,9 @@ struct SshHost {
 // format of MPI and DeepSpeed (`hostfile` true): one host per line, "host slots=N" or "host",
 // '#' starts a comment, blank lines are skipped.
 // Errors: kInvalidArgument naming `source`, the line or entry, and what is allowed: no host, a
-// host listed twice, slots that are not a whole number >= 1, an unknown key on a hostfile line.
+// host listed twice, slots that are not a whole number >= 1, an unknown key on a hostfile line, a
+// host name that placement::CheckHostName refuses (one beginning with '-', or holding whitespace
+// or control characters).
 StatusOr<std::vector<SshHost>> ParseSshHosts(std::string_view text, const std::string& source,
                                              bool hostfile);
 
@@ -82,8 +88,16 @@ std::vector<std::string> SshCommand(const accelerators::HostView& env);
 // a route to. Errors: kUnavailable when ssh cannot be run or says nothing.
 StatusOr<std::string> SshHostName(const std::vector<std::string>& ssh, const std::string& target);
 
-// `s` as one word of a POSIX shell command line: single-quoted.
+// `s` as one word of a shell command line (POSIX sh or csh): single-quoted.
 std::string ShellQuote(std::string_view s);
+
+// The remote command that starts the agent on a host: exec '<python>' '-c' '<program>' '<target>',
+// the agent's program as base64 decoded by the worker's Python, so that the whole command is one
+// line which every login shell takes, POSIX sh and bash as well as csh and tcsh.
+std::string AgentCommand(const std::string& python, const std::string& target);
+
+// Standard base64 (RFC 4648, with padding).
+std::string Base64(std::string_view data);
 
 struct SshLauncherOptions {
   std::vector<std::string> ssh = {"ssh"};  // the command and the user's options, found in PATH

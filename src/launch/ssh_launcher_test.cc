@@ -72,6 +72,51 @@ TEST(ParseSshHostsTest, RefusesBadEntriesNamingThem) {
   EXPECT_TRUE(Contains(bad.status().message(), "lists no host"));
 }
 
+TEST(ParseSshHostsTest, RefusesHostsThatSshWouldReadAsOptionsNamingThem) {
+  auto bad = ParseSshHosts("h1,-oProxyCommand=touch%20/tmp/owned", "JAXTRAIN_SSH_HOSTS", false);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(),
+                       "JAXTRAIN_SSH_HOSTS entry '-oProxyCommand=touch%20/tmp/owned': host name "
+                       "\"-oProxyCommand=touch%20/tmp/owned\" is not allowed: it begins with '-'"))
+      << bad.status().ToString();
+  EXPECT_TRUE(Contains(bad.status().message(), "optionally as user@host"));
+  bad = ParseSshHosts("h1\n-oProxyCommand=sh slots=2\n", "JAXTRAIN_HOSTFILE=hf", true);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(), "JAXTRAIN_HOSTFILE=hf line 2: host name"));
+  EXPECT_TRUE(Contains(bad.status().message(), "begins with '-'"));
+  bad = ParseSshHosts(
+      "h1,a\x01"
+      "b",
+      "JAXTRAIN_SSH_HOSTS", false);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(),
+                       "\"a\\u0001b\" is not allowed: it holds "
+                       "whitespace or a control character"))
+      << bad.status().ToString();
+  bad = ParseSshHosts("h1,a b", "JAXTRAIN_SSH_HOSTS", false);
+  EXPECT_TRUE(Contains(bad.status().message(), "whitespace")) << bad.status().ToString();
+  // A tab separates the words of a hostfile line as a space does.
+  auto hosts = ParseSshHosts("worker-0\tslots=2\n", "JAXTRAIN_HOSTFILE=hf", true);
+  ASSERT_TRUE(hosts.ok()) << hosts.status().ToString();
+  EXPECT_EQ((*hosts)[0].target, "worker-0");
+  EXPECT_EQ((*hosts)[0].slots, 2);
+}
+
+TEST(AgentCommandTest, IsOneLineThatCarriesTheAgentAsBase64) {
+  EXPECT_EQ(Base64(""), "");
+  EXPECT_EQ(Base64("f"), "Zg==");
+  EXPECT_EQ(Base64("fo"), "Zm8=");
+  EXPECT_EQ(Base64("foo"), "Zm9v");
+  EXPECT_EQ(Base64(std::string_view("\xff\xfe\x00", 3)), "//4A");
+  const std::string command = AgentCommand("/opt/py/bin/python", "user@h1");
+  EXPECT_EQ(command.find('\n'), std::string::npos);
+  EXPECT_EQ(
+      command.rfind("exec '/opt/py/bin/python' '-c' 'import base64; exec(base64.b64decode(\"", 0),
+      0u)
+      << command;
+  EXPECT_TRUE(command.ends_with("\"))' 'user@h1'")) << command;
+}
+
 TEST(PlanForSshTest, HostsWithoutSlotsShareTheWorkersAndRanksAreContiguousPerHost) {
   accelerators::FakeHost env;
   env.env[kSshHostsEnv] = "h1,h2";
@@ -138,7 +183,14 @@ class FakeSshTest : public ::testing::Test {
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::create_directories(dir_);
     ssh_ = (dir_ / "ssh").string();
-    std::ofstream(ssh_) << "#!/bin/sh\n"
+    WriteFakeSsh(ssh_, "sh");
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // A fake ssh at `path` whose "login shell" on every host is `shell`: sshd runs the remote
+  // command as `<shell> -c <command>`.
+  void WriteFakeSsh(const std::string& path, const std::string& shell) {
+    std::ofstream(path) << "#!/bin/sh\n"
                            "echo \"$@\" >> " +
                                (dir_ / "argv.log").string() +
                                "\n"
@@ -150,10 +202,10 @@ class FakeSshTest : public ::testing::Test {
                                "if [ \"$target\" = silent ]; then echo $$ > " +
                                (dir_ / "silent").string() +
                                "; exec sleep 300; fi\n"
-                               "exec sh -c \"$*\"\n";
-    chmod(ssh_.c_str(), 0755);
+                               "exec " +
+                               shell + " -c \"$*\"\n";
+    chmod(path.c_str(), 0755);
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   SshLauncherOptions Options(std::vector<std::string> targets) {
     return {.ssh = {ssh_}, .targets = std::move(targets)};
@@ -229,6 +281,32 @@ TEST_F(FakeSshTest, EveryRankGetsItsEnvironmentOnStdinAndNeverOnACommandLine) {
   EXPECT_TRUE(Contains(argv, "BatchMode=yes"));
   EXPECT_TRUE(Contains(argv, " h1 ")) << argv;
   EXPECT_FALSE(Contains(argv, "s3cr3t")) << argv;
+}
+
+TEST_F(FakeSshTest, TheHostFollowsDoubleDashOnEverySshCommandLine) {
+  SshLauncher launcher(Options({"h1"}));
+  auto launched = launcher.Launch({Python(0, "print('ran')")});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  EXPECT_TRUE(Contains(ReadOutput((*launched)[0]), "ran"));
+  EXPECT_TRUE(Finish((*launched)[0]).ok());
+  std::istringstream lines(ArgvLog());
+  int count = 0;
+  for (std::string line; std::getline(lines, line); ++count) {
+    EXPECT_TRUE(Contains(line, " -- h1 ")) << line;  // the probe's and the agent's
+  }
+  EXPECT_EQ(count, 2);
+}
+
+TEST_F(FakeSshTest, AWorkerStartsOnAHostWhoseLoginShellIsTcsh) {
+  if (access("/bin/tcsh", X_OK) != 0)
+    GTEST_SKIP() << "tcsh is not installed (apt-get install tcsh)";
+  WriteFakeSsh(ssh_, "/bin/tcsh");
+  SshLauncher launcher(Options({"h1"}));
+  auto launched = launcher.Launch({Python(
+      0, "import os\nprint('rank', os.environ['JAXTRAIN_RANK'])\n", {{"JAXTRAIN_RANK", "0"}})});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  EXPECT_TRUE(Contains(ReadOutput((*launched)[0]), "rank 0"));
+  EXPECT_TRUE(Finish((*launched)[0]).ok());
 }
 
 TEST_F(FakeSshTest, ARefusedHostFailsTheLaunchNamingItAndQuotingSsh) {

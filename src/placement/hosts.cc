@@ -80,10 +80,12 @@ StatusOr<Host> ParseHost(const json& entry, const std::string& where, const Envi
   JT_ASSIGN_OR_RETURN(const std::optional<std::string> name, Fields(entry, where).String("name"));
   if (!name) return InvalidArgumentError(where + " has no \"name\"; every host needs one");
   host.name = *name;
+  JT_RETURN_IF_ERROR(CheckHostName(host.name, where + " \"name\""));
   const Fields named(entry, where + " (\"" + host.name + "\")");
   JT_RETURN_IF_ERROR(named.OnlyKnown({"name", "address", "cpus", "gpus", "tpu"}));
   JT_ASSIGN_OR_RETURN(const std::optional<std::string> address, named.String("address"));
   host.address = address.value_or(host.name);
+  JT_RETURN_IF_ERROR(CheckHostName(host.address, named.where() + " \"address\""));
   host.local = host.name == local_host_name || IsLoopback(host.address);
   JT_ASSIGN_OR_RETURN(const std::optional<int> cpus, named.Int("cpus", 1));
   host.cpus = cpus.value_or(0);
@@ -185,6 +187,29 @@ HostDescription DescribeThisHost(const accelerators::HostView& view) {
     host.tpu_topology = identity.topology;
   }
   return {.source = "this machine", .hosts = {std::move(host)}};
+}
+
+Status CheckHostName(std::string_view name, const std::string& where) {
+  std::string why;
+  if (name.empty()) {
+    why = "it is empty";
+  } else if (name.front() == '-') {
+    why = "it begins with '-', which ssh would read as an option";
+  } else {
+    for (unsigned char c : name) {
+      if (c <= ' ' || c == 0x7f) {
+        why = "it holds whitespace or a control character";
+        break;
+      }
+    }
+  }
+  if (why.empty()) return OkStatus();
+  nlohmann::json shown = std::string(name);
+  return InvalidArgumentError(
+      where + ": host name " + shown.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace) +
+      " is not allowed: " + why +
+      "; a host is named by a host name or address, optionally as user@host, that does "
+      "not begin with '-' and holds no whitespace or control characters");
 }
 
 StatusOr<HostDescription> ParseHostDescription(std::string_view text, std::string source,

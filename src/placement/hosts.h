@@ -48,6 +48,12 @@ struct HostDescription {
   std::vector<Host> hosts;
 };
 
+// Checks that `name` can stand as one word on a command line that starts a process on the host
+// (an ssh target: "host" or "user@host"): not empty, not beginning with '-' (ssh would read it as
+// an option, e.g. -oProxyCommand=...), and without whitespace or control characters.
+// Errors: kInvalidArgument "<where>: host name "<name>" is not allowed: ...", saying what is.
+Status CheckHostName(std::string_view name, const std::string& where);
+
 // This machine: its TPU chips and TPU identity (TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE,
 // TPU_TOPOLOGY), its visible GPUs; address "localhost"; its CPUs are not a limit (local workers
 // may share cores).
@@ -57,7 +63,8 @@ HostDescription DescribeThisHost(const accelerators::HostView& host);
 // host's GPUs as it maps this machine's (workers inherit the driver's environment). A host is
 // `local` when its name is `local_host_name` or its address is a loopback one.
 // Errors: kInvalidArgument naming `source`, the host and the field: malformed JSON, an unknown
-// key, a missing or mistyped value, a duplicate host name or slice worker id, hosts of one slice
+// key, a missing or mistyped value, a name or address that CheckHostName refuses, a duplicate
+// host name or slice worker id, hosts of one slice
 // that disagree on its accelerator_type or topology, an unknown TPU generation.
 StatusOr<HostDescription> ParseHostDescription(std::string_view json, std::string source,
                                                const Environment& inherited,

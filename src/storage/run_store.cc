@@ -1,13 +1,19 @@
 #include "storage/run_store.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <ctime>
 #include <sstream>
+#include <thread>
 #include <utility>
 
+#include "base/clock.h"
+#include "base/mutex.h"
 #include "storage/files.h"
 #include "storage/metrics.h"
 
@@ -77,14 +83,131 @@ std::string DescribeHolder(const std::string& text) {
   return out;
 }
 
-std::string ThisDriver() {
+constexpr char kLeaseName[] = "LEASE";
+
+std::string ThisHost() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
-  return nlohmann::json{{"host", host}, {"pid", getpid()}, {"since", std::time(nullptr)}}.dump() +
+  return host;
+}
+
+std::string ThisDriver() {
+  return nlohmann::json{{"host", ThisHost()}, {"pid", getpid()}, {"since", std::time(nullptr)}}
+             .dump() +
          "\n";
 }
 
+// Whether process `pid` of this host runs: it exists and is not a zombie (killed, not yet reaped).
+bool ProcessExists(int64_t pid) {
+  if (pid <= 0 || (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
+  auto stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat.ok()) return true;
+  const size_t end = stat->rfind(')');  // the state follows the command name: "pid (comm) S"
+  return end == std::string::npos || end + 2 >= stat->size() || (*stat)[end + 2] != 'Z';
+}
+
+std::string LeaseText(const Lease& lease) {
+  nlohmann::json j = {{"host", lease.host},
+                      {"pid", lease.pid},
+                      {"since", lease.since},
+                      {"heartbeat", lease.heartbeat},
+                      {"period_s", kLeasePeriodSeconds},
+                      {"stale_after_s", kLeaseStaleAfterSeconds}};
+  return j.dump() + "\n";
+}
+
+// "host H, pid P, since T, lease renewed N s ago" for a live lease read at `now`.
+std::string DescribeLease(const Lease& lease, double now) {
+  nlohmann::json j = {{"host", lease.host}, {"pid", lease.pid}};
+  if (lease.since > 0) j["since"] = lease.since;
+  return DescribeHolder(j.dump()) + ", lease renewed " +
+         std::to_string(static_cast<long long>(std::max(0.0, std::round(now - lease.heartbeat)))) +
+         " s ago";
+}
+
+// The live lease of `run_dir` described, or "" when there is none.
+std::string LiveLease(const std::string& run_dir) {
+  auto text = ReadFile(JoinPath(run_dir, kLeaseName));
+  if (!text.ok()) return "";
+  std::optional<Lease> lease = ParseLease(*text);
+  const double now = RealClock().UnixSeconds();
+  if (!lease || !LeaseIsLive(*lease, now, ThisHost(), getpid(), ProcessExists)) return "";
+  return DescribeLease(*lease, now);
+}
+
 }  // namespace
+
+std::optional<Lease> ParseLease(std::string_view text) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("host") || !j["host"].is_string() || !j.contains("pid") ||
+      !j["pid"].is_number_integer() || !j.contains("heartbeat") || !j["heartbeat"].is_number()) {
+    return std::nullopt;
+  }
+  Lease lease{.host = j["host"].get<std::string>(),
+              .pid = j["pid"].get<int64_t>(),
+              .heartbeat = j["heartbeat"].get<double>()};
+  if (j.contains("since") && j["since"].is_number()) lease.since = j["since"].get<double>();
+  return lease;
+}
+
+bool LeaseIsLive(const Lease& lease, double now, std::string_view this_host, int64_t this_pid,
+                 bool (*process_exists)(int64_t pid)) {
+  if (lease.host == this_host) {
+    // This process holds the run through its lock, if at all; another process of this host is
+    // known to be gone when its pid is.
+    if (lease.pid == this_pid || !process_exists(lease.pid)) return false;
+  }
+  return now - lease.heartbeat < kLeaseStaleAfterSeconds;  // a lease from the future is live
+}
+
+// Rewrites LEASE every kLeasePeriodSeconds on a thread of its own until destroyed, then removes
+// it if it is still this driver's.
+class LeaseKeeper {
+ public:
+  LeaseKeeper(std::string path, Lease lease) : path_(std::move(path)), lease_(std::move(lease)) {}
+  ~LeaseKeeper() {
+    {
+      MutexLock l(mu_);
+      stop_ = true;
+    }
+    stopped_.NotifyAll();
+    if (thread_.joinable()) thread_.join();
+    auto text = ReadFile(path_);
+    std::optional<Lease> there = text.ok() ? ParseLease(*text) : std::nullopt;
+    if (there && there->host == lease_.host && there->pid == lease_.pid) unlink(path_.c_str());
+  }
+  LeaseKeeper(const LeaseKeeper&) = delete;
+  LeaseKeeper& operator=(const LeaseKeeper&) = delete;
+
+  // Writes the lease once, then starts renewing it.
+  Status Start() {
+    JT_RETURN_IF_ERROR(Write());
+    thread_ = std::thread([this] { Renew(); });
+    return OkStatus();
+  }
+
+ private:
+  Status Write() {
+    lease_.heartbeat = RealClock().UnixSeconds();
+    return WriteFileAtomically(path_, LeaseText(lease_));
+  }
+
+  void Renew() {
+    MutexLock l(mu_);
+    while (!stopped_.WaitFor(mu_, std::chrono::duration<double>(kLeasePeriodSeconds),
+                             [this]() REQUIRES(mu_) { return stop_; })) {
+      // A failed write (the storage unreachable for a while) is retried at the next period.
+      (void)Write();
+    }
+  }
+
+  const std::string path_;
+  Lease lease_;  // written by the renewing thread only once it runs
+  Mutex mu_;
+  CondVar stopped_;
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
 
 StatusOr<RunStore> RunStore::Open(std::string run_dir) {
   JT_RETURN_IF_ERROR(MakeDirs(JoinPath(run_dir, "logs")));
@@ -107,6 +230,17 @@ StatusOr<RunStore> RunStore::Open(std::string run_dir) {
         "): a run has one driver at a time. Wait for that run to end or stop it, or choose "
         "another RunConfig.name");
   }
+  // The lock was free here; on a mount whose locks stay on each host, a driver elsewhere shows
+  // itself by its lease.
+  if (std::string holder = LiveLease(run_dir); !holder.empty()) {
+    close(fd);
+    return FailedPreconditionError(
+        "the run directory '" + run_dir + "' is in use by another driver (" + holder +
+        "; its file lock is not visible from this host, its lease is, and counts until " +
+        std::to_string(static_cast<int>(kLeaseStaleAfterSeconds)) +
+        " s without renewal): a run has one driver at a time. Wait for that run to end or stop "
+        "it, or choose another RunConfig.name");
+  }
   RunStore store(std::move(run_dir));
   store.lock_fd_ = fd;
   store.previous_holder_ = DescribeHolder(ReadAll(fd));
@@ -115,6 +249,11 @@ StatusOr<RunStore> RunStore::Open(std::string run_dir) {
     return PathError("cannot write", lock_path, errno);
   }
   JT_RETURN_IF_ERROR(WriteFd(fd, me, lock_path));
+  const double now = RealClock().UnixSeconds();
+  store.lease_ = std::make_unique<LeaseKeeper>(
+      JoinPath(store.dir_, kLeaseName),
+      Lease{.host = ThisHost(), .pid = getpid(), .since = std::floor(now), .heartbeat = now});
+  JT_RETURN_IF_ERROR(store.lease_->Start());
   // A resumed run keeps the columns progress.csv already has.
   auto csv = ReadFile(JoinPath(store.dir_, "progress.csv"));
   if (csv.ok() && !csv->empty()) {
@@ -128,8 +267,11 @@ StatusOr<std::optional<std::string>> RunStore::LockHolder(const std::string& run
   const std::string lock_path = JoinPath(run_dir, kLockName);
   int fd = open(lock_path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    if (errno == ENOENT || errno == ENOTDIR) return std::optional<std::string>();
-    return PathError("cannot open the run's lock", lock_path, errno);
+    if (errno != ENOENT && errno != ENOTDIR) {
+      return PathError("cannot open the run's lock", lock_path, errno);
+    }
+    std::string lease = LiveLease(run_dir);
+    return lease.empty() ? std::nullopt : std::optional<std::string>(lease);
   }
   struct flock lock = WholeFile(F_WRLCK);
   if (fcntl(fd, F_OFD_GETLK, &lock) != 0) {
@@ -143,12 +285,18 @@ StatusOr<std::optional<std::string>> RunStore::LockHolder(const std::string& run
     if (holder->empty()) holder = "a driver that LOCK does not name";
   }
   close(fd);
+  if (!holder) {
+    if (std::string lease = LiveLease(run_dir); !lease.empty()) holder = lease;
+  }
   return holder;
 }
+
+RunStore::RunStore(std::string dir) : dir_(std::move(dir)) {}
 
 RunStore::RunStore(RunStore&& other) noexcept
     : dir_(std::move(other.dir_)),
       lock_fd_(std::exchange(other.lock_fd_, -1)),
+      lease_(std::move(other.lease_)),
       previous_holder_(std::move(other.previous_holder_)),
       csv_columns_(std::move(other.csv_columns_)) {}
 
@@ -157,6 +305,7 @@ RunStore& RunStore::operator=(RunStore&& other) noexcept {
     Unlock();
     dir_ = std::move(other.dir_);
     lock_fd_ = std::exchange(other.lock_fd_, -1);
+    lease_ = std::move(other.lease_);
     previous_holder_ = std::move(other.previous_holder_);
     csv_columns_ = std::move(other.csv_columns_);
   }
@@ -166,6 +315,7 @@ RunStore& RunStore::operator=(RunStore&& other) noexcept {
 RunStore::~RunStore() { Unlock(); }
 
 void RunStore::Unlock() {
+  lease_.reset();  // stops renewing and removes LEASE, before another driver may take the lock
   if (lock_fd_ >= 0) close(lock_fd_);  // closing the last descriptor of the OFD releases it
   lock_fd_ = -1;
 }

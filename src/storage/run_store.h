@@ -7,6 +7,7 @@
 //     logs/rank-<r>.log
 //     error.txt       on failure: the first failing rank's traceback
 //     LOCK            held by the driver that has the run open; says which one (host, pid)
+//     LEASE           the same driver's heartbeat: host, pid, and the time it last wrote it
 //
 // One writer per run directory (LevelDB's LOCK file): Open() takes a lock on LOCK and the store
 // keeps it until Unlock() or destruction, so a second driver of the same run is refused instead
@@ -16,30 +17,68 @@
 // (where it becomes a POSIX lock on the server); and LockHolder() can ask who holds it without
 // taking it, so `jaxtrain ls` never blocks a driver that starts at the same moment.
 //
-// Owned by the controller's event loop; not thread-safe.
+// Locks do not cross hosts everywhere: on FUSE mounts (GCS FUSE, s3fs), NFS mounted `nolock` and
+// Lustre with `localflock` each host sees only its own. The lease covers those: while the store
+// is open, a thread of its own rewrites LEASE (atomically, by rename) every kLeasePeriod with the
+// current time, and Unlock() removes it. A lease is live (LeaseIsLive) when it names another
+// process and was written less than kLeaseStaleAfter ago by the reader's clock, unless it names a
+// process of this host that no longer exists; Open() refuses a run whose lease is live even when
+// the lock was free, and LockHolder() reports its writer as holding the run. The hosts' clocks
+// must agree to well within kLeaseStaleAfter; a driver whose storage cannot be written for that
+// long may be taken over.
+//
+// Owned by the controller's event loop; not thread-safe (the lease's thread touches only its own
+// state).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status.h"
 
 namespace jaxtrain::storage {
 
+// How often an open store rewrites its LEASE, and how old a lease may be and still count.
+inline constexpr double kLeasePeriodSeconds = 10;
+inline constexpr double kLeaseStaleAfterSeconds = 60;
+
+// What a LEASE says: which driver holds the run, since when, and when it last said so (Unix
+// seconds by the writer's clock).
+struct Lease {
+  std::string host;
+  int64_t pid = 0;
+  double since = 0;
+  double heartbeat = 0;
+};
+
+// The lease of `text` (LEASE's contents), or nullopt when it is not one.
+std::optional<Lease> ParseLease(std::string_view text);
+
+// The liveness rule (see above), as a function: whether `lease` shows another driver that may
+// still hold the run, read on `this_host` by process `this_pid` at `now` (Unix seconds);
+// `process_exists` says whether a pid of this host is running.
+bool LeaseIsLive(const Lease& lease, double now, std::string_view this_host, int64_t this_pid,
+                 bool (*process_exists)(int64_t pid));
+
+class LeaseKeeper;
+
 class RunStore {
  public:
   // Creates the directory and logs/ if needed, checks that files can be written there and takes
   // the run's lock, writing this driver's host and pid into LOCK.
-  // Errors: kFailedPrecondition when another driver holds the lock (the message names its host
-  // and pid); kPermissionDenied / kFailedPrecondition / kResourceExhausted / kInternal naming the
-  // path and the reason (storage/files.h).
+  // Errors: kFailedPrecondition when another driver holds the lock or a live lease (the message
+  // names its host and pid); kPermissionDenied / kFailedPrecondition / kResourceExhausted /
+  // kInternal naming the path and the reason (storage/files.h).
   static StatusOr<RunStore> Open(std::string run_dir);
 
-  // Who holds the lock of `run_dir`: "host H, pid P, since <UTC time>" (as LOCK says), or
-  // nullopt when no live process holds it (no LOCK, or its driver is gone). Thread-safe.
+  // Who holds the run in `run_dir`: "host H, pid P, since <UTC time>" (as LOCK says) when a
+  // process holds its lock, else the writer of a live lease ("..., lease renewed N s ago"), or
+  // nullopt when neither (no LOCK, its driver is gone, its lease stale). Thread-safe.
   // Errors: kPermissionDenied / kInternal when LOCK exists but cannot be opened or queried.
   static StatusOr<std::optional<std::string>> LockHolder(const std::string& run_dir);
 
@@ -49,7 +88,8 @@ class RunStore {
   RunStore& operator=(const RunStore&) = delete;
   ~RunStore();  // releases the lock
 
-  // Releases the lock: the run's last record is written and another driver may open the run.
+  // Releases the lock and removes the lease: the run's last record is written and another
+  // driver may open the run.
   void Unlock();
 
   const std::string& dir() const { return dir_; }
@@ -81,10 +121,11 @@ class RunStore {
   Status WriteError(std::string_view text);
 
  private:
-  explicit RunStore(std::string dir) : dir_(std::move(dir)) {}
+  explicit RunStore(std::string dir);
 
   std::string dir_;
   int lock_fd_ = -1;
+  std::unique_ptr<LeaseKeeper> lease_;  // set while the lock is held
   std::string previous_holder_;
   std::vector<std::string> csv_columns_;
 };

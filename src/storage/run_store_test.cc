@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <ctime>
+#include <nlohmann/json.hpp>
 
 #include "storage/files.h"
 
@@ -145,6 +147,108 @@ TEST(RunStoreTest, TheLockOfAKilledDriverIsTakenOver) {
   ASSERT_TRUE(taken.ok()) << taken.status().ToString();
   EXPECT_NE(taken->previous_holder().find(child_pid), std::string::npos)
       << taken->previous_holder();
+}
+
+// --- The lease: what keeps a second driver out where locks stay on each host -------------------
+
+std::string ThisHostName() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+double Now() { return static_cast<double>(std::time(nullptr)); }
+
+void WriteLease(const std::string& dir, const std::string& host, int64_t pid, double heartbeat) {
+  ASSERT_TRUE(MakeDirs(dir).ok());
+  ASSERT_TRUE(WriteFileAtomically(JoinPath(dir, "LEASE"), nlohmann::json{{"host", host},
+                                                                         {"pid", pid},
+                                                                         {"since", heartbeat - 100},
+                                                                         {"heartbeat", heartbeat}}
+                                                              .dump())
+                  .ok());
+}
+
+bool Exists(int64_t) { return true; }
+bool Gone(int64_t) { return false; }
+
+TEST(LeaseTest, ALeaseIsLiveUntilItIsStaleOrItsProcessOnThisHostIsGone) {
+  const double now = 1.7e9;
+  const double stale = now - kLeaseStaleAfterSeconds;
+  auto live = [&](std::string host, int64_t pid, double heartbeat, bool (*exists)(int64_t)) {
+    return LeaseIsLive(Lease{.host = host, .pid = pid, .heartbeat = heartbeat}, now, "here", 7,
+                       exists);
+  };
+  EXPECT_TRUE(live("elsewhere", 7, now - 1, Gone));   // another host's pids are not looked at
+  EXPECT_TRUE(live("elsewhere", 7, now + 30, Gone));  // its clock runs ahead
+  EXPECT_FALSE(live("elsewhere", 7, stale, Exists));
+  EXPECT_TRUE(live("here", 8, now - 1, Exists));
+  EXPECT_FALSE(live("here", 8, now - 1, Gone));    // killed: its lease is not waited for
+  EXPECT_FALSE(live("here", 8, stale, Exists));    // its pid reused by another process
+  EXPECT_FALSE(live("here", 7, now - 1, Exists));  // this process's own
+}
+
+TEST(LeaseTest, ParsesOnlyWhatALeaseLooksLike) {
+  auto lease = ParseLease(R"({"host": "h", "pid": 3, "since": 5, "heartbeat": 6.5})");
+  ASSERT_TRUE(lease);
+  EXPECT_EQ(lease->host, "h");
+  EXPECT_EQ(lease->pid, 3);
+  EXPECT_EQ(lease->since, 5);
+  EXPECT_EQ(lease->heartbeat, 6.5);
+  for (const char* bad :
+       {"", "{", "[]", R"({"host": "h", "pid": 3})", R"({"host": 1, "pid": 3, "heartbeat": 1})",
+        R"({"host": "h", "pid": "3", "heartbeat": 1})"}) {
+    EXPECT_FALSE(ParseLease(bad)) << bad;
+  }
+}
+
+TEST(LeaseTest, AFreshLeaseFromAnotherHostRefusesASecondDriverThoughTheLockIsFree) {
+  std::string dir = TempDir();
+  WriteLease(dir, "other-host", 4242, Now() - 2);
+  auto refused = RunStore::Open(dir);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  const std::string& message = refused.status().message();
+  EXPECT_NE(message.find("in use by another driver (host other-host, pid 4242, since "),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find(", lease renewed "), std::string::npos) << message;
+  EXPECT_NE(message.find("RunConfig.name"), std::string::npos) << message;
+  auto holder = RunStore::LockHolder(dir);
+  ASSERT_TRUE(holder.ok() && holder->has_value());
+  EXPECT_NE((*holder)->find("host other-host, pid 4242"), std::string::npos) << **holder;
+  // The refused driver left the lease as it was.
+  EXPECT_NE(ReadFile(JoinPath(dir, "LEASE"))->find("other-host"), std::string::npos);
+}
+
+TEST(LeaseTest, AStaleLeaseDoesNotBlockAndTheNewDriverWritesItsOwn) {
+  std::string dir = TempDir();
+  WriteLease(dir, "other-host", 4242, Now() - kLeaseStaleAfterSeconds - 5);
+  EXPECT_FALSE(RunStore::LockHolder(dir)->has_value());
+  auto store = RunStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto lease = ParseLease(*ReadFile(JoinPath(dir, "LEASE")));
+  ASSERT_TRUE(lease);
+  EXPECT_EQ(lease->host, ThisHostName());
+  EXPECT_EQ(lease->pid, getpid());
+  EXPECT_GE(lease->heartbeat, Now() - 5);
+  store->Unlock();
+  EXPECT_FALSE(ReadFile(JoinPath(dir, "LEASE")).ok());  // removed with the lock
+}
+
+TEST(LeaseTest, TheLeaseOfAKilledDriverOnThisHostIsNotWaitedFor) {
+  std::string dir = TempDir();
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  WriteLease(dir, ThisHostName(), child, Now());
+  siginfo_t info;  // ended but not reaped: a zombie is no driver either
+  ASSERT_EQ(waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);
+  EXPECT_FALSE(RunStore::LockHolder(dir)->has_value());
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  EXPECT_FALSE(RunStore::LockHolder(dir)->has_value());
+  auto store = RunStore::Open(dir);
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
 }
 
 TEST(RunStoreTest, ANewRunHasNoPreviousHolder) {
