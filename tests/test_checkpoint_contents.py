@@ -153,6 +153,19 @@ def test_a_private_run_keeps_its_directory_and_every_file_to_its_owner(
     assert mode(plain.path) == 0o700
 
 
+def test_a_run_that_keeps_checkpoints_in_host_memory_is_private_unless_told_otherwise(
+        storage, tmp_path, umask_022, monkeypatch):
+    monkeypatch.delenv("JAXTRAIN_PRIVATE", raising=False)
+    monkeypatch.setenv("JAXTRAIN_CHECKPOINT_IN_MEMORY", "1")
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path))
+    run = Path(_contents_trainer(storage, "in-memory", out=str(tmp_path)).fit().path)
+    assert mode(run) == 0o700
+    assert mode(run / "run.json") == 0o600
+    monkeypatch.setenv("JAXTRAIN_PRIVATE", "0")  # said outright: not private
+    run = Path(_contents_trainer(storage, "in-memory-shared", out=str(tmp_path)).fit().path)
+    assert mode(run) == 0o755
+
+
 def _forged_checkpoint(config):
     import jax  # noqa: F401
 

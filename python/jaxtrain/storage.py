@@ -710,8 +710,13 @@ def warn_if_locks_stay_local(run_dir: str) -> None:
 
 
 def private_requested() -> bool:
-    """Whether JAXTRAIN_PRIVATE asks for a private run (any value but "" and "0")."""
-    return os.environ.get("JAXTRAIN_PRIVATE", "") not in ("", "0")
+    """Whether the run is private: JAXTRAIN_PRIVATE set to anything but "" and "0"; unset, when
+    checkpoints are also held in host memory (JAXTRAIN_CHECKPOINT_IN_MEMORY=1), whose copies are
+    restored into the run's workers as its checkpoints are (docs/security.md)."""
+    value = os.environ.get("JAXTRAIN_PRIVATE")
+    if value is None:
+        return os.environ.get("JAXTRAIN_CHECKPOINT_IN_MEMORY") == "1"
+    return value not in ("", "0")
 
 
 @contextlib.contextmanager
