@@ -145,7 +145,9 @@ class AgentServer:
         self._purpose = ""
         self._listener = socket.create_server((bind, 0), family=_family(bind))
         self.port = self._listener.getsockname()[1]
-        self._sessions: list[subprocess.Popen] = []
+        # Each session's connection, command (once started) and threads, until it ends.
+        self._sessions: dict[Connection | socket.socket, subprocess.Popen | None] = {}
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
         self._env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
@@ -170,9 +172,17 @@ class AgentServer:
             if not self._unproven.acquire(blocking=False):
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+            self._start(self._serve, conn, peer)
+
+    def _start(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        with self._lock:
+            self._sessions[conn] = None
         try:
             try:
                 session = Connection.accept(conn, self._key, self._purpose, self._me,
@@ -184,6 +194,9 @@ class AgentServer:
             _say(f"refused a session from {peer[0]}:{peer[1]}: {e}")
             conn.close()
             return
+        finally:
+            with self._lock:
+                self._sessions.pop(conn, None)
         with session:
             self._run(session, command)
 
@@ -197,8 +210,8 @@ class AgentServer:
             session.send(b"x" + struct.pack(">i", 127))
             return
         with self._lock:
-            self._sessions.append(proc)
-        threading.Thread(target=self._forward_stdin, args=(session, proc), daemon=True).start()
+            self._sessions[session] = proc
+        self._start(self._forward_stdin, session, proc)
         try:
             while chunk := proc.stdout.read1(65536):
                 session.send(b"o" + chunk)
@@ -209,7 +222,7 @@ class AgentServer:
             proc.wait()
         finally:
             with self._lock:
-                self._sessions.remove(proc)
+                self._sessions.pop(session, None)
 
     @staticmethod
     def _forward_stdin(session: Connection, proc: subprocess.Popen) -> None:
@@ -230,11 +243,23 @@ class AgentServer:
             pass
 
     def close(self) -> None:
-        """Ends every session: each agent's end kills its worker (PR_SET_PDEATHSIG)."""
+        """Ends every session: each agent's end kills its worker (PR_SET_PDEATHSIG). Returns
+        once the sessions' threads have ended (within a few seconds): none may still wait in the
+        channel's code when the process exits."""
         self._listener.close()
         with self._lock:
-            for proc in self._sessions:
-                proc.kill()
+            for conn, proc in self._sessions.items():
+                if proc is not None:
+                    proc.kill()
+                sock = conn.sock if isinstance(conn, Connection) else conn
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a thread that waits on it
+                except OSError:
+                    pass
+            threads = list(self._threads)
+        deadline = time.monotonic() + 5
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 # --- the relay: host 0's "ssh" to the other hosts ----------------------------------------------
@@ -421,6 +446,7 @@ class SameCommand:
         joined: dict[int, tuple[Connection, dict, str, str]] = {}  # rank -> (conn, hello, ...)
         lock = threading.Lock()
         unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
+        pending: dict[socket.socket, threading.Thread] = {}  # handshakes in progress
 
         def admit(conn: socket.socket, peer) -> None:
             """One joining host, its handshake and hello within HANDSHAKE_TIMEOUT_S."""
@@ -431,6 +457,8 @@ class SameCommand:
                     hello = host.receive_json(HANDSHAKE_TIMEOUT_S)
                 finally:
                     unproven.release()
+                    with lock:
+                        pending.pop(conn, None)
                 rank = _host_rank(host.peer)
                 with lock:
                     taken = rank is None or not 0 < rank < self.num_hosts or rank in joined
@@ -465,9 +493,22 @@ class SameCommand:
                 if not unproven.acquire(blocking=False):
                     conn.close()  # a flood: the joiners retry
                     continue
-                threading.Thread(target=admit, args=(conn, peer), daemon=True).start()
+                thread = threading.Thread(target=admit, args=(conn, peer), daemon=True)
+                with lock:
+                    pending[conn] = thread
+                thread.start()
         finally:
             listener.close()
+            # Handshakes still in progress end now: no thread may wait in the channel's code
+            # when this process exits.
+            with lock:
+                left = dict(pending)
+            for conn, thread in left.items():
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                thread.join(5)
         here = next((local for *_, local in joined.values()), "127.0.0.1")
         self._agents = AgentServer(self.secret, "host-0", here, here)
         self._agents.admit(token)
@@ -584,6 +625,9 @@ def _family(host: str) -> socket.AddressFamily:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["relay"]:
-        sys.exit(relay(sys.argv[2:]))
+        status = relay(sys.argv[2:])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # its stdin thread may still wait in the channel's code
     sys.stderr.write("usage: python -m jaxtrain.hosts relay [ssh options] TARGET COMMAND\n")
     sys.exit(2)
