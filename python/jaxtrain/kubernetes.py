@@ -350,7 +350,7 @@ def launch_options(experiment_name: str, run_dir: str) -> dict:
 
 
 class _Lines:
-    """A log stream cut into whole lines, as the controller cuts a worker's output
+    r"""A log stream cut into whole lines, as the controller cuts a worker's output
     (src/controller/rank_output.h): a line ends at ``\n``, at ``\r`` (a progress bar redraws its
     line after one; ``\r\n`` ends one line), or after ``_LINE_CAP`` bytes without an end, so that
     output without newlines never grows a buffer without bound. A ``\r`` at the end of a chunk
@@ -363,7 +363,7 @@ class _Lines:
         self._partial = b""
 
     def take(self, chunk: bytes) -> list[bytes]:
-        """The lines that ``chunk`` ends, each with its end (a line cut at the cap: ``\n``)."""
+        r"""The lines that ``chunk`` ends, each with its end (a line cut at the cap: ``\n``)."""
         data = self._partial + chunk
         lines = []
         start = 0
@@ -389,7 +389,7 @@ class _Output:
         self._labelled = labelled
 
     def rank_lines(self, rank: int, lines: list[bytes]) -> None:
-        """Writes `lines` (_Lines's) of `rank`. Labelled, a line that a lone ``\r`` ended ends in
+        r"""Writes `lines` (_Lines's) of `rank`. Labelled, a line that a lone ``\r`` ended ends in
         ``\n`` instead: the controller splits labelled output at ``\n`` only."""
         if self._labelled:
             label = f"{rank}: ".encode()
