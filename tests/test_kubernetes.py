@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from kubernetes_fixtures import IMAGE
 
 from jaxtrain import ScalingConfig, _core
 from seed_program import SEED, with_psum_first
@@ -304,6 +303,8 @@ def test_jaxtrain_submit_runs_the_driver_in_a_pod_and_finds_it_again(kubernetes_
 def _attempt_request(ns: str, name: str, env: dict[str, str], secret_env: dict[str, str],
                      command: list[str] | None = None, template: dict | None = None) -> dict:
     """The request the launcher hands its supervisor for one attempt of one CPU rank."""
+    from kubernetes_fixtures import IMAGE  # after pytest_plugins has loaded it
+
     options = {"namespace": ns, "name": name, "image": IMAGE, "image_pull_policy": "Never",
                "request_dir": "/unused", "worker_command": command or ["python", "-c", "pass"],
                "supervisor_argv": ["unused"], "pod_template": template}
