@@ -204,7 +204,7 @@ TEST(JobSetManifestTest, TheUsersVariablesAreReadFromTheSecretNotThePodSpec) {
 TEST(JobSetManifestTest, WorkerPodsGetNoServiceAccountTokenUnlessTheTemplateAsks) {
   auto m = Manifest(Config({.num_workers = 2}), Options());
   ASSERT_TRUE(m.ok()) << m.status().message();
-  EXPECT_EQ(Pod(*m)["spec"]["automountServiceAccountToken"], false);
+  EXPECT_EQ(Pod(*m)["spec"].value("automountServiceAccountToken", json()), json(false));
 
   KubernetesOptions o = Options();
   o.pod_template = json::parse(R"({"spec": {"automountServiceAccountToken": true}})");
