@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from jaxtrain import ScalingConfig, _core
 from seed_program import SEED, with_psum_first
 
 if TYPE_CHECKING:
@@ -261,6 +262,7 @@ def test_jaxtrain_submit_runs_the_driver_in_a_pod_and_finds_it_again(kubernetes_
     k.kubectl("apply", "-n", ns, "-f", str(REPO / "docs" / "kubernetes-rbac.yaml"))
     k.kubectl("create", "rolebinding", "trainer", "-n", ns, "--role=jaxtrain",
               f"--serviceaccount={ns}:trainer")
+    k.kubectl("apply", "-n", ns, "-f", str(REPO / "docs" / "kubernetes-networkpolicy.yaml"))
     (workdir / "script.py").write_text(textwrap.dedent('''
         import jax
         import jaxtrain
@@ -286,6 +288,84 @@ def test_jaxtrain_submit_runs_the_driver_in_a_pod_and_finds_it_again(kubernetes_
                  workdir)
     assert logs.returncode == 0, logs.stderr
     assert "(rank=1) process 1 of 2" in logs.stdout
+    # The --env value reached the driver (its workers pulled no image) from a Secret, not the spec.
+    env = {e["name"]: e for e in k.get("pod", name, "-n", ns)["spec"]["containers"][0]["env"]}
+    assert env["JAXTRAIN_K8S_IMAGE_PULL_POLICY"]["valueFrom"]["secretKeyRef"] == {
+        "name": name, "key": "JAXTRAIN_K8S_IMAGE_PULL_POLICY"}
     # The workers' objects went with the run; the driver pod stays until deleted, and its
-    # ConfigMap goes with it.
-    assert [o for o in k.objects(ns) if not o.startswith(("pod/", "configmap/"))] == []
+    # ConfigMap and the Secret of its --env values go with it.
+    assert [o for o in k.objects(ns) if not o.startswith(("pod/", "configmap/"))] == [
+        f"secret/{name}"]
+    owners = k.get("secret", name, "-n", ns)["metadata"]["ownerReferences"]
+    assert [(o["kind"], o["name"]) for o in owners] == [("Pod", name)]
+
+
+def _attempt_request(ns: str, name: str, env: dict[str, str], secret_env: dict[str, str],
+                     command: list[str] | None = None, template: dict | None = None) -> dict:
+    """The request the launcher hands its supervisor for one attempt of one CPU rank."""
+    from kubernetes_fixtures import IMAGE  # after pytest_plugins has loaded it
+
+    options = {"namespace": ns, "name": name, "image": IMAGE, "image_pull_policy": "Never",
+               "request_dir": "/unused", "worker_command": command or ["python", "-c", "pass"],
+               "supervisor_argv": ["unused"], "pod_template": template}
+    jobset = json.loads(_core.kubernetes_jobset(ScalingConfig(num_workers=1)._core,
+                                                json.dumps(options), f"{name}-1", env))
+    return {"namespace": ns, "jobset": jobset, "ranks": 1,
+            "secret": {"name": f"{name}-1", "key": "ab" * 32, "env": secret_env}}
+
+
+def _supervise(k: KubernetesCluster, ns: str, workdir: Path, request: dict):
+    path = workdir / f"{request['secret']['name']}.json"
+    path.write_text(json.dumps(request))
+    return k.run([PY, "-m", "jaxtrain.kubernetes", "supervise", str(path)],
+                 k.driver_env(ns, workdir), workdir)
+
+
+def test_objects_of_the_same_name_are_another_runs_and_left_untouched(kubernetes_cluster,
+                                                                       workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    # A Secret of the name the attempt was to use, made by someone else.
+    k.kubectl("create", "secret", "generic", "taken-1", "-n", ns, "--from-literal=secret=theirs")
+    before = k.get("secret", "taken-1", "-n", ns)
+    proc = _supervise(k, ns, workdir, _attempt_request(ns, "taken", {}, {}))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"cannot create Secret {ns}/taken-1: one of that name already exists" in proc.stdout
+    after = k.get("secret", "taken-1", "-n", ns)
+    assert (after["metadata"]["uid"], after["data"]) == (before["metadata"]["uid"],
+                                                         before["data"])
+    assert "ownerReferences" not in after["metadata"]
+    assert k.get("jobsets", "-n", ns)["items"] == []
+
+    # A JobSet of that name (suspended: no pods), made by someone else.
+    theirs = _attempt_request(ns, "other", {}, {})["jobset"]
+    theirs["metadata"]["name"] = "other-1"
+    theirs["spec"]["suspend"] = True
+    k.kubectl("create", "-n", ns, "-f", "-", input=json.dumps(theirs))
+    before = k.get("jobset", "other-1", "-n", ns)
+    proc = _supervise(k, ns, workdir, _attempt_request(ns, "other", {}, {}))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"cannot create JobSet {ns}/other-1: one of that name already exists" in proc.stdout
+    assert k.get("jobset", "other-1", "-n", ns)["metadata"]["uid"] == before["metadata"]["uid"]
+    # The Secret this supervisor made went again; the other's JobSet stays.
+    assert k.kubectl("get", "secret", "other-1", "-n", ns, check=False) == ""
+    k.kubectl("delete", "jobset", "other-1", "-n", ns)
+
+
+def test_a_non_root_worker_reads_the_key_and_its_variables_from_the_secret(kubernetes_cluster,
+                                                                           workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    show = ("import os; print('uid', os.getuid(), 'key', "
+            "len(open(os.environ['JAXTRAIN_RUN_SECRET_FILE']).read().strip()), 'api', "
+            "os.environ['API_KEY'], 'token', "
+            "os.path.exists('/var/run/secrets/kubernetes.io/serviceaccount/token'))")
+    request = _attempt_request(
+        ns, "nonroot", {"JAXTRAIN_WORLD_SIZE": "1", "API_KEY": "from-the-secret"},
+        {"env.API_KEY": "from-the-secret"}, command=["python", "-c", show],
+        template={"spec": {"securityContext": {"runAsUser": 1000, "fsGroup": 1000}}})
+    assert "from-the-secret" not in json.dumps(request["jobset"])
+    proc = _supervise(k, ns, workdir, request)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "uid 1000 key 64 api from-the-secret token False" in proc.stdout
+    assert k.objects(ns) == []

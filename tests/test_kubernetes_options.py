@@ -1,16 +1,25 @@
 """The Kubernetes launcher's choices that need no cluster: names, pod templates, the JobSet that
-`jaxtrain plan --kubernetes` prints, and the errors for what GKE cannot give."""
+`jaxtrain plan --kubernetes` prints, the errors for what GKE cannot give, the supervisor's log
+lines and its objects (on a fake API server), and the Role and NetworkPolicy of docs/."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
+from kubernetes.client import ApiException
 
 from jaxtrain import kubernetes
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_run_names_become_dns_labels():
@@ -75,3 +84,191 @@ def test_plan_names_what_kubernetes_cannot_give(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_run_names_differ_after_user_code_seeds_random():
+    # User code seeding `random` before fit() must not repeat a name another run has.
+    names = set()
+    for _ in range(2):
+        random.seed(0)
+        names.add(kubernetes.object_name("jaxtrain_run-2026-12-05_14-55-07.123-abcdef"))
+    assert len(names) == 2
+    # Names that differ only past the cut keep apart in their hash, and fit the budget.
+    base = "a-very-long-sweep-name-for-the-learning-rate-trial"
+    one, two = (kubernetes.object_name(f"{base}{n}").rsplit("-", 1)[0] for n in (1, 2))
+    assert one != two
+    assert len(one) <= 30 and one.startswith("a-very-long-sweep-name")
+    assert re.fullmatch(r"my-run-[a-z0-9]{6}", kubernetes.object_name("My_Run"))
+
+
+def test_log_lines_end_at_newline_or_carriage_return_and_are_capped():
+    lines = kubernetes._Lines(cap=8)
+    assert lines.take(b"a\nb\r") == [b"a\n"]  # a '\r' at the end waits for what follows
+    assert lines.take(b"\nc\rd") == [b"b\r\n", b"c\r"]
+    assert lines.take(b"0123456789") == [b"d0123456\n"]  # a line without an end, capped
+    assert lines.take(b"") == []
+    assert lines.close() == [b"789\n"]
+    assert lines.close() == []
+    # A progress bar that never sends '\n' keeps no more than the cap.
+    bar = kubernetes._Lines(cap=8)
+    for _ in range(1000):
+        bar.take(b"\r 50%|#####")
+    assert len(bar._partial) < 8
+
+
+def test_labelled_lines_end_in_newline_for_the_controller(capfd):
+    out = kubernetes._Output(labelled=True)
+    out.rank_lines(1, [b"\r", b" 10%|#\r", b"done\r\n", b"x\n"])
+    out.rank_lines(0, [])
+    assert capfd.readouterr().out == "1:  10%|#\n1: done\r\n1: x\n"
+    kubernetes._Output(labelled=False).rank_lines(0, [b" 10%|#\r", b"x\n"])
+    assert capfd.readouterr().out == " 10%|#\rx\n"  # the controller shows the bar move
+
+
+def _roles() -> dict[str, set[tuple[str, str, str, str]]]:
+    """The Roles of docs/kubernetes-rbac.yaml, as (verb, group, resource, subresource)."""
+    roles = {}
+    for doc in yaml.safe_load_all((REPO / "docs" / "kubernetes-rbac.yaml").read_text()):
+        granted = set()
+        for rule in doc["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    name, _, sub = resource.partition("/")
+                    granted |= {(verb, group, name, sub) for verb in rule["verbs"]}
+        roles[doc["metadata"]["name"]] = granted
+    return roles
+
+
+def test_the_documented_roles_grant_exactly_what_the_code_uses():
+    roles = _roles()
+    assert roles["jaxtrain"] == set(kubernetes._NEEDED)
+    assert roles["jaxtrain-submit"] == set(kubernetes._NEEDED_TO_SUBMIT)
+    for granted in roles.values():
+        assert not {g for g in granted if g[2] == "secrets" and g[0] in ("get", "list", "watch")}
+
+
+def test_the_network_policy_covers_the_pods_a_run_makes():
+    proc = _plan("-n", "2")
+    assert proc.returncode == 0, proc.stderr
+    labels = json.loads(proc.stdout)["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"]["metadata"]["labels"]
+    policy = yaml.safe_load((REPO / "docs" / "kubernetes-networkpolicy.yaml").read_text())
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    admitted = [f["podSelector"]["matchLabels"] for f in policy["spec"]["ingress"][0]["from"]]
+    assert selected.items() <= labels.items()
+    assert any(a.items() <= labels.items() for a in admitted)
+    # The driver pods of jaxtrain submit too.
+    assert selected.items() <= kubernetes.MANAGED_BY.items()
+
+
+class _FakeServer:
+    """The API calls of the supervisor's create() and delete(), on a dict of objects, with the
+    API server's answers: 409 for a name taken or a uid precondition unmet, 404 for none."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict] = {}
+        self._made = 0
+
+    def add(self, kind: str, name: str, **fields) -> dict:
+        self._made += 1
+        obj = {"uid": f"uid-{self._made}", **fields}
+        self.objects[(kind, name)] = obj
+        return obj
+
+    def _create(self, kind: str, name: str, **fields) -> dict:
+        if (kind, name) in self.objects:
+            raise ApiException(status=409, reason="AlreadyExists")
+        return self.add(kind, name, **fields)
+
+    def _delete(self, kind: str, name: str, body) -> None:
+        obj = self.objects.get((kind, name))
+        if obj is None:
+            raise ApiException(status=404, reason="NotFound")
+        if body is not None and body.preconditions and body.preconditions.uid != obj["uid"]:
+            raise ApiException(status=409, reason="Conflict")
+        del self.objects[(kind, name)]
+
+    def create_namespaced_secret(self, namespace, body):
+        obj = self._create("Secret", body.metadata.name, data=body.string_data)
+        return SimpleNamespace(metadata=SimpleNamespace(uid=obj["uid"]))
+
+    def patch_namespaced_secret(self, name, namespace, patch):
+        obj = self.objects[("Secret", name)]
+        if patch["metadata"].get("uid", obj["uid"]) != obj["uid"]:
+            raise ApiException(status=409, reason="Conflict")
+        obj["owners"] = patch["metadata"]["ownerReferences"]
+
+    def delete_namespaced_secret(self, name, namespace, body=None):
+        self._delete("Secret", name, body)
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body):
+        return {"metadata": {"uid": self._create("JobSet", body["metadata"]["name"])["uid"]}}
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        if ("JobSet", name) not in self.objects:
+            raise ApiException(status=404, reason="NotFound")
+        return {"metadata": {"uid": self.objects[("JobSet", name)]["uid"]}}
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, body=None):
+        self._delete("JobSet", name, body)
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        return SimpleNamespace(items=[])
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """Supervisor.run() takes SIGTERM and SIGUSR1; this process gets its own back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def _supervisor(server: _FakeServer) -> kubernetes.Supervisor:
+    from kubernetes import client
+
+    container = {"name": "worker", "image": "example/train:1"}
+    jobset = {"metadata": {"name": "run-x-1", "labels": {}},
+              "spec": {"replicatedJobs": [{"template": {"spec": {
+                  "parallelism": 1, "template": {"spec": {"containers": [container]}}}}}]}}
+    request = {"namespace": "ml", "jobset": jobset, "ranks": 1,
+               "secret": {"name": "run-x-1", "key": "k" * 64, "env": {"env.API_KEY": "v"}}}
+    api = SimpleNamespace(client=client, core=server, custom=server)
+    return kubernetes.Supervisor(api, request, kubernetes._Output(labelled=False))
+
+
+def test_an_existing_secret_of_the_same_name_is_left_untouched(capfd):
+    server = _FakeServer()
+    theirs = server.add("Secret", "run-x-1", data={"secret": "theirs"})
+    assert _supervisor(server).run() == 3
+    assert server.objects == {("Secret", "run-x-1"): theirs}
+    assert theirs == {"uid": "uid-1", "data": {"secret": "theirs"}}
+    assert "cannot create Secret ml/run-x-1: one of that name already exists" in \
+        capfd.readouterr().out
+
+
+def test_an_existing_jobset_of_the_same_name_is_left_untouched(capfd):
+    server = _FakeServer()
+    theirs = server.add("JobSet", "run-x-1")
+    assert _supervisor(server).run() == 3
+    assert server.objects == {("JobSet", "run-x-1"): theirs}  # and the Secret made is gone
+    assert "cannot create JobSet ml/run-x-1: one of that name already exists" in \
+        capfd.readouterr().out
+
+
+def test_the_supervisor_deletes_only_the_objects_it_created():
+    server = _FakeServer()
+    supervisor = _supervisor(server)
+    supervisor.create()
+    secret = server.objects[("Secret", "run-x-1")]
+    assert secret["data"] == {"env.API_KEY": "v", "secret": "k" * 64}
+    assert secret["owners"][0]["uid"] == supervisor.jobset_uid
+    # Both replaced by another's objects of the same names (say, after a restart of the driver).
+    del server.objects[("Secret", "run-x-1")], server.objects[("JobSet", "run-x-1")]
+    others = {("Secret", "run-x-1"): server.add("Secret", "run-x-1"),
+              ("JobSet", "run-x-1"): server.add("JobSet", "run-x-1")}
+    supervisor.delete(grace=True)
+    assert server.objects == others

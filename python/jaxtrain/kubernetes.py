@@ -18,11 +18,12 @@ docs/kubernetes.md has the user's view.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
-import random
 import re
+import secrets
 import signal
 import string
 import sys
@@ -44,11 +45,23 @@ _DEFAULT_PENDING_TIMEOUT_S = 300.0
 _TEARDOWN_TIMEOUT_S = 60.0
 _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
                  "CreateContainerConfigError", "CreateContainerError")
-# What a run does in its namespace: (verb, group, resource, subresource).
+# What a run's driver and supervisors do in its namespace, all of it (docs/kubernetes-rbac.yaml's
+# Role "jaxtrain" grants exactly this): (verb, group, resource, subresource). No Secret is ever
+# read back.
 _NEEDED = [("create", JOBSET_GROUP, "jobsets", ""), ("delete", JOBSET_GROUP, "jobsets", ""),
+           ("get", JOBSET_GROUP, "jobsets", ""), ("list", JOBSET_GROUP, "jobsets", ""),
            ("create", "", "secrets", ""), ("patch", "", "secrets", ""),
-           ("delete", "", "secrets", ""), ("list", "", "pods", ""), ("watch", "", "pods", ""),
-           ("get", "", "pods", "log")]
+           ("delete", "", "secrets", ""), ("get", "", "pods", ""), ("list", "", "pods", ""),
+           ("watch", "", "pods", ""), ("delete", "", "pods", ""), ("get", "", "pods", "log")]
+# What `jaxtrain submit`, `status` and `logs` do (the Role "jaxtrain-submit").
+_NEEDED_TO_SUBMIT = [("create", "", "configmaps", ""), ("patch", "", "configmaps", ""),
+                     ("create", "", "secrets", ""), ("patch", "", "secrets", ""),
+                     ("create", "", "pods", ""), ("get", "", "pods", ""),
+                     ("list", "", "pods", ""), ("get", "", "pods", "log")]
+# The longest line the supervisor buffers, as the controller's (RankOutput::kLineCap): a longer
+# one is passed on in pieces.
+_LINE_CAP = 64 << 10
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 
 
 def _client():
@@ -183,8 +196,20 @@ def dns_name(text: str, limit: int) -> str:
     return name[:limit].rstrip("-")
 
 
-def _random_suffix(n: int = 5) -> str:
-    return "".join(random.choices(string.ascii_lowercase + string.digits, k=n))
+def _random_suffix(n: int = 6) -> str:
+    """From the operating system's randomness: user code seeding ``random`` does not repeat it."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(n))
+
+
+def object_name(text: str, limit: int = 30) -> str:
+    """The unique base of a run's object names: ``text`` as a DNS label of at most ``limit``
+    characters — ending in a hash of the whole of ``text`` when it had to be cut, so that names
+    differing only past the cut stay apart — and a random suffix."""
+    name = dns_name(text, 63)
+    if len(name) > limit:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:4]
+        name = f"{dns_name(text, limit - 5)}-{digest}"
+    return f"{name}-{_random_suffix()}"
 
 
 def load_pod_template(path: str | None) -> dict | None:
@@ -304,14 +329,15 @@ def launch_options(experiment_name: str, run_dir: str) -> dict:
                          "number of seconds > 0")
     return {
         "namespace": namespace,
-        "name": f"{dns_name(experiment_name, 30)}-{_random_suffix()}",
+        "name": object_name(experiment_name),
         "image": image,
         "image_pull_policy": os.environ.get("JAXTRAIN_K8S_IMAGE_PULL_POLICY", ""),
         "service_account": os.environ.get("JAXTRAIN_K8S_SERVICE_ACCOUNT", ""),
         "worker_command": [os.environ.get("JAXTRAIN_K8S_PYTHON", "python"), "-m",
                            "jaxtrain.worker"],
         "supervisor_argv": [sys.executable, "-m", "jaxtrain.kubernetes", "supervise"],
-        "request_dir": tempfile.mkdtemp(prefix="jaxtrain-kubernetes-"),
+        # The launcher makes its own 0700 directory there, and removes it when the run ends.
+        "request_dir": tempfile.gettempdir(),
         "pending_timeout_s": timeout,
         "pod_template": template,
         "owner": owner,
@@ -323,6 +349,38 @@ def launch_options(experiment_name: str, run_dir: str) -> dict:
 # ---- the supervisor -------------------------------------------------------------------------
 
 
+class _Lines:
+    r"""A log stream cut into whole lines, as the controller cuts a worker's output
+    (src/controller/rank_output.h): a line ends at ``\n``, at ``\r`` (a progress bar redraws its
+    line after one; ``\r\n`` ends one line), or after ``_LINE_CAP`` bytes without an end, so that
+    output without newlines never grows a buffer without bound. A ``\r`` at the end of a chunk
+    waits for the next one, which may hold its ``\n``."""
+
+    _END = re.compile(rb"\r\n|\r(?!\Z)|\n")
+
+    def __init__(self, cap: int = _LINE_CAP) -> None:
+        self._cap = cap
+        self._partial = b""
+
+    def take(self, chunk: bytes) -> list[bytes]:
+        r"""The lines that ``chunk`` ends, each with its end (a line cut at the cap: ``\n``)."""
+        data = self._partial + chunk
+        lines = []
+        start = 0
+        for end in self._END.finditer(data):
+            lines.append(data[start:end.end()])
+            start = end.end()
+        while len(data) - start >= self._cap:
+            lines.append(data[start:start + self._cap] + b"\n")
+            start += self._cap
+        self._partial = data[start:]
+        return lines
+
+    def close(self) -> list[bytes]:
+        """The rest, an unended line, taken as ended."""
+        return self.take(b"\n") if self._partial else []
+
+
 class _Output:
     """Whole lines to stdout from several threads; ``<rank>: `` labels when there are several."""
 
@@ -330,10 +388,15 @@ class _Output:
         self._lock = threading.Lock()
         self._labelled = labelled
 
-    def rank_lines(self, rank: int, data: bytes) -> None:
+    def rank_lines(self, rank: int, lines: list[bytes]) -> None:
+        r"""Writes `lines` (_Lines's) of `rank`. Labelled, a line that a lone ``\r`` ended ends in
+        ``\n`` instead: the controller splits labelled output at ``\n`` only."""
         if self._labelled:
-            data = b"".join(f"{rank}: ".encode() + line for line in data.splitlines(True))
-        self._write(data)
+            label = f"{rank}: ".encode()
+            lines = [label + (line[:-1] + b"\n" if line.endswith(b"\r") else line)
+                     for line in lines if line != b"\r"]
+        if lines:
+            self._write(b"".join(lines))
 
     def say(self, line: str) -> None:
         self._write(f"jaxtrain kubernetes: {line}\n".encode())
@@ -363,6 +426,16 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class ObjectExists(Exception):
+    """An object the supervisor was to create is already there: another's, left as it is."""
+
+    def __init__(self, kind: str, namespace: str, name: str) -> None:
+        super().__init__(
+            f"cannot create {kind} {namespace}/{name}: one of that name already exists and is "
+            "not this run's, so it was left as it is; this attempt created nothing that is left "
+            "(if the object is a leftover of an earlier run, delete it)")
+
+
 class _Pod:
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -390,48 +463,76 @@ class Supervisor:
         self.pods: dict[str, _Pod] = {}
         self.succeeded: set[int] = set()
         self.stop_requested: str | None = None  # "grace" or "now"
+        self.secret_uid: str | None = None  # what this supervisor created
+        self.jobset_uid: str | None = None
 
     # -- objects --
 
     def create(self) -> None:
+        """Creates the attempt's Secret, then its JobSet, keeping the uid of each. An object of
+        the same name that is already there is not this run's (names end in a random suffix): it
+        is left as it is, and ObjectExists names it."""
         client = self.api.client
         meta = self.jobset["metadata"]
         secret = client.V1Secret(
             metadata=client.V1ObjectMeta(
                 name=self.secret["name"], namespace=self.namespace, labels=meta.get("labels"),
                 owner_references=meta.get("ownerReferences")),
-            string_data={"secret": self.secret["key"]}, type="Opaque")
+            string_data={**(self.secret.get("env") or {}), "secret": self.secret["key"]},
+            type="Opaque")
         try:
-            self.api.core.create_namespaced_secret(self.namespace, secret)
+            made = self.api.core.create_namespaced_secret(self.namespace, secret)
         except client.ApiException as e:
-            if e.status != 409:
-                raise
-            self.api.core.replace_namespaced_secret(self.secret["name"], self.namespace, secret)
-        created = self.api.custom.create_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.jobset)
-        # The Secret now goes with the JobSet.
+            if e.status == 409:
+                raise ObjectExists("Secret", self.namespace, self.secret["name"]) from None
+            raise
+        self.secret_uid = made.metadata.uid
+        try:
+            created = self.api.custom.create_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.jobset)
+        except client.ApiException as e:
+            if e.status == 409:
+                raise ObjectExists("JobSet", self.namespace, self.name) from None
+            raise
+        self.jobset_uid = created["metadata"]["uid"]
+        # The Secret now goes with the JobSet. Its uid in the patch: only this Secret is changed.
         owner = {"apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}", "kind": "JobSet",
-                 "name": self.name, "uid": created["metadata"]["uid"]}
+                 "name": self.name, "uid": self.jobset_uid}
         self.api.core.patch_namespaced_secret(
             self.secret["name"], self.namespace,
-            {"metadata": {"ownerReferences": [owner, *(meta.get("ownerReferences") or [])]}})
+            {"metadata": {"uid": self.secret_uid,
+                          "ownerReferences": [owner, *(meta.get("ownerReferences") or [])]}})
+
+    def _delete_options(self, uid: str, **kw: Any) -> Any:
+        """Deletion of the object whose uid is `uid` only (a precondition the server checks)."""
+        client = self.api.client
+        return client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid), **kw)
 
     def delete(self, grace: bool) -> None:
-        """Deletes the JobSet and its Secret; returns once no pod of the JobSet is left."""
+        """Deletes what this supervisor created — the JobSet and its Secret, each by its uid, so
+        that an object of the same name made by another is never touched; returns once no pod of
+        the JobSet is left."""
         client = self.api.client
-        body = client.V1DeleteOptions(propagation_policy="Foreground",
-                                      grace_period_seconds=None if grace else 0)
-        try:
-            self.api.custom.delete_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name, body=body)
-        except client.ApiException as e:
-            if e.status != 404:
-                self.out.say(f"error: cannot delete JobSet {self.namespace}/{self.name}: "
-                             f"{_reason(e)}")
-        try:
-            self.api.core.delete_namespaced_secret(self.secret["name"], self.namespace)
-        except client.ApiException:
-            pass
+        if self.jobset_uid is not None:
+            body = self._delete_options(self.jobset_uid, propagation_policy="Foreground",
+                                        grace_period_seconds=None if grace else 0)
+            try:
+                self.api.custom.delete_namespaced_custom_object(
+                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name,
+                    body=body)
+            except client.ApiException as e:
+                if e.status not in (404, 409):  # 409: the uid differs, ours is gone
+                    self.out.say(f"error: cannot delete JobSet {self.namespace}/{self.name}: "
+                                 f"{_reason(e)}")
+        if self.secret_uid is not None:
+            try:
+                self.api.core.delete_namespaced_secret(
+                    self.secret["name"], self.namespace,
+                    body=self._delete_options(self.secret_uid))
+            except client.ApiException:
+                pass
+        if self.jobset_uid is None:
+            return
         deadline = time.monotonic() + _TEARDOWN_TIMEOUT_S
         forced = not grace
         while time.monotonic() < deadline:
@@ -447,24 +548,26 @@ class Supervisor:
                 forced = True
                 for pod in left:
                     if pod is not None:
-                        self._delete_pod_now(pod.metadata.name)
+                        self._delete_pod_now(pod)
             time.sleep(0.2)
         self.out.say(f"error: pods of JobSet {self.namespace}/{self.name} were still there "
                      f"{_TEARDOWN_TIMEOUT_S:.0f} s after it was deleted")
 
     def _jobset_gone(self) -> bool:
         try:
-            self.api.custom.get_namespaced_custom_object(
+            jobset = self.api.custom.get_namespaced_custom_object(
                 JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
         except self.api.client.ApiException as e:
             return e.status == 404
         except Exception:
             return False
-        return False
+        return jobset["metadata"]["uid"] != self.jobset_uid
 
-    def _delete_pod_now(self, name: str) -> None:
+    def _delete_pod_now(self, pod: Any) -> None:
         try:
-            self.api.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+            self.api.core.delete_namespaced_pod(
+                pod.metadata.name, self.namespace,
+                body=self._delete_options(pod.metadata.uid, grace_period_seconds=0))
         except Exception:
             pass
 
@@ -484,15 +587,10 @@ class Supervisor:
                 stream = self.api.core.read_namespaced_pod_log(
                     name, self.namespace, container=self.container, follow=True,
                     _preload_content=False)
-                partial = b""
+                lines = _Lines()
                 for chunk in stream.stream(65536):
-                    data = partial + chunk
-                    cut = data.rfind(b"\n") + 1
-                    if cut:
-                        self.out.rank_lines(state.rank, data[:cut])
-                    partial = data[cut:]
-                if partial:
-                    self.out.rank_lines(state.rank, partial + b"\n")
+                    self.out.rank_lines(state.rank, lines.take(chunk))
+                self.out.rank_lines(state.rank, lines.close())
                 return
             except Exception:
                 time.sleep(0.5)  # the container may not have started yet
@@ -599,6 +697,10 @@ class Supervisor:
         signal.signal(signal.SIGUSR1, on_signal)
         try:
             self.create()
+        except ObjectExists as e:
+            self.out.say(f"error: {e}")
+            self.delete(grace=False)
+            return 3
         except Exception as e:
             self.out.say(f"error: cannot create JobSet {self.namespace}/{self.name}: {_reason(e)}")
             self.delete(grace=False)
@@ -650,8 +752,11 @@ def submit(script: str, script_args: list[str], run_args: list[str], image: str,
     api.check_reachable()
     namespace = namespace or api.namespace()
     client = api.client
-    base = dns_name(name or os.path.splitext(os.path.basename(script))[0], 40)
-    pod_name = f"{base}-{_random_suffix()}"
+    pod_name = object_name(name or os.path.splitext(os.path.basename(script))[0], 40)
+    for key in env:
+        if not _SECRET_KEY.fullmatch(key):
+            raise ValueError(f"--env '{key}=...' is not allowed: its value travels in a Secret, "
+                             "whose keys are letters, digits, '-', '_' and '.'")
     with open(script, "rb") as f:
         source = f.read()
     if len(source) > 900_000:
@@ -674,7 +779,12 @@ def submit(script: str, script_args: list[str], run_args: list[str], image: str,
         metadata=client.V1ObjectMeta(name=pod_name, namespace=namespace, labels=labels),
         data={"script.py": source.decode("utf-8", "replace"),
               "worker-pod.json": json.dumps(worker_template)})
-    container_env = [{"name": k, "value": v} for k, v in env.items()] + [
+    # The --env values (API keys, often) are in a Secret that the pod spec only names.
+    secret = client.V1Secret(
+        metadata=client.V1ObjectMeta(name=pod_name, namespace=namespace, labels=labels),
+        string_data=env, type="Opaque") if env else None
+    container_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": pod_name, "key": k}}}
+                     for k in env] + [
         {"name": "JAXTRAIN_LAUNCHER", "value": "kubernetes"},
         {"name": "JAXTRAIN_K8S_POD_TEMPLATE", "value": f"{script_dir}/worker-pod.json"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -700,10 +810,15 @@ def submit(script: str, script_args: list[str], run_args: list[str], image: str,
     driver_template["apiVersion"] = "v1"
     driver_template["kind"] = "Pod"
     api.core.create_namespaced_config_map(namespace, config_map)
+    if secret is not None:
+        api.core.create_namespaced_secret(namespace, secret)
     created = api.core.create_namespaced_pod(namespace, driver_template)
-    # The ConfigMap goes with the driver pod.
-    api.core.patch_namespaced_config_map(pod_name, namespace, {"metadata": {"ownerReferences": [
-        {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": created.metadata.uid}]}})
+    # The ConfigMap and the Secret go with the driver pod.
+    owned = {"metadata": {"ownerReferences": [
+        {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": created.metadata.uid}]}}
+    api.core.patch_namespaced_config_map(pod_name, namespace, owned)
+    if secret is not None:
+        api.core.patch_namespaced_secret(pod_name, namespace, owned)
     say(f"submitted {namespace}/{pod_name}; 'jaxtrain status --kubernetes {pod_name}' and "
         f"'jaxtrain logs --kubernetes {pod_name} -f' find it again")
     if not follow:

@@ -235,8 +235,14 @@ def _take_secret() -> str | None:
                 os.close(null)
         return b"".join(chunks).decode().strip()
     if path:
-        with open(path, encoding="ascii") as f:
-            secret = f.read().strip()
+        try:
+            with open(path, encoding="ascii") as f:
+                secret = f.read().strip()
+        except PermissionError:
+            raise PermissionError(
+                f"cannot read the run's key at {path} as uid {os.getuid()}: on Kubernetes, a "
+                "worker that is not root reads it through spec.securityContext.fsGroup, which "
+                "JAXTRAIN_K8S_POD_TEMPLATE must then set (docs/kubernetes.md)") from None
         try:
             os.unlink(path)
         except OSError:  # a read-only mount (e.g. a Kubernetes Secret): its owner removes it

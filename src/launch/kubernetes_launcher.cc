@@ -79,6 +79,56 @@ json EnvVar(const std::string& name, const std::string& value) {
   return {{"name", name}, {"value", value}};
 }
 
+// jaxtrain's own settings stay in the pod spec; everything else is read from the Secret.
+bool PlainEnv(const std::string& name) { return name.rfind("JAXTRAIN_", 0) == 0; }
+
+// A Secret's data key: [-._a-zA-Z0-9]+, at most 253 characters.
+bool IsSecretKey(std::string_view key) {
+  return !key.empty() && key.size() <= 253 &&
+         key.find_first_not_of(
+             "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._") ==
+             std::string_view::npos;
+}
+
+// The mode of the run key's file in the Secret volume. A Secret volume's files are owned by root
+// and, with spec.securityContext.fsGroup, by that group: a worker running as root reads 0400; one
+// running as another user reads the file only through fsGroup (0440), and is refused without it.
+StatusOr<int> SecretFileMode(const json& spec) {
+  auto field = [](const json& o, const char* section, const char* name) -> const json* {
+    if (!o.is_object() || !o.contains(section) || !o[section].is_object()) return nullptr;
+    const json& s = o[section];
+    return s.contains(name) && !s[name].is_null() ? &s[name] : nullptr;
+  };
+  const json& container = spec["containers"][0];
+  std::string where = "spec.containers[0].securityContext.runAsUser";
+  const json* user = field(container, "securityContext", "runAsUser");
+  if (user == nullptr) {
+    where = "spec.securityContext.runAsUser";
+    user = field(spec, "securityContext", "runAsUser");
+  }
+  std::string non_root_where = "spec.containers[0].securityContext.runAsNonRoot";
+  const json* non_root = field(container, "securityContext", "runAsNonRoot");
+  if (non_root == nullptr) {
+    non_root_where = "spec.securityContext.runAsNonRoot";
+    non_root = field(spec, "securityContext", "runAsNonRoot");
+  }
+  std::string as;
+  if (user != nullptr && user->is_number_integer() && user->get<long long>() != 0) {
+    as = where + "=" + user->dump();
+  } else if (user == nullptr && non_root != nullptr && non_root->is_boolean() &&
+             non_root->get<bool>()) {
+    as = non_root_where + "=true";
+  }
+  if (as.empty()) return 0400;
+  if (field(spec, "securityContext", "fsGroup") != nullptr) return 0440;
+  return InvalidArgumentError(
+      "the worker pod template runs the worker as a user other than root (" + as +
+      ") without spec.securityContext.fsGroup: the run's key, a file of a Secret volume owned by "
+      "root, would be unreadable to it; set spec.securityContext.fsGroup in "
+      "JAXTRAIN_K8S_POD_TEMPLATE (e.g. to the worker's group id), which the file is then "
+      "readable by (mode 0440)");
+}
+
 // Adds `ours` to the env list `into`, replacing entries of the same name.
 void MergeEnv(json& into, const json& ours) {
   if (!into.is_array()) into = json::array();
@@ -196,6 +246,14 @@ Status CheckShape(const config::ScalingConfig& config) {
 
 }  // namespace
 
+std::map<std::string, std::string> SecretEnv(const std::map<std::string, std::string>& env) {
+  std::map<std::string, std::string> data;
+  for (const auto& [k, v] : env) {
+    if (!PlainEnv(k)) data[kSecretEnvPrefix + k] = v;
+  }
+  return data;
+}
+
 StatusOr<placement::Plan> PlanForKubernetes(const config::ScalingConfig& config,
                                             const accelerators::HostView& env) {
   JT_RETURN_IF_ERROR(CheckShape(config));
@@ -212,7 +270,21 @@ StatusOr<json> JobSetManifest(const config::ScalingConfig& config, const placeme
   for (const auto& [k, v] : options.labels) labels[k] = v;
 
   json container_env = json::array();
-  for (const auto& [k, v] : env) container_env.push_back(EnvVar(k, v));
+  for (const auto& [k, v] : env) {
+    if (PlainEnv(k)) {
+      container_env.push_back(EnvVar(k, v));
+      continue;
+    }
+    const std::string key = kSecretEnvPrefix + k;
+    if (!IsSecretKey(key)) {
+      return InvalidArgumentError("the worker environment variable '" + k +
+                                  "' cannot be passed to Kubernetes pods: its value travels in "
+                                  "the run's Secret, whose keys are letters, digits, '-', '_' and "
+                                  "'.'; rename it");
+    }
+    json ref = {{"name", jobset_name}, {"key", key}};
+    container_env.push_back({{"name", k}, {"valueFrom", {{"secretKeyRef", ref}}}});
+  }
   container_env.push_back(EnvVar("JAXTRAIN_RUN_SECRET_FILE", std::string(kSecretDir) + "/secret"));
   container_env.push_back(EnvVar("JAXTRAIN_K8S_PODS_PER_JOB", std::to_string(shape.pods_per_job)));
   container_env.push_back(
@@ -285,17 +357,20 @@ StatusOr<json> JobSetManifest(const config::ScalingConfig& config, const placeme
   if (!mounts.is_array()) mounts = json::array();
   mounts.push_back(
       {{"name", "jaxtrain-run-secret"}, {"mountPath", kSecretDir}, {"readOnly", true}});
+  JT_ASSIGN_OR_RETURN(const int secret_mode, SecretFileMode(spec));
   json& volumes = spec["volumes"];
   if (!volumes.is_array()) volumes = json::array();
   volumes.push_back({{"name", "jaxtrain-run-secret"},
                      {"secret",
                       {{"secretName", jobset_name},
-                       {"defaultMode", 0400},
+                       {"defaultMode", secret_mode},
                        {"items", json::array({{{"key", "secret"}, {"path", "secret"}}})}}}});
   spec["restartPolicy"] = "Never";
   if (!node_selector.empty()) MergeObject(spec["nodeSelector"], node_selector);
   if (!options.service_account.empty()) spec["serviceAccountName"] = options.service_account;
   if (!spec.contains("terminationGracePeriodSeconds")) spec["terminationGracePeriodSeconds"] = 5;
+  // Workers never call the API server: no token of the service account unless the template asks.
+  if (!spec.contains("automountServiceAccountToken")) spec["automountServiceAccountToken"] = false;
 
   json metadata = {
       {"name", jobset_name}, {"namespace", options.namespace_name}, {"labels", labels}};
@@ -356,7 +431,20 @@ KubernetesLauncher::KubernetesLauncher(KubernetesOptions options, config::Scalin
                                        placement::Plan plan)
     : options_(std::move(options)), config_(std::move(config)), plan_(std::move(plan)) {}
 
-KubernetesLauncher::~KubernetesLauncher() = default;
+KubernetesLauncher::~KubernetesLauncher() { RemoveRequests(); }
+
+void KubernetesLauncher::EndRun(bool keep) { RemoveRequests(); }
+
+void KubernetesLauncher::RemoveRequest() {
+  if (!request_path_.empty()) unlink(request_path_.c_str());
+  request_path_.clear();
+}
+
+void KubernetesLauncher::RemoveRequests() {
+  RemoveRequest();
+  if (!request_dir_.empty()) rmdir(request_dir_.c_str());
+  request_dir_.clear();
+}
 
 StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
@@ -371,21 +459,29 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
                       JobSetManifest(config_, plan_, options_, jobset_name, group.env));
   json request = {{"namespace", options_.namespace_name},
                   {"jobset", jobset},
-                  {"secret", {{"name", jobset_name}, {"key", key}}},
+                  {"secret", {{"name", jobset_name}, {"key", key}, {"env", SecretEnv(group.env)}}},
                   {"ranks", group.ranks.size()},
                   {"pending_timeout_s", options_.pending_timeout_s}};
 
-  if (mkdir(options_.request_dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return InternalError("cannot create '" + options_.request_dir + "': " + std::strerror(errno));
+  // The last attempt's request is gone unless its supervisor died before reading it.
+  RemoveRequest();
+  if (request_dir_.empty()) {
+    std::string dir = options_.request_dir + "/jaxtrain-kubernetes-XXXXXX";
+    if (mkdtemp(dir.data()) == nullptr) {
+      return InternalError("cannot create a directory in '" + options_.request_dir +
+                           "': " + std::strerror(errno));
+    }
+    request_dir_ = dir;
   }
-  const std::string path = options_.request_dir + "/" + jobset_name + ".json";
-  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const std::string path = request_dir_ + "/" + jobset_name + ".json";
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return InternalError("cannot write '" + path + "': " + std::strerror(errno));
+  request_path_ = path;
   int err = 0;
   const bool written = WriteAll(fd, request.dump(), "write", &err).ok();
   close(fd);
   if (!written) {
-    unlink(path.c_str());
+    RemoveRequest();
     return Status(ErrnoCode(err), "cannot write '" + path + "': " + std::strerror(err));
   }
 
@@ -401,7 +497,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   auto spawned = SpawnWithOutputPipe(
       {.argv = argv, .env = &env_strings, .process_group = 0, .search_path = true});
   if (!spawned.ok()) {
-    unlink(path.c_str());
+    RemoveRequest();
     return UnavailableError("cannot start the Kubernetes supervisor '" + argv[0] +
                             "': " + spawned.status().message());
   }

@@ -15,7 +15,16 @@
 // TPU: google.com/tpu limits of a host's chips, the GKE node selectors for the accelerator and
 // the topology, and JobSet's exclusive-topology annotation so that a slice is placed whole on one
 // node pool or not at all; several slices also get the MEGASCALE variables. GPU: nvidia.com/gpu
-// limits. The run's key reaches the pods only as a file of a Secret volume.
+// limits. The run's key reaches the pods only as a file of a Secret volume (0400, or 0440 with the
+// template's fsGroup for a worker that is not root); the worker environment's values other than
+// jaxtrain's own JAXTRAIN_* settings (worker_runtime_env's env_vars, what placement sets) are keys
+// of the same Secret, which the pod spec names but does not hold. Worker pods get no service
+// account token unless the template asks for one (automountServiceAccountToken).
+//
+// Request files: Launch() makes one 0700 directory under KubernetesOptions::request_dir
+// (mkdtemp) and one 0600 file in it per attempt, which the supervisor deletes once read. A file
+// its supervisor never read is deleted at the next Launch(); the file and the directory at
+// EndRun() or when the launcher is destroyed. Only a driver killed hard leaves them behind.
 //
 // Thread-safety: used by the controller's event loop only. JobSetManifest is a pure function.
 #pragma once
@@ -47,7 +56,7 @@ struct KubernetesOptions {
   std::string service_account;                // empty: the namespace's default
   std::vector<std::string> worker_command;    // the command of every worker container
   std::vector<std::string> supervisor_argv;   // the supervisor, run on this host
-  std::string request_dir;                    // where the request files are written (0700)
+  std::string request_dir;                    // where the launcher makes its request directory
   double pending_timeout_s = 300;             // a pod that cannot be scheduled this long fails
   nlohmann::json pod_template;                // merged into every worker pod; null: none
   nlohmann::json owner;                       // ownerReference of the run's objects; null: none
@@ -67,10 +76,20 @@ StatusOr<std::string> GkeTpuAccelerator(accelerators::TpuGeneration generation);
 StatusOr<placement::Plan> PlanForKubernetes(const config::ScalingConfig& config,
                                             const accelerators::HostView& env);
 
+// The prefix of a worker environment variable's key in the attempt's Secret.
+inline constexpr char kSecretEnvPrefix[] = "env.";
+
+// What of the workers' environment `env` the attempt's Secret holds: every variable but
+// jaxtrain's own (JAXTRAIN_*), under kSecretEnvPrefix + name.
+std::map<std::string, std::string> SecretEnv(const std::map<std::string, std::string>& env);
+
 // The JobSet of one attempt, named `jobset_name`, whose containers run `command` with `env` (and
-// the per-pod variables). The Secret `jobset_name` holds the run's key under "secret".
-// Errors: kInvalidArgument as PlanForKubernetes, or for a pod template that is not a Pod-shaped
-// object ({"metadata": {...}, "spec": {...}}).
+// the per-pod variables). The Secret `jobset_name` holds the run's key under "secret" and the
+// variables of SecretEnv(env), which the containers read from it (secretKeyRef).
+// Errors: kInvalidArgument as PlanForKubernetes, for a pod template that is not a Pod-shaped
+// object ({"metadata": {...}, "spec": {...}}), for one that runs the worker as a user other than
+// root without spec.securityContext.fsGroup (the key's file would be unreadable), or for a
+// variable whose name cannot be a Secret key.
 StatusOr<nlohmann::json> JobSetManifest(const config::ScalingConfig& config,
                                         const placement::Plan& plan,
                                         const KubernetesOptions& options,
@@ -103,13 +122,21 @@ class KubernetesLauncher : public Launcher {
     return ParseKubernetesTaskEnd(line);
   }
 
+  // Deletes the request directory and any request left in it.
+  void EndRun(bool keep) override;
+
  private:
+  void RemoveRequest();   // the last Launch()'s request file, if still there
+  void RemoveRequests();  // and the directory
+
   KubernetesOptions options_;
   config::ScalingConfig config_;
   placement::Plan plan_;
   pid_t pid_ = 0;  // the supervisor of the last Launch(); 0 when none
   int kills_ = 0;  // SIGKILLs asked for since the last Launch()
   int attempts_ = 0;
+  std::string request_dir_;   // made by the first Launch(); "" when none
+  std::string request_path_;  // the last Launch()'s request file; "" when none
 };
 
 }  // namespace jaxtrain::launch

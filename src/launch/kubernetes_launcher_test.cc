@@ -1,7 +1,10 @@
 #include "launch/kubernetes_launcher.h"
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace jaxtrain::launch {
 namespace {
@@ -174,6 +177,113 @@ TEST(JobSetManifestTest, ThePodTemplateIsKeptUnderWhatJaxtrainDecides) {
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
+}
+
+TEST(JobSetManifestTest, TheUsersVariablesAreReadFromTheSecretNotThePodSpec) {
+  auto c = Config({.num_workers = 2});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok());
+  const std::map<std::string, std::string> env = {{"JAXTRAIN_WORLD_SIZE", "2"},
+                                                  {"WANDB_API_KEY", "hunter2-key"}};
+  auto m = JobSetManifest(c, *plan, Options(), "run-abcde-1", env);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->dump().find("hunter2-key"), std::string::npos);
+  const json& pod = Pod(*m);
+  EXPECT_EQ(Env(pod, "JAXTRAIN_WORLD_SIZE").value()["value"], "2");
+  EXPECT_EQ(Env(pod, "WANDB_API_KEY").value()["valueFrom"]["secretKeyRef"],
+            json({{"name", "run-abcde-1"}, {"key", "env.WANDB_API_KEY"}}));
+  EXPECT_EQ(SecretEnv(env),
+            (std::map<std::string, std::string>{{"env.WANDB_API_KEY", "hunter2-key"}}));
+
+  auto odd = JobSetManifest(c, *plan, Options(), "run-abcde-1", {{"A:B", "1"}});
+  EXPECT_EQ(odd.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(odd.status().message().find("'A:B'"), std::string::npos);
+}
+
+TEST(JobSetManifestTest, WorkerPodsGetNoServiceAccountTokenUnlessTheTemplateAsks) {
+  auto m = Manifest(Config({.num_workers = 2}), Options());
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(Pod(*m)["spec"].value("automountServiceAccountToken", json()), json(false));
+
+  KubernetesOptions o = Options();
+  o.pod_template = json::parse(R"({"spec": {"automountServiceAccountToken": true}})");
+  auto asked = Manifest(Config({.num_workers = 2}), o);
+  ASSERT_TRUE(asked.ok()) << asked.status().message();
+  EXPECT_EQ(Pod(*asked)["spec"]["automountServiceAccountToken"], true);
+}
+
+TEST(JobSetManifestTest, ANonRootWorkerReadsTheKeyThroughFsGroupOrIsRefused) {
+  auto mode = [](const char* template_json) -> StatusOr<json> {
+    KubernetesOptions o = Options();
+    o.pod_template = json::parse(template_json);
+    auto m = Manifest(Config({.num_workers = 2}), o);
+    if (!m.ok()) return m.status();
+    return Pod(*m)["spec"]["volumes"].back()["secret"]["defaultMode"];
+  };
+  EXPECT_EQ(*mode(R"({"spec": {}})"), 0400);
+  EXPECT_EQ(*mode(R"({"spec": {"securityContext": {"runAsUser": 0}}})"), 0400);
+  EXPECT_EQ(*mode(R"({"spec": {"securityContext": {"runAsUser": 1000, "fsGroup": 2000}}})"), 0440);
+  EXPECT_EQ(*mode(R"({"spec": {"securityContext": {"runAsNonRoot": true, "fsGroup": 2000}}})"),
+            0440);
+
+  auto refused = mode(R"({"spec": {"securityContext": {"runAsUser": 1000}}})");
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("spec.securityContext.runAsUser=1000"),
+            std::string::npos);
+  EXPECT_NE(refused.status().message().find("set spec.securityContext.fsGroup"), std::string::npos);
+  auto container =
+      mode(R"({"spec": {"containers": [{"securityContext": {"runAsNonRoot": true}}]}})");
+  EXPECT_EQ(container.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(container.status().message().find("spec.containers[0].securityContext.runAsNonRoot"),
+            std::string::npos);
+}
+
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (dirent* e = readdir(d)) {
+    if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") {
+      names.push_back(e->d_name);
+    }
+  }
+  closedir(d);
+  return names;
+}
+
+TEST(KubernetesLauncherTest, LeavesNoRequestBehindWhenItsSupervisorNeverReadIt) {
+  char base[] = "/tmp/kubernetes-launcher-test-XXXXXX";
+  ASSERT_NE(mkdtemp(base), nullptr);
+  KubernetesOptions o = Options();
+  o.request_dir = base;
+  o.supervisor_argv = {"true"};  // exits without reading (or deleting) its request
+  auto c = Config({.num_workers = 2});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok());
+  {
+    KubernetesLauncher launcher(o, c, *plan);
+    std::vector<ProcessSpec> specs = {{{0}, {"python"}, {}, {}, "", "ab"},
+                                      {{1}, {"python"}, {}, {}, "", "ab"}};
+    for (int attempt = 1; attempt <= 2; ++attempt) {
+      auto launched = launcher.Launch(specs);
+      ASSERT_TRUE(launched.ok()) << launched.status().message();
+      int status = 0;
+      waitpid((*launched)[0].pid, &status, 0);
+      close((*launched)[0].pidfd);
+      close((*launched)[0].output_fd);
+      const std::vector<std::string> dirs = Entries(base);
+      ASSERT_EQ(dirs.size(), 1u);
+      // Only this attempt's request: the earlier one, never read, went at this Launch().
+      EXPECT_EQ(Entries(std::string(base) + "/" + dirs[0]),
+                std::vector<std::string>{"run-abcde-" + std::to_string(attempt) + ".json"});
+    }
+    launcher.EndRun(/*keep=*/true);
+    EXPECT_TRUE(Entries(base).empty());
+  }
+  EXPECT_TRUE(Entries(base).empty());
+  rmdir(base);
 }
 
 TEST(KubernetesOptionsTest, NamesTheMissingField) {
