@@ -125,10 +125,12 @@ class Peers:
             if not self._reply(sock, nonces).get("kept"):
                 raise PeerError(f"rank {self.peer} did not keep the copy")
 
-    def fetch(self, copy_id: str, expected: dict[str, tuple[int, int]]) -> int:
+    def fetch(self, copy_id: str, expected: dict[str, tuple[int, int, str | None]]) -> int:
         """Fetches this rank's copy ``copy_id`` from its peer's host into this host's store, and
-        returns its bytes. ``expected``: path -> (size, CRC-32C) of this rank's part as the
-        committed manifest lists it; any difference raises PeerError and keeps nothing."""
+        returns its bytes. ``expected``: path -> (size, CRC-32C, SHA-256 hex or None) of this
+        rank's part as the committed manifest lists it (HostMemory.missing_part); any difference,
+        in the bytes received too, raises PeerError and keeps nothing. A manifest without hashes
+        (written before them) vouches with the id, the sizes and the CRC-32C only."""
         if self.peer is None:
             raise PeerError("every rank is on one host")
         sock, nonces = self._open(self.peer, {"op": "get", "rank": self.rank, "id": copy_id})
@@ -141,15 +143,22 @@ class Peers:
                 attempt, round_ = _name(reply.get("name", ""))
                 files = _entries(reply.get("files"))
                 got = {e["path"]: (e["size"], e["crc32c"]) for e in files if "link" not in e}
-                if got != expected:
+                if got != {path: sums[:2] for path, sums in expected.items()}:
                     raise PeerError(f"rank {self.peer}'s copy {copy_id} does not list the "
                                     "committed files")
-                written = self.memory.prepare(attempt, round_)
+                size = sum(sums[0] for sums in expected.values())
+                written = self.memory.prepare(attempt, round_, size)
+                kept = []
                 for e in files:
                     if "link" not in e:
-                        _receive_file(sock, os.path.join(written, e["path"]), e)
-            self.memory.keep(written, attempt, round_, files, copy_id)
-            return sum(size for size, _ in expected.values())
+                        digest = _receive_file(sock, os.path.join(written, e["path"]), e)
+                        sums = expected[e["path"]]
+                        _check_sha256(e["path"], digest, sums[2] if len(sums) > 2 else None,
+                                      "the manifest")
+                        e = {**e, "sha256": digest}  # what this host wrote
+                    kept.append(e)
+            self.memory.keep(written, attempt, round_, kept, copy_id)
+            return size
         except BaseException:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
@@ -264,37 +273,57 @@ class Peers:
                 self._slots.release()
 
     def _put(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
-        donor = request["rank"]
+        try:
+            donor = _rank(request, "rank", self._world_size)
+            local_world_size = _rank(request, "local_world_size", self._world_size + 1)
+        except PeerError as e:
+            return self._send_reply(conn, nonces, {"error": str(e)})
         if request.get("host") == self._hostname:
             return self._send_reply(conn, nonces, {
                 "error": f"rank {donor} runs on this host ({self._hostname}) too"})
         # The donor's own host size names its peer (hosts may differ in size).
-        if peer_of(donor, self._world_size, request["local_world_size"]) != self.rank:
+        if peer_of(donor, self._world_size, local_world_size) != self.rank:
             return self._send_reply(conn, nonces, {
                 "error": f"rank {self.rank} is not rank {donor}'s peer"})
         attempt, round_ = _name(request["name"])
         files = _entries(request["files"])
         memory = HostMemory(self.memory.run_dir, donor, self.memory.root)
-        written = memory.prepare(attempt, round_)
+        try:  # a store that is not this user's, a copy above the memory budget: said, refused
+            written = memory.prepare(attempt, round_, sum(e.get("size", 0) for e in files))
+        except OSError as e:
+            self.say_once("put-store", f"not keeping rank {donor}'s copies: {e} (said once)")
+            return self._send_reply(conn, nonces, {"error": f"{type(e).__name__}: {e}"})
         try:
             self._send_reply(conn, nonces, {"ready": True})
+            kept = []
             for e in files:
                 if "link" not in e:
-                    _receive_file(conn, os.path.join(written, e["path"]), e)
-            memory.keep(written, attempt, round_, files, request["id"])
+                    digest = _receive_file(conn, os.path.join(written, e["path"]), e)
+                    _check_sha256(e["path"], digest, e.get("sha256"), "its sender")
+                    e = {**e, "sha256": digest}  # what this host wrote
+                kept.append(e)
+            memory.keep(written, attempt, round_, kept, request["id"])
         except BaseException:
             shutil.rmtree(written, ignore_errors=True)
             raise
         self._send_reply(conn, nonces, {"kept": True})
 
     def _get(self, conn: socket.socket, request: dict, nonces: bytes) -> None:
-        held = HostMemory(self.memory.run_dir, int(request["rank"]),
-                          self.memory.root).copy_named(request["id"])
+        try:
+            rank = _rank(request, "rank", self._world_size)
+        except PeerError as e:
+            return self._send_reply(conn, nonces, {"error": str(e)})
+        try:  # raises for a store that is not this user's: nothing of it is served
+            held = HostMemory(self.memory.run_dir, rank,
+                              self.memory.root).copy_named(request["id"])
+        except OSError as e:
+            self.say_once("get-store", f"serving no copies: {e} (said once)")
+            return self._send_reply(conn, nonces, {"error": f"{type(e).__name__}: {e}"})
         if held is None:
             return self._send_reply(conn, nonces, {
-                "error": f"no copy {request['id']} of rank {request['rank']} here"})
+                "error": f"no copy {request['id']} of rank {rank} here"})
         copy, record = held
-        files = _declared(record["files"])
+        files = _entries(_declared(record["files"]))  # clean paths only
         self._send_reply(conn, nonces, {"name": os.path.basename(copy), "files": files})
         # A file freed meanwhile ends the connection short: the fetching rank keeps nothing.
         for e in files:
@@ -330,10 +359,12 @@ def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) ->
     return b"".join(parts)
 
 
-def _receive_file(sock: socket.socket, path: str, entry: dict) -> None:
-    """Reads ``entry["size"]`` bytes into ``path``, checking them against the entry's CRC-32C."""
+def _receive_file(sock: socket.socket, path: str, entry: dict) -> str:
+    """Reads ``entry["size"]`` bytes into ``path``, checking them against the entry's CRC-32C;
+    returns their SHA-256 (hex), for the caller to check."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crc, left = 0, entry["size"]
+    sha256 = hashlib.sha256()
     buffer = memoryview(bytearray(min(left, _CHUNK)))
     with open(path, "wb", buffering=0) as f:
         while left > 0:
@@ -341,12 +372,32 @@ def _receive_file(sock: socket.socket, path: str, entry: dict) -> None:
             if n == 0:
                 raise PeerError(f"the connection ended in '{entry['path']}'")
             crc = _core.crc32c(buffer[:n], crc)
+            sha256.update(buffer[:n])
             f.write(buffer[:n])
             left -= n
     if crc != entry["crc32c"]:
         raise PeerError(f"'{entry['path']}' arrived with CRC-32C {crc}, not {entry['crc32c']}")
     if "mode" in entry:
         os.chmod(path, entry["mode"] & 0o777)
+    return sha256.hexdigest()
+
+
+def _check_sha256(path: str, digest: str, expected, whose: str) -> None:
+    """PeerError unless the SHA-256 of the bytes received as ``path`` is the one ``whose`` list
+    gives (None: it gives none, a manifest from before hashes)."""
+    if expected is not None and digest != expected:
+        raise PeerError(f"'{path}' arrived with SHA-256 {digest}, not {expected} as {whose} "
+                        "lists it")
+
+
+def _rank(request: dict, field: str, limit: int) -> int:
+    """The request's ``field``, an int (not a bool or a float) in [0, limit); PeerError naming
+    the field and the value otherwise."""
+    value = request.get(field)
+    if type(value) is not int or not 0 <= value < limit:
+        raise PeerError(f"a request whose {field} is {value!r}; an integer from 0 to "
+                        f"{limit - 1} is allowed")
+    return value
 
 
 def _entries(files) -> list[dict]:
