@@ -350,8 +350,10 @@ class HostMemory:
 
     def view(self, checkpoint_dir: str, attempt: int) -> View | None:
         """Builds this rank's view of the committed checkpoint in ``checkpoint_dir``; None when
-        this host holds no copy of any of its files (or its manifest cannot be read): the restore
-        then reads the storage. This rank's views of earlier attempts are removed either way."""
+        this host holds no copy of any of its files (or its manifest cannot be read, or the store
+        fails _check_store, or its ``views`` is not a directory): the restore then reads the
+        storage. This rank's views of earlier attempts are removed either way, except from a
+        store that fails the check."""
         views = os.path.join(self.root, "views")
         top = os.path.join(views, f"rank{self.rank}-a{attempt}")
         try:
