@@ -105,7 +105,9 @@ def _fit(storage, tmp_path, monkeypatch, drop_rank1: bool):
     run_dir = Path(storage, "held")
     seen = [json.loads((out / f"a1-rank{rank}.json").read_text()) for rank in (0, 1)]
     logs = [(run_dir / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
-    # fit() freed the host's copies: only the user's own (empty) directory is left.
+    # Local rank 0 freed the host's copies when the run ended normally (as it does on every
+    # host), and so did fit(): only the user's own (empty) directory is left.
+    assert "this host's checkpoint copies in memory are freed" in logs[0]
     assert [p.name for p in memory_dir.iterdir()] == [f"jaxtrain-{os.geteuid()}"]
     assert list((memory_dir / f"jaxtrain-{os.geteuid()}").iterdir()) == []
     # The final checkpoint is whole in storage, restored or not, and its manifest vouches for

@@ -132,8 +132,10 @@ def end_of_run(run_dir: str, local_rank: int) -> None:
     worker's jax.distributed.shutdown(), a barrier of all ranks, returned after its done message
     was taken): local rank 0 frees its host's store, so hosts where no driver runs do not keep
     the copies until a later worker's sweep."""
-    if local_rank == 0:
+    if local_rank == 0 and os.path.lexists(store_path(run_dir)):
         remove_store(run_dir)
+        sys.stderr.write("jaxtrain worker: the run has ended; this host's checkpoint copies in "
+                         "memory are freed\n")
 
 
 def sweep(run_dir: str) -> None:
