@@ -105,9 +105,18 @@ def _fit(storage, tmp_path, monkeypatch, drop_rank1: bool):
     run_dir = Path(storage, "held")
     seen = [json.loads((out / f"a1-rank{rank}.json").read_text()) for rank in (0, 1)]
     logs = [(run_dir / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
-    assert list(memory_dir.iterdir()) == []  # fit() freed the host's copies
-    # The final checkpoint is whole in storage, restored or not.
+    # Local rank 0 freed the host's copies when the run ended normally (as it does on every
+    # host), and so did fit(): only the user's own (empty) directory is left.
+    assert "this host's checkpoint copies in memory are freed" in logs[0]
+    assert [p.name for p in memory_dir.iterdir()] == [f"jaxtrain-{os.geteuid()}"]
+    assert list((memory_dir / f"jaxtrain-{os.geteuid()}").iterdir()) == []
+    # The final checkpoint is whole in storage, restored or not, and its manifest vouches for
+    # every file with its SHA-256 (each part has its copy).
     _core.verify_checkpoint(str(result.checkpoint.path), True)
+    manifest = json.loads((Path(result.checkpoint.path) / ".jaxtrain_manifest.json").read_text())
+    assert {e["path"]: e["sha256"] for e in manifest["file_list"]} == {
+        e["path"]: hashlib.sha256((Path(result.checkpoint.path) / e["path"]).read_bytes())
+        .hexdigest() for e in manifest["file_list"]}
     return run_dir, seen, logs
 
 
@@ -188,18 +197,23 @@ def _hold(memory: HostMemory, attempt: int, round_: int, files: dict[str, bytes]
     for name, data in files.items():
         Path(src, name).write_bytes(data)
     snapshot = _core.snapshot_directory(src, 1 << 30)
-    written = memory.prepare(attempt, round_)
+    written = memory.prepare(attempt, round_, snapshot.bytes)
     copy_id = f"id-{attempt}-{round_}"
-    memory.keep(written, attempt, round_, snapshot.write(written), copy_id)
+    memory.keep(written, attempt, round_, snapshot.write(written, sha256=True), copy_id)
     return copy_id
 
 
-def _commit(run_dir: Path, name: str, files: dict[str, bytes], copy_id: str) -> Path:
+def _commit(run_dir: Path, name: str, files: dict[str, bytes], copy_id: str,
+            hashes: bool = False) -> Path:
+    """A committed checkpoint of rank 0's ``files`` whose part's copy is ``copy_id``; with
+    ``hashes``, its manifest carries each file's SHA-256, as one staged with its copy does."""
     staging = run_dir / ".staging" / f"a0-r1-rank0-{name}"
     staging.mkdir(parents=True)
     for f, data in files.items():
         (staging / f).write_bytes(data)
     entries = _core.stage_directory(str(staging), str(staging) + "-staged", durable=False)
+    if hashes:
+        entries = [{**e, "sha256": hashlib.sha256(files[e["path"]]).hexdigest()} for e in entries]
     manifest = {"file_list": [{**e, "rank": 0} for e in entries],
                 "copies": [{"rank": 0, "id": copy_id}]}
     ckpt = run_dir / name
@@ -333,3 +347,192 @@ def test_a_copy_left_unfinished_is_removed_by_the_next(tmp_path, monkeypatch):
     _hold(memory, 0, 3, {"a": b"3"})
     assert sorted(os.listdir(memory.dir)) == ["a0-r1", "a0-r1.json", "a0-r3", "a0-r3.json"]
 
+
+
+def _with_own_crc(data: bytes) -> bytes:
+    """``data`` followed by its own CRC-32C: every such file of a given size has the same CRC-32C
+    (as Orbax's OCDBT files)."""
+    return data + struct.pack("<I", _core.crc32c(data))
+
+
+def test_a_copy_is_used_only_with_the_sha256_the_manifest_vouches_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    run_dir = tmp_path / "run"
+    memory = HostMemory(str(run_dir), 0)
+    kept, committed = _with_own_crc(b"k" * 100), _with_own_crc(b"c" * 100)
+    assert _core.crc32c(kept) == _core.crc32c(committed)
+    copy_id = _hold(memory, 0, 1, {"a": kept})
+    record = json.loads(Path(memory.dir, "a0-r1.json").read_text())
+    assert record["files"][0]["sha256"] == hashlib.sha256(kept).hexdigest()  # as written
+    # The same id, size and CRC-32C, other bytes: the manifest's SHA-256 refuses the copy.
+    ckpt = _commit(run_dir, "checkpoint_000001", {"a": committed}, copy_id, hashes=True)
+    assert memory.view(str(ckpt), attempt=1) is None
+    assert memory.missing_part(str(ckpt)) == (copy_id, {"a": (
+        len(committed), _core.crc32c(committed), hashlib.sha256(committed).hexdigest())})
+    # The bytes it vouches for are used.
+    same = _commit(run_dir, "checkpoint_000002", {"a": kept}, copy_id, hashes=True)
+    assert memory.view(str(same), attempt=2).in_memory == 1
+    assert memory.missing_part(str(same)) is None
+    # A manifest from before hashes vouches with the id, the size and the CRC-32C only.
+    old = _commit(run_dir, "checkpoint_000003", {"a": committed}, copy_id)
+    assert memory.view(str(old), attempt=3).in_memory == 1
+    # A copy kept before hashes were recorded is hashed when it is linked.
+    record_path = Path(memory.dir, "a0-r1.json")
+    del record["files"][0]["sha256"]
+    record_path.write_text(json.dumps(record))
+    assert memory.view(str(ckpt), attempt=4) is None
+    assert memory.view(str(same), attempt=5).in_memory == 1
+
+
+def test_stores_are_in_the_users_own_private_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    memory = HostMemory(str(tmp_path / "run"), 0)
+    _hold(memory, 0, 1, {"a": b"1"})
+    user = tmp_path / "shm" / f"jaxtrain-{os.geteuid()}"
+    assert Path(memory.root).parent == user
+    assert oct(os.stat(user).st_mode & 0o777) == "0o700"
+    # A memory directory where others could replace it (writable by all, not sticky): refused.
+    os.chmod(tmp_path / "shm", 0o777)
+    with pytest.raises(PermissionError, match="lets other users replace what is in it"):
+        memory.prepare(0, 2)
+    os.chmod(tmp_path / "shm", 0o1777)  # as /dev/shm
+    memory.prepare(0, 2)
+
+
+def _views_linked_to_another_store(tmp_path: Path, monkeypatch):
+    """A run's store, with a copy and its committed checkpoint, whose ``views`` is a link to the
+    ``views`` of another store of this user's, which holds a view in use (``victim``)."""
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path))
+    other = HostMemory(str(tmp_path / "other-run"), 0)
+    _hold(other, 0, 1, {"a": b"1"})
+    victim = Path(other.root, "views", "rank0-a5")
+    victim.mkdir(parents=True)
+    (victim / "live").write_text("a view in use")
+    run_dir = tmp_path / "run"
+    memory = HostMemory(str(run_dir), 0)
+    copy_id = _hold(memory, 0, 1, {"a": b"1"})
+    ckpt = _commit(run_dir, "checkpoint_000001", {"a": b"1"}, copy_id)
+    os.symlink(Path(other.root, "views"), Path(memory.root, "views"))
+    return other, victim, run_dir, memory, copy_id, ckpt
+
+
+@pytest.mark.parametrize("squatted", ["store", "user directory"])
+def test_a_store_another_user_made_is_neither_read_nor_cleaned(tmp_path, monkeypatch, squatted):
+    """The review's PoC A4, and the readers of H2: in a store another user made (or under a
+    user directory they made), whose ``views`` links to this user's other store, nothing is read,
+    written or removed."""
+    other, victim, run_dir, memory, copy_id, ckpt = _views_linked_to_another_store(
+        tmp_path, monkeypatch)
+    foreign = Path(memory.root) if squatted == "store" else Path(memory.root).parent
+    for p in [foreign, *foreign.rglob("*")]:
+        os.chown(p, 65534, 65534, follow_symlinks=False)
+    foreign.chmod(0o755)
+    assert memory.view(str(ckpt), attempt=7) is None
+    assert (victim / "live").read_text() == "a view in use"
+    assert memory.missing_part(str(ckpt)) is None
+    with pytest.raises(PermissionError, match="is not a private directory of this user's"):
+        memory.copy_named(copy_id)
+    with pytest.raises(PermissionError, match="is not a private directory of this user's"):
+        memory.prepare(0, 2)
+    checkpoint_memory.remove_store(str(run_dir))
+    assert Path(memory.dir, "a0-r1.json").exists()
+    if squatted == "store":
+        assert Path(other.root).exists()  # the user's own directory and its other store serve
+
+
+def test_a_views_link_in_a_private_store_is_not_followed(tmp_path, monkeypatch):
+    other, victim, _, memory, _, ckpt = _views_linked_to_another_store(tmp_path, monkeypatch)
+    assert memory.view(str(ckpt), attempt=7) is None
+    assert (victim / "live").read_text() == "a view in use"
+    assert sorted(os.listdir(Path(other.root, "views"))) == ["rank0-a5"]
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.reports: list[dict] = []
+
+    def report_checkpoint(self, round_: int, description: str, text: str) -> None:
+        self.reports.append(json.loads(description))
+
+
+def _stage_one(memory: HostMemory, tmp_path: Path) -> dict:
+    """One checkpoint through the rank's background stager; what its report said."""
+    from jaxtrain import session
+
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "a").write_bytes(b"abc")
+    client = _Client()
+
+    def fail(message):
+        raise AssertionError(message)
+
+    stager = session._Stager(client, 0, fail, memory)
+    staging = tmp_path / "run" / ".staging" / "a0-r1-rank0"
+    stager.checkpoint(1, "{}", _core.snapshot_directory(str(src), 1 << 20),
+                      {"staging": str(staging), "dir_name": None})
+    stager.drain()
+    return client.reports[0]
+
+
+def test_the_report_names_a_copy_only_when_it_was_kept(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    memory = HostMemory(str(tmp_path / "run"), 0)
+    report = _stage_one(memory, tmp_path)
+    assert report["copy_id"] == json.loads(Path(memory.dir, "a0-r1.json").read_text())["id"]
+    assert report["files"][0]["sha256"] == hashlib.sha256(b"abc").hexdigest()
+    # A store that is not this user's: nothing kept, so the report names no copy that an
+    # attacker could plant.
+    os.chmod(memory.root, 0o755)
+    report = _stage_one(memory, tmp_path)
+    assert "copy_id" not in report
+    assert "keeping the checkpoint of round 1 in host memory failed (PermissionError" in \
+        capfd.readouterr().err
+
+
+def test_a_copy_above_the_memory_budget_is_skipped_with_one_line(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    memory = HostMemory(str(tmp_path / "run"), 0)
+    monkeypatch.setenv("JAXTRAIN_MEMORY_BUDGET_MIB", "1")
+    _hold(memory, 0, 1, {"a": b"x" * (600 << 10)})
+    with pytest.raises(checkpoint_memory.MemoryBudgetError,
+                       match=r"a copy of 0\.6 MiB with the 0\.6 MiB this host's store holds is "
+                             r"above JAXTRAIN_MEMORY_BUDGET_MIB=1"):
+        _hold(memory, 0, 2, {"a": b"x" * (600 << 10)})
+    monkeypatch.setenv("JAXTRAIN_MEMORY_BUDGET_MIB", "0")
+    report = _stage_one(memory, tmp_path)
+    assert "copy_id" not in report
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "is above JAXTRAIN_MEMORY_BUDGET_MIB=0" in err, err
+    # Unset: a copy may take at most half the filesystem's free space.
+    monkeypatch.delenv("JAXTRAIN_MEMORY_BUDGET_MIB")
+    real = os.statvfs(memory.root)
+    small = os.statvfs_result((real.f_bsize, 1024, 1000, 1000, 5, 5, 0, 0, 0, 255))
+    monkeypatch.setattr(checkpoint_memory.os, "statvfs", lambda path: small)
+    with pytest.raises(checkpoint_memory.MemoryBudgetError,
+                       match=r"a copy of 0\.0 MiB is above half the 0\.0 MiB free in .*"
+                             r"\(set JAXTRAIN_MEMORY_BUDGET_MIB to allow more\)"):
+        memory.prepare(0, 3, 4096)
+    memory.prepare(0, 3, 2048)
+
+
+def test_a_bad_memory_budget_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_CHECKPOINT_IN_MEMORY", "1")
+    monkeypatch.setenv("JAXTRAIN_MEMORY_BUDGET_MIB", "lots")
+    with pytest.raises(ValueError, match=r"JAXTRAIN_MEMORY_BUDGET_MIB='lots' is not allowed; use "
+                                         r"a whole number of MiB"):
+        checkpoint_memory.check_switch()
+
+
+def test_local_rank_0_frees_its_hosts_store_at_the_runs_normal_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path))
+    memory = HostMemory(str(tmp_path / "run"), 1)
+    _hold(memory, 0, 1, {"a": b"1"})
+    checkpoint_memory.end_of_run(str(tmp_path / "run"), local_rank=1)
+    assert Path(memory.root).exists()
+    checkpoint_memory.end_of_run(str(tmp_path / "run"), local_rank=0)
+    assert not Path(memory.root).exists()

@@ -6,6 +6,7 @@ JAX workers, is tests/test_ssh.py's test_a_host_that_lost_its_memory_restores_fr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -311,3 +312,116 @@ def test_silent_connections_hold_at_most_a_few_slots_and_are_dropped_beyond(host
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert Path(b.memory.root, "rank0", "a0-r1.json").exists()
+
+
+def _with_own_crc(data: bytes) -> bytes:
+    """``data`` followed by its own CRC-32C: every such file of a given size has the same CRC-32C
+    (as Orbax's OCDBT files), so a forged one passes a CRC check."""
+    return data + struct.pack("<I", _core.crc32c(data))
+
+
+def _sums(entries: list, files: dict[str, bytes]) -> dict:
+    """What the committed manifest vouches for: path -> (size, CRC-32C, SHA-256)."""
+    return {e["path"]: (e["size"], e["crc32c"], hashlib.sha256(files[e["path"]]).hexdigest())
+            for e in entries}
+
+
+def test_a_copy_with_the_committed_crc_but_other_bytes_fails_its_sha256(hosts):
+    tmp_path, a, b, _ = hosts
+    files = {"shard.bin": _with_own_crc(os.urandom(1 << 20))}
+    copy_id, entries = _copy(a, tmp_path / "a", files)
+    a.replicate(copy_id)
+    record = json.loads(Path(b.memory.root, "rank0", "a0-r1.json").read_text())
+    assert record["files"][0]["sha256"] == hashlib.sha256(files["shard.bin"]).hexdigest()
+    # The peer's copy is replaced by other bytes with the same size and CRC-32C (what an
+    # on-path relay, or a writer of that store, can make).
+    forged = _with_own_crc(os.urandom(1 << 20))
+    assert _core.crc32c(forged) == entries[0]["crc32c"]
+    Path(b.memory.root, "rank0", "a0-r1", "shard.bin").write_bytes(forged)
+    for p in sorted(Path(a.memory.root, "rank0").rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() else p.rmdir()
+    with pytest.raises(PeerError, match=r"'shard.bin' arrived with SHA-256 [0-9a-f]{64}, not "
+                                         r"[0-9a-f]{64} as the manifest lists it"):
+        a.fetch(copy_id, _sums(entries, files))
+    assert _nothing_in(Path(a.memory.root, "rank0"))
+    # The genuine bytes are accepted, and the record keeps the hash of what this host wrote.
+    Path(b.memory.root, "rank0", "a0-r1", "shard.bin").write_bytes(files["shard.bin"])
+    assert a.fetch(copy_id, _sums(entries, files)) == len(files["shard.bin"])
+    record = json.loads(Path(a.memory.root, "rank0", "a0-r1.json").read_text())
+    assert record["files"][0]["sha256"] == hashlib.sha256(files["shard.bin"]).hexdigest()
+
+
+@pytest.mark.parametrize("squatted", ["store", "user directory"])
+def test_a_store_another_user_made_is_neither_served_nor_written(hosts, squatted):
+    """The review's PoC A3: another user on the peer's host makes the store (or this user's
+    directory above it) first, plants a record of the copy the manifest names and bytes with the
+    committed CRC-32C. The peer server serves none of it and keeps nothing there."""
+    tmp_path, a, b, _ = hosts
+    files = {"params.bin": _with_own_crc(os.urandom(4096))}
+    copy_id, entries = _copy(a, tmp_path / "a", files)
+    Path(b.memory.root).parent.mkdir(mode=0o700, exist_ok=True)
+    copy = Path(b.memory.root, "rank0", "a0-r1")
+    copy.mkdir(parents=True)
+    forged = _with_own_crc(b"ATTACKER" * 512)
+    (copy / "params.bin").write_bytes(forged)
+    planted = [{**entries[0], "mtime_ns": os.stat(copy / "params.bin").st_mtime_ns}]
+    Path(str(copy) + ".json").write_text(json.dumps({"id": copy_id, "files": planted}))
+    foreign = Path(b.memory.root) if squatted == "store" else Path(b.memory.root).parent
+    for p in [foreign, *foreign.rglob("*")]:
+        os.chown(p, 65534, 65534)
+    foreign.chmod(0o755)
+    for p in sorted(Path(a.memory.root, "rank0").rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() else p.rmdir()
+    expected = {e["path"]: (e["size"], e["crc32c"]) for e in entries}  # without hashes
+    with pytest.raises(PeerError, match="is not a private directory of this user's"):
+        a.fetch(copy_id, expected)
+    assert _nothing_in(Path(a.memory.root, "rank0"))
+    # Nor does it take copies into that store.
+    copy_id, _ = _copy(a, tmp_path / "a", files)
+    with pytest.raises(PeerError, match="refused the copy: PermissionError: .* is not a private "
+                                        "directory"):
+        a.replicate(copy_id)
+    assert sorted(p.name for p in Path(b.memory.root, "rank0").iterdir()) == ["a0-r1",
+                                                                               "a0-r1.json"]
+    for p in [foreign, *foreign.rglob("*")]:
+        os.chown(p, 0, 0)  # the fixture's clean-up
+
+
+def _ask(a: Peers, me: str, request: dict) -> dict:
+    """``request`` sent to rank 1's server by a holder of the secret named ``me``."""
+    host, port, _ = a.address(1)
+    with Connection.connect((host, port), SECRET, checkpoint_peers._PURPOSE, me, "rank-1",
+                            10) as conn:
+        conn.send_json(request)
+        return conn.receive_json(10)
+
+
+@pytest.mark.parametrize("size", [False, 0.0, -1, 3, "1", None])
+def test_a_put_whose_host_size_is_not_an_integer_of_the_run_is_refused(hosts, size):
+    tmp_path, a, b, _ = hosts
+    entry = {"path": "x", "size": 1, "crc32c": _core.crc32c(b"x"), "mode": 0o644}
+    reply = _ask(a, "rank-0", {"op": "put", "local_world_size": size, "host": "a",
+                               "name": "a0-r1", "id": "i", "files": [entry]})
+    assert reply == {"error": f"a request whose local_world_size is {size!r}; an integer from 0 "
+                              "to 2 is allowed"}
+    assert not Path(b.memory.root).exists()
+
+
+def test_a_request_of_a_rank_outside_the_run_is_refused(hosts):
+    tmp_path, a, b, _ = hosts
+    # The rank is the one the channel proved (a claimed one is ignored), and must be of the run.
+    assert _ask(a, "rank-5", {"op": "get", "id": "i", "rank": 0}) == {
+        "error": "a request whose rank is 5; an integer from 0 to 1 is allowed"}
+    assert not Path(b.memory.root).exists()  # no rank5 made
+
+
+def test_a_put_above_the_memory_budget_is_refused_and_said(hosts, monkeypatch, capfd):
+    tmp_path, a, b, _ = hosts
+    copy_id, _ = _copy(a, tmp_path / "a", FILES)
+    monkeypatch.setenv("JAXTRAIN_MEMORY_BUDGET_MIB", "1")
+    with pytest.raises(PeerError, match=r"refused the copy: MemoryBudgetError: a copy of 3\.0 MiB "
+                                        r"with the 0\.0 MiB this host's store holds is above "
+                                        r"JAXTRAIN_MEMORY_BUDGET_MIB=1"):
+        a.replicate(copy_id)
+    assert _nothing_in(Path(b.memory.root, "rank0"))
+    assert "not keeping rank 0's copies: a copy of 3.0 MiB" in capfd.readouterr().err

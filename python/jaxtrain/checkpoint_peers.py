@@ -23,9 +23,9 @@ authenticated. Then, one record each:
 
 A put is accepted from the peer's donor only (the rank whose peer this one is, by the donor's
 own host size): the rank the channel proved, not one the request claims, into the store's
-``rank<donor>/`` as that rank's own copy would be; every file's size and CRC-32C are checked on
-the way in, by the server against the request, and by a fetching rank against the committed
-manifest. Nothing read from a peer is used that the manifest does not vouch for. Every rank of a
+``rank<donor>/`` as that rank's own copy would be; every file's size, CRC-32C and SHA-256 are
+checked on the way in, by the server against the request, and by a fetching rank against the
+committed manifest. Nothing read from a peer is used that the manifest does not vouch for. Every rank of a
 run holds its secret, so these checks keep out whoever does not, not a rank of the run itself
 (docs/security.md).
 """
@@ -129,10 +129,12 @@ class Peers:
             if not self._reply(conn).get("kept"):
                 raise PeerError(f"rank {self.peer} did not keep the copy")
 
-    def fetch(self, copy_id: str, expected: dict[str, tuple[int, int]]) -> int:
+    def fetch(self, copy_id: str, expected: dict[str, tuple[int, int, str | None]]) -> int:
         """Fetches this rank's copy ``copy_id`` from its peer's host into this host's store, and
-        returns its bytes. ``expected``: path -> (size, CRC-32C) of this rank's part as the
-        committed manifest lists it; any difference raises PeerError and keeps nothing."""
+        returns its bytes. ``expected``: path -> (size, CRC-32C, SHA-256 hex or None) of this
+        rank's part as the committed manifest lists it (HostMemory.missing_part); any difference,
+        in the bytes received too, raises PeerError and keeps nothing. A manifest without hashes
+        (written before them) vouches with the id, the sizes and the CRC-32C only."""
         if self.peer is None:
             raise PeerError("every rank is on one host")
         deadline = time.monotonic() + _FETCH_BASE_S + sum(
@@ -146,15 +148,23 @@ class Peers:
                 attempt, round_ = _name(reply.get("name", ""))
                 files = _entries(reply.get("files"))
                 got = {e["path"]: (e["size"], e["crc32c"]) for e in files if "link" not in e}
-                if got != expected:
+                if got != {path: sums[:2] for path, sums in expected.items()}:
                     raise PeerError(f"rank {self.peer}'s copy {copy_id} does not list the "
                                     "committed files")
-                written = self.memory.prepare(attempt, round_)
+                size = sum(sums[0] for sums in expected.values())
+                written = self.memory.prepare(attempt, round_, size)
+                kept = []
                 for e in files:
                     if "link" not in e:
-                        _receive_file(conn, os.path.join(written, e["path"]), e, deadline)
-            self.memory.keep(written, attempt, round_, files, copy_id)
-            return sum(size for size, _ in expected.values())
+                        digest = _receive_file(conn, os.path.join(written, e["path"]), e,
+                                               deadline)
+                        sums = expected[e["path"]]
+                        _check_sha256(e["path"], digest, sums[2] if len(sums) > 2 else None,
+                                      "the manifest")
+                        e = {**e, "sha256": digest}  # what this host wrote
+                    kept.append(e)
+            self.memory.keep(written, attempt, round_, kept, copy_id)
+            return size
         except BaseException:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
@@ -256,38 +266,58 @@ class Peers:
             self._slots.release()
 
     def _put(self, conn: Connection, request: dict) -> None:
-        donor = request["rank"]
+        donor = request["rank"]  # the proven rank
+        try:
+            local_world_size = _rank(request, "local_world_size", self._world_size + 1)
+        except PeerError as e:
+            return conn.send_json({"error": str(e)})
         if request.get("host") == self._hostname:
             return conn.send_json({
                 "error": f"rank {donor} runs on this host ({self._hostname}) too"})
         # The donor's own host size names its peer (hosts may differ in size).
-        if peer_of(donor, self._world_size, request["local_world_size"]) != self.rank:
+        if peer_of(donor, self._world_size, local_world_size) != self.rank:
             return conn.send_json({
                 "error": f"rank {self.rank} is not rank {donor}'s peer"})
         attempt, round_ = _name(request["name"])
         files = _entries(request["files"])
         memory = HostMemory(self.memory.run_dir, donor, self.memory.root)
-        written = memory.prepare(attempt, round_)
+        try:  # a store that is not this user's, a copy above the memory budget: said, refused
+            written = memory.prepare(attempt, round_, sum(e.get("size", 0) for e in files))
+        except OSError as e:
+            self.say_once("put-store", f"not keeping rank {donor}'s copies: {e} (said once)")
+            return conn.send_json({"error": f"{type(e).__name__}: {e}"})
         try:
             conn.send_json({"ready": True})
+            kept = []
             for e in files:
                 if "link" not in e:
-                    _receive_file(conn, os.path.join(written, e["path"]), e,
-                                  time.monotonic() + _TIMEOUT_S)
-            memory.keep(written, attempt, round_, files, request["id"])
+                    digest = _receive_file(conn, os.path.join(written, e["path"]), e,
+                                           time.monotonic() + _TIMEOUT_S)
+                    _check_sha256(e["path"], digest, e.get("sha256"), "its sender")
+                    e = {**e, "sha256": digest}  # what this host wrote
+                kept.append(e)
+            memory.keep(written, attempt, round_, kept, request["id"])
         except BaseException:
             shutil.rmtree(written, ignore_errors=True)
             raise
         conn.send_json({"kept": True})
 
     def _get(self, conn: Connection, request: dict) -> None:
-        held = HostMemory(self.memory.run_dir, int(request["rank"]),
-                          self.memory.root).copy_named(request["id"])
+        try:
+            rank = _rank(request, "rank", self._world_size)
+        except PeerError as e:
+            return conn.send_json({"error": str(e)})
+        try:  # raises for a store that is not this user's: nothing of it is served
+            held = HostMemory(self.memory.run_dir, rank,
+                              self.memory.root).copy_named(request["id"])
+        except OSError as e:
+            self.say_once("get-store", f"serving no copies: {e} (said once)")
+            return conn.send_json({"error": f"{type(e).__name__}: {e}"})
         if held is None:
             return conn.send_json({
-                "error": f"no copy {request['id']} of rank {request['rank']} here"})
+                "error": f"no copy {request['id']} of rank {rank} here"})
         copy, record = held
-        files = _declared(record["files"])
+        files = _entries(_declared(record["files"]))  # clean paths only
         conn.send_json({"name": os.path.basename(copy), "files": files})
         # A file freed meanwhile ends the connection short: the fetching rank keeps nothing.
         for e in files:
@@ -310,11 +340,12 @@ def _send_file(conn: Connection, f, size: int) -> None:
         raise PeerError(f"sending '{f.name}': {e}") from None
 
 
-def _receive_file(conn: Connection, path: str, entry: dict, deadline: float) -> None:
+def _receive_file(conn: Connection, path: str, entry: dict, deadline: float) -> str:
     """Reads ``entry["size"]`` bytes into ``path`` by ``deadline``, checking them against the
-    entry's CRC-32C."""
+    entry's CRC-32C; returns their SHA-256 (hex), for the caller to check."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crc, left = 0, entry["size"]
+    sha256 = hashlib.sha256()
     with open(path, "wb", buffering=0) as f:
         while left > 0:
             try:
@@ -326,12 +357,32 @@ def _receive_file(conn: Connection, path: str, entry: dict, deadline: float) -> 
             if len(data) > left:
                 raise PeerError(f"'{entry['path']}' arrived longer than {entry['size']} bytes")
             crc = _core.crc32c(data, crc)
+            sha256.update(data)
             f.write(data)
             left -= len(data)
     if crc != entry["crc32c"]:
         raise PeerError(f"'{entry['path']}' arrived with CRC-32C {crc}, not {entry['crc32c']}")
     if "mode" in entry:
         os.chmod(path, entry["mode"] & 0o777)
+    return sha256.hexdigest()
+
+
+def _check_sha256(path: str, digest: str, expected, whose: str) -> None:
+    """PeerError unless the SHA-256 of the bytes received as ``path`` is the one ``whose`` list
+    gives (None: it gives none, a manifest from before hashes)."""
+    if expected is not None and digest != expected:
+        raise PeerError(f"'{path}' arrived with SHA-256 {digest}, not {expected} as {whose} "
+                        "lists it")
+
+
+def _rank(request: dict, field: str, limit: int) -> int:
+    """The request's ``field``, an int (not a bool or a float) in [0, limit); PeerError naming
+    the field and the value otherwise."""
+    value = request.get(field)
+    if type(value) is not int or not 0 <= value < limit:
+        raise PeerError(f"a request whose {field} is {value!r}; an integer from 0 to "
+                        f"{limit - 1} is allowed")
+    return value
 
 
 def _entries(files) -> list[dict]:

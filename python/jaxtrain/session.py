@@ -150,17 +150,22 @@ class _Stager:
                 else:
                     snapshot, description = work
                     try:
+                        # A part with a copy in memory is staged with each file's SHA-256, which
+                        # the manifest then vouches for the copies with (docs/checkpoint-memory.md).
                         description["files"] = snapshot.write(description["staging"],
-                                                              release=self._memory is None)
+                                                              release=self._memory is None,
+                                                              sha256=self._memory is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{description['staging']}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
                     if self._memory is not None:
                         # Before the report, which names the copy: every part of a committed
-                        # checkpoint then has its copy, unless keeping it failed (said in the log).
-                        description["copy_id"] = uuid.uuid4().hex
-                        self._hold(round_, snapshot, description["copy_id"])
+                        # checkpoint then has its copy, unless keeping it failed (said in the
+                        # log, and then the report names none).
+                        copy_id = uuid.uuid4().hex
+                        if self._hold(round_, snapshot, copy_id):
+                            description["copy_id"] = copy_id
                     del snapshot, work
                     self._client.report_checkpoint(round_, json.dumps(description), text)
             except Exception as e:
@@ -170,16 +175,19 @@ class _Stager:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _hold(self, round_: int, snapshot: Any, copy_id: str) -> None:
+    def _hold(self, round_: int, snapshot: Any, copy_id: str) -> bool:
         """Keeps a copy of the snapshot just staged in this host's memory, and sends that copy to
-        this rank's peer (checkpoint_peers.py) when there is one. A copy that cannot be kept (a
-        full memory filesystem) is said on stderr and not sent, so the restores of its checkpoint
-        read storage; one that cannot be sent is said once, and only this host holds it."""
+        this rank's peer (checkpoint_peers.py) when there is one; whether the copy was kept. A
+        copy that cannot be kept (a full memory filesystem, one above the memory budget, a store
+        that is not this user's) is said on stderr in one line and not sent, so the restores of
+        its checkpoint read storage; one that cannot be sent is said once, and only this host
+        holds it."""
         assert self._memory is not None
         written = None
         try:
-            written = self._memory.prepare(self._attempt, round_)
-            self._memory.keep(written, self._attempt, round_, snapshot.write(written), copy_id)
+            written = self._memory.prepare(self._attempt, round_, snapshot.bytes)
+            self._memory.keep(written, self._attempt, round_,
+                              snapshot.write(written, sha256=True), copy_id)
         except Exception as e:
             if written is not None:
                 shutil.rmtree(written, ignore_errors=True)
@@ -187,15 +195,16 @@ class _Stager:
                              f"round {round_} in host memory failed ({type(e).__name__}: {e}); "
                              "a restart restores it from storage\n")
             sys.stderr.flush()
-            return
+            return False
         if self._peers is None:
-            return
+            return True
         try:
             self._peers.replicate(copy_id)
         except Exception as e:  # PeerError, OSError, a peer of another version: never fatal
             self._peers.say_once("replicate", f"sending the checkpoint of round {round_} to its "
                                  f"peer, rank {self._peers.peer}, failed ({e}); where this "
                                  "host's copy is lost, a restart reads storage (said once)")
+        return True
 
 
 class _Session:

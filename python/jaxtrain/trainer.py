@@ -176,6 +176,8 @@ class JaxTrainer:
             worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
             # Absolute: workers may run in another working directory.
             worker_env[checkpoint_memory.MEMORY_DIR_ENV] = checkpoint_memory.memory_dir()
+            if os.environ.get(checkpoint_memory.BUDGET_ENV):
+                worker_env[checkpoint_memory.BUDGET_ENV] = os.environ[checkpoint_memory.BUDGET_ENV]
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         sys.stdout.flush()

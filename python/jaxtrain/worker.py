@@ -523,6 +523,9 @@ def main() -> None:
         jax.distributed.shutdown()
     except Exception as e:  # a peer already gone; nothing left to coordinate
         sys.stderr.write(f"jaxtrain worker: jax.distributed.shutdown() failed: {e}\n")
+    else:
+        if memory is not None:  # every rank passed its shutdown barrier after its done was taken
+            checkpoint_memory.end_of_run(start["run_dir"], _env_int("JAXTRAIN_LOCAL_RANK"))
     client.stop()
     sys.stdout.flush()
     sys.stderr.flush()

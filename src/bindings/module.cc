@@ -306,6 +306,7 @@ nb::list EntriesToList(const std::vector<storage::FileEntry>& entries) {
     d["crc32c"] = e.crc32c;
     d["mode"] = e.mode;
     if (!e.link.empty()) d["link"] = e.link;
+    if (!e.sha256.empty()) d["sha256"] = e.sha256;  // hex; staged with hash only
     out.append(d);
   }
   return out;
@@ -496,20 +497,21 @@ NB_MODULE(_core, m) {
       .def_prop_ro("bytes", [](const storage::DirectorySnapshot& s) { return s.bytes; })
       .def(
           "write",
-          [](storage::DirectorySnapshot& s, const std::string& dst, bool release) {
+          [](storage::DirectorySnapshot& s, const std::string& dst, bool release, bool sha256) {
             StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
             {
               nb::gil_scoped_release gil;
-              entries = storage::WriteSnapshot(s, dst);
+              entries = storage::WriteSnapshot(s, dst, sha256);
               // The memory goes back at once, written or not, unless it is to be written again.
               if (release || !entries.ok()) s = storage::DirectorySnapshot();
             }
             return EntriesToList(Unwrap(std::move(entries)));
           },
-          "dst"_a, "release"_a = true,
+          "dst"_a, "release"_a = true, "sha256"_a = false,
           "Writes the snapshot into dst as stage_directory(durable=False) would have copied its "
-          "source, computing the checksums; returns the files as stage_directory does. Then frees "
-          "its memory, unless release is False (to write it again).");
+          "source, computing the checksums (with sha256, each file's SHA-256 too, hex, once per "
+          "snapshot); returns the files as stage_directory does. Then frees its memory, unless "
+          "release is False (to write it again).");
 
   m.def(
       "crc32c",

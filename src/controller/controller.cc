@@ -347,7 +347,8 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                                        .size = file.value("size", uint64_t{0}),
                                        .crc32c = file.value("crc32c", uint32_t{0}),
                                        .mode = file.value("mode", uint32_t{0644}),
-                                       .link = file.value("link", "")});
+                                       .link = file.value("link", ""),
+                                       .sha256 = file.value("sha256", "")});
         }
         if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
         if (j.contains("copy_id")) {

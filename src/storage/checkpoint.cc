@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -36,6 +37,47 @@ struct Fd {
   }
 };
 
+// A file's checksums, taken in one pass over its bytes: the CRC-32C always, the SHA-256 when
+// asked for (StageDirectory's and WriteSnapshot's `hash`).
+class Checksums {
+ public:
+  explicit Checksums(bool sha256) : sha256_(sha256) {
+    static const int kInit = sodium_init();  // once, before libsodium is used (>= 0: ready)
+    (void)kInit;
+    if (sha256_) crypto_hash_sha256_init(&state_);
+  }
+
+  void Update(const char* data, size_t size) {
+    // In pieces that stay in the cache between the two sums.
+    constexpr size_t kPiece = 1 << 20;
+    for (size_t done = 0; done < size;) {
+      const size_t n = std::min(kPiece, size - done);
+      crc32c_ = Crc32c(crc32c_, data + done, n);
+      if (sha256_) {
+        crypto_hash_sha256_update(&state_, reinterpret_cast<const unsigned char*>(data + done), n);
+      }
+      done += n;
+    }
+  }
+
+  uint32_t crc32c() const { return crc32c_; }
+
+  // The SHA-256 in hex; "" when it was not asked for. Ends the sum.
+  std::string Sha256Hex() {
+    if (!sha256_) return "";
+    unsigned char digest[crypto_hash_sha256_BYTES];
+    crypto_hash_sha256_final(&state_, digest);
+    char hex[kSha256HexSize + 1];
+    sodium_bin2hex(hex, sizeof(hex), digest, sizeof(digest));
+    return hex;
+  }
+
+ private:
+  bool sha256_;
+  uint32_t crc32c_ = 0;
+  crypto_hash_sha256_state state_;
+};
+
 Status FsyncPath(const std::string& path, bool directory) {
   Fd f{open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC)};
   if (f.fd < 0) return PathError("cannot open", path, errno);
@@ -49,9 +91,10 @@ Status FsyncPath(const std::string& path, bool directory) {
 // while it is copied (report() copies before it returns).
 // The copy gets the source's permission bits (the umask applies, so never wider than it allows)
 // plus read for the owner, who verifies and uploads it; a link swapped in for the source after it
-// was listed is not followed (O_NOFOLLOW). With `durable` the copy is fsynced.
+// was listed is not followed (O_NOFOLLOW). With `durable` the copy is fsynced; with `hash` its
+// SHA-256 is taken with the CRC-32C.
 StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, const std::string& rel,
-                             std::vector<char>& buffer, bool durable) {
+                             std::vector<char>& buffer, bool durable, bool hash) {
   Fd in{open(src.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW)};
   if (in.fd < 0) return PathError("cannot open", src, errno);
   struct stat st;
@@ -69,11 +112,12 @@ StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, con
   if (fstat(out.fd, &written) != 0) return PathError("cannot stat", dst, errno);
   FileEntry entry{.path = rel, .mode = static_cast<uint32_t>(written.st_mode & 0777)};
   const size_t size = static_cast<size_t>(st.st_size);
+  Checksums sums(hash);
   void* map = size > 0 ? mmap(nullptr, size, PROT_READ, MAP_PRIVATE, in.fd, 0) : MAP_FAILED;
   if (map != MAP_FAILED) {
     madvise(map, size, MADV_SEQUENTIAL | MADV_WILLNEED);
     const char* data = static_cast<const char*>(map);
-    entry.crc32c = Crc32c(0, data, size);
+    sums.Update(data, size);
     entry.size = size;
     loff_t in_off = 0, out_off = 0;
     Status copied;
@@ -96,13 +140,15 @@ StatusOr<FileEntry> CopyFile(const std::string& src, const std::string& dst, con
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) return PathError("cannot read", src, errno);
       if (n == 0) break;
-      entry.crc32c = Crc32c(entry.crc32c, buffer.data(), static_cast<size_t>(n));
+      sums.Update(buffer.data(), static_cast<size_t>(n));
       entry.size += static_cast<uint64_t>(n);
       JT_RETURN_IF_ERROR(
           WriteFd(out.fd, std::string_view(buffer.data(), static_cast<size_t>(n)), dst));
     }
   }
   if (durable && fsync(out.fd) != 0) return PathError("cannot fsync", dst, errno);
+  entry.crc32c = sums.crc32c();
+  entry.sha256 = sums.Sha256Hex();
   return entry;
 }
 
@@ -303,8 +349,10 @@ std::optional<CheckpointRecord> RecordFromJson(const nlohmann::json& j) {
 
 nlohmann::json EntryToJson(const FileEntry& f, int rank) {
   if (!f.link.empty()) return {{"path", f.path}, {"target", f.link}, {"rank", rank}};
-  return {
+  nlohmann::json j = {
       {"path", f.path}, {"size", f.size}, {"crc32c", f.crc32c}, {"mode", f.mode}, {"rank", rank}};
+  if (!f.sha256.empty()) j["sha256"] = f.sha256;
+  return j;
 }
 
 // The parent directories of `rel` inside `root`, shallowest first ("a/b/c" -> root/a, root/a/b).
@@ -319,7 +367,7 @@ std::vector<std::string> ParentDirs(const std::string& root, const std::string& 
 }  // namespace
 
 StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst,
-                                                bool durable) {
+                                                bool durable, bool hash) {
   JT_ASSIGN_OR_RETURN(std::vector<TreeItem> items, ListCheckpointDirectory(src));
   std::vector<FileEntry> entries;
   std::vector<char> buffer(kCopyChunk);
@@ -328,7 +376,8 @@ StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const st
   for (const TreeItem& item : items) {
     const std::string to = JoinPath(dst, item.rel);
     if (item.kind == TreeItem::Kind::kFile) {
-      JT_ASSIGN_OR_RETURN(FileEntry entry, CopyFile(item.from, to, item.rel, buffer, durable));
+      JT_ASSIGN_OR_RETURN(FileEntry entry,
+                          CopyFile(item.from, to, item.rel, buffer, durable, hash));
       entries.push_back(std::move(entry));
       continue;
     }
@@ -477,7 +526,7 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
 }
 
 StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
-                                               const std::string& dst) {
+                                               const std::string& dst, bool hash) {
   std::vector<FileEntry> entries;
   JT_RETURN_IF_ERROR(MakeDirs(dst));
   for (const DirectorySnapshot::Item& item : snapshot.items) {
@@ -499,12 +548,23 @@ StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot
     if (fstat(out.fd, &written) != 0) return PathError("cannot stat", to, errno);
     JT_RETURN_IF_ERROR(
         WriteAndStartWriteback(out.fd, std::string_view(item.data.get(), item.size), to));
+    Checksums sums(hash && item.sha256.empty());  // an earlier write may have hashed it
+    sums.Update(item.data.get(), item.size);
+    if (hash && item.sha256.empty()) item.sha256 = sums.Sha256Hex();
     entries.push_back({.path = item.rel,
                        .size = item.size,
-                       .crc32c = Crc32c(0, item.data.get(), item.size),
-                       .mode = static_cast<uint32_t>(written.st_mode & 0777)});
+                       .crc32c = sums.crc32c(),
+                       .mode = static_cast<uint32_t>(written.st_mode & 0777),
+                       .sha256 = hash ? item.sha256 : ""});
   }
   return entries;
+}
+
+bool IsSha256HexOrEmpty(const std::string& hex) {
+  return hex.empty() ||
+         (hex.size() == kSha256HexSize && std::all_of(hex.begin(), hex.end(), [](char c) {
+            return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+          }));
 }
 
 bool IsCleanRelativePath(const std::string& path) {
@@ -541,6 +601,10 @@ Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part) {
       return InvalidArgumentError(who + " names the file '" + f.path +
                                   "', which is not a clean relative path (no leading '/', no "
                                   "'..', '.' or empty parts); refused");
+    }
+    if (!IsSha256HexOrEmpty(f.sha256)) {
+      return InvalidArgumentError(who + " gives '" + f.path + "' the sha256 '" + f.sha256 +
+                                  "', which is not 64 lowercase hexadecimal digits; refused");
     }
     for (const auto& parent : ParentDirs(part.staging_dir, f.path)) {
       if (lstat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
@@ -702,7 +766,8 @@ std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& mani
       out.push_back({.path = f.at("path").get<std::string>(),
                      .size = f.at("size").get<uint64_t>(),
                      .crc32c = f.at("crc32c").get<uint32_t>(),
-                     .mode = f.value("mode", uint32_t{0644})});
+                     .mode = f.value("mode", uint32_t{0644}),
+                     .sha256 = f.value("sha256", std::string())});
     }
     for (const auto& l : manifest.value("links", nlohmann::json::array())) {
       out.push_back({.path = l.at("path").get<std::string>(),
@@ -710,7 +775,7 @@ std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& mani
                      .link = l.at("target").get<std::string>()});
     }
     for (const auto& e : out) {
-      if (!IsCleanRelativePath(e.path)) return std::nullopt;
+      if (!IsCleanRelativePath(e.path) || !IsSha256HexOrEmpty(e.sha256)) return std::nullopt;
     }
     return out;
   } catch (const nlohmann::json::exception&) {

@@ -17,6 +17,14 @@
 // mode, each directory's ("dirs") and each kept link with its target ("links"). Private runs
 // (docs/architecture.md) get 0700/0600 through the umask.
 //
+// Hashes: where a part is also kept as a copy outside the run directory (host memory:
+// docs/checkpoint-memory.md), its files are staged with `hash`, which adds each file's SHA-256
+// (libsodium's crypto_hash_sha256), computed in the same pass as its CRC-32C, to its entry and to
+// the manifest ("sha256", hex). The CRC-32C catches damage; the SHA-256 is what lets a copy that
+// storage did not just write be checked against the committed checkpoint, across attempts (the
+// run's secret changes with every fit(), so a MAC could not serve). Without `hash` an entry has
+// no "sha256", as in manifests written before it existed.
+//
 // Layout:  <run>/.staging/a<attempt>-r<round>-rank<r>/...   one rank's staged files
 //          <run>/<dir_name>/...  + <run>/<dir_name>/.jaxtrain_manifest.json
 //          <run>/checkpoints.json
@@ -51,7 +59,13 @@ struct FileEntry {
   uint32_t crc32c = 0;
   uint32_t mode = 0644;  // permission bits of a file as staged
   std::string link;      // a kept link's target, relative to the link's directory; "" = a file
+  std::string sha256;    // a file's SHA-256, 64 lowercase hex digits; "" = not computed
 };
+
+inline constexpr size_t kSha256HexSize = 64;
+
+// Whether `hex` is "" or a SHA-256 as FileEntry holds it (64 lowercase hex digits).
+bool IsSha256HexOrEmpty(const std::string& hex);
 
 // Copies every regular file under `src` into `dst` (created; files already there are replaced),
 // streaming, computing each file's CRC-32C on the way; with `durable`, fsyncs every file and
@@ -63,7 +77,7 @@ struct FileEntry {
 // not a directory or holds a link that leads out of it (naming the link and its target),
 // kPermissionDenied / kInternal naming the file and the reason.
 StatusOr<std::vector<FileEntry>> StageDirectory(const std::string& src, const std::string& dst,
-                                                bool durable = true);
+                                                bool durable = true, bool hash = false);
 
 // A checkpoint directory read into memory (SnapshotDirectory): its directories, files (bytes and
 // permission bits) and kept links, in the order StageDirectory would copy them. Move-only.
@@ -93,6 +107,10 @@ struct DirectorySnapshot {
     std::string link;                             // kLink: the target to keep
     std::unique_ptr<char, SnapshotRelease> data;  // kFile: `size` bytes (anonymous memory)
     uint64_t size = 0;
+    // kFile: the bytes' SHA-256 (hex), once a WriteSnapshot with `hash` has computed it, so that
+    // writing the snapshot again (the host-memory copy after the staging copy) does not hash
+    // again. One snapshot is written by one thread at a time.
+    mutable std::string sha256;
   };
   DirectorySnapshot() = default;
   DirectorySnapshot(DirectorySnapshot&&) = default;
@@ -113,11 +131,12 @@ struct DirectorySnapshot {
 StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t budget_bytes);
 
 // Writes a snapshot into `dst` (created; files already there are replaced) as StageDirectory
-// with durable=false would have copied its source, computing each file's CRC-32C: the same
+// with durable=false would have copied its source, computing each file's CRC-32C (and with `hash`
+// its SHA-256, in the same pass, or the one an earlier write of the snapshot computed): the same
 // entries, modes and links. Errors: kPermissionDenied / kInternal naming the path and the reason
 // (a full disk is kInternal with the system's "No space left on device").
 StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
-                                               const std::string& dst);
+                                               const std::string& dst, bool hash = false);
 
 // The staging directory of one rank's files for one report round.
 std::string StagingPath(const std::string& run_dir, int attempt, uint64_t round, int rank);
@@ -147,15 +166,16 @@ bool IsCleanRelativePath(const std::string& path);
 // Checks one rank's part as a worker described it, before anything is moved or deleted: its
 // staging_dir is a real directory (not a link) directly under <run_dir>/.staging, each path is
 // clean (IsCleanRelativePath), each file and its parent directories are what the entry says
-// (a regular file, or a link with the recorded target, which stays inside the checkpoint) and no
-// component is a link. Errors: kInvalidArgument naming the rank, the path and what is wrong.
+// (a regular file, or a link with the recorded target, which stays inside the checkpoint), no
+// component is a link, and a sha256 is "" or 64 lowercase hex digits. Errors: kInvalidArgument
+// naming the rank, the path and what is wrong.
 Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
 
 // Commits one round's checkpoint as <run_dir>/<dir_name> (replacing a directory of that name
 // atomically); the manifest's "copies" lists each part's copy_id that is set, as
 // {"rank": r, "id": copy_id}. Every part is checked with CheckStagedPart first; every staged file
 // is fsynced before it is moved, so parts staged without `durable` are committed as durably as
-// the others.
+// the others. A file's entry carries its "sha256" when it was staged with `hash`.
 // Errors: kInvalidArgument for a dir_name that is not one plain directory name, for a part that
 // CheckStagedPart refuses, for a file written by two ranks (naming both and the file) or for the
 // reserved manifest name; kInternal / kPermissionDenied for filesystem failures, naming the path.
@@ -178,7 +198,8 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
 Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads = 0,
                         const std::atomic<bool>* cancel = nullptr);
 
-// The entries a manifest lists: its files, then its kept links. nullopt when it is damaged.
+// The entries a manifest lists: its files (with their "sha256" where the manifest has one), then
+// its kept links. nullopt when it is damaged.
 std::optional<std::vector<FileEntry>> ManifestEntries(const nlohmann::json& manifest);
 
 // Reads the manifest's record of a committed checkpoint directory.

@@ -478,6 +478,32 @@ TEST_F(StageDirectoryTest, TheSourceItselfMayBeALinkToADirectory) {
   EXPECT_EQ(ReadTestFile(Path("dst/model.bin")), "m");
 }
 
+// SHA-256 test vectors (FIPS 180-2): "abc", and the empty string.
+constexpr char kSha256Abc[] = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+constexpr char kSha256Empty[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+TEST_F(StageDirectoryTest, WithHashEachFileGetsItsSha256InTheSamePass) {
+  WriteTestFile(Path("src/abc.txt"), "abc");
+  WriteTestFile(Path("src/empty.txt"), "");
+  // Larger than a copy chunk and a checksum piece, so the sum spans several.
+  const std::string big = Pattern((5 << 20) + 3, 9);
+  WriteTestFile(Path("src/big.bin"), big);
+  auto hashed = StageDirectory(Path("src"), Path("hashed"), /*durable=*/false, /*hash=*/true);
+  ASSERT_TRUE(hashed.ok()) << hashed.status().ToString();
+  std::map<std::string, FileEntry> by_path;
+  for (const auto& e : *hashed) by_path[e.path] = e;
+  EXPECT_EQ(by_path["abc.txt"].sha256, kSha256Abc);
+  EXPECT_EQ(by_path["empty.txt"].sha256, kSha256Empty);
+  EXPECT_EQ(by_path["abc.txt"].crc32c, CrcOf("abc"));
+  EXPECT_EQ(by_path["big.bin"].crc32c, CrcOf(big));
+  EXPECT_TRUE(IsSha256HexOrEmpty(by_path["big.bin"].sha256));
+  EXPECT_EQ(by_path["big.bin"].sha256.size(), kSha256HexSize);
+  // Without it, no hash is computed.
+  auto plain = StageDirectory(Path("src"), Path("plain"), /*durable=*/false);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  for (const auto& e : *plain) EXPECT_EQ(e.sha256, "") << e.path;
+}
+
 // --- SnapshotDirectory / WriteSnapshot -----------------------------------------------------------
 
 class SnapshotDirectoryTest : public TempDirTest {};
@@ -517,6 +543,34 @@ TEST_F(SnapshotDirectoryTest, WritesTheSameFilesModesLinksAndChecksumsAsStageDir
   EXPECT_EQ(ModeOf(Path("written/opt")), 0750u);
   EXPECT_TRUE(fs::is_symlink(Path("written/latest.txt")));
   EXPECT_TRUE(fs::is_directory(Path("written/empty_dir")));
+}
+
+TEST_F(SnapshotDirectoryTest, WithHashWritesTheSha256sStageDirectoryComputesAndHashesOnce) {
+  WriteTestFile(Path("src/abc.txt"), "abc");
+  WriteTestFile(Path("src/big.bin"), Pattern((3 << 20) + 1, 5));
+  auto staged = StageDirectory(Path("src"), Path("staged"), /*durable=*/false, /*hash=*/true);
+  ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+  auto snapshot = SnapshotDirectory(Path("src"), 64 << 20);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status().ToString();
+  auto plain = WriteSnapshot(*snapshot, Path("plain"));
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  for (const auto& e : *plain) EXPECT_EQ(e.sha256, "") << e.path;
+  auto first = WriteSnapshot(*snapshot, Path("first"), /*hash=*/true);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ(first->size(), staged->size());
+  for (size_t i = 0; i < staged->size(); ++i) {
+    SCOPED_TRACE((*staged)[i].path);
+    EXPECT_EQ((*first)[i].sha256, (*staged)[i].sha256);
+  }
+  // The second write (the copy kept in host memory) takes the hashes the first computed.
+  for (const auto& item : snapshot->items) {
+    if (item.kind == DirectorySnapshot::Kind::kFile) {
+      EXPECT_FALSE(item.sha256.empty());
+    }
+  }
+  auto second = WriteSnapshot(*snapshot, Path("second"), /*hash=*/true);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  for (size_t i = 0; i < first->size(); ++i) EXPECT_EQ((*second)[i].sha256, (*first)[i].sha256);
 }
 
 TEST_F(SnapshotDirectoryTest, IsIndependentOfTheSourceOnceTaken) {
@@ -705,6 +759,31 @@ TEST_F(CommitTest, TheManifestListsThePartsCopyIds) {
   CommitOne("checkpoint_000003", 3, "{}");
   EXPECT_FALSE(json::parse(ReadTestFile(JoinPath(Dir("checkpoint_000003"), kManifestName)))
                    .contains("copies"));
+}
+
+TEST_F(CommitTest, TheManifestCarriesTheSha256OfFilesStagedWithHash) {
+  fs::create_directories(Path("src-hashed"));
+  WriteTestFile(Path("src-hashed/a.bin"), "abc");
+  RankCheckpoint rank0{.rank = 0, .staging_dir = StagingPath(run_, 1, 2, 0)};
+  auto entries = StageDirectory(Path("src-hashed"), rank0.staging_dir, true, /*hash=*/true);
+  ASSERT_TRUE(entries.ok()) << entries.status().ToString();
+  rank0.files = *entries;
+  RankCheckpoint rank1 = StageRank(1, 2, {{"b.bin", "b"}});  // staged without: none
+  ASSERT_TRUE(CommitCheckpoint(run_, "checkpoint_000002", 2, 1.0, "{}", {rank0, rank1}).ok());
+  json manifest = json::parse(ReadTestFile(JoinPath(Dir("checkpoint_000002"), kManifestName)));
+  for (const auto& f : manifest["file_list"]) {
+    if (f["path"] == "a.bin") {
+      EXPECT_EQ(f["sha256"], kSha256Abc);
+    } else {
+      EXPECT_FALSE(f.contains("sha256"));
+    }
+  }
+  auto read = ManifestEntries(manifest);
+  ASSERT_TRUE(read.has_value());
+  for (const auto& e : *read) EXPECT_EQ(e.sha256, e.path == "a.bin" ? kSha256Abc : "");
+  // A manifest whose sha256 is not one is damaged.
+  manifest["file_list"][0]["sha256"] = "not-hex";
+  EXPECT_FALSE(ManifestEntries(manifest).has_value());
 }
 
 TEST_F(CommitTest, RanksStagedFromParallelThreadsCommitTogether) {
@@ -896,6 +975,17 @@ TEST_F(StagedPartTest, FilePathsWithDotDotOrAbsoluteAreRefused) {
     forged.files.push_back({.path = bad, .size = 7});
     ExpectRefusedAndVictimKept(forged, "not a clean relative path");
     EXPECT_TRUE(Exists(JoinPath(rc.staging_dir, "model.bin")));
+  }
+}
+
+TEST_F(StagedPartTest, ASha256ThatIsNot64LowercaseHexDigitsIsRefused) {
+  RankCheckpoint rc = StageRank(0, 1, {{"model.bin", "m"}});
+  for (const std::string& bad :
+       {std::string("abc"), std::string(64, 'A'), std::string(64, 'g'), std::string(65, 'a')}) {
+    SCOPED_TRACE(bad);
+    RankCheckpoint forged = rc;
+    forged.files[0].sha256 = bad;
+    ExpectRefusedAndVictimKept(forged, "not 64 lowercase hexadecimal digits");
   }
 }
 

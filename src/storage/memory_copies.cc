@@ -34,12 +34,19 @@ std::set<std::string> CopyIds(const std::string& rank_dir) {
   return ids;
 }
 
+// A directory (not a link) of this user's that no one else may enter.
+bool IsPrivateDir(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
+         (st.st_mode & 077) == 0;
+}
+
 }  // namespace
 
 bool AllPartsHeldIn(const std::string& store, const std::string& checkpoint_dir) {
-  struct stat st;
-  if (lstat(store.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
-      (st.st_mode & 077) != 0) {
+  const size_t slash = store.find_last_of('/');
+  if (slash == std::string::npos || slash == 0 || !IsPrivateDir(store.substr(0, slash)) ||
+      !IsPrivateDir(store)) {
     return false;
   }
   nlohmann::json manifest = ReadJson(JoinPath(checkpoint_dir, kManifestName));

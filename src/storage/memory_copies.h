@@ -11,10 +11,11 @@
 namespace jaxtrain::storage {
 
 // Whether every part of the committed checkpoint in `checkpoint_dir` (every rank with a file or
-// link in its manifest) has its copy in `store`, and the store is a directory of this user's
-// that no one else may enter (0700): the ranks of a restart on this host then read nothing of it
-// from storage. False for a manifest without "copies", a part without one, a store that is
-// missing, not a directory, another user's or open to others, and for anything unreadable.
+// link in its manifest) has its copy in `store`, and the store and the directory it is in (the
+// user's own, <memory dir>/jaxtrain-<uid>) are directories of this user's that no one else may
+// enter (0700): the ranks of a restart on this host then read nothing of it from storage. False
+// for a manifest without "copies", a part without one, a store or parent that is missing, not a
+// directory, another user's or open to others, and for anything unreadable.
 bool AllPartsHeldIn(const std::string& store, const std::string& checkpoint_dir);
 
 }  // namespace jaxtrain::storage

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -20,7 +21,7 @@ class AllPartsHeldInTest : public ::testing::Test {
  protected:
   void SetUp() override {
     char tmpl[] = "/tmp/memory_copies_test.XXXXXX";
-    dir_ = mkdtemp(tmpl);
+    dir_ = mkdtemp(tmpl);  // 0700, this user's: the store's parent, as jaxtrain-<uid> is
     store_ = JoinPath(dir_, "store");
     checkpoint_ = JoinPath(dir_, "checkpoint_000002");
     std::filesystem::create_directories(checkpoint_);
@@ -66,6 +67,21 @@ TEST_F(AllPartsHeldInTest, FalseForAStoreOthersMayEnterOrThatIsMissing) {
   chmod(store_.c_str(), 0755);
   EXPECT_FALSE(AllPartsHeldIn(store_, checkpoint_));
   EXPECT_FALSE(AllPartsHeldIn(JoinPath(dir_, "missing"), checkpoint_));
+}
+
+TEST_F(AllPartsHeldInTest, FalseForAStoreWhoseParentOthersMayEnterOrIsAnotherUsers) {
+  Hold(0, "a0-r2", "id-0");
+  Hold(1, "a0-r2", "id-1");
+  ASSERT_TRUE(AllPartsHeldIn(store_, checkpoint_));
+  chmod(dir_.c_str(), 0755);  // the per-user directory, open to others
+  EXPECT_FALSE(AllPartsHeldIn(store_, checkpoint_));
+  chmod(dir_.c_str(), 0700);
+  if (geteuid() == 0) {  // another user's (tests run as root can make one)
+    ASSERT_EQ(chown(dir_.c_str(), 65534, 65534), 0);
+    EXPECT_FALSE(AllPartsHeldIn(store_, checkpoint_));
+    ASSERT_EQ(chown(dir_.c_str(), 0, 0), 0);
+  }
+  EXPECT_TRUE(AllPartsHeldIn(store_, checkpoint_));
 }
 
 TEST_F(AllPartsHeldInTest, FalseForAManifestWithoutCopiesOrUnreadable) {
