@@ -42,9 +42,9 @@ class DirectorySnapshot:
     @property
     def bytes(self) -> int: ...
 
-    def write(self, dst: str, release: bool = True) -> list:
+    def write(self, dst: str, release: bool = True, sha256: bool = False) -> list:
         """
-        Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums; returns the files as stage_directory does. Then frees its memory, unless release is False (to write it again).
+        Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums (with sha256, each file's SHA-256 too, hex, once per snapshot); returns the files as stage_directory does. Then frees its memory, unless release is False (to write it again).
         """
 
 def crc32c(data: object, crc: int = 0) -> int:

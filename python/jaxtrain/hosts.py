@@ -211,16 +211,28 @@ class AgentServer:
             return
         with self._lock:
             self._sessions[session] = proc
-        self._start(self._forward_stdin, session, proc)
+        stdin = threading.Thread(target=self._forward_stdin, args=(session, proc), daemon=True)
+        stdin.start()
         try:
             while chunk := proc.stdout.read1(65536):
                 session.send(b"o" + chunk)
             rc = proc.wait()
             session.send(b"x" + struct.pack(">i", 128 - rc if rc < 0 else rc))
+            # The exit status goes first, then the end: closing with host 0's input unread would
+            # reset the connection, which may drop what host 0 has not yet read.
+            session.sock.shutdown(socket.SHUT_WR)
+            stdin.join(HANDSHAKE_TIMEOUT_S)
         except channel.Errors:
             proc.kill()  # host 0 went away: its agent kills the worker (stdin ends too)
             proc.wait()
         finally:
+            # The socket is closed by the caller only once no thread uses its descriptor: a
+            # number closed under a waiting thread could be reused by the next session.
+            try:
+                session.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            stdin.join()
             with self._lock:
                 self._sessions.pop(session, None)
 

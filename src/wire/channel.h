@@ -149,7 +149,8 @@ class ChannelResponder {
 };
 
 // A secure channel over a connected stream socket `fd` (blocking or not; not owned: the caller
-// closes it after this is gone). Sends and receives whole records, with deadlines.
+// closes it once no call is in progress on any thread, or a waiting call could read from the
+// next socket given that number). Sends and receives whole records, with deadlines.
 class Channel {
  public:
   // The initiator's handshake. Errors: as ChannelInitiator::OnAnswer, kDeadlineExceeded when
