@@ -6,6 +6,8 @@
 #
 #   scripts/build-wheels.sh                  # the whole matrix: 3.10 3.11 3.12 3.13 and the sdist
 #   scripts/build-wheels.sh 3.11             # one interpreter's wheel (CI builds python3's)
+#   scripts/build-wheels.sh 3.13             # the cp312-abi3 wheel, built by 3.12, tested on 3.13
+#                                            # (CI runs this too)
 #   JAXTRAIN_WHEEL_TEST=0 scripts/build-wheels.sh    # build and check the tags, skip the installs
 #
 # Interpreters come from pyenv (~/.pyenv/versions/3.X.*) or else python3.X on PATH. The compiler is
@@ -60,12 +62,16 @@ for v in "${versions[@]}"; do
 print(f"cp{v.major}{v.minor}-cp{v.major}{v.minor}" if v < (3, 12) else "cp312-abi3")')
   wheel=dist/jaxtrain-$version-$tag-$PLAT.whl
   if [[ ! " ${built[*]-} " == *" $wheel "* ]]; then
-    echo "build-wheels: building $wheel with $python"
+    # The cp312-abi3 wheel is built by the oldest interpreter it serves, whichever one it is then
+    # tested on: `scripts/build-wheels.sh 3.13` tests a 3.12 build on 3.13.
+    builder=$python
+    [[ $tag == cp312-abi3 ]] && builder=$(find_python 3.12)
+    echo "build-wheels: building $wheel with $builder"
     rm -rf "$RAW" && mkdir -p "$RAW"
     start=$SECONDS
     # Its own build folder per tag (not the one of a development install), the engine compiled by
     # zig's clang against glibc $GLIBC, libsodium linked in from its static archive.
-    CXX=$PWD/scripts/wheels/zig-c++ "$python" -m pip wheel -q --no-deps -w "$RAW" . \
+    CXX=$PWD/scripts/wheels/zig-c++ "$builder" -m pip wheel -q --no-deps -w "$RAW" . \
       --config-settings=build-dir="build/wheels/{wheel_tag}" \
       --config-settings=cmake.define.JAXTRAIN_STATIC_LIBSODIUM=ON \
       "${launcher[@]}"
@@ -75,6 +81,9 @@ print(f"cp{v.major}{v.minor}-cp{v.major}{v.minor}" if v < (3, 12) else "cp312-ab
     echo "build-wheels: $wheel built in $((SECONDS - start)) s"
     built+=("$wheel")
   fi
+  # The module's file name is the one the tag promises this interpreter (_core.abi3.so in the abi3
+  # wheel): a module that silently lost the stable ABI would otherwise ship under an abi3 tag.
+  scripts/wheels/check-module-name "$python" "$wheel" >/dev/null
   # The tag auditwheel reports is the one the wheel's contents allow, not only its file name.
   if ! auditwheel show "$wheel" | tr -s ' \n' ' ' | grep -q "is consistent with the following platform tag: \"$PLAT\""; then
     auditwheel show "$wheel" >&2

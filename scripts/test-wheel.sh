@@ -2,6 +2,8 @@
 # Tests one wheel the way a user meets it: a fresh virtual environment of PYTHON whose PATH has no
 # compiler on it, `pip install "WHEEL[jax]"` from binary packages only (jax and optax from the
 # package index), then, from a folder outside the source tree:
+#   - jaxtrain._core imports, from the wheel's module of the file name its tag promises PYTHON
+#     (scripts/wheels/check-module-name: _core.abi3.so in the cp312-abi3 wheel);
 #   - `jaxtrain --version` names the wheel's version;
 #   - the seed's JaxTrainer program (examples/linear_regression.py) trains on its 4 workers
 #     (its v6e 4x4 slice simulated on CPU);
@@ -22,6 +24,7 @@ trap 'rm -rf "$work"' EXIT
 say() { echo "test-wheel [$(basename "$wheel")]: $*"; }
 fail() { echo "test-wheel [$(basename "$wheel")]: FAILED: $*" >&2; exit 1; }
 
+module=$(scripts/wheels/check-module-name "$python" "$wheel") || fail "its module is not the one its tag names"
 "$python" -m venv "$work/venv"
 # Only the virtual environment and a shell are on PATH: no cc, c++, gcc, clang, zig or cmake.
 mkdir "$work/bin" "$work/home" "$work/run"
@@ -43,10 +46,14 @@ cp "$src/examples/linear_regression.py" "$src/examples/plain_jax_script.py" \
 cd "$work/run"
 in_run() { user env HOME="$work/home" "$@"; }  # runs land in $work/home/jaxtrain_results
 
-got=$(in_run jaxtrain --version)
-[[ $got == "jaxtrain $version" ]] || fail "jaxtrain --version said '$got', not 'jaxtrain $version'"
-core=$(in_run python -c 'import jaxtrain._core as c; print(c.__file__)')
+interpreter=$(in_run python -V)
+core=$(in_run python -c 'import jaxtrain._core as c; print(c.__file__)' 2>&1) ||
+  fail "$interpreter cannot import jaxtrain._core: $core"
 [[ $core == "$work/venv/"* ]] || fail "jaxtrain._core came from $core, not the wheel"
+[[ ${core##*/} == "$module" ]] || fail "jaxtrain._core is $core, not the wheel's $module"
+say "$interpreter imports jaxtrain._core from $module"
+got=$(in_run jaxtrain --version 2>&1) || fail "jaxtrain --version: $got"
+[[ $got == "jaxtrain $version" ]] || fail "jaxtrain --version said '$got', not 'jaxtrain $version'"
 
 start=$SECONDS
 out=$(in_run env JAXTRAIN_SIMULATE=1 python linear_regression.py 2>&1) || fail "linear_regression.py: $out"
