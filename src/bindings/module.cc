@@ -704,8 +704,7 @@ NB_MODULE(_core, m) {
             }
             Check(s);
           },
-          "data"_a, "timeout_s"_a = nb::none(),
-          "Sends `data` sealed, in records of at most 1 MiB.")
+          "data"_a, "timeout_s"_a = nb::none(), "Sends `data` sealed, in records of at most 1 MiB.")
       .def(
           "send_file",
           [](wire::Channel& c, int file_fd, uint64_t size, std::optional<double> timeout_s) {
