@@ -25,9 +25,9 @@ A put is accepted from the peer's donor only (the rank whose peer this one is, b
 own host size): the rank the channel proved, not one the request claims, into the store's
 ``rank<donor>/`` as that rank's own copy would be; every file's size, CRC-32C and SHA-256 are
 checked on the way in, by the server against the request, and by a fetching rank against the
-committed manifest. Nothing read from a peer is used that the manifest does not vouch for. Every rank of a
-run holds its secret, so these checks keep out whoever does not, not a rank of the run itself
-(docs/security.md).
+committed manifest. Nothing read from a peer is used that the manifest does not vouch for.
+Every rank of a run holds its secret, so these checks keep out whoever does not, not a rank of
+the run itself (docs/security.md).
 """
 
 from __future__ import annotations
