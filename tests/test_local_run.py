@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive, run_driver
+from conftest import pid_alive, run_driver, start_driver
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
 
 
@@ -176,7 +176,7 @@ def test_a_worker_that_exits_zero_before_returning_is_a_failure(storage):
 def test_ctrl_c_on_the_driver_leaves_no_worker_running(tmp_path):
     out = tmp_path / "pids"
     out.mkdir()
-    driver = subprocess.Popen(
+    driver = start_driver(
         [sys.executable, "-c", f"""
 import os, time
 from jaxtrain import JaxTrainer, ScalingConfig, RunConfig
