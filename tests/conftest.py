@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -36,14 +39,116 @@ def run_driver(code: str, tmp_path: Path, *, env: dict | None = None, timeout: f
     script.write_text(textwrap.dedent(code))
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_command([sys.executable, str(script)], cwd=tmp_path, env=full_env,
+                       capture_output=True, text=True, timeout=timeout)
+
+
+# --- processes the tests start ----------------------------------------------------------------
+#
+# A test starts a driver (a script that calls fit(), `jaxtrain run`, an example) with
+# start_driver() or run_command(), never with subprocess directly, for two reasons:
+#
+# * The driver starts with SIGINT at its default action. A suite started as a background job
+#   (`./scripts/test.sh &`, as some CI wrappers do) runs with SIGINT ignored, and a child inherits
+#   that (subprocess's restore_signals leaves SIGINT alone): Ctrl-C tests would interrupt nothing.
+# * The driver leads a session of its own, which its workers' process groups join. When a test
+#   times out or ends with the driver still running, the whole session is killed: no driver or
+#   worker group outlives the test that started it. Its stdin is /dev/null unless the test says
+#   otherwise: a terminal there would not be its session's (salloc then waits forever to be put
+#   in the foreground).
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def _default_sigint() -> None:  # in the child, between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_driver(argv: list, **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen(argv, **popen_kwargs), with SIGINT at its default action, in a session
+    of its own that end_session() kills if the test has not reaped the driver when it ends."""
+    popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_default_sigint,
+                            **popen_kwargs)
+    _STARTED.append(proc)
+    return proc
+
+
+def live_processes() -> dict[int, tuple[int, int]]:
+    """pid -> (process group, session) of every process that is not a zombie."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z":
+            found[int(entry)] = (int(fields[2]), int(fields[3]))
+    return found
+
+
+def _session_members(sid: int) -> dict[int, int]:
+    """pid -> process group of every live process in session `sid`."""
+    return {pid: pgrp for pid, (pgrp, session) in live_processes().items() if session == sid}
+
+
+def end_session(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGKILLs every process group in the session that `proc` leads (the driver's own and its
+    workers'), waits until none of them is left, and reaps `proc`. Does nothing once `proc` has
+    been reaped: its pid, the session's id, may then be another process's."""
+    if proc.returncode is not None:
+        return
+    deadline = time.monotonic() + timeout
+    while members := _session_members(proc.pid):
+        assert time.monotonic() < deadline, f"session {proc.pid} outlived SIGKILL: {members}"
+        for pgrp in set(members.values()):
+            try:
+                os.killpg(pgrp, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    proc.wait()
+
+
+def finish_driver(proc: subprocess.Popen, timeout: float,
+                  input=None) -> subprocess.CompletedProcess:
+    """proc.communicate(input, timeout), as subprocess.run does it; on a timeout, the driver's
+    session is killed before TimeoutExpired is raised."""
+    try:
+        stdout, stderr = proc.communicate(input, timeout=timeout)
+    except BaseException:  # TimeoutExpired, or the test run interrupted
+        end_session(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_command(argv: list, *, timeout: float, input=None, capture_output: bool = False,
+                **popen_kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, timeout=timeout, ...) for a driver (see start_driver)."""
+    if capture_output:
+        popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        popen_kwargs["stdin"] = subprocess.PIPE
+    return finish_driver(start_driver(argv, **popen_kwargs), timeout, input)
+
+
+def end_unreaped_drivers() -> None:
+    """Ends the session of every driver started since the last call that is not reaped yet."""
+    while _STARTED:
+        end_session(_STARTED.pop())
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_left_behind():
+    """A test that fails or times out half way leaves no driver (or its workers) running."""
+    yield
+    end_unreaped_drivers()
+
+
+atexit.register(end_unreaped_drivers)  # a run interrupted before a test's teardown
 
 
 def pid_alive(pid: int) -> bool:

@@ -15,7 +15,6 @@ import os
 import selectors
 import socket
 import struct
-import subprocess
 import sys
 import textwrap
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Fifo
+from conftest import Fifo, start_driver
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
 
 NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
@@ -101,7 +100,7 @@ class Driver:
         self._out = tmp_path / "driver.out"
         self._err = tmp_path / "driver.err"
         with open(self._out, "w") as out, open(self._err, "w") as err:
-            self.proc = subprocess.Popen(
+            self.proc = start_driver(
                 [sys.executable, str(script), json.dumps(settings)],
                 cwd=tmp_path,
                 stdout=out,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_command, start_driver
 from jaxtrain import TrainingFailedError
 from jaxtrain.cli import main
 from jaxtrain.cli.common import UsageError
@@ -92,8 +93,8 @@ while True:
 
 
 def jaxtrain(*args, env: dict | None = None, cwd=None, timeout: float = 120):
-    return subprocess.run([*JAXTRAIN, *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
+    return run_command([*JAXTRAIN, *map(str, args)], capture_output=True, text=True, env=env,
+                       cwd=cwd, timeout=timeout)
 
 
 def lines_of(proc: subprocess.Popen) -> queue.Queue:
@@ -162,7 +163,7 @@ def test_run_starts_the_unmodified_plain_jax_script_on_every_worker(workers, how
 
 def test_processes_of_a_run_form_one_jax_job_and_report(tmp_path):
     # Through `python -m jaxtrain`; the script calls jax.distributed.initialize() itself.
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "jaxtrain", "run", "-n", "4", "--storage-path", str(tmp_path),
          "--name", "psum", str(PSUM_SCRIPT)],
         capture_output=True, text=True, timeout=120)
@@ -192,8 +193,8 @@ def _run_on_a_terminal(args: list, cwd: Path, columns: int = 200) -> str:
 
     main_fd, term_fd = pty.openpty()
     fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    proc = subprocess.Popen([*JAXTRAIN, *map(str, args)], cwd=cwd, stdin=subprocess.DEVNULL,
-                            stdout=term_fd, stderr=term_fd)
+    proc = start_driver([*JAXTRAIN, *map(str, args)], cwd=cwd, stdin=subprocess.DEVNULL,
+                        stdout=term_fd, stderr=term_fd)
     os.close(term_fd)
     out = b""
     while True:
@@ -263,14 +264,14 @@ def test_logs_follow_prints_new_output_and_ctrl_c_stops_the_run(tmp_path):
     script = tmp_path / "waiting.py"
     script.write_text(WAITING_SCRIPT)
     marker = tmp_path / "go"
-    run = subprocess.Popen([*JAXTRAIN, "run", "-n", "1", "--storage-path", str(tmp_path),
-                            "--name", "live", str(script), str(marker)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = start_driver([*JAXTRAIN, "run", "-n", "1", "--storage-path", str(tmp_path),
+                        "--name", "live", str(script), str(marker)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     follow = None
     try:
         wait_for_line(lines_of(run), "(rank=0) ready")
-        follow = subprocess.Popen([*JAXTRAIN, "logs", str(tmp_path / "live"), "--rank", "0",
-                                   "-f"], stdout=subprocess.PIPE, text=True)
+        follow = start_driver([*JAXTRAIN, "logs", str(tmp_path / "live"), "--rank", "0", "-f"],
+                              stdout=subprocess.PIPE, text=True)
         followed = lines_of(follow)
         wait_for_line(followed, "ready")
         marker.touch()

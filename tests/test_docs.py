@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_command
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
@@ -34,6 +35,6 @@ def test_docs_snippet_runs(code, tmp_path):
     script.write_text(code)
     env = dict(os.environ, HOME=str(tmp_path))
     env.pop("JAXTRAIN_SIMULATE", None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_command([sys.executable, str(script)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

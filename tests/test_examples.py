@@ -2,11 +2,12 @@
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_command
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -16,8 +17,8 @@ def run_example(name, tmp_path, simulate):
     env.pop("JAXTRAIN_SIMULATE", None)
     if simulate:
         env["JAXTRAIN_SIMULATE"] = "1"
-    return subprocess.run([sys.executable, str(EXAMPLES / name)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_command([sys.executable, str(EXAMPLES / name)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
 
 
 def test_linear_regression_trains_on_a_simulated_v6e_slice(tmp_path):

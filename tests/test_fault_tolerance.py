@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive
+from conftest import pid_alive, start_driver
 from jaxtrain import (
     Checkpoint,
     FailureConfig,
@@ -178,7 +178,7 @@ def test_a_spent_budget_raises_with_every_attempt_listed(storage, tmp_path):
 def test_killing_the_driver_leaves_no_worker_running(tmp_path):
     out = tmp_path / "pids"
     out.mkdir()
-    driver = subprocess.Popen([sys.executable, "-c", f"""
+    driver = start_driver([sys.executable, "-c", f"""
 import os, time
 from jaxtrain import JaxTrainer, ScalingConfig, RunConfig
 def train():

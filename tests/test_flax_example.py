@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_command
 
 pytest.importorskip("flax")
 pytest.importorskip("orbax.checkpoint")
@@ -23,7 +24,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flax_char_lm.py
 def test_the_flax_example_learns_and_resumes_after_a_killed_rank(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path))
     env.pop("JAXTRAIN_SIMULATE", None)
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, str(EXAMPLE), "--steps", "30", "--kill-at", "15"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive, run_driver
+from conftest import (
+    Fifo,
+    end_unreaped_drivers,
+    finish_driver,
+    live_processes,
+    pid_alive,
+    run_driver,
+    start_driver,
+)
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
 
 
@@ -176,7 +184,7 @@ def test_a_worker_that_exits_zero_before_returning_is_a_failure(storage):
 def test_ctrl_c_on_the_driver_leaves_no_worker_running(tmp_path):
     out = tmp_path / "pids"
     out.mkdir()
-    driver = subprocess.Popen(
+    driver = start_driver(
         [sys.executable, "-c", f"""
 import os, time
 from jaxtrain import JaxTrainer, ScalingConfig, RunConfig
@@ -207,6 +215,52 @@ JaxTrainer(train, scaling_config=ScalingConfig(num_workers=3),
     assert [p for p in pids if pid_alive(p)] == []
     run = json.loads((tmp_path / "interrupted" / "run.json").read_text())
     assert run["status"] == "ABORTED"
+
+
+def _start_a_run_that_never_ends(tmp_path) -> subprocess.Popen:
+    """A driver (through conftest.start_driver) whose 2 workers wait forever, once they are up."""
+    ready = Fifo(tmp_path / "ready")
+    driver = start_driver([sys.executable, "-c", f"""
+import os, threading
+from jaxtrain import JaxTrainer, ScalingConfig, RunConfig
+def train():
+    with open({ready.path!r}, "w") as f:
+        f.write(str(os.getpid()) + "\\n")
+    threading.Event().wait()
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+           run_config=RunConfig(name="forever", storage_path={str(tmp_path)!r})).fit()
+"""], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [int(ready.read_line()) for _ in range(2)]
+    ready.close()
+    # The workers run in a process group of their own, in the driver's session.
+    ids = [(os.getpgid(p) != driver.pid, os.getsid(p)) for p in workers]
+    assert ids == [(True, driver.pid)] * 2, ids
+    return driver
+
+
+def _left_of(driver: subprocess.Popen) -> dict[int, tuple[int, int]]:
+    """The processes of `driver`'s session still running: its workers' groups, standbys too."""
+    return {pid: ids for pid, ids in live_processes().items() if ids[1] == driver.pid}
+
+
+# The suite's own hygiene: a test that times out leaves no driver or worker group behind.
+
+
+def test_a_driver_that_outlives_its_timeout_is_killed_with_its_workers_groups(tmp_path):
+    driver = _start_a_run_that_never_ends(tmp_path)
+    with pytest.raises(subprocess.TimeoutExpired):
+        finish_driver(driver, timeout=0.1)  # as run_driver waits
+    assert driver.returncode == -signal.SIGKILL
+    assert _left_of(driver) == {}
+
+
+def test_a_driver_a_test_gave_up_waiting_for_ends_with_the_test(tmp_path):
+    driver = _start_a_run_that_never_ends(tmp_path)
+    with pytest.raises(subprocess.TimeoutExpired):
+        driver.communicate(timeout=0.1)  # the test's own wait, which then fails the test
+    end_unreaped_drivers()  # what the end of every test does
+    assert driver.returncode == -signal.SIGKILL
+    assert _left_of(driver) == {}
 
 
 def _probe_the_control_port():

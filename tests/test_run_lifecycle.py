@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Fifo, pid_alive
+from conftest import REPO, Fifo, pid_alive, start_driver
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core
 from jaxtrain.errors import TrainingFailedError
 
@@ -54,24 +54,9 @@ def gated_driver(tmp_path: Path, storage: str, name: str, workers: int, ready: F
                    run_config=RunConfig(name={name!r}, storage_path={storage!r})).fit()
         print("driver finished")
     """))
-    driver = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _DRIVERS.append(driver)
-    return driver
-
-
-_DRIVERS: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_driver_left_behind():
-    """A test that fails half way must not leave its gated driver (and workers) waiting."""
-    yield
-    while _DRIVERS:
-        driver = _DRIVERS.pop()
-        if driver.poll() is None:
-            driver.kill()
-            driver.communicate()
+    # A test that fails half way leaves no gated driver (and workers) waiting: see start_driver.
+    return start_driver([sys.executable, str(script)], cwd=tmp_path, text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def worker_pids(ready: Fifo, workers: int) -> list[int]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import peer_copies
+from conftest import run_command, start_driver
 from seed_program import with_psum_first
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ def drive(cluster: SlurmCluster, cwd: Path, program: str, *, allocation: list[st
     argv = [sys.executable, str(cwd / "driver.py")]
     if allocation is not None:
         argv = ["salloc", *allocation, *argv]
-    return subprocess.run(argv, cwd=cwd, env=cluster.env(HOME=str(cwd), **env),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command(argv, cwd=cwd, env=cluster.env(HOME=str(cwd), **env),
+                       capture_output=True, text=True, timeout=timeout)
 
 
 def seen(cwd: Path, world_size: int) -> list[dict]:
@@ -121,9 +122,9 @@ def test_ctrl_c_while_waiting_for_an_allocation_withdraws_the_request(slurm_clus
             JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
                        run_config=RunConfig(name="never", storage_path=os.getcwd())).fit()
         '''))
-        driver = subprocess.Popen([sys.executable, "driver.py"], cwd=shared_dir,
-                                  env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
-                                  stderr=subprocess.PIPE, text=True)
+        driver = start_driver([sys.executable, "driver.py"], cwd=shared_dir,
+                              env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
+                              stderr=subprocess.PIPE, text=True)
         said = []
         for line in driver.stderr:
             said.append(line)
@@ -156,9 +157,9 @@ def test_sigterm_of_the_driver_stops_the_run_and_releases_the_allocation_it_requ
         JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
                    run_config=RunConfig(name="terminated", storage_path=os.getcwd())).fit()
     '''))
-    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=shared_dir,
-                              env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = start_driver([sys.executable, "driver.py"], cwd=shared_dir,
+                          env=slurm_cluster.env(JAXTRAIN_LAUNCHER="slurm"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started = []
         for line in driver.stdout:
@@ -295,9 +296,9 @@ print("closed" if answer[4:5] == b"\\x0b" and s.recv(100) == b"" else "answered"
 
 def test_a_connection_from_a_node_without_the_secret_is_refused(slurm_cluster, shared_dir):
     (shared_dir / "driver.py").write_text(WAITS_FOR_PROBE)
-    driver = subprocess.Popen(["salloc", "-N2", "-n2", sys.executable, "driver.py"],
-                              cwd=shared_dir, env=slurm_cluster.env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    driver = start_driver(["salloc", "-N2", "-n2", sys.executable, "driver.py"],
+                          cwd=shared_dir, env=slurm_cluster.env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
     try:
         address = shared_dir / "controller.txt"
         deadline = time.monotonic() + 120
@@ -344,9 +345,9 @@ print("final", result.metrics)
 
 def start_long_run(cluster: SlurmCluster, cwd: Path) -> subprocess.Popen:
     (cwd / "driver.py").write_text(LONG_RUN)
-    driver = subprocess.Popen(["salloc", "-N2", "-n2", sys.executable, "driver.py"], cwd=cwd,
-                              env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    driver = start_driver(["salloc", "-N2", "-n2", sys.executable, "driver.py"], cwd=cwd,
+                          env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
     deadline = time.monotonic() + 120
     while not (cwd / "ready-0").exists() and driver.poll() is None:
         assert time.monotonic() < deadline, "the run did not get going"

@@ -22,6 +22,7 @@ import pytest
 from test_slurm import seed_program, seen
 
 import peer_copies
+from conftest import run_command, start_driver
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshHosts
@@ -36,9 +37,9 @@ def drive(hosts: SshHosts, cwd: Path, program: str, *, timeout: float = 180,
           **env: str) -> subprocess.CompletedProcess:
     """Runs `program` as a driver in `cwd` (HOME too: its default storage is shared)."""
     (cwd / "driver.py").write_text(program)
-    return subprocess.run([sys.executable, str(cwd / "driver.py")], cwd=cwd,
-                          env=hosts.env(HOME=str(cwd), **env), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_command([sys.executable, str(cwd / "driver.py")], cwd=cwd,
+                       env=hosts.env(HOME=str(cwd), **env), capture_output=True, text=True,
+                       timeout=timeout)
 
 
 def run_dir(cwd: Path) -> Path:
@@ -205,9 +206,9 @@ def test_a_driver_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, sha
 
 def start_long_run(hosts: SshHosts, cwd: Path) -> subprocess.Popen:
     (cwd / "driver.py").write_text(LONG_RUN)
-    driver = subprocess.Popen([sys.executable, "driver.py"], cwd=cwd,
-                              env=hosts.env(HOME=str(cwd), JAXTRAIN_SSH_HOSTS="host1,host2"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = start_driver([sys.executable, "driver.py"], cwd=cwd,
+                          env=hosts.env(HOME=str(cwd), JAXTRAIN_SSH_HOSTS="host1,host2"),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (cwd / "ready").exists() and driver.poll() is None:
         assert time.monotonic() < deadline, "the run did not get going"

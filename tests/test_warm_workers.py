@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_command, start_driver
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
 
 NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
@@ -95,9 +95,9 @@ def _drive(tmp_path: Path, *, fits: int, kill: bool, env: dict | None = None):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     settings = {"out": str(out), "storage": str(tmp_path / "runs"), "fits": fits, "kill": kill}
-    proc = subprocess.run([sys.executable, str(script), json.dumps(settings)], cwd=tmp_path,
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=NO_HANG_S)
+    proc = run_command([sys.executable, str(script), json.dumps(settings)], cwd=tmp_path,
+                       env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                       timeout=NO_HANG_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, out
 
@@ -200,8 +200,8 @@ def test_a_driver_killed_with_sigkill_leaves_no_standby_alive(tmp_path):
     script.write_text(HOLD)
     pids_file = tmp_path / "pids.json"
     with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen([sys.executable, str(script), str(pids_file), str(tmp_path)],
-                                  stdout=err, stderr=err)
+        driver = start_driver([sys.executable, str(script), str(pids_file), str(tmp_path)],
+                              stdout=err, stderr=err)
     try:
         deadline = time.monotonic() + NO_HANG_S
         while not pids_file.exists():
