@@ -24,7 +24,7 @@ cmake -S . -B build/test-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug \
 ninja -C build/test-tsan
 ctest --test-dir build/test-tsan --output-on-failure -j2
 
-echo "test: fuzz the control protocol (short run; scripts/fuzz.sh 600 for a long one)"
+echo "test: fuzz the control protocol and the secure channel (short run; scripts/fuzz.sh 600 for a long one)"
 ./scripts/fuzz.sh
 
 echo "test: the Kubernetes test cluster's binaries (built from the Go module proxy once per version:"
