@@ -144,6 +144,11 @@ class Channel:
     def receive(self, timeout_s: float | None = None) -> bytes:
         """The next record's bytes, checked."""
 
+    def receive_into(self, buffer: object, timeout_s: float | None = None) -> int:
+        """
+        The next record's bytes, checked, into `buffer` (a writable buffer of at least 1 MiB holds any record); returns how many.
+        """
+
 def channel_connect(fd: int, secret: bytes, purpose: str, me: str, responder: str, timeout_s: float) -> Channel:
     """
     The connecting end's handshake on the connected socket `fd`: proves `me` to `responder` for `purpose` with `secret`, and returns the channel.

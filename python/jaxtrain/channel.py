@@ -14,6 +14,8 @@ from jaxtrain import _core
 Errors = (OSError, ValueError)
 # The reason a refusal carries when the two ends do not hold the same secret.
 NOT_THE_SAME_SECRET = "do not hold the same secret"
+# The largest record's bytes (kMaxRecordPlaintext).
+RECORD_SIZE = 1 << 20
 
 
 class Connection:
@@ -65,6 +67,10 @@ class Connection:
 
     def receive(self, timeout_s: float | None = None) -> bytes:
         return self._channel.receive(timeout_s)
+
+    def receive_into(self, buffer, timeout_s: float | None = None) -> int:
+        """The next record into `buffer` (RECORD_SIZE bytes hold any); returns its length."""
+        return self._channel.receive_into(buffer, timeout_s)
 
     def send_json(self, message: dict, timeout_s: float | None = None) -> None:
         self.send(json.dumps(message).encode(), timeout_s)

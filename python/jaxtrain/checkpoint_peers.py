@@ -346,20 +346,21 @@ def _receive_file(conn: Connection, path: str, entry: dict, deadline: float) -> 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crc, left = 0, entry["size"]
     sha256 = hashlib.sha256()
+    buffer = memoryview(bytearray(channel.RECORD_SIZE))
     with open(path, "wb", buffering=0) as f:
         while left > 0:
             try:
-                data = conn.receive(max(0.0, deadline - time.monotonic()))
+                n = conn.receive_into(buffer, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise PeerError(f"'{entry['path']}' did not arrive in time") from None
             except channel.Errors as e:
                 raise PeerError(f"the connection ended in '{entry['path']}': {e}") from None
-            if len(data) > left:
+            if n > left:
                 raise PeerError(f"'{entry['path']}' arrived longer than {entry['size']} bytes")
-            crc = _core.crc32c(data, crc)
-            sha256.update(data)
-            f.write(data)
-            left -= len(data)
+            crc = _core.crc32c(buffer[:n], crc)
+            sha256.update(buffer[:n])
+            f.write(buffer[:n])
+            left -= n
     if crc != entry["crc32c"]:
         raise PeerError(f"'{entry['path']}' arrived with CRC-32C {crc}, not {entry['crc32c']}")
     if "mode" in entry:

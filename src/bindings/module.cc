@@ -728,7 +728,26 @@ NB_MODULE(_core, m) {
             std::string data = Unwrap(std::move(got));
             return nb::bytes(data.data(), data.size());
           },
-          "timeout_s"_a = nb::none(), "The next record's bytes, checked.");
+          "timeout_s"_a = nb::none(), "The next record's bytes, checked.")
+      .def(
+          "receive_into",
+          [](wire::Channel& c, nb::handle buffer, std::optional<double> timeout_s) {
+            Py_buffer view;
+            if (PyObject_GetBuffer(buffer.ptr(), &view, PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) {
+              throw nb::python_error();
+            }
+            StatusOr<size_t> got = UnavailableError("");
+            {
+              nb::gil_scoped_release release;
+              got = c.ReceiveInto(static_cast<char*>(view.buf), static_cast<size_t>(view.len),
+                                  ChannelTimeout(timeout_s));
+            }
+            PyBuffer_Release(&view);
+            return Unwrap(std::move(got));
+          },
+          "buffer"_a, "timeout_s"_a = nb::none(),
+          "The next record's bytes, checked, into `buffer` (a writable buffer of at least 1 MiB "
+          "holds any record); returns how many.");
   m.def(
       "channel_connect",
       [](int fd, nb::bytes secret, const std::string& purpose, const std::string& me,

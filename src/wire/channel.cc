@@ -87,35 +87,51 @@ Session::Session(const Mac& send_key, const Mac& receive_key) {
 }
 
 StatusOr<std::string> Session::Seal(std::string_view plaintext) {
+  std::string out;
+  JT_RETURN_IF_ERROR(SealInto(plaintext, &out));
+  return out;
+}
+
+Status Session::SealInto(std::string_view plaintext, std::string* out) {
   if (plaintext.size() > kMaxRecordPlaintext) {
     return InvalidArgumentError("a record of " + std::to_string(plaintext.size()) +
                                 " bytes; at most " + std::to_string(kMaxRecordPlaintext));
   }
-  std::string out = LengthPrefix(SealedSize(plaintext.size()));
-  size_t header = out.size();
-  out.resize(header + SealedSize(plaintext.size()));
+  std::string length = LengthPrefix(SealedSize(plaintext.size()));
+  out->resize(length.size() + SealedSize(plaintext.size()));  // reuses the capacity it has
+  std::memcpy(out->data(), length.data(), length.size());
   auto nonce = RecordNonce(sent_++);
   unsigned long long sealed = 0;
   crypto_aead_chacha20poly1305_ietf_encrypt(
-      reinterpret_cast<unsigned char*>(out.data() + header), &sealed,
+      reinterpret_cast<unsigned char*>(out->data() + length.size()), &sealed,
       reinterpret_cast<const unsigned char*>(plaintext.data()), plaintext.size(),
-      reinterpret_cast<const unsigned char*>(out.data()), header, nullptr, nonce.data(),
+      reinterpret_cast<const unsigned char*>(length.data()), length.size(), nullptr, nonce.data(),
       send_key_.data());
-  return out;
+  return OkStatus();
 }
 
 StatusOr<std::string> Session::Open(std::string_view sealed) {
+  std::string plaintext(sealed.size() >= kRecordTagSize ? sealed.size() - kRecordTagSize : 0, '\0');
+  JT_ASSIGN_OR_RETURN(size_t n, OpenInto(sealed, plaintext.data(), plaintext.size()));
+  plaintext.resize(n);
+  return plaintext;
+}
+
+StatusOr<size_t> Session::OpenInto(std::string_view sealed, char* out, size_t capacity) {
   if (broken_) return UnauthenticatedError("the channel failed an earlier record");
   if (sealed.size() < kRecordTagSize || sealed.size() > SealedSize(kMaxRecordPlaintext)) {
     broken_ = true;
     return UnauthenticatedError("a record of " + std::to_string(sealed.size()) + " bytes");
   }
+  if (sealed.size() - kRecordTagSize > capacity) {
+    return InvalidArgumentError("a record of " + std::to_string(sealed.size() - kRecordTagSize) +
+                                " bytes for a buffer of " + std::to_string(capacity));
+  }
   std::string length = LengthPrefix(sealed.size());
-  std::string plaintext(sealed.size() - kRecordTagSize, '\0');
   auto nonce = RecordNonce(received_);
   unsigned long long opened = 0;
   if (crypto_aead_chacha20poly1305_ietf_decrypt(
-          reinterpret_cast<unsigned char*>(plaintext.data()), &opened, nullptr,
+          reinterpret_cast<unsigned char*>(out), &opened, nullptr,
           reinterpret_cast<const unsigned char*>(sealed.data()), sealed.size(),
           reinterpret_cast<const unsigned char*>(length.data()), length.size(), nonce.data(),
           receive_key_.data()) != 0) {
@@ -125,7 +141,7 @@ StatusOr<std::string> Session::Open(std::string_view sealed) {
         "repeated or reordered on the way)");
   }
   ++received_;
-  return plaintext;
+  return static_cast<size_t>(opened);
 }
 
 // --- the handshake -------------------------------------------------------------------------------
@@ -311,8 +327,8 @@ Status ReadExactlyBy(int fd, char* out, size_t size, TimePoint deadline) {
   return OkStatus();
 }
 
-// One length-prefixed message of at most `limit` bytes.
-StatusOr<std::string> ReadMessage(int fd, size_t limit, TimePoint deadline) {
+// One length-prefixed message of at most `limit` bytes, into `*body` (its capacity reused).
+Status ReadMessageInto(int fd, size_t limit, TimePoint deadline, std::string* body) {
   char length[4];
   JT_RETURN_IF_ERROR(ReadExactlyBy(fd, length, sizeof(length), deadline));
   size_t n = GetU32(length);
@@ -320,8 +336,13 @@ StatusOr<std::string> ReadMessage(int fd, size_t limit, TimePoint deadline) {
     return DataLossError("a message of " + std::to_string(n) + " bytes; at most " +
                          std::to_string(limit) + " are allowed");
   }
-  std::string body(n, '\0');
-  JT_RETURN_IF_ERROR(ReadExactlyBy(fd, body.data(), n, deadline));
+  body->resize(n);
+  return ReadExactlyBy(fd, body->data(), n, deadline);
+}
+
+StatusOr<std::string> ReadMessage(int fd, size_t limit, TimePoint deadline) {
+  std::string body;
+  JT_RETURN_IF_ERROR(ReadMessageInto(fd, limit, deadline, &body));
   return body;
 }
 
@@ -392,8 +413,8 @@ Status Channel::Send(std::string_view data, Duration timeout) {
   do {
     std::string_view part = data.substr(0, kMaxRecordPlaintext);
     data.remove_prefix(part.size());
-    JT_ASSIGN_OR_RETURN(std::string record, session_.Seal(part));
-    JT_RETURN_IF_ERROR(WriteAllBy(fd_, record, deadline));
+    JT_RETURN_IF_ERROR(session_.SealInto(part, &sealed_));
+    JT_RETURN_IF_ERROR(WriteAllBy(fd_, sealed_, deadline));
   } while (!data.empty());
   return OkStatus();
 }
@@ -401,7 +422,8 @@ Status Channel::Send(std::string_view data, Duration timeout) {
 Status Channel::SendFile(int file_fd, uint64_t size, Duration timeout) {
   TimePoint deadline = DeadlineIn(timeout);
   std::lock_guard<std::mutex> lock(send_mu_);
-  std::string buffer(std::min<uint64_t>(size, kMaxRecordPlaintext), '\0');
+  file_buffer_.resize(std::min<uint64_t>(size, kMaxRecordPlaintext));
+  std::string& buffer = file_buffer_;
   uint64_t offset = 0;
   while (offset < size) {
     size_t want = static_cast<size_t>(std::min<uint64_t>(size - offset, buffer.size()));
@@ -412,20 +434,27 @@ Status Channel::SendFile(int file_fd, uint64_t size, Duration timeout) {
       return DataLossError("the file ended after " + std::to_string(offset) + " of " +
                            std::to_string(size) + " bytes");
     }
-    JT_ASSIGN_OR_RETURN(std::string record,
-                        session_.Seal(std::string_view(buffer.data(), static_cast<size_t>(n))));
-    JT_RETURN_IF_ERROR(WriteAllBy(fd_, record, deadline));
+    JT_RETURN_IF_ERROR(
+        session_.SealInto(std::string_view(buffer.data(), static_cast<size_t>(n)), &sealed_));
+    JT_RETURN_IF_ERROR(WriteAllBy(fd_, sealed_, deadline));
     offset += static_cast<uint64_t>(n);
   }
   return OkStatus();
 }
 
 StatusOr<std::string> Channel::Receive(Duration timeout) {
+  std::string plaintext(kMaxRecordPlaintext, '\0');
+  JT_ASSIGN_OR_RETURN(size_t n, ReceiveInto(plaintext.data(), plaintext.size(), timeout));
+  plaintext.resize(n);
+  return plaintext;
+}
+
+StatusOr<size_t> Channel::ReceiveInto(char* out, size_t capacity, Duration timeout) {
   TimePoint deadline = DeadlineIn(timeout);
   std::lock_guard<std::mutex> lock(receive_mu_);
-  JT_ASSIGN_OR_RETURN(std::string sealed,
-                      ReadMessage(fd_, Session::SealedSize(kMaxRecordPlaintext), deadline));
-  return session_.Open(sealed);
+  JT_RETURN_IF_ERROR(
+      ReadMessageInto(fd_, Session::SealedSize(kMaxRecordPlaintext), deadline, &received_));
+  return session_.OpenInto(received_, out, capacity);
 }
 
 }  // namespace jaxtrain::wire

@@ -77,10 +77,15 @@ class Session {
   // `plaintext` (at most kMaxRecordPlaintext bytes) as one whole record: its length, then the
   // sealed bytes. Errors: kInvalidArgument when too long.
   StatusOr<std::string> Seal(std::string_view plaintext);
+  // Seal() into `*out`, whose capacity is reused.
+  Status SealInto(std::string_view plaintext, std::string* out);
   // The plaintext of the next record, given the bytes after its length. Errors: kUnauthenticated
   // when it was not sealed by the other end as its next record (forged, changed, dropped,
   // repeated or reordered); the session is unusable afterwards.
   StatusOr<std::string> Open(std::string_view sealed);
+  // Open() into `out` (`capacity` bytes, not overlapping `sealed`); returns the plaintext's
+  // length. Errors: as Open(), and kInvalidArgument when the plaintext would not fit.
+  StatusOr<size_t> OpenInto(std::string_view sealed, char* out, size_t capacity);
   // The length a record of `plaintext_size` bytes has on the wire after its length field.
   static size_t SealedSize(size_t plaintext_size) { return plaintext_size + kRecordTagSize; }
 
@@ -177,6 +182,9 @@ class Channel {
   // "closed" in its message on an orderly end), kDeadlineExceeded after `timeout`,
   // kUnauthenticated (see Session::Open), kDataLoss for a record longer than allowed.
   StatusOr<std::string> Receive(Duration timeout);
+  // Receive() into `out` (`capacity` bytes, kMaxRecordPlaintext hold any record); returns the
+  // record's length. Errors: as Receive(), and kInvalidArgument when the record would not fit.
+  StatusOr<size_t> ReceiveInto(char* out, size_t capacity, Duration timeout);
   // Sends `size` bytes of the file open at `file_fd` from its start, in records. Errors: as
   // Send(), and kDataLoss when the file ends before `size` bytes.
   Status SendFile(int file_fd, uint64_t size, Duration timeout);
@@ -188,7 +196,10 @@ class Channel {
   std::string peer_;
   Session session_;
   std::mutex send_mu_;
+  std::string sealed_;       // the record being sent (send_mu_), its memory reused
+  std::string file_buffer_;  // a file's bytes being sent (send_mu_)
   std::mutex receive_mu_;
+  std::string received_;  // the record being received (receive_mu_)
 };
 
 }  // namespace jaxtrain::wire
