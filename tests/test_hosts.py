@@ -288,3 +288,46 @@ def test_the_relay_reads_its_key_from_the_descriptor_host_0_passed(agent, tmp_pa
     os.close(fd)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == b"relayed\n"
+
+
+def test_silent_connections_never_keep_host_0s_sessions_out(agent, tmp_path):
+    # Whoever may connect from host 0's address holds as many silent connections as it likes:
+    # at the cap, the oldest is dropped for the newest, so host 0's session still gets through.
+    silent = [socket.create_connection(("127.0.0.1", agent.port), timeout=10)
+              for _ in range(hosts._MAX_UNPROVEN + 4)]
+    try:
+        with _session(agent, "echo through") as session:
+            session.send(b"e")
+            out, status = _output(session)
+        assert (out, status) == (b"through\n", 0)
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_a_malformed_answer_is_a_connection_error_not_a_crash():
+    # A message longer than the channel allows, or an answer that is neither an accept nor a
+    # refusal, from whoever answers at host 0's port: an error the joiner retries after.
+    for answer in (struct.pack(">I", 0xFFFFFFF0), _message(b"X" * 40)):
+        with socket.create_server(("127.0.0.1", 0)) as liar:
+            def reply(answer=answer) -> None:
+                conn, _ = liar.accept()
+                with conn:
+                    _read_message(conn)
+                    conn.sendall(answer)
+
+            threading.Thread(target=reply, daemon=True).start()
+            with pytest.raises(ConnectionError):
+                Connection.connect(liar.getsockname(), SECRET, "jaxtrain-join:1:2", "host-1",
+                                   "host-0", 10)
+
+
+def test_a_join_meant_for_another_run_of_the_same_secret_is_refused_naming_both():
+    host0 = hosts.SameCommand(("127.0.0.1", _free_port()), 0, 3, SECRET)
+    threading.Thread(target=_quietly(host0.gather, timeout_s=20), daemon=True).start()
+    _connect_when_listening(host0.coordinator[1]).close()
+    host1 = hosts.SameCommand(host0.coordinator, 1, 2, SECRET)  # thinks the run has 2 hosts
+    with pytest.raises(PermissionError, match=r"a connection for 'jaxtrain-join:\d+:2' reached "
+                                              r"'host-0', which serves 'jaxtrain-join:\d+:3'"):
+        host1._join_once("host-1")
+    host1._agents and host1._agents.close()

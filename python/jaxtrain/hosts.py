@@ -149,7 +149,10 @@ class AgentServer:
         self._sessions: dict[Connection | socket.socket, subprocess.Popen | None] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
+        # Connections whose handshake is in progress, oldest first: at the cap, the oldest is
+        # dropped for the newest, so that silent ones never keep host 0's sessions out.
+        self._unproven: dict[socket.socket, None] = {}
+        self._refused = _Refusals()
         self._env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -165,13 +168,16 @@ class AgentServer:
             except OSError:
                 return
             if peer[0] != self._host0 or self._key is None:
-                _say(f"refused a session from {peer[0]}:{peer[1]}: only host 0 "
-                     f"({self._host0}) opens sessions here, once this host has joined")
+                self._refused.say(peer, f"only host 0 ({self._host0}) opens sessions here, once "
+                                  "this host has joined")
                 conn.close()
                 continue
-            if not self._unproven.acquire(blocking=False):
-                conn.close()
-                continue
+            with self._lock:
+                if len(self._unproven) >= _MAX_UNPROVEN:
+                    oldest = next(iter(self._unproven))
+                    del self._unproven[oldest]
+                    _shut(oldest)  # its thread ends its handshake and closes it
+                self._unproven[conn] = None
             self._start(self._serve, conn, peer)
 
     def _start(self, target, *args) -> None:
@@ -189,9 +195,10 @@ class AgentServer:
                                             ["host-0"], HANDSHAKE_TIMEOUT_S)
                 command = str(session.receive_json(HANDSHAKE_TIMEOUT_S)["command"])
             finally:
-                self._unproven.release()
+                with self._lock:
+                    self._unproven.pop(conn, None)
         except (*channel.Errors, KeyError) as e:
-            _say(f"refused a session from {peer[0]}:{peer[1]}: {e}")
+            self._refused.say(peer, str(e))
             conn.close()
             return
         finally:
@@ -327,7 +334,7 @@ def relay(argv: list[str]) -> int:
     try:
         while True:
             record = session.receive()
-            if record[:1] == b"x":
+            if record[:1] == b"x" and len(record) == 5:
                 return struct.unpack(">i", record[1:5])[0]
             out.write(record[1:])
             out.flush()
@@ -459,13 +466,14 @@ class SameCommand:
         lock = threading.Lock()
         unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
         pending: dict[socket.socket, threading.Thread] = {}  # handshakes in progress
+        refused = _Refusals("a host joining")
 
         def admit(conn: socket.socket, peer) -> None:
             """One joining host, its handshake and hello within HANDSHAKE_TIMEOUT_S."""
             try:
                 try:
-                    host = Connection.accept(conn, self.secret, _JOIN, "host-0", [],
-                                             HANDSHAKE_TIMEOUT_S)
+                    host = Connection.accept(conn, self.secret, self._join_purpose(), "host-0",
+                                             [], HANDSHAKE_TIMEOUT_S)
                     hello = host.receive_json(HANDSHAKE_TIMEOUT_S)
                 finally:
                     unproven.release()
@@ -482,7 +490,7 @@ class SameCommand:
                     host.close()
                     raise ValueError(f"{host.peer} is taken or out of range")
             except (*channel.Errors, KeyError) as e:
-                _say(f"refused a host joining from {peer[0]}:{peer[1]}: {e}")
+                refused.say(peer, str(e))
                 return
             _say(f"host {rank} ({hello.get('hostname')}, {peer[0]}) joined")
 
@@ -530,7 +538,10 @@ class SameCommand:
         for rank, (conn, hello, address, _) in sorted(joined.items()):
             hosts[rank] = (str(hello.get("hostname")), address, int(hello["agent_port"]))
             has[rank] = dict(hello.get("has") or {})
-            conn.send_json({"joined": True, "token": token})
+            try:
+                conn.send_json({"joined": True, "token": token}, HANDSHAKE_TIMEOUT_S)
+            except channel.Errors as e:
+                raise OSError(f"host {rank} ({address}) went away after it joined: {e}") from None
             self._joiners.append(conn)
         targets: dict[str, list] = {}
         described = []
@@ -603,11 +614,16 @@ class SameCommand:
              f"results in {ended.get('run_dir')} there")
         return int(ended.get("ended", 1))
 
+    def _join_purpose(self) -> str:
+        """A join names the coordinator's port and the number of hosts, so that a join meant for
+        another run of the same secret is refused, naming both."""
+        return f"{_JOIN}:{self.coordinator[1]}:{self.num_hosts}"
+
     def _join_once(self, me: str) -> Connection:
         """One try at joining: the handshake, this host's hello, host 0's answer. Its agent
         server listens on the address towards host 0, for host 0's address only."""
-        conn = Connection.connect(self.coordinator, self.secret, _JOIN, me, "host-0",
-                                  HANDSHAKE_TIMEOUT_S)
+        conn = Connection.connect(self.coordinator, self.secret, self._join_purpose(), me,
+                                  "host-0", HANDSHAKE_TIMEOUT_S)
         try:
             local, host0 = conn.sock.getsockname()[0], conn.sock.getpeername()[0]
             if self._agents is not None:
@@ -623,6 +639,30 @@ class SameCommand:
             conn.close()
             raise
         return conn
+
+
+class _Refusals:
+    """Says a refused connection once per address: a flood makes one line, not one a second."""
+
+    def __init__(self, what: str = "a session") -> None:
+        self._what = what
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def say(self, peer, why: str) -> None:
+        with self._lock:
+            if peer[0] in self._said:
+                return
+            self._said.add(peer[0])
+        _say(f"refused {self._what} from {peer[0]}:{peer[1]}: {why} (said once per address)")
+
+
+def _shut(sock: socket.socket) -> None:
+    """Ends a connection another thread waits on, without closing its descriptor under it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _host_rank(name: str) -> int | None:

@@ -64,6 +64,19 @@ Duration Seconds(double s) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
 }
 
+// A channel's malformed message (kDataLoss) is a connection error to its callers, as every other
+// failure of the connection is: Python's ConnectionError.
+Status ChannelError(Status s) {
+  if (s.code() == StatusCode::kDataLoss) return UnavailableError(s.message());
+  return s;
+}
+
+template <typename T>
+StatusOr<T> ChannelError(StatusOr<T> v) {
+  if (!v.ok()) return ChannelError(v.status());
+  return v;
+}
+
 // A channel's timeout; None: none (ten years).
 Duration ChannelTimeout(std::optional<double> seconds) {
   return Seconds(seconds.value_or(10.0 * 365 * 24 * 3600));
@@ -702,7 +715,7 @@ NB_MODULE(_core, m) {
               nb::gil_scoped_release release;
               s = c.Send(std::string_view(data.c_str(), data.size()), ChannelTimeout(timeout_s));
             }
-            Check(s);
+            Check(ChannelError(s));
           },
           "data"_a, "timeout_s"_a = nb::none(), "Sends `data` sealed, in records of at most 1 MiB.")
       .def(
@@ -713,7 +726,7 @@ NB_MODULE(_core, m) {
               nb::gil_scoped_release release;
               s = c.SendFile(file_fd, size, ChannelTimeout(timeout_s));
             }
-            Check(s);
+            Check(ChannelError(s));
           },
           "file_fd"_a, "size"_a, "timeout_s"_a = nb::none(),
           "Sends the first `size` bytes of the open file `file_fd`, sealed.")
@@ -725,7 +738,7 @@ NB_MODULE(_core, m) {
               nb::gil_scoped_release release;
               got = c.Receive(ChannelTimeout(timeout_s));
             }
-            std::string data = Unwrap(std::move(got));
+            std::string data = Unwrap(ChannelError(std::move(got)));
             return nb::bytes(data.data(), data.size());
           },
           "timeout_s"_a = nb::none(), "The next record's bytes, checked.")
@@ -743,7 +756,7 @@ NB_MODULE(_core, m) {
                                   ChannelTimeout(timeout_s));
             }
             PyBuffer_Release(&view);
-            return Unwrap(std::move(got));
+            return Unwrap(ChannelError(std::move(got)));
           },
           "buffer"_a, "timeout_s"_a = nb::none(),
           "The next record's bytes, checked, into `buffer` (a writable buffer of at least 1 MiB "
@@ -758,7 +771,7 @@ NB_MODULE(_core, m) {
           c = wire::Channel::Connect(fd, std::string_view(secret.c_str(), secret.size()),
                                      {purpose, me, responder}, Seconds(timeout_s));
         }
-        return Unwrap(std::move(c));
+        return Unwrap(ChannelError(std::move(c)));
       },
       "fd"_a, "secret"_a, "purpose"_a, "me"_a, "responder"_a, "timeout_s"_a,
       "The connecting end's handshake on the connected socket `fd`: proves `me` to `responder` "
@@ -773,7 +786,7 @@ NB_MODULE(_core, m) {
           c = wire::Channel::Accept(fd, std::string_view(secret.c_str(), secret.size()), purpose,
                                     me, initiators, Seconds(timeout_s));
         }
-        return Unwrap(std::move(c));
+        return Unwrap(ChannelError(std::move(c)));
       },
       "fd"_a, "secret"_a, "purpose"_a, "me"_a, "initiators"_a, "timeout_s"_a,
       "The accepting end's handshake on the accepted socket `fd`, all of it within `timeout_s`: "

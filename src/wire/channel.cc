@@ -100,6 +100,7 @@ Status Session::SealInto(std::string_view plaintext, std::string* out) {
   std::string length = LengthPrefix(SealedSize(plaintext.size()));
   out->resize(length.size() + SealedSize(plaintext.size()));  // reuses the capacity it has
   std::memcpy(out->data(), length.data(), length.size());
+  if (sent_ == UINT64_MAX) return FailedPreconditionError("the channel's record numbers ran out");
   auto nonce = RecordNonce(sent_++);
   unsigned long long sealed = 0;
   crypto_aead_chacha20poly1305_ietf_encrypt(
@@ -443,10 +444,11 @@ Status Channel::SendFile(int file_fd, uint64_t size, Duration timeout) {
 }
 
 StatusOr<std::string> Channel::Receive(Duration timeout) {
-  std::string plaintext(kMaxRecordPlaintext, '\0');
-  JT_ASSIGN_OR_RETURN(size_t n, ReceiveInto(plaintext.data(), plaintext.size(), timeout));
-  plaintext.resize(n);
-  return plaintext;
+  TimePoint deadline = DeadlineIn(timeout);
+  std::lock_guard<std::mutex> lock(receive_mu_);
+  JT_RETURN_IF_ERROR(
+      ReadMessageInto(fd_, Session::SealedSize(kMaxRecordPlaintext), deadline, &received_));
+  return session_.Open(received_);
 }
 
 StatusOr<size_t> Channel::ReceiveInto(char* out, size_t capacity, Duration timeout) {
