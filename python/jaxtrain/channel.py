@@ -36,28 +36,26 @@ class Connection:
         """Connects to `address` and proves `me` to `responder` for `purpose`."""
         sock = socket.create_connection(address, timeout=timeout_s,
                                         source_address=(source, 0) if source else None)
-        try:
-            sock.settimeout(None)
-            channel = _core.channel_connect(sock.fileno(), secret, purpose, me, responder,
-                                            timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, channel)
+        return cls._handshake(sock, _core.channel_connect, secret, purpose, me, responder,
+                              timeout_s)
 
     @classmethod
     def accept(cls, sock: socket.socket, secret: bytes, purpose: str, me: str,
                initiators: list[str], timeout_s: float) -> Connection:
         """The accepting end's handshake on `sock` (closed when it fails), all within
         `timeout_s`; `initiators`: the names accepted (any when empty)."""
+        return cls._handshake(sock, _core.channel_accept, secret, purpose, me, initiators,
+                              timeout_s)
+
+    @classmethod
+    def _handshake(cls, sock: socket.socket, handshake, *args) -> Connection:
+        """`handshake` (one end's) on `sock` in blocking mode; `sock` closed when it fails."""
         try:
             sock.settimeout(None)
-            channel = _core.channel_accept(sock.fileno(), secret, purpose, me, initiators,
-                                           timeout_s)
+            return cls(sock, handshake(sock.fileno(), *args))
         except BaseException:
             sock.close()
             raise
-        return cls(sock, channel)
 
     def send(self, data: bytes, timeout_s: float | None = None) -> None:
         self._channel.send(data, timeout_s)
@@ -90,3 +88,23 @@ class Connection:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def end_number(name: str, kind: str) -> int | None:
+    """N of an end named `kind`-N (host-3, rank-12), else None."""
+    prefix, _, number = name.partition("-")
+    return int(number) if prefix == kind and number.isdigit() else None
+
+
+def family_of(host: str) -> socket.AddressFamily:
+    """The address family of a numeric address."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def shut(sock: socket.socket) -> None:
+    """Ends a connection that another thread may wait on, without closing its descriptor under
+    that thread (a number closed there could be reused by the next connection)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

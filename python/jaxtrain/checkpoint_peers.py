@@ -88,7 +88,7 @@ class Peers:
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         self._closed = False
         self._hostname = socket.gethostname()
-        self._listener = socket.create_server((host, 0), family=_family(host), backlog=16)
+        self._listener = socket.create_server((host, 0), family=channel.family_of(host), backlog=16)
         port = self._listener.getsockname()[1]
         threading.Thread(target=self._serve, name="jaxtrain-peer-server", daemon=True).start()
         try:
@@ -255,7 +255,9 @@ class Peers:
             with Connection.accept(sock, self._secret, _PURPOSE, f"rank-{self.rank}", [],
                                    _PROOF_S) as conn:
                 request = conn.receive_json(max(0.0, deadline - time.monotonic()))
-                request["rank"] = _rank_of(conn.peer)  # the proven rank, not a claimed one
+                request["rank"] = channel.end_number(conn.peer, "rank")  # proven, not claimed
+                if request["rank"] is None:
+                    raise PeerError(f"a peer named {conn.peer!r}")
                 {"put": self._put, "get": self._get}[request["op"]](conn, request)
         except Exception as e:
             if request is not None:
@@ -405,15 +407,3 @@ def _name(name) -> tuple[int, int]:
     if held is None:
         raise PeerError(f"a copy named {name!r}")
     return held
-
-
-def _rank_of(name: str) -> int:
-    """R of a proven end named rank-R."""
-    prefix, _, number = name.partition("-")
-    if prefix != "rank" or not number.isdigit():
-        raise PeerError(f"a peer named {name!r}")
-    return int(number)
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET

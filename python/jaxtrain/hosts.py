@@ -143,10 +143,10 @@ class AgentServer:
         self._host0 = host0_address
         self._key: bytes | None = None
         self._purpose = ""
-        self._listener = socket.create_server((bind, 0), family=_family(bind))
+        self._listener = socket.create_server((bind, 0), family=channel.family_of(bind))
         self.port = self._listener.getsockname()[1]
-        # Each session's connection, command (once started) and threads, until it ends.
-        self._sessions: dict[Connection | socket.socket, subprocess.Popen | None] = {}
+        # Each session's socket and command (once started), until it ends.
+        self._sessions: dict[socket.socket, subprocess.Popen | None] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         # Connections whose handshake is in progress, oldest first: at the cap, the oldest is
@@ -176,7 +176,7 @@ class AgentServer:
                 if len(self._unproven) >= _MAX_UNPROVEN:
                     oldest = next(iter(self._unproven))
                     del self._unproven[oldest]
-                    _shut(oldest)  # its thread ends its handshake and closes it
+                    channel.shut(oldest)  # its thread ends its handshake and closes it
                 self._unproven[conn] = None
             self._start(self._serve, conn, peer)
 
@@ -200,24 +200,31 @@ class AgentServer:
         except (*channel.Errors, KeyError) as e:
             self._refused.say(peer, str(e))
             conn.close()
-            return
-        finally:
             with self._lock:
                 self._sessions.pop(conn, None)
+            return
         with session:
             self._run(session, command)
 
     def _run(self, session: Connection, command: str) -> None:
         try:
-            proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    env=self._env)
-        except OSError as e:
-            session.send(b"o" + str(e).encode())
-            session.send(b"x" + struct.pack(">i", 127))
-            return
-        with self._lock:
-            self._sessions[session] = proc
+            try:
+                proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        env=self._env)
+            except OSError as e:
+                session.send(b"o" + str(e).encode())
+                session.send(b"x" + struct.pack(">i", 127))
+                return
+            with self._lock:
+                self._sessions[session.sock] = proc
+            self._pump(session, proc)
+        finally:
+            with self._lock:
+                self._sessions.pop(session.sock, None)
+
+    def _pump(self, session: Connection, proc: subprocess.Popen) -> None:
+        """The command's output and exit status to host 0, host 0's input to the command."""
         stdin = threading.Thread(target=self._forward_stdin, args=(session, proc), daemon=True)
         stdin.start()
         try:
@@ -233,15 +240,9 @@ class AgentServer:
             proc.kill()  # host 0 went away: its agent kills the worker (stdin ends too)
             proc.wait()
         finally:
-            # The socket is closed by the caller only once no thread uses its descriptor: a
-            # number closed under a waiting thread could be reused by the next session.
-            try:
-                session.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            # The socket is closed by the caller only once no thread uses its descriptor.
+            channel.shut(session.sock)
             stdin.join()
-            with self._lock:
-                self._sessions.pop(session, None)
 
     @staticmethod
     def _forward_stdin(session: Connection, proc: subprocess.Popen) -> None:
@@ -267,14 +268,10 @@ class AgentServer:
         channel's code when the process exits."""
         self._listener.close()
         with self._lock:
-            for conn, proc in self._sessions.items():
+            for sock, proc in self._sessions.items():
                 if proc is not None:
                     proc.kill()
-                sock = conn.sock if isinstance(conn, Connection) else conn
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes a thread that waits on it
-                except OSError:
-                    pass
+                channel.shut(sock)  # wakes a thread that waits on it
             threads = list(self._threads)
         deadline = time.monotonic() + 5
         for thread in threads:
@@ -464,7 +461,6 @@ class SameCommand:
         token = secrets.token_hex(16)
         joined: dict[int, tuple[Connection, dict, str, str]] = {}  # rank -> (conn, hello, ...)
         lock = threading.Lock()
-        unproven = threading.BoundedSemaphore(_MAX_UNPROVEN)
         pending: dict[socket.socket, threading.Thread] = {}  # handshakes in progress
         refused = _Refusals("a host joining")
 
@@ -476,10 +472,9 @@ class SameCommand:
                                              [], HANDSHAKE_TIMEOUT_S)
                     hello = host.receive_json(HANDSHAKE_TIMEOUT_S)
                 finally:
-                    unproven.release()
                     with lock:
                         pending.pop(conn, None)
-                rank = _host_rank(host.peer)
+                rank = channel.end_number(host.peer, "host")
                 with lock:
                     taken = rank is None or not 0 < rank < self.num_hosts or rank in joined
                     if not taken:
@@ -510,12 +505,14 @@ class SameCommand:
                     conn, peer = listener.accept()
                 except TimeoutError:
                     continue
-                if not unproven.acquire(blocking=False):
-                    conn.close()  # a flood: the joiners retry
-                    continue
                 thread = threading.Thread(target=admit, args=(conn, peer), daemon=True)
                 with lock:
-                    pending[conn] = thread
+                    flood = len(pending) >= _MAX_UNPROVEN
+                    if not flood:
+                        pending[conn] = thread
+                if flood:
+                    conn.close()  # the joiners retry
+                    continue
                 thread.start()
         finally:
             listener.close()
@@ -524,10 +521,7 @@ class SameCommand:
             with lock:
                 left = dict(pending)
             for conn, thread in left.items():
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                channel.shut(conn)
                 thread.join(5)
         here = next((local for *_, local in joined.values()), "127.0.0.1")
         self._agents = AgentServer(self.secret, "host-0", here, here)
@@ -655,24 +649,6 @@ class _Refusals:
                 return
             self._said.add(peer[0])
         _say(f"refused {self._what} from {peer[0]}:{peer[1]}: {why} (said once per address)")
-
-
-def _shut(sock: socket.socket) -> None:
-    """Ends a connection another thread waits on, without closing its descriptor under it."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _host_rank(name: str) -> int | None:
-    """K of a proven end named host-K."""
-    prefix, _, number = name.partition("-")
-    return int(number) if prefix == "host" and number.isdigit() else None
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 if __name__ == "__main__":
