@@ -333,8 +333,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         CheckpointPart part;
         part.staged.rank = rank;
         part.staged.staging_dir = j.value("staging", "");
+        // The rank's host uploaded the files to the run directory on object storage itself.
+        part.staged.in_store = j.contains("store") && j["store"].is_boolean() && j["store"];
         // Only this rank's own staging directory of this round may be moved from and deleted.
-        const std::string expected = storage::StagingPath(store.dir(), attempt, round, rank);
+        const std::string expected =
+            part.staged.in_store ? "" : storage::StagingPath(store.dir(), attempt, round, rank);
         if (part.staged.staging_dir != expected || !j["files"].is_array()) {
           return ProtocolError(rank, "rank " + std::to_string(rank) + "'s checkpoint of round " +
                                          std::to_string(round) + " names the staging directory '" +
@@ -399,6 +402,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     port->Close(rank);
   }
 
+  nlohmann::json CommittedNames() const {
+    nlohmann::json names = nlohmann::json::array();
+    for (const auto& r : recorder.records()) names.push_back(r.dir_name);
+    return names;
+  }
+
   void MaybeStartTraining() {
     if (phase != Phase::kStarting || registered < ranks.size()) return;
     if (ranks[0].coordinator.empty()) {
@@ -414,7 +423,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         {"attempt", attempt},
         {"run_dir", store.dir()},
         {"experiment_name", opts.experiment_name},
-        {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
+        {"checkpoint", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)},
+        // This attempt's first report is this round (rounds continue across attempts), and these
+        // checkpoints are committed: what ranks that write to object storage themselves need to
+        // name a round's directory there and to sweep what an earlier attempt left.
+        {"first_round", collector.next_round()},
+        {"committed", CommittedNames()}};
     if (restore_checksums_skipped) start["checkpoint_checksums_skipped"] = true;
     // The start frame and the payload's header are the same for every rank: one buffer, shared
     // by every connection's queue like the payload (O(start), not O(ranks x start)).

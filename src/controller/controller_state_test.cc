@@ -104,6 +104,17 @@ class ControllerStateTest : public testing::Test {
 
   // `rank` stages one file as its part of round `round`'s checkpoint and reports it.
   // `copy_id`: the id of the part's copy in host memory, "" for none.
+  // `rank` reports `round` with a part its host uploaded to object storage itself.
+  void ReportStoredCheckpoint(int rank, uint64_t round) {
+    json description = {
+        {"store", true},
+        {"files", {{{"path", "shard-" + std::to_string(rank)}, {"size", 3}, {"crc32c", 7}}}}};
+    auto body =
+        wire::EncodeCheckpointReportBody(round, description.dump(), json{{"round", round}}.dump());
+    ASSERT_TRUE(body.ok());
+    ranks_.Deliver(rank, MessageType::kReportCheckpoint, *body);
+  }
+
   void ReportCheckpoint(int attempt, int rank, uint64_t round, const std::string& copy_id = "") {
     const std::string src = dir_ + "/src-" + std::to_string(rank);
     std::filesystem::create_directories(src);
@@ -244,6 +255,36 @@ class RestartVerificationTest : public ControllerStateTest {
     return second[0]["checkpoint"];
   }
 };
+
+TEST_F(ControllerStateTest, PartsInTheStoreCommitAManifestAndARestartIsToldWhereRoundsGoOn) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  std::vector<json> first = RegisterAll(/*attempt=*/0, 2);
+  EXPECT_EQ(first[0]["first_round"], 1);
+  EXPECT_EQ(first[0]["committed"], json::array());
+  for (int rank : {0, 1}) Report(rank, 1, {{"loss", 1.0}});
+  for (int rank : {0, 1}) ReportStoredCheckpoint(rank, 2);
+  for (int rank : {0, 1}) {
+    ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kCheckpointSettled, kNoHang));
+  }
+  for (int rank : {0, 1}) Report(rank, 3, {{"loss", 0.5}});  // a round the restart does not undo
+  processes_.Kill(1, SIGKILL);
+  WaitForStart(2);
+  std::vector<json> second = RegisterAll(/*attempt=*/1, 2);
+  // The checkpoint's files are in the store: here only its manifest, which the restart accepts.
+  EXPECT_EQ(second[0]["checkpoint"], RunDir() + "/checkpoint_000002");
+  EXPECT_EQ(second[0]["first_round"], 4);
+  EXPECT_EQ(second[0]["committed"], json::array({"checkpoint_000002"}));
+  controller->Abort("done");
+  WaitForOutcome(*controller);
+  json manifest = json::parse(
+      std::ifstream(RunDir() + "/checkpoint_000002/" + std::string(storage::kManifestName)),
+      nullptr, false);
+  EXPECT_EQ(manifest["location"], "store");
+  EXPECT_EQ(manifest["file_list"].size(), 2u);
+}
 
 TEST_F(RestartVerificationTest, ARestartChecksOnlySizesWhenEveryPartHasItsCopyInHostMemory) {
   EXPECT_EQ(RestartsFromAfterCorruption({0, 1}), RunDir() + "/checkpoint_000002");

@@ -580,7 +580,33 @@ bool IsCleanRelativePath(const std::string& path) {
   return true;
 }
 
+// CheckStagedPart of a part whose files are in the store: only what its description says.
+Status CheckStoredPart(const RankCheckpoint& part) {
+  const std::string who = "rank " + std::to_string(part.rank) + "'s checkpoint";
+  if (!part.staging_dir.empty()) {
+    return InvalidArgumentError(who + " is in the store, yet names the staging directory '" +
+                                part.staging_dir + "'; refused");
+  }
+  for (const auto& f : part.files) {
+    if (!IsCleanRelativePath(f.path)) {
+      return InvalidArgumentError(who + " names the file '" + f.path +
+                                  "', which is not a clean relative path (no leading '/', no "
+                                  "'..', '.' or empty parts); refused");
+    }
+    if (!IsSha256HexOrEmpty(f.sha256)) {
+      return InvalidArgumentError(who + " gives '" + f.path + "' the sha256 '" + f.sha256 +
+                                  "', which is not 64 lowercase hexadecimal digits; refused");
+    }
+    if (!f.link.empty() && !LexicalTarget(f.path, f.link)) {
+      return InvalidArgumentError(who + " lists '" + f.path + "' as a link to '" + f.link +
+                                  "', which is not a link inside the checkpoint; refused");
+    }
+  }
+  return OkStatus();
+}
+
 Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part) {
+  if (part.in_store) return CheckStoredPart(part);
   const std::string who = "rank " + std::to_string(part.rank) + "'s checkpoint";
   const std::string staging_root = JoinPath(run_dir, kStagingDir) + "/";
   const std::string name = part.staging_dir.compare(0, staging_root.size(), staging_root) == 0
@@ -652,7 +678,16 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   }
   std::map<std::string, int> owner;
   CheckpointRecord record{.dir_name = dir_name, .round = round, .time = time};
+  const bool in_store = !ranks.empty() && ranks.front().in_store;
   for (const auto& rc : ranks) {
+    if (rc.in_store != in_store) {
+      return InvalidArgumentError("rank " + std::to_string(rc.rank) +
+                                  "'s part of the checkpoint of round " + std::to_string(round) +
+                                  (rc.in_store ? " is in the store" : " is staged here") +
+                                  ", rank " + std::to_string(ranks.front().rank) + "'s " +
+                                  (in_store ? "in the store" : "staged here") +
+                                  "; the ranks of a run write their checkpoints to the same place");
+    }
     JT_RETURN_IF_ERROR(CheckStagedPart(run_dir, rc));
     for (const auto& f : rc.files) {
       if (f.path == kManifestName) {
@@ -684,6 +719,10 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   nlohmann::json dir_modes = nlohmann::json::array();
   for (const auto& rc : ranks) {
     for (const auto& f : rc.files) {
+      if (rc.in_store) {  // uploaded by the rank's host already: the manifest names it
+        (f.link.empty() ? files : links).push_back(EntryToJson(f, rc.rank));
+        continue;
+      }
       const std::vector<std::string> staged_parents = ParentDirs(rc.staging_dir, f.path);
       const std::vector<std::string> parents = ParentDirs(tmp, f.path);
       for (size_t i = 0; i < parents.size(); ++i) {
@@ -710,6 +749,7 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
   nlohmann::json manifest = RecordToJson(record);
   manifest["version"] = 1;
   manifest["file_list"] = files;
+  if (in_store) manifest["location"] = "store";
   if (!links.empty()) manifest["links"] = links;
   if (!dir_modes.empty()) manifest["dirs"] = dir_modes;
   nlohmann::json copies = nlohmann::json::array();
@@ -744,8 +784,14 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
     }
   }
   JT_RETURN_IF_ERROR(fs.Fsync(run_dir, /*directory=*/true));
-  for (const auto& rc : ranks) JT_RETURN_IF_ERROR(fs.RemoveTree(rc.staging_dir));
+  for (const auto& rc : ranks) {
+    if (!rc.in_store) JT_RETURN_IF_ERROR(fs.RemoveTree(rc.staging_dir));
+  }
   return record;
+}
+
+bool InStore(const nlohmann::json& manifest) {
+  return manifest.is_object() && manifest.value("location", "") == "store";
 }
 
 StatusOr<CheckpointRecord> ReadCheckpointRecord(const std::string& dir, FileSystem& fs) {
@@ -843,8 +889,10 @@ Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads,
   if (!text.ok()) {
     return NotFoundError("'" + dir + "' is not a committed checkpoint: it has no manifest");
   }
-  auto entries = ManifestEntries(nlohmann::json::parse(*text, nullptr, false));
+  const nlohmann::json manifest = nlohmann::json::parse(*text, nullptr, false);
+  auto entries = ManifestEntries(manifest);
   if (!entries) return DataLossError("the manifest of checkpoint '" + dir + "' is damaged");
+  if (InStore(manifest)) return OkStatus();  // its ranks check what they download of it
   // Largest first, so that one big file starts at once and the small ones fill the other threads.
   std::vector<size_t> order(entries->size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;

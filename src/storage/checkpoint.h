@@ -148,6 +148,10 @@ struct RankCheckpoint {
   // A token the rank chose for this part, naming its copies kept elsewhere (host memory:
   // python/jaxtrain/checkpoint_memory.py); recorded in the manifest's "copies". "" = none.
   std::string copy_id;
+  // The part's files are already in place in the run directory on object storage, uploaded
+  // there by the rank's own host (python/jaxtrain/checkpoint_store.py); nothing is staged here
+  // (staging_dir is ""), and the commit writes only the manifest, which names them.
+  bool in_store = false;
 };
 
 struct CheckpointRecord {
@@ -167,8 +171,9 @@ bool IsCleanRelativePath(const std::string& path);
 // staging_dir is a real directory (not a link) directly under <run_dir>/.staging, each path is
 // clean (IsCleanRelativePath), each file and its parent directories are what the entry says
 // (a regular file, or a link with the recorded target, which stays inside the checkpoint), no
-// component is a link, and a sha256 is "" or 64 lowercase hex digits. Errors: kInvalidArgument
-// naming the rank, the path and what is wrong.
+// component is a link, and a sha256 is "" or 64 lowercase hex digits. A part `in_store` has no
+// staging_dir and nothing here to look at: its paths must be clean, its links stay inside and its
+// sha256s be well formed. Errors: kInvalidArgument naming the rank, the path and what is wrong.
 Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part);
 
 // Commits one round's checkpoint as <run_dir>/<dir_name> (replacing a directory of that name
@@ -189,12 +194,17 @@ StatusOr<CheckpointRecord> CommitCheckpoint(const std::string& run_dir, const st
                                             const std::vector<RankCheckpoint>& ranks,
                                             FileSystem& fs = LocalFileSystem());
 
+// Whether a committed checkpoint's manifest says its files are on object storage, not beside it.
+bool InStore(const nlohmann::json& manifest);
+
 // Checks a committed checkpoint against its manifest: every file present as a regular file with
 // its size, every kept link a link with its target, and with `checksums` also each file's CRC-32C,
 // files read in parallel on up to `threads` threads (0: one per core, at most 8), so the time
 // scales with the largest file rather than the sum. Errors: kDataLoss naming the file and what
 // differs; kNotFound when the directory or its manifest is missing; kCancelled soon after `cancel`
-// (when given) becomes true, checked between files and between the chunks of a file.
+// (when given) becomes true, checked between files and between the chunks of a file. A manifest
+// whose files are in the store (InStore) is checked for its form only: each rank checks what it
+// downloads of it against the manifest.
 Status VerifyCheckpoint(const std::string& dir, bool checksums, int threads = 0,
                         const std::atomic<bool>* cancel = nullptr);
 

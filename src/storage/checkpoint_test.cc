@@ -786,6 +786,72 @@ TEST_F(CommitTest, TheManifestCarriesTheSha256OfFilesStagedWithHash) {
   EXPECT_FALSE(ManifestEntries(manifest).has_value());
 }
 
+TEST_F(CommitTest, PartsInTheStoreCommitTheManifestAloneMarkedAsInTheStore) {
+  RankCheckpoint rank0{.rank = 0,
+                       .files = {{.path = "model.bin",
+                                  .size = 7,
+                                  .crc32c = 11,
+                                  .sha256 = std::string(kSha256HexSize, 'a')},
+                                 {.path = "latest", .mode = 0777, .link = "model.bin"}},
+                       .in_store = true};
+  RankCheckpoint rank1{
+      .rank = 1, .files = {{.path = "shard/1.bin", .size = 5, .crc32c = 22}}, .in_store = true};
+  auto record = CommitCheckpoint(run_, "checkpoint_000004", 4, 2.0, "{}", {rank0, rank1});
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+  EXPECT_EQ(record->bytes, 12u);
+  EXPECT_EQ(record->files, 3u);
+  const std::string dir = Dir("checkpoint_000004");
+  // Nothing was staged here and nothing is moved: the directory holds the manifest only.
+  EXPECT_EQ(ListFiles(dir), std::vector<std::string>{kManifestName});
+  json manifest = json::parse(ReadTestFile(JoinPath(dir, kManifestName)));
+  EXPECT_TRUE(InStore(manifest));
+  EXPECT_EQ(manifest["file_list"].size(), 2u);
+  EXPECT_EQ(manifest["file_list"][1]["rank"], 1);
+  EXPECT_EQ(manifest["links"][0]["target"], "model.bin");
+  // Its files are checked by the ranks that download them; here only its form.
+  Status verified = VerifyCheckpoint(dir, /*checksums=*/true);
+  EXPECT_TRUE(verified.ok()) << verified.ToString();
+  manifest["file_list"][0]["path"] = "../x";
+  WriteTestFile(JoinPath(dir, kManifestName), manifest.dump());
+  EXPECT_EQ(VerifyCheckpoint(dir, true).code(), StatusCode::kDataLoss);
+  // A staged manifest is not in the store.
+  CommitOne("checkpoint_000005", 5, "{}");
+  EXPECT_FALSE(
+      InStore(json::parse(ReadTestFile(JoinPath(Dir("checkpoint_000005"), kManifestName)))));
+}
+
+TEST_F(CommitTest, APartInTheStoreIsRefusedWithAStagingDirABadPathOrAStagedPartBeside) {
+  RankCheckpoint stored{.rank = 1, .files = {{.path = "b.bin", .size = 1}}, .in_store = true};
+  RankCheckpoint staged = StageRank(0, 6, {{"a.bin", "a"}});
+  auto mixed = CommitCheckpoint(run_, "checkpoint_000006", 6, 1.0, "{}", {staged, stored});
+  EXPECT_EQ(mixed.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(mixed.status().message().find("rank 1's part"), std::string::npos);
+  EXPECT_FALSE(Exists(Dir("checkpoint_000006")));
+
+  RankCheckpoint named = stored;
+  named.staging_dir = StagingPath(run_, 1, 6, 1);
+  EXPECT_NE(CommitCheckpoint(run_, "c", 6, 1.0, "{}", {named})
+                .status()
+                .message()
+                .find("names the staging directory"),
+            std::string::npos);
+  RankCheckpoint climbing = stored;
+  climbing.files[0].path = "../outside";
+  EXPECT_NE(CommitCheckpoint(run_, "c", 6, 1.0, "{}", {climbing})
+                .status()
+                .message()
+                .find("not a clean relative path"),
+            std::string::npos);
+  RankCheckpoint link_out = stored;
+  link_out.files[0].link = "../../etc/passwd";
+  EXPECT_NE(CommitCheckpoint(run_, "c", 6, 1.0, "{}", {link_out})
+                .status()
+                .message()
+                .find("not a link inside the checkpoint"),
+            std::string::npos);
+  EXPECT_FALSE(Exists(Dir("c")));
+}
+
 TEST_F(CommitTest, RanksStagedFromParallelThreadsCommitTogether) {
   constexpr int kRanks = 4;
   std::vector<std::string> sources(kRanks);
