@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from jaxtrain.storage import MANIFEST_NAME, download_tree
+from jaxtrain.storage import MANIFEST_NAME, download_checkpoint, download_tree
 
 
 class Checkpoint:
@@ -29,6 +30,8 @@ class Checkpoint:
         # A view in host memory (checkpoint_memory.py) whose files not held there are links to
         # the committed checkpoint: that checkpoint, which to_directory() copies instead.
         self._source: str | None = None
+        # In a worker: the rank whose files a download of a remote checkpoint fetches first.
+        self._rank: int | None = None
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
@@ -43,7 +46,11 @@ class Checkpoint:
         naming the link and its target, and never followed."""
         target = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="checkpoint-")
         if self.filesystem is not None:
-            download_tree(self.filesystem, self.path, target, skip=(MANIFEST_NAME,))
+            if self.filesystem.exists(posixpath.join(self.path, MANIFEST_NAME)):
+                # A committed checkpoint: what its manifest lists, checked, this rank's first.
+                download_checkpoint(self.filesystem, self.path, target, self._rank)
+            else:
+                download_tree(self.filesystem, self.path, target, skip=(MANIFEST_NAME,))
             return target
         from jaxtrain import _core
 

@@ -286,8 +286,10 @@ def _listen_host(api: Api, pod: Any) -> str:
     )
 
 
-def launch_options(experiment_name: str, run_dir: str) -> dict:
-    """What the Kubernetes launcher needs for a run, after checking that it can be done."""
+def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = True) -> dict:
+    """What the Kubernetes launcher needs for a run, after checking that it can be done. Without
+    `needs_run_dir` (the workers upload their checkpoints to object storage themselves) the run
+    directory need not be on a volume the worker pods mount."""
     api = Api()
     api.check_reachable()
     namespace = api.namespace()
@@ -302,15 +304,15 @@ def launch_options(experiment_name: str, run_dir: str) -> dict:
             "and jax installed); a driver running in a pod lends its own image"
         )
     template = load_pod_template(os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE"))
-    if not _mounts_covering(run_dir, template):
+    if needs_run_dir and not _mounts_covering(run_dir, template):
         template = _share_driver_volume(run_dir, template, pod)
-    if not _mounts_covering(run_dir, template):
+    if needs_run_dir and not _mounts_covering(run_dir, template):
         raise ValueError(
             f"RunConfig.storage_path: the run directory '{run_dir}' is not on a volume the worker "
             "pods mount, and workers write their checkpoints there: mount shared storage (a "
             "ReadWriteMany PersistentVolumeClaim, a GCS FUSE volume) at the same path in the "
-            "driver's pod or in JAXTRAIN_K8S_POD_TEMPLATE; for s3:// or gs:// storage, set "
-            "JAXTRAIN_STAGING_DIR to a directory on such a volume"
+            "driver's pod or in JAXTRAIN_K8S_POD_TEMPLATE, or use s3:// or gs:// storage, "
+            "which the worker pods write to themselves"
         )
     owner = None
     if pod is not None:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
 from jaxtrain.checkpoint_peers import Peers
+from jaxtrain.checkpoint_store import Store, StoreError
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,11 @@ class _Stager:
 
     def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn],
                  memory: HostMemory | None = None, peers: Peers | None = None,
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, store: Store | None = None,
+                 fail_storage: Callable[[str, str], NoReturn] | None = None) -> None:
         self._client = client
+        self._store = store  # the rank's host uploads its files to object storage itself
+        self._fail_storage = fail_storage
         self._rank = rank
         self._attempt = attempt  # names the copies kept in memory
         self._fail = fail
@@ -149,16 +153,20 @@ class _Stager:
                     self._client.report(round_, text)
                 else:
                     snapshot, description = work
+                    staging = description["staging"]
                     try:
                         # A part with a copy in memory is staged with each file's SHA-256, which
-                        # the manifest then vouches for the copies with (docs/checkpoint-memory.md).
-                        description["files"] = snapshot.write(description["staging"],
-                                                              release=self._memory is None,
-                                                              sha256=self._memory is not None)
+                        # the manifest then vouches for the copies with (docs/checkpoint-memory.md);
+                        # so is one uploaded to object storage.
+                        description["files"] = snapshot.write(
+                            staging, release=self._memory is None,
+                            sha256=self._memory is not None or self._store is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
-                                   f"checkpoint of round {round_} into '{description['staging']}' "
+                                   f"checkpoint of round {round_} into '{staging}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
+                    if self._store is not None:
+                        upload(self._store, description, round_, self._fail_storage)
                     if self._memory is not None:
                         # Before the report, which names the copy: every part of a committed
                         # checkpoint then has its copy, unless keeping it failed (said in the
@@ -207,16 +215,47 @@ class _Stager:
         return True
 
 
+def upload(store: Store, description: dict, round_: int,
+           fail_storage: Callable[[str, str], NoReturn] | None) -> None:
+    """Uploads the part staged at description["staging"] to the store, then makes `description`
+    the store's kind (no staging directory). An upload that fails ends the worker with the
+    cause "storage" (fail_storage), or raises StoreError without it."""
+    staging = description.pop("staging")
+    try:
+        store.upload(staging, description["files"], description["dir_name"])
+    except StoreError as e:
+        if fail_storage is None:
+            raise
+        fail_storage(f"report(checkpoint=...) on rank {store.rank}: the checkpoint of round "
+                     f"{round_}: {e}", _status_code(e.__cause__))
+    description["store"] = True
+
+
+def _status_code(e: BaseException | None) -> str:
+    """The status code the controller's failure policy decides an upload failure by: permission
+    and missing bucket are never retried, anything else counts as the storage being unavailable."""
+    text = f"{type(e).__name__} {e}"
+    if isinstance(e, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+        return "PERMISSION_DENIED"
+    if isinstance(e, FileNotFoundError) or "NoSuchBucket" in text:
+        return "NOT_FOUND"
+    return "UNAVAILABLE"
+
+
 class _Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
                  fail: Callable[[str], NoReturn], memory: HostMemory | None = None,
-                 peers: Peers | None = None):
+                 peers: Peers | None = None, store: Store | None = None,
+                 fail_storage: Callable[[str, str], NoReturn] | None = None):
         self.client = client
         self.context = context
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
         self.lock = threading.Lock()
-        self.stager = _Stager(client, context.world_rank, fail, memory, peers, context.attempt)
+        self.store = store
+        self.fail_storage = fail_storage
+        self.stager = _Stager(client, context.world_rank, fail, memory, peers, context.attempt,
+                              store, fail_storage)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
 
@@ -296,6 +335,9 @@ def report(
         raise TypeError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}) takes a string")
     text = json.dumps(metrics, default=_to_json)
     with session.lock:
+        store = session.store
+        if checkpoint is not None and store is not None:  # refused before the round counts
+            checkpoint_dir_name = store.dir_name(session.round + 1, checkpoint_dir_name)
         session.round += 1
         if checkpoint is None:
             session.stager.report(session.round, text)
@@ -303,7 +345,7 @@ def report(
         from jaxtrain import _core
 
         ctx = session.context
-        staging = os.path.join(
+        staging = store.staging(session.round) if store is not None else os.path.join(
             ctx.run_dir, ".staging", f"a{ctx.attempt}-r{session.round}-rank{ctx.world_rank}"
         )
         # Back-pressure: the previous checkpoint is staged and its commit has ended before this
@@ -315,10 +357,13 @@ def report(
             if snapshot is None:
                 _say_over_budget(session, checkpoint.path)
                 description["files"] = _core.stage_directory(checkpoint.path, staging,
-                                                             durable=False)
+                                                             durable=False,
+                                                             sha256=store is not None)
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
         if snapshot is None:  # copied: nothing is queued (drained above), so it goes now
+            if store is not None:
+                upload(store, description, session.round, session.fail_storage)
             session.client.report_checkpoint(session.round, json.dumps(description), text)
         else:
             session.stager.checkpoint(session.round, text, snapshot, description)

@@ -211,21 +211,26 @@ class Mirror:
         self._sent: dict[str, tuple[int, int]] = {}  # record/log file -> (size, mtime_ns) sent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._index_sent = b""  # the remote index as last written
+        self.store_direct = False  # pull() says
 
     # --- start: from remote to staging ------------------------------------------------------
 
-    def pull(self) -> None:
+    def pull(self, store_direct: bool = False) -> None:
         """Checks the remote run directory is writable, sweeps interrupted uploads from it, and
         rebuilds the local staging copy from it. When the staging copy left by an earlier run
         holds a checkpoint newer than any on the storage (its driver died, or the storage failed,
-        before the upload), that copy is uploaded first instead. Raises ValueError when the
-        storage cannot be written."""
+        before the upload), that copy is uploaded first instead. With `store_direct` (the
+        workers read and write the checkpoints on the storage themselves: checkpoint_store.py)
+        the copy gets only the checkpoints' manifests, marked as in the store, and only of
+        those whose remote files have their manifest's sizes. Raises ValueError when the storage
+        cannot be written."""
+        self.store_direct = store_direct
         self.fs.invalidate_cache()
         self._check_writable()
         index = self._remote_index()
         records = index.get("checkpoints", [])
         kept = [c["dir_name"] for c in records]
-        self._sweep(set(kept))
         self._uploaded = {c["dir_name"]: c["round"] for c in records}
         self._remote = list(records)
         # Only for a run the storage still has: a run deleted there starts afresh.
@@ -234,7 +239,11 @@ class Mirror:
             print(f"jaxtrain: {self.local} holds checkpoints that {self.url} lacks (an upload "
                   "that did not finish); uploading them first", file=sys.stderr)
             self.push(with_logs=True)
+            # Swept only now: a checkpoint the workers uploaded, committed here but not yet
+            # there, has its manifest and its place in the index on the storage from now on.
+            self._sweep({c["dir_name"] for c in self._remote})
             return
+        self._sweep(set(kept))
         if os.path.exists(self.local):
             shutil.rmtree(self.local)
         os.makedirs(self.local)
@@ -242,9 +251,32 @@ class Mirror:
         restore = None
         for name in reversed(kept):
             manifest = self._download_manifest(name)
+            if store_direct:
+                self._mark_in_store(name, manifest)
+                continue
+            if manifest is not None and "location" in manifest:
+                # Read from the staging copy now, not from the storage: checked here.
+                manifest.pop("location")
+                self._write_manifest(name, manifest)
             if manifest is not None and restore is None and self._matches(name, manifest):
                 restore = name
                 self._download_checkpoint(name, manifest)
+
+    def _mark_in_store(self, name: str, manifest: dict | None) -> None:
+        """Keeps the local manifest of `name`, marked as in the store (where the workers read
+        it), when its remote files match it; else removes it, so that the engine does not index
+        it. Without a manifest on the storage it is no checkpoint."""
+        local = os.path.join(self.local, name)
+        if manifest is None or not self._matches(name, manifest):
+            shutil.rmtree(local, ignore_errors=True)
+            return
+        if manifest.get("location") != "store":
+            self._write_manifest(name, dict(manifest, location="store"))
+
+    def _write_manifest(self, name: str, manifest: dict) -> None:
+        with os.fdopen(_create_inside(self.local, [name, MANIFEST_NAME]), "w",
+                       encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
 
     @staticmethod
     def _newest_round(index: dict) -> int:
@@ -371,6 +403,8 @@ class Mirror:
             self._thread.join()
         try:
             self.push(with_logs=True)
+            if self.store_direct:  # what the last attempt's workers uploaded and no one commits
+                self._sweep({c["dir_name"] for c in self._remote})
         except Exception as e:  # noqa: BLE001 - any backend's failure is the same answer
             raise RuntimeError(
                 f"uploading the run to {self.url} failed: {type(e).__name__}: {e}; everything "
@@ -381,7 +415,9 @@ class Mirror:
         """Pushes every second; a failed push (the storage unreachable for a while) is reported
         once and retried, since the run itself goes on."""
         failing = ""
-        while not self._stop.wait(_PUSH_EVERY_S):
+        # A checkpoint the workers uploaded is committed on the storage by its manifest: soon.
+        every = _PUSH_EVERY_S / 4 if self.store_direct else _PUSH_EVERY_S
+        while not self._stop.wait(every):
             try:
                 self.push()
                 failing = ""
@@ -423,8 +459,10 @@ class Mirror:
     def _write_index(self, index: dict, kept: list[dict]) -> None:
         """The remote index, naming exactly `kept`, in one PUT."""
         remote_index = dict(index, checkpoints=kept, latest=kept[-1]["dir_name"] if kept else None)
-        self.fs.pipe_file(posixpath.join(self.root, INDEX_NAME),
-                          (json.dumps(remote_index, indent=1) + "\n").encode())
+        text = (json.dumps(remote_index, indent=1) + "\n").encode()
+        if text != self._index_sent:
+            self.fs.pipe_file(posixpath.join(self.root, INDEX_NAME), text)
+            self._index_sent = text
         self._remote = list(kept)
 
     def _local_index(self) -> dict:
@@ -443,6 +481,11 @@ class Mirror:
         try:
             with open(os.path.join(local, MANIFEST_NAME), encoding="utf-8") as f:
                 manifest = json.load(f)
+            if manifest.get("location") == "store":
+                # The workers uploaded its files there: the manifest, last, commits it.
+                self._put(os.path.join(local, MANIFEST_NAME),
+                          posixpath.join(remote, MANIFEST_NAME))
+                return True
             if self.fs.exists(remote):  # a directory name reused by a later round
                 self.fs.rm(remote, recursive=True)
             progress.what = name
@@ -522,6 +565,57 @@ def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -
         _download(fs, path, target, parts, progress)
     if manifest is not None:
         apply_manifest(manifest, target, url(fs, root))
+    progress.finish()
+
+
+_DOWNLOADS = 8  # files downloaded at once
+
+
+def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None = None) -> None:
+    """Copies the files that the committed checkpoint at `root` on `fs` lists in its manifest
+    into the local directory `target`, on up to 8 threads (those `first_rank` wrote first, then
+    the largest first), each checked against the manifest's size and CRC-32C while it streams;
+    then modes and links as apply_manifest. Objects under `root` that the manifest does not list
+    are not copied. Raises ValueError naming the file that differs, or a remote name that would
+    land outside `target`; FileNotFoundError when `root` has no manifest."""
+    where = url(fs, root)
+    try:
+        manifest = json.loads(fs.cat_file(posixpath.join(root, MANIFEST_NAME)))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where!r} is not a committed checkpoint: it has no manifest "
+                                f"({MANIFEST_NAME})") from None
+    files = [f for f in manifest.get("file_list", [])]
+    for f in files:
+        f["_parts"] = _clean_parts(f.get("path"), where)
+    files.sort(key=lambda f: (f.get("rank") != first_rank, -int(f.get("size", 0))))
+    progress = _Progress("downloading", f"from {where}")
+    progress.what = posixpath.basename(root)
+    progress.total = sum(int(f.get("size", 0)) for f in files)
+    os.makedirs(target, exist_ok=True)
+
+    def get(f: dict) -> None:
+        remote = posixpath.join(root, f["path"])
+        crc = 0
+        size = 0
+        with fs.open(remote, "rb") as src, os.fdopen(_create_inside(target, f["_parts"]),
+                                                     "wb") as dst:
+            while chunk := src.read(_CHUNK):
+                crc = _core.crc32c(chunk, crc)
+                size += len(chunk)
+                dst.write(chunk)
+                progress.add(len(chunk))
+        if size != f["size"] or crc != f["crc32c"]:
+            raise ValueError(
+                f"checkpoint {where}: {f['path']!r} does not match its manifest: "
+                f"{size} bytes with CRC-32C {crc:#010x} where the manifest says {f['size']} bytes "
+                f"with {f['crc32c']:#010x} (damaged or replaced on the storage)")
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=_DOWNLOADS, thread_name_prefix="jaxtrain-download") as p:
+        for done in [p.submit(get, f) for f in files]:
+            done.result()
+    apply_manifest(manifest, target, where)
     progress.finish()
 
 

@@ -23,6 +23,7 @@ import cloudpickle
 
 from jaxtrain import _core, callbacks, checkpoint_memory, ray_args, session, storage
 from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.checkpoint_store import STORE_ENV
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, _load
@@ -133,7 +134,6 @@ class JaxTrainer:
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
-        payload = _pickle_task(fn, self.train_loop_config, self._takes_config)
         compilation_cache = _compilation_cache()  # refused before anything starts
         snapshot_budget = session.check_snapshot_budget()  # likewise
         in_memory = checkpoint_memory.check_switch()  # likewise
@@ -142,34 +142,42 @@ class JaxTrainer:
         storage.warn_if_locks_stay_local(run_dir)
         launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
         launcher_options = ""
+        store = None  # the hosts upload their checkpoints to object storage themselves
         if launcher == "slurm":
-            if _slurm_spans_hosts():
+            store = _store_direct(mirror, _slurm_spans_hosts())
+            if _slurm_spans_hosts() and store is None:
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
         elif launcher == "kubernetes":
             from jaxtrain import kubernetes
 
+            store = _store_direct(mirror, True)
             plan = _core.plan_kubernetes(self.scaling_config._core)
             # Refused before the cluster is asked for anything (docs/kubernetes.md).
-            launcher_options = json.dumps(
-                kubernetes.launch_options(self.run_config.name, run_dir))
+            launcher_options = json.dumps(kubernetes.launch_options(
+                self.run_config.name, run_dir, needs_run_dir=store is None))
         elif launcher == "ssh":
             plan = _core.plan_ssh(self.scaling_config._core)
-            if _plan_spans_hosts(plan):
+            store = _store_direct(mirror, _plan_spans_hosts(plan))
+            if _plan_spans_hosts(plan) and store is None:
                 _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
+            store = _store_direct(mirror, False)
+        payload = _pickle_task(fn, self.train_loop_config, self._takes_config, store)
         if mirror is not None:
             # pull() rebuilds the staging copy, which a live driver of this run is writing; the
             # controller takes the run's lock only later (RunStore::Open).
             _refuse_live_run(run_dir)
-            mirror.pull()
+            mirror.pull(store_direct=store is not None)
         if private:
             storage.make_private(run_dir)
         worker_env = _worker_env(self.run_config, plan)
         worker_env["JAXTRAIN_COMPILATION_CACHE"] = compilation_cache  # every launcher passes it
+        if store is not None:
+            worker_env[STORE_ENV] = "1"
         if snapshot_budget is not None:
             worker_env[session.SNAPSHOT_BUDGET_ENV] = snapshot_budget
         if in_memory is not None:
@@ -312,13 +320,40 @@ def _refuse_live_run(run_dir: str) -> None:
         )
 
 
-def _pickle_task(fn: Callable, config: dict | None, takes_config: bool) -> bytes:
-    """The payload every worker runs. Raises ValueError naming the training function and, where
-    it can be found, the captured variable that cannot be pickled."""
+def _pickle_task(fn: Callable, config: dict | None, takes_config: bool,
+                 store: dict | None = None) -> bytes:
+    """The payload every worker runs; with `store`, the filesystem and run directory on object
+    storage that the workers upload their checkpoints to. Raises ValueError naming the training
+    function and, where it can be found, the captured variable that cannot be pickled."""
+    task = {"fn": fn, "config": config, "takes_config": takes_config}
+    if store is not None:
+        task["store"] = store
     try:
-        return cloudpickle.dumps({"fn": fn, "config": config, "takes_config": takes_config})
+        return cloudpickle.dumps(task)
     except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise ValueError(_why_unpicklable(fn, config, e)) from e
+
+
+STORE_DIRECT_ENV = "JAXTRAIN_STORE_DIRECT"
+
+
+def _store_direct(mirror: storage.Mirror | None, spans_hosts: bool) -> dict | None:
+    """Whether the workers of a run on object storage upload their checkpoints to it themselves
+    (checkpoint_store.py), as {"fs", "root"} for the payload, or None. Decided by what is shared:
+    yes when the workers are on other hosts, unless JAXTRAIN_STAGING_DIR names a staging
+    directory (which must then be shared with them); no when they are all on this host.
+    JAXTRAIN_STORE_DIRECT=1 or 0 overrides."""
+    if mirror is None:
+        return None
+    value = os.environ.get(STORE_DIRECT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{STORE_DIRECT_ENV}={value!r} is not allowed; use 1 (the workers upload their "
+            "checkpoints to the object store themselves), 0 (they stage them in the driver's "
+            "staging copy, which every host must then share), or leave it unset (1 when the "
+            "workers are on other hosts and JAXTRAIN_STAGING_DIR is unset)")
+    direct = value == "1" if value else spans_hosts and not os.environ.get("JAXTRAIN_STAGING_DIR")
+    return {"fs": mirror.fs, "root": mirror.root} if direct else None
 
 
 def _unpicklable(value: Any) -> bool:

@@ -134,6 +134,10 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return None
     path = os.path.join(run_dir, COMPILATION_CACHE_DIR)
+    from jaxtrain.checkpoint_store import STORE_ENV, host_cache_dir
+
+    if os.environ.get(STORE_ENV) == "1":  # the run directory is not on this host: its own cache
+        path = host_cache_dir(COMPILATION_CACHE_DIR, os.path.basename(run_dir))
     jax.config.update("jax_compilation_cache_dir", path)
     return path
 
@@ -196,9 +200,11 @@ def _local_device_ids(platform: str) -> list[int] | None:
     return None
 
 
-def _fail(client, phase: str, exit_code: int, message: str | None = None) -> None:
+def _fail(client, phase: str, exit_code: int, message: str | None = None,
+          status_code: str | None = None) -> None:
     """Reports the exception being handled to the controller (as `message` when given, with the
-    traceback either way) and ends the worker with `exit_code`."""
+    traceback either way) and ends the worker with `exit_code`. Phase "storage" (an upload to
+    object storage failed) carries the `status_code` the failure policy decides by."""
     exc_type, exc, _ = sys.exc_info()
     tb = traceback.format_exc()
     sys.stderr.write(tb if message is None else f"{tb}jaxtrain worker: {message}\n")
@@ -208,7 +214,10 @@ def _fail(client, phase: str, exit_code: int, message: str | None = None) -> Non
         if phase == "start-up":
             message = f"start-up failed: {message}"
     try:
-        client.send_error(json.dumps({"message": message, "traceback": tb, "phase": phase}))
+        error = {"message": message, "traceback": tb, "phase": phase}
+        if status_code is not None:
+            error["status_code"] = status_code
+        client.send_error(json.dumps(error))
     except Exception:  # the controller may already be gone; the exit code still tells
         pass
     sys.stdout.flush()
@@ -336,6 +345,34 @@ def _fetch_own_part(path: str, peers, rank: int) -> None:
                      f"'{os.path.basename(path)}' from the memory of its peer's host (rank "
                      f"{peers.peer}): {fetched / 2**20:.1f} MiB in "
                      f"{time.monotonic() - began:.3f} s\n")
+
+
+def _open_store(client, task: dict, start: dict, rank: int, attempt: int):
+    """The run directory on object storage when this run's hosts write their checkpoints there
+    themselves (checkpoint_store.py), else None. Rank 0 first deletes what an earlier attempt
+    uploaded and no committed checkpoint names, while the other ranks wait at a barrier of the
+    JAX coordination service, so that no upload of this attempt races the sweep."""
+    spec = task.get("store")
+    if spec is None:
+        return None
+    from jaxtrain import checkpoint_store
+
+    store = checkpoint_store.Store(spec["fs"], spec["root"], rank, attempt, start["first_round"],
+                                   start.get("committed") or [], start["experiment_name"])
+    if rank == 0:
+        try:
+            gone = store.sweep()
+        except Exception as e:
+            _fail(client, "storage", EXIT_START_UP,
+                  f"start-up failed: the run directory {store.url} on object storage: {e}",
+                  "UNAVAILABLE")
+        if gone:
+            sys.stderr.write(f"jaxtrain worker: removed from {store.url} what an earlier attempt "
+                             f"left: {', '.join(sorted(gone))}\n")
+    from jax._src.distributed import global_state
+
+    global_state.client.wait_at_barrier(f"jaxtrain-store-sweep-a{attempt}", 300_000)
+    return store
 
 
 def _restore_point(path: str | None, memory, rank: int, attempt: int,
@@ -467,15 +504,22 @@ def main() -> None:
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
 
+    store = _open_store(client, task, start, rank, attempt)
     memory = peers = None
-    if checkpoint_memory.enabled():
+    if checkpoint_memory.enabled() and store is not None:
+        if rank == 0:
+            sys.stderr.write("jaxtrain worker: checkpoints are not kept in host memory in a run "
+                             "whose hosts write them to object storage themselves\n")
+    elif checkpoint_memory.enabled():
         memory = checkpoint_memory.HostMemory(start["run_dir"], rank)
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
             checkpoint_memory.sweep(start["run_dir"])
         peers = _start_peers(memory, secret, rank, world_size)
     try:
-        checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt,
-                                    start.get("checkpoint_checksums_skipped", False), peers)
+        checkpoint = store.checkpoint(start["checkpoint"]) if store and start.get(
+            "checkpoint") else _restore_point(start.get("checkpoint"), memory, rank, attempt,
+                                              start.get("checkpoint_checksums_skipped", False),
+                                              peers)
     except Exception as e:
         _fail(client, "start-up", EXIT_START_UP,
               f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
@@ -498,6 +542,9 @@ def main() -> None:
             fail=lambda message: _fail(client, "training", EXIT_RAISED, message),
             memory=memory,
             peers=peers,
+            store=store,
+            fail_storage=lambda message, code: _fail(client, "storage", EXIT_RAISED, message,
+                                                     code),
         )
     )
     try:

@@ -75,6 +75,16 @@ bool IsCopyId(const nlohmann::json& id) {
   });
 }
 
+// The code a worker names (StatusCodeName), kUnknown for any other name.
+StatusCode StatusCodeByName(const std::string& name) {
+  for (int c = 0; c <= static_cast<int>(StatusCode::kUnauthenticated); ++c) {
+    if (StatusCodeName(static_cast<StatusCode>(c)) == name && c != 0) {
+      return static_cast<StatusCode>(c);
+    }
+  }
+  return StatusCode::kUnknown;
+}
+
 }  // namespace
 
 std::string_view OutcomeStateName(Outcome::State state) {
@@ -373,6 +383,10 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
           failure.message = j.value("message", "the training function raised an exception");
           failure.traceback = j.value("traceback", "");
           if (j.value("phase", "") == "start-up") failure.cause = FailureCause::kStartUp;
+          if (j.value("phase", "") == "storage") {  // its upload to object storage failed
+            failure.cause = FailureCause::kStorage;
+            failure.status_code = StatusCodeByName(j.value("status_code", ""));
+          }
         }
         Fail(std::move(failure));
         return;

@@ -1,0 +1,178 @@
+"""Checkpoints written straight to object storage by each rank's own host.
+
+A run whose ``storage_path`` is on an object store (``s3://``, ``gs://``, any fsspec URL) and
+whose hosts share no directory with the driver cannot stage its checkpoints in the driver's run
+directory. Each rank then uploads its own files of a round directly into the checkpoint's
+directory on the store, ``<run>/<dir_name>/``, and tells the controller what it uploaded (paths,
+sizes, CRC-32C and SHA-256, computed while the snapshot is written on this host). Once every
+rank's part of the round is in, the controller commits a manifest that names them all
+(``"location": "store"``), and the driver uploads that manifest as the checkpoint's commit point
+and the index after it (``storage.Mirror``): a directory on the store without its manifest is no
+checkpoint for any reader, and one the index does not name is swept.
+
+Per rank and round: the snapshot ``report(checkpoint=)`` took is written into a host-local
+staging directory (under ``$TMPDIR``), its files are uploaded on up to ``_UPLOADS`` threads
+(objects above the client's part size in multipart uploads), then the staging copy is deleted.
+At the start of every attempt, rank 0 deletes from the store the directories that no committed
+checkpoint names (what a failed attempt left) while the other ranks wait at a barrier, so no
+upload of the new attempt can race the sweep.
+
+A restart reads from the store: ``get_checkpoint()`` is a ``Checkpoint`` whose ``path`` is on
+``filesystem``; ``as_directory()``/``to_directory()`` download the files its manifest lists, in
+parallel, this rank's own first, each checked against its size and CRC-32C
+(``storage.download_checkpoint``), and Orbax or tensorstore may read ``path`` without a copy.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import posixpath
+import re
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from jaxtrain import storage
+
+_UPLOADS = 8  # files uploaded at once by one rank
+# Set by the driver in the workers' environment when they upload to the store themselves.
+STORE_ENV = "JAXTRAIN_RUN_STORE"
+
+
+class StoreError(Exception):
+    """An upload to, or a listing of, the store failed; the message names the host and the URL."""
+
+
+class Store:
+    """The run directory on the object store, as one worker writes and reads it."""
+
+    def __init__(self, fs: Any, root: str, rank: int, attempt: int, first_round: int,
+                 committed: list[str], experiment_name: str) -> None:
+        self.fs, self.root, self.rank, self.attempt = fs, root, rank, attempt
+        self.first_round = first_round
+        self.committed = set(committed)
+        self.url = storage.url(fs, root)
+        self._used: set[str] = set()  # the names this rank wrote in this attempt
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", experiment_name)[:100]
+        self.staging_root = os.path.join(tempfile.gettempdir(), f"jaxtrain-{_user()}",
+                                         "staging", safe)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def dir_name(self, report_round: int, asked: str | None) -> str:
+        """The directory of this attempt's `report_round`-th report on the store: `asked`, or
+        ``checkpoint_<round>`` as the controller names it. A name that a committed checkpoint has
+        is refused with a ValueError: an object store cannot swap a directory in atomically."""
+        name = asked if asked is not None else (
+            f"checkpoint_{self.first_round + report_round - 1:06d}")
+        if not storage.valid_dir_name(name):
+            raise ValueError(f"report(checkpoint_dir_name={name!r}) is not allowed; it must be one "
+                             "directory name, not starting with '.', and not 'logs' or "
+                             f"'{storage.INDEX_NAME}'")
+        if name in self.committed or name in self._used:
+            raise ValueError(
+                f"report(checkpoint_dir_name={name!r}): {self.url}/{name} is already a checkpoint "
+                "of this run, and on object storage a checkpoint cannot be replaced in place (no "
+                "atomic rename); give each checkpoint a new name, e.g. with the round in it")
+        self._used.add(name)
+        return name
+
+    def staging(self, report_round: int) -> str:
+        """A host-local directory for this rank's files of one round before they are uploaded."""
+        return os.path.join(self.staging_root,
+                            f"a{self.attempt}-r{report_round}-rank{self.rank}")
+
+    def upload(self, staging: str, files: list[dict], dir_name: str) -> None:
+        """Uploads the files (as stage_directory described them) from `staging` into
+        ``<run>/<dir_name>/`` on the store, in parallel, then deletes `staging`. Raises
+        StoreError naming this host, the object's URL and the cause."""
+        remote = posixpath.join(self.root, dir_name)
+        regular = sorted((f for f in files if "link" not in f), key=lambda f: -f["size"])
+        progress = storage._Progress(f"rank {self.rank}: uploading", f"to {self.url}")
+        progress.what = dir_name
+        progress.total = sum(f["size"] for f in regular)
+
+        def put(f: dict) -> None:
+            target = posixpath.join(remote, f["path"])
+            try:
+                self.fs.put_file(os.path.join(staging, *f["path"].split("/")), target)
+            except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+                raise StoreError(_failure("uploading", storage.url(self.fs, target), e)) from e
+            progress.add(f["size"])
+
+        try:
+            with ThreadPoolExecutor(max_workers=_UPLOADS,
+                                    thread_name_prefix="jaxtrain-upload") as pool:
+                for done in [pool.submit(put, f) for f in regular]:
+                    done.result()
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        progress.finish()
+
+    # --- the attempt's start ---------------------------------------------------------------
+
+    def sweep(self) -> list[str]:
+        """Deletes the directories on the store that no committed checkpoint names (what an
+        earlier attempt's uploads left); the names deleted. Rank 0 calls it while the others
+        wait."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(_failure("listing", self.url, e)) from e
+        gone = []
+        for entry in entries:
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if (entry["type"] == "directory" and name not in self.committed and name != "logs"
+                    and not name.startswith(".")):
+                self.fs.rm(entry["name"], recursive=True)
+                gone.append(name)
+        return gone
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def checkpoint(self, committed_path: str) -> Any:
+        """The Checkpoint on the store of the committed checkpoint whose manifest the driver
+        holds at `committed_path`."""
+        from jaxtrain.checkpoint import Checkpoint
+
+        checkpoint = Checkpoint(posixpath.join(self.root, os.path.basename(committed_path)),
+                                filesystem=self.fs)
+        checkpoint._rank = self.rank  # its own files are downloaded first
+        return checkpoint
+
+
+def host_cache_dir(*parts: str) -> str:
+    """A directory of this host's own under $XDG_CACHE_HOME (default ~/.cache)/jaxtrain."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxtrain", *parts)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def _failure(doing: str, where: str, e: BaseException) -> str:
+    reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    hint = ""
+    if isinstance(e, PermissionError) or "AccessDenied" in reason or "403" in reason:
+        hint = " (permission denied: this host's credentials may not write there)"
+    elif "NoCredentials" in type(e).__name__ or "credentials" in reason.lower():
+        hint = " (this host has no credentials for the store)"
+    elif isinstance(e, FileNotFoundError) or "NoSuchBucket" in reason:
+        hint = " (the bucket does not exist)"
+    return (f"{doing} {where} from host {os.uname().nodename} failed: {type(e).__name__}: "
+            f"{reason}{hint}")
+
+
+def say(text: str) -> None:
+    sys.stderr.write(f"jaxtrain worker: {text}\n")
+    sys.stderr.flush()

@@ -1,0 +1,143 @@
+"""Checkpoints that the workers upload to object storage themselves (checkpoint_store.py): the
+driver's staging copy holds only manifests, the manifest is the commit on the store, a restart
+and a resume read from the store, an earlier attempt's leftovers are swept. Real JAX workers on
+this host against a real S3-protocol server (tests/s3_server.py), with JAXTRAIN_STORE_DIRECT=1
+(the choice a run across hosts makes by itself; tests/test_ssh.py runs one across hosts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from pathlib import Path
+
+import pytest
+from test_checkpoints import _train_with_checkpoints, _trainer
+
+from jaxtrain import (
+    Checkpoint,
+    FailureConfig,
+    JaxTrainer,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+    storage,
+)
+
+pytest_plugins = ["s3_server"]
+
+
+@pytest.fixture(autouse=True)
+def _direct(monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_STORE_DIRECT", "1")
+
+
+def _listing(fs, root):
+    fs.invalidate_cache()
+    return sorted(posixpath.relpath(p, root) for p in fs.find(root))
+
+
+def _ckpt_files(name):
+    return [f"{name}/.jaxtrain_manifest.json", f"{name}/shard-0.npy", f"{name}/shard-1.npy",
+            f"{name}/step.txt"]
+
+
+def _local_files(fs, root):
+    """The files of the driver's staging copy of the run, relative to it."""
+    local = storage.staging_dir(fs, root)
+    return sorted(str(p.relative_to(local)) for p in Path(local).rglob("*") if p.is_file())
+
+
+def test_workers_upload_their_own_files_and_a_restart_reads_the_store(bucket, tmp_path):
+    url = f"s3://{bucket}/exp"
+    result = _trainer(url, tmp_path, "run", steps=5, every=1, keep=2, max_failures=1,
+                      die_at=3).fit()
+
+    fs, root = result.filesystem, result.path
+    assert result.metrics == {"step": 4, "score": 4}
+    assert result.checkpoint == Checkpoint(f"{root}/checkpoint_000005", fs)
+    # Rounds 1-3 of the first attempt (rank 0's part of round 4 was uploaded, rank 1 died
+    # before its own: swept at the restart), then 4-5: it restarted from round 3's checkpoint.
+    assert Path(tmp_path, "started-attempt-1").read_text() == f"{root}/checkpoint_000003"
+    assert [p for p in _listing(fs, root) if p.startswith("checkpoint_")] == [
+        *_ckpt_files("checkpoint_000004"), *_ckpt_files("checkpoint_000005")]
+    manifest = json.loads(fs.cat_file(f"{root}/checkpoint_000005/.jaxtrain_manifest.json"))
+    assert manifest["location"] == "store"
+    assert {f["path"]: f["rank"] for f in manifest["file_list"]} == {
+        "shard-0.npy": 0, "step.txt": 0, "shard-1.npy": 1}
+    assert all(len(f["sha256"]) == 64 for f in manifest["file_list"])
+    index = json.loads(fs.cat_file(f"{root}/checkpoints.json"))
+    assert [c["dir_name"] for c in index["checkpoints"]] == ["checkpoint_000004",
+                                                             "checkpoint_000005"]
+    # The checkpoints' files never passed through the driver: its copy has their manifests only.
+    local = [p for p in _local_files(fs, root) if p.startswith("checkpoint_")]
+    assert local == ["checkpoint_000004/.jaxtrain_manifest.json",
+                     "checkpoint_000005/.jaxtrain_manifest.json"]
+    with result.checkpoint.as_directory() as d:
+        assert Path(d, "step.txt").read_text() == "4"
+
+    # A second fit() of the same name resumes from the store.
+    resumed = _trainer(url, tmp_path, "run", steps=7, every=1, keep=2).fit()
+    assert Path(tmp_path, "started-attempt-2").read_text() == f"{root}/checkpoint_000005"
+    assert resumed.metrics == {"step": 6, "score": 6}
+    assert resumed.metrics_dataframe["round"].tolist() == list(range(1, 8))
+    assert resumed.checkpoint == Checkpoint(f"{root}/checkpoint_000007", fs)
+
+
+def _leave_an_upload_behind(config):
+    """Rank 1 of the first attempt leaves a part of a round that never completes on the store
+    (as a host killed mid-upload does), then dies; the rest trains as usual."""
+    import signal
+
+    import s3fs
+
+    from jaxtrain import get_context
+
+    ctx = get_context()
+    if ctx.get_attempt() == 0 and ctx.get_world_rank() == 1:
+        s3fs.S3FileSystem().pipe_file(f"{config['root']}/checkpoint_000077/shard-1.npy", b"half")
+        os.kill(os.getpid(), signal.SIGKILL)
+    _train_with_checkpoints(config)
+
+
+def test_what_a_failed_attempt_left_on_the_store_is_swept_before_the_next_uploads(
+        bucket, tmp_path, capfd):
+    root = f"{bucket}/exp/sweep"
+    result = JaxTrainer(
+        _leave_an_upload_behind,
+        train_loop_config={"out": str(tmp_path), "steps": 2, "every": 1, "scores": [0, 1],
+                           "root": root},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="sweep", storage_path=f"s3://{bucket}/exp",
+                             failure_config=FailureConfig(max_failures=1)),
+    ).fit()
+    out = capfd.readouterr().out  # rank 0's output, on the console
+    said = f"(rank=0) jaxtrain worker: removed from s3://{root} what an earlier attempt left: "
+    swept = next(line for line in out.splitlines() if line.startswith(said))
+    # Rank 1's leftover, and rank 0's part of the round rank 1 never reported when rank 0 got
+    # as far as uploading it before the group was stopped.
+    assert swept[len(said):].split(", ") in (["checkpoint_000077"],
+                                             ["checkpoint_000001", "checkpoint_000077"])
+    assert [p for p in _listing(result.filesystem, root) if p.startswith("checkpoint_")] == [
+        *_ckpt_files("checkpoint_000001"), *_ckpt_files("checkpoint_000002")]
+
+
+def _reuses_a_name(config):
+    import tempfile
+
+    from jaxtrain import report
+
+    for step in range(2):
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "w.txt").write_text(str(step))
+            report({"step": step}, checkpoint=Checkpoint.from_directory(d),
+                   checkpoint_dir_name="latest")
+
+
+def test_a_checkpoint_name_already_committed_on_the_store_is_refused(bucket, tmp_path):
+    trainer = JaxTrainer(_reuses_a_name, scaling_config=ScalingConfig(num_workers=2),
+                         run_config=RunConfig(name="reuse", storage_path=f"s3://{bucket}/exp"))
+    with pytest.raises(TrainingFailedError) as e:
+        trainer.fit()
+    assert "report(checkpoint_dir_name='latest')" in str(e.value)
+    assert "cannot be replaced in place" in str(e.value)
