@@ -257,8 +257,8 @@ def _train_scores(config):
             report({"score": score}, checkpoint=Checkpoint.from_directory(d))
 
 
-def test_the_command_line_reads_a_run_on_s3(bucket, tmp_path):
-    url = f"s3://{bucket}/exp"
+def test_the_command_line_reads_a_run_on_a_store(store_bucket, tmp_path):
+    url = f"{store_bucket}/exp"
     _trainer(url, tmp_path, "run", steps=3, every=1, keep=1).fit()
 
     def cli(*args):
