@@ -31,6 +31,10 @@ echo "test: the Kubernetes test cluster's binaries (built from the Go module pro
 echo "      about 15 minutes on a fresh 2-core machine, then cached; scripts/kubernetes/build.sh)"
 ./scripts/kubernetes/build.sh >/dev/null
 
+echo "test: the GCS emulator of the gs:// tests (fake-gcs-server from the Go module proxy: about"
+echo "      2 minutes on a fresh 2-core machine, then cached; scripts/stores/fake-gcs-server.sh)"
+./scripts/stores/fake-gcs-server.sh >/dev/null
+
 echo "test: Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)"
-export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1
+export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1 JAXTRAIN_REQUIRE_GCS=1
 .venv/bin/python -m pytest tests

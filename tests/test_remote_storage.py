@@ -1,5 +1,6 @@
 """Runs on remote storage through fsspec: s3:// against a real S3-protocol server (moto's
-standalone server, tests/s3_server.py), memory://, and filesystem objects (s3fs, pyarrow) passed as
+standalone server, tests/s3_server.py), gs:// against a real GCS emulator (fake-gcs-server,
+tests/gcs_server.py), memory://, and filesystem objects (s3fs, pyarrow) passed as
 RunConfig(storage_filesystem=...). Real JAX workers; the checks read the bucket itself."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from jaxtrain import (
     storage,
 )
 
-pytest_plugins = ["s3_server"]  # the fixtures s3_endpoint and bucket
+# the fixtures s3_endpoint and bucket; gcs_endpoint, gcs_bucket and store_bucket (s3:// and gs://)
+pytest_plugins = ["s3_server", "gcs_server"]
 
 
 def _listing(fs, root):
@@ -45,8 +47,9 @@ def _restored_from(tmp_path, attempt):
     return Path(tmp_path, f"started-attempt-{attempt}").read_text()
 
 
-def test_an_s3_run_commits_keeps_two_and_resumes_by_name(bucket, tmp_path):
-    url = f"s3://{bucket}/exp"
+def test_a_run_on_a_store_commits_keeps_two_and_resumes_by_name(store_bucket, tmp_path):
+    url = f"{store_bucket}/exp"
+    bucket = store_bucket.split("://", 1)[1]
     result = _trainer(url, tmp_path, "run", steps=6, every=1, keep=2).fit()
 
     fs = result.filesystem
@@ -82,9 +85,28 @@ def test_an_s3_run_commits_keeps_two_and_resumes_by_name(bucket, tmp_path):
                                               *_ckpt_files("checkpoint_000009")]
 
 
-def test_an_interrupted_upload_is_swept_and_a_damaged_checkpoint_skipped(bucket, tmp_path,
+def test_a_rank_killed_mid_run_restarts_from_the_store(store_bucket, tmp_path):
+    url = f"{store_bucket}/exp"
+    result = _trainer(url, tmp_path, "run", steps=6, every=1, keep=2, die_at=3,
+                      max_failures=1).fit()
+    # Rank 1 died in round 4 (step 3): attempt 1 restarted from round 3, the last complete one.
+    assert _restored_from(tmp_path, 1).endswith("checkpoint_000003")
+    assert result.metrics == {"step": 5, "score": 5}
+    again = Result.from_path(f"{url}/run")
+    assert again.metrics == result.metrics
+    assert again.checkpoint.path == result.checkpoint.path
+    with again.checkpoint.as_directory() as d:
+        assert Path(d, "step.txt").read_text() == "5"
+        assert np.load(Path(d, "shard-1.npy")).tolist() == [5, 5, 5]
+    run = json.loads(result.filesystem.cat_file(f"{result.path}/run.json"))
+    assert run["status"] == "FINISHED"
+    assert len(run["attempts"]) == 2
+
+
+def test_an_interrupted_upload_is_swept_and_a_damaged_checkpoint_skipped(store_bucket, tmp_path,
                                                                           capfd):
-    url = f"s3://{bucket}/exp"
+    url = f"{store_bucket}/exp"
+    scheme = store_bucket.split("://", 1)[0]
     result = _trainer(url, tmp_path, "run", steps=4, every=1, keep=2).fit()
     fs, root = result.filesystem, result.path
     # An upload cut off before its checkpoint reached the index, and a committed checkpoint
@@ -97,9 +119,9 @@ def test_an_interrupted_upload_is_swept_and_a_damaged_checkpoint_skipped(bucket,
 
     resumed = _trainer(url, tmp_path, "run", steps=6, every=1, keep=2).fit()
     err = capfd.readouterr().err
-    assert f"removing s3://{root}/checkpoint_000099: an upload that did not finish" in err
-    assert (f"checkpoint s3://{root}/checkpoint_000004 is not restorable: 'step.txt' has 2 bytes, "
-            "its manifest says 1") in err
+    assert f"removing {scheme}://{root}/checkpoint_000099: an upload that did not finish" in err
+    assert (f"checkpoint {scheme}://{root}/checkpoint_000004 is not restorable: 'step.txt' has 2 "
+            "bytes, its manifest says 1") in err
     assert _restored_from(tmp_path, 1).endswith("checkpoint_000003")
     assert not fs.exists(f"{root}/checkpoint_000099")
     assert resumed.metrics == {"step": 5, "score": 5}
@@ -183,9 +205,9 @@ def test_bad_remote_storage_is_refused_before_any_worker_starts(tmp_path):
     with pytest.raises(ValueError, match=r"RunConfig.storage_path='gopher://x' uses the scheme "
                                          r"'gopher://', which no fsspec filesystem handles"):
         RunConfig(storage_path="gopher://x")
-    with pytest.raises(ValueError, match=r"RunConfig.storage_path='gs://b/x' needs a package "
-                                         r"that is not installed for 'gs://': .*gcsfs"):
-        RunConfig(storage_path="gs://b/x")  # gcsfs is not installed here
+    with pytest.raises(ValueError, match=r"RunConfig.storage_path='az://b/x' needs a package "
+                                         r"that is not installed for 'az://': .*adlfs"):
+        RunConfig(storage_path="az://b/x")  # adlfs is not installed here
     # HDFS (through pyarrow) needs a JVM, libhdfs and a namenode, which this machine lacks: the
     # filesystem fails as it opens, at fit(), in one line.
     config = RunConfig(name="r", storage_path="hdfs://namenode/runs")
@@ -235,8 +257,8 @@ def _train_scores(config):
             report({"score": score}, checkpoint=Checkpoint.from_directory(d))
 
 
-def test_the_command_line_reads_a_run_on_s3(bucket, tmp_path):
-    url = f"s3://{bucket}/exp"
+def test_the_command_line_reads_a_run_on_a_store(store_bucket, tmp_path):
+    url = f"{store_bucket}/exp"
     _trainer(url, tmp_path, "run", steps=3, every=1, keep=1).fit()
 
     def cli(*args):
