@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 import subprocess
 import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,9 @@ def test_over_the_cap_is_refused_saying_what_is_big_and_what_to_do(tmp_path, mon
                               "big to ship to the workers' hosts: it packs to more than ")
     assert "over the cap of 1.0 MiB; its files take 3.0 MiB before packing, most in data/ " \
            "(3.0 MiB)" in message
+    stopped_at = float(re.search(r"packs to more than ([\d.]+) MiB \(stopped there\)",
+                                 message).group(1))
+    assert stopped_at < 1.5  # stopped within the big file, not after packing it whole
     assert "worker_runtime_env['excludes']" in message
     assert "JAXTRAIN_WORKING_DIR_MAX_MIB=<MiB>" in message
     assert len(runtime_env.pack(str(root), ["data/"]).archive) < 2**20  # excluded, it fits
@@ -284,6 +289,19 @@ def test_ranks_of_one_host_unpacking_at_once_share_one_copy(tmp_path):
     assert len(set(paths)) == 1 and len(paths) == 4
     assert os.listdir(Path(paths[0]).parent) == [Path(paths[0]).name]  # no leftovers
     assert (Path(paths[0]) / "model" / "__init__.py").read_text() == "VALUE = 1\n"
+
+
+def test_a_partial_copy_left_by_a_killed_worker_is_removed_once_stale(tmp_path):
+    root = Path(runtime_env.unpack(crafted(("x", "file", "1")))).parent
+    stale, fresh = root / ".0123456789abcdef-stale", root / ".0123456789abcdef-fresh"
+    for partial in (stale, fresh):
+        (partial / "sub").mkdir(parents=True)
+    old = time.time() - runtime_env.PARTIAL_STALE_S - 60
+    os.utime(stale, (old, old))
+
+    runtime_env.unpack(crafted(("y", "file", "2")))
+
+    assert not stale.exists() and fresh.exists()
 
 
 def test_a_host_directory_that_others_may_write_to_is_refused(host_local):

@@ -47,6 +47,8 @@ GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
 ALWAYS_EXCLUDED = (".git", "__pycache__")
 # Seconds of packing after which progress is said on stderr, and between two such lines.
 PROGRESS_AFTER_S = 3.0
+# A partial copy (its worker was killed while unpacking) is removed once this old.
+PARTIAL_STALE_S = 3600.0
 
 _OWNER = "RunConfig.worker_runtime_env"
 
@@ -246,6 +248,23 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+class _OverCap(Exception):
+    """The archive has grown over the cap: packing stops."""
+
+
+class _CappedReader:
+    """A file being packed, read in chunks that stop once the archive is over the cap: a big
+    file is never packed whole into memory to be refused after."""
+
+    def __init__(self, f: io.BufferedReader, out: io.BytesIO, cap: int) -> None:
+        self._f, self._out, self._cap = f, out, cap
+
+    def read(self, size: int = -1) -> bytes:
+        if self._out.tell() > self._cap:
+            raise _OverCap()
+        return self._f.read(size)
+
+
 def pack(working_dir: str, excludes: Sequence[str] = (), *,
          clock: Callable[[], float] = time.monotonic) -> Packed:
     """Packs ``working_dir`` (absolute) for workers on other hosts. Raises ValueError for a
@@ -257,41 +276,44 @@ def pack(working_dir: str, excludes: Sequence[str] = (), *,
     began = last_said = clock()
     sized: list[tuple[str, int]] = []
     said = False
-    with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
-            tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        walk = _walk(working_dir, list(excludes), gitignore)
-        for rel, entry in walk:
-            st = entry.stat(follow_symlinks=False)
-            info = tarfile.TarInfo(rel)
-            info.mode = stat.S_IMODE(st.st_mode) & 0o777
-            info.mtime = int(st.st_mtime)
-            if stat.S_ISLNK(st.st_mode):
-                info.type = tarfile.SYMTYPE
-                info.linkname = _link_target(working_dir, real_root, rel, entry.path)
-                tar.addfile(info)
-            elif stat.S_ISDIR(st.st_mode):
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            elif stat.S_ISREG(st.st_mode):
-                info.size = st.st_size
-                with open(entry.path, "rb") as f:
-                    tar.addfile(info, f)
-                sized.append((rel, st.st_size))
-            else:
-                continue  # sockets, fifos, devices: nothing a worker imports or reads
-            if out.tell() > cap:
-                for rel, entry in walk:  # the rest, for the sizes the error names
-                    if entry.is_file(follow_symlinks=False):
-                        sized.append((rel, entry.stat(follow_symlinks=False).st_size))
-                raise _too_big(working_dir, out.tell(), cap, sized)
-            if clock() - last_said >= PROGRESS_AFTER_S:
-                last_said, said = clock(), True
-                sys.stderr.write(f"jaxtrain: packing working_dir {working_dir!r} for the "
-                                 f"workers' hosts: {len(sized)} files, {_mib(out.tell())} so "
-                                 "far\n")
+    walk = _walk(working_dir, list(excludes), gitignore)
+    try:
+        with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for rel, entry in walk:
+                st = entry.stat(follow_symlinks=False)
+                info = tarfile.TarInfo(rel)
+                info.mode = stat.S_IMODE(st.st_mode) & 0o777
+                info.mtime = int(st.st_mtime)
+                if stat.S_ISLNK(st.st_mode):
+                    info.type = tarfile.SYMTYPE
+                    info.linkname = _link_target(working_dir, real_root, rel, entry.path)
+                    tar.addfile(info)
+                elif stat.S_ISDIR(st.st_mode):
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                elif stat.S_ISREG(st.st_mode):
+                    info.size = st.st_size
+                    sized.append((rel, st.st_size))
+                    with open(entry.path, "rb") as f:
+                        tar.addfile(info, _CappedReader(f, out, cap))
+                else:
+                    continue  # sockets, fifos, devices: nothing a worker imports or reads
+                if out.tell() > cap:
+                    raise _OverCap()
+                if clock() - last_said >= PROGRESS_AFTER_S:
+                    last_said, said = clock(), True
+                    sys.stderr.write(f"jaxtrain: packing working_dir {working_dir!r} for the "
+                                     f"workers' hosts: {len(sized)} files, {_mib(out.tell())} "
+                                     "so far\n")
+        if out.tell() > cap:
+            raise _OverCap()
+    except _OverCap:
+        for rel, entry in walk:  # the rest, for the sizes the error names
+            if entry.is_file(follow_symlinks=False):
+                sized.append((rel, entry.stat(follow_symlinks=False).st_size))
+        raise _too_big(working_dir, out.tell(), cap, sized) from None
     archive = out.getvalue()
-    if len(archive) > cap:
-        raise _too_big(working_dir, len(archive), cap, sized)
     if said:
         sys.stderr.write(f"jaxtrain: packed working_dir {working_dir!r}: {len(sized)} files, "
                          f"{_mib(len(archive))}, in {clock() - began:.1f} s\n")
@@ -409,6 +431,7 @@ def unpack(archive: bytes) -> str:
     final = os.path.join(root, hashlib.sha256(archive).hexdigest())
     if os.path.isdir(final):
         return final  # another rank of this host, or an earlier attempt, unpacked it
+    _sweep_partial(root)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)[:16]}-", dir=root)
     try:
         _extract(archive, tmp)
@@ -424,13 +447,20 @@ def unpack(archive: bytes) -> str:
     return final
 
 
-def _remove(path: str) -> None:
-    def writable(fn, p, _):  # a directory unpacked without write permission
-        os.chmod(os.path.dirname(p), 0o700)
-        fn(p)
+def _sweep_partial(root: str) -> None:
+    """Removes the partial copies of workers killed while unpacking (fresh ones are in use)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        try:
+            if name.startswith(".") and time.time() - os.lstat(path).st_mtime > PARTIAL_STALE_S:
+                _remove(path)
+        except OSError:  # another rank removed it, or renamed it into place
+            pass
 
-    if os.path.lexists(path):
-        shutil.rmtree(path, onerror=writable)
+
+def _remove(path: str) -> None:
+    """Removes a copy: its directories are all writable by their owner (``_extract``)."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def enter(shipped: dict) -> str:
