@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -449,3 +450,62 @@ def test_host_0_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, share
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# The training function lives in a module of the working_dir, so the workers unpickle it by
+# reference: each must import it from its host's copy, unpacked before the task.
+SHIPPED_MODULE = '''
+import json, os, socket
+import jax
+
+
+def train(config):
+    rank = jax.process_index()
+    with open(os.path.join(config["out"], f"where-{rank}.json"), "w") as f:
+        json.dump({"host": socket.gethostname(), "file": __file__, "cwd": os.getcwd(),
+                   "excluded_there": os.path.exists("data/big.bin"),
+                   "kept_there": os.path.exists("data/small.txt")}, f)
+'''
+
+SHIPS_ITS_WORKING_DIR = '''
+import os, sys
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+import shipped_module
+
+JaxTrainer(shipped_module.train, train_loop_config={"out": sys.argv[1]},
+           scaling_config=ScalingConfig(num_workers=4),
+           run_config=RunConfig(name="shipped", storage_path=sys.argv[1], worker_runtime_env={
+               "working_dir": ".", "excludes": ["data/*.bin"]})).fit()
+print("done")
+'''
+
+
+def test_a_working_dir_outside_the_shared_directory_is_shipped_to_the_hosts(ssh_hosts,
+                                                                            shared_dir, tmp_path):
+    project = tmp_path / "project"  # the driver's machine only: not in the hosts' shared dir
+    (project / "data").mkdir(parents=True)
+    (project / "shipped_module.py").write_text(SHIPPED_MODULE)
+    (project / "data" / "big.bin").write_bytes(b"\0" * 1000)
+    (project / "data" / "small.txt").write_text("kept\n")
+    (project / "driver.py").write_text(SHIPS_ITS_WORKING_DIR)
+
+    proc = run_command([sys.executable, "driver.py", str(shared_dir)], cwd=project,
+                       env=ssh_hosts.env(JAXTRAIN_SSH_HOSTS="host1,host2"), capture_output=True,
+                       text=True, timeout=180)
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where = [json.loads((shared_dir / f"where-{r}.json").read_text()) for r in range(4)]
+    copies = {Path(w["file"]).parent for w in where}
+    try:
+        assert [w["host"] for w in where] == ["host1", "host1", "host2", "host2"]
+        for w in where:
+            copy = Path(w["file"]).parent
+            assert re.fullmatch(r".*/jaxtrain-\d+/working_dir/[0-9a-f]{64}", str(copy)), w
+            assert not w["file"].startswith(str(project)), w
+            assert w["cwd"] == str(copy)
+            assert (w["excluded_there"], w["kept_there"]) == (False, True)
+        assert len(copies) == 1  # one archive: the same name on every host
+    finally:
+        for copy in copies:  # where the hosts' /tmp is this machine's
+            if re.search(r"/working_dir/[0-9a-f]{64}$", str(copy)):
+                shutil.rmtree(copy, ignore_errors=True)

@@ -232,7 +232,8 @@ class RunConfig:
     failed attempt and restart, and of the end of the run (see docs/callbacks.md).
     ``worker_runtime_env``: as Ray's, a dict with ``env_vars`` (environment variables set in
     every worker) and ``working_dir`` (the workers' working directory, also put first on their
-    import path); Ray's other keys (``pip``, ``conda``, ...) are refused.
+    import path; shipped to workers on other hosts, without what ``excludes`` lists: see
+    docs/hosts.md); Ray's other keys (``pip``, ``conda``, ...) are refused.
     """
 
     name: str
@@ -303,7 +304,7 @@ def _callbacks(callbacks: Sequence[Any] | None) -> list:
     return list(callbacks)
 
 
-_RUNTIME_ENV_KEYS = ("env_vars", "working_dir")
+_RUNTIME_ENV_KEYS = ("env_vars", "working_dir", "excludes")
 
 
 def _runtime_env(env: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -316,7 +317,8 @@ def _runtime_env(env: Mapping[str, Any] | None) -> dict[str, Any] | None:
     unknown = [k for k in env if k not in _RUNTIME_ENV_KEYS]
     if unknown:
         raise ValueError(
-            f"{owner} key {unknown[0]!r} is not supported; allowed: 'env_vars', 'working_dir' "
+            f"{owner} key {unknown[0]!r} is not supported; allowed: 'env_vars', 'working_dir', "
+            "'excludes' "
             "(jaxtrain runs workers from the driver's Python environment: install packages "
             "there, or on every host)")
     out: dict[str, Any] = {}
@@ -347,4 +349,11 @@ def _runtime_env(env: Mapping[str, Any] | None) -> dict[str, Any] | None:
                              "an existing local (or shared, for other hosts) directory; URLs of "
                              "zip files are not supported")
         out["working_dir"] = working_dir
+    if env.get("excludes") is not None:
+        from jaxtrain import runtime_env
+
+        if "working_dir" not in out:
+            raise ValueError(f"{owner}['excludes'] is given without a working_dir; it names what "
+                             "of the working_dir is not shipped to other hosts")
+        out["excludes"] = runtime_env.check_excludes(env["excludes"])
     return out

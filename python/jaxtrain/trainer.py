@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, checkpoint_memory, ray_args, session, storage
+from jaxtrain import _core, callbacks, checkpoint_memory, ray_args, runtime_env, session, storage
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_store import STORE_ENV
 from jaxtrain.config import RunConfig, ScalingConfig
@@ -167,6 +167,7 @@ class JaxTrainer:
             plan = _core.plan_local(self.scaling_config._core)
             store = _store_direct(mirror, False)
         payload = _pickle_task(fn, self.train_loop_config, self._takes_config, store)
+        shipped = _ship_working_dir(self.run_config, launcher, plan)  # refused before any start
         if mirror is not None:
             # pull() rebuilds the staging copy, which a live driver of this run is writing; the
             # controller takes the run's lock only later (RunStore::Open).
@@ -196,9 +197,10 @@ class JaxTrainer:
             experiment_name=self.run_config.name,
             plan=plan,
             worker_argv=[sys.executable, "-m", "jaxtrain.worker"],
-            worker_cwd=_working_dir(self.run_config) or os.getcwd(),
+            # A shipped working_dir: the worker enters its copy; "/" is on every host.
+            worker_cwd="/" if shipped else _working_dir(self.run_config) or os.getcwd(),
             worker_env=worker_env,
-            payload=payload,
+            payload=runtime_env.wrap(payload, shipped),
             run_config_json=json.dumps(
                 {
                     "scaling_config": self.scaling_config._as_dict(),
@@ -454,6 +456,18 @@ def _check_shared(run_dir: str, mirror: storage.Mirror | None) -> None:
 
 def _working_dir(run_config: RunConfig) -> str | None:
     return (run_config.worker_runtime_env or {}).get("working_dir")
+
+
+def _ship_working_dir(run_config: RunConfig, launcher: str,
+                      plan: Any) -> runtime_env.Packed | None:
+    """The working_dir, packed, for workers on other hosts (docs/hosts.md); None where every
+    worker is on this host and works in the directory itself. Pods never share it."""
+    working_dir = _working_dir(run_config)
+    if working_dir is None or not (
+            launcher == "kubernetes" or (launcher == "ssh" and _plan_spans_hosts(plan))
+            or (launcher == "slurm" and _slurm_spans_hosts())):
+        return None
+    return runtime_env.pack(working_dir, run_config.worker_runtime_env.get("excludes", ()))
 
 
 def _compilation_cache() -> str:

@@ -500,7 +500,12 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         import cloudpickle
 
-        task = cloudpickle.loads(payload)
+        from jaxtrain import runtime_env
+
+        task_bytes, shipped = runtime_env.unwrap(payload)
+        if shipped is not None:  # before the task: its function may live in the working_dir
+            runtime_env.enter(shipped)
+        task = cloudpickle.loads(task_bytes)
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
 

@@ -485,7 +485,9 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
     } else if (exit.exit_code == kProbeNoCwd) {
       error = UnavailableError("host " + p.target + " has no directory " + spec.cwd +
                                ": the workers start in the driver's working directory, which "
-                               "must exist on every host (shared storage, or the same checkout)");
+                               "must exist on every host (shared storage, or the same checkout); "
+                               "or give RunConfig(worker_runtime_env={'working_dir': ...}), "
+                               "which is shipped to every host");
     } else {
       std::string said = LastLines(p.output);
       error = UnavailableError("cannot reach host " + p.target + " over ssh (" + exit.ToString() +

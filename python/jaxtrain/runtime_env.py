@@ -1,0 +1,485 @@
+"""The runtime env's ``working_dir`` shipped to hosts that do not share it, as Ray ships it.
+
+Driver (``pack``): once per fit() of a run whose workers are on other hosts, the directory is
+packed into one gzip'd tar in a fixed order, without ``.git``, ``__pycache__``, what the
+``.gitignore`` files in it list, and what the runtime env's ``excludes`` list (gitignore patterns,
+relative to the directory). Symbolic links are kept as links when they lead to a place inside the
+directory and refused when they lead out; none is followed. Above the cap (``MAX_MIB_ENV``, 100 MiB
+of packed bytes by default) it is refused with a ValueError that says what to do.
+
+Wire (``wrap``/``unwrap``): the payload every worker gets over the control connection is a plain
+pickle of bytes and strings: the task (cloudpickled) and, where the directory is shipped, the
+archive and the directory's path on the driver. The worker unpacks the archive before it unpickles
+the task, whose function may live in a module of the directory, pickled by reference.
+
+Worker (``enter``): each host unpacks an archive once, by its SHA-256, under
+``<$TMPDIR or /tmp>/jaxtrain-<uid>/working_dir/<sha256>/`` (unpacked to a temporary name, then
+renamed: ranks of one host that race each unpack, one rename wins, the others use it). Every
+member's name, type and link target is checked first: an archive cannot write outside. The worker
+then works in that directory and puts it first on its import path, in place of the driver's.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import io
+import os
+import pickle
+import posixpath
+import re
+import shutil
+import stat
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+MAX_MIB_ENV = "JAXTRAIN_WORKING_DIR_MAX_MIB"
+DEFAULT_MAX_MIB = 100
+# "0": the .gitignore files in the directory do not exclude anything (Ray:
+# RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1).
+GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
+# Never shipped, whatever the patterns say.
+ALWAYS_EXCLUDED = (".git", "__pycache__")
+# Seconds of packing after which progress is said on stderr, and between two such lines.
+PROGRESS_AFTER_S = 3.0
+# A partial copy (its worker was killed while unpacking) is removed once this old.
+PARTIAL_STALE_S = 3600.0
+
+_OWNER = "RunConfig.worker_runtime_env"
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed working_dir: the archive, and the directory's absolute path on the driver."""
+
+    archive: bytes
+    source: str
+    files: int
+
+
+# -- gitignore patterns ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    regex: re.Pattern
+    negate: bool
+    dir_only: bool
+
+
+def _glob(segment: str) -> str:
+    """One path segment of a gitignore pattern as a regex: ``*`` and ``?`` never match '/'."""
+    out, i = [], 0
+    while i < len(segment):
+        c = segment[i]
+        if c == "\\" and i + 1 < len(segment):
+            out.append(re.escape(segment[i + 1]))
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (end := segment.find("]", i + 2)) != -1:
+            body = segment[i + 1:end]
+            if body[0] in "!^":
+                body = "^" + body[1:]
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = end + 1
+            continue
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+def _compile(line: str) -> _Pattern | None:
+    """A line of a gitignore file (git's rules: https://git-scm.com/docs/gitignore), or None for
+    a blank line or a comment."""
+    line = line.rstrip("\n").rstrip("\r")
+    while line.endswith(" ") and not line.endswith("\\ "):
+        line = line[:-1]
+    if not line or line.startswith("#"):
+        return None
+    negate = line.startswith("!")
+    if negate or line.startswith("\\!") or line.startswith("\\#"):
+        line = line[1:]
+    dir_only = line.endswith("/")
+    line = line.rstrip("/")
+    if not line:
+        return None
+    # A separator at the start or in the middle anchors the pattern to its directory.
+    anchored = "/" in line
+    segments = line.lstrip("/").split("/")
+    regex = "" if anchored else "(?:.*/)?"
+    for i, segment in enumerate(segments):
+        last = i == len(segments) - 1
+        if segment == "**":
+            regex += ".+" if last else "(?:.*/)?"
+        else:
+            regex += _glob(segment) + ("" if last else "/")
+    return _Pattern(re.compile(f"^{regex}$", re.DOTALL), negate, dir_only)
+
+
+class _Rules:
+    """gitignore patterns relative to ``base`` (a path relative to the working_dir, "" for it):
+    the last pattern that matches a path decides, as in git."""
+
+    def __init__(self, base: str, lines: Sequence[str]) -> None:
+        self.base = base
+        self.patterns = [p for p in map(_compile, lines) if p is not None]
+
+    def excludes(self, rel: str, is_dir: bool) -> bool:
+        if self.base:
+            if not rel.startswith(self.base + "/"):
+                return False
+            rel = rel[len(self.base) + 1:]
+        verdict = False
+        for p in self.patterns:
+            if (is_dir or not p.dir_only) and p.regex.match(rel):
+                verdict = not p.negate
+        return verdict
+
+
+def check_excludes(excludes: object) -> list[str]:
+    """The runtime env's ``excludes``, checked: a list of gitignore patterns (strings)."""
+    if isinstance(excludes, (str, bytes)) or not isinstance(excludes, Sequence):
+        raise ValueError(f"{_OWNER}['excludes']={excludes!r} is not allowed; it must be a list of "
+                         "gitignore patterns relative to working_dir, e.g. ['data/', '*.ckpt']")
+    for i, pattern in enumerate(excludes):
+        if not isinstance(pattern, str):
+            raise ValueError(f"{_OWNER}['excludes'][{i}]={pattern!r} is not allowed; patterns "
+                             "are strings")
+    return list(excludes)
+
+
+def _gitignore_on() -> bool:
+    value = os.environ.get(GITIGNORE_ENV) or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{GITIGNORE_ENV}={value!r} is not allowed; use 1 (the default: the "
+                         ".gitignore files in working_dir exclude what they list) or 0 (they "
+                         "exclude nothing)")
+    return value == "1"
+
+
+def max_bytes() -> int:
+    """The cap on a packed working_dir, from JAXTRAIN_WORKING_DIR_MAX_MIB."""
+    value = os.environ.get(MAX_MIB_ENV) or str(DEFAULT_MAX_MIB)
+    if not value.isdigit() or int(value) == 0:
+        raise ValueError(f"{MAX_MIB_ENV}={value!r} is not allowed; use a whole number of MiB "
+                         f"above 0 (the default is {DEFAULT_MAX_MIB})")
+    return int(value) * 2**20
+
+
+# -- packing (the driver) ---------------------------------------------------------------------
+
+
+def _walk(root: str, excludes: list[str], gitignore: bool) -> Iterator[tuple[str, os.DirEntry]]:
+    """(path relative to root, entry) of everything to pack, parents before their contents, in
+    name order; excluded directories are not entered."""
+    user = _Rules("", excludes)
+
+    def visit(rel_dir: str, rules: list[_Rules]) -> Iterator[tuple[str, os.DirEntry]]:
+        path = os.path.join(root, rel_dir) if rel_dir else root
+        ignore = os.path.join(path, ".gitignore")
+        if gitignore and os.path.isfile(ignore) and not os.path.islink(ignore):
+            with open(ignore, encoding="utf-8", errors="replace") as f:
+                rules = [*rules, _Rules(rel_dir, f.readlines())]
+        with os.scandir(path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if entry.name in ALWAYS_EXCLUDED or any(r.excludes(rel, is_dir)
+                                                   for r in (*rules, user)):
+                continue
+            yield rel, entry
+            if is_dir:
+                yield from visit(rel, rules)
+
+    yield from visit("", [])
+
+
+def _link_target(root: str, real_root: str, rel: str, path: str) -> str:
+    """The target to store for the link at ``path``: kept when it resolves inside the directory
+    (one that is absolute, or reaches out and back in, made relative and direct), refused
+    otherwise."""
+    target = os.readlink(path)
+    resolved = os.path.realpath(path)
+    if resolved != real_root and not resolved.startswith(real_root + os.sep):
+        raise ValueError(
+            f"{_OWNER}['working_dir']={root!r} holds the symbolic link {rel!r} -> {target!r}, "
+            f"which leads out of the directory (to {resolved!r}); the workers on other hosts "
+            "would not find what it points to. Copy what it points to into the directory, or "
+            "exclude the link with worker_runtime_env['excludes']")
+    if _leads_out(rel, target):
+        target = os.path.relpath(resolved, os.path.realpath(os.path.dirname(path)))
+    return target
+
+
+def _leads_out(name: str, target: str) -> bool:
+    """Whether the link ``name`` -> ``target`` leaves the directory, read as written."""
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
+    return not target or target.startswith("/") or resolved == ".." or resolved.startswith("../")
+
+
+def _too_big(root: str, packed: int, cap: int, files: list[tuple[str, int]]) -> ValueError:
+    by_top: dict[str, int] = {}
+    for rel, size in files:
+        top = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
+        by_top[top] = by_top.get(top, 0) + size
+    largest = sorted(by_top.items(), key=lambda kv: -kv[1])[:3]
+    total = sum(size for _, size in files)
+    return ValueError(
+        f"{_OWNER}['working_dir']={root!r} is too big to ship to the workers' hosts: it packs to "
+        f"more than {_mib(packed)} (stopped there), over the cap of {_mib(cap)}; its files take "
+        f"{_mib(total)} before packing, most in " + ", ".join(
+            f"{name} ({_mib(size)})" for name, size in largest) + ". Exclude what the workers "
+        "do not need with worker_runtime_env['excludes'] (gitignore patterns, e.g. ['data/', "
+        f"'*.ckpt']), or raise the cap with {MAX_MIB_ENV}=<MiB>")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class _OverCap(Exception):
+    """The archive has grown over the cap: packing stops."""
+
+
+class _CappedReader:
+    """A file being packed, read in chunks that stop once the archive is over the cap: a big
+    file is never packed whole into memory to be refused after."""
+
+    def __init__(self, f: io.BufferedReader, out: io.BytesIO, cap: int) -> None:
+        self._f, self._out, self._cap = f, out, cap
+
+    def read(self, size: int = -1) -> bytes:
+        if self._out.tell() > self._cap:
+            raise _OverCap()
+        return self._f.read(size)
+
+
+def pack(working_dir: str, excludes: Sequence[str] = (), *,
+         clock: Callable[[], float] = time.monotonic) -> Packed:
+    """Packs ``working_dir`` (absolute) for workers on other hosts. Raises ValueError for a
+    link that leads out, or a packed size over the cap."""
+    cap = max_bytes()
+    gitignore = _gitignore_on()
+    real_root = os.path.realpath(working_dir)
+    out = io.BytesIO()
+    began = last_said = clock()
+    sized: list[tuple[str, int]] = []
+    said = False
+    walk = _walk(working_dir, list(excludes), gitignore)
+    try:
+        with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for rel, entry in walk:
+                st = entry.stat(follow_symlinks=False)
+                info = tarfile.TarInfo(rel)
+                info.mode = stat.S_IMODE(st.st_mode) & 0o777
+                info.mtime = int(st.st_mtime)
+                if stat.S_ISLNK(st.st_mode):
+                    info.type = tarfile.SYMTYPE
+                    info.linkname = _link_target(working_dir, real_root, rel, entry.path)
+                    tar.addfile(info)
+                elif stat.S_ISDIR(st.st_mode):
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                elif stat.S_ISREG(st.st_mode):
+                    info.size = st.st_size
+                    sized.append((rel, st.st_size))
+                    with open(entry.path, "rb") as f:
+                        tar.addfile(info, _CappedReader(f, out, cap))
+                else:
+                    continue  # sockets, fifos, devices: nothing a worker imports or reads
+                if out.tell() > cap:
+                    raise _OverCap()
+                if clock() - last_said >= PROGRESS_AFTER_S:
+                    last_said, said = clock(), True
+                    sys.stderr.write(f"jaxtrain: packing working_dir {working_dir!r} for the "
+                                     f"workers' hosts: {len(sized)} files, {_mib(out.tell())} "
+                                     "so far\n")
+        if out.tell() > cap:
+            raise _OverCap()
+    except _OverCap:
+        for rel, entry in walk:  # the rest, for the sizes the error names
+            if entry.is_file(follow_symlinks=False):
+                sized.append((rel, entry.stat(follow_symlinks=False).st_size))
+        raise _too_big(working_dir, out.tell(), cap, sized) from None
+    archive = out.getvalue()
+    if said:
+        sys.stderr.write(f"jaxtrain: packed working_dir {working_dir!r}: {len(sized)} files, "
+                         f"{_mib(len(archive))}, in {clock() - began:.1f} s\n")
+    return Packed(archive, working_dir, len(sized))
+
+
+# -- the payload ------------------------------------------------------------------------------
+
+
+def wrap(task: bytes, packed: Packed | None) -> bytes:
+    """The payload every worker gets: the task and, when shipped, the working_dir."""
+    shipped = None if packed is None else {"archive": packed.archive, "source": packed.source}
+    return pickle.dumps({"task": task, "working_dir": shipped}, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unwrap(payload: bytes) -> tuple[bytes, dict | None]:
+    """(the task's bytes, the shipped working_dir or None), from a payload made by ``wrap``."""
+    outer = pickle.loads(payload)
+    return outer["task"], outer["working_dir"]
+
+
+# -- unpacking (each worker) ------------------------------------------------------------------
+
+
+def host_dir() -> str:
+    """This user's host-local directory, ``<$TMPDIR or /tmp>/jaxtrain-<uid>``: made 0700; one
+    that another user owns or may write to is refused."""
+    path = os.path.join(os.path.abspath(os.environ.get("TMPDIR") or "/tmp"),
+                        f"jaxtrain-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(
+            f"{path} is not a directory of uid {os.geteuid()} that only it may write to; "
+            "jaxtrain keeps this host's copies of the run's working_dir there. Remove it, or "
+            "set TMPDIR to another directory")
+    return path
+
+
+def _check_member(m: tarfile.TarInfo) -> str:
+    """The member's name, once it is one an archive of ``pack`` could hold; ValueError if not."""
+    name = m.name.rstrip("/") if m.isdir() else m.name
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"the shipped working_dir's member {m.name!r} {why}; the archive is "
+                          "refused, nothing of it is used")
+
+    if not name or name.startswith("/") or posixpath.normpath(name) != name or \
+            name.split("/")[0] in (".", ".."):
+        raise refuse("is not a plain relative path inside the directory")
+    if not (m.isreg() or m.isdir() or m.issym()):
+        raise refuse("is neither a file, a directory nor a symbolic link")
+    if m.issym() and _leads_out(name, m.linkname):
+        raise refuse(f"is a link that leads out of the directory (to {m.linkname!r})")
+    return name
+
+
+def _extract(archive: bytes, dest: str) -> None:
+    """Unpacks ``archive`` into the empty directory ``dest``: every member is checked before
+    anything is written; links are made last, so nothing is written through one."""
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        members = tar.getmembers()
+        kinds: dict[str, tarfile.TarInfo] = {}
+        for m in members:
+            name = _check_member(m)
+            if name in kinds:
+                raise ValueError(f"the shipped working_dir holds {name!r} twice; the archive is "
+                                 "refused, nothing of it is used")
+            kinds[name] = m
+        for name in kinds:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                parent = kinds.get("/".join(parts[:i]))
+                if parent is not None and not parent.isdir():
+                    raise ValueError(f"the shipped working_dir's member {name!r} lies under "
+                                     f"{parent.name!r}, which is not a directory; the archive "
+                                     "is refused, nothing of it is used")
+        dirs = []
+        for name, m in kinds.items():
+            path = os.path.join(dest, name)
+            if m.isdir():
+                os.makedirs(path, 0o700, exist_ok=True)
+                dirs.append((path, m))
+            elif m.isreg():
+                os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    shutil.copyfileobj(tar.extractfile(m), f)
+                    os.fchmod(f.fileno(), m.mode & 0o777)
+                os.utime(path, (m.mtime, m.mtime), follow_symlinks=False)
+    real_dest = os.path.realpath(dest)
+    for name, m in kinds.items():
+        if m.issym():
+            path = os.path.join(dest, name)
+            os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
+            os.symlink(m.linkname, path)
+    for name, m in kinds.items():  # links through links: where they lead, now that all exist
+        resolved = os.path.realpath(os.path.join(dest, name))
+        if m.issym() and resolved != real_dest and not resolved.startswith(real_dest + os.sep):
+            raise ValueError(f"the shipped working_dir's link {name!r} -> {m.linkname!r} leads "
+                             "out of the directory; the archive is refused, nothing of it is "
+                             "used")
+    for path, m in sorted(dirs, key=lambda d: -d[0].count("/")):
+        os.chmod(path, (m.mode & 0o777) | 0o700)
+        os.utime(path, (m.mtime, m.mtime))
+
+
+def unpack(archive: bytes) -> str:
+    """This host's copy of ``archive``, unpacked once: its directory, named by its SHA-256."""
+    root = os.path.join(host_dir(), "working_dir")
+    os.makedirs(root, 0o700, exist_ok=True)
+    final = os.path.join(root, hashlib.sha256(archive).hexdigest())
+    if os.path.isdir(final):
+        return final  # another rank of this host, or an earlier attempt, unpacked it
+    _sweep_partial(root)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)[:16]}-", dir=root)
+    try:
+        _extract(archive, tmp)
+        os.rename(tmp, final)
+    except OSError as e:
+        _remove(tmp)
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY) and os.path.isdir(final):
+            return final  # another rank of this host renamed its copy first
+        raise
+    except BaseException:
+        _remove(tmp)
+        raise
+    return final
+
+
+def _sweep_partial(root: str) -> None:
+    """Removes the partial copies of workers killed while unpacking (fresh ones are in use)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        try:
+            if name.startswith(".") and time.time() - os.lstat(path).st_mtime > PARTIAL_STALE_S:
+                _remove(path)
+        except OSError:  # another rank removed it, or renamed it into place
+            pass
+
+
+def _remove(path: str) -> None:
+    """Removes a copy: its directories are all writable by their owner (``_extract``)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def enter(shipped: dict) -> str:
+    """Unpacks the shipped working_dir, makes it this worker's working directory and puts it first
+    on the import path (``sys.path`` and PYTHONPATH, for processes the worker starts) in place of
+    the driver's path; what the driver's path held (a ``src/`` entry) maps to the copy."""
+    path = unpack(shipped["archive"])
+    source = shipped["source"]
+    started_in = os.getcwd()
+
+    def mapped(entry: str) -> str:
+        if entry == source or entry.startswith(source + os.sep):
+            return path + entry[len(source):]
+        return entry
+
+    rest = sys.path[1:] if sys.path and sys.path[0] in ("", started_in) else sys.path
+    sys.path[:] = list(dict.fromkeys([path, *map(mapped, rest)]))
+    pythonpath = [mapped(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([path, *pythonpath]))
+    os.chdir(path)
+    return path
+
