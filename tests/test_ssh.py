@@ -28,7 +28,7 @@ from conftest import run_command, start_driver
 if TYPE_CHECKING:
     from ssh_fixtures import SshHosts
 
-pytest_plugins = ["ssh_fixtures"]  # the fixtures ssh_hosts and shared_dir
+pytest_plugins = ["ssh_fixtures", "s3_server"]  # ssh_hosts, shared_dir; s3_endpoint, bucket
 
 REPO = Path(__file__).resolve().parent.parent
 PSUM_SCRIPT = REPO / "tests" / "helpers" / "cli_psum_script.py"
@@ -36,11 +36,12 @@ PSUM_SCRIPT = REPO / "tests" / "helpers" / "cli_psum_script.py"
 
 def drive(hosts: SshHosts, cwd: Path, program: str, *, timeout: float = 180,
           **env: str) -> subprocess.CompletedProcess:
-    """Runs `program` as a driver in `cwd` (HOME too: its default storage is shared)."""
+    """Runs `program` as a driver in `cwd` (HOME too, unless `env` names another: its default
+    storage is shared)."""
     (cwd / "driver.py").write_text(program)
     return run_command([sys.executable, str(cwd / "driver.py")], cwd=cwd,
-                       env=hosts.env(HOME=str(cwd), **env), capture_output=True, text=True,
-                       timeout=timeout)
+                       env=hosts.env(**{"HOME": str(cwd), **env}), capture_output=True,
+                       text=True, timeout=timeout)
 
 
 def run_dir(cwd: Path) -> Path:
@@ -509,3 +510,75 @@ def test_a_working_dir_outside_the_shared_directory_is_shipped_to_the_hosts(ssh_
         for copy in copies:  # where the hosts' /tmp is this machine's
             if re.search(r"/working_dir/[0-9a-f]{64}$", str(copy)):
                 shutil.rmtree(copy, ignore_errors=True)
+
+
+# KILLED_ON_HOST2 with its run on a bucket: storage_path from STORE, the hosts' credentials and
+# endpoint in HOST_ENV (as a user's runtime env passes them), two checkpoints kept, and STEPS
+# steps (a second fit() of the run goes on further).
+ON_A_BUCKET = KILLED_ON_HOST2.replace(
+    "from jaxtrain import (Checkpoint, ", "from jaxtrain import (Checkpoint, CheckpointConfig, "
+).replace("for s in range(step, 8):", "for s in range(step, STEPS):").replace(
+    "\ndef train():", "\nSTEPS = int(os.environ['STEPS'])  # read by the driver\n\n\ndef train():"
+).replace(
+    'run_config=RunConfig(name="killed", storage_path=os.getcwd(),',
+    'run_config=RunConfig(name="killed", storage_path=os.environ["STORE"], '
+    'worker_runtime_env={"env_vars": json.loads(os.environ["HOST_ENV"])}, '
+    'checkpoint_config=CheckpointConfig(num_to_keep=2),')
+
+
+def test_a_run_on_a_bucket_across_hosts_shares_no_directory(ssh_hosts, shared_dir, bucket,
+                                                             s3_endpoint, tmp_path):
+    from s3_server import BRIDGES, endpoint_on
+
+    # Every replacement took: the import, the steps, the storage path and the hosts' variables.
+    assert ON_A_BUCKET.count("os.environ") == 3 and "CheckpointConfig(num_to_keep=2)" in ON_A_BUCKET
+    assert "import (Checkpoint, CheckpointConfig, " in ON_A_BUCKET
+    endpoint = endpoint_on(s3_endpoint, BRIDGES["ssh"])
+    host_env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    # The driver's home (its staging copy of the run's records) is its own; nothing is declared
+    # shared: the hosts write their checkpoints to the bucket themselves.
+    home = tmp_path / "driver-home"
+    home.mkdir()
+    env = dict(JAXTRAIN_SSH_HOSTS="host1,host2", STORE=f"s3://{bucket}/runs", STEPS="8",
+               HOST_ENV=json.dumps(host_env), JAXTRAIN_SHARED_STORAGE="", HOME=str(home),
+               **host_env)
+    proc = drive(ssh_hosts, shared_dir, ON_A_BUCKET, **env)
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'final {"step": 7, "value": 360.0}' in proc.stdout  # as an uninterrupted run ends
+    restored = re.search(r"jaxtrain: restarting the worker group: attempt 1, from checkpoint "
+                         r".*/killed/checkpoint_(\d+)", proc.stderr)
+    assert restored, proc.stderr[-3000:]
+    second = [json.loads((shared_dir / f"attempt-1-rank-{r}.json").read_text()) for r in range(4)]
+    assert [a["host"] for a in second] == ["host1", "host1", "host2", "host2"]
+    assert [a["first_step"] for a in second] == [int(restored.group(1))] * 4
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+    root = f"{bucket}/runs/killed"
+    index = json.loads(fs.cat_file(f"{root}/checkpoints.json"))
+    kept = [c["dir_name"] for c in index["checkpoints"]]
+    assert kept == ["checkpoint_000007", "checkpoint_000008"]  # retention deleted on the bucket
+    listed = sorted(p.removeprefix(root + "/") for p in fs.find(root)
+                    if "/checkpoint_" in p)
+    assert listed == [f"{name}/{f}" for name in kept
+                      for f in [".jaxtrain_manifest.json", *(f"rank-{r}.json" for r in range(4))]]
+    manifest = json.loads(fs.cat_file(f"{root}/checkpoint_000008/.jaxtrain_manifest.json"))
+    assert manifest["location"] == "store"
+    assert sorted((f["path"], f["rank"]) for f in manifest["file_list"]) == [
+        (f"rank-{r}.json", r) for r in range(4)]
+    # The driver's copy of the run holds records and manifests, never a checkpoint's file.
+    staging = home / ".cache" / "jaxtrain" / "staging" / "s3" / bucket / "runs" / "killed"
+    assert sorted(p.name for p in staging.rglob("rank-*.json")) == []
+    assert (staging / "logs" / "rank-2.log").exists()  # logs came over ssh to the driver
+
+    # A second fit() of the run resumes from the bucket and goes on.
+    proc = drive(ssh_hosts, shared_dir, ON_A_BUCKET, **dict(env, STEPS="10"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'final {"step": 9, "value": 550.0}' in proc.stdout
+    resumed = [json.loads((shared_dir / f"attempt-2-rank-{r}.json").read_text())
+               for r in range(4)]
+    assert [a["first_step"] for a in resumed] == [8] * 4
+    assert workers_left(ssh_hosts, "host1") == [] and workers_left(ssh_hosts, "host2") == []
