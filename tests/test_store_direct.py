@@ -1,7 +1,8 @@
 """Checkpoints that the workers upload to object storage themselves (checkpoint_store.py): the
 driver's staging copy holds only manifests, the manifest is the commit on the store, a restart
 and a resume read from the store, an earlier attempt's leftovers are swept. Real JAX workers on
-this host against a real S3-protocol server (tests/s3_server.py), with JAXTRAIN_STORE_DIRECT=1
+this host against a real S3-protocol server (tests/s3_server.py) and a GCS emulator
+(tests/gcs_server.py), with JAXTRAIN_STORE_DIRECT=1
 (the choice a run across hosts makes by itself; tests/test_ssh.py runs one across hosts)."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jaxtrain import (
     storage,
 )
 
-pytest_plugins = ["s3_server"]
+pytest_plugins = ["s3_server", "gcs_server"]
 
 
 @pytest.fixture(autouse=True)
@@ -48,8 +49,8 @@ def _local_files(fs, root):
     return sorted(str(p.relative_to(local)) for p in Path(local).rglob("*") if p.is_file())
 
 
-def test_workers_upload_their_own_files_and_a_restart_reads_the_store(bucket, tmp_path):
-    url = f"s3://{bucket}/exp"
+def test_workers_upload_their_own_files_and_a_restart_reads_the_store(store_bucket, tmp_path):
+    url = f"{store_bucket}/exp"
     result = _trainer(url, tmp_path, "run", steps=5, every=1, keep=2, max_failures=1,
                       die_at=3).fit()
 
