@@ -44,8 +44,8 @@ netns_host_add() {
 
 # netns_host_start NS HOSTNAME KEEP COMMAND...: starts COMMAND (a daemon that forks into the
 # background) on host NS, with HOSTNAME and the host's own filesystems (above); KEEP is a
-# ':'-separated list of directories left shared (those under a private directory are kept: the
-# test clusters' state, a checkout under /tmp).
+# ':'-separated list of directories left shared (those under /tmp, /var/tmp or ~/.cache are
+# bound back: the test clusters' state, a checkout under /tmp; none may be under /dev/shm).
 netns_host_start() {
   local ns=$1 name=$2 keep=$3
   shift 3
@@ -71,7 +71,7 @@ netns_private_fs() {
   local -a listed=() kept=()
   IFS=: read -ra listed <<<"$keep"
   for k in "${listed[@]}"; do  # only what a private directory would hide needs keeping
-    for d in "${dirs[@]}"; do
+    for d in "${dirs[@]:1}"; do
       if [[ $k == "$d" || $k == "$d"/* ]]; then kept+=("$k") && break; fi
     done
   done
