@@ -2,19 +2,30 @@
 # A real multi-node Slurm cluster on this one machine, for jaxtrain's Slurm tests.
 #
 #   scripts/slurm_cluster.sh start    install slurm-wlm and munge if missing, start the cluster
-#   scripts/slurm_cluster.sh stop     stop every daemon, delete the namespaces and the bridge
+#   scripts/slurm_cluster.sh stop     stop every daemon, delete the namespaces (the nodes' own
+#                                     filesystems with them) and the bridge
 #   scripts/slurm_cluster.sh status   exit 0 when the cluster is up (prints sinfo)
 #   scripts/slurm_cluster.sh env      print the variables a client needs (SLURM_CONF=...)
 #
 # Each node is its own host: a network namespace joined to a bridge by a veth pair, with its own
 # address (198.18.0.1N; the bridge, where slurmctld and the driver live, is 198.18.0.1), its own
-# hostname (a UTS namespace), its own /etc/hosts (so that Gloo finds its address) and its own
-# /dev/shm (a tmpfs in its mount namespace). Otherwise the nodes share this machine's filesystems, so the driver's virtual environment (wherever the checkout is)
-# runs on every node; $STATE/shared stands for an NFS mount, and a path on a local filesystem
-# counts as node-local by its filesystem type, as jaxtrain judges it on a real cluster. Addresses are in
-# 198.18.0.0/15 (reserved for benchmark testing); the namespaces have no route beyond the bridge,
-# so no traffic leaves the machine. Needs root. `start` is idempotent: a running cluster is left
-# as it is, a half-started one is stopped first.
+# hostname (a UTS namespace), its own /etc/hosts (so that Gloo finds its address), and its own
+# /dev/shm, /tmp, /var/tmp and ~/.cache (root's, the home of the user that runs the tests):
+# empty tmpfs's in its mount namespace, seen by no other node and not by the driver, where
+# jaxtrain keeps its host-local files (in-memory checkpoints, temporary directories, staging
+# copies and caches). A task's HOME is the one srun passes on from the driver: a driver whose
+# HOME is elsewhere has no private ~/.cache on the nodes.
+#
+# Shared, as a real cluster shares them by installation, is the rest of this machine's
+# filesystems: the checkout, its virtual environment and the Python it runs on (the "image", at
+# the same path on every node); munged's socket under /run; and $STATE, kept visible over the
+# private /var/tmp: slurm.conf, slurmd's spool, pid and log files, and $STATE/shared, which
+# stands for an NFS mount. A path on a local filesystem counts as node-local by its filesystem
+# type, as jaxtrain judges it on a real cluster. scripts/lib/netns.sh says how.
+#
+# Addresses are in 198.18.0.0/15 (reserved for benchmark testing); the namespaces have no route
+# beyond the bridge, so no traffic leaves the machine. Needs root. `start` is idempotent: a
+# running cluster is left as it is, a half-started one is stopped first.
 set -euo pipefail
 # shellcheck source=lib/netns.sh
 source "$(dirname "$0")/lib/netns.sh"
@@ -22,6 +33,7 @@ source "$(dirname "$0")/lib/netns.sh"
 NODES=${JAXTRAIN_SLURM_TEST_NODES:-2}
 CPUS_PER_NODE=${JAXTRAIN_SLURM_TEST_CPUS:-2}
 STATE=${JAXTRAIN_SLURM_TEST_STATE:-/var/tmp/jaxtrain-slurm}
+REPO=$(realpath "$(dirname "$0")/..")
 BRIDGE=jtslurm0
 BRIDGE_ADDR=198.18.0.1
 PREFIX=24
@@ -134,12 +146,10 @@ setup_network() {
 start_daemons() {
   slurmctld -f "$CONF" -c
   for i in $(seq "$NODES"); do
-    # New UTS and mount namespaces for the node's hostname and its own memory filesystem
-    # (/dev/shm, as every node has its own); the daemon keeps them alive, and every task it
-    # starts inherits them.
-    ip netns exec "$(node_ns "$i")" unshare --uts --mount --propagation private sh -c \
-      "hostname $(node_name "$i") && mount -t tmpfs -o mode=1777,size=2g jtshm /dev/shm &&
-       exec slurmd -f $CONF -N $(node_name "$i")"
+    # The node's own name and filesystems (scripts/lib/netns.sh); slurmd keeps them alive, and
+    # every task it starts inherits them.
+    netns_host_start "$(node_ns "$i")" "$(node_name "$i")" "$STATE:$REPO" \
+      slurmd -f "$CONF" -N "$(node_name "$i")"
   done
 }
 

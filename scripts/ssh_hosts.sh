@@ -2,16 +2,24 @@
 # Test hosts reachable over real OpenSSH on this one machine, for jaxtrain's ssh launcher tests.
 #
 #   scripts/ssh_hosts.sh start    install openssh-server if missing, make the hosts, start sshd
-#   scripts/ssh_hosts.sh stop     stop every sshd, delete the namespaces, the bridge and the keys
+#   scripts/ssh_hosts.sh stop     stop every sshd, delete the namespaces (the hosts' own
+#                                 filesystems with them), the bridge and the keys
 #   scripts/ssh_hosts.sh status   exit 0 when every sshd is up
 #   scripts/ssh_hosts.sh env      print what a client needs (JAXTRAIN_SSH_COMMAND=...)
 #
 # Each host is a network namespace (scripts/lib/netns.sh) with its own address (198.19.13.1N; the
 # bridge, where the driver lives, is 198.19.13.1), hostname (host1, host2, ...: a UTS namespace)
 # and /etc/hosts. Hosts 1..SSHD_HOSTS run Debian's sshd on port 22; the others run none (a host
-# that refuses ssh). The hosts share this machine's filesystems, so the checkout's virtual
-# environment runs on every host; $STATE/shared stands for an NFS mount. Each sshd host has a
-# /dev/shm of its own (a tmpfs in its mount namespace), as hosts have their own memory.
+# that refuses ssh).
+#
+# Each sshd host has its own /dev/shm, /tmp, /var/tmp and ~/.cache (root's: the user ssh logs in
+# as): empty tmpfs's in its mount namespace, seen by no other host and not by the driver, where
+# jaxtrain keeps its host-local files (in-memory checkpoints, temporary directories, staging
+# copies and caches). Shared, as a real cluster shares them by installation, is the rest of this
+# machine's filesystems: the checkout, its virtual environment and the Python it runs on (the
+# "image", at the same path on every host). And $STATE, kept visible over the private /var/tmp:
+# the sshd configs and keys, and $STATE/shared, which stands for an NFS mount: the only directory
+# that every host and the driver share for writing. scripts/lib/netns.sh says how.
 #
 # Keys are made fresh by every `start`, in $STATE, never anywhere else: a client key (the only
 # one sshd accepts), one host key per host, and $STATE/ssh_config, which names the hosts
@@ -24,6 +32,7 @@ source "$(dirname "$0")/lib/netns.sh"
 HOSTS=${JAXTRAIN_SSH_TEST_HOSTS:-3}
 SSHD_HOSTS=${JAXTRAIN_SSH_TEST_SSHD_HOSTS:-2}
 STATE=${JAXTRAIN_SSH_TEST_STATE:-/var/tmp/jaxtrain-ssh}
+REPO=$(realpath "$(dirname "$0")/..")
 BRIDGE=jtssh0
 BRIDGE_ADDR=198.19.13.1
 PREFIX=24
@@ -128,11 +137,10 @@ start_sshd() {
   mkdir -p /run/sshd  # sshd's privilege separation directory
   for i in $(seq "$SSHD_HOSTS"); do
     write_sshd_config "$i"
-    # New UTS and mount namespaces for the host's name and its own memory filesystem (/dev/shm,
-    # as every host has its own); sshd keeps them alive, and every session inherits them.
-    ip netns exec "$(host_ns "$i")" unshare --uts --mount --propagation private sh -c \
-      "hostname $(host_name "$i") && mount -t tmpfs -o mode=1777,size=2g jtshm /dev/shm &&
-       exec /usr/sbin/sshd -f $STATE/sshd_config_$i -E $STATE/log/sshd-$i.log"
+    # The host's own name and filesystems (scripts/lib/netns.sh); sshd keeps them alive, and
+    # every session inherits them.
+    netns_host_start "$(host_ns "$i")" "$(host_name "$i")" "$STATE:$REPO" \
+      /usr/sbin/sshd -f "$STATE/sshd_config_$i" -E "$STATE/log/sshd-$i.log"
   done
   for i in $(seq "$SSHD_HOSTS"); do
     local up=""

@@ -1,16 +1,59 @@
 """Test hosts made as network namespaces on this machine, by a script of scripts/ with start and
-stop commands (scripts/slurm_cluster.sh, scripts/ssh_hosts.sh; both use scripts/lib/netns.sh)."""
+stop commands (scripts/slurm_cluster.sh, scripts/ssh_hosts.sh; both use scripts/lib/netns.sh).
+
+Each host has its own address, hostname and /etc/hosts, and its own /dev/shm, /tmp, /var/tmp and
+~/.cache (tmpfs's in its mount namespace, PRIVATE): what jaxtrain writes there on one host no
+other host sees, nor the driver. The rest of the machine's filesystems is shared as a cluster
+shares an installation (the checkout, its virtual environment, the Python it runs on), and so is
+each cluster's state directory, whose shared/ stands for an NFS mount."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The directories each host has of its own (scripts/lib/netns.sh), "~" the home of the user that
+# runs the tests (root), as on the hosts.
+PRIVATE = ("/dev/shm", "/tmp", "/var/tmp", "~/.cache")
+
+
+def private_path(directory: str, name: str) -> str:
+    """`name` in one of the PRIVATE directories, "~" expanded as on the hosts."""
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    return os.path.join(directory.replace("~", home, 1), name)
+
+
+@contextlib.contextmanager
+def link_cut(veth: str) -> Iterator[None]:
+    """A host's link to the bridge down (its veth in the root namespace) for the block."""
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+
+def host_mounts(namespace: str) -> list[str]:
+    """The host's own filesystems still mounted anywhere on this machine, as "pid source
+    target"; none once the host is deleted."""
+    own = re.compile(rf"^{re.escape(namespace)}-(shm|tmp|vartmp|cache) (\S+) ")
+    found: dict[str, str] = {}
+    for mounts in Path("/proc").glob("[0-9]*/mounts"):
+        try:
+            text = mounts.read_text()
+        except OSError:
+            continue  # ended meanwhile
+        for m in filter(None, map(own.match, text.splitlines())):
+            found.setdefault(m.group(0).strip(), mounts.parent.name)
+    return sorted(f"{pid} {mount}" for mount, pid in found.items())
 
 
 def _why_not(what: str, root_for: str, installed: bool, not_installed: str) -> str | None:

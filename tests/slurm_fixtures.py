@@ -4,10 +4,24 @@ The session fixture ``slurm_cluster`` starts the cluster once (installing slurm-
 apt-get when they are missing) and stops it when the session ends. Where it cannot run (not root,
 no network namespaces) every test that uses it is skipped with the reason, unless
 JAXTRAIN_REQUIRE_SLURM=1 (CI sets it): then the tests fail instead of skipping.
+
+What each node has of its own, as a real host: its address, hostname and /etc/hosts, and its
+/dev/shm, /tmp, /var/tmp and ~/.cache (root's: the user that runs the tests): tmpfs's that no
+other node sees, nor the driver, and that live as long as the node (every task on a node sees
+the same ones). A task's HOME is the driver's, which srun passes on: the tests' drivers run with
+HOME in the shared directory, so that the default storage_path (~/jaxtrain_results) is shared,
+as a home directory on NFS is. What every node shares, as a cluster shares an installation: the
+rest of this machine's filesystems (the checkout, its virtual environment and the Python it runs
+on, at the same paths; munged's socket), and the cluster's state directory (STATE, under
+/var/tmp but kept visible: slurm.conf, slurmd's spool and logs): its `shared/` stands for an NFS
+mount, the one directory that the nodes and the driver share for writing. A test's working
+directory and storage on the nodes belong there (``slurm_shared_dir``); the driver's tmp_path is on
+no node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from netns_hosts import namespace_hosts
+from netns_hosts import link_cut, namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
@@ -33,6 +47,21 @@ class SlurmCluster:
     def namespace(self, node: str) -> str:
         """The network namespace of `node` (ip netns exec ...)."""
         return f"jtslurm-{node}"
+
+    def veth(self, node: str) -> str:
+        """`node`'s link to the bridge, in the root namespace."""
+        return f"jtslurm-v{node.removeprefix('node')}"
+
+    def cut(self, node: str) -> contextlib.AbstractContextManager[None]:
+        """`node`'s network link down for the block (as a cable pulled), up again after it."""
+        return link_cut(self.veth(node))
+
+    def run_on(self, node: str, command: str, *,
+               timeout: float = 60) -> subprocess.CompletedProcess:
+        """`command` run by a shell on `node`, as a one-task job step there: what a task sees."""
+        return subprocess.run(["srun", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+                               "sh", "-c", command], env=self.env(), capture_output=True,
+                              text=True, timeout=timeout)
 
     def env(self, **extra: str) -> dict[str, str]:
         """The driver's environment: the cluster's config, its shared directory declared shared,
@@ -67,6 +96,8 @@ def slurm_cluster():
 
 
 @pytest.fixture
-def shared_dir(slurm_cluster: SlurmCluster) -> Path:
-    """A fresh directory that every node sees: the working directory and storage of one test."""
+def slurm_shared_dir(slurm_cluster: SlurmCluster) -> Path:
+    """A fresh directory that every node sees: the working directory and storage of one test.
+    Named apart from ssh_fixtures' (both plugins may be loaded in one session); test modules
+    bind their own ``shared_dir`` to it."""
     return Path(tempfile.mkdtemp(prefix="test-", dir=slurm_cluster.shared))

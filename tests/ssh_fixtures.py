@@ -7,10 +7,21 @@ session ends. host1 and host2 run sshd; host3 runs none (it refuses ssh); "stran
 under a name whose host key is not known. Where the hosts cannot be made (not root, no network
 namespaces) every test that uses them is skipped with the reason, unless
 JAXTRAIN_REQUIRE_SSH=1 (CI sets it): then the tests fail instead.
+
+What each host has of its own, as a real host: its address, hostname and /etc/hosts, and its
+/dev/shm, /tmp, /var/tmp and ~/.cache (root's, the user ssh logs in as): tmpfs's that no other
+host sees, nor the driver, and that live as long as the host (every ssh session of a host sees
+the same ones). What every host shares, as a cluster shares an installation: the rest of this
+machine's filesystems (the checkout, its virtual environment and the Python it runs on, at the
+same paths), and the hosts' state directory (STATE, under /var/tmp but kept visible): its
+`shared/` stands for an NFS mount, the one directory that the hosts and the driver share for
+writing. A test's working directory and storage on the hosts belong there (``ssh_shared_dir``);
+the driver's tmp_path is on no host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -18,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from netns_hosts import namespace_hosts
+from netns_hosts import link_cut, namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "ssh_hosts.sh"
@@ -34,6 +45,20 @@ class SshHosts:
     def namespace(self, host: str) -> str:
         """The network namespace of `host` (ip netns exec ...)."""
         return f"jtssh-{host}"
+
+    def veth(self, host: str) -> str:
+        """`host`'s link to the bridge, in the root namespace."""
+        return f"jtssh-v{host.removeprefix('host')}"
+
+    def cut(self, host: str) -> contextlib.AbstractContextManager[None]:
+        """`host`'s network link down for the block (as a cable pulled), up again after it."""
+        return link_cut(self.veth(host))
+
+    def run_on(self, host: str, command: str, *,
+               timeout: float = 60) -> subprocess.CompletedProcess:
+        """`command` run by a shell on `host`, over ssh: what a session there sees."""
+        return subprocess.run([*self.ssh_command.split(), "-o", "BatchMode=yes", host, command],
+                              capture_output=True, text=True, timeout=timeout)
 
     def env(self, **extra: str) -> dict[str, str]:
         """The driver's environment: the hosts' ssh command, the shared directory declared
@@ -73,6 +98,8 @@ def ssh_hosts():
 
 
 @pytest.fixture
-def shared_dir(ssh_hosts: SshHosts) -> Path:
-    """A fresh directory that every host sees: the working directory and storage of one test."""
+def ssh_shared_dir(ssh_hosts: SshHosts) -> Path:
+    """A fresh directory that every host sees: the working directory and storage of one test.
+    Named apart from slurm_fixtures' (both plugins may be loaded in one session); test modules
+    bind their own ``shared_dir`` to it."""
     return Path(tempfile.mkdtemp(prefix="test-", dir=ssh_hosts.shared))

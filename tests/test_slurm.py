@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 import peer_copies
 from conftest import run_command, start_driver
 from seed_program import with_psum_first
@@ -26,10 +28,16 @@ from seed_program import with_psum_first
 if TYPE_CHECKING:
     from slurm_fixtures import SlurmCluster
 
-pytest_plugins = ["slurm_fixtures"]  # the fixtures slurm_cluster and shared_dir
+pytest_plugins = ["slurm_fixtures"]  # the fixtures slurm_cluster and slurm_shared_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+
+@pytest.fixture
+def shared_dir(slurm_shared_dir: Path) -> Path:
+    """The test's directory in the nodes' shared directory: its working directory and storage."""
+    return slurm_shared_dir
 
 
 def seed_program(num_workers: int | None) -> str:

@@ -28,10 +28,17 @@ from conftest import run_command, start_driver
 if TYPE_CHECKING:
     from ssh_fixtures import SshHosts
 
-pytest_plugins = ["ssh_fixtures", "s3_server"]  # ssh_hosts, shared_dir; s3_endpoint, bucket
+# ssh_hosts and ssh_shared_dir; s3_endpoint and bucket
+pytest_plugins = ["ssh_fixtures", "s3_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 PSUM_SCRIPT = REPO / "tests" / "helpers" / "cli_psum_script.py"
+
+
+@pytest.fixture
+def shared_dir(ssh_shared_dir: Path) -> Path:
+    """The test's directory in the hosts' shared directory: its working directory and storage."""
+    return ssh_shared_dir
 
 
 def drive(hosts: SshHosts, cwd: Path, program: str, *, timeout: float = 180,
@@ -221,9 +228,7 @@ def start_long_run(hosts: SshHosts, cwd: Path) -> subprocess.Popen:
 
 def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_hosts, shared_dir):
     driver = start_long_run(ssh_hosts, shared_dir)
-    veth = "jtssh-v2"  # host2's link to the bridge (scripts/ssh_hosts.sh)
-    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-    try:
+    with ssh_hosts.cut("host2"):
         _, err = driver.communicate(timeout=120)
         # The workers on host2 cannot hear from anyone: each ends once its control connection
         # times out (30 s of unacknowledged reports), and its agent with it.
@@ -232,8 +237,6 @@ def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_host
         while any("python" in p for p in left) and time.monotonic() < deadline:
             time.sleep(0.5)
             left = ssh_hosts.processes("host2")
-    finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
 
     assert driver.returncode != 0
     assert re.search(r"jaxtrain: attempt 0 failed: rank [23] \(host host2\)", err), err[-3000:]
