@@ -49,8 +49,12 @@ def _local_files(fs, root):
     return sorted(str(p.relative_to(local)) for p in Path(local).rglob("*") if p.is_file())
 
 
-def test_workers_upload_their_own_files_and_a_restart_reads_the_store(store_bucket, tmp_path):
+def test_workers_upload_their_own_files_and_a_restart_reads_the_store(store_bucket, tmp_path,
+                                                                      monkeypatch):
     url = f"{store_bucket}/exp"
+    # The hosts' own caches (here this host's), and every program cached.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "host-cache"))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     result = _trainer(url, tmp_path, "run", steps=5, every=1, keep=2, max_failures=1,
                       die_at=3).fit()
 
@@ -76,6 +80,9 @@ def test_workers_upload_their_own_files_and_a_restart_reads_the_store(store_buck
                      "checkpoint_000005/.jaxtrain_manifest.json"]
     with result.checkpoint.as_directory() as d:
         assert Path(d, "step.txt").read_text() == "4"
+    # The compilation cache is the host's own, not in the driver's copy of the run.
+    assert any((tmp_path / "host-cache" / "jaxtrain" / "compilation-cache" / "run").iterdir())
+    assert not any(p.startswith("compilation-cache") for p in _local_files(fs, root))
 
     # A second fit() of the same name resumes from the store.
     resumed = _trainer(url, tmp_path, "run", steps=7, every=1, keep=2).fit()

@@ -142,8 +142,10 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
     return path
 
 
-def _cache_every_cpu_rank() -> None:
-    """Lets every rank of a multi-process CPU run write its own cache entries.
+def _cache_every_cpu_rank(every_host: bool = False) -> None:
+    """Lets every rank of a multi-process CPU run write its own cache entries; with `every_host`
+    (a store run, whose cache is per host) also the first rank of each host on other platforms,
+    whose entries the other hosts' caches would otherwise never get.
 
     On CPU, JAX's cache key includes a fingerprint of the topology as this process sees it (which
     of the devices are local), so each rank's key for the same SPMD program differs, while JAX
@@ -168,9 +170,12 @@ def _cache_every_cpu_rank() -> None:
                              "only; on CPU the other ranks compile again after a restart\n")
         return
 
+    local_rank = _env_int("JAXTRAIN_LOCAL_RANK")
+
     def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
                     host_callbacks):
-        if (distributed.global_state.process_id == 0 or backend.platform != "cpu"
+        ours = backend.platform == "cpu" or (every_host and local_rank == 0)
+        if (distributed.global_state.process_id == 0 or not ours
                 or host_callbacks or compile_time_secs < min_compile_time.value):
             return write(cache_key, compile_time_secs, module_name, backend, executable,
                          host_callbacks)
@@ -471,8 +476,10 @@ def main() -> None:
     start = json.loads(start_json)
 
     try:
-        if _use_compilation_cache(jax, start["run_dir"]) and platform == "cpu" and world_size > 1:
-            _cache_every_cpu_rank()
+        store_run = os.environ.get("JAXTRAIN_RUN_STORE") == "1"  # checkpoint_store.STORE_ENV
+        if _use_compilation_cache(jax, start["run_dir"]) and world_size > 1 and (
+                platform == "cpu" or store_run):
+            _cache_every_cpu_rank(every_host=store_run)
         bind_host = start["coordinator"].rsplit(":", 1)[0]
         # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
         # newest jax for Python 3.10 (0.6.2) has neither and keeps its own defaults.
