@@ -280,6 +280,23 @@ JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
     assert not (tmp_path / "refused").exists()
 
 
+def test_a_staging_directory_the_hosts_cannot_see_is_refused_for_a_bucket_run(
+        ssh_hosts, shared_dir, tmp_path, bucket, s3_endpoint):
+    program = f'''
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
+           run_config=RunConfig(name="refused", storage_path="s3://{bucket}/runs")).fit()
+'''
+    proc = drive(ssh_hosts, shared_dir, program, JAXTRAIN_SSH_HOSTS="host1,host3",
+                 JAXTRAIN_STAGING_DIR=str(tmp_path / "staging"), JAXTRAIN_SHARED_STORAGE="")
+
+    assert proc.returncode != 0
+    assert ("stages its checkpoints in the staging copy" in proc.stderr
+            and "or unset both so that each host uploads its checkpoints to the store itself"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "cannot reach host" not in proc.stderr  # refused before host3 was tried
+
+
 def test_jaxtrain_run_with_a_hostfile_runs_an_unmodified_script_on_the_hosts(ssh_hosts,
                                                                              shared_dir):
     (shared_dir / "hostfile").write_text("# the test hosts\nhost1 slots=1\nhost2 slots=2\n")

@@ -447,10 +447,11 @@ def _check_shared(run_dir: str, mirror: storage.Mirror | None) -> None:
         if mirror is None:
             raise
         raise ValueError(
-            f"RunConfig.storage_path: a run on {mirror.url} stages its files in a local copy "
-            f"that every node must see, and '{os.path.dirname(run_dir)}' is not shared: set "
-            "JAXTRAIN_STAGING_DIR to a directory shared with every node"
-            f" ({str(e).split(': ', 1)[-1]})"
+            f"RunConfig.storage_path: this run on {mirror.url} stages its checkpoints in the "
+            f"staging copy '{os.path.dirname(run_dir)}' (JAXTRAIN_STAGING_DIR, or "
+            "JAXTRAIN_STORE_DIRECT=0), which every host must see, and it is not shared: set "
+            "JAXTRAIN_STAGING_DIR to a directory shared with every host, or unset both so that "
+            f"each host uploads its checkpoints to the store itself ({str(e).split(': ', 1)[-1]})"
         ) from None
 
 
