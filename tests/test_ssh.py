@@ -602,3 +602,61 @@ def test_a_run_on_a_bucket_across_hosts_shares_no_directory(ssh_hosts, shared_di
                for r in range(4)]
     assert [a["first_step"] for a in resumed] == [8] * 4
     assert workers_left(ssh_hosts, "host1") == [] and workers_left(ssh_hosts, "host2") == []
+
+
+STORE_SCRIPT = """\
+import socket
+import tempfile
+import jaxtrain
+from jaxtrain import Checkpoint
+
+rank = jaxtrain.get_context().get_world_rank()
+for step in range(3):
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/rank-{rank}.txt", "w") as f:
+            f.write(f"{step} {socket.gethostname()}")
+        jaxtrain.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+"""
+
+
+def test_tpu_vm_hosts_started_alike_write_their_checkpoints_to_a_bucket(ssh_hosts, shared_dir,
+                                                                         bucket, s3_endpoint):
+    """The TPU VM way (`jaxtrain run --coordinator` on every host) with a bucket and nothing
+    shared: each host's home is its own /tmp; the script is in the shared directory only
+    because the test writes it once for both hosts, and the run writes nothing there."""
+    import s3fs
+    from s3_server import BRIDGES, endpoint_on
+
+    (shared_dir / "store.py").write_text(STORE_SCRIPT)
+    endpoint = endpoint_on(s3_endpoint, BRIDGES["ssh"])
+    env = (f"AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing "
+           f"AWS_DEFAULT_REGION=us-east-1 AWS_ENDPOINT_URL={endpoint} "
+           "JAXTRAIN_SHARED_STORAGE= JAXTRAIN_JOIN_SECRET=0123456789abcdef-the-right-one")
+    common = ["--coordinator", "host1:8491", "--num-hosts", "2", "-n", "4", "--name", "tpu",
+              "--storage-path", f"s3://{bucket}/runs"]
+    hosts = [on_host(ssh_hosts, host, shared_dir, *common, "--host-rank", str(i), "store.py",
+                     env=f"{env} HOME=/tmp")
+             for i, host in enumerate(["host1", "host2"])]
+    try:
+        results = [p.communicate(timeout=180) for p in hosts]
+    finally:
+        for p in hosts:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(hosts, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+    root = f"{bucket}/runs/tpu"
+    assert json.loads(fs.cat_file(f"{root}/run.json"))["status"] == "FINISHED"
+    for n in (1, 2, 3):
+        name = f"checkpoint_{n:06d}"
+        manifest = json.loads(fs.cat_file(f"{root}/{name}/.jaxtrain_manifest.json"))
+        assert manifest["location"] == "store"
+        assert sorted(f["path"] for f in manifest["file_list"]) == [
+            f"rank-{r}.txt" for r in range(4)]
+        assert [fs.cat_file(f"{root}/{name}/rank-{r}.txt").decode() for r in range(4)] == [
+            f"{n - 1} {host}" for host in ["host1", "host1", "host2", "host2"]]
+    # Nothing of the run was written to the directory the hosts do share.
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["store.py"]
+    assert workers_left(ssh_hosts, "host2") == []
