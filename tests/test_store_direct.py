@@ -149,3 +149,32 @@ def test_a_checkpoint_name_already_committed_on_the_store_is_refused(bucket, tmp
         trainer.fit()
     assert "report(checkpoint_dir_name='latest')" in str(e.value)
     assert "cannot be replaced in place" in str(e.value)
+
+
+def _one_checkpoint_per_rank(config):
+    import tempfile
+
+    from jaxtrain import get_context, report
+
+    rank = get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, f"rank-{rank}.txt").write_text(str(rank))
+        report({"done": 1}, checkpoint=Checkpoint.from_directory(d))
+
+
+def test_a_filesystem_object_reaches_the_workers_with_the_payload(bucket, s3_endpoint, tmp_path,
+                                                                  monkeypatch):
+    import s3fs
+
+    # The workers know the endpoint only from the filesystem object the driver passes them.
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    result = JaxTrainer(
+        _one_checkpoint_per_rank, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="object", storage_path=f"{bucket}/exp",
+                             storage_filesystem=fs)).fit()
+    root = f"{bucket}/exp/object"
+    assert result.checkpoint == Checkpoint(f"{root}/checkpoint_000001", fs)
+    assert [p for p in _listing(fs, root) if p.startswith("checkpoint_")] == [
+        "checkpoint_000001/.jaxtrain_manifest.json", "checkpoint_000001/rank-0.txt",
+        "checkpoint_000001/rank-1.txt"]

@@ -147,6 +147,17 @@ class Store:
         return checkpoint
 
 
+def open_url(storage_path: str) -> Any:
+    """The filesystem of a storage URL as this host opens it, with its own credentials. Raises
+    StoreError naming this host and the URL."""
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(storage_path)[0]
+    except Exception as e:  # noqa: BLE001 - a missing package, a backend that cannot connect
+        raise StoreError(_failure("opening", storage_path, e)) from e
+
+
 def host_cache_dir(*parts: str) -> str:
     """A directory of this host's own under $XDG_CACHE_HOME (default ~/.cache)/jaxtrain."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

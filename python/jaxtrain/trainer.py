@@ -144,7 +144,7 @@ class JaxTrainer:
         launcher_options = ""
         store = None  # the hosts upload their checkpoints to object storage themselves
         if launcher == "slurm":
-            store = _store_direct(mirror, _slurm_spans_hosts())
+            store = _store_direct(self.run_config, mirror, _slurm_spans_hosts())
             if _slurm_spans_hosts() and store is None:
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
@@ -152,20 +152,20 @@ class JaxTrainer:
         elif launcher == "kubernetes":
             from jaxtrain import kubernetes
 
-            store = _store_direct(mirror, True)
+            store = _store_direct(self.run_config, mirror, True)
             plan = _core.plan_kubernetes(self.scaling_config._core)
             # Refused before the cluster is asked for anything (docs/kubernetes.md).
             launcher_options = json.dumps(kubernetes.launch_options(
                 self.run_config.name, run_dir, needs_run_dir=store is None))
         elif launcher == "ssh":
             plan = _core.plan_ssh(self.scaling_config._core)
-            store = _store_direct(mirror, _plan_spans_hosts(plan))
+            store = _store_direct(self.run_config, mirror, _plan_spans_hosts(plan))
             if _plan_spans_hosts(plan) and store is None:
                 _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
-            store = _store_direct(mirror, False)
+            store = _store_direct(self.run_config, mirror, False)
         payload = _pickle_task(fn, self.train_loop_config, self._takes_config, store)
         shipped = _ship_working_dir(self.run_config, launcher, plan)  # refused before any start
         if mirror is not None:
@@ -339,12 +339,14 @@ def _pickle_task(fn: Callable, config: dict | None, takes_config: bool,
 STORE_DIRECT_ENV = "JAXTRAIN_STORE_DIRECT"
 
 
-def _store_direct(mirror: storage.Mirror | None, spans_hosts: bool) -> dict | None:
+def _store_direct(run_config: RunConfig, mirror: storage.Mirror | None,
+                  spans_hosts: bool) -> dict | None:
     """Whether the workers of a run on object storage upload their checkpoints to it themselves
-    (checkpoint_store.py), as {"fs", "root"} for the payload, or None. Decided by what is shared:
-    yes when the workers are on other hosts, unless JAXTRAIN_STAGING_DIR names a staging
-    directory (which must then be shared with them); no when they are all on this host.
-    JAXTRAIN_STORE_DIRECT=1 or 0 overrides."""
+    (checkpoint_store.py), as {"url" or "fs", "root"} for the payload, or None: the URL, which
+    each host opens itself, unless the user passed a filesystem object, which is pickled.
+    Decided by what is shared: yes when the workers are on other hosts, unless
+    JAXTRAIN_STAGING_DIR names a staging directory (which must then be shared with them); no
+    when they are all on this host. JAXTRAIN_STORE_DIRECT=1 or 0 overrides."""
     if mirror is None:
         return None
     value = os.environ.get(STORE_DIRECT_ENV, "")
@@ -355,7 +357,12 @@ def _store_direct(mirror: storage.Mirror | None, spans_hosts: bool) -> dict | No
             "staging copy, which every host must then share), or leave it unset (1 when the "
             "workers are on other hosts and JAXTRAIN_STAGING_DIR is unset)")
     direct = value == "1" if value else spans_hosts and not os.environ.get("JAXTRAIN_STAGING_DIR")
-    return {"fs": mirror.fs, "root": mirror.root} if direct else None
+    if not direct:
+        return None
+    if run_config.storage_filesystem is None:
+        # The hosts open the URL with their own credentials: none travel in the payload.
+        return {"url": run_config.storage_path, "root": mirror.root}
+    return {"fs": mirror.fs, "root": mirror.root}
 
 
 def _unpicklable(value: Any) -> bool:

@@ -362,7 +362,11 @@ def _open_store(client, task: dict, start: dict, rank: int, attempt: int):
         return None
     from jaxtrain import checkpoint_store
 
-    store = checkpoint_store.Store(spec["fs"], spec["root"], rank, attempt, start["first_round"],
+    try:
+        fs = spec["fs"] if "fs" in spec else checkpoint_store.open_url(spec["url"])
+    except Exception as e:
+        _fail(client, "storage", EXIT_START_UP, f"start-up failed: {e}", "UNAVAILABLE")
+    store = checkpoint_store.Store(fs, spec["root"], rank, attempt, start["first_round"],
                                    start.get("committed") or [], start["experiment_name"])
     if rank == 0:
         try:
