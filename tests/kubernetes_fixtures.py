@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,20 +54,24 @@ class KubernetesCluster:
         self.kubectl("create", "namespace", name)
         return name
 
-    def driver_env(self, namespace: str, storage: Path, **extra: str) -> dict[str, str]:
+    def driver_env(self, namespace: str, storage: Path, *, mounted: bool = True,
+                   **extra: str) -> dict[str, str]:
         """A driver's environment: the admin's kubeconfig, the test image, and a pod template that
-        mounts `storage` (the runs' shared storage) at the same path in every worker pod."""
-        template = storage / ".pod-template.json"
-        template.write_text(json.dumps({"spec": {
-            "volumes": [{"name": "runs", "hostPath": {"path": str(storage),
-                                                      "type": "DirectoryOrCreate"}}],
-            "containers": [{"workingDir": str(storage),
-                            "volumeMounts": [{"name": "runs", "mountPath": str(storage)}]}]}}))
+        mounts `storage` (the runs' shared storage) at the same path in every worker pod; with
+        `mounted` false no template, so the pods mount no volume of the driver's."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXTRAIN_", "KUBE"))}
         env.update(KUBECONFIG=self.kubeconfig, JAXTRAIN_LAUNCHER="kubernetes",
                    JAXTRAIN_K8S_NAMESPACE=namespace, JAXTRAIN_K8S_IMAGE=IMAGE,
                    JAXTRAIN_K8S_IMAGE_PULL_POLICY="Never", JAXTRAIN_LISTEN_HOST=NODE_IP,
-                   JAXTRAIN_K8S_POD_TEMPLATE=str(template), HOME=str(storage))
+                   HOME=str(storage))
+        if mounted:
+            template = storage / ".pod-template.json"
+            template.write_text(json.dumps({"spec": {
+                "volumes": [{"name": "runs", "hostPath": {"path": str(storage),
+                                                          "type": "DirectoryOrCreate"}}],
+                "containers": [{"workingDir": str(storage),
+                                "volumeMounts": [{"name": "runs", "mountPath": str(storage)}]}]}}))
+            env["JAXTRAIN_K8S_POD_TEMPLATE"] = str(template)
         env.update(extra)
         return env
 
@@ -83,6 +90,15 @@ class KubernetesCluster:
                            "-l", "app.kubernetes.io/managed-by=jaxtrain", "-o", "name")
         headless = self.kubectl("get", "services", "-n", namespace, "-o", "name")
         return sorted(set(out.split() + headless.split()))
+
+
+    def on_node(self, code: str, env: dict[str, str], timeout: float = 120) -> str:
+        """Runs Python `code` on the node's network (where the pods reach it); its stdout."""
+        proc = subprocess.run([str(SCRIPT), "exec", sys.executable, "-c", code], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"on the node: {code}\n{proc.stderr[-3000:]}")
+        return proc.stdout
 
 
 def _why_not() -> str | None:
@@ -113,3 +129,40 @@ def kubernetes_cluster():
         yield KubernetesCluster(kubeconfig=str(STATE / "pki" / "admin.kubeconfig"))
     finally:
         subprocess.run([str(SCRIPT), "stop"], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def node_s3(kubernetes_cluster, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """moto's S3 server on the node's network, where the pods reach it (as they reach a driver
+    there): the AWS_* variables of a client with credentials for it, endpoint included. The
+    cluster's network is its own, so this machine's other test servers are out of the pods' reach;
+    the server is made and asked (buckets, listings) from the node's network too."""
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    port = kubernetes_cluster.on_node(
+        "import socket; s = socket.socket(); s.bind(('0.0.0.0', 0)); print(s.getsockname()[1])",
+        dict(os.environ)).strip()
+    env["AWS_ENDPOINT_URL"] = endpoint = f"http://{NODE_IP}:{port}"
+    log = tmp_path_factory.mktemp("node-s3") / "s3-server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([str(SCRIPT), "exec", sys.executable, "-m", "moto.server", "-H",
+                                   NODE_IP, "-p", port], stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        answers = ("import urllib.error, urllib.request\ntry:\n"
+                   f"    urllib.request.urlopen({endpoint!r}, timeout=1)\n"
+                   "except urllib.error.HTTPError:\n    pass")  # it answers
+        deadline = time.monotonic() + 60
+        while subprocess.run([str(SCRIPT), "exec", sys.executable, "-c", answers],
+                             capture_output=True).returncode != 0:
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the S3 server on the node did not start: {log.read_text()}")
+            time.sleep(0.5)
+        yield env
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # cluster.sh and the server it started
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

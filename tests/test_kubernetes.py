@@ -4,16 +4,19 @@ Each test gets its own namespace. The drivers run on the node's network and talk
 with the admin's kubeconfig (or, for jaxtrain submit, from a pod with its service account); the
 workers are pods of the image built from this checkout, one per rank, that reach the driver's
 controller at the node's address. Storage is a host directory mounted at the same path in every
-pod (a hostPath volume from the pod template, as a ReadWriteMany volume would be).
+pod (a hostPath volume from the pod template, as a ReadWriteMany volume would be), or a bucket on
+an S3 server on the node's network that pods mounting no volume write to themselves.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +29,7 @@ from seed_program import SEED, with_psum_first
 if TYPE_CHECKING:
     from kubernetes_fixtures import KubernetesCluster
 
-pytest_plugins = ["kubernetes_fixtures"]  # the fixture kubernetes_cluster
+pytest_plugins = ["kubernetes_fixtures"]  # the fixtures kubernetes_cluster, node_s3
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -201,6 +204,89 @@ def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster
     assert run["attempts"][0]["failure"]["rank"] == 1
     assert run["attempts"][1]["restored_from"] is not None
     assert "rank 1 on node1: " in out + err  # the supervisor said how rank 1 ended
+    assert k.objects(ns) == []
+
+
+# KILLABLE with its run on a bucket, in pods that mount nothing of the driver's: the storage path
+# from STORE, the pods' credentials and endpoint in HOST_ENV (the runtime env, which reaches them
+# through the attempt's Secret), and rank 0 says on its output, not in a file, that it is ready.
+KILLABLE_ON_A_BUCKET = KILLABLE.replace(
+    'Path(config["marker"]).write_text("go")', 'print("ready to be killed", flush=True)'
+).replace('storage_path=os.path.abspath("."),',
+          'storage_path=os.environ["STORE"], worker_runtime_env={"env_vars": '
+          'json.loads(os.environ["HOST_ENV"])},')
+
+
+def test_pods_without_a_shared_volume_checkpoint_to_a_bucket_and_restart_from_it(
+        kubernetes_cluster, node_s3, workdir):
+    assert KILLABLE_ON_A_BUCKET.count("os.environ") == 2 and "marker\"]).write" not in \
+        KILLABLE_ON_A_BUCKET  # every replacement took
+    k = kubernetes_cluster
+    ns = k.namespace()
+    bucket = f"runs-{ns}"
+    k.on_node(f"import boto3; boto3.client('s3').create_bucket(Bucket={bucket!r})",
+              {**os.environ, **node_s3})
+    (workdir / "train.py").write_text(KILLABLE_ON_A_BUCKET)
+    # No pod template: the pods mount no volume; the driver's home, its copy of the run's records,
+    # is on this machine only.
+    env = k.driver_env(ns, workdir, mounted=False, STORE=f"s3://{bucket}/runs",
+                       HOST_ENV=json.dumps(node_s3), **node_s3)
+    staging = workdir / ".cache" / "jaxtrain" / "staging" / "s3" / bucket / "runs" / "disturbed"
+    with open(workdir / "driver.err", "w") as err_file:
+        driver = k.popen([PY, "train.py", "kill", "disturbed"], env, workdir,
+                         stdout=subprocess.PIPE, stderr=err_file, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(driver.stdout), daemon=True)
+    reader.start()
+    try:
+        _wait_for("rank 0 to be ready", lambda: "(rank=0) ready to be killed\n" in out,
+                  timeout=240)
+        # A checkpoint is committed (its manifest on the bucket, then the index) before the kill.
+        _wait_for("a committed checkpoint", lambda: (staging / "checkpoints.json").exists() and
+                  json.loads((staging / "checkpoints.json").read_text())["checkpoints"])
+        pods = k.get("pods", "-n", ns)["items"]
+        pod = next(p for p in pods if p["metadata"]["annotations"][
+            "batch.kubernetes.io/job-completion-index"] == "1")
+        k.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--grace-period=0",
+                  "--force")
+        driver.wait(timeout=300)
+        reader.join(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    out_text, err = "".join(out), (workdir / "driver.err").read_text()
+
+    assert driver.returncode == 0, out_text[-2000:] + err[-3000:]
+    # The pods mounted their key's Secret (and their service account's token), no storage.
+    for p in pods:
+        kinds = {kind for v in p["spec"].get("volumes", []) for kind in v if kind != "name"}
+        assert kinds <= {"secret", "projected"}, p["spec"]["volumes"]
+    # The same arithmetic as an undisturbed run (KILLABLE: 6 steps of x * 0.9 + 3 * 0.01).
+    x = 1.0
+    for _ in range(6):
+        x = x * 0.9 + 3.0 * 0.01
+    assert json.loads(out_text.split("FINAL ", 1)[1]) == {"step": 5, "x": round(x, 9)}
+    assert re.search(r"jaxtrain: restarting the worker group: attempt 1, from checkpoint "
+                     r".*/disturbed/checkpoint_\d+", err), err[-3000:]
+    run = json.loads((staging / "run.json").read_text())
+    assert [a["status"] for a in run["attempts"]] == ["ERRORED", "FINISHED"]
+    assert run["attempts"][0]["failure"]["rank"] == 1
+    assert run["attempts"][1]["restored_from"] is not None
+    # The checkpoints are on the bucket, each committed by its manifest; none is anywhere here.
+    listed = json.loads(k.on_node(textwrap.dedent(f'''
+        import json, s3fs
+        fs = s3fs.S3FileSystem()
+        root = "{bucket}/runs/disturbed"
+        index = json.loads(fs.cat_file(root + "/checkpoints.json"))
+        print(json.dumps({{"kept": [c["dir_name"] for c in index["checkpoints"]],
+                          "files": sorted(p[len(root) + 1:] for p in fs.find(root)
+                                          if "/checkpoint_" in p)}}))
+    '''), {**os.environ, **node_s3}))
+    assert listed["kept"], listed
+    assert listed["files"] == sorted(f"{name}/{f}" for name in listed["kept"]
+                                     for f in [".jaxtrain_manifest.json", "state.json"])
+    assert sorted(p.name for p in workdir.rglob("state.json")) == []
     assert k.objects(ns) == []
 
 

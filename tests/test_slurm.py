@@ -28,7 +28,8 @@ from seed_program import with_psum_first
 if TYPE_CHECKING:
     from slurm_fixtures import SlurmCluster
 
-pytest_plugins = ["slurm_fixtures"]  # the fixtures slurm_cluster and slurm_shared_dir
+# slurm_cluster and slurm_shared_dir; s3_endpoint and bucket
+pytest_plugins = ["slurm_fixtures", "s3_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,14 +48,17 @@ def seed_program(num_workers: int | None) -> str:
 
 
 def drive(cluster: SlurmCluster, cwd: Path, program: str, *, allocation: list[str] | None = None,
-        timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
-    """Runs `program` as a driver in `cwd`: under `salloc <allocation>` when given."""
+        timeout: float = 150, **env: str | None) -> subprocess.CompletedProcess:
+    """Runs `program` as a driver in `cwd`: under `salloc <allocation>` when given. HOME is `cwd`
+    unless `env` names another; a variable given as None is left out of the environment."""
     (cwd / "driver.py").write_text(program)
     argv = [sys.executable, str(cwd / "driver.py")]
     if allocation is not None:
         argv = ["salloc", *allocation, *argv]
-    return run_command(argv, cwd=cwd, env=cluster.env(HOME=str(cwd), **env),
-                       capture_output=True, text=True, timeout=timeout)
+    environ = {k: v for k, v in cluster.env(**{"HOME": str(cwd), **env}).items()
+               if env.get(k, "") is not None}
+    return run_command(argv, cwd=cwd, env=environ, capture_output=True, text=True,
+                       timeout=timeout)
 
 
 def seen(cwd: Path, world_size: int) -> list[dict]:
@@ -247,6 +251,145 @@ def test_a_node_that_lost_its_memory_restores_from_its_peers_then_from_storage(s
     proc = drive(slurm_cluster, shared_dir, peer_copies.PROGRAM, allocation=["-N2", "-n4"],
                  timeout=240, JAXTRAIN_CHECKPOINT_IN_MEMORY="1")
     peer_copies.check(proc, shared_dir, ["node1", "node1", "node2", "node2"])
+
+
+def nodes_env(s3_endpoint: str, **changed: str) -> dict[str, str]:
+    """What the nodes need for the S3 server: credentials and the endpoint as they reach it (the
+    bridge; the driver's 127.0.0.1 is its own), with `changed` instead where given."""
+    from s3_server import BRIDGES, endpoint_on
+
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint_on(s3_endpoint, BRIDGES["slurm"]), **changed}
+
+
+def reaches(cluster: SlurmCluster, node: str, url: str) -> str:
+    """What a process on `node` gets from `url`: 'reached' when anything answers."""
+    probe = ("import urllib.error, urllib.request\ntry:\n"
+             f"    urllib.request.urlopen({url!r}, timeout=10)\n"
+             "except urllib.error.HTTPError:\n    pass\nprint('reached')")
+    proc = subprocess.run(["ip", "netns", "exec", cluster.namespace(node), sys.executable, "-c",
+                           probe], capture_output=True, text=True, timeout=60)
+    return proc.stdout.strip() or proc.stderr[-500:]
+
+
+def check_a_run_on_a_bucket(proc: subprocess.CompletedProcess, cwd: Path, fs, root: str,
+                            hosts: list[str]) -> None:
+    """What a run of tests/test_ssh.py's ON_A_BUCKET program (8 steps, in `cwd`, its run at `root`
+    on `fs`, its 4 ranks on `hosts`) must have done: ended as an uninterrupted run ends, after
+    attempt 1 restarted every rank from a checkpoint on the bucket, which holds the last two
+    checkpoints (retention deleted the others there), each committed by its manifest."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'final {"step": 7, "value": 360.0}' in proc.stdout  # as an uninterrupted run ends
+    restored = re.search(r"jaxtrain: restarting the worker group: attempt 1, from checkpoint "
+                         r".*/killed/checkpoint_(\d+)", proc.stderr)
+    assert restored, proc.stderr[-3000:]
+    second = [json.loads((cwd / f"attempt-1-rank-{r}.json").read_text()) for r in range(4)]
+    assert [a["host"] for a in second] == hosts
+    assert [a["first_step"] for a in second] == [int(restored.group(1))] * 4
+    index = json.loads(fs.cat_file(f"{root}/checkpoints.json"))
+    kept = [c["dir_name"] for c in index["checkpoints"]]
+    assert kept == ["checkpoint_000007", "checkpoint_000008"]
+    listed = sorted(p.removeprefix(root + "/") for p in fs.find(root) if "/checkpoint_" in p)
+    assert listed == [f"{name}/{f}" for name in kept
+                      for f in [".jaxtrain_manifest.json", *(f"rank-{r}.json" for r in range(4))]]
+    manifest = json.loads(fs.cat_file(f"{root}/checkpoint_000008/.jaxtrain_manifest.json"))
+    assert manifest["location"] == "store"
+    assert sorted((f["path"], f["rank"]) for f in manifest["file_list"]) == [
+        (f"rank-{r}.json", r) for r in range(4)]
+
+
+def test_a_run_on_a_bucket_across_the_nodes_shares_no_directory(slurm_cluster, shared_dir, bucket,
+                                                                s3_endpoint, tmp_path):
+    from test_ssh import ON_A_BUCKET  # test_ssh imports from this module: taken once both are
+
+    host_env = nodes_env(s3_endpoint)
+    assert reaches(slurm_cluster, "node2", host_env["AWS_ENDPOINT_URL"]) == "reached"
+    # Nothing is declared shared and no staging directory is named: the driver's home (its copy
+    # of the run's records) is its own, and the nodes upload their ranks' checkpoint files to the
+    # bucket themselves. The driver reaches the server at 127.0.0.1, which on a node is the
+    # node's own: the endpoint the workers use can only have come with their runtime env.
+    home = tmp_path / "driver-home"
+    home.mkdir()
+    env = dict(STORE=f"s3://{bucket}/runs", STEPS="8", HOST_ENV=json.dumps(host_env),
+               HOME=str(home), JAXTRAIN_SHARED_STORAGE=None, AWS_ENDPOINT_URL=s3_endpoint)
+    proc = drive(slurm_cluster, shared_dir, ON_A_BUCKET, allocation=["-N2", "-n4"], timeout=240,
+                 **env)
+
+    import s3fs
+
+    check_a_run_on_a_bucket(proc, shared_dir, s3fs.S3FileSystem(endpoint_url=s3_endpoint),
+                            f"{bucket}/runs/killed", ["node1", "node1", "node2", "node2"])
+    assert "(rank=2) killing myself on node2" in proc.stdout
+    # No checkpoint file was written anywhere but on the bucket: not in the driver's copy of the
+    # run, not in the directory the nodes happen to share with the driver.
+    staging = home / ".cache" / "jaxtrain" / "staging" / "s3" / bucket / "runs" / "killed"
+    assert sorted(p.name for p in staging.rglob("rank-*.json")) == []
+    assert sorted(p.name for p in shared_dir.rglob("rank-*.json")) == []
+    rank2 = (staging / "logs" / "rank-2.log").read_text()  # srun brought it to the driver
+    assert "killing myself on node2" in rank2
+
+    # A second fit() of the run resumes from the bucket and goes on.
+    proc = drive(slurm_cluster, shared_dir, ON_A_BUCKET, allocation=["-N2", "-n4"], timeout=240,
+                 **dict(env, STEPS="10"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'final {"step": 9, "value": 550.0}' in proc.stdout
+    resumed = [json.loads((shared_dir / f"attempt-2-rank-{r}.json").read_text())
+               for r in range(4)]
+    assert [a["first_step"] for a in resumed] == [8] * 4
+
+
+WITHOUT_CREDENTIALS = '''
+import json, os, tempfile
+from jaxtrain import (Checkpoint, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError,
+                      report)
+
+
+def train():
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "state.json"), "w") as f:
+            f.write("{}")
+        report({"step": 0}, checkpoint=Checkpoint.from_directory(d))
+
+
+try:
+    JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+               run_config=RunConfig(name="nocred", storage_path=os.environ["STORE"],
+                                    worker_runtime_env={"env_vars": json.loads(
+                                        os.environ["HOST_ENV"])})).fit()
+except TrainingFailedError as e:
+    print("failed", json.dumps({"cause": e.cause, "host": e.host, "status_code": e.status_code,
+                                "message": str(e)}))
+'''
+
+
+def test_nodes_without_credentials_fail_the_run_naming_the_node_and_the_bucket(
+        slurm_cluster, shared_dir, bucket, s3_endpoint, tmp_path):
+    # The driver has credentials; the nodes have none: srun hands them the driver's environment,
+    # so the runtime env blanks the keys there (and their home, the driver's, has no ~/.aws).
+    host_env = nodes_env(s3_endpoint, AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")
+    home = tmp_path / "driver-home"
+    home.mkdir()
+    proc = drive(slurm_cluster, shared_dir, WITHOUT_CREDENTIALS, allocation=["-N2", "-n2"],
+                 STORE=f"s3://{bucket}/runs", HOST_ENV=json.dumps(host_env), HOME=str(home),
+                 JAXTRAIN_SHARED_STORAGE=None, AWS_ENDPOINT_URL=s3_endpoint)
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout.split("failed ", 1)[1].splitlines()[0])
+    assert (failed["cause"], failed["host"], failed["status_code"]) == (
+        "storage", "node1", "UNAUTHENTICATED")
+    assert (f"listing s3://{bucket}/runs/nocred from host node1 failed: NoCredentialsError: "
+            "Unable to locate credentials (this host has no credentials for the store: ") \
+        in failed["message"], failed["message"]
+    # A host does not gain credentials by being asked again.
+    assert "jaxtrain: not restarting: retrying cannot help (UNAUTHENTICATED)" in proc.stderr
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    root = f"{bucket}/runs/nocred"
+    assert [p for p in fs.find(root) if "/checkpoint_" in p] == []  # nothing half-visible
+    if fs.exists(f"{root}/checkpoints.json"):
+        assert json.loads(fs.cat_file(f"{root}/checkpoints.json"))["checkpoints"] == []
 
 
 def test_a_node_local_storage_path_is_refused_before_slurm_is_asked(slurm_cluster, shared_dir,

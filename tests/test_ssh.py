@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from test_slurm import seed_program, seen
+from test_slurm import check_a_run_on_a_bucket, seed_program, seen
 
 import peer_copies
 from conftest import run_command, start_driver
@@ -565,30 +565,10 @@ def test_a_run_on_a_bucket_across_hosts_shares_no_directory(ssh_hosts, shared_di
                **host_env)
     proc = drive(ssh_hosts, shared_dir, ON_A_BUCKET, **env)
 
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert 'final {"step": 7, "value": 360.0}' in proc.stdout  # as an uninterrupted run ends
-    restored = re.search(r"jaxtrain: restarting the worker group: attempt 1, from checkpoint "
-                         r".*/killed/checkpoint_(\d+)", proc.stderr)
-    assert restored, proc.stderr[-3000:]
-    second = [json.loads((shared_dir / f"attempt-1-rank-{r}.json").read_text()) for r in range(4)]
-    assert [a["host"] for a in second] == ["host1", "host1", "host2", "host2"]
-    assert [a["first_step"] for a in second] == [int(restored.group(1))] * 4
-
     import s3fs
 
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
-    root = f"{bucket}/runs/killed"
-    index = json.loads(fs.cat_file(f"{root}/checkpoints.json"))
-    kept = [c["dir_name"] for c in index["checkpoints"]]
-    assert kept == ["checkpoint_000007", "checkpoint_000008"]  # retention deleted on the bucket
-    listed = sorted(p.removeprefix(root + "/") for p in fs.find(root)
-                    if "/checkpoint_" in p)
-    assert listed == [f"{name}/{f}" for name in kept
-                      for f in [".jaxtrain_manifest.json", *(f"rank-{r}.json" for r in range(4))]]
-    manifest = json.loads(fs.cat_file(f"{root}/checkpoint_000008/.jaxtrain_manifest.json"))
-    assert manifest["location"] == "store"
-    assert sorted((f["path"], f["rank"]) for f in manifest["file_list"]) == [
-        (f"rank-{r}.json", r) for r in range(4)]
+    check_a_run_on_a_bucket(proc, shared_dir, s3fs.S3FileSystem(endpoint_url=endpoint),
+                            f"{bucket}/runs/killed", ["host1", "host1", "host2", "host2"])
     # The driver's copy of the run holds records and manifests, never a checkpoint's file.
     staging = home / ".cache" / "jaxtrain" / "staging" / "s3" / bucket / "runs" / "killed"
     assert sorted(p.name for p in staging.rglob("rank-*.json")) == []

@@ -130,7 +130,11 @@ class Store:
             name = posixpath.basename(entry["name"].rstrip("/"))
             if (entry["type"] == "directory" and name not in self.committed and name != "logs"
                     and not name.startswith(".")):
-                self.fs.rm(entry["name"], recursive=True)
+                try:
+                    self.fs.rm(entry["name"], recursive=True)
+                except Exception as e:  # noqa: BLE001
+                    raise StoreError(_failure("deleting", storage.url(self.fs, entry["name"]),
+                                              e)) from e
                 gone.append(name)
         return gone
 
@@ -176,12 +180,22 @@ def _failure(doing: str, where: str, e: BaseException) -> str:
     hint = ""
     if isinstance(e, PermissionError) or "AccessDenied" in reason or "403" in reason:
         hint = " (permission denied: this host's credentials may not write there)"
-    elif "NoCredentials" in type(e).__name__ or "credentials" in reason.lower():
-        hint = " (this host has no credentials for the store)"
+    elif no_credentials(e):
+        hint = (" (this host has no credentials for the store: give them to its workers, e.g. "
+                "in RunConfig(worker_runtime_env={'env_vars': ...}), the host's environment or "
+                "its credential files)")
     elif isinstance(e, FileNotFoundError) or "NoSuchBucket" in reason:
         hint = " (the bucket does not exist)"
     return (f"{doing} {where} from host {os.uname().nodename} failed: {type(e).__name__}: "
             f"{reason}{hint}")
+
+
+def no_credentials(e: BaseException | None) -> bool:
+    """Whether `e` says that this host has no credentials for the store (botocore's
+    NoCredentialsError, an anonymous caller refused by GCS): retrying on it cannot help."""
+    text = f"{type(e).__name__} {e}"
+    return ("NoCredentials" in text or "Unable to locate credentials" in text
+            or "Anonymous caller" in text or "could not find default credentials" in text.lower())
 
 
 def say(text: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
 from jaxtrain.checkpoint_peers import Peers
-from jaxtrain.checkpoint_store import Store, StoreError
+from jaxtrain.checkpoint_store import Store, StoreError, no_credentials
 
 
 @dataclass(frozen=True)
@@ -232,9 +232,12 @@ def upload(store: Store, description: dict, round_: int,
 
 
 def _status_code(e: BaseException | None) -> str:
-    """The status code the controller's failure policy decides an upload failure by: permission
-    and missing bucket are never retried, anything else counts as the storage being unavailable."""
+    """The status code the controller's failure policy decides an upload failure by: missing
+    credentials, permission and missing bucket are never retried, anything else counts as the
+    storage being unavailable."""
     text = f"{type(e).__name__} {e}"
+    if no_credentials(e):
+        return "UNAUTHENTICATED"
     if isinstance(e, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
         return "PERMISSION_DENIED"
     if isinstance(e, FileNotFoundError) or "NoSuchBucket" in text:
