@@ -470,7 +470,7 @@ def report(args: argparse.Namespace, results: dict[str, list[Figures]],
     ratio_rows([("blocked, later checkpoints", blocked, sync),
                 ("blocked, first checkpoint", [f.blocked_first_s for f in jt],
                  [f.sync_first_s for f in jt]),
-                ("blocked, later, vs floor rank upload", blocked,
+                ("blocked, later, vs floor's upload", blocked,
                  [f.rank_upload_s for f in floor])],
                "baseline")
 
