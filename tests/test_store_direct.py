@@ -178,3 +178,32 @@ def test_a_filesystem_object_reaches_the_workers_with_the_payload(bucket, s3_end
     assert [p for p in _listing(fs, root) if p.startswith("checkpoint_")] == [
         "checkpoint_000001/.jaxtrain_manifest.json", "checkpoint_000001/rank-0.txt",
         "checkpoint_000001/rank-1.txt"]
+
+
+@pytest.mark.parametrize(("error", "code", "hint"), [
+    (PermissionError("Access Denied"), "PERMISSION_DENIED", "permission denied"),
+    (OSError("An error occurred (AccessDenied) when calling PutObject"), "PERMISSION_DENIED",
+     "permission denied"),
+    (FileNotFoundError("The specified bucket does not exist"), "NOT_FOUND",
+     "the bucket does not exist"),
+    (OSError("NoCredentialsError: Unable to locate credentials"), "UNAUTHENTICATED",
+     "no credentials for the store"),
+    # A staged file gone (not the bucket) is no missing bucket.
+    (FileNotFoundError(2, "No such file or directory", "/tmp/x/a0-r1-rank0/w.bin"),
+     "UNAVAILABLE", None),
+    (OSError("RequestTimeTooSkewed: the difference between the request time and the server's "
+             "time is too large"), "UNAVAILABLE", "clock is far from the store's"),
+    (ConnectionError("Connection reset by peer"), "UNAVAILABLE", None),
+])
+def test_a_failure_of_the_store_is_classified_and_named(error, code, hint):
+    from jaxtrain import checkpoint_store
+
+    assert checkpoint_store.status_code(error) == code
+    text = checkpoint_store._failure("uploading", "s3://b/run/checkpoint_000001/w.bin", error)
+    assert text.startswith(f"uploading s3://b/run/checkpoint_000001/w.bin from host "
+                           f"{os.uname().nodename} failed: {type(error).__name__}: ")
+    if hint is None:  # no hint that would send the user the wrong way
+        assert not any(h in text for h in checkpoint_store._HINTS.values())
+        assert "clock" not in text
+    else:
+        assert hint in text

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
 from jaxtrain.checkpoint_peers import Peers
-from jaxtrain.checkpoint_store import Store, StoreError, no_credentials
+from jaxtrain.checkpoint_store import Store, StoreError, status_code
 
 
 @dataclass(frozen=True)
@@ -157,10 +157,10 @@ class _Stager:
                     try:
                         # A part with a copy in memory is staged with each file's SHA-256, which
                         # the manifest then vouches for the copies with (docs/checkpoint-memory.md);
-                        # so is one uploaded to object storage.
-                        description["files"] = snapshot.write(
-                            staging, release=self._memory is None,
-                            sha256=self._memory is not None or self._store is not None)
+                        # one uploaded to object storage gets its SHA-256s while it is uploaded.
+                        description["files"] = snapshot.write(staging,
+                                                              release=self._memory is None,
+                                                              sha256=self._memory is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{staging}' "
@@ -227,22 +227,8 @@ def upload(store: Store, description: dict, round_: int,
         if fail_storage is None:
             raise
         fail_storage(f"report(checkpoint=...) on rank {store.rank}: the checkpoint of round "
-                     f"{round_}: {e}", _status_code(e.__cause__))
+                     f"{round_}: {e}", status_code(e.__cause__))
     description["store"] = True
-
-
-def _status_code(e: BaseException | None) -> str:
-    """The status code the controller's failure policy decides an upload failure by: missing
-    credentials, permission and missing bucket are never retried, anything else counts as the
-    storage being unavailable."""
-    text = f"{type(e).__name__} {e}"
-    if no_credentials(e):
-        return "UNAUTHENTICATED"
-    if isinstance(e, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
-        return "PERMISSION_DENIED"
-    if isinstance(e, FileNotFoundError) or "NoSuchBucket" in text:
-        return "NOT_FOUND"
-    return "UNAVAILABLE"
 
 
 class _Session:
@@ -360,8 +346,7 @@ def report(
             if snapshot is None:
                 _say_over_budget(session, checkpoint.path)
                 description["files"] = _core.stage_directory(checkpoint.path, staging,
-                                                             durable=False,
-                                                             sha256=store is not None)
+                                                             durable=False)
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
         if snapshot is None:  # copied: nothing is queued (drained above), so it goes now

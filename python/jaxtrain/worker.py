@@ -360,7 +360,7 @@ def _open_store(client, task: dict, start: dict, rank: int, attempt: int):
     spec = task.get("store")
     if spec is None:
         return None
-    from jaxtrain import checkpoint_store, session
+    from jaxtrain import checkpoint_store
 
     try:
         fs = spec["fs"] if "fs" in spec else checkpoint_store.open_url(spec["url"])
@@ -374,7 +374,7 @@ def _open_store(client, task: dict, start: dict, rank: int, attempt: int):
         except Exception as e:
             _fail(client, "storage", EXIT_START_UP,
                   f"start-up failed: the run directory {store.url} on object storage: {e}",
-                  session._status_code(e.__cause__ or e))
+                  checkpoint_store.status_code(e.__cause__ or e))
         if gone:
             sys.stderr.write(f"jaxtrain worker: removed from {store.url} what an earlier attempt "
                              f"left: {', '.join(sorted(gone))}\n")
