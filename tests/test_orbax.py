@@ -27,7 +27,7 @@ from jaxtrain import (
 )
 
 pytest.importorskip("orbax.checkpoint")
-pytest_plugins = ["s3_server", "gcs_server"]
+pytest_plugins = ["s3_server", "gcs_server", "ssh_fixtures"]
 
 
 def _train_sharded(config):
@@ -119,12 +119,15 @@ def test_a_state_sharded_over_four_processes_is_saved_committed_and_restored(
 
 
 def _train_sharded_on_store(config):
+    import socket
+
     from jaxtrain import get_checkpoint, get_context
 
+    rank = get_context().get_world_rank()
+    Path(config["out"], f"host-{rank}").write_text(socket.gethostname())
     checkpoint = get_checkpoint()
     if checkpoint is not None:  # what restore() reads: the checkpoint on the store, no copy
-        Path(config["out"], f"restored-by-{get_context().get_world_rank()}").write_text(
-            repr(checkpoint))
+        Path(config["out"], f"restored-by-{rank}").write_text(repr(checkpoint))
     _train_sharded(config)
 
 
@@ -138,18 +141,26 @@ def test_a_sharded_state_is_saved_straight_to_the_bucket_and_restored_from_it(
         run_config=RunConfig(name="orbax", storage_path=f"{gcs_bucket}/exp",
                              failure_config=FailureConfig(max_failures=1)),
     ).fit()
+    frame = result.metrics_dataframe
+    _check_straight_to_bucket({k: frame[k].tolist() for k in frame}, result.filesystem,
+                              result.path, tmp_path,
+                              Path(storage.staging_dir(result.filesystem, result.path)))
+
+
+def _check_straight_to_bucket(metrics: dict, fs, root: str, out: Path, local: Path) -> None:
+    """What a run of _train_sharded_on_store (killed after round 3) leaves: its `metrics` (name:
+    the rounds' values) as an uninterrupted run's, a restore that read the bucket, each Orbax
+    file on the bucket once and listed by the manifest with the rank that wrote it, and none in
+    the driver's copy of the run (`local`)."""
     import numpy as np
 
     delta_sum = float(np.sum(np.arange(64) + 1))
-    frame = result.metrics_dataframe
-    assert frame["step"].tolist() == [1, 2, 3, 4, 5]
-    assert frame["restored_step"].tolist() == [-1, -1, -1, 3, 3]  # values and shardings checked
-    assert frame["w_sum"].tolist() == [k * delta_sum for k in range(1, 6)]
-    fs, root = result.filesystem, result.path
-    assert result.checkpoint == Checkpoint(f"{root}/checkpoint_000005", fs)
+    assert metrics["step"] == [1, 2, 3, 4, 5]
+    assert metrics["restored_step"] == [-1, -1, -1, 3, 3]  # values and shardings checked
+    assert metrics["w_sum"] == [k * delta_sum for k in range(1, 6)]
     restored = repr(Checkpoint(f"{root}/checkpoint_000003", fs))
     for rank in range(4):
-        assert Path(tmp_path, f"restored-by-{rank}").read_text() == restored
+        assert Path(out, f"restored-by-{rank}").read_text() == restored
 
     fs.invalidate_cache()
     stored = sorted(posixpath.relpath(p, root) for p in fs.find(root))
@@ -170,7 +181,7 @@ def test_a_sharded_state_is_saved_straight_to_the_bucket_and_restored_from_it(
     assert {f["rank"] for f in listed.values()} == {0, 1, 2, 3}
     assert "state/_METADATA" in listed
     # The files never passed through the driver: its staging copy holds no Orbax file.
-    local = Path(storage.staging_dir(fs, root))
+    assert local.is_dir()
     assert not [p for p in local.rglob("*") if p.is_file() and "state" in p.parts]
 
 
@@ -191,3 +202,55 @@ def test_orbax_in_a_run_that_writes_straight_to_s3_is_refused_with_the_reason(
         trainer.fit()
     assert f"this run keeps its checkpoints on s3://{bucket}/exp/orbax-s3" in str(e.value)
     assert "Orbax writes straight only to gs://" in str(e.value)
+
+
+ACROSS_HOSTS = """
+import json, os, sys
+
+sys.path.insert(0, os.environ["TESTS"])
+from test_orbax import _train_sharded_on_store
+
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+result = JaxTrainer(
+    _train_sharded_on_store,
+    train_loop_config={"steps": 5, "fail_at": 3, "kill": True, "out": os.getcwd()},
+    scaling_config=ScalingConfig(num_workers=4),
+    run_config=RunConfig(name="orbax", storage_path=os.environ["STORE"],
+                         worker_runtime_env={"env_vars": json.loads(os.environ["HOST_ENV"])},
+                         failure_config=FailureConfig(max_failures=1)),
+).fit()
+frame = result.metrics_dataframe
+with open("metrics.json", "w") as f:
+    json.dump({k: frame[k].tolist() for k in ("step", "restored_step", "w_sum")}, f)
+print("root", result.path)
+"""
+
+
+def test_a_sharded_state_on_two_hosts_is_saved_straight_to_the_bucket_and_restored(
+        ssh_hosts, shared_dir, gcs_bucket, gcs_endpoint, tmp_path):
+    import fsspec
+    from s3_server import BRIDGES, endpoint_on
+    from test_ssh import drive
+
+    tests = str(Path(__file__).resolve().parent)
+    host_env = {"STORAGE_EMULATOR_HOST": endpoint_on(gcs_endpoint, BRIDGES["ssh"]),
+                "FSSPEC_GS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+                "PYTHONPATH": tests}
+    # The driver's home (its staging copy of the run) is its own; nothing is declared shared:
+    # the hosts write the checkpoints to the bucket themselves.
+    home = tmp_path / "driver-home"
+    home.mkdir()
+    proc = drive(ssh_hosts, shared_dir, ACROSS_HOSTS, timeout=300, TESTS=tests,
+                 JAXTRAIN_SSH_HOSTS="host1,host2",
+                 STORE=f"{gcs_bucket}/runs", HOST_ENV=json.dumps(host_env),
+                 JAXTRAIN_SHARED_STORAGE="", HOME=str(home))
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [Path(shared_dir, f"host-{r}").read_text() for r in range(4)] == [
+        "host1", "host1", "host2", "host2"]
+    root = re.search(r"^root (\S+)$", proc.stdout, re.M).group(1)
+    _check_straight_to_bucket(
+        json.loads((shared_dir / "metrics.json").read_text()), fsspec.filesystem("gs"), root,
+        shared_dir,
+        home / ".cache" / "jaxtrain" / "staging" / "gs" / root)
