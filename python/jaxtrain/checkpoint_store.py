@@ -121,6 +121,34 @@ class Store:
                 os.rmdir(self.staging_root)  # when no other round of this process is in it
         progress.finish()
 
+    def describe(self, dir_name: str, paths: list[str]) -> list[dict]:
+        """The files at `paths` (relative to ``<run>/<dir_name>/``), which another writer put on
+        the store (Orbax: jaxtrain/orbax.py), described as an uploaded part describes its own:
+        path, size, CRC-32C, mode 0644 and SHA-256, read back from the store on up to
+        ``_UPLOADS`` threads (one read of each file). Raises StoreError naming this host, the
+        object's URL and the cause."""
+        from jaxtrain import _core
+
+        remote = posixpath.join(self.root, dir_name)
+
+        def read(path: str) -> dict:
+            target = posixpath.join(remote, path)
+            crc, size, sha256 = 0, 0, hashlib.sha256()
+            try:
+                with self.fs.open(target, "rb") as f:
+                    while chunk := f.read(storage._CHUNK):
+                        crc = _core.crc32c(chunk, crc)
+                        sha256.update(chunk)
+                        size += len(chunk)
+            except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+                raise StoreError(_failure("reading", storage.url(self.fs, target), e)) from e
+            return {"path": path, "size": size, "crc32c": crc, "mode": 0o644,
+                    "sha256": sha256.hexdigest()}
+
+        with ThreadPoolExecutor(max_workers=_UPLOADS,
+                                thread_name_prefix="jaxtrain-describe") as pool:
+            return list(pool.map(read, paths))
+
     # --- the attempt's start ---------------------------------------------------------------
 
     def sweep(self) -> list[str]:

@@ -17,19 +17,28 @@ jaxtrain commits them together, with its manifest, as the round's checkpoint, or
 shardings of ``abstract_state`` (e.g. ``jax.eval_shape`` of the init function, with shardings),
 each process reading what it needs.
 
+In a run whose hosts write their checkpoints to object storage themselves
+(checkpoint_store.py), Orbax saves from every process straight into the round's directory on the
+store, ``gs://<run>/<dir_name>/<item>``, and each rank then reads its own files back once to
+describe them (size, CRC-32C, SHA-256) for jaxtrain's manifest: nothing is copied again.
+``restore`` reads such a checkpoint straight from the store. Orbax writes straight to ``gs://``
+only; a run on any other object store is refused with the reason (docs/orbax.md).
+
 Needs ``orbax-checkpoint`` (``pip install 'jaxtrain[orbax]'``). On several hosts the run
-directory must be shared (NFS), as for any multi-host run.
+directory must be shared (NFS), or be on ``gs://``.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import shutil
 from typing import Any
 
-from jaxtrain import session
+from jaxtrain import session, storage
 from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.checkpoint_store import Store, StoreError
 
 ITEM = "state"
 _PROCESS_DIR = re.compile(r"ocdbt\.process_(\d+)$")
@@ -59,6 +68,9 @@ def save(state: Any, metrics: dict, *, checkpoint_dir_name: str | None = None,
     ctx = s.context
     if not isinstance(item, str) or not item or "/" in item or item.startswith("."):
         raise ValueError(f"item={item!r} is not allowed; it must be a plain directory name")
+    if s.store is not None:
+        _save_to_store(ocp, s, state, metrics, checkpoint_dir_name, item)
+        return
     # One directory per attempt and round, that every rank names alike without talking.
     shared = os.path.join(ctx.run_dir, ".staging", f"orbax-a{ctx.attempt}-r{s.round + 1}")
     view = f"{shared}.rank{ctx.world_rank}"
@@ -94,16 +106,97 @@ def restore(abstract_state: Any = None, *, checkpoint: Checkpoint | None = None,
         checkpoint = session.get_checkpoint()
     if checkpoint is None:
         return None
+    args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
+        else ocp.args.StandardRestore()
+    checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    fs = checkpoint.filesystem
+    if fs is not None and _writes_straight(fs):  # Orbax reads the store itself: no download
+        path = posixpath.join(checkpoint.path, item)
+        if not fs.exists(path):
+            raise FileNotFoundError(
+                f"checkpoint {storage.url(fs, checkpoint.path)} has no Orbax item {item!r} (it "
+                f"holds {sorted(posixpath.basename(p) for p in fs.ls(checkpoint.path))}); was it "
+                "saved with jaxtrain.orbax.save?")
+        _point_tensorstore_at_emulator()
+        return checkpointer.restore(storage.url(fs, path), args=args)
     with checkpoint.as_directory() as d:
         path = os.path.join(d, item)
         if not os.path.isdir(path):
             raise FileNotFoundError(
                 f"checkpoint {checkpoint.path} has no Orbax item {item!r} (it holds "
                 f"{sorted(os.listdir(d))}); was it saved with jaxtrain.orbax.save?")
-        checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
-            else ocp.args.StandardRestore()
         return checkpointer.restore(path, args=args)
+
+
+def _save_to_store(ocp: Any, s: Any, state: Any, metrics: dict,
+                   checkpoint_dir_name: str | None, item: str) -> None:
+    """save() in a run whose hosts write to object storage themselves: Orbax writes the round's
+    directory on the store from every process, then each rank describes its own files of it,
+    read back from the store, and reports them as its part already in place."""
+    store: Store = s.store
+    rank = s.context.world_rank
+    if not _writes_straight(store.fs):
+        raise ValueError(
+            f"jaxtrain.orbax.save(): this run keeps its checkpoints on {store.url}, where each "
+            "host writes its own files, but Orbax writes straight only to gs:// (orbax-checkpoint "
+            "hands tensorstore any other URL as a local path); use a gs:// storage_path, or "
+            "storage that every host shares (NFS), for Orbax checkpoints (docs/orbax.md)")
+    # The same name on every rank, without talking: the round's, or the one asked for.
+    dir_name = store.dir_name(s.round + 1, checkpoint_dir_name)
+    _point_tensorstore_at_emulator()
+    checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    checkpointer.save(storage.url(store.fs, posixpath.join(store.root, dir_name, item)),
+                      args=ocp.args.StandardSave(state))
+    try:
+        files = store.describe(dir_name, _store_share(store, dir_name, item, rank))
+    except StoreError as e:
+        if s.fail_storage is None:
+            raise
+        s.fail_storage(f"jaxtrain.orbax.save() on rank {rank}: the checkpoint of round "
+                       f"{s.round + 1}: {e}", session._status_code(e.__cause__))
+    if files:
+        session._report_in_store(metrics, dir_name, files)
+    else:  # a process that owns no shard (all replicated) has nothing to hand over
+        session.report(metrics)
+
+
+def _store_share(store: Store, dir_name: str, item: str, rank: int) -> list[str]:
+    """This rank's files of the Orbax item just saved on the store, relative to the checkpoint:
+    its own ``ocdbt.process_<rank>`` tree, and for rank 0 also every file that is no process's.
+    Orbax has finished writing them on every process (rank 0 is its primary, which writes
+    last)."""
+    top = posixpath.join(store.root, dir_name)
+    where = posixpath.join(top, item) if rank == 0 else posixpath.join(
+        top, item, f"ocdbt.process_{rank}")
+    store.fs.invalidate_cache(where)
+    try:
+        found = store.fs.find(where)
+    except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+        raise StoreError(f"listing {storage.url(store.fs, where)} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    mine = []
+    for path in sorted(found):
+        rel = posixpath.relpath(path, top)
+        owner = _owner(posixpath.dirname(rel))
+        if owner == rank or (owner is None and rank == 0):
+            mine.append(rel)
+    return mine
+
+
+def _writes_straight(fs: Any) -> bool:
+    """Whether Orbax reads and writes the object store of `fs` itself (tensorstore's gcs driver:
+    gs:// URLs only)."""
+    return storage.url(fs, "").startswith("gs://")
+
+
+def _point_tensorstore_at_emulator() -> None:
+    """Where STORAGE_EMULATOR_HOST points gcsfs (and Google's clients) at a GCS emulator,
+    points tensorstore's gcs driver, which Orbax writes with, at the same server
+    (TENSORSTORE_GCS_HTTP_URL), unless that is set already: both must see one store."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = (
+            emulator if "://" in emulator else f"http://{emulator}")
 
 
 def _link_share(shared: str, view: str, rank: int) -> None:

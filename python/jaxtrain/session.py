@@ -357,6 +357,23 @@ def report(
             session.stager.checkpoint(session.round, text, snapshot, description)
 
 
+def _report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:
+    """``report(metrics)`` with this rank's part of a checkpoint that is already in place on the
+    store (jaxtrain.orbax): `files` (as Store.describe gives them) in ``<run>/<dir_name>/``, the
+    name session.store.dir_name gave for this report. Nothing is staged or uploaded; the round
+    counts, waits for the previous checkpoint and goes after the queued reports as with
+    ``report(checkpoint=)``."""
+    session = _require("report")
+    if not isinstance(metrics, dict):
+        raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
+    text = json.dumps(metrics, default=_to_json)
+    description = {"store": True, "dir_name": dir_name, "files": files}
+    with session.lock:
+        session.round += 1
+        session.wait_checkpoints_settled()
+        session.client.report_checkpoint(session.round, json.dumps(description), text)
+
+
 def _say_over_budget(session: _Session, path: str) -> None:
     if session.said_over_budget:
         return
