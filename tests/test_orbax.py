@@ -228,7 +228,8 @@ print("root", result.path)
 
 
 def test_a_sharded_state_on_two_hosts_is_saved_straight_to_the_bucket_and_restored(
-        ssh_hosts, shared_dir, gcs_bucket, gcs_endpoint, tmp_path):
+        ssh_hosts, ssh_shared_dir, gcs_bucket, gcs_endpoint, tmp_path):
+    shared_dir = ssh_shared_dir
     import fsspec
     from s3_server import BRIDGES, endpoint_on
     from test_ssh import drive
