@@ -27,6 +27,7 @@
 #include "controller/status_line.h"
 #include "controller/watchdog.h"
 #include "controller/worker_group.h"
+#include "controller/worker_specs.h"
 #include "launch/process.h"
 #include "storage/files.h"
 #include "storage/run_store.h"
@@ -959,51 +960,16 @@ Status Controller::Start() {
   loop->ranks.resize(static_cast<size_t>(world_size));
   loop->start_time = clock_.UnixSeconds();
 
-  const std::string address = wire::HostPort{options_.listen_host, port_}.ToString();
-  // What every rank's environment shares is held once (ProcessSpec::shared_env); a plan's
-  // per-worker entry of the same name is overridden by it, as it always was.
-  auto shared = std::make_shared<std::map<std::string, std::string>>(options_.worker_env);
-  (*shared)["JAXTRAIN_CONTROLLER_ADDR"] = address;
-  (*shared)["JAXTRAIN_WORLD_SIZE"] = std::to_string(world_size);
-  (*shared)["JAXTRAIN_RUN_DIR"] = loop->store.dir();
-  (*shared)["JAXTRAIN_EXPERIMENT_NAME"] = options_.experiment_name;
-  (*shared)["JAXTRAIN_PLATFORM"] = options_.plan.platform;
-  // The per-worker numbers too, when every worker has the same (one host: one node, and so on).
-  const auto& workers = options_.plan.workers;
-  using Worker = placement::WorkerPlacement;
-  const std::pair<const char*, int Worker::*> numbers[] = {
-      {"JAXTRAIN_LOCAL_RANK", &Worker::local_rank},
-      {"JAXTRAIN_LOCAL_WORLD_SIZE", &Worker::local_world_size},
-      {"JAXTRAIN_NODE_RANK", &Worker::node_rank}};
-  std::vector<std::pair<const char*, int Worker::*>> per_worker = {
-      {"JAXTRAIN_RANK", &Worker::rank}};
-  for (const auto& [name, field] : numbers) {
-    const bool same = std::all_of(workers.begin(), workers.end(), [&](const Worker& w) {
-      return w.*field == workers.front().*field;
-    });
-    if (same) {
-      (*shared)[name] = std::to_string(workers.front().*field);
-    } else {
-      per_worker.emplace_back(name, field);
-    }
-  }
-  loop->shared_env = shared;
-  const std::string secret_hex = wire::ToHex(secret);
-  loop->specs.reserve(options_.plan.workers.size());
-  for (const auto& w : options_.plan.workers) {
-    launch::ProcessSpec spec;
-    spec.ranks = {w.rank};
-    spec.argv = options_.worker_argv;
-    spec.cwd = options_.worker_cwd;
-    for (const auto& [k, v] : w.env) {
-      if (!shared->count(k)) spec.env[k] = v;
-    }
-    spec.unset_env = w.unset_env;
-    spec.shared_env = shared;
-    spec.secret = secret_hex;
-    for (const auto& [name, field] : per_worker) spec.env[name] = std::to_string(w.*field);
-    loop->specs.push_back(std::move(spec));
-  }
+  WorkerSpecs built = BuildWorkerSpecs(
+      options_.plan, {.argv = options_.worker_argv,
+                      .cwd = options_.worker_cwd,
+                      .env = options_.worker_env,
+                      .controller_address = wire::HostPort{options_.listen_host, port_}.ToString(),
+                      .run_dir = loop->store.dir(),
+                      .experiment_name = options_.experiment_name,
+                      .secret_hex = wire::ToHex(secret)});
+  loop->specs = std::move(built.specs);
+  loop->shared_env = std::move(built.shared_env);
   Status started = loop->StartAttempt(loop->CheckpointToRestore());
   if (!started.ok()) {
     // run.json may already say RUNNING; it must say how the run ended instead.
