@@ -129,6 +129,8 @@ std::vector<Malformed> MalformedMessages() {
       {MessageType::kRegister, R"({"host":"h","pid":"1"})", reg + "pid is \"1\", not " + u32},
       {MessageType::kRegister, R"({"host":"h","pid":4294967296})",
        reg + "pid is 4294967296, not " + u32},
+      {MessageType::kRegister, R"({"host":[")" + std::string(100, 'a') + "\"]}",
+       reg + "host is [\"" + std::string(78, 'a') + "..., not a string"},  // cut short
       {MessageType::kRegister, R"({"host":"h","coordinator":null})",
        reg + "coordinator is null, not a string"},
       {MessageType::kReport, "1234567",
