@@ -6,7 +6,8 @@
 //
 // Decoding is strict about kinds and lenient about presence: a field of the wrong kind (a number
 // where a string belongs, a negative size, a copy_id with a '/') is an error, a field left out
-// takes its default, and keys not named here are ignored. What a decoded field means for the run
+// takes its default (but a checkpoint report needs its files, and each file its path, size and
+// crc32c), and keys not named here are ignored. What a decoded field means for the run
 // (the staging directory being the rank's own, a file path staying inside the checkpoint) is
 // checked by its user, the controller and storage::CheckStagedPart.
 //
