@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Fuzzes the control protocol's frame decoder and handshake and the secure channel (src/wire/fuzz) with libFuzzer under
-# AddressSanitizer and UndefinedBehaviorSanitizer, each fuzzer for SECONDS, starting from a fresh
-# copy of the checked-in seed corpus in build/fuzz/corpus-<name> (the source tree is never written).
+# Fuzzes the control protocol's frame decoder, handshake and worker messages and the secure channel
+# (src/wire/fuzz) with libFuzzer under AddressSanitizer and UndefinedBehaviorSanitizer, each fuzzer
+# for SECONDS, starting from a fresh copy of the checked-in seed corpus in build/fuzz/corpus-<name>
+# (the source tree is never written).
 # Prints one summary line per fuzzer and exits non-zero if any input crashed one.
 #
 #   scripts/fuzz.sh          short run, 10 s per fuzzer (the one scripts/test.sh runs)
@@ -39,7 +40,7 @@ fi
 build() {
   CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DJAXTRAIN_FUZZ=ON \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo &&
-    ninja -C build/fuzz channel_fuzzer frame_decoder_fuzzer handshake_fuzzer
+    ninja -C build/fuzz channel_fuzzer frame_decoder_fuzzer handshake_fuzzer messages_fuzzer
 }
 if ! out=$(build 2>&1); then
   echo "$out" >&2
@@ -48,7 +49,7 @@ if ! out=$(build 2>&1); then
 fi
 
 failed=0
-for name in channel frame_decoder handshake; do
+for name in channel frame_decoder handshake messages; do
   corpus=build/fuzz/corpus-$name
   artifacts=build/fuzz/artifacts/$name
   log=build/fuzz/$name.log

@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 
@@ -28,11 +27,13 @@
 #include "controller/status_line.h"
 #include "controller/watchdog.h"
 #include "controller/worker_group.h"
+#include "controller/worker_specs.h"
 #include "launch/process.h"
 #include "storage/files.h"
 #include "storage/run_store.h"
 #include "wire/frame.h"
 #include "wire/handshake.h"
+#include "wire/messages.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::controller {
@@ -64,25 +65,6 @@ std::string HostName() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   return host;
-}
-
-// A checkpoint part's copy_id as a worker may send it: 1 to 64 letters, digits and '-'.
-bool IsCopyId(const nlohmann::json& id) {
-  if (!id.is_string()) return false;
-  const std::string& s = id.get_ref<const std::string&>();
-  return !s.empty() && s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '-';
-  });
-}
-
-// The code a worker names (StatusCodeName), kUnknown for any other name.
-StatusCode StatusCodeByName(const std::string& name) {
-  for (int c = 0; c <= static_cast<int>(StatusCode::kUnauthenticated); ++c) {
-    if (StatusCodeName(static_cast<StatusCode>(c)) == name && c != 0) {
-      return static_cast<StatusCode>(c);
-    }
-  }
-  return StatusCode::kUnknown;
 }
 
 }  // namespace
@@ -296,118 +278,74 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
 
   void OnBadFrame(int rank, const std::string& what) override { ProtocolError(rank, what); }
 
-  // A body of the wrong shape from an authenticated worker fails that rank; it never escapes as
-  // an exception into the loop.
+  // A body of the wrong shape from an authenticated worker fails that rank (a protocol error).
   void OnFrame(int rank, const wire::FrameView& f) override {
-    try {
-      HandleWorkerMessage(rank, f);
-    } catch (const nlohmann::json::exception& e) {
-      ProtocolError(rank, "malformed message of type " + std::to_string(static_cast<int>(f.type)) +
-                              ": " + e.what());
+    StatusOr<wire::WorkerMessage> message = wire::DecodeWorkerMessage(f);
+    if (!message.ok()) return ProtocolError(rank, message.status().message());
+    std::visit([&](auto& m) { OnMessage(rank, m); }, *message);
+  }
+
+  void OnMessage(int rank, const wire::Registration& m) {
+    RankState& r = ranks[static_cast<size_t>(rank)];
+    if (!r.registered) ++registered;
+    r.registered = true;
+    r.host = m.host;
+    r.coordinator = m.coordinator;
+    RefreshStatus();
+    MaybeStartTraining();
+  }
+
+  void OnMessage(int rank, const wire::Report& m) {
+    watchdog.Progress(rank);
+    for (Round& done : collector.Add(rank, m.metrics_json)) recorder.Add(std::move(done));
+  }
+
+  void OnMessage(int rank, wire::CheckpointReport& m) {
+    // Only this rank's own staging directory of this round may be moved from and deleted.
+    const std::string expected =
+        m.in_store ? "" : storage::StagingPath(store.dir(), attempt, m.round, rank);
+    if (m.staging != expected) {
+      return ProtocolError(rank, "rank " + std::to_string(rank) + "'s checkpoint of round " +
+                                     std::to_string(m.round) + " names the staging directory '" +
+                                     m.staging + "', not its own ('" + expected +
+                                     "'); refused, nothing was moved or deleted");
+    }
+    CheckpointPart part{.staged = {.rank = rank,
+                                   .staging_dir = std::move(m.staging),
+                                   .files = std::move(m.files),
+                                   .copy_id = std::move(m.copy_id),
+                                   .in_store = m.in_store},
+                        .dir_name = std::move(m.dir_name)};
+    watchdog.Progress(rank);
+    for (Round& done : collector.Add(rank, m.metrics_json, std::move(part))) {
+      recorder.Add(std::move(done));
     }
   }
 
-  void HandleWorkerMessage(int rank, const wire::FrameView& f) {
-    using wire::MessageType;
-    RankState& r = ranks[static_cast<size_t>(rank)];
-    switch (f.type) {
-      case MessageType::kRegister: {
-        auto j = nlohmann::json::parse(f.body, nullptr, false);
-        if (!j.is_object()) return ProtocolError(rank, "registration is not a JSON object");
-        if (!r.registered) ++registered;
-        r.registered = true;
-        r.host = j.value("host", "");
-        r.coordinator = j.value("coordinator", "");
-        RefreshStatus();
-        MaybeStartTraining();
-        return;
+  void OnMessage(int rank, wire::WorkerError& m) {
+    RankFailure failure{.rank = rank,
+                        .cause = FailureCause::kException,
+                        .message = std::move(m.message),
+                        .traceback = std::move(m.traceback)};
+    if (m.phase == wire::ErrorPhase::kStartUp) failure.cause = FailureCause::kStartUp;
+    if (m.phase == wire::ErrorPhase::kStorage) {  // its upload to object storage failed
+      failure.cause = FailureCause::kStorage;
+      failure.status_code = m.status_code;
+    }
+    Fail(std::move(failure));
+  }
+
+  void OnMessage(int rank, const wire::Done&) {
+    ranks[static_cast<size_t>(rank)].done = true;
+    watchdog.Done(rank);
+    // No round can complete without this rank any more: no commit can be ahead of another
+    // rank's next checkpoint, so none of them waits for one (said once per attempt).
+    if (checkpoints_released) return;
+    checkpoints_released = true;
+    for (size_t other = 0; other < ranks.size(); ++other) {
+      if (!ranks[other].done) {
+        port->Send(static_cast<int>(other), wire::MessageType::kCheckpointSettled, "release");
       }
-      case MessageType::kReport: {
-        uint64_t round = 0;
-        std::string_view metrics;
-        Status s = wire::DecodeReportBody(f.body, &round, &metrics);
-        if (!s.ok()) return ProtocolError(rank, s.message());
-        watchdog.Progress(rank);
-        for (Round& done : collector.Add(rank, metrics)) recorder.Add(std::move(done));
-        return;
-      }
-      case MessageType::kReportCheckpoint: {
-        uint64_t round = 0;
-        std::string_view checkpoint, metrics;
-        Status s = wire::DecodeCheckpointReportBody(f.body, &round, &checkpoint, &metrics);
-        if (!s.ok()) return ProtocolError(rank, s.message());
-        auto j = nlohmann::json::parse(checkpoint, nullptr, false);
-        if (!j.is_object() || !j.contains("files")) {
-          return ProtocolError(rank, "malformed checkpoint description");
-        }
-        CheckpointPart part;
-        part.staged.rank = rank;
-        part.staged.staging_dir = j.value("staging", "");
-        // The rank's host uploaded the files to the run directory on object storage itself.
-        part.staged.in_store = j.contains("store") && j["store"].is_boolean() && j["store"];
-        // Only this rank's own staging directory of this round may be moved from and deleted.
-        const std::string expected =
-            part.staged.in_store ? "" : storage::StagingPath(store.dir(), attempt, round, rank);
-        if (part.staged.staging_dir != expected || !j["files"].is_array()) {
-          return ProtocolError(rank, "rank " + std::to_string(rank) + "'s checkpoint of round " +
-                                         std::to_string(round) + " names the staging directory '" +
-                                         part.staged.staging_dir + "', not its own ('" + expected +
-                                         "'); refused, nothing was moved or deleted");
-        }
-        for (const auto& file : j["files"]) {
-          if (!file.is_object()) return ProtocolError(rank, "malformed checkpoint description");
-          part.staged.files.push_back({.path = file.value("path", ""),
-                                       .size = file.value("size", uint64_t{0}),
-                                       .crc32c = file.value("crc32c", uint32_t{0}),
-                                       .mode = file.value("mode", uint32_t{0644}),
-                                       .link = file.value("link", ""),
-                                       .sha256 = file.value("sha256", "")});
-        }
-        if (j.contains("dir_name") && j["dir_name"].is_string()) part.dir_name = j["dir_name"];
-        if (j.contains("copy_id")) {
-          if (!IsCopyId(j["copy_id"])) {
-            return ProtocolError(rank, "malformed copy_id in the checkpoint description");
-          }
-          part.staged.copy_id = j["copy_id"];
-        }
-        watchdog.Progress(rank);
-        for (Round& done : collector.Add(rank, metrics, std::move(part))) {
-          recorder.Add(std::move(done));
-        }
-        return;
-      }
-      case MessageType::kError: {
-        auto j = nlohmann::json::parse(f.body, nullptr, false);
-        RankFailure failure{.rank = rank, .cause = FailureCause::kException};
-        if (j.is_object()) {
-          failure.message = j.value("message", "the training function raised an exception");
-          failure.traceback = j.value("traceback", "");
-          if (j.value("phase", "") == "start-up") failure.cause = FailureCause::kStartUp;
-          if (j.value("phase", "") == "storage") {  // its upload to object storage failed
-            failure.cause = FailureCause::kStorage;
-            failure.status_code = StatusCodeByName(j.value("status_code", ""));
-          }
-        }
-        Fail(std::move(failure));
-        return;
-      }
-      case MessageType::kDone: {
-        r.done = true;
-        watchdog.Done(rank);
-        // No round can complete without this rank any more: no commit can be ahead of another
-        // rank's next checkpoint, so none of them waits for one (said once per attempt).
-        if (checkpoints_released) return;
-        checkpoints_released = true;
-        for (size_t other = 0; other < ranks.size(); ++other) {
-          if (!ranks[other].done) {
-            port->Send(static_cast<int>(other), MessageType::kCheckpointSettled, "release");
-          }
-        }
-        return;
-      }
-      default:
-        return ProtocolError(rank,
-                             "unexpected message type " + std::to_string(static_cast<int>(f.type)));
     }
   }
 
@@ -1022,51 +960,16 @@ Status Controller::Start() {
   loop->ranks.resize(static_cast<size_t>(world_size));
   loop->start_time = clock_.UnixSeconds();
 
-  const std::string address = wire::HostPort{options_.listen_host, port_}.ToString();
-  // What every rank's environment shares is held once (ProcessSpec::shared_env); a plan's
-  // per-worker entry of the same name is overridden by it, as it always was.
-  auto shared = std::make_shared<std::map<std::string, std::string>>(options_.worker_env);
-  (*shared)["JAXTRAIN_CONTROLLER_ADDR"] = address;
-  (*shared)["JAXTRAIN_WORLD_SIZE"] = std::to_string(world_size);
-  (*shared)["JAXTRAIN_RUN_DIR"] = loop->store.dir();
-  (*shared)["JAXTRAIN_EXPERIMENT_NAME"] = options_.experiment_name;
-  (*shared)["JAXTRAIN_PLATFORM"] = options_.plan.platform;
-  // The per-worker numbers too, when every worker has the same (one host: one node, and so on).
-  const auto& workers = options_.plan.workers;
-  using Worker = placement::WorkerPlacement;
-  const std::pair<const char*, int Worker::*> numbers[] = {
-      {"JAXTRAIN_LOCAL_RANK", &Worker::local_rank},
-      {"JAXTRAIN_LOCAL_WORLD_SIZE", &Worker::local_world_size},
-      {"JAXTRAIN_NODE_RANK", &Worker::node_rank}};
-  std::vector<std::pair<const char*, int Worker::*>> per_worker = {
-      {"JAXTRAIN_RANK", &Worker::rank}};
-  for (const auto& [name, field] : numbers) {
-    const bool same = std::all_of(workers.begin(), workers.end(), [&](const Worker& w) {
-      return w.*field == workers.front().*field;
-    });
-    if (same) {
-      (*shared)[name] = std::to_string(workers.front().*field);
-    } else {
-      per_worker.emplace_back(name, field);
-    }
-  }
-  loop->shared_env = shared;
-  const std::string secret_hex = wire::ToHex(secret);
-  loop->specs.reserve(options_.plan.workers.size());
-  for (const auto& w : options_.plan.workers) {
-    launch::ProcessSpec spec;
-    spec.ranks = {w.rank};
-    spec.argv = options_.worker_argv;
-    spec.cwd = options_.worker_cwd;
-    for (const auto& [k, v] : w.env) {
-      if (!shared->count(k)) spec.env[k] = v;
-    }
-    spec.unset_env = w.unset_env;
-    spec.shared_env = shared;
-    spec.secret = secret_hex;
-    for (const auto& [name, field] : per_worker) spec.env[name] = std::to_string(w.*field);
-    loop->specs.push_back(std::move(spec));
-  }
+  WorkerSpecs built = BuildWorkerSpecs(
+      options_.plan, {.argv = options_.worker_argv,
+                      .cwd = options_.worker_cwd,
+                      .env = options_.worker_env,
+                      .controller_address = wire::HostPort{options_.listen_host, port_}.ToString(),
+                      .run_dir = loop->store.dir(),
+                      .experiment_name = options_.experiment_name,
+                      .secret_hex = wire::ToHex(secret)});
+  loop->specs = std::move(built.specs);
+  loop->shared_env = std::move(built.shared_env);
   Status started = loop->StartAttempt(loop->CheckpointToRestore());
   if (!started.ok()) {
     // run.json may already say RUNNING; it must say how the run ended instead.

@@ -304,7 +304,8 @@ TEST_F(ControllerStateTest, ACheckpointWithAMalformedCopyIdIsAProtocolErrorOfIts
   ASSERT_EQ(out.failures.size(), 1u);
   EXPECT_EQ(out.failures[0].rank, 1);
   EXPECT_EQ(out.failures[0].message,
-            "protocol error: malformed copy_id in the checkpoint description");
+            "protocol error: malformed message of type 10 (report with checkpoint): copy_id is "
+            "\"../elsewhere\", not 1 to 64 letters, digits and '-'");
 }
 
 TEST_F(ControllerStateTest, ARestartCreatesNoLogForSilentRanksAndTheRunsEndHeadsThemAll) {

@@ -60,6 +60,7 @@ struct FileEntry {
   uint32_t mode = 0644;  // permission bits of a file as staged
   std::string link;      // a kept link's target, relative to the link's directory; "" = a file
   std::string sha256;    // a file's SHA-256, 64 lowercase hex digits; "" = not computed
+  bool operator==(const FileEntry&) const = default;
 };
 
 inline constexpr size_t kSha256HexSize = 64;

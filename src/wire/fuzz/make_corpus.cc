@@ -1,7 +1,8 @@
 // Writes the fuzzers' seed corpus: valid conversations of the control protocol (docs/wire.md) and
 // the classic hostile openings, each in its own small file.
 //
-//   make_corpus <dir>   writes <dir>/channel/*, <dir>/frame_decoder/* and <dir>/handshake/*
+//   make_corpus <dir>   writes <dir>/channel/*, <dir>/frame_decoder/*, <dir>/handshake/* and
+//                       <dir>/messages/*
 //
 // The checked-in corpus (src/wire/fuzz/corpus) is this program's output plus the inputs of crashes
 // the fuzzers found; when the wire format changes, rebuild and rerun it after scripts/fuzz.sh:
@@ -211,6 +212,53 @@ bool WriteCorpus(const std::filesystem::path& root) {
   for (const auto& s : channel_seeds) {
     if (!Write(ch, s.name, s.bytes)) return false;
   }
+
+  // messages_fuzzer.cc: the frame's type byte, then its body, as the Python worker sends it.
+  const std::string sha256(64, 'c');
+  const struct {
+    const char* name;
+    MessageType type;
+    std::string body;
+  } message_seeds[] = {
+      {"register_rank0", MessageType::kRegister,
+       R"({"host": "node-1", "pid": 4242, "coordinator": "10.0.0.1:1234"})"},
+      {"register", MessageType::kRegister, R"({"host": "node-2", "pid": 17, "coordinator": ""})"},
+      {"report", MessageType::kReport, EncodeReportBody(7, R"({"loss": 0.25, "acc": NaN})")},
+      {"checkpoint_staged", MessageType::kReportCheckpoint,
+       EncodeCheckpointReportBody(
+           8,
+           R"({"staging": "/run/.staging/a0-r8-rank1", "dir_name": null, "files": [)"
+           R"({"path": "model/a.bin", "size": 12, "crc32c": 99, "mode": 420, "sha256": ")" +
+               sha256 +
+               R"("}, {"path": "latest", "size": 0, "crc32c": 0, "mode": 511, "link": "model"}],)"
+               R"( "copy_id": "0123456789abcdef0123456789abcdef"})",
+           R"({"loss": 0.2})")
+           .value()},
+      {"checkpoint_in_store", MessageType::kReportCheckpoint,
+       EncodeCheckpointReportBody(
+           9,
+           R"({"dir_name": "checkpoint_000009", "files": [{"path": "a.bin", "size": 3,)"
+           R"( "crc32c": 7, "mode": 420, "sha256": ")" +
+               sha256 + R"("}], "store": true})",
+           "{}")
+           .value()},
+      {"error_training", MessageType::kError,
+       R"({"message": "ValueError: boom", "traceback": "Traceback ...", "phase": "training"})"},
+      {"error_start_up", MessageType::kError,
+       R"({"message": "start-up failed: ImportError: jax", "traceback": "", "phase": "start-up"})"},
+      {"error_storage", MessageType::kError,
+       R"({"message": "upload failed", "traceback": "", "phase": "storage",)"
+       R"( "status_code": "PERMISSION_DENIED"})"},
+      {"done", MessageType::kDone, "{}"},
+      {"error_wrong_kinds", MessageType::kError, R"({"message": 5, "traceback": [], "phase": {}})"},
+      {"unexpected_start", MessageType::kStart, R"({"coordinator": "10.0.0.1:1234"})"},
+  };
+  const std::filesystem::path messages = root / "messages";
+  std::filesystem::create_directories(messages);
+  for (const auto& s : message_seeds) {
+    std::string bytes(1, static_cast<char>(s.type));
+    if (!Write(messages, s.name, bytes + s.body)) return false;
+  }
   return true;
 }
 
@@ -221,7 +269,8 @@ int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(
         stderr,
-        "usage: make_corpus <dir>  (writes <dir>/channel, <dir>/frame_decoder, <dir>/handshake)\n");
+        "usage: make_corpus <dir>  (writes <dir>/channel, <dir>/frame_decoder, <dir>/handshake, "
+        "<dir>/messages)\n");
     return 2;
   }
   return jaxtrain::wire::fuzz::WriteCorpus(argv[1]) ? 0 : 1;

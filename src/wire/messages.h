@@ -1,0 +1,109 @@
+// The messages a worker sends the controller once it has authenticated (docs/wire.md, types 4, 7,
+// 8, 9 and 10), decoded into typed structs at the edge: the controller's loop switches over a
+// WorkerMessage and parses no JSON itself. The Python worker writes the same JSON
+// (python/jaxtrain/worker.py, session.py); the encoder here is the C++ side's (tests, the
+// fuzzer), and DecodeWorkerMessage(EncodeWorkerMessage(m)) == m for every m it decoded.
+//
+// Decoding is strict about kinds and lenient about presence: a field of the wrong kind (a number
+// where a string belongs, a negative size, a copy_id with a '/') is an error, a field left out
+// takes its default (but a checkpoint report needs its files, and each file its path, size and
+// crc32c), and keys not named here are ignored. What a decoded field means for the run
+// (the staging directory being the rank's own, a file path staying inside the checkpoint) is
+// checked by its user, the controller and storage::CheckStagedPart.
+//
+// Functions are pure and thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "base/status.h"
+#include "storage/checkpoint.h"
+#include "wire/frame.h"
+
+namespace jaxtrain::wire {
+
+// kRegister: who the rank's process is. JSON {"host", "pid", "coordinator"}.
+struct Registration {
+  std::string host;
+  uint32_t pid = 0;         // 0 = not given
+  std::string coordinator;  // the JAX coordinator address rank 0 reserved; "" for the others
+  bool operator==(const Registration&) const = default;
+};
+
+// kReport: one report() round's metrics. The metrics are not parsed here but where they are
+// written (storage/metrics.h); the view points into the frame's body.
+struct Report {
+  uint64_t round = 0;
+  std::string_view metrics_json;
+  bool operator==(const Report&) const = default;
+};
+
+// kReportCheckpoint: a report() round with the rank's part of its checkpoint. JSON {"staging",
+// "files": [{"path", "size", "crc32c", "mode", "link", "sha256"}], "dir_name", "copy_id",
+// "store"}, then the metrics (a view into the frame's body, as Report's).
+struct CheckpointReport {
+  uint64_t round = 0;
+  std::vector<storage::FileEntry> files;
+  std::optional<std::string> dir_name;  // the name the rank asked for; JSON null or absent = none
+  std::string copy_id;                  // its copy in host memory (IsCopyId); "" = none
+  std::string staging;                  // where it staged the files; "" for a part in_store
+  // The files are already in the run directory on object storage, uploaded by the rank's host
+  // ("store": true; storage::RankCheckpoint::in_store).
+  bool in_store = false;
+  std::string_view metrics_json;
+  bool operator==(const CheckpointReport&) const = default;
+};
+
+// Where a worker's error arose: its "phase".
+enum class ErrorPhase {
+  kTraining,  // "training" (or none given): the training function raised
+  kStartUp,   // "start-up": before the training function ran
+  kStorage,   // "storage": its host's upload to object storage failed
+};
+
+// kError: the worker's last word before it exits. JSON {"message", "traceback", "phase",
+// "status_code"}; "status_code" (a StatusCodeName) goes with phase "storage", and the failure
+// policy decides by it.
+struct WorkerError {
+  std::string message = "the training function raised an exception";
+  std::string traceback;
+  ErrorPhase phase = ErrorPhase::kTraining;
+  StatusCode status_code = StatusCode::kUnknown;  // StatusCodeByName of the name sent
+  bool operator==(const WorkerError&) const = default;
+};
+
+// kDone: the training function returned. Its body is not read.
+struct Done {
+  bool operator==(const Done&) const = default;
+};
+
+using WorkerMessage = std::variant<Registration, Report, CheckpointReport, WorkerError, Done>;
+
+// Decodes an authenticated worker's frame; string views in the result point into `frame.body`.
+// Errors: kInvalidArgument, its message "malformed message of type N (name): " and which field is
+// wrong, its value and what is allowed; or "unexpected message type N" for a type a worker does
+// not send after its handshake.
+StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame);
+
+// The frame type of `message` and its body. Errors: kInvalidArgument when a checkpoint report's
+// description is too large for its length field.
+MessageType WorkerMessageType(const WorkerMessage& message);
+StatusOr<std::string> EncodeWorkerMessage(const WorkerMessage& message);
+
+// Whether `id` is a copy_id as a worker may send it: 1 to 64 letters, digits and '-' (it names
+// files of the host-memory store, so it must not hold a '/' or be "..").
+bool IsCopyId(std::string_view id);
+
+// The code whose StatusCodeName is `name`; kUnknown for any other name, and for "OK" (a worker's
+// error is never OK).
+StatusCode StatusCodeByName(std::string_view name);
+
+// The "phase" name of `phase`.
+std::string_view ErrorPhaseName(ErrorPhase phase);
+
+}  // namespace jaxtrain::wire

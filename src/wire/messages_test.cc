@@ -1,0 +1,260 @@
+#include "wire/messages.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace jaxtrain::wire {
+namespace {
+
+// A checkpoint report's body: round 8, `description`, then the metrics {"loss":0.5}.
+std::string CheckpointBody(std::string_view description) {
+  return EncodeCheckpointReportBody(8, description, R"({"loss":0.5})").value();
+}
+
+template <typename T>
+T Decoded(MessageType type, std::string_view body) {
+  StatusOr<WorkerMessage> m = DecodeWorkerMessage({type, body});
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  if (!m.ok()) return T{};
+  EXPECT_TRUE(std::holds_alternative<T>(*m));
+  return std::holds_alternative<T>(*m) ? std::get<T>(*m) : T{};
+}
+
+TEST(DecodeWorkerMessageTest, DecodesARegistration) {
+  auto r = Decoded<Registration>(MessageType::kRegister,
+                                 R"({"host":"node-1","pid":4242,"coordinator":"10.0.0.1:1234"})");
+  EXPECT_EQ(r, (Registration{.host = "node-1", .pid = 4242, .coordinator = "10.0.0.1:1234"}));
+}
+
+TEST(DecodeWorkerMessageTest, ARegistrationWithoutPidOrCoordinatorTakesTheirDefaults) {
+  auto r = Decoded<Registration>(MessageType::kRegister, R"({"host":"node-2","extra":[1]})");
+  EXPECT_EQ(r, (Registration{.host = "node-2"}));
+  EXPECT_EQ(Decoded<Registration>(MessageType::kRegister, "{}"), Registration{});
+}
+
+TEST(DecodeWorkerMessageTest, DecodesAReportWithoutParsingItsMetrics) {
+  std::string body = EncodeReportBody(7, R"({"loss":NaN})");
+  auto r = Decoded<Report>(MessageType::kReport, body);
+  EXPECT_EQ(r.round, 7u);
+  EXPECT_EQ(r.metrics_json, R"({"loss":NaN})");
+  EXPECT_EQ(r.metrics_json.data(), body.data() + kReportHeaderSize);  // a view, not a copy
+}
+
+TEST(DecodeWorkerMessageTest, DecodesAStagedCheckpointReport) {
+  std::string body = CheckpointBody(
+      R"({"staging":"/run/.staging/a0-r8-rank1","dir_name":"checkpoint_000008",)"
+      R"("copy_id":"0f3a-9b","files":[)"
+      R"({"path":"a.bin","size":12,"crc32c":99,"mode":384,"sha256":")" +
+      std::string(64, 'e') + R"("},{"path":"b","size":0,"crc32c":0,"link":"a.bin"}]})");
+  auto r = Decoded<CheckpointReport>(MessageType::kReportCheckpoint, body);
+  EXPECT_EQ(r.round, 8u);
+  EXPECT_EQ(r.staging, "/run/.staging/a0-r8-rank1");
+  EXPECT_EQ(r.dir_name, "checkpoint_000008");
+  EXPECT_EQ(r.copy_id, "0f3a-9b");
+  EXPECT_FALSE(r.in_store);
+  EXPECT_EQ(r.metrics_json, R"({"loss":0.5})");
+  ASSERT_EQ(r.files.size(), 2u);
+  EXPECT_EQ(r.files[0], (storage::FileEntry{.path = "a.bin",
+                                            .size = 12,
+                                            .crc32c = 99,
+                                            .mode = 0600,
+                                            .sha256 = std::string(64, 'e')}));
+  EXPECT_EQ(r.files[1], (storage::FileEntry{.path = "b", .mode = 0644, .link = "a.bin"}));
+}
+
+TEST(DecodeWorkerMessageTest, DecodesACheckpointReportOfAPartAlreadyInTheStore) {
+  auto r = Decoded<CheckpointReport>(
+      MessageType::kReportCheckpoint,
+      CheckpointBody(
+          R"({"store":true,"dir_name":null,"files":[{"path":"s","size":3,"crc32c":7}]})"));
+  EXPECT_TRUE(r.in_store);
+  EXPECT_EQ(r.staging, "");
+  EXPECT_EQ(r.dir_name, std::nullopt);
+  EXPECT_EQ(r.copy_id, "");
+  ASSERT_EQ(r.files.size(), 1u);
+  EXPECT_EQ(r.files[0].path, "s");
+}
+
+TEST(DecodeWorkerMessageTest, DecodesAnErrorOfEachPhase) {
+  auto training = Decoded<WorkerError>(MessageType::kError,
+                                       R"({"message":"boom","traceback":"tb","phase":"training"})");
+  EXPECT_EQ(training, (WorkerError{.message = "boom", .traceback = "tb"}));
+  auto start_up = Decoded<WorkerError>(MessageType::kError, R"({"phase":"start-up"})");
+  EXPECT_EQ(start_up.phase, ErrorPhase::kStartUp);
+  EXPECT_EQ(start_up.message, "the training function raised an exception");
+  auto storage = Decoded<WorkerError>(
+      MessageType::kError,
+      R"({"message":"m","phase":"storage","status_code":"PERMISSION_DENIED"})");
+  EXPECT_EQ(storage.phase, ErrorPhase::kStorage);
+  EXPECT_EQ(storage.status_code, StatusCode::kPermissionDenied);
+}
+
+TEST(DecodeWorkerMessageTest, AnErrorWithAStatusCodeOfNoKnownNameCarriesUnknown) {
+  auto e = Decoded<WorkerError>(MessageType::kError, R"({"phase":"storage","status_code":"SLOW"})");
+  EXPECT_EQ(e.status_code, StatusCode::kUnknown);
+  e = Decoded<WorkerError>(MessageType::kError, R"({"phase":"storage","status_code":"OK"})");
+  EXPECT_EQ(e.status_code, StatusCode::kUnknown);
+}
+
+TEST(DecodeWorkerMessageTest, ADoneIsDecodedWhateverItsBody) {
+  Decoded<Done>(MessageType::kDone, "{}");
+  Decoded<Done>(MessageType::kDone, "");
+}
+
+struct Malformed {
+  MessageType type;
+  std::string body;
+  std::string error;  // the whole message of the error
+};
+
+// Each field a worker sends, wrong in each way it can be.
+std::vector<Malformed> MalformedMessages() {
+  const std::string reg = "malformed message of type 4 (register): ";
+  const std::string rep = "malformed message of type 7 (report): ";
+  const std::string ckpt = "malformed message of type 10 (report with checkpoint): ";
+  const std::string err = "malformed message of type 8 (error): ";
+  const std::string u64 = "an integer from 0 to 18446744073709551615";
+  const std::string u32 = "an integer from 0 to 4294967295";
+  auto file = [](std::string_view fields) {
+    return CheckpointBody(R"({"files":[{"path":"ok","size":1,"crc32c":1},{)" + std::string(fields) +
+                          "}]}");
+  };
+  return {
+      {MessageType::kRegister, "host=node-1", reg + "the body is not JSON"},
+      {MessageType::kRegister, "[]", reg + "the body is [], not a JSON object"},
+      {MessageType::kRegister, R"({"host":7})", reg + "host is 7, not a string"},
+      {MessageType::kRegister, R"({"host":"h","pid":-1})", reg + "pid is -1, not " + u32},
+      {MessageType::kRegister, R"({"host":"h","pid":"1"})", reg + "pid is \"1\", not " + u32},
+      {MessageType::kRegister, R"({"host":"h","pid":4294967296})",
+       reg + "pid is 4294967296, not " + u32},
+      {MessageType::kRegister, R"({"host":[")" + std::string(100, 'a') + "\"]}",
+       reg + "host is [\"" + std::string(78, 'a') + "..., not a string"},  // cut short
+      {MessageType::kRegister, R"({"host":"h","coordinator":null})",
+       reg + "coordinator is null, not a string"},
+      {MessageType::kReport, "1234567",
+       rep + "report frame of 7 bytes is shorter than its 8-byte round number"},
+      {MessageType::kReportCheckpoint, EncodeReportBody(8, "{}"),
+       ckpt + "checkpoint report frame too short for its checkpoint description"},
+      {MessageType::kReportCheckpoint, CheckpointBody("{\"files\":"),
+       ckpt + "the body is not JSON"},
+      {MessageType::kReportCheckpoint, CheckpointBody("\"files\""),
+       ckpt + "the body is \"files\", not a JSON object"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"staging":"/s"})"),
+       ckpt + "files is missing"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":{}})"),
+       ckpt + "files is {}, not an array"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":["a.bin"]})"),
+       ckpt + "files[0] is \"a.bin\", not a JSON object"},
+      {MessageType::kReportCheckpoint, file(R"("size":1,"crc32c":1)"),
+       ckpt + "files[1].path is missing"},
+      {MessageType::kReportCheckpoint, file(R"("path":["a"],"size":1,"crc32c":1)"),
+       ckpt + "files[1].path is [\"a\"], not a string"},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","crc32c":1)"),
+       ckpt + "files[1].size is missing"},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":-3,"crc32c":1)"),
+       ckpt + "files[1].size is -3, not " + u64},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":1.5,"crc32c":1)"),
+       ckpt + "files[1].size is 1.5, not " + u64},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":1)"),
+       ckpt + "files[1].crc32c is missing"},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":1,"crc32c":4294967296)"),
+       ckpt + "files[1].crc32c is 4294967296, not " + u32},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":1,"crc32c":1,"mode":"0644")"),
+       ckpt + "files[1].mode is \"0644\", not " + u32},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":1,"crc32c":1,"link":false)"),
+       ckpt + "files[1].link is false, not a string"},
+      {MessageType::kReportCheckpoint, file(R"("path":"a","size":1,"crc32c":1,"sha256":1)"),
+       ckpt + "files[1].sha256 is 1, not a string"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":[],"staging":7})"),
+       ckpt + "staging is 7, not a string"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":[],"dir_name":["x"]})"),
+       ckpt + "dir_name is [\"x\"], not a string or null"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":[],"copy_id":"../elsewhere"})"),
+       ckpt + "copy_id is \"../elsewhere\", not 1 to 64 letters, digits and '-'"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":[],"copy_id":""})"),
+       ckpt + "copy_id is \"\", not 1 to 64 letters, digits and '-'"},
+      {MessageType::kReportCheckpoint,
+       CheckpointBody(R"({"files":[],"copy_id":")" + std::string(65, 'a') + "\"}"),
+       ckpt + "copy_id is \"" + std::string(65, 'a') + "\", not 1 to 64 letters, digits and '-'"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":[],"copy_id":5})"),
+       ckpt + "copy_id is 5, not 1 to 64 letters, digits and '-'"},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"files":[],"store":"yes"})"),
+       ckpt + "store is \"yes\", not true or false"},
+      {MessageType::kError, "Traceback (most recent call last)", err + "the body is not JSON"},
+      {MessageType::kError, R"("boom")", err + "the body is \"boom\", not a JSON object"},
+      {MessageType::kError, R"({"message":5})", err + "message is 5, not a string"},
+      {MessageType::kError, R"({"traceback":[]})", err + "traceback is [], not a string"},
+      {MessageType::kError, R"({"phase":{}})",
+       err + "phase is {}, not \"training\", \"start-up\" or \"storage\""},
+      {MessageType::kError, R"({"phase":"cleanup"})",
+       err + "phase is \"cleanup\", not \"training\", \"start-up\" or \"storage\""},
+      {MessageType::kError, R"({"phase":"storage","status_code":13})",
+       err + "status_code is 13, not a string"},
+      {MessageType::kHello, "", "unexpected message type 1"},
+      {MessageType::kStart, "{}", "unexpected message type 5"},
+      {MessageType::kCheckpointSettled, "release", "unexpected message type 12"},
+  };
+}
+
+TEST(DecodeWorkerMessageTest, EachMalformedFieldIsAnInvalidArgumentNamingIt) {
+  for (const Malformed& m : MalformedMessages()) {
+    StatusOr<WorkerMessage> decoded = DecodeWorkerMessage({m.type, m.body});
+    ASSERT_FALSE(decoded.ok()) << m.error;
+    EXPECT_EQ(decoded.status().code(), StatusCode::kInvalidArgument) << m.error;
+    EXPECT_EQ(decoded.status().message(), m.error);
+  }
+}
+
+TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgain) {
+  std::vector<std::pair<MessageType, std::string>> frames = {
+      {MessageType::kRegister, R"({"host":"node-1","pid":4242,"coordinator":"c:1"})"},
+      {MessageType::kRegister, R"({"host":""})"},
+      {MessageType::kReport, EncodeReportBody(1ull << 40, R"({"a":Infinity})")},
+      {MessageType::kReportCheckpoint,
+       CheckpointBody(R"({"staging":"/s","dir_name":"d","copy_id":"x-1","files":[)"
+                      R"({"path":"a","size":1,"crc32c":2,"mode":420,"link":"b"}]})")},
+      {MessageType::kReportCheckpoint, CheckpointBody(R"({"store":true,"files":[]})")},
+      {MessageType::kReportCheckpoint,
+       CheckpointBody(R"({"store":false,"dir_name":"","files":[]})")},
+      {MessageType::kError, R"({"message":"m","phase":"storage","status_code":"UNAVAILABLE"})"},
+      {MessageType::kError, "{}"},
+      {MessageType::kDone, "anything"},
+  };
+  for (const auto& [type, body] : frames) {
+    StatusOr<WorkerMessage> decoded = DecodeWorkerMessage({type, body});
+    ASSERT_TRUE(decoded.ok()) << body << ": " << decoded.status().ToString();
+    EXPECT_EQ(WorkerMessageType(*decoded), type);
+    StatusOr<std::string> encoded = EncodeWorkerMessage(*decoded);
+    ASSERT_TRUE(encoded.ok()) << encoded.status().ToString();
+    StatusOr<WorkerMessage> again = DecodeWorkerMessage({type, *encoded});
+    ASSERT_TRUE(again.ok()) << *encoded << ": " << again.status().ToString();
+    EXPECT_EQ(*again, *decoded) << body << " became " << *encoded;
+  }
+}
+
+TEST(IsCopyIdTest, AcceptsOneTo64LettersDigitsAndDashesOnly) {
+  EXPECT_TRUE(IsCopyId("a"));
+  EXPECT_TRUE(IsCopyId("0123456789abcdefABCDEF-"));
+  EXPECT_TRUE(IsCopyId(std::string(64, 'f')));
+  EXPECT_FALSE(IsCopyId(""));
+  EXPECT_FALSE(IsCopyId(std::string(65, 'f')));
+  EXPECT_FALSE(IsCopyId(".."));
+  EXPECT_FALSE(IsCopyId("a/b"));
+  EXPECT_FALSE(IsCopyId("a_b"));
+  EXPECT_FALSE(IsCopyId(std::string("a\0b", 3)));
+}
+
+TEST(StatusCodeByNameTest, NamesEveryCodeButOk) {
+  for (int c = 1; c <= static_cast<int>(StatusCode::kUnauthenticated); ++c) {
+    auto code = static_cast<StatusCode>(c);
+    EXPECT_EQ(StatusCodeByName(StatusCodeName(code)), code);
+  }
+  EXPECT_EQ(StatusCodeByName("OK"), StatusCode::kUnknown);
+  EXPECT_EQ(StatusCodeByName("unavailable"), StatusCode::kUnknown);
+  EXPECT_EQ(StatusCodeByName(""), StatusCode::kUnknown);
+}
+
+}  // namespace
+}  // namespace jaxtrain::wire
