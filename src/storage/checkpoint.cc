@@ -580,6 +580,21 @@ bool IsCleanRelativePath(const std::string& path) {
   return true;
 }
 
+// What every entry of a part must be, wherever its files are: a clean relative path, and a
+// sha256 that is "" or one.
+Status CheckEntryForm(const std::string& who, const FileEntry& f) {
+  if (!IsCleanRelativePath(f.path)) {
+    return InvalidArgumentError(who + " names the file '" + f.path +
+                                "', which is not a clean relative path (no leading '/', no "
+                                "'..', '.' or empty parts); refused");
+  }
+  if (!IsSha256HexOrEmpty(f.sha256)) {
+    return InvalidArgumentError(who + " gives '" + f.path + "' the sha256 '" + f.sha256 +
+                                "', which is not 64 lowercase hexadecimal digits; refused");
+  }
+  return OkStatus();
+}
+
 // CheckStagedPart of a part whose files are in the store: only what its description says.
 Status CheckStoredPart(const RankCheckpoint& part) {
   const std::string who = "rank " + std::to_string(part.rank) + "'s checkpoint";
@@ -588,15 +603,7 @@ Status CheckStoredPart(const RankCheckpoint& part) {
                                 part.staging_dir + "'; refused");
   }
   for (const auto& f : part.files) {
-    if (!IsCleanRelativePath(f.path)) {
-      return InvalidArgumentError(who + " names the file '" + f.path +
-                                  "', which is not a clean relative path (no leading '/', no "
-                                  "'..', '.' or empty parts); refused");
-    }
-    if (!IsSha256HexOrEmpty(f.sha256)) {
-      return InvalidArgumentError(who + " gives '" + f.path + "' the sha256 '" + f.sha256 +
-                                  "', which is not 64 lowercase hexadecimal digits; refused");
-    }
+    JT_RETURN_IF_ERROR(CheckEntryForm(who, f));
     if (!f.link.empty() && !LexicalTarget(f.path, f.link)) {
       return InvalidArgumentError(who + " lists '" + f.path + "' as a link to '" + f.link +
                                   "', which is not a link inside the checkpoint; refused");
@@ -623,15 +630,7 @@ Status CheckStagedPart(const std::string& run_dir, const RankCheckpoint& part) {
                                 "' is not a directory (a symbolic link, or missing); refused");
   }
   for (const auto& f : part.files) {
-    if (!IsCleanRelativePath(f.path)) {
-      return InvalidArgumentError(who + " names the file '" + f.path +
-                                  "', which is not a clean relative path (no leading '/', no "
-                                  "'..', '.' or empty parts); refused");
-    }
-    if (!IsSha256HexOrEmpty(f.sha256)) {
-      return InvalidArgumentError(who + " gives '" + f.path + "' the sha256 '" + f.sha256 +
-                                  "', which is not 64 lowercase hexadecimal digits; refused");
-    }
+    JT_RETURN_IF_ERROR(CheckEntryForm(who, f));
     for (const auto& parent : ParentDirs(part.staging_dir, f.path)) {
       if (lstat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
         return InvalidArgumentError(who + " has '" + f.path + "', but '" + parent +
