@@ -36,9 +36,10 @@ constexpr uint8_t kStartAuthenticated = 1;  // the peer is past the handshake fr
 constexpr uint8_t kLenient = 2;  // every frame advances the handshake, whatever the controller says
 constexpr uint8_t kOneByteChunks = 4;  // a slow peer: one byte per recv()
 
-// The largest single allocation while `watching`, from the sanitizer allocator's hook.
-bool watching = false;
-size_t largest_allocation = 0;
+// The largest single allocation of this thread while `watching`, from the sanitizer allocator's
+// hook. Per thread: libFuzzer's own threads (its RSS watcher) allocate whenever they like.
+thread_local bool watching = false;
+thread_local size_t largest_allocation = 0;
 
 void OnMalloc(const volatile void*, size_t size) {
   if (watching) largest_allocation = std::max(largest_allocation, size);
