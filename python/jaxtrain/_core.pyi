@@ -33,7 +33,7 @@ class CheckpointConfig:
 class FailureConfig:
     def __init__(self, max_failures: int, controller_failure_limit: int, progress_timeout_s: float | None) -> None: ...
 
-def stage_directory(src: str, dst: str, durable: bool = True, sha256: bool = False) -> list:
+def stage_directory(src: str, dst: str, durable: bool = True) -> list:
     """
     Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links. Without durable, the copy is not fsynced (the commit fsyncs it).
     """

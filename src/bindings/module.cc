@@ -494,15 +494,15 @@ NB_MODULE(_core, m) {
 
   m.def(
       "stage_directory",
-      [](const std::string& src, const std::string& dst, bool durable, bool sha256) {
+      [](const std::string& src, const std::string& dst, bool durable) {
         StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
         {
           nb::gil_scoped_release release;
-          entries = storage::StageDirectory(src, dst, durable, sha256);
+          entries = storage::StageDirectory(src, dst, durable);
         }
         return EntriesToList(Unwrap(std::move(entries)));
       },
-      "src"_a, "dst"_a, "durable"_a = true, "sha256"_a = false,
+      "src"_a, "dst"_a, "durable"_a = true,
       "Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and "
       "kept links. Without durable, the copy is not fsynced (the commit fsyncs it).");
 
