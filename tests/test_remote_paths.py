@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import Checkpoint, storage
+from jaxtrain import Checkpoint, _core, storage
 
 pytest_plugins = ["s3_server"]  # the fixtures s3_endpoint and bucket
 
@@ -105,8 +105,8 @@ def test_an_index_dir_name_outside_the_run_is_ignored(s3, bucket, tmp_path, capf
 
 def _checkpoint(client, bucket, files):
     """A committed checkpoint at runs/exp/checkpoint_000001 holding `files` (path -> bytes)."""
-    manifest = {"file_list": [{"path": p, "size": len(b), "mode": 0o644} for p, b in files.items()],
-                "dirs": [], "links": []}
+    manifest = {"file_list": [{"path": p, "size": len(b), "crc32c": _core.crc32c(b), "mode": 0o644}
+                              for p, b in files.items()], "dirs": [], "links": []}
     for path, body in files.items():
         _put(client, bucket, f"runs/exp/checkpoint_000001/{path}", body)
     _put(client, bucket, "runs/exp/checkpoint_000001/.jaxtrain_manifest.json",
@@ -147,3 +147,15 @@ def test_a_symlink_planted_in_the_local_copy_never_redirects_a_write(s3, bucket,
     Checkpoint(root, fs).to_directory(copy)  # plain files and directories: copied
     assert (copy / "keys" / "k.bin").read_bytes() == b"key"
     assert (copy / "data.bin").read_bytes() == b"data"
+
+
+def test_a_checkpoint_whose_manifest_lacks_a_checksum_is_refused_naming_it(s3, bucket, tmp_path):
+    fs, client = s3
+    root = f"{bucket}/runs/exp/checkpoint_000002"
+    _put(client, bucket, "runs/exp/checkpoint_000002/a.bin", b"a")
+    _put(client, bucket, "runs/exp/checkpoint_000002/.jaxtrain_manifest.json",
+         json.dumps({"file_list": [{"path": "a.bin", "size": 1}]}).encode())
+    with pytest.raises(ValueError, match=r"damaged manifest .*\"a.bin\".* whole-number size and "
+                                         r"crc32c"):
+        Checkpoint(root, fs).to_directory(tmp_path / "copy")
+    assert not (tmp_path / "copy" / "a.bin").exists()

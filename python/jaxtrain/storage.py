@@ -584,8 +584,16 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
     except FileNotFoundError:
         raise FileNotFoundError(f"{where!r} is not a committed checkpoint: it has no manifest "
                                 f"({MANIFEST_NAME})") from None
-    files = [f for f in manifest.get("file_list", [])]
+    files = manifest.get("file_list") if isinstance(manifest, dict) else None
+    if not isinstance(files, list):
+        raise ValueError(f"checkpoint {where} has a damaged manifest ({MANIFEST_NAME}): "
+                         "no list of files")
     for f in files:
+        if not isinstance(f, dict) or not all(isinstance(f.get(k), int)
+                                              for k in ("size", "crc32c")):
+            raise ValueError(f"checkpoint {where} has a damaged manifest ({MANIFEST_NAME}): "
+                             f"{json.dumps(f)[:200]} is not a file with a whole-number size "
+                             "and crc32c")
         f["_parts"] = _clean_parts(f.get("path"), where)
     files.sort(key=lambda f: (f.get("rank") != first_rank, -int(f.get("size", 0))))
     progress = _Progress("downloading", f"from {where}")
