@@ -98,22 +98,25 @@ class Store:
         progress.what = dir_name
         progress.total = sum(f["size"] for f in regular)
 
-        def put(f: dict) -> None:
+        def put(f: dict, hashes: ThreadPoolExecutor) -> None:
             target = posixpath.join(remote, f["path"])
             local = os.path.join(staging, *f["path"].split("/"))
             # The SHA-256 of the staged copy (in the page cache), by OpenSSL with the CPU's
-            # SHA instructions and without the GIL, on the upload's own thread.
-            f["sha256"] = _sha256(local)
+            # SHA instructions and without the GIL, while the file is being uploaded.
+            sha256 = hashes.submit(_sha256, local)
             try:
                 self.fs.put_file(local, target)
             except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
                 raise StoreError(_failure("uploading", storage.url(self.fs, target), e)) from e
+            f["sha256"] = sha256.result()
             progress.add(f["size"])
 
         try:
             with ThreadPoolExecutor(max_workers=_UPLOADS,
-                                    thread_name_prefix="jaxtrain-upload") as pool:
-                for done in [pool.submit(put, f) for f in regular]:
+                                    thread_name_prefix="jaxtrain-upload") as pool, \
+                    ThreadPoolExecutor(max_workers=_UPLOADS,
+                                       thread_name_prefix="jaxtrain-sha256") as hashes:
+                for done in [pool.submit(put, f, hashes) for f in regular]:
                     done.result()
         finally:
             shutil.rmtree(staging, ignore_errors=True)
