@@ -313,8 +313,7 @@ def report(
     names into one checkpoint.
     """
     session = _require("report")
-    if not isinstance(metrics, dict):
-        raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
+    text = _metrics_text(metrics)
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise TypeError(
             f"report(checkpoint=...) takes a jaxtrain.Checkpoint; got {type(checkpoint).__name__} "
@@ -322,7 +321,6 @@ def report(
         )
     if checkpoint_dir_name is not None and not isinstance(checkpoint_dir_name, str):
         raise TypeError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}) takes a string")
-    text = json.dumps(metrics, default=_to_json)
     with session.lock:
         store = session.store
         if checkpoint is not None and store is not None:  # refused before the round counts
@@ -364,14 +362,19 @@ def _report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:
     counts, waits for the previous checkpoint and goes after the queued reports as with
     ``report(checkpoint=)``."""
     session = _require("report")
-    if not isinstance(metrics, dict):
-        raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
-    text = json.dumps(metrics, default=_to_json)
+    text = _metrics_text(metrics)
     description = {"store": True, "dir_name": dir_name, "files": files}
     with session.lock:
         session.round += 1
         session.wait_checkpoints_settled()
         session.client.report_checkpoint(session.round, json.dumps(description), text)
+
+
+def _metrics_text(metrics: Any) -> str:
+    """The metrics of a report as the controller takes them: a dict, as JSON."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
+    return json.dumps(metrics, default=_to_json)
 
 
 def _say_over_budget(session: _Session, path: str) -> None:

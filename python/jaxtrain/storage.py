@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxtrain import _core
@@ -241,9 +242,9 @@ class Mirror:
             self.push(with_logs=True)
             # Swept only now: a checkpoint the workers uploaded, committed here but not yet
             # there, has its manifest and its place in the index on the storage from now on.
-            self._sweep({c["dir_name"] for c in self._remote})
+            self._sweep()
             return
-        self._sweep(set(kept))
+        self._sweep()
         if os.path.exists(self.local):
             shutil.rmtree(self.local)
         os.makedirs(self.local)
@@ -317,8 +318,10 @@ class Mirror:
                       file=sys.stderr)
         return dict(index, checkpoints=kept)
 
-    def _sweep(self, kept: set[str]) -> None:
-        """Deletes remote directories that the index does not name: interrupted uploads."""
+    def _sweep(self) -> None:
+        """Deletes remote directories that the remote index does not name: interrupted
+        uploads."""
+        kept = {c["dir_name"] for c in self._remote}
         try:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:  # object stores have no empty directories
@@ -404,7 +407,7 @@ class Mirror:
         try:
             self.push(with_logs=True)
             if self.store_direct:  # what the last attempt's workers uploaded and no one commits
-                self._sweep({c["dir_name"] for c in self._remote})
+                self._sweep()
         except Exception as e:  # noqa: BLE001 - any backend's failure is the same answer
             raise RuntimeError(
                 f"uploading the run to {self.url} failed: {type(e).__name__}: {e}; everything "
@@ -595,10 +598,10 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
                              f"{json.dumps(f)[:200]} is not a file with a whole-number size "
                              "and crc32c")
         f["_parts"] = _clean_parts(f.get("path"), where)
-    files.sort(key=lambda f: (f.get("rank") != first_rank, -int(f.get("size", 0))))
+    files.sort(key=lambda f: (f.get("rank") != first_rank, -f["size"]))
     progress = _Progress("downloading", f"from {where}")
     progress.what = posixpath.basename(root)
-    progress.total = sum(int(f.get("size", 0)) for f in files)
+    progress.total = sum(f["size"] for f in files)
     os.makedirs(target, exist_ok=True)
 
     def get(f: dict) -> None:
@@ -617,8 +620,6 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
                 f"checkpoint {where}: {f['path']!r} does not match its manifest: "
                 f"{size} bytes with CRC-32C {crc:#010x} where the manifest says {f['size']} bytes "
                 f"with {f['crc32c']:#010x} (damaged or replaced on the storage)")
-
-    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=_DOWNLOADS, thread_name_prefix="jaxtrain-download") as p:
         for done in [p.submit(get, f) for f in files]:

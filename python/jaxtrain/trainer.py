@@ -144,30 +144,34 @@ class JaxTrainer:
         launcher_options = ""
         store = None  # the hosts upload their checkpoints to object storage themselves
         if launcher == "slurm":
-            store = _store_direct(self.run_config, mirror, _slurm_spans_hosts())
-            if _slurm_spans_hosts() and store is None:
+            spans_hosts = _slurm_spans_hosts()
+            store = _store_direct(self.run_config, mirror, spans_hosts)
+            if spans_hosts and store is None:
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
         elif launcher == "kubernetes":
             from jaxtrain import kubernetes
 
-            store = _store_direct(self.run_config, mirror, True)
+            spans_hosts = True  # pods never share the driver's directories
+            store = _store_direct(self.run_config, mirror, spans_hosts)
             plan = _core.plan_kubernetes(self.scaling_config._core)
             # Refused before the cluster is asked for anything (docs/kubernetes.md).
             launcher_options = json.dumps(kubernetes.launch_options(
                 self.run_config.name, run_dir, needs_run_dir=store is None))
         elif launcher == "ssh":
             plan = _core.plan_ssh(self.scaling_config._core)
-            store = _store_direct(self.run_config, mirror, _plan_spans_hosts(plan))
-            if _plan_spans_hosts(plan) and store is None:
+            spans_hosts = _plan_spans_hosts(plan)
+            store = _store_direct(self.run_config, mirror, spans_hosts)
+            if spans_hosts and store is None:
                 _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
-            store = _store_direct(self.run_config, mirror, False)
+            spans_hosts = False
+            store = _store_direct(self.run_config, mirror, spans_hosts)
         payload = _pickle_task(fn, self.train_loop_config, self._takes_config, store)
-        shipped = _ship_working_dir(self.run_config, launcher, plan)  # refused before any start
+        shipped = _ship_working_dir(self.run_config, spans_hosts)  # refused before any start
         if mirror is not None:
             # pull() rebuilds the staging copy, which a live driver of this run is writing; the
             # controller takes the run's lock only later (RunStore::Open).
@@ -466,14 +470,11 @@ def _working_dir(run_config: RunConfig) -> str | None:
     return (run_config.worker_runtime_env or {}).get("working_dir")
 
 
-def _ship_working_dir(run_config: RunConfig, launcher: str,
-                      plan: Any) -> runtime_env.Packed | None:
+def _ship_working_dir(run_config: RunConfig, spans_hosts: bool) -> runtime_env.Packed | None:
     """The working_dir, packed, for workers on other hosts (docs/hosts.md); None where every
-    worker is on this host and works in the directory itself. Pods never share it."""
+    worker is on this host and works in the directory itself."""
     working_dir = _working_dir(run_config)
-    if working_dir is None or not (
-            launcher == "kubernetes" or (launcher == "ssh" and _plan_spans_hosts(plan))
-            or (launcher == "slurm" and _slurm_spans_hosts())):
+    if working_dir is None or not spans_hosts:
         return None
     return runtime_env.pack(working_dir, run_config.worker_runtime_env.get("excludes", ()))
 

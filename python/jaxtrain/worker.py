@@ -365,7 +365,8 @@ def _open_store(client, task: dict, start: dict, rank: int, attempt: int):
     try:
         fs = spec["fs"] if "fs" in spec else checkpoint_store.open_url(spec["url"])
     except Exception as e:
-        _fail(client, "storage", EXIT_START_UP, f"start-up failed: {e}", "UNAVAILABLE")
+        _fail(client, "storage", EXIT_START_UP, f"start-up failed: {e}",
+              checkpoint_store.status_code(e.__cause__ or e))
     store = checkpoint_store.Store(fs, spec["root"], rank, attempt, start["first_round"],
                                    start.get("committed") or [], start["experiment_name"])
     if rank == 0:
@@ -480,7 +481,9 @@ def main() -> None:
     start = json.loads(start_json)
 
     try:
-        store_run = os.environ.get("JAXTRAIN_RUN_STORE") == "1"  # checkpoint_store.STORE_ENV
+        from jaxtrain.checkpoint_store import STORE_ENV
+
+        store_run = os.environ.get(STORE_ENV) == "1"
         if _use_compilation_cache(jax, start["run_dir"]) and world_size > 1 and (
                 platform == "cpu" or store_run):
             _cache_every_cpu_rank(every_host=store_run)
@@ -532,10 +535,11 @@ def main() -> None:
             checkpoint_memory.sweep(start["run_dir"])
         peers = _start_peers(memory, secret, rank, world_size)
     try:
-        checkpoint = store.checkpoint(start["checkpoint"]) if store and start.get(
-            "checkpoint") else _restore_point(start.get("checkpoint"), memory, rank, attempt,
-                                              start.get("checkpoint_checksums_skipped", False),
-                                              peers)
+        if store is not None and start.get("checkpoint"):
+            checkpoint = store.checkpoint(start["checkpoint"])  # read from the store itself
+        else:
+            checkpoint = _restore_point(start.get("checkpoint"), memory, rank, attempt,
+                                        start.get("checkpoint_checksums_skipped", False), peers)
     except Exception as e:
         _fail(client, "start-up", EXIT_START_UP,
               f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
