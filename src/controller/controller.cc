@@ -461,8 +461,27 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       failure->signal = exit_failure.signal;
       failure->message = exit_failure.message;
     }
+    if (failure && failure->rank != rank && exit.signal == SIGKILL && !sent_sigkill &&
+        IsPeerNotice(failure->cause)) {
+      return Reblame(std::move(exit_failure));
+    }
     if (stopping || (exit.ok() && r.done)) return;
     Fail(std::move(exit_failure));
+  }
+
+  // A SIGKILL the controller did not send comes from outside (the kernel's out-of-memory killer,
+  // an operator, a reclaimed machine): it is the attempt's cause, over an error or exit of
+  // another rank seen first, which is most often a peer noticing the loss in a collective (and
+  // may be read first: connections are handled before processes in one turn of the loop).
+  static bool IsPeerNotice(FailureCause cause) {
+    return cause == FailureCause::kException || cause == FailureCause::kExit ||
+           cause == FailureCause::kConnection;
+  }
+  void Reblame(RankFailure killed) {
+    const std::string first = failure->message.substr(0, failure->message.find('\n'));
+    killed.message += "; rank " + std::to_string(failure->rank) + " failed meanwhile: " + first;
+    failure.reset();
+    Fail(std::move(killed));
   }
 
   // The process that ran several ranks (srun) has ended. How each rank ended is known from srun's

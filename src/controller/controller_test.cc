@@ -361,6 +361,28 @@ TEST_F(ControllerTest, AWorkerKilledBySignalIsNamed) {
   ExpectWorkersGone(WorkerPids(3));
 }
 
+// A rank killed from outside is blamed, not the peer whose error about the lost collective the
+// controller happened to read first.
+TEST_F(ControllerTest, AKilledRankIsBlamedOverAPeerThatNoticedItFirst) {
+  ControllerOptions options = Options(4, {"crash-noticed"});
+  options.worker_env["FAKE_FAIL_RANK"] = "2";
+  auto controller = Make(std::move(options));
+  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+
+  const Outcome& out = controller->outcome();
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 2);
+  EXPECT_EQ(out.failure->cause, FailureCause::kSignal);
+  EXPECT_EQ(out.failure->signal, SIGKILL);
+  EXPECT_EQ(out.failure->log_path, RunDir() + "/logs/rank-2.log");
+  EXPECT_TRUE(Contains(out.failure->message,
+                       "(SIGKILL); rank 3 failed meanwhile: RuntimeError: a "
+                       "peer of the collective is gone"))
+      << out.failure->message;
+  EXPECT_EQ(RunState()["attempts"][0]["failure"].value("rank", -1), 2);
+  ExpectWorkersGone(WorkerPids(4));
+}
+
 TEST_F(ControllerTest, RanksThatNeverPrintGetTheirLogsWhenTheAttemptEnds) {
   ControllerOptions options = Options(3, {"crash"});
   options.worker_env["FAKE_FAIL_RANK"] = "1";

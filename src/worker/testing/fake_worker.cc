@@ -8,6 +8,10 @@
 //   raise         after the start, rank FAKE_FAIL_RANK sends an error with a traceback and exits 1
 //   exit0         after the start, rank FAKE_FAIL_RANK exits 0 without sending done
 //   crash         after the start, rank FAKE_FAIL_RANK kills itself with SIGKILL
+//   crash-noticed rank FAKE_PEER_RANK (default FAKE_FAIL_RANK + 1) sends an error at once, as a
+//                 peer noticing a lost collective does; rank FAKE_FAIL_RANK ignores the stop's
+//                 SIGTERM and kills itself with SIGKILL then, so its death is seen after the
+//                 peer's error (as when the controller reads the error first)
 //   hang          every rank waits after the start
 //   wrong-secret  connects with a wrong secret first, which must fail with kUnauthenticated;
 //                 then runs as ok
@@ -22,6 +26,7 @@
 //
 // Environment: the JAXTRAIN_* variables the controller sets, and
 //   FAKE_FAIL_RANK    the rank that fails (default 0)
+//   FAKE_PEER_RANK    crash-noticed: the rank that reports the failure first
 //   FAKE_EVENTS_FIFO  when set, each rank writes one byte to this FIFO at each step: 'P' once it
 //                     has printed its pid, 'R' once registered, 'S' once started; so a test can act
 //                     at a known point without sleeping
@@ -117,6 +122,11 @@ int Run(const std::string& mode, int rounds) {
     std::fflush(stdout);
   }
   SignalEvent('P');
+  sigset_t sigterm;
+  sigemptyset(&sigterm);
+  sigaddset(&sigterm, SIGTERM);
+  // Blocked before any thread starts, so that sigwait() below is the only taker.
+  if (mode == "crash-noticed" && failing_rank) sigprocmask(SIG_BLOCK, &sigterm, nullptr);
   if (mode == "noconnect" && failing_rank) WaitToBeKilled();
   if (mode == "earlyexit" && failing_rank) return kExitStartUp;
 
@@ -167,8 +177,11 @@ int Run(const std::string& mode, int rounds) {
     s = (*client)->SendDone("{}");
     return s.ok() ? 0 : Misuse(s.ToString());
   }
-  if (failing_rank && mode == "raise") {
-    const std::string message = "RuntimeError: fake failure on rank " + std::to_string(rank);
+  const bool peer_rank = rank == EnvInt("FAKE_PEER_RANK", EnvInt("FAKE_FAIL_RANK", 0) + 1);
+  if ((failing_rank && mode == "raise") || (peer_rank && mode == "crash-noticed")) {
+    const std::string message = mode == "raise"
+                                    ? "RuntimeError: fake failure on rank " + std::to_string(rank)
+                                    : std::string("RuntimeError: a peer of the collective is gone");
     const std::string traceback =
         "Traceback (most recent call last):\n  File \"fake_worker\", in train\n" + message + "\n";
     std::fputs(traceback.c_str(), stderr);
@@ -184,6 +197,11 @@ int Run(const std::string& mode, int rounds) {
   }
   if (failing_rank && mode == "exit0") _exit(0);
   if (failing_rank && mode == "crash") raise(SIGKILL);
+  if (failing_rank && mode == "crash-noticed") {
+    int signal = 0;
+    sigwait(&sigterm, &signal);
+    raise(SIGKILL);
+  }
   WaitToBeKilled();
 }
 
@@ -192,9 +210,9 @@ int Run(const std::string& mode, int rounds) {
 
 int main(int argc, char** argv) {
   using jaxtrain::worker::Misuse;
-  static const char* const kModes[] = {"ok",        "raise",        "exit0",     "crash",
-                                       "hang",      "wrong-secret", "noconnect", "malformed",
-                                       "duplicate", "earlyexit"};
+  static const char* const kModes[] = {"ok",        "raise",        "exit0",        "crash",
+                                       "hang",      "wrong-secret", "noconnect",    "malformed",
+                                       "duplicate", "earlyexit",    "crash-noticed"};
   if (argc < 2 || argc > 3) return Misuse("usage: fake_worker <mode> [rounds]");
   const std::string mode = argv[1];
   bool known = false;
