@@ -9,7 +9,13 @@ from jaxtrain import train
 from jaxtrain.callbacks import RunContext, UserCallback
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from jaxtrain.errors import ControllerError, TrainingFailedError, WorkerGroupError
+from jaxtrain.errors import (
+    ControllerError,
+    PreemptionError,
+    TrainingFailedError,
+    WorkerGroupError,
+)
+from jaxtrain.preemption import PreemptionInfo, get_preemption_info
 from jaxtrain.result import Result
 from jaxtrain.session import TrainContext, get_checkpoint, get_context, report
 from jaxtrain.trainer import JaxTrainer
@@ -19,6 +25,8 @@ __all__ = [
     "CheckpointConfig",
     "ControllerError",
     "FailureConfig",
+    "PreemptionError",
+    "PreemptionInfo",
     "JaxTrainer",
     "Result",
     "RunConfig",
@@ -30,6 +38,7 @@ __all__ = [
     "WorkerGroupError",
     "get_checkpoint",
     "get_context",
+    "get_preemption_info",
     "report",
     "train",
 ]

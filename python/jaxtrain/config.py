@@ -174,17 +174,26 @@ class FailureConfig:
     cannot start (a start-up failure) is retried up to ``controller_failure_limit`` times (-1:
     without limit; Ray's default is -1, jaxtrain's 3, see docs/ray-differences.md).
     ``progress_timeout_s`` turns on the progress watchdog: once a rank has called ``report()``,
-    going that many seconds without another call counts as a failure (alive but stuck)."""
+    going that many seconds without another call counts as a failure (alive but stuck).
+    Preemptions (a worker's SIGTERM that the run did not send: a reclaimed spot VM, a drained
+    node; docs/preemption.md) are not failures: they have their own budget,
+    ``max_preemption_failures`` (-1, the default: without limit), and the group goes on after a
+    notice for ``preemption_grace_s`` at most (or until a checkpoint reported after it is
+    committed) before it is stopped and restarted."""
 
     max_failures: int
     controller_failure_limit: int
     progress_timeout_s: float | None
+    max_preemption_failures: int
+    preemption_grace_s: float
 
     def __init__(
         self,
         max_failures: int = 0,
         controller_failure_limit: int = 3,
         progress_timeout_s: float | None = None,
+        max_preemption_failures: int = -1,
+        preemption_grace_s: float = 30.0,
     ) -> None:
         owner = "FailureConfig"
         _expect(owner, "max_failures", max_failures, (int,), "use 0, a positive number, or -1")
@@ -193,20 +202,30 @@ class FailureConfig:
         if progress_timeout_s is not None:
             _expect(owner, "progress_timeout_s", progress_timeout_s, (int, float),
                     "give a number of seconds > 0, or None")
+        _expect(owner, "max_preemption_failures", max_preemption_failures, (int,),
+                "use 0, a positive number, or -1")
+        _expect(owner, "preemption_grace_s", preemption_grace_s, (int, float),
+                "give a number of seconds > 0")
         self._core = _core.FailureConfig(
             max_failures=max_failures,
             controller_failure_limit=controller_failure_limit,
             progress_timeout_s=None if progress_timeout_s is None else float(progress_timeout_s),
+            max_preemption_failures=max_preemption_failures,
+            preemption_grace_s=float(preemption_grace_s),
         )
         self.max_failures = max_failures
         self.controller_failure_limit = controller_failure_limit
         self.progress_timeout_s = progress_timeout_s
+        self.max_preemption_failures = max_preemption_failures
+        self.preemption_grace_s = preemption_grace_s
 
     def _as_dict(self) -> dict:
         return {
             "max_failures": self.max_failures,
             "controller_failure_limit": self.controller_failure_limit,
             "progress_timeout_s": self.progress_timeout_s,
+            "max_preemption_failures": self.max_preemption_failures,
+            "preemption_grace_s": self.preemption_grace_s,
         }
 
     def __repr__(self) -> str:

@@ -8,7 +8,7 @@ class TrainingFailedError(RuntimeError):
 
     Attributes name the first failing rank: ``rank``, ``host``, ``attempt``, ``cause`` (one of
     "exception", "exit", "signal", "oom", "connection", "watchdog", "start-up", "checkpoint",
-    "storage"), ``exit_code`` (the status its process exited with, else None), ``signal`` (the
+    "storage", "preemption"), ``exit_code`` (the status its process exited with, else None), ``signal`` (the
     signal that ended it, else None), ``status_code`` (for "storage" and "checkpoint": the
     error's code, e.g. "RESOURCE_EXHAUSTED" for a full disk, else None), ``worker_traceback``
     (the worker's Python traceback, when it raised), ``log_path`` and ``log_tail``. ``rank`` is
@@ -67,8 +67,12 @@ class TrainingFailedError(RuntimeError):
             lines += ["", f"Full log: {f['log_path']}"]
         last = attempts[-1] if attempts else f
         kind = cls
+        extra: dict = {}
         if cls is TrainingFailedError:
             kind = ControllerError if last["cause"] == "start-up" else WorkerGroupError
+            if last["cause"] == "preemption":
+                kind = PreemptionError
+                extra = PreemptionError._details(last.get("preemption"))
         return kind(
             "\n".join(lines),
             rank=f["rank"],
@@ -81,6 +85,7 @@ class TrainingFailedError(RuntimeError):
             worker_traceback=f["traceback"],
             log_path=f["log_path"],
             log_tail=f["log_tail"],
+            **extra,
         )
 
 
@@ -110,3 +115,30 @@ class ControllerError(TrainingFailedError):
                  **kwargs) -> None:
         super().__init__(message, **kwargs)
         self.controller_failure: BaseException = controller_failure or RuntimeError(message)
+
+
+class PreemptionError(TrainingFailedError):
+    """A run ended by preemptions, more of them than ``FailureConfig.max_preemption_failures``
+    allows (as Ray Train V2's ``PreemptionError``; docs/preemption.md). ``preemption_info`` is
+    the last preemption's ``PreemptionInfo``; ``drain_timed_out`` is True when its deadline
+    passed before a checkpoint reported after the notice was committed (the group was then
+    stopped by jaxtrain), False when the commit (or the preempted workers' end) came first."""
+
+    def __init__(self, message: str, *, preemption_info=None, drain_timed_out: bool = False,
+                 **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.preemption_info = preemption_info
+        self.drain_timed_out = drain_timed_out
+
+    @staticmethod
+    def _details(record) -> dict:
+        """The keyword arguments for a failure record's "preemption" (JSON text or a dict)."""
+        import json
+
+        from jaxtrain.preemption import PreemptionInfo
+
+        if not record:
+            return {}
+        j = json.loads(record) if isinstance(record, str) else record
+        return {"preemption_info": PreemptionInfo._from_json(json.dumps(j)),
+                "drain_timed_out": bool(j.get("drain_timed_out", False))}

@@ -247,6 +247,7 @@ class _Session:
                               store, fail_storage)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
+        self.preempted = False  # get_preemption_info() returned a notice (preemption.py)
 
     def wait_checkpoints_settled(self) -> None:
         """Returns once this rank's checkpoints are staged, reported and their commits ended."""
@@ -326,6 +327,7 @@ def report(
         if checkpoint is not None and store is not None:  # refused before the round counts
             checkpoint_dir_name = store.dir_name(session.round + 1, checkpoint_dir_name)
         session.round += 1
+        session.client.note_round(session.round)  # a preemption's answer names it
         if checkpoint is None:
             session.stager.report(session.round, text)
             return
@@ -353,6 +355,10 @@ def report(
             session.client.report_checkpoint(session.round, json.dumps(description), text)
         else:
             session.stager.checkpoint(session.round, text, snapshot, description)
+        if session.preempted:
+            # A just-in-time checkpoint: its commit stops the group, so nothing is done past it
+            # that the restart would do again (the controller sends no settle for it).
+            session.wait_checkpoints_settled()
 
 
 def _report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:

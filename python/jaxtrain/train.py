@@ -4,7 +4,13 @@ after ``import jaxtrain as ray``."""
 from jaxtrain.callbacks import RunContext, UserCallback
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from jaxtrain.errors import ControllerError, TrainingFailedError, WorkerGroupError
+from jaxtrain.errors import (
+    ControllerError,
+    PreemptionError,
+    TrainingFailedError,
+    WorkerGroupError,
+)
+from jaxtrain.preemption import PreemptionInfo, get_preemption_info
 from jaxtrain.result import Result
 from jaxtrain.session import TrainContext, get_checkpoint, get_context, report
 
@@ -13,6 +19,8 @@ __all__ = [
     "CheckpointConfig",
     "ControllerError",
     "FailureConfig",
+    "PreemptionError",
+    "PreemptionInfo",
     "Result",
     "RunConfig",
     "RunContext",
@@ -23,5 +31,6 @@ __all__ = [
     "WorkerGroupError",
     "get_checkpoint",
     "get_context",
+    "get_preemption_info",
     "report",
 ]

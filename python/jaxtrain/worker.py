@@ -509,9 +509,12 @@ def main() -> None:
         )
         if reserved is not None:
             reserved.close()  # the coordinator has bound the port
-        # jax.distributed installs a SIGTERM handler for its preemption service; the controller
-        # stops a group with SIGTERM and must not wait for a grace period to end every worker.
+        # jax.distributed installs a SIGTERM handler for its preemption service; jaxtrain's own
+        # takes its place: a SIGTERM the run did not send is a preemption notice (agreed by every
+        # rank through the controller, get_preemption_info()); the group's own stop still ends
+        # the process at once (docs/preemption.md).
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        client.watch_preemption()
         import cloudpickle
 
         from jaxtrain import runtime_env

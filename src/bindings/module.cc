@@ -125,6 +125,8 @@ nb::dict FailureToDict(const controller::RankFailure& f) {
   d["traceback"] = f.traceback;
   d["log_path"] = f.log_path;
   d["log_tail"] = f.log_tail;
+  d["preemption"] =
+      f.preemption.is_null() ? nb::none() : nb::object(nb::str(f.preemption.dump().c_str()));
   return d;
 }
 
@@ -154,6 +156,8 @@ class PyController {
     o.progress_timeout = Seconds(failure_config.progress_timeout_s().value_or(0));
     o.max_failures = failure_config.max_failures();
     o.max_start_failures = failure_config.controller_failure_limit();
+    o.max_preemptions = failure_config.max_preemption_failures();
+    o.preemption_grace = Seconds(failure_config.preemption_grace_s());
     const auto& cc = checkpoint_config.input();
     o.retention = {.num_to_keep = cc.num_to_keep,
                    .score_attribute = cc.checkpoint_score_attribute,
@@ -401,6 +405,12 @@ class PyWorkerClient {
     Check(s);
   }
   void WatchController(int exit_code) { client_->WatchController(exit_code); }
+  void WatchPreemption() { Check(client_->WatchPreemption()); }
+  std::string PreemptionCall() {
+    nb::gil_scoped_release release;
+    return client_->PreemptionCall();
+  }
+  void NoteRound(uint64_t round) { client_->NoteRound(round); }
   void Stop() {
     nb::gil_scoped_release release;
     client_->Stop();
@@ -484,13 +494,17 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](config::FailureConfig* self, int max_failures, int controller_failure_limit,
-             std::optional<double> progress_timeout_s) {
+             std::optional<double> progress_timeout_s, int max_preemption_failures,
+             double preemption_grace_s) {
             new (self) config::FailureConfig(Unwrap(
                 config::FailureConfig::Create({.max_failures = max_failures,
                                                .controller_failure_limit = controller_failure_limit,
-                                               .progress_timeout_s = progress_timeout_s})));
+                                               .progress_timeout_s = progress_timeout_s,
+                                               .max_preemption_failures = max_preemption_failures,
+                                               .preemption_grace_s = preemption_grace_s})));
           },
-          "max_failures"_a, "controller_failure_limit"_a, "progress_timeout_s"_a.none());
+          "max_failures"_a, "controller_failure_limit"_a, "progress_timeout_s"_a.none(),
+          "max_preemption_failures"_a = -1, "preemption_grace_s"_a = 30.0);
 
   m.def(
       "stage_directory",
@@ -821,5 +835,8 @@ NB_MODULE(_core, m) {
       .def("send_error", &PyWorkerClient::SendError, "json"_a)
       .def("send_done", &PyWorkerClient::SendDone, "json"_a)
       .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)
+      .def("watch_preemption", &PyWorkerClient::WatchPreemption)
+      .def("preemption_call", &PyWorkerClient::PreemptionCall)
+      .def("note_round", &PyWorkerClient::NoteRound, "round"_a)
       .def("stop", &PyWorkerClient::Stop);
 }

@@ -87,6 +87,16 @@ StatusOr<FailureConfig> FailureConfig::Create(FailureConfigInput in) {
         " is not allowed; give a number of seconds > 0, or None to turn "
         "the progress watchdog off");
   }
+  if (in.max_preemption_failures < -1) {
+    return InvalidArgumentError(
+        "FailureConfig.max_preemption_failures=" + std::to_string(in.max_preemption_failures) +
+        " is not allowed; use 0, a positive number, or -1 (without limit)");
+  }
+  if (!(in.preemption_grace_s > 0 && std::isfinite(in.preemption_grace_s))) {
+    return InvalidArgumentError(
+        "FailureConfig.preemption_grace_s=" + std::to_string(in.preemption_grace_s) +
+        " is not allowed; give a number of seconds > 0");
+  }
   FailureConfig c;
   c.input_ = in;
   return c;

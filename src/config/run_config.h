@@ -57,16 +57,23 @@ struct FailureConfigInput {
   int controller_failure_limit = 3;  // start-up failures; -1: without limit
   // The progress watchdog: a rank alive but without a report() for this long has failed.
   std::optional<double> progress_timeout_s;  // off when unset
+  // Preemptions (docs/preemption.md) have a budget of their own; -1: without limit.
+  int max_preemption_failures = -1;
+  // How long a preempted group may go on after the notice when the notice names no deadline.
+  double preemption_grace_s = 30;
 };
 
 class FailureConfig {
  public:
-  // Errors: kInvalidArgument for max_failures or controller_failure_limit < -1, or a
-  // progress_timeout_s that is not a positive number.
+  // Errors: kInvalidArgument for max_failures, controller_failure_limit or
+  // max_preemption_failures < -1, or a progress_timeout_s or preemption_grace_s that is not a
+  // positive number.
   static StatusOr<FailureConfig> Create(FailureConfigInput input);
   int max_failures() const { return input_.max_failures; }
   int controller_failure_limit() const { return input_.controller_failure_limit; }
   std::optional<double> progress_timeout_s() const { return input_.progress_timeout_s; }
+  int max_preemption_failures() const { return input_.max_preemption_failures; }
+  double preemption_grace_s() const { return input_.preemption_grace_s; }
 
  private:
   FailureConfigInput input_;

@@ -80,5 +80,19 @@ TEST(FailureConfigTest, AcceptsMinusOneAndRejectsLess) {
   EXPECT_NE(bad.status().message().find("FailureConfig.max_failures=-2"), std::string::npos);
 }
 
+TEST(FailureConfigTest, PreemptionsHaveABudgetAndAGraceOfTheirOwn) {
+  auto c = FailureConfig::Create({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->max_preemption_failures(), -1);
+  EXPECT_EQ(c->preemption_grace_s(), 30);
+  auto budget = FailureConfig::Create({.max_preemption_failures = -3});
+  EXPECT_EQ(budget.status().message(),
+            "FailureConfig.max_preemption_failures=-3 is not allowed; use 0, a positive number, or "
+            "-1 (without limit)");
+  auto grace = FailureConfig::Create({.preemption_grace_s = 0});
+  EXPECT_EQ(grace.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(grace.status().message().find("FailureConfig.preemption_grace_s=0"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace jaxtrain::config

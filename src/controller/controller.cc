@@ -19,6 +19,7 @@
 #include "controller/console.h"
 #include "controller/control_port.h"
 #include "controller/failure_policy.h"
+#include "controller/preemption.h"
 #include "controller/rank_logs.h"
 #include "controller/rank_output.h"
 #include "controller/report_collector.h"
@@ -95,7 +96,9 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         store(std::move(s)),
         recorder(store, std::move(committer), c.clock_, *this),
         collector(WorldSize(c), store.LastRound() + 1),
-        policy(c.options_.max_failures, c.options_.max_start_failures),
+        policy(c.options_.max_failures, c.options_.max_start_failures,
+               FailurePolicy::kMaxStorageFailures, c.options_.max_preemptions),
+        preemption(WorldSize(c)),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
         logs([this](int r) { return store.LogPath(r); }, WorldSize(c)) {}
 
@@ -113,7 +116,9 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   bool checkpoints_released = false;          // this attempt's ranks were told no commit is ahead
   ReportCollector collector;
   FailurePolicy policy;
-  Watchdog watchdog;  // this attempt's progress watchdog
+  PreemptionNotice preemption;      // this attempt's (preemption.h)
+  uint64_t attempt_base_round = 1;  // the run's number of this attempt's first round
+  Watchdog watchdog;                // this attempt's progress watchdog
   // The listener and the ranks' connections, through the handshake (control_port.h); set by
   // Start().
   std::unique_ptr<ControlPort> port;
@@ -201,6 +206,13 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   // --- failures and stopping -------------------------------------------------------------------
 
   void Fail(RankFailure f) {
+    // A rank lost while its host is being preempted went with the host (or noticed a peer that
+    // did): the preemption's, not the run's failure budget.
+    if (!failure && preemption.open() && IsTrainingFailure(f.cause)) {
+      f.message = "during the preemption notice of " + preemption.Describe() + ": " + f.message;
+      f.cause = FailureCause::kPreemption;
+      f.preemption = nlohmann::json::parse(preemption.Info(/*drain_timed_out=*/false));
+    }
     if (!failure) {
       f.attempt = attempt;
       if (f.rank >= 0) {
@@ -214,6 +226,18 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       failure = std::move(f);
     }
     BeginStop();
+  }
+
+  static bool IsTrainingFailure(FailureCause cause) {
+    switch (cause) {
+      case FailureCause::kException:
+      case FailureCause::kExit:
+      case FailureCause::kSignal:
+      case FailureCause::kOom:
+      case FailureCause::kConnection:
+      case FailureCause::kWatchdog: return true;
+      default: return false;
+    }
   }
 
   // A failure of the driver's own records (the run directory), blamed on no rank.
@@ -349,6 +373,57 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     }
   }
 
+  // --- preemption (preemption.h, docs/preemption.md) ------------------------------------------
+
+  void Reply(int rank, std::string_view kind) {
+    port->Send(rank, wire::MessageType::kPreemptionReply,
+               std::string(R"({"kind":")") + std::string(kind) + "\"}");
+  }
+
+  void OnMessage(int rank, const wire::Preemption& m) {
+    if (m.source.empty()) {  // an answer to the query
+      // The rank's report rounds of this attempt, as the run's round numbers.
+      const uint64_t last_round = attempt_base_round - 1 + m.rounds;
+      if (std::optional<std::string> agreed = preemption.Answer(rank, m.calls, last_round)) {
+        for (size_t r = 0; r < ranks.size(); ++r) {
+          port->Send(static_cast<int>(r), wire::MessageType::kPreemptionReply, *agreed);
+        }
+      }
+      return;
+    }
+    // The group is being stopped (its SIGTERM is the stop's) or not training: the rank ends.
+    if (phase != Phase::kRunning) return Reply(rank, "stop");
+    const std::string& host = ranks[static_cast<size_t>(rank)].host;
+    std::vector<int> host_ranks;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      if (ranks[r].host == host) host_ranks.push_back(static_cast<int>(r));
+    }
+    const auto now_ms = static_cast<uint64_t>(ctl.clock_.UnixSeconds() * 1000);
+    Duration grace = opts.preemption_grace;
+    if (m.deadline_ms != 0) {
+      grace = std::min<Duration>(
+          grace, std::chrono::milliseconds(m.deadline_ms > now_ms ? m.deadline_ms - now_ms : 0));
+    }
+    const uint64_t deadline_ms =
+        now_ms +
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(grace).count());
+    const bool opened =
+        preemption.Notice(rank, host, std::move(host_ranks), m.source, Now() + grace, deadline_ms);
+    Reply(rank, "noted");
+    if (!opened) return;
+    Say("preemption notice: " + preemption.Describe() + "; the group goes on until a checkpoint " +
+        "reported after it is committed, for " +
+        FormatNumber(std::chrono::duration<double>(grace).count()) + " s at most");
+    for (size_t r = 0; r < ranks.size(); ++r) Reply(static_cast<int>(r), "query");
+  }
+
+  void StopForPreemption(const std::string& why, bool drain_timed_out) {
+    Fail({.rank = preemption.first_rank(),
+          .cause = FailureCause::kPreemption,
+          .message = "preempted: " + preemption.Describe() + "; " + why,
+          .preemption = nlohmann::json::parse(preemption.Info(drain_timed_out))});
+  }
+
   void ProtocolError(int rank, const std::string& what) {
     Fail({.rank = rank, .cause = FailureCause::kConnection, .message = "protocol error: " + what});
     port->Close(rank);
@@ -398,15 +473,23 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
 
   // --- rounds (round_recorder.h) ---------------------------------------------------------
 
-  void OnRecorded(const Round& round, const std::string&) override {
+  void OnRecorded(const Round& round, const std::string& committed) override {
     rounds = round.round;
     last_metrics = round.metrics_json;
+    if (!committed.empty() && phase == Phase::kRunning && preemption.AfterNotice(round.round)) {
+      StopForPreemption(
+          "the group was stopped once " + committed + ", reported after the notice, was committed",
+          /*drain_timed_out=*/false);
+    }
     if (attempt_rounds++ == 0) attempt_first_round = Now();
     RefreshStatus();
   }
 
   // The rank's next report(checkpoint=) may go on (WorkerClient::WaitCheckpointsSettled()).
-  void OnSettled(int rank) override {
+  // A rank that reported a checkpoint after an agreed preemption waits for it to settle (the
+  // just-in-time checkpoint): its commit stops the group instead, so no step goes on past it.
+  void OnSettled(int rank, uint64_t round) override {
+    if (phase == Phase::kRunning && preemption.AfterNotice(round)) return;
     port->Send(rank, wire::MessageType::kCheckpointSettled, "settled");
   }
 
@@ -570,6 +653,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                 "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
     if (phase == Phase::kRunning) CheckProgress();
+    if (phase == Phase::kRunning && preemption.open() && now >= preemption.deadline()) {
+      StopForPreemption(
+          "its deadline passed before a checkpoint reported after the notice was committed",
+          /*drain_timed_out=*/true);
+    }
     if (kill_deadline && now >= *kill_deadline) {
       kill_deadline.reset();
       if (AnyUnreaped()) {
@@ -587,6 +675,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning) {
       if (auto t = watchdog.NextDeadline()) consider(*t);
+      if (preemption.open()) consider(preemption.deadline());
     }
     if (kill_deadline) consider(*kill_deadline);
     // Past it, only a commit in flight holds the attempt open: its descriptor wakes the loop.
@@ -687,6 +776,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     ranks.assign(ranks.size(), RankState{});
     registered = 0;
     watchdog = Watchdog(ctl.clock_, world_size, opts.progress_timeout);
+    preemption = PreemptionNotice(world_size);
     port->BeginAttempt(attempt, ranks.size());
     failure.reset();
     kill_deadline.reset();
@@ -695,6 +785,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     sent_sigkill = false;
     oom_kills_before = OomKillCount();
     collector = ReportCollector(world_size, collector.next_round());
+    attempt_base_round = collector.next_round();
     checkpoints_released = false;
     attempt_rounds = 0;
     attempt_first_round.reset();
@@ -745,6 +836,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                         {"exit_code", f.exit_code >= 0 ? nlohmann::json(f.exit_code) : nullptr},
                         {"signal", f.signal != 0 ? nlohmann::json(f.signal) : nullptr}};
     if (f.status_code != StatusCode::kOk) j["status_code"] = StatusCodeName(f.status_code);
+    if (!f.preemption.is_null()) j["preemption"] = f.preemption;
     if (!f.decision.empty()) {
       j["decision"] = {{"action", f.retried ? "retry" : "raise"}, {"reason", f.decision}};
     }

@@ -81,6 +81,9 @@ struct ControllerOptions {
   Duration progress_timeout = Duration::zero();
   int max_failures = 0;        // training failures restarted; -1 = without limit
   int max_start_failures = 3;  // start-up failures restarted; -1 = without limit
+  int max_preemptions = -1;    // preemptions restarted (docs/preemption.md); -1 = without limit
+  // How long a preempted group goes on after a notice that names no earlier deadline.
+  Duration preemption_grace = std::chrono::seconds(30);
   storage::RetentionPolicy retention;
   bool verify_checksums = true;  // on restore: CRC-32C of every file; false: sizes only
   // Where every rank runs on this host and keeps copies of its checkpoints in this host's memory
@@ -126,6 +129,9 @@ struct RankFailure {
   std::string traceback;  // the worker's Python traceback, when it sent one
   std::string log_path;
   std::string log_tail;
+  // kPreemption: {"deadline_ms", "preempted_node_to_ranks", "drain_timed_out"} (preemption.h);
+  // null otherwise.
+  nlohmann::json preemption;
 };
 
 struct Outcome {

@@ -14,6 +14,7 @@ std::string_view FailureCauseName(FailureCause cause) {
     case FailureCause::kCheckpoint: return "checkpoint";
     case FailureCause::kStorage: return "storage";
     case FailureCause::kDriver: return "driver";
+    case FailureCause::kPreemption: return "preemption";
   }
   return "unknown";
 }
@@ -57,6 +58,8 @@ FailureDecision FailurePolicy::Decide(FailureCause cause, StatusCode code) {
       return Count(storage_failures_, max_storage_failures_, "the storage retry limit");
     case FailureCause::kDriver:
       return {.action = FailureDecision::Action::kRaise, .reason = "the driver itself failed"};
+    case FailureCause::kPreemption:
+      return Count(preemptions_, max_preemptions_, "FailureConfig.max_preemption_failures");
     case FailureCause::kException:
     case FailureCause::kExit:
     case FailureCause::kSignal:

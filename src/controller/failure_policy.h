@@ -8,6 +8,8 @@
 //   exception, exit, signal, oom,            max_failures               raise
 //   connection, watchdog
 //   start-up                                 max_start_failures         raise
+//   preemption (a notice, or a failure       max_preemption_failures    raise
+//     during one)                            (default -1)
 //   storage, checkpoint with a transient     max_storage_failures       raise
 //     code (kResourceExhausted: ENOSPC,      (kMaxStorageFailures = 2)
 //     EDQUOT; kUnavailable: EIO)
@@ -40,10 +42,12 @@ enum class FailureCause {
   kCheckpoint,  // a round's checkpoint could not be committed (RankFailure::status_code)
   kStorage,     // the run directory could not be written (RankFailure::status_code)
   kDriver,      // an earlier driver of the run ended without recording how (run.json only)
+  kPreemption,  // a preemption notice stopped the group, or a failure came while one was open
 };
 
 // The name in run.json, error.txt and Python's TrainingFailedError.cause: "exception", "exit",
-// "signal", "oom", "connection", "watchdog", "start-up", "checkpoint", "storage", "driver".
+// "signal", "oom", "connection", "watchdog", "start-up", "checkpoint", "storage", "driver",
+// "preemption".
 std::string_view FailureCauseName(FailureCause cause);
 
 struct FailureDecision {
@@ -64,10 +68,11 @@ class FailurePolicy {
   static constexpr int kMaxStorageFailures = 2;
 
   FailurePolicy(int max_failures, int max_start_failures,
-                int max_storage_failures = kMaxStorageFailures)
+                int max_storage_failures = kMaxStorageFailures, int max_preemptions = -1)
       : max_failures_(max_failures),
         max_start_failures_(max_start_failures),
-        max_storage_failures_(max_storage_failures) {}
+        max_storage_failures_(max_storage_failures),
+        max_preemptions_(max_preemptions) {}
 
   // Counts a failure with this cause (and, for kStorage and kCheckpoint, the code of the error
   // behind it) against its budget and decides, as the table above says.
@@ -76,14 +81,17 @@ class FailurePolicy {
   int failures() const { return failures_; }
   int start_failures() const { return start_failures_; }
   int storage_failures() const { return storage_failures_; }
+  int preemptions() const { return preemptions_; }
 
  private:
   int max_failures_;
   int max_start_failures_;
   int max_storage_failures_;
+  int max_preemptions_;
   int failures_ = 0;
   int start_failures_ = 0;
   int storage_failures_ = 0;
+  int preemptions_ = 0;
 };
 
 }  // namespace jaxtrain::controller

@@ -106,7 +106,7 @@ void RoundRecorder::CommitFailed(const Round& round, const Status& why) {
 }
 
 void RoundRecorder::Settle(const Round& round) {
-  for (const auto& part : round.checkpoints) delegate_.OnSettled(part.staged.rank);
+  for (const auto& part : round.checkpoints) delegate_.OnSettled(part.staged.rank, round.round);
 }
 
 void RoundRecorder::Record(const Round& round, const std::string& committed) {

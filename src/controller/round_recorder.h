@@ -52,7 +52,7 @@ class RoundRecorder {
     // `round` is recorded; `committed` names its checkpoint's directory ("" for none).
     virtual void OnRecorded(const Round& round, const std::string& committed) = 0;
     // The commit of a checkpoint that `rank` passed a part of has ended.
-    virtual void OnSettled(int rank) = 0;
+    virtual void OnSettled(int rank, uint64_t round) = 0;
     // A round could not be committed or recorded: the attempt fails.
     virtual void OnFailed(RoundFailure failure) = 0;
     // A line for the driver's log (a checkpoint that retention could not delete).

@@ -30,7 +30,9 @@ class Recording : public RoundRecorder::Delegate {
   void OnRecorded(const Round& round, const std::string& committed) override {
     events.push_back("recorded " + std::to_string(round.round) + " " + committed);
   }
-  void OnSettled(int rank) override { events.push_back("settled " + std::to_string(rank)); }
+  void OnSettled(int rank, uint64_t) override {
+    events.push_back("settled " + std::to_string(rank));
+  }
   void OnFailed(RoundFailure f) override {
     failures.push_back(f);
     events.push_back("failed rank " + std::to_string(f.rank));

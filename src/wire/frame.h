@@ -34,8 +34,13 @@ enum class MessageType : uint8_t {
   // controller -> worker: a checkpoint this rank reported has been committed (or its commit
   // ended otherwise), or no commit is ahead of it any more; the worker may snapshot its next one
   kCheckpointSettled = 12,
+  // worker -> controller: a preemption notice this rank's host received, or its answer to the
+  // controller's query (how many get_preemption_info() calls and report rounds it has made)
+  kPreemption = 16,
+  // controller -> worker: the query, the agreed preemption, "noted" or "stop" (docs/wire.md)
+  kPreemptionReply = 17,
 };
-constexpr uint8_t kMaxMessageType = 12;
+constexpr uint8_t kMaxMessageType = 17;
 
 constexpr size_t kFrameHeaderSize = 5;
 // The largest body the u32 length field can describe (it counts the type byte too).

@@ -20,6 +20,7 @@ std::string_view TypeName(MessageType type) {
     case MessageType::kReport: return "report";
     case MessageType::kError: return "error";
     case MessageType::kReportCheckpoint: return "report with checkpoint";
+    case MessageType::kPreemption: return "preemption";
     default: return "unexpected";
   }
 }
@@ -171,6 +172,16 @@ StatusOr<WorkerError> DecodeWorkerError(std::string_view body) {
   return e;
 }
 
+StatusOr<Preemption> DecodePreemption(std::string_view body) {
+  JT_ASSIGN_OR_RETURN(json j, ParseObject(body));
+  Preemption p;
+  JT_RETURN_IF_ERROR(ReadString(j, "", "source", /*required=*/false, &p.source));
+  JT_RETURN_IF_ERROR(ReadUnsigned(j, "", "deadline_ms", /*required=*/false, &p.deadline_ms));
+  JT_RETURN_IF_ERROR(ReadUnsigned(j, "", "calls", /*required=*/false, &p.calls));
+  JT_RETURN_IF_ERROR(ReadUnsigned(j, "", "rounds", /*required=*/false, &p.rounds));
+  return p;
+}
+
 // Wraps a decoder's error in what the message was.
 template <typename T>
 StatusOr<WorkerMessage> Typed(MessageType type, StatusOr<T> decoded) {
@@ -214,6 +225,12 @@ struct Encoder {
     return Dump(j);
   }
   StatusOr<std::string> operator()(const Done&) const { return std::string("{}"); }
+  StatusOr<std::string> operator()(const Preemption& p) const {
+    if (p.source.empty()) return Dump({{"calls", p.calls}, {"rounds", p.rounds}});
+    json j = {{"source", p.source}};
+    if (p.deadline_ms != 0) j["deadline_ms"] = p.deadline_ms;
+    return Dump(j);
+  }
 };
 
 struct TypeOf {
@@ -222,6 +239,7 @@ struct TypeOf {
   MessageType operator()(const CheckpointReport&) const { return MessageType::kReportCheckpoint; }
   MessageType operator()(const WorkerError&) const { return MessageType::kError; }
   MessageType operator()(const Done&) const { return MessageType::kDone; }
+  MessageType operator()(const Preemption&) const { return MessageType::kPreemption; }
 };
 
 }  // namespace
@@ -234,6 +252,7 @@ StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame) {
       return Typed(frame.type, DecodeCheckpointReport(frame.body));
     case MessageType::kError: return Typed(frame.type, DecodeWorkerError(frame.body));
     case MessageType::kDone: return WorkerMessage(Done{});
+    case MessageType::kPreemption: return Typed(frame.type, DecodePreemption(frame.body));
     default:
       return InvalidArgumentError("unexpected message type " +
                                   std::to_string(static_cast<int>(frame.type)));

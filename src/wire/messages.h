@@ -1,5 +1,5 @@
 // The messages a worker sends the controller once it has authenticated (docs/wire.md, types 4, 7,
-// 8, 9 and 10), decoded into typed structs at the edge: the controller's loop switches over a
+// 8, 9, 10 and 16), decoded into typed structs at the edge: the controller's loop switches over a
 // WorkerMessage and parses no JSON itself. The Python worker writes the same JSON
 // (python/jaxtrain/worker.py, session.py); the encoder here is the C++ side's (tests, the
 // fuzzer), and DecodeWorkerMessage(EncodeWorkerMessage(m)) == m for every m it decoded.
@@ -82,7 +82,20 @@ struct Done {
   bool operator==(const Done&) const = default;
 };
 
-using WorkerMessage = std::variant<Registration, Report, CheckpointReport, WorkerError, Done>;
+// kPreemption: a notice that the rank's host is to be reclaimed, JSON {"source", "deadline_ms"}
+// ("source" names what said so, e.g. "SIGTERM"; "deadline_ms" is UNIX time in ms, absent when
+// the notice gave none); or, without "source", the rank's answer to the controller's query:
+// {"calls", "rounds"}, the get_preemption_info() calls and report rounds it has made so far.
+struct Preemption {
+  std::string source;        // "" = an answer, not a notice
+  uint64_t deadline_ms = 0;  // 0 = none given
+  uint64_t calls = 0;
+  uint64_t rounds = 0;
+  bool operator==(const Preemption&) const = default;
+};
+
+using WorkerMessage =
+    std::variant<Registration, Report, CheckpointReport, WorkerError, Done, Preemption>;
 
 // Decodes an authenticated worker's frame; string views in the result point into `frame.body`.
 // Errors: kInvalidArgument, its message "malformed message of type N (name): " and which field is

@@ -103,6 +103,14 @@ TEST(DecodeWorkerMessageTest, ADoneIsDecodedWhateverItsBody) {
   Decoded<Done>(MessageType::kDone, "");
 }
 
+TEST(DecodeWorkerMessageTest, DecodesANoticeAndAnAnswer) {
+  Preemption notice =
+      Decoded<Preemption>(MessageType::kPreemption, R"({"source":"SIGTERM","deadline_ms":17})");
+  EXPECT_EQ(notice, (Preemption{.source = "SIGTERM", .deadline_ms = 17}));
+  Preemption answer = Decoded<Preemption>(MessageType::kPreemption, R"({"calls":3,"rounds":9})");
+  EXPECT_EQ(answer, (Preemption{.calls = 3, .rounds = 9}));
+}
+
 struct Malformed {
   MessageType type;
   std::string body;
@@ -115,6 +123,7 @@ std::vector<Malformed> MalformedMessages() {
   const std::string rep = "malformed message of type 7 (report): ";
   const std::string ckpt = "malformed message of type 10 (report with checkpoint): ";
   const std::string err = "malformed message of type 8 (error): ";
+  const std::string pre = "malformed message of type 16 (preemption): ";
   const std::string u64 = "an integer from 0 to 18446744073709551615";
   const std::string u32 = "an integer from 0 to 4294967295";
   auto file = [](std::string_view fields) {
@@ -192,6 +201,13 @@ std::vector<Malformed> MalformedMessages() {
        err + "phase is \"cleanup\", not \"training\", \"start-up\" or \"storage\""},
       {MessageType::kError, R"({"phase":"storage","status_code":13})",
        err + "status_code is 13, not a string"},
+      {MessageType::kPreemption, "SIGTERM", pre + "the body is not JSON"},
+      {MessageType::kPreemption, R"({"source":15})", pre + "source is 15, not a string"},
+      {MessageType::kPreemption, R"({"source":"s","deadline_ms":-1})",
+       pre + "deadline_ms is -1, not " + u64},
+      {MessageType::kPreemption, R"({"calls":"2"})", pre + "calls is \"2\", not " + u64},
+      {MessageType::kPreemption, R"({"calls":2,"rounds":0.5})", pre + "rounds is 0.5, not " + u64},
+      {MessageType::kPreemptionReply, "{}", "unexpected message type 17"},
       {MessageType::kHello, "", "unexpected message type 1"},
       {MessageType::kStart, "{}", "unexpected message type 5"},
       {MessageType::kCheckpointSettled, "release", "unexpected message type 12"},
@@ -221,6 +237,9 @@ TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgai
       {MessageType::kError, R"({"message":"m","phase":"storage","status_code":"UNAVAILABLE"})"},
       {MessageType::kError, "{}"},
       {MessageType::kDone, "anything"},
+      {MessageType::kPreemption, R"({"source":"SIGTERM"})"},
+      {MessageType::kPreemption, R"({"source":"metadata","deadline_ms":1764000000000})"},
+      {MessageType::kPreemption, R"({"calls":0,"rounds":12})"},
   };
   for (const auto& [type, body] : frames) {
     StatusOr<WorkerMessage> decoded = DecodeWorkerMessage({type, body});

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/sockios.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -12,11 +13,28 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "wire/handshake.h"
 
 namespace jaxtrain::worker {
+namespace {
+
+// The SIGTERM handler's way out: one byte down this pipe to the notice thread.
+int notice_pipe[2] = {-1, -1};
+
+void OnSigterm(int) {
+  const int saved = errno;
+  const char byte = 'T';
+  if (notice_pipe[1] >= 0) [[maybe_unused]]
+    ssize_t n = write(notice_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+constexpr auto kNoticeAnswerTimeout = std::chrono::seconds(5);
+
+}  // namespace
 
 StatusOr<std::string> TakeRunSecret() {
   auto take = [](const char* name) -> std::string {
@@ -285,6 +303,10 @@ void WorkerClient::WatchController(int exit_code) {
     for (;;) {
       StatusOr<wire::Frame> f = ReadFrame();
       if (!f.ok()) break;
+      if (f->type == wire::MessageType::kPreemptionReply) {
+        OnPreemptionReply(f->body);
+        continue;
+      }
       if (f->type != wire::MessageType::kCheckpointSettled) continue;
       MutexLock lock(settle_mu_);
       if (f->body == "release") {
@@ -313,10 +335,92 @@ void WorkerClient::Stop() {
     std::lock_guard<std::mutex> lock(send_mu_);
     stopping_ = true;
   }
+  if (notice_thread_.joinable()) {
+    signal(SIGTERM, SIG_DFL);
+    const int write_end = notice_pipe[1];
+    notice_pipe[1] = -1;
+    close(write_end);  // the notice thread reads the end of the pipe and returns
+    notice_thread_.join();
+    close(notice_pipe[0]);
+  }
   if (watcher_.joinable()) {
     shutdown(fd_, SHUT_RD);
     watcher_.join();
   }
+}
+
+Status WorkerClient::WatchPreemption() {
+  if (notice_thread_.joinable()) return OkStatus();
+  if (pipe2(notice_pipe, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  fcntl(notice_pipe[1], F_SETFL, O_NONBLOCK);  // a handler never blocks
+  struct sigaction action {};
+  action.sa_handler = OnSigterm;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  if (sigaction(SIGTERM, &action, nullptr) != 0) return ErrnoError("sigaction SIGTERM", errno);
+  notice_thread_ = std::thread([this] {
+    char byte;
+    for (;;) {
+      ssize_t n = read(notice_pipe[0], &byte, 1);
+      if (n < 0 && errno == EINTR) continue;
+      if (n != 1) return;  // Stop() closed the pipe
+      {
+        MutexLock lock(settle_mu_);
+        notice_reply_.clear();
+      }
+      bool noted = false;
+      if (Send(wire::MessageType::kPreemption, R"({"source":"SIGTERM"})").ok()) {
+        MutexLock lock(settle_mu_);
+        settle_cv_.WaitFor(settle_mu_, kNoticeAnswerTimeout, [this]() REQUIRES(settle_mu_) {
+          return !notice_reply_.empty() || lost_;
+        });
+        noted = notice_reply_ == "noted";
+      }
+      if (!noted) EndBySigterm();
+    }
+  });
+  return OkStatus();
+}
+
+void WorkerClient::EndBySigterm() {
+  signal(SIGTERM, SIG_DFL);
+  kill(getpid(), SIGTERM);
+  for (;;) pause();
+}
+
+void WorkerClient::OnPreemptionReply(const std::string& body) {
+  const nlohmann::json j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  const std::string kind = j.is_object() ? j.value("kind", "") : "";
+  if (kind == "query") {
+    uint64_t calls = 0;
+    {
+      MutexLock lock(settle_mu_);
+      query_pending_ = true;  // the next call waits for the agreement
+      calls = calls_;
+    }
+    const nlohmann::json answer = {{"calls", calls},
+                                   {"rounds", rounds_.load(std::memory_order_relaxed)}};
+    [[maybe_unused]] Status s = Send(wire::MessageType::kPreemption, answer.dump());
+    return;
+  }
+  MutexLock lock(settle_mu_);
+  if (kind == "agreed") {
+    agreed_ = true;
+    query_pending_ = false;
+    sync_call_ = j.value("sync_call", uint64_t{0});
+    agreement_ = body;
+  } else if (kind == "noted" || kind == "stop") {
+    notice_reply_ = kind;
+  }
+  settle_cv_.NotifyAll();
+}
+
+std::string WorkerClient::PreemptionCall() {
+  MutexLock lock(settle_mu_);
+  ++calls_;
+  settle_cv_.Wait(settle_mu_,
+                  [this]() REQUIRES(settle_mu_) { return !query_pending_ || agreed_ || lost_; });
+  return agreed_ && calls_ >= sync_call_ ? agreement_ : std::string();
 }
 
 }  // namespace jaxtrain::worker

@@ -8,12 +8,14 @@
 // and the payload, then
 // Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
 // of the process, so a worker never outlives its controller, and reads what the controller sends
-// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for.
+// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for, and
+// the controller's side of a preemption (WatchPreemption(), docs/preemption.md).
 //
 // Thread-safety: the send methods and WaitCheckpointsSettled() may be called from any thread (they
 // serialise on mutexes); WaitStart() must be called by one thread, before WatchController().
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -98,6 +100,20 @@ class WorkerClient {
   void WatchController(int exit_code);
   void Stop();
 
+  // Turns this process's SIGTERM into a preemption notice: the controller is told, and answers
+  // "noted" (the process goes on; the group agrees on the notice, get_preemption_info()) or
+  // "stop" (the SIGTERM was the group's stop: the process then ends by SIGTERM, as without a
+  // handler; also when no answer comes within 5 s). Needs WatchController(), which reads the
+  // answers. Errors: kInternal when the handler cannot be installed.
+  Status WatchPreemption();
+  // One get_preemption_info() call: "" while no preemption is agreed for this call, else the
+  // agreement's JSON {"sync_call", "deadline_ms", "preempted_node_to_ranks"}. Every rank's call
+  // number sync_call is the first to return it; a call made while the controller's query is
+  // answered but not yet agreed waits for the agreement (or the connection's end).
+  std::string PreemptionCall();
+  // The report() rounds this rank has made in this attempt (the answer to the query names them).
+  void NoteRound(uint64_t round) { rounds_.store(round, std::memory_order_relaxed); }
+
  private:
   explicit WorkerClient(int fd) : fd_(fd), decoder_(wire::kMaxControllerFrameBody) {}
   // One connection and handshake. Errors: as Connect(), and kAborted when the controller closed
@@ -108,6 +124,8 @@ class WorkerClient {
   // Sends a last frame and waits until all that was sent is acknowledged (SendDone()).
   Status SendLast(wire::MessageType type, std::string_view body);
   StatusOr<wire::Frame> ReadFrame();
+  void OnPreemptionReply(const std::string& body);
+  [[noreturn]] static void EndBySigterm();
 
   int fd_;
   wire::FrameDecoder decoder_;
@@ -121,6 +139,16 @@ class WorkerClient {
   uint64_t checkpoints_settled_ GUARDED_BY(settle_mu_) = 0;
   bool released_ GUARDED_BY(settle_mu_) = false;
   bool lost_ GUARDED_BY(settle_mu_) = false;  // the watcher saw the connection end
+
+  // Preemption (WatchPreemption(), PreemptionCall()), under settle_mu_ as well.
+  std::thread notice_thread_;
+  std::atomic<uint64_t> rounds_{0};
+  uint64_t calls_ GUARDED_BY(settle_mu_) = 0;
+  bool query_pending_ GUARDED_BY(settle_mu_) = false;  // answered, not yet agreed
+  bool agreed_ GUARDED_BY(settle_mu_) = false;
+  uint64_t sync_call_ GUARDED_BY(settle_mu_) = 0;
+  std::string agreement_ GUARDED_BY(settle_mu_);
+  std::string notice_reply_ GUARDED_BY(settle_mu_);  // "noted" or "stop"; "" while waiting
 };
 
 }  // namespace jaxtrain::worker

@@ -250,6 +250,9 @@ bool WriteCorpus(const std::filesystem::path& root) {
        R"({"message": "upload failed", "traceback": "", "phase": "storage",)"
        R"( "status_code": "PERMISSION_DENIED"})"},
       {"done", MessageType::kDone, "{}"},
+      {"preemption_notice", MessageType::kPreemption,
+       R"({"source": "SIGTERM", "deadline_ms": 1764000000000})"},
+      {"preemption_answer", MessageType::kPreemption, R"({"calls": 7, "rounds": 41})"},
       {"error_wrong_kinds", MessageType::kError, R"({"message": 5, "traceback": [], "phase": {}})"},
       {"unexpected_start", MessageType::kStart, R"({"coordinator": "10.0.0.1:1234"})"},
   };
