@@ -16,6 +16,7 @@
 #include "base/open_files.h"
 #include "base/strings.h"
 #include "controller/checkpoint_committer.h"
+#include "controller/collective.h"
 #include "controller/console.h"
 #include "controller/control_port.h"
 #include "controller/failure_policy.h"
@@ -95,6 +96,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         store(std::move(s)),
         recorder(store, std::move(committer), c.clock_, *this),
         collector(WorldSize(c), store.LastRound() + 1),
+        collectives(WorldSize(c)),
         policy(c.options_.max_failures, c.options_.max_start_failures),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
         logs([this](int r) { return store.LogPath(r); }, WorldSize(c)) {}
@@ -112,6 +114,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   std::unique_ptr<RestoreVerifier> verifier;  // set by Start()
   bool checkpoints_released = false;          // this attempt's ranks were told no commit is ahead
   ReportCollector collector;
+  Collectives collectives;  // this attempt's barrier() and broadcast_from_rank_zero() calls
   FailurePolicy policy;
   Watchdog watchdog;  // this attempt's progress watchdog
   // The listener and the ranks' connections, through the handshake (control_port.h); set by
@@ -338,6 +341,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   void OnMessage(int rank, const wire::Done&) {
     ranks[static_cast<size_t>(rank)].done = true;
     watchdog.Done(rank);
+    Status unmatched = collectives.Done(rank);
+    if (!unmatched.ok()) {
+      return Fail(
+          {.rank = rank, .cause = FailureCause::kException, .message = unmatched.message()});
+    }
     // No round can complete without this rank any more: no commit can be ahead of another
     // rank's next checkpoint, so none of them waits for one (said once per attempt).
     if (checkpoints_released) return;
@@ -346,6 +354,28 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       if (!ranks[other].done) {
         port->Send(static_cast<int>(other), wire::MessageType::kCheckpointSettled, "release");
       }
+    }
+  }
+
+  // A collective call; once every rank has made it, each is released (with rank 0's data, one
+  // buffer shared by every connection's queue).
+  void OnMessage(int rank, const wire::Collective& m) {
+    watchdog.Progress(rank);
+    StatusOr<std::optional<Collectives::Release>> arrived = collectives.Arrive(rank, m, Now());
+    if (arrived.status().code() == StatusCode::kInvalidArgument) {
+      return ProtocolError(rank, arrived.status().message());
+    }
+    if (!arrived.ok()) {
+      return Fail(
+          {.rank = rank, .cause = FailureCause::kException, .message = arrived.status().message()});
+    }
+    if (!*arrived) return;
+    const Collectives::Release& r = **arrived;
+    auto frame = std::make_shared<const std::string>(*wire::EncodeFrame(
+        wire::MessageType::kCollectiveRelease,
+        wire::EncodeCollectiveRelease({.sequence = r.sequence, .kind = r.kind, .data = r.data})));
+    for (size_t other = 0; other < ranks.size(); ++other) {
+      port->SendShared(static_cast<int>(other), {frame});
     }
   }
 
@@ -550,7 +580,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
             .message =
                 "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
-    if (phase == Phase::kRunning) CheckProgress();
+    if (phase == Phase::kRunning) {
+      CheckProgress();
+      std::string waiting = collectives.TakeWarning(now);
+      if (!waiting.empty()) Say("warning: " + waiting);
+    }
     if (kill_deadline && now >= *kill_deadline) {
       kill_deadline.reset();
       if (AnyUnreaped()) {
@@ -568,6 +602,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning) {
       if (auto t = watchdog.NextDeadline()) consider(*t);
+      if (auto t = collectives.NextWarning()) consider(*t);
     }
     if (kill_deadline) consider(*kill_deadline);
     // Past it, only a commit in flight holds the attempt open: its descriptor wakes the loop.
@@ -676,6 +711,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     sent_sigkill = false;
     oom_kills_before = OomKillCount();
     collector = ReportCollector(world_size, collector.next_round());
+    collectives = Collectives(world_size);
     checkpoints_released = false;
     attempt_rounds = 0;
     attempt_first_round.reset();

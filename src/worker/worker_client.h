@@ -8,7 +8,8 @@
 // and the payload, then
 // Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
 // of the process, so a worker never outlives its controller, and reads what the controller sends
-// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for.
+// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for, and the
+// kCollectiveRelease that Collective() waits for.
 //
 // Thread-safety: the send methods and WaitCheckpointsSettled() may be called from any thread (they
 // serialise on mutexes); WaitStart() must be called by one thread, before WatchController().
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -24,6 +26,7 @@
 #include "base/mutex.h"
 #include "base/status.h"
 #include "wire/frame.h"
+#include "wire/messages.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::worker {
@@ -85,6 +88,14 @@ class WorkerClient {
   // WatchController(), which reads the notices. Errors: kUnavailable when the connection ends
   // first.
   Status WaitCheckpointsSettled();
+  // One jaxtrain.collective call (barrier(), broadcast_from_rank_zero()): sends it and blocks
+  // until the controller releases it, once every rank has made it; returns the release's data
+  // (rank 0's for a broadcast). The caller numbers its calls 1, 2, ... and makes one at a time.
+  // Needs WatchController(), which reads the release. Errors: kInvalidArgument when the data is
+  // larger than wire::kMaxCollectiveData (nothing is sent); kUnavailable when the connection ends
+  // first; kDataLoss when the release is malformed or not this call's.
+  StatusOr<std::string> Collective(const wire::Collective& call);
+
   // The last frames a worker sends: each returns once the controller's host has acknowledged
   // every byte sent so far (at most 10 s), so that the process may end at once.
   // Ending with a notice unread resets the connection, and a reset drops what the controller's
@@ -121,6 +132,9 @@ class WorkerClient {
   uint64_t checkpoints_settled_ GUARDED_BY(settle_mu_) = 0;
   bool released_ GUARDED_BY(settle_mu_) = false;
   bool lost_ GUARDED_BY(settle_mu_) = false;  // the watcher saw the connection end
+  // The last collective release the watcher read (under the same mutex as the notices).
+  std::optional<StatusOr<wire::Collective>> release_ GUARDED_BY(settle_mu_);
+  std::string release_body_ GUARDED_BY(settle_mu_);  // what release_'s data points into
 };
 
 }  // namespace jaxtrain::worker
