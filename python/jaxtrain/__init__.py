@@ -5,7 +5,7 @@
 The package never imports ``jax`` on the driver: only the worker processes do.
 """
 
-from jaxtrain import train
+from jaxtrain import collective, train
 from jaxtrain.callbacks import RunContext, UserCallback
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -36,6 +36,7 @@ __all__ = [
     "TrainingFailedError",
     "UserCallback",
     "WorkerGroupError",
+    "collective",
     "get_checkpoint",
     "get_context",
     "get_preemption_info",

@@ -97,6 +97,8 @@ def plan_slurm(scaling_config: ScalingConfig) -> Plan:
 
 MAX_WORKERS: int = 100000
 
+MAX_BROADCAST_BYTES: int = 1048576
+
 def check_local_workers(scaling_config: ScalingConfig) -> None:
     """
     Raises ValueError when a local run of `scaling_config` has more workers than this machine starts (config::LocalWorkerLimit).
@@ -183,6 +185,8 @@ class WorkerClient:
     def report_checkpoint(self, round: int, checkpoint_json: str, metrics_json: str) -> None: ...
 
     def wait_checkpoints_settled(self) -> None: ...
+
+    def collective(self, sequence: int, broadcast: bool, data: bytes) -> bytes: ...
 
     def send_error(self, json: str) -> None: ...
 

@@ -1,4 +1,5 @@
-"""What the training function calls: ``report``, ``get_context`` and ``get_checkpoint``.
+"""What the training function calls: ``report``, ``get_context`` and ``get_checkpoint`` (and,
+through jaxtrain.collective, ``barrier`` and ``broadcast_from_rank_zero``).
 
 A worker process installs one session before it runs the training function; outside a worker
 these functions raise a RuntimeError that says so.
@@ -248,6 +249,20 @@ class _Session:
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
         self.preempted = False  # get_preemption_info() returned a notice (preemption.py)
+        self.collective_lock = threading.Lock()
+        self.collectives = 0  # jaxtrain.collective calls made; numbers them for the controller
+
+    def collective(self, broadcast: bool, payload: bytes) -> bytes | None:
+        """Makes this rank's next jaxtrain.collective call and waits until every rank has made it
+        (the GIL released); returns rank 0's payload for a broadcast, b"" for a barrier. Calls from
+        several threads go one at a time. A session without a control connection (``client``
+        None: a training function run in the driver's own process) has no other rank to wait
+        for: it returns None at once, and broadcast_from_rank_zero() returns its own data."""
+        if self.client is None:
+            return None
+        with self.collective_lock:
+            self.collectives += 1
+            return self.client.collective(self.collectives, broadcast, payload)
 
     def wait_checkpoints_settled(self) -> None:
         """Returns once this rank's checkpoints are staged, reported and their commits ended."""

@@ -387,6 +387,22 @@ class PyWorkerClient {
     Check(s);
   }
 
+  // Blocks, without the GIL, until every rank has made the call; returns rank 0's data for a
+  // broadcast, b"" for a barrier.
+  nb::bytes Collective(uint64_t sequence, bool broadcast, nb::bytes data) {
+    wire::Collective call{
+        .sequence = sequence,
+        .kind = broadcast ? wire::CollectiveKind::kBroadcast : wire::CollectiveKind::kBarrier,
+        .data = std::string_view(data.c_str(), data.size())};
+    StatusOr<std::string> released = UnavailableError("");
+    {
+      nb::gil_scoped_release release;
+      released = client_->Collective(call);
+    }
+    std::string out = Unwrap(std::move(released));
+    return nb::bytes(out.data(), out.size());
+  }
+
   // Both wait until the controller's host has acknowledged them (up to 10 s).
   void SendError(std::string_view json) {
     Status s;
@@ -645,6 +661,7 @@ NB_MODULE(_core, m) {
       "Plans for the Slurm launcher: one environment for every rank; Slurm places them.");
 
   m.attr("MAX_WORKERS") = config::kMaxWorkers;
+  m.attr("MAX_BROADCAST_BYTES") = wire::kMaxCollectiveData;
   m.def(
       "check_local_workers",
       [](const config::ScalingConfig& c) {
@@ -832,6 +849,7 @@ NB_MODULE(_core, m) {
       .def("report_checkpoint", &PyWorkerClient::ReportCheckpoint, "round"_a, "checkpoint_json"_a,
            "metrics_json"_a)
       .def("wait_checkpoints_settled", &PyWorkerClient::WaitCheckpointsSettled)
+      .def("collective", &PyWorkerClient::Collective, "sequence"_a, "broadcast"_a, "data"_a)
       .def("send_error", &PyWorkerClient::SendError, "json"_a)
       .def("send_done", &PyWorkerClient::SendDone, "json"_a)
       .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)

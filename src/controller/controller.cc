@@ -16,6 +16,7 @@
 #include "base/open_files.h"
 #include "base/strings.h"
 #include "controller/checkpoint_committer.h"
+#include "controller/collective.h"
 #include "controller/console.h"
 #include "controller/control_port.h"
 #include "controller/failure_policy.h"
@@ -96,6 +97,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         store(std::move(s)),
         recorder(store, std::move(committer), c.clock_, *this),
         collector(WorldSize(c), store.LastRound() + 1),
+        collectives(WorldSize(c)),
         policy(c.options_.max_failures, c.options_.max_start_failures,
                FailurePolicy::kMaxStorageFailures, c.options_.max_preemptions),
         preemption(WorldSize(c)),
@@ -115,6 +117,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   std::unique_ptr<RestoreVerifier> verifier;  // set by Start()
   bool checkpoints_released = false;          // this attempt's ranks were told no commit is ahead
   ReportCollector collector;
+  Collectives collectives;  // this attempt's barrier() and broadcast_from_rank_zero() calls
   FailurePolicy policy;
   PreemptionNotice preemption;      // this attempt's (preemption.h)
   uint64_t attempt_base_round = 1;  // the run's number of this attempt's first round
@@ -362,6 +365,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   void OnMessage(int rank, const wire::Done&) {
     ranks[static_cast<size_t>(rank)].done = true;
     watchdog.Done(rank);
+    Status unmatched = collectives.Done(rank);
+    if (!unmatched.ok()) {
+      return Fail(
+          {.rank = rank, .cause = FailureCause::kException, .message = unmatched.message()});
+    }
     // No round can complete without this rank any more: no commit can be ahead of another
     // rank's next checkpoint, so none of them waits for one (said once per attempt).
     if (checkpoints_released) return;
@@ -422,6 +430,28 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
           .cause = FailureCause::kPreemption,
           .message = "preempted: " + preemption.Describe() + "; " + why,
           .preemption = nlohmann::json::parse(preemption.Info(drain_timed_out))});
+  }
+
+  // A collective call; once every rank has made it, each is released (with rank 0's data, one
+  // buffer shared by every connection's queue).
+  void OnMessage(int rank, const wire::Collective& m) {
+    watchdog.Progress(rank);
+    StatusOr<std::optional<Collectives::Release>> arrived = collectives.Arrive(rank, m, Now());
+    if (arrived.status().code() == StatusCode::kInvalidArgument) {
+      return ProtocolError(rank, arrived.status().message());
+    }
+    if (!arrived.ok()) {
+      return Fail(
+          {.rank = rank, .cause = FailureCause::kException, .message = arrived.status().message()});
+    }
+    if (!*arrived) return;
+    const Collectives::Release& r = **arrived;
+    auto frame = std::make_shared<const std::string>(*wire::EncodeFrame(
+        wire::MessageType::kCollectiveRelease,
+        wire::EncodeCollectiveRelease({.sequence = r.sequence, .kind = r.kind, .data = r.data})));
+    for (size_t other = 0; other < ranks.size(); ++other) {
+      port->SendShared(static_cast<int>(other), {frame});
+    }
   }
 
   void ProtocolError(int rank, const std::string& what) {
@@ -652,7 +682,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
             .message =
                 "it did not connect to the controller within the start-up timeout" + FloodNote()});
     }
-    if (phase == Phase::kRunning) CheckProgress();
+    if (phase == Phase::kRunning) {
+      CheckProgress();
+      std::string waiting = collectives.TakeWarning(now);
+      if (!waiting.empty()) Say("warning: " + waiting);
+    }
     if (phase == Phase::kRunning && preemption.open() && now >= preemption.deadline()) {
       StopForPreemption(
           "its deadline passed before a checkpoint reported after the notice was committed",
@@ -676,6 +710,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     if (phase == Phase::kRunning) {
       if (auto t = watchdog.NextDeadline()) consider(*t);
       if (preemption.open()) consider(preemption.deadline());
+      if (auto t = collectives.NextWarning()) consider(*t);
     }
     if (kill_deadline) consider(*kill_deadline);
     // Past it, only a commit in flight holds the attempt open: its descriptor wakes the loop.
@@ -786,6 +821,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     oom_kills_before = OomKillCount();
     collector = ReportCollector(world_size, collector.next_round());
     attempt_base_round = collector.next_round();
+    collectives = Collectives(world_size);
     checkpoints_released = false;
     attempt_rounds = 0;
     attempt_first_round.reset();

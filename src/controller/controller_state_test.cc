@@ -20,6 +20,7 @@
 #include "storage/checkpoint.h"
 #include "storage/files.h"
 #include "wire/frame.h"
+#include "wire/messages.h"
 
 namespace jaxtrain::controller {
 namespace {
@@ -530,6 +531,70 @@ TEST_F(ControllerStateTest, AnExitWithoutAFailureAfterEveryRankReturnedSucceeds)
   EXPECT_EQ(out.rounds, 3u);
   EXPECT_EQ(json::parse(out.last_metrics_json)["step"], 3);
   EXPECT_EQ(processes_.signals(SIGTERM), 0);  // nothing had to be stopped
+}
+
+// `rank` makes its collective call `sequence`.
+void Call(FakeConnections& ranks, int rank, uint64_t sequence, wire::CollectiveKind kind,
+          std::string_view data = "") {
+  ranks.Deliver(rank, MessageType::kCollective,
+                wire::EncodeCollectiveBody(sequence, static_cast<uint8_t>(kind), data));
+}
+
+TEST_F(ControllerStateTest, CollectiveCallsAreReleasedWithRankZerosDataAndNumberedAfreshOnRestart) {
+  ControllerOptions options = Options(3);
+  options.max_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 3);
+  using wire::CollectiveKind;
+  Call(ranks_, 2, 1, CollectiveKind::kBroadcast);
+  Call(ranks_, 0, 1, CollectiveKind::kBroadcast, "rank 0's seed");
+  Call(ranks_, 1, 1, CollectiveKind::kBroadcast);
+  for (int rank = 0; rank < 3; ++rank) {
+    auto release = ranks_.WaitForSent(0, rank, MessageType::kCollectiveRelease, kNoHang);
+    ASSERT_TRUE(release) << "rank " << rank << " was not released";
+    auto decoded = wire::DecodeCollectiveRelease({release->type, release->body});
+    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+    EXPECT_EQ(*decoded,
+              (wire::Collective{
+                  .sequence = 1, .kind = CollectiveKind::kBroadcast, .data = "rank 0's seed"}));
+  }
+  // Two of three wait in a barrier when the third dies: the group restarts, and the new
+  // processes number their calls from 1 again.
+  Call(ranks_, 0, 2, CollectiveKind::kBarrier);
+  Call(ranks_, 2, 2, CollectiveKind::kBarrier);
+  processes_.Kill(1, SIGKILL);
+  WaitForStart(2);
+  RegisterAll(/*attempt=*/1, 3);
+  for (int rank = 0; rank < 3; ++rank) Call(ranks_, rank, 1, CollectiveKind::kBarrier);
+  for (int rank = 0; rank < 3; ++rank) {
+    auto release = ranks_.WaitForSent(1, rank, MessageType::kCollectiveRelease, kNoHang);
+    ASSERT_TRUE(release) << "rank " << rank << " was not released in attempt 1";
+    EXPECT_EQ(release->body,
+              wire::EncodeCollectiveRelease({.sequence = 1, .kind = CollectiveKind::kBarrier}));
+  }
+  for (int rank = 0; rank < 3; ++rank) Finish(rank);
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_EQ(out.attempts, 2);
+}
+
+TEST_F(ControllerStateTest, RanksMakingDifferentCollectiveCallsFailTheAttemptNamingThem) {
+  auto controller = Start(Options(3));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 3);
+  Call(ranks_, 0, 1, wire::CollectiveKind::kBroadcast, "x");
+  Call(ranks_, 1, 1, wire::CollectiveKind::kBroadcast);
+  Call(ranks_, 2, 1, wire::CollectiveKind::kBarrier);
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kFailed);
+  ASSERT_EQ(out.failures.size(), 1u);
+  EXPECT_EQ(out.failures[0].rank, 2);
+  EXPECT_EQ(out.failures[0].cause, FailureCause::kException);
+  EXPECT_EQ(out.failures[0].message,
+            "the ranks made different collective calls as their call 1: ranks 0, 1 called "
+            "broadcast_from_rank_zero(), rank 2 called barrier(); every rank must make the same "
+            "jaxtrain.collective calls in the same order");
 }
 
 }  // namespace

@@ -70,6 +70,27 @@ Status DecodeCheckpointReportBody(std::string_view body, uint64_t* round,
   return OkStatus();
 }
 
+std::string EncodeCollectiveBody(uint64_t sequence, uint8_t kind, std::string_view data) {
+  std::string out = EncodeReportBody(sequence, "");
+  out.reserve(kCollectiveHeaderSize + data.size());
+  out.push_back(static_cast<char>(kind));
+  out.append(data);
+  return out;
+}
+
+Status DecodeCollectiveBody(std::string_view body, uint64_t* sequence, uint8_t* kind,
+                            std::string_view* data) {
+  if (body.size() < kCollectiveHeaderSize) {
+    return DataLossError("collective frame of " + std::to_string(body.size()) +
+                         " bytes is shorter than its 9-byte sequence number and kind");
+  }
+  std::string_view rest;
+  JT_RETURN_IF_ERROR(DecodeReportBody(body, sequence, &rest));
+  *kind = static_cast<uint8_t>(rest[0]);
+  *data = rest.substr(1);
+  return OkStatus();
+}
+
 Status FrameDecoder::CheckHead() {
   if (head_checked_ || buffered() < kFrameHeaderSize) return OkStatus();
   const char* p = buffer_.data() + consumed_;

@@ -4,10 +4,11 @@
 //
 // Bodies: kHello, kChallenge, kAuth are fixed-size binary (handshake.h); kReport is a u64
 // big-endian round number followed by the metrics as JSON; kReportCheckpoint adds the rank's
-// checkpoint (below); kPayload is opaque bytes; the rest are JSON objects. The full message
-// sequence is drawn in docs/wire.md. FrameDecoder never allocates more than its limit, whatever the
-// peer sends, and no encoder truncates a length: a body too large for its length field is an
-// error.
+// checkpoint (below); kCollective and kCollectiveRelease are a u64 big-endian sequence number, a
+// u8 kind and the data (below); kPayload is opaque bytes; the rest are JSON objects. The full
+// message sequence is drawn in docs/wire.md. FrameDecoder never allocates more than its limit,
+// whatever the peer sends, and no encoder truncates a length: a body too large for its length field
+// is an error.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,12 @@ enum class MessageType : uint8_t {
   // controller -> worker: a checkpoint this rank reported has been committed (or its commit
   // ended otherwise), or no commit is ahead of it any more; the worker may snapshot its next one
   kCheckpointSettled = 12,
+  // worker -> controller: a jaxtrain.collective call (barrier, broadcast_from_rank_zero): its
+  // sequence number, its kind and, for rank 0's broadcast, the pickled data
+  kCollective = 13,
+  // controller -> worker: every rank has made that call: its sequence number, its kind and, for a
+  // broadcast, rank 0's data
+  kCollectiveRelease = 14,
   // worker -> controller: a preemption notice this rank's host received, or its answer to the
   // controller's query (how many get_preemption_info() calls and report rounds it has made)
   kPreemption = 16,
@@ -52,6 +59,11 @@ constexpr size_t kMaxControllerFrameBody = (size_t{1} << 31) - 1;
 // The fixed part of a kReport body (the round) and of a kReportCheckpoint body (round, length).
 constexpr size_t kReportHeaderSize = 8;
 constexpr size_t kCheckpointReportHeaderSize = 12;
+// The fixed part of a kCollective or kCollectiveRelease body (sequence number, kind).
+constexpr size_t kCollectiveHeaderSize = 9;
+// The most data broadcast_from_rank_zero() carries (the pickled object): small objects, as in
+// Ray Train; a worker refuses more before it sends anything.
+constexpr size_t kMaxCollectiveData = size_t{1} << 20;
 
 struct Frame {
   MessageType type;
@@ -84,6 +96,12 @@ StatusOr<std::string> EncodeCheckpointReportBody(uint64_t round, std::string_vie
 Status DecodeCheckpointReportBody(std::string_view body, uint64_t* round,
                                   std::string_view* checkpoint_json,
                                   std::string_view* metrics_json);
+
+// The kCollective and kCollectiveRelease body: u64 sequence number, u8 kind, then the data.
+std::string EncodeCollectiveBody(uint64_t sequence, uint8_t kind, std::string_view data);
+// Errors: kDataLoss when the body is shorter than its sequence number and kind.
+Status DecodeCollectiveBody(std::string_view body, uint64_t* sequence, uint8_t* kind,
+                            std::string_view* data);
 
 // Splits a byte stream into frames.
 class FrameDecoder {

@@ -203,5 +203,19 @@ TEST(ReportBodyTest, ShortBodyIsDataLoss) {
   EXPECT_EQ(DecodeReportBody("1234", &round, &m).code(), StatusCode::kDataLoss);
 }
 
+TEST(CollectiveBodyTest, RoundTripsAndAShortBodyIsDataLoss) {
+  const std::string body = EncodeCollectiveBody(0x0102030405060708, 2, std::string("a\0b", 3));
+  EXPECT_EQ(body.substr(0, kCollectiveHeaderSize), std::string("\1\2\3\4\5\6\7\x08\2", 9));
+  uint64_t sequence = 0;
+  uint8_t kind = 0;
+  std::string_view data;
+  ASSERT_TRUE(DecodeCollectiveBody(body, &sequence, &kind, &data).ok());
+  EXPECT_EQ(sequence, 0x0102030405060708u);
+  EXPECT_EQ(kind, 2);
+  EXPECT_EQ(data, std::string("a\0b", 3));
+  EXPECT_EQ(DecodeCollectiveBody("12345678", &sequence, &kind, &data).code(),
+            StatusCode::kDataLoss);
+}
+
 }  // namespace
 }  // namespace jaxtrain::wire

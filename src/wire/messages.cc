@@ -21,6 +21,8 @@ std::string_view TypeName(MessageType type) {
     case MessageType::kError: return "error";
     case MessageType::kReportCheckpoint: return "report with checkpoint";
     case MessageType::kPreemption: return "preemption";
+    case MessageType::kCollective: return "collective";
+    case MessageType::kCollectiveRelease: return "collective release";
     default: return "unexpected";
   }
 }
@@ -182,15 +184,42 @@ StatusOr<Preemption> DecodePreemption(std::string_view body) {
   return p;
 }
 
+StatusOr<Collective> DecodeCollective(std::string_view body) {
+  Collective c;
+  uint8_t kind = 0;
+  Status framed = DecodeCollectiveBody(body, &c.sequence, &kind, &c.data);
+  if (!framed.ok()) return InvalidArgumentError(framed.message());
+  if (c.sequence == 0) return Wrong("sequence", c.sequence, "an integer from 1");
+  if (kind != static_cast<uint8_t>(CollectiveKind::kBarrier) &&
+      kind != static_cast<uint8_t>(CollectiveKind::kBroadcast)) {
+    return Wrong("kind", kind, "1 (barrier) or 2 (broadcast_from_rank_zero)");
+  }
+  c.kind = static_cast<CollectiveKind>(kind);
+  if (c.kind == CollectiveKind::kBarrier && !c.data.empty()) {
+    return InvalidArgumentError("a barrier carries no data, but " + std::to_string(c.data.size()) +
+                                " bytes came");
+  }
+  if (c.data.size() > kMaxCollectiveData) {
+    return InvalidArgumentError("data is " + std::to_string(c.data.size()) +
+                                " bytes, more than the limit of " +
+                                std::to_string(kMaxCollectiveData));
+  }
+  return c;
+}
+
 // Wraps a decoder's error in what the message was.
-template <typename T>
-StatusOr<WorkerMessage> Typed(MessageType type, StatusOr<T> decoded) {
+template <typename Message = WorkerMessage, typename T>
+StatusOr<Message> Typed(MessageType type, StatusOr<T> decoded) {
   if (!decoded.ok()) {
     return InvalidArgumentError("malformed message of type " +
                                 std::to_string(static_cast<int>(type)) + " (" +
                                 std::string(TypeName(type)) + "): " + decoded.status().message());
   }
-  return WorkerMessage(std::move(decoded).value());
+  return Message(std::move(decoded).value());
+}
+
+Status UnexpectedType(MessageType type) {
+  return InvalidArgumentError("unexpected message type " + std::to_string(static_cast<int>(type)));
 }
 
 json EncodeFileEntry(const storage::FileEntry& e) {
@@ -231,6 +260,9 @@ struct Encoder {
     if (p.deadline_ms != 0) j["deadline_ms"] = p.deadline_ms;
     return Dump(j);
   }
+  StatusOr<std::string> operator()(const Collective& c) const {
+    return EncodeCollectiveBody(c.sequence, static_cast<uint8_t>(c.kind), c.data);
+  }
 };
 
 struct TypeOf {
@@ -240,6 +272,7 @@ struct TypeOf {
   MessageType operator()(const WorkerError&) const { return MessageType::kError; }
   MessageType operator()(const Done&) const { return MessageType::kDone; }
   MessageType operator()(const Preemption&) const { return MessageType::kPreemption; }
+  MessageType operator()(const Collective&) const { return MessageType::kCollective; }
 };
 
 }  // namespace
@@ -253,10 +286,26 @@ StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame) {
     case MessageType::kError: return Typed(frame.type, DecodeWorkerError(frame.body));
     case MessageType::kDone: return WorkerMessage(Done{});
     case MessageType::kPreemption: return Typed(frame.type, DecodePreemption(frame.body));
-    default:
-      return InvalidArgumentError("unexpected message type " +
-                                  std::to_string(static_cast<int>(frame.type)));
+    case MessageType::kCollective: return Typed(frame.type, DecodeCollective(frame.body));
+    default: return UnexpectedType(frame.type);
   }
+}
+
+StatusOr<Collective> DecodeCollectiveRelease(const FrameView& frame) {
+  if (frame.type != MessageType::kCollectiveRelease) return UnexpectedType(frame.type);
+  return Typed<Collective>(frame.type, DecodeCollective(frame.body));
+}
+
+std::string EncodeCollectiveRelease(const Collective& release) {
+  return EncodeCollectiveBody(release.sequence, static_cast<uint8_t>(release.kind), release.data);
+}
+
+std::string_view CollectiveKindName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kBarrier: return "barrier()";
+    case CollectiveKind::kBroadcast: return "broadcast_from_rank_zero()";
+  }
+  return "barrier()";
 }
 
 MessageType WorkerMessageType(const WorkerMessage& message) {

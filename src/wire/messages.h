@@ -1,6 +1,7 @@
 // The messages a worker sends the controller once it has authenticated (docs/wire.md, types 4, 7,
-// 8, 9, 10 and 16), decoded into typed structs at the edge: the controller's loop switches over a
-// WorkerMessage and parses no JSON itself. The Python worker writes the same JSON
+// 8, 9, 10, 13 and 16), decoded into typed structs at the edge: the controller's loop switches over
+// a WorkerMessage and parses no JSON itself; and the one the worker decodes during training
+// (type 14, the release of a collective call). The Python worker writes the same JSON
 // (python/jaxtrain/worker.py, session.py); the encoder here is the C++ side's (tests, the
 // fuzzer), and DecodeWorkerMessage(EncodeWorkerMessage(m)) == m for every m it decoded.
 //
@@ -94,8 +95,26 @@ struct Preemption {
   bool operator==(const Preemption&) const = default;
 };
 
+// The two calls of jaxtrain.collective.
+enum class CollectiveKind : uint8_t {
+  kBarrier = 1,    // barrier(): no data
+  kBroadcast = 2,  // broadcast_from_rank_zero(data): rank 0's pickled data, none from the others
+};
+
+// kCollective (worker -> controller): the rank's sequence-th collective call (1, 2, ... in each
+// worker process); kCollectiveRelease (controller -> worker): every rank has made that call.
+// Binary: u64 sequence, u8 kind, the data (a view into the frame's body): rank 0's pickled object
+// of a broadcast (in its call and in every rank's release), at most kMaxCollectiveData bytes;
+// empty for a barrier and in the other ranks' broadcast calls.
+struct Collective {
+  uint64_t sequence = 0;  // from 1; 0 is refused
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  std::string_view data;
+  bool operator==(const Collective&) const = default;
+};
+
 using WorkerMessage =
-    std::variant<Registration, Report, CheckpointReport, WorkerError, Done, Preemption>;
+    std::variant<Registration, Report, CheckpointReport, WorkerError, Done, Collective, Preemption>;
 
 // Decodes an authenticated worker's frame; string views in the result point into `frame.body`.
 // Errors: kInvalidArgument, its message "malformed message of type N (name): " and which field is
@@ -107,6 +126,16 @@ StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame);
 // description is too large for its length field.
 MessageType WorkerMessageType(const WorkerMessage& message);
 StatusOr<std::string> EncodeWorkerMessage(const WorkerMessage& message);
+
+// A kCollectiveRelease frame, as the worker decodes it; the data is a view into `frame.body`.
+// Errors: kInvalidArgument, as DecodeWorkerMessage()'s, for a body of the wrong shape or a frame
+// of another type.
+StatusOr<Collective> DecodeCollectiveRelease(const FrameView& frame);
+// The kCollectiveRelease body of `release`.
+std::string EncodeCollectiveRelease(const Collective& release);
+
+// What a user calls: "barrier()", "broadcast_from_rank_zero()".
+std::string_view CollectiveKindName(CollectiveKind kind);
 
 // Whether `id` is a copy_id as a worker may send it: 1 to 64 letters, digits and '-' (it names
 // files of the host-memory store, so it must not hold a '/' or be "..").

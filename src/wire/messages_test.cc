@@ -111,6 +111,49 @@ TEST(DecodeWorkerMessageTest, DecodesANoticeAndAnAnswer) {
   EXPECT_EQ(answer, (Preemption{.calls = 3, .rounds = 9}));
 }
 
+TEST(DecodeWorkerMessageTest, DecodesACollectiveCallOfEachKind) {
+  auto barrier = Decoded<Collective>(MessageType::kCollective, EncodeCollectiveBody(3, 1, ""));
+  EXPECT_EQ(barrier, (Collective{.sequence = 3, .kind = CollectiveKind::kBarrier}));
+  std::string body = EncodeCollectiveBody(1ull << 40, 2, std::string("\x80\x05K*.", 5));
+  auto broadcast = Decoded<Collective>(MessageType::kCollective, body);
+  EXPECT_EQ(broadcast.sequence, 1ull << 40);
+  EXPECT_EQ(broadcast.kind, CollectiveKind::kBroadcast);
+  EXPECT_EQ(broadcast.data, std::string("\x80\x05K*.", 5));
+  EXPECT_EQ(broadcast.data.data(), body.data() + kCollectiveHeaderSize);  // a view, not a copy
+  // The other ranks' broadcast calls carry no data; the largest allowed does.
+  Decoded<Collective>(MessageType::kCollective, EncodeCollectiveBody(2, 2, ""));
+  Decoded<Collective>(MessageType::kCollective,
+                      EncodeCollectiveBody(2, 2, std::string(kMaxCollectiveData, 'x')));
+}
+
+TEST(DecodeCollectiveReleaseTest, DecodesWhatTheControllerEncodes) {
+  const std::string data = "rank 0's object";
+  const std::string body =
+      EncodeCollectiveRelease({.sequence = 9, .kind = CollectiveKind::kBroadcast, .data = data});
+  StatusOr<Collective> release = DecodeCollectiveRelease({MessageType::kCollectiveRelease, body});
+  ASSERT_TRUE(release.ok()) << release.status().ToString();
+  EXPECT_EQ(*release,
+            (Collective{.sequence = 9, .kind = CollectiveKind::kBroadcast, .data = data}));
+}
+
+TEST(DecodeCollectiveReleaseTest, RefusesAnotherTypeAndAMalformedBody) {
+  StatusOr<Collective> other =
+      DecodeCollectiveRelease({MessageType::kCollective, EncodeCollectiveBody(1, 1, "")});
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(other.status().message(), "unexpected message type 13");
+  StatusOr<Collective> bad =
+      DecodeCollectiveRelease({MessageType::kCollectiveRelease, EncodeCollectiveBody(1, 3, "")});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(),
+            "malformed message of type 14 (collective release): kind is 3, not 1 (barrier) or 2 "
+            "(broadcast_from_rank_zero)");
+}
+
+TEST(CollectiveKindNameTest, NamesTheCallAsAUserWritesIt) {
+  EXPECT_EQ(CollectiveKindName(CollectiveKind::kBarrier), "barrier()");
+  EXPECT_EQ(CollectiveKindName(CollectiveKind::kBroadcast), "broadcast_from_rank_zero()");
+}
+
 struct Malformed {
   MessageType type;
   std::string body;
@@ -124,6 +167,7 @@ std::vector<Malformed> MalformedMessages() {
   const std::string ckpt = "malformed message of type 10 (report with checkpoint): ";
   const std::string err = "malformed message of type 8 (error): ";
   const std::string pre = "malformed message of type 16 (preemption): ";
+  const std::string coll = "malformed message of type 13 (collective): ";
   const std::string u64 = "an integer from 0 to 18446744073709551615";
   const std::string u32 = "an integer from 0 to 4294967295";
   auto file = [](std::string_view fields) {
@@ -208,6 +252,19 @@ std::vector<Malformed> MalformedMessages() {
       {MessageType::kPreemption, R"({"calls":"2"})", pre + "calls is \"2\", not " + u64},
       {MessageType::kPreemption, R"({"calls":2,"rounds":0.5})", pre + "rounds is 0.5, not " + u64},
       {MessageType::kPreemptionReply, "{}", "unexpected message type 17"},
+      {MessageType::kCollective, "12345678",
+       coll + "collective frame of 8 bytes is shorter than its 9-byte sequence number and kind"},
+      {MessageType::kCollective, EncodeCollectiveBody(0, 1, ""),
+       coll + "sequence is 0, not an integer from 1"},
+      {MessageType::kCollective, EncodeCollectiveBody(1, 0, ""),
+       coll + "kind is 0, not 1 (barrier) or 2 (broadcast_from_rank_zero)"},
+      {MessageType::kCollective, EncodeCollectiveBody(1, 1, "x"),
+       coll + "a barrier carries no data, but 1 bytes came"},
+      {MessageType::kCollective,
+       EncodeCollectiveBody(1, 2, std::string(kMaxCollectiveData + 1, 'x')),
+       coll + "data is 1048577 bytes, more than the limit of 1048576"},
+      {MessageType::kCollectiveRelease, EncodeCollectiveBody(1, 1, ""),
+       "unexpected message type 14"},
       {MessageType::kHello, "", "unexpected message type 1"},
       {MessageType::kStart, "{}", "unexpected message type 5"},
       {MessageType::kCheckpointSettled, "release", "unexpected message type 12"},
@@ -240,6 +297,8 @@ TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgai
       {MessageType::kPreemption, R"({"source":"SIGTERM"})"},
       {MessageType::kPreemption, R"({"source":"metadata","deadline_ms":1764000000000})"},
       {MessageType::kPreemption, R"({"calls":0,"rounds":12})"},
+      {MessageType::kCollective, EncodeCollectiveBody(1, 1, "")},
+      {MessageType::kCollective, EncodeCollectiveBody(7, 2, std::string("\0pickled\xff", 9))},
   };
   for (const auto& [type, body] : frames) {
     StatusOr<WorkerMessage> decoded = DecodeWorkerMessage({type, body});

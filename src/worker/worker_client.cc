@@ -272,6 +272,35 @@ Status WorkerClient::WaitCheckpointsSettled() {
   return UnavailableError("the connection to the controller ended before the checkpoint's commit");
 }
 
+StatusOr<std::string> WorkerClient::Collective(const wire::Collective& call) {
+  if (call.data.size() > wire::kMaxCollectiveData) {
+    return InvalidArgumentError(
+        std::string(wire::CollectiveKindName(call.kind)) + "'s data is " +
+        std::to_string(call.data.size()) + " bytes pickled, more than the limit of " +
+        std::to_string(wire::kMaxCollectiveData) +
+        "; broadcast small objects only (write large ones to a file and broadcast its path)");
+  }
+  JT_ASSIGN_OR_RETURN(std::string body, wire::EncodeWorkerMessage(call));
+  JT_RETURN_IF_ERROR(Send(wire::MessageType::kCollective, body));
+  MutexLock lock(settle_mu_);
+  settle_cv_.Wait(settle_mu_, [this]() REQUIRES(settle_mu_) { return lost_ || release_; });
+  if (!release_) {
+    return UnavailableError("the connection to the controller ended before every rank made " +
+                            std::string(wire::CollectiveKindName(call.kind)));
+  }
+  StatusOr<wire::Collective> release = *std::move(release_);
+  release_.reset();
+  JT_RETURN_IF_ERROR(release.status());
+  if (release->sequence != call.sequence || release->kind != call.kind) {
+    return DataLossError("the controller released collective call " +
+                         std::to_string(release->sequence) + " (" +
+                         std::string(wire::CollectiveKindName(release->kind)) +
+                         ") while this rank waited in call " + std::to_string(call.sequence) +
+                         " (" + std::string(wire::CollectiveKindName(call.kind)) + ")");
+  }
+  return std::string(release->data);
+}
+
 Status WorkerClient::SendError(std::string_view json) {
   return SendLast(wire::MessageType::kError, json);
 }
@@ -305,6 +334,14 @@ void WorkerClient::WatchController(int exit_code) {
       if (!f.ok()) break;
       if (f->type == wire::MessageType::kPreemptionReply) {
         OnPreemptionReply(f->body);
+        continue;
+      }
+      if (f->type == wire::MessageType::kCollectiveRelease) {
+        MutexLock lock(settle_mu_);
+        release_body_ = std::move(f->body);
+        release_ = wire::DecodeCollectiveRelease({f->type, release_body_});
+        if (!release_->ok()) release_ = DataLossError(release_->status().message());
+        settle_cv_.NotifyAll();
         continue;
       }
       if (f->type != wire::MessageType::kCheckpointSettled) continue;

@@ -8,8 +8,9 @@
 // and the payload, then
 // Report()/SendError()/SendDone(). WatchController() turns the end of the connection into the end
 // of the process, so a worker never outlives its controller, and reads what the controller sends
-// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for, and
-// the controller's side of a preemption (WatchPreemption(), docs/preemption.md).
+// during training: the kCheckpointSettled notices that WaitCheckpointsSettled() waits for, the
+// kCollectiveRelease that Collective() waits for, and the controller's side of a preemption
+// (WatchPreemption(), docs/preemption.md).
 //
 // Thread-safety: the send methods and WaitCheckpointsSettled() may be called from any thread (they
 // serialise on mutexes); WaitStart() must be called by one thread, before WatchController().
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -26,6 +28,7 @@
 #include "base/mutex.h"
 #include "base/status.h"
 #include "wire/frame.h"
+#include "wire/messages.h"
 #include "wire/socket.h"
 
 namespace jaxtrain::worker {
@@ -87,6 +90,14 @@ class WorkerClient {
   // WatchController(), which reads the notices. Errors: kUnavailable when the connection ends
   // first.
   Status WaitCheckpointsSettled();
+  // One jaxtrain.collective call (barrier(), broadcast_from_rank_zero()): sends it and blocks
+  // until the controller releases it, once every rank has made it; returns the release's data
+  // (rank 0's for a broadcast). The caller numbers its calls 1, 2, ... and makes one at a time.
+  // Needs WatchController(), which reads the release. Errors: kInvalidArgument when the data is
+  // larger than wire::kMaxCollectiveData (nothing is sent); kUnavailable when the connection ends
+  // first; kDataLoss when the release is malformed or not this call's.
+  StatusOr<std::string> Collective(const wire::Collective& call);
+
   // The last frames a worker sends: each returns once the controller's host has acknowledged
   // every byte sent so far (at most 10 s), so that the process may end at once.
   // Ending with a notice unread resets the connection, and a reset drops what the controller's
@@ -149,6 +160,9 @@ class WorkerClient {
   uint64_t sync_call_ GUARDED_BY(settle_mu_) = 0;
   std::string agreement_ GUARDED_BY(settle_mu_);
   std::string notice_reply_ GUARDED_BY(settle_mu_);  // "noted" or "stop"; "" while waiting
+  // The last collective release the watcher read (under the same mutex as the notices).
+  std::optional<StatusOr<wire::Collective>> release_ GUARDED_BY(settle_mu_);
+  std::string release_body_ GUARDED_BY(settle_mu_);  // what release_'s data points into
 };
 
 }  // namespace jaxtrain::worker

@@ -241,6 +241,35 @@ TEST(WorkerClientTest, MetricsTooLargeForTheControllerAreRefusedBeforeSending) {
   EXPECT_EQ(controller.received[0].body.size(), wire::kMaxWorkerFrameBody);
 }
 
+TEST(WorkerClientTest, ACollectiveCallReturnsTheDataOfItsRelease) {
+  const std::string secret = wire::GenerateSecret();
+  const std::string release = wire::EncodeCollectiveRelease(
+      {.sequence = 1, .kind = wire::CollectiveKind::kBroadcast, .data = "rank 0's"});
+  FakeController controller(secret);
+  controller.Serve({{MessageType::kCollectiveRelease, release}});
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    (*client)->WatchController(7);
+    const std::string big(wire::kMaxCollectiveData + 1, 'x');
+    auto refused = (*client)->Collective(
+        {.sequence = 1, .kind = wire::CollectiveKind::kBroadcast, .data = big});
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(refused.status().message(),
+              "broadcast_from_rank_zero()'s data is 1048577 bytes pickled, more than the limit of "
+              "1048576; broadcast small objects only (write large ones to a file and broadcast "
+              "its path)");
+    auto data = (*client)->Collective({.sequence = 1, .kind = wire::CollectiveKind::kBroadcast});
+    ASSERT_TRUE(data.ok()) << data.status().ToString();
+    EXPECT_EQ(*data, "rank 0's");
+    (*client)->Stop();
+  }
+  controller.Join();
+  ASSERT_EQ(controller.received.size(), 1u);  // the call refused was never sent
+  EXPECT_EQ(controller.received[0].type, MessageType::kCollective);
+  EXPECT_EQ(controller.received[0].body, wire::EncodeCollectiveBody(1, 2, ""));
+}
+
 TEST(WorkerClientTest, AControllerThatNeverAnswersTimesOut) {
   const std::string secret = wire::GenerateSecret();
   FakeController controller(secret);

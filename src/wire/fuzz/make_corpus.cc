@@ -253,6 +253,12 @@ bool WriteCorpus(const std::filesystem::path& root) {
       {"preemption_notice", MessageType::kPreemption,
        R"({"source": "SIGTERM", "deadline_ms": 1764000000000})"},
       {"preemption_answer", MessageType::kPreemption, R"({"calls": 7, "rounds": 41})"},
+      {"collective_barrier", MessageType::kCollective, EncodeCollectiveBody(1, 1, "")},
+      {"collective_broadcast_rank0", MessageType::kCollective,
+       EncodeCollectiveBody(2, 2, std::string("\x80\x05K*.", 5))},
+      {"collective_broadcast", MessageType::kCollective, EncodeCollectiveBody(2, 2, "")},
+      {"collective_barrier_with_data", MessageType::kCollective, EncodeCollectiveBody(3, 1, "x")},
+      {"collective_release", MessageType::kCollectiveRelease, EncodeCollectiveBody(2, 2, "x")},
       {"error_wrong_kinds", MessageType::kError, R"({"message": 5, "traceback": [], "phase": {}})"},
       {"unexpected_start", MessageType::kStart, R"({"coordinator": "10.0.0.1:1234"})"},
   };

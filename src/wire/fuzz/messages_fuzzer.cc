@@ -37,6 +37,10 @@ void CheckViews(const WorkerMessage& m, std::string_view body) {
     JT_FUZZ_CHECK(Within(c->metrics_json, body));
     JT_FUZZ_CHECK(c->copy_id.empty() || IsCopyId(c->copy_id));
   }
+  if (const auto* c = std::get_if<Collective>(&m)) {
+    JT_FUZZ_CHECK(Within(c->data, body));
+    JT_FUZZ_CHECK(c->sequence > 0 && c->data.size() <= kMaxCollectiveData);
+  }
 }
 
 void Run(MessageType type, std::string_view body) {
