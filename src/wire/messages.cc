@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 #include <type_traits>
 
+#include "wire/handshake.h"
+
 namespace jaxtrain::wire {
 namespace {
 
@@ -20,6 +22,7 @@ std::string_view TypeName(MessageType type) {
     case MessageType::kReport: return "report";
     case MessageType::kError: return "error";
     case MessageType::kReportCheckpoint: return "report with checkpoint";
+    case MessageType::kDone: return "done";
     default: return "unexpected";
   }
 }
@@ -171,6 +174,23 @@ StatusOr<WorkerError> DecodeWorkerError(std::string_view body) {
   return e;
 }
 
+StatusOr<Done> DecodeDone(std::string_view body) {
+  JT_ASSIGN_OR_RETURN(json j, ParseObject(body));
+  Done d;
+  JT_ASSIGN_OR_RETURN(const json* value, Find(j, "", "return_value", /*required=*/false));
+  if (value == nullptr || value->is_null()) return d;
+  const std::string allowed = "the hex digits of a pickled value of at most " +
+                              std::to_string(kMaxReturnValueSize) + " bytes, or null";
+  if (!value->is_string() ||
+      value->get_ref<const std::string&>().size() > 2 * kMaxReturnValueSize) {
+    return Wrong("return_value", *value, allowed);
+  }
+  StatusOr<std::string> bytes = FromHex(value->get_ref<const std::string&>());
+  if (!bytes.ok()) return Wrong("return_value", *value, allowed);
+  d.return_value = *std::move(bytes);
+  return d;
+}
+
 // Wraps a decoder's error in what the message was.
 template <typename T>
 StatusOr<WorkerMessage> Typed(MessageType type, StatusOr<T> decoded) {
@@ -213,7 +233,11 @@ struct Encoder {
     if (e.status_code != StatusCode::kUnknown) j["status_code"] = StatusCodeName(e.status_code);
     return Dump(j);
   }
-  StatusOr<std::string> operator()(const Done&) const { return std::string("{}"); }
+  StatusOr<std::string> operator()(const Done& d) const {
+    json j = json::object();
+    if (d.return_value) j["return_value"] = ToHex(*d.return_value);
+    return Dump(j);
+  }
 };
 
 struct TypeOf {
@@ -233,7 +257,7 @@ StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame) {
     case MessageType::kReportCheckpoint:
       return Typed(frame.type, DecodeCheckpointReport(frame.body));
     case MessageType::kError: return Typed(frame.type, DecodeWorkerError(frame.body));
-    case MessageType::kDone: return WorkerMessage(Done{});
+    case MessageType::kDone: return Typed(frame.type, DecodeDone(frame.body));
     default:
       return InvalidArgumentError("unexpected message type " +
                                   std::to_string(static_cast<int>(frame.type)));
