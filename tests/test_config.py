@@ -84,10 +84,17 @@ def test_tpu_resources_need_use_tpu_and_gpu_resources_need_use_gpu():
     invalid(["resources_per_worker['TPU']=0"], use_tpu=True, resources_per_worker={"TPU": 0})
 
 
-def test_num_workers_must_be_a_positive_int():
-    invalid(["ScalingConfig.num_workers=0", ">= 1"], num_workers=0)
+def test_num_workers_must_be_a_non_negative_int():
+    invalid(["ScalingConfig.num_workers=-1", "or 0 for local mode"], num_workers=-1)
     invalid(["ScalingConfig.num_workers='4'"], num_workers="4")
     invalid(["ScalingConfig.num_workers=True"], num_workers=True)
+
+
+def test_local_mode_refuses_placement_fields():
+    assert ScalingConfig(num_workers=0).num_workers == 0
+    invalid(["ScalingConfig(num_workers=0, topology='4x4')", "driver's process"],
+            num_workers=0, topology="4x4")
+    invalid(["resources_per_worker={'CPU': 2}"], num_workers=0, resources_per_worker={"CPU": 2})
 
 
 def test_flags_must_be_booleans():

@@ -44,8 +44,8 @@ def test_configs_are_dataclasses_compared_by_value_and_replaced_with_validation(
         "max_failures": -1, "controller_failure_limit": 3, "progress_timeout_s": None,
         "max_preemption_failures": -1, "preemption_grace_s": 30.0}
     # A replaced field is validated like a given one.
-    with pytest.raises(ValueError, match=r"ScalingConfig.num_workers=0"):
-        dataclasses.replace(wider, num_workers=0)
+    with pytest.raises(ValueError, match=r"ScalingConfig.num_workers=-1"):
+        dataclasses.replace(wider, num_workers=-1)
     with pytest.raises(ValueError, match=r"FailureConfig.max_failures=-2"):
         dataclasses.replace(FailureConfig(), max_failures=-2)
 

@@ -28,7 +28,10 @@ class ScalingConfig:
 
     Validated completely when constructed; an error names the field, the value and what is
     allowed. ``num_workers`` is the number of worker processes (for TPU: hosts of the slice, or
-    more with ``resources_per_worker={"TPU": k}``).
+    more with ``resources_per_worker={"TPU": k}``). ``num_workers=0`` is Ray's local mode: the
+    training function runs in the driver's own process (a debugger's breakpoints work), with the
+    devices the driver's JAX sees and no ``jax.distributed``; ``topology``, ``accelerator_type``
+    and ``resources_per_worker`` do not apply to it (docs/ray-differences.md).
     """
 
     num_workers: int
@@ -50,12 +53,19 @@ class ScalingConfig:
         placement_strategy: str = "PACK",
     ) -> None:
         owner = "ScalingConfig"
-        _expect(owner, "num_workers", num_workers, (int,), "it must be a whole number >= 1")
-        if num_workers > _core.MAX_WORKERS:  # checked here too: the core takes a C int
-            raise ValueError(
-                f"{owner}.num_workers={num_workers} is not allowed; it must be a whole number "
-                f">= 1 and at most {_core.MAX_WORKERS}"
-            )
+        allowed = (f"it must be a whole number from 1 to {_core.MAX_WORKERS}, or 0 for local "
+                   "mode (the training function runs in the driver's process)")
+        _expect(owner, "num_workers", num_workers, (int,), allowed)
+        if num_workers < 0 or num_workers > _core.MAX_WORKERS:  # the core takes a C int
+            raise ValueError(f"{owner}.num_workers={num_workers} is not allowed; {allowed}")
+        if num_workers == 0:
+            for name, value in (("topology", topology), ("accelerator_type", accelerator_type),
+                                ("resources_per_worker", resources_per_worker)):
+                if value is not None:
+                    raise ValueError(
+                        f"{owner}(num_workers=0, {name}={value!r}) is not allowed: local mode "
+                        "runs the training function in the driver's process, with the devices "
+                        f"its JAX sees; leave {name} unset, or use num_workers >= 1")
         _expect(owner, "use_tpu", use_tpu, (bool,), "it must be True or False")
         _expect(owner, "use_gpu", use_gpu, (bool,), "it must be True or False")
         if topology is not None:
@@ -79,7 +89,7 @@ class ScalingConfig:
                     )
                 resources[key] = float(amount)
         self._core = _core.ScalingConfig(
-            num_workers=num_workers,
+            num_workers=max(num_workers, 1),  # local mode: the other fields checked as for one
             use_tpu=use_tpu,
             use_gpu=use_gpu,
             topology=topology,

@@ -23,7 +23,10 @@ class Result:
     metrics of its round, in Ray's order: by the run's CheckpointConfig score with the best
     last (oldest first without a score), so ``best_checkpoints[-1]`` is the best;
     ``filesystem``: the fsspec filesystem of a run on remote storage (``path`` and the
-    checkpoints' paths are then paths on it), None for a local or shared directory.
+    checkpoints' paths are then paths on it), None for a local or shared directory;
+    ``return_value``: what the training function returned on rank 0 (in local mode, in the
+    driver), as Ray's: None when it returned nothing, or when the run did not finish (it failed,
+    was stopped, or is still running after a resume).
     """
 
     metrics: dict[str, Any] | None
@@ -32,6 +35,7 @@ class Result:
     checkpoint: Checkpoint | None = None
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     filesystem: Any = None
+    return_value: Any = None
     _rounds: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -139,7 +143,8 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
                 status_code=f.get("status_code"),
                 log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
             )
-    return _load(path, state.get("config", {}).get("checkpoint_config"), error, remote)
+    return _load(path, state.get("config", {}).get("checkpoint_config"), error, remote,
+                 finished=state.get("status") == "FINISHED")
 
 
 def _read_rounds(path: str) -> list[dict]:
@@ -155,12 +160,38 @@ def _read_rounds(path: str) -> list[dict]:
     return rows
 
 
+# Rank 0's pickled return value in the run directory, written by the controller.
+RETURN_VALUE_FILE = "return_value.pkl"
+
+
+def _read_return_value(path: str) -> Any:
+    """What RETURN_VALUE_FILE in the run directory `path` holds, unpickled; None without one.
+    Raises ValueError when this Python cannot unpickle it."""
+    import cloudpickle
+
+    file = os.path.join(path, RETURN_VALUE_FILE)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return cloudpickle.loads(data)
+    except Exception as e:
+        raise ValueError(
+            f"Result.return_value: the training function's return value in '{file}' cannot be "
+            f"unpickled in this Python ({type(e).__name__}: {e}); the driver needs the modules "
+            "its type comes from") from e
+
+
 def _load(path: str, checkpoint_config: dict | None, error: BaseException | None,
-          remote: tuple[Any, str] | None = None) -> Result:
+          remote: tuple[Any, str] | None = None, finished: bool = False) -> Result:
     """The Result of the run directory `path`; with `remote` (filesystem, run directory), `path`
-    is a local copy of that remote run directory, and the Result names the remote one."""
+    is a local copy of that remote run directory, and the Result names the remote one.
+    `finished`: the run ended FINISHED, so its return value is the Result's."""
     from jaxtrain import _core
 
+    return_value = _read_return_value(path) if finished and error is None else None
     rounds = _read_rounds(path)
     cc = checkpoint_config or {}
     ranked = _core.ranked_checkpoints(
@@ -193,6 +224,7 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
         checkpoint=latest,
         best_checkpoints=best,
         filesystem=filesystem,
+        return_value=return_value,
         _rounds=rounds,
     )
 

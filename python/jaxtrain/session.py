@@ -116,6 +116,7 @@ class _Stager:
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple] = collections.deque()
         self._busy = False  # an item is taken off the queue and not yet sent
+        self._closed = False  # close(): the thread ends once the queue is empty
         self._thread: threading.Thread | None = None
 
     @property
@@ -143,10 +144,21 @@ class _Stager:
         with self._cv:
             self._cv.wait_for(lambda: not self._queue and not self._busy)
 
+    def close(self) -> None:
+        """Ends the thread once everything queued has been sent (a worker's process ends with
+        it; local mode's driver goes on)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: bool(self._queue))
+                self._cv.wait_for(lambda: bool(self._queue) or self._closed)
+                if not self._queue:
+                    return
                 round_, text, work = self._queue.popleft()
                 self._busy = True
             try:

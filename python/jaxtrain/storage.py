@@ -57,7 +57,7 @@ from jaxtrain import _core
 MANIFEST_NAME = ".jaxtrain_manifest.json"
 
 INDEX_NAME = "checkpoints.json"
-_RECORDS = ("run.json", "result.jsonl")
+_RECORDS = ("run.json", "result.jsonl", "return_value.pkl")  # the last: Result.return_value
 _CHUNK = 8 << 20
 _BLOCK = 8 << 20
 _PROGRESS_AFTER_S = 3.0

@@ -21,7 +21,16 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, checkpoint_memory, ray_args, runtime_env, session, storage
+from jaxtrain import (
+    _core,
+    callbacks,
+    checkpoint_memory,
+    local_mode,
+    ray_args,
+    runtime_env,
+    session,
+    storage,
+)
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_store import STORE_ENV
 from jaxtrain.config import RunConfig, ScalingConfig
@@ -57,7 +66,8 @@ def _takes_config(fn: Callable) -> bool:
 
 class JaxTrainer:
     """Runs ``train_loop_per_worker`` SPMD on ``scaling_config.num_workers`` processes, each with
-    ``jax.distributed`` initialised before the function starts.
+    ``jax.distributed`` initialised before the function starts; with ``num_workers=0`` (local
+    mode) in the driver's own process instead, without ``jax.distributed`` (jaxtrain/local_mode.py).
 
     The function takes no argument, or one dict (``train_loop_config``).
     ``resume_from_checkpoint``: the checkpoint that ``get_checkpoint()`` returns in the first
@@ -134,16 +144,31 @@ class JaxTrainer:
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
+        # Local mode: the function runs in this process, the controller's one process is a relay.
+        local = local_mode.Driver() if self.scaling_config.num_workers == 0 else None
+        try:
+            return self._fit_with(private, fn, local)
+        finally:
+            if local is not None:
+                local.close()
+
+    def _fit_with(self, private: bool, fn: Callable[..., Any],
+                  local: local_mode.Driver | None) -> Result:
         compilation_cache = _compilation_cache()  # refused before anything starts
         snapshot_budget = session.check_snapshot_budget()  # likewise
         in_memory = checkpoint_memory.check_switch()  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         storage.warn_if_locks_stay_local(run_dir)
-        launcher = _core.choose_launcher()  # JAXTRAIN_LAUNCHER; slurm inside an allocation
+        # Local mode runs on this host whatever JAXTRAIN_LAUNCHER says.
+        launcher = "local" if local is not None else _core.choose_launcher()
         launcher_options = ""
         store = None  # the hosts upload their checkpoints to object storage themselves
-        if launcher == "slurm":
+        if local is not None:
+            in_memory = None  # the driver's process keeps no copies in host memory
+            plan = local_mode.relay_plan()
+            spans_hosts = False
+        elif launcher == "slurm":
             spans_hosts = _slurm_spans_hosts()
             store = _store_direct(self.run_config, mirror, spans_hosts)
             if spans_hosts and store is None:
@@ -170,7 +195,9 @@ class JaxTrainer:
             plan = _core.plan_local(self.scaling_config._core)
             spans_hosts = False
             store = _store_direct(self.run_config, mirror, spans_hosts)
-        payload = _pickle_task(fn, self.train_loop_config, self._takes_config, store)
+        # Local mode pickles nothing: the function runs here.
+        payload = b"" if local is not None else _pickle_task(fn, self.train_loop_config,
+                                                            self._takes_config, store)
         shipped = _ship_working_dir(self.run_config, spans_hosts)  # refused before any start
         if mirror is not None:
             # pull() rebuilds the staging copy, which a live driver of this run is writing; the
@@ -193,6 +220,8 @@ class JaxTrainer:
                 worker_env[checkpoint_memory.BUDGET_ENV] = os.environ[checkpoint_memory.BUDGET_ENV]
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
+        if local is not None:
+            worker_env.update(local.env)
         sys.stdout.flush()
         sys.stderr.flush()
         console_fd = _console_fd()
@@ -219,7 +248,8 @@ class JaxTrainer:
             ),
             terminate_grace_s=_TERMINATE_GRACE_S,
             start_timeout_s=_START_TIMEOUT_S,
-            failure_config=self.run_config.failure_config._core,
+            failure_config=local_mode.failure_config() if local is not None
+            else self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
             verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "1") != "0",
             console_fd=console_fd,
@@ -239,6 +269,8 @@ class JaxTrainer:
             if mirror is not None:
                 mirror.start()
             try:
+                if local is not None:  # the function, in this thread
+                    local.run(controller, events, fn, self.train_loop_config, self._takes_config)
                 # Short waits let Python deliver signals and the callbacks run; the wait returns
                 # at once when the run ends.
                 while not controller.wait(0.2):
@@ -267,6 +299,9 @@ class JaxTrainer:
         result = _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
         if events is not None:
             events.finish(result)  # raises ControllerError if a raise_on_error callback failed
+        if result.error is not None and local is not None and local.exception is not None:
+            # Local mode: the function's own exception, for a debugger's post-mortem.
+            raise result.error from local.exception
         if result.error is not None:
             raise result.error
         return result
@@ -536,4 +571,5 @@ def _result(outcome: dict, run_dir: str, checkpoint_config,
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    return _load(run_dir, checkpoint_config._as_dict(), error, remote)
+    return _load(run_dir, checkpoint_config._as_dict(), error, remote,
+                 finished=outcome["state"] == "FINISHED")

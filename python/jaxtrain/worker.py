@@ -8,6 +8,11 @@ argument given and cluster detection off; run the function; report done;
 ``jax.distributed.shutdown`` (bounded); exit.
 
 Exit codes: 0 done; 1 the training function raised; 3 start-up failed; 4 the controller went away.
+
+Rank 0 sends what the training function returned with its done message (``Result.return_value``).
+In local mode (``ScalingConfig(num_workers=0)``) the process the controller starts is only a relay:
+it hands the run's secret to the driver, whose own process is the rank (jaxtrain/local_mode.py),
+and exits with the code the driver gives it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ import traceback
 EXIT_RAISED = 1
 EXIT_START_UP = 3
 EXIT_CONTROLLER_LOST = 4
+
+# The largest pickled return value rank 0 may send (kMaxReturnValueSize, src/wire/messages.h).
+RETURN_VALUE_LIMIT = 4 << 20
+# Local mode: the driver's socket that the relay hands the run's secret to (jaxtrain/local_mode.py).
+LOCAL_MODE_SOCKET_ENV = "JAXTRAIN_LOCAL_MODE_SOCKET"
 
 # jax.distributed timeouts, in seconds.
 _INIT_TIMEOUT_S = 300
@@ -205,6 +215,46 @@ def _local_device_ids(platform: str) -> list[int] | None:
     return None
 
 
+def done_message(value) -> str:
+    """Rank 0's done message: what its training function returned, pickled (cloudpickle) and in
+    hex. Raises TypeError naming the value's type when it cannot be pickled, and ValueError naming
+    the limit when its pickle is larger than RETURN_VALUE_LIMIT."""
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        kind = type(value)
+        raise TypeError(
+            f"the training function returned a value of type {kind.__module__}.{kind.__qualname__}"
+            f", which cannot be pickled ({type(e).__name__}: {e}); Result.return_value needs a "
+            "picklable value: return plain data (numbers, strings, dicts, numpy arrays)") from e
+    if len(data) > RETURN_VALUE_LIMIT:
+        raise ValueError(
+            f"the training function returned a value of {len(data)} bytes pickled, more than the "
+            f"limit of {RETURN_VALUE_LIMIT} bytes ({RETURN_VALUE_LIMIT >> 20} MiB) for "
+            "Result.return_value; save large results in a checkpoint (report(checkpoint=...)) or "
+            "a file, and return their path")
+    return json.dumps({"return_value": data.hex()})
+
+
+def _relay_to_driver(secret: str) -> None:
+    """Local mode: hands the run's secret, the controller's address and the attempt to the driver
+    at LOCAL_MODE_SOCKET_ENV, then exits with the code the driver sends when its training function
+    has ended (EXIT_CONTROLLER_LOST when the driver goes away without one)."""
+    message = {"secret": secret, "controller": os.environ["JAXTRAIN_CONTROLLER_ADDR"],
+               "attempt": _env_int("JAXTRAIN_ATTEMPT")}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(os.environ[LOCAL_MODE_SOCKET_ENV])
+            s.sendall(json.dumps(message).encode() + b"\n")
+            code = s.recv(1)
+    except OSError as e:
+        sys.stderr.write(f"jaxtrain worker: local mode: the driver cannot be reached: {e}\n")
+        os._exit(EXIT_START_UP)
+    os._exit(code[0] if code else EXIT_CONTROLLER_LOST)
+
+
 def _fail(client, phase: str, exit_code: int, message: str | None = None,
           status_code: str | None = None) -> None:
     """Reports the exception being handled to the controller (as `message` when given, with the
@@ -286,7 +336,7 @@ def _import_ahead() -> None:
         pass
 
 
-def _await_activation() -> str:
+def _await_activation(import_ahead: bool = True) -> str:
     """A standby worker (JAXTRAIN_STANDBY=1, src/launch/standby_pool.h): imports jax while it
     waits for its activation on the pipe JAXTRAIN_RUN_SECRET_FD names, a JSON object with the
     run's secret and the variables that differ per attempt and per fit(); sets them and returns
@@ -296,7 +346,9 @@ def _await_activation() -> str:
     (docs/warm-workers.md)."""
     os.environ.pop("JAXTRAIN_STANDBY")
     fd = int(os.environ.pop("JAXTRAIN_RUN_SECRET_FD"))
-    importer = threading.Thread(target=_import_ahead, name="jaxtrain-standby-import", daemon=True)
+    # A local mode relay imports nothing.
+    importer = threading.Thread(target=_import_ahead if import_ahead else lambda: None,
+                                name="jaxtrain-standby-import", daemon=True)
     importer.start()
     chunks = []
     with os.fdopen(fd, "rb", closefd=True) as f:
@@ -428,12 +480,15 @@ def _restore_point(path: str | None, memory, rank: int, attempt: int,
 
 def main() -> None:
     standby = os.environ.get("JAXTRAIN_STANDBY") == "1"
-    secret = _await_activation() if standby else _take_secret()
+    relay = LOCAL_MODE_SOCKET_ENV in os.environ
+    secret = _await_activation(import_ahead=not relay) if standby else _take_secret()
     if not secret:
         sys.stderr.write(
             "jaxtrain.worker is started by jaxtrain (JaxTrainer.fit); it is not run by hand\n"
         )
         sys.exit(2)
+    if relay:
+        _relay_to_driver(secret)
     from jaxtrain import _core, checkpoint_memory, session
 
     _place_from_slurm()
@@ -572,10 +627,8 @@ def main() -> None:
     )
     try:
         fn = task["fn"]
-        if task["takes_config"]:
-            fn(dict(task["config"] or {}))
-        else:
-            fn()
+        value = fn(dict(task["config"] or {})) if task["takes_config"] else fn()
+        done = done_message(value) if rank == 0 else "{}"  # Result.return_value
     except BaseException:
         # What report() accepted before the function raised still reaches the controller (a
         # checkpoint whose round every rank reported is committed before the restart).
@@ -586,7 +639,7 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        client.send_done("{}")  # returns once the controller's host has it
+        client.send_done(done)  # returns once the controller's host has it
     except OSError as e:  # not taken within its timeout: the controller is stuck or gone
         sys.stderr.write(f"jaxtrain worker: the controller did not take the done message: {e}\n")
     try:

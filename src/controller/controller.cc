@@ -47,6 +47,8 @@ constexpr Duration kDrainTime = std::chrono::seconds(1);
 constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
 constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
 constexpr uint64_t kMinOpenLogs = 16;  // logs held open however low the limit is
+// Rank 0's pickled return value in the run directory (Result.return_value reads it).
+constexpr char kReturnValueFile[] = "return_value.pkl";
 // The columns of the terminal on `fd`, or 100 when it is not a terminal.
 size_t TerminalWidth(int fd) {
   winsize ws{};
@@ -362,8 +364,9 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     Fail(std::move(failure));
   }
 
-  void OnMessage(int rank, const wire::Done&) {
+  void OnMessage(int rank, const wire::Done& m) {
     ranks[static_cast<size_t>(rank)].done = true;
+    if (rank == 0) RecordReturnValue(m.return_value);
     watchdog.Done(rank);
     Status unmatched = collectives.Done(rank);
     if (!unmatched.ok()) {
@@ -452,6 +455,19 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     for (size_t other = 0; other < ranks.size(); ++other) {
       port->SendShared(static_cast<int>(other), {frame});
     }
+  }
+
+  // Rank 0's return value as the run directory's file, replacing an earlier attempt's or run's;
+  // none removes it. A file that cannot be written fails the run as any record of it does.
+  void RecordReturnValue(const std::optional<std::string>& value) {
+    const std::string path = storage::JoinPath(store.dir(), kReturnValueFile);
+    Status s = OkStatus();
+    if (value) {
+      s = storage::WriteFileAtomically(path, *value);
+    } else if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      s = storage::PathError("cannot remove", path, errno);
+    }
+    if (!s.ok()) Fail(StorageFailure(s, "rank 0's return value: " + s.message()));
   }
 
   void ProtocolError(int rank, const std::string& what) {

@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 #include <type_traits>
 
+#include "wire/handshake.h"
+
 namespace jaxtrain::wire {
 namespace {
 
@@ -23,6 +25,7 @@ std::string_view TypeName(MessageType type) {
     case MessageType::kPreemption: return "preemption";
     case MessageType::kCollective: return "collective";
     case MessageType::kCollectiveRelease: return "collective release";
+    case MessageType::kDone: return "done";
     default: return "unexpected";
   }
 }
@@ -207,6 +210,23 @@ StatusOr<Collective> DecodeCollective(std::string_view body) {
   return c;
 }
 
+StatusOr<Done> DecodeDone(std::string_view body) {
+  JT_ASSIGN_OR_RETURN(json j, ParseObject(body));
+  Done d;
+  JT_ASSIGN_OR_RETURN(const json* value, Find(j, "", "return_value", /*required=*/false));
+  if (value == nullptr || value->is_null()) return d;
+  const std::string allowed = "the hex digits of a pickled value of at most " +
+                              std::to_string(kMaxReturnValueSize) + " bytes, or null";
+  if (!value->is_string() ||
+      value->get_ref<const std::string&>().size() > 2 * kMaxReturnValueSize) {
+    return Wrong("return_value", *value, allowed);
+  }
+  StatusOr<std::string> bytes = FromHex(value->get_ref<const std::string&>());
+  if (!bytes.ok()) return Wrong("return_value", *value, allowed);
+  d.return_value = *std::move(bytes);
+  return d;
+}
+
 // Wraps a decoder's error in what the message was.
 template <typename Message = WorkerMessage, typename T>
 StatusOr<Message> Typed(MessageType type, StatusOr<T> decoded) {
@@ -253,7 +273,11 @@ struct Encoder {
     if (e.status_code != StatusCode::kUnknown) j["status_code"] = StatusCodeName(e.status_code);
     return Dump(j);
   }
-  StatusOr<std::string> operator()(const Done&) const { return std::string("{}"); }
+  StatusOr<std::string> operator()(const Done& d) const {
+    json j = json::object();
+    if (d.return_value) j["return_value"] = ToHex(*d.return_value);
+    return Dump(j);
+  }
   StatusOr<std::string> operator()(const Preemption& p) const {
     if (p.source.empty()) return Dump({{"calls", p.calls}, {"rounds", p.rounds}});
     json j = {{"source", p.source}};
@@ -284,7 +308,7 @@ StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame) {
     case MessageType::kReportCheckpoint:
       return Typed(frame.type, DecodeCheckpointReport(frame.body));
     case MessageType::kError: return Typed(frame.type, DecodeWorkerError(frame.body));
-    case MessageType::kDone: return WorkerMessage(Done{});
+    case MessageType::kDone: return Typed(frame.type, DecodeDone(frame.body));
     case MessageType::kPreemption: return Typed(frame.type, DecodePreemption(frame.body));
     case MessageType::kCollective: return Typed(frame.type, DecodeCollective(frame.body));
     default: return UnexpectedType(frame.type);

@@ -78,8 +78,17 @@ struct WorkerError {
   bool operator==(const WorkerError&) const = default;
 };
 
-// kDone: the training function returned. Its body is not read.
+// The largest pickled return value a rank 0 may send with its kDone (the frame carries it as hex,
+// twice as long, within kMaxWorkerFrameBody). The Python worker refuses a larger one first, naming
+// this limit (python/jaxtrain/worker.py).
+constexpr size_t kMaxReturnValueSize = size_t{4} << 20;
+
+// kDone: the training function returned. JSON {"return_value"}: what it returned, pickled
+// (cloudpickle) and written as lowercase hex digits; rank 0 sends it, the other ranks leave it out
+// (absent or null: none). The controller writes it into the run directory as is; it never
+// unpickles it.
 struct Done {
+  std::optional<std::string> return_value;  // the pickled bytes
   bool operator==(const Done&) const = default;
 };
 

@@ -98,9 +98,19 @@ TEST(DecodeWorkerMessageTest, AnErrorWithAStatusCodeOfNoKnownNameCarriesUnknown)
   EXPECT_EQ(e.status_code, StatusCode::kUnknown);
 }
 
-TEST(DecodeWorkerMessageTest, ADoneIsDecodedWhateverItsBody) {
-  Decoded<Done>(MessageType::kDone, "{}");
-  Decoded<Done>(MessageType::kDone, "");
+TEST(DecodeWorkerMessageTest, ADoneWithoutAReturnValueHasNone) {
+  EXPECT_EQ(Decoded<Done>(MessageType::kDone, "{}"), Done{});
+  EXPECT_EQ(Decoded<Done>(MessageType::kDone, R"({"return_value":null,"extra":1})"), Done{});
+}
+
+TEST(DecodeWorkerMessageTest, ADoneCarriesRank0sPickledReturnValueAsHex) {
+  auto d = Decoded<Done>(MessageType::kDone, R"({"return_value":"80054e2e"})");
+  EXPECT_EQ(d.return_value, std::string("\x80\x05N.", 4));  // pickle.dumps(None)
+  d = Decoded<Done>(MessageType::kDone, R"({"return_value":""})");
+  EXPECT_EQ(d.return_value, "");
+  const std::string largest(2 * kMaxReturnValueSize, 'a');
+  d = Decoded<Done>(MessageType::kDone, R"({"return_value":")" + largest + "\"}");
+  EXPECT_EQ(d.return_value, std::string(kMaxReturnValueSize, '\xaa'));
 }
 
 TEST(DecodeWorkerMessageTest, DecodesANoticeAndAnAnswer) {
@@ -168,6 +178,9 @@ std::vector<Malformed> MalformedMessages() {
   const std::string err = "malformed message of type 8 (error): ";
   const std::string pre = "malformed message of type 16 (preemption): ";
   const std::string coll = "malformed message of type 13 (collective): ";
+  const std::string done = "malformed message of type 9 (done): ";
+  const std::string value = "the hex digits of a pickled value of at most " +
+                            std::to_string(kMaxReturnValueSize) + " bytes, or null";
   const std::string u64 = "an integer from 0 to 18446744073709551615";
   const std::string u32 = "an integer from 0 to 4294967295";
   auto file = [](std::string_view fields) {
@@ -265,6 +278,16 @@ std::vector<Malformed> MalformedMessages() {
        coll + "data is 1048577 bytes, more than the limit of 1048576"},
       {MessageType::kCollectiveRelease, EncodeCollectiveBody(1, 1, ""),
        "unexpected message type 14"},
+      {MessageType::kDone, "", done + "the body is not JSON"},
+      {MessageType::kDone, "[]", done + "the body is [], not a JSON object"},
+      {MessageType::kDone, R"({"return_value":5})", done + "return_value is 5, not " + value},
+      {MessageType::kDone, R"({"return_value":"abc"})",
+       done + "return_value is \"abc\", not " + value},
+      {MessageType::kDone, R"({"return_value":"zz"})",
+       done + "return_value is \"zz\", not " + value},
+      {MessageType::kDone,
+       R"({"return_value":")" + std::string(2 * kMaxReturnValueSize + 2, '0') + "\"}",
+       done + "return_value is \"" + std::string(79, '0') + "..., not " + value},
       {MessageType::kHello, "", "unexpected message type 1"},
       {MessageType::kStart, "{}", "unexpected message type 5"},
       {MessageType::kCheckpointSettled, "release", "unexpected message type 12"},
@@ -293,7 +316,9 @@ TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgai
        CheckpointBody(R"({"store":false,"dir_name":"","files":[]})")},
       {MessageType::kError, R"({"message":"m","phase":"storage","status_code":"UNAVAILABLE"})"},
       {MessageType::kError, "{}"},
-      {MessageType::kDone, "anything"},
+      {MessageType::kDone, "{}"},
+      {MessageType::kDone, R"({"return_value":"80054B2A2E"})"},
+      {MessageType::kDone, R"({"return_value":""})"},
       {MessageType::kPreemption, R"({"source":"SIGTERM"})"},
       {MessageType::kPreemption, R"({"source":"metadata","deadline_ms":1764000000000})"},
       {MessageType::kPreemption, R"({"calls":0,"rounds":12})"},

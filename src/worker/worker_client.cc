@@ -359,7 +359,7 @@ void WorkerClient::WatchController(int exit_code) {
       settle_cv_.NotifyAll();
     }
     std::lock_guard<std::mutex> lock(send_mu_);
-    if (stopping_) return;
+    if (stopping_ || exit_code < 0) return;
     static const char kMessage[] =
         "jaxtrain worker: lost the connection to the controller; exiting\n";
     [[maybe_unused]] ssize_t w = write(2, kMessage, sizeof(kMessage) - 1);

@@ -107,7 +107,8 @@ class WorkerClient {
   Status SendDone(std::string_view json);
 
   // Starts a thread that waits for the connection to end and then ends this process with
-  // `exit_code`, after a line on stderr. Stop() disarms it.
+  // `exit_code`, after a line on stderr; a negative `exit_code` only ends the waits (the rank that
+  // runs in the driver's own process, local mode). Stop() disarms it.
   void WatchController(int exit_code);
   void Stop();
 

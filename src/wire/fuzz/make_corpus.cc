@@ -259,6 +259,10 @@ bool WriteCorpus(const std::filesystem::path& root) {
       {"collective_broadcast", MessageType::kCollective, EncodeCollectiveBody(2, 2, "")},
       {"collective_barrier_with_data", MessageType::kCollective, EncodeCollectiveBody(3, 1, "x")},
       {"collective_release", MessageType::kCollectiveRelease, EncodeCollectiveBody(2, 2, "x")},
+      // Rank 0's: pickle.dumps({"loss": 0.5}) as cloudpickle writes it, in hex.
+      {"done_return_value", MessageType::kDone,
+       R"({"return_value": "80059514000000000000007d948c046c6f737394473fe0000000000000732e"})"},
+      {"done_wrong_return_value", MessageType::kDone, R"({"return_value": "8005x"})"},
       {"error_wrong_kinds", MessageType::kError, R"({"message": 5, "traceback": [], "phase": {}})"},
       {"unexpected_start", MessageType::kStart, R"({"coordinator": "10.0.0.1:1234"})"},
   };
