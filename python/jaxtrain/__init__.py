@@ -11,15 +11,32 @@ from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from jaxtrain.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from jaxtrain.result import Result
-from jaxtrain.session import TrainContext, get_checkpoint, get_context, report
+from jaxtrain.session import (
+    TrainContext,
+    get_all_reported_checkpoints,
+    get_checkpoint,
+    get_context,
+    report,
+)
 from jaxtrain.trainer import JaxTrainer
+from jaxtrain.validation import (
+    CheckpointConsistencyMode,
+    ReportedCheckpoint,
+    ReportedCheckpointStatus,
+    ValidationConfig,
+    ValidationFn,
+    ValidationTaskConfig,
+)
 
 __all__ = [
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointConsistencyMode",
     "ControllerError",
     "FailureConfig",
     "JaxTrainer",
+    "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
     "Result",
     "RunConfig",
     "RunContext",
@@ -27,7 +44,11 @@ __all__ = [
     "TrainContext",
     "TrainingFailedError",
     "UserCallback",
+    "ValidationConfig",
+    "ValidationFn",
+    "ValidationTaskConfig",
     "WorkerGroupError",
+    "get_all_reported_checkpoints",
     "get_checkpoint",
     "get_context",
     "report",
