@@ -66,7 +66,12 @@ def is_clean_relative_path(path: str) -> bool:
 
 def ranked_checkpoints(run_dir: str, score_attribute: str | None, higher_is_better: bool) -> list:
     """
-    The committed checkpoints of a run directory, best first: (dir_name, metrics JSON).
+    The committed checkpoints of a run directory, best first: (dir_name, metrics JSON, with what their validations returned merged in).
+    """
+
+def apply_retention(run_dir: str, num_to_keep: int, score_attribute: str | None, higher_is_better: bool) -> list[str]:
+    """
+    Applies CheckpointConfig's retention to a run directory whose controller has ended, scored with what validations returned; one line per checkpoint it could not delete.
     """
 
 class Plan:

@@ -22,6 +22,15 @@ from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
 from jaxtrain.checkpoint_peers import Peers
 from jaxtrain.checkpoint_store import Store, StoreError, status_code
+from jaxtrain.validation import (
+    CheckpointConsistencyMode,
+    ReportedCheckpoint,
+    ValidationTaskConfig,
+    check_validation_arg,
+    reported_checkpoints,
+    wait_validated,
+    write_request,
+)
 
 
 @dataclass(frozen=True)
@@ -248,8 +257,10 @@ class _Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
                  fail: Callable[[str], NoReturn], memory: HostMemory | None = None,
                  peers: Peers | None = None, store: Store | None = None,
-                 fail_storage: Callable[[str, str], NoReturn] | None = None):
+                 fail_storage: Callable[[str, str], NoReturn] | None = None,
+                 validation: bool = False):
         self.client = client
+        self.validation = validation  # the trainer has a validation_config
         self.context = context
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
@@ -320,6 +331,8 @@ def report(
     metrics: dict,
     checkpoint: Checkpoint | None = None,
     checkpoint_dir_name: str | None = None,
+    *,
+    validation: bool | ValidationTaskConfig = False,
 ) -> None:
     """Reports one round of metrics from this worker, and optionally its part of a checkpoint.
 
@@ -339,9 +352,15 @@ def report(
     this rank's previous one is staged and its commit has ended. A failure to stage (a full disk,
     a permission) fails the run, naming the rank and the path. Ranks must write different file
     names into one checkpoint.
+
+    ``validation`` (True, or a ValidationTaskConfig whose ``fn_kwargs`` override the trainer's):
+    once the round's checkpoint has committed, the driver runs the trainer's ValidationConfig
+    function on it in a process of its own and merges the metrics it returns into the
+    checkpoint's (docs/checkpoints.md). Rank 0's argument decides.
     """
     session = _require("report")
     text = _metrics_text(metrics)
+    check_validation_arg(validation, session.validation)
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise TypeError(
             f"report(checkpoint=...) takes a jaxtrain.Checkpoint; got {type(checkpoint).__name__} "
@@ -355,6 +374,13 @@ def report(
             checkpoint_dir_name = store.dir_name(session.round + 1, checkpoint_dir_name)
         session.round += 1
         session.client.note_round(session.round)  # a preemption's answer names it
+        if session.context.world_rank == 0 and session.validation:
+            if validation and store is not None:
+                raise ValueError(
+                    "report(validation=...) is not available in a run whose hosts upload their "
+                    "checkpoints to object storage themselves (docs/checkpoints.md)")
+            # Before the report is sent: the request exists when the checkpoint commits.
+            write_request(session.context.run_dir, session.round, validation)
         if checkpoint is None:
             session.stager.report(session.round, text)
             return
@@ -429,6 +455,32 @@ def get_checkpoint() -> Checkpoint | None:
     a restart: a view of it in this host's memory, under another path but with the same files
     (docs/checkpoint-memory.md)."""
     return _require("get_checkpoint").checkpoint
+
+
+def get_all_reported_checkpoints(
+    consistency_mode: CheckpointConsistencyMode = CheckpointConsistencyMode.VALIDATED,
+) -> list[ReportedCheckpoint]:
+    """The run's committed checkpoints still kept (those of earlier attempts and fit()s of the
+    run too), oldest first, each with rank 0's metrics of its round and what its validation
+    returned merged in. Blocks until this rank's reports so far are sent and their checkpoints'
+    commits have ended; with ``CheckpointConsistencyMode.VALIDATED`` (the default, as in Ray)
+    also until the validations of those checkpoints have ended. Returns [] when no checkpoint
+    was committed. Every rank that calls it after the same report gets the same checkpoints."""
+    session = _require("get_all_reported_checkpoints")
+    if not isinstance(consistency_mode, CheckpointConsistencyMode):
+        raise ValueError(
+            f"get_all_reported_checkpoints(consistency_mode={consistency_mode!r}) is not "
+            "allowed; use jaxtrain.CheckpointConsistencyMode.COMMITTED or .VALIDATED")
+    if session.store is not None:
+        raise ValueError(
+            "get_all_reported_checkpoints() is not available in a run whose hosts upload their "
+            "checkpoints to object storage themselves (docs/checkpoints.md)")
+    with session.lock:  # no report of this rank is in flight meanwhile
+        session.wait_checkpoints_settled()
+    run_dir = session.context.run_dir
+    if consistency_mode is CheckpointConsistencyMode.VALIDATED:
+        return wait_validated(run_dir)
+    return reported_checkpoints(run_dir)
 
 
 def get_context() -> TrainContext:

@@ -12,15 +12,32 @@ from jaxtrain.errors import (
 )
 from jaxtrain.preemption import PreemptionInfo, get_preemption_info
 from jaxtrain.result import Result
-from jaxtrain.session import TrainContext, get_checkpoint, get_context, report
+from jaxtrain.session import (
+    TrainContext,
+    get_all_reported_checkpoints,
+    get_checkpoint,
+    get_context,
+    report,
+)
+from jaxtrain.validation import (
+    CheckpointConsistencyMode,
+    ReportedCheckpoint,
+    ReportedCheckpointStatus,
+    ValidationConfig,
+    ValidationFn,
+    ValidationTaskConfig,
+)
 
 __all__ = [
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointConsistencyMode",
     "ControllerError",
     "FailureConfig",
     "PreemptionError",
     "PreemptionInfo",
+    "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
     "Result",
     "RunConfig",
     "RunContext",
@@ -28,7 +45,11 @@ __all__ = [
     "TrainContext",
     "TrainingFailedError",
     "UserCallback",
+    "ValidationConfig",
+    "ValidationFn",
+    "ValidationTaskConfig",
     "WorkerGroupError",
+    "get_all_reported_checkpoints",
     "get_checkpoint",
     "get_context",
     "get_preemption_info",

@@ -30,6 +30,7 @@ from jaxtrain import (
     runtime_env,
     session,
     storage,
+    validation,
 )
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_store import STORE_ENV
@@ -72,7 +73,9 @@ class JaxTrainer:
     The function takes no argument, or one dict (``train_loop_config``).
     ``resume_from_checkpoint``: the checkpoint that ``get_checkpoint()`` returns in the first
     attempt when the run has no committed checkpoint of its own yet (a run's own checkpoints
-    win: a restart, or a run resumed by name, starts from its latest).
+    win: a restart, or a run resumed by name, starts from its latest). ``validation_config``:
+    the function that ``report(..., validation=...)`` runs on committed checkpoints, on the
+    driver's host while training goes on (docs/checkpoints.md).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class JaxTrainer:
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
+        validation_config: validation.ValidationConfig | None = None,
         jax_config: Any = None,
         datasets: Any = None,
         dataset_config: Any = None,
@@ -117,6 +121,13 @@ class JaxTrainer:
             raise ValueError(
                 f"run_config={run_config!r} is not allowed; pass a jaxtrain.RunConfig"
             )
+        if validation_config is not None and not isinstance(validation_config,
+                                                            validation.ValidationConfig):
+            raise ValueError(
+                f"validation_config={validation_config!r} is not allowed; pass a "
+                "jaxtrain.ValidationConfig(fn=...) or None"
+            )
+        self.validation_config = validation_config
         self.train_loop_per_worker = train_loop_per_worker
         self.train_loop_config = train_loop_config
         self.scaling_config = scaling_config
@@ -195,9 +206,15 @@ class JaxTrainer:
             plan = _core.plan_local(self.scaling_config._core)
             spans_hosts = False
             store = _store_direct(self.run_config, mirror, spans_hosts)
+        if self.validation_config is not None and mirror is not None:
+            raise ValueError(
+                f"JaxTrainer(validation_config=...) with RunConfig.storage_path="
+                f"{self.run_config.storage_path!r}: validation runs on a local or shared run "
+                "directory only (docs/checkpoints.md)")
         # Local mode pickles nothing: the function runs here.
-        payload = b"" if local is not None else _pickle_task(fn, self.train_loop_config,
-                                                            self._takes_config, store)
+        payload = b"" if local is not None else _pickle_task(
+            fn, self.train_loop_config, self._takes_config, store,
+            self.validation_config is not None)
         shipped = _ship_working_dir(self.run_config, spans_hosts)  # refused before any start
         if mirror is not None:
             # pull() rebuilds the staging copy, which a live driver of this run is writing; the
@@ -262,9 +279,12 @@ class JaxTrainer:
             memory_store=checkpoint_memory.store_path(run_dir)
             if in_memory == "1" and launcher == "local" else "",
         )
+        validator = _validator(self.validation_config, run_dir)
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         sigterm = _SigtermAsException()
         try:
+            if validator is not None:
+                validator.start()
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
             if mirror is not None:
                 mirror.start()
@@ -278,6 +298,8 @@ class JaxTrainer:
                         controller.abort(events.fatal_reason())
             except BaseException as e:  # Ctrl-C, SIGTERM, or a handler of the user's that raised
                 controller.abort(_interruption(e))
+                if validator is not None:
+                    validator.stop()
                 while not controller.wait(1.0):
                     pass
                 raise
@@ -295,6 +317,9 @@ class JaxTrainer:
             sigterm.restore()
             if in_memory == "1":
                 checkpoint_memory.remove_store(run_dir)  # this host's copies; others: sweep()
+        if validator is not None:
+            validator.finish()
+            _retain(run_dir, self.run_config.checkpoint_config)
         remote = (mirror.fs, mirror.root) if mirror is not None else None
         result = _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
         if events is not None:
@@ -306,6 +331,30 @@ class JaxTrainer:
             raise result.error
         return result
 
+
+
+def _validator(config: validation.ValidationConfig | None,
+               run_dir: str) -> validation.Validator | None:
+    """The driver's Validator of a run with a validation_config; a function that cannot be
+    pickled is refused before anything starts."""
+    if config is None:
+        return None
+    try:
+        return validation.Validator(config, run_dir)
+    except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        raise ValueError(f"ValidationConfig.fn={config.fn!r} cannot be sent to the validation "
+                         f"process: it cannot be pickled ({type(e).__name__}: {e})") from e
+
+
+def _retain(run_dir: str, checkpoint_config) -> None:
+    """CheckpointConfig's retention once more after the last validations, which may have changed
+    the scores since the last commit applied it."""
+    if checkpoint_config.num_to_keep is None:
+        return
+    for warning in _core.apply_retention(
+            run_dir, checkpoint_config.num_to_keep, checkpoint_config.checkpoint_score_attribute,
+            checkpoint_config.checkpoint_score_order == "max"):
+        sys.stderr.write(f"jaxtrain: {warning}\n")
 
 
 class _Terminated(BaseException):
@@ -362,11 +411,12 @@ def _refuse_live_run(run_dir: str) -> None:
 
 
 def _pickle_task(fn: Callable, config: dict | None, takes_config: bool,
-                 store: dict | None = None) -> bytes:
+                 store: dict | None = None, validation: bool = False) -> bytes:
     """The payload every worker runs; with `store`, the filesystem and run directory on object
-    storage that the workers upload their checkpoints to. Raises ValueError naming the training
-    function and, where it can be found, the captured variable that cannot be pickled."""
-    task = {"fn": fn, "config": config, "takes_config": takes_config}
+    storage that the workers upload their checkpoints to; `validation`: the trainer has a
+    validation_config. Raises ValueError naming the training function and, where it can be
+    found, the captured variable that cannot be pickled."""
+    task = {"fn": fn, "config": config, "takes_config": takes_config, "validation": validation}
     if store is not None:
         task["store"] = store
     try:

@@ -623,6 +623,7 @@ def main() -> None:
             store=store,
             fail_storage=lambda message, code: _fail(client, "storage", EXIT_RAISED, message,
                                                      code),
+            validation=task.get("validation", False),
         )
     )
     try:

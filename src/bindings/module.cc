@@ -611,14 +611,33 @@ NB_MODULE(_core, m) {
         auto index = Unwrap(storage::CheckpointIndex::Load(run_dir, &warnings));
         storage::RetentionPolicy policy{.score_attribute = std::move(score_attribute),
                                         .higher_is_better = higher_is_better};
+        storage::Validations validated = storage::ApplyValidations(run_dir, index.records());
         nb::list out;
-        for (const auto& r : storage::RankByScore(index.records(), policy)) {
+        for (const auto& r : storage::RankByScore(std::move(validated.records), policy)) {
           out.append(nb::make_tuple(r.dir_name, r.metrics.dump()));
         }
         return out;
       },
       "run_dir"_a, "score_attribute"_a.none(), "higher_is_better"_a,
-      "The committed checkpoints of a run directory, best first: (dir_name, metrics JSON).");
+      "The committed checkpoints of a run directory, best first: (dir_name, metrics JSON, with "
+      "what their validations returned merged in).");
+
+  m.def(
+      "apply_retention",
+      [](const std::string& run_dir, int num_to_keep, std::optional<std::string> score_attribute,
+         bool higher_is_better) {
+        storage::RetentionPolicy policy{.num_to_keep = num_to_keep,
+                                        .score_attribute = std::move(score_attribute),
+                                        .higher_is_better = higher_is_better};
+        StatusOr<std::vector<std::string>> warnings = [&] {
+          nb::gil_scoped_release release;
+          return storage::ApplyRetention(run_dir, policy);
+        }();
+        return Unwrap(std::move(warnings));
+      },
+      "run_dir"_a, "num_to_keep"_a, "score_attribute"_a.none(), "higher_is_better"_a,
+      "Applies CheckpointConfig's retention to a run directory whose controller has ended, "
+      "scored with what validations returned; one line per checkpoint it could not delete.");
 
   nb::class_<placement::Plan>(m, "Plan").def(
       "to_dict", &PlanToDict,

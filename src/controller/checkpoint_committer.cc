@@ -104,7 +104,11 @@ CheckpointCommitter::Result CheckpointCommitter::Commit(const Job& job) {
     // commits, so it never waits for it.
     MutexLock lock(mu_);
     index_.Add(*out.record);
-    doomed = storage::SelectForDeletion(index_.records(), retention_);
+    if (retention_.num_to_keep) {
+      // Scored with what validations returned; a checkpoint whose validation is pending stays.
+      storage::Validations v = storage::ApplyValidations(run_dir_, index_.records());
+      doomed = storage::SelectForDeletion(v.records, retention_, v.pending);
+    }
     for (const auto& d : doomed) index_.Remove(d);
     out.index = index_.Save();
   }

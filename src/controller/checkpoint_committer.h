@@ -4,7 +4,9 @@
 // A commit is what storage/checkpoint.h describes (the staged parts checked, merged by renames,
 // each file and directory fsynced, the manifest written last, one atomic rename into place), then
 // the index checkpoints.json updated and retention applied: the index is saved before any
-// directory is deleted, so it never names a deleted checkpoint. A process killed during a commit
+// directory is deleted, so it never names a deleted checkpoint. Retention scores each checkpoint
+// with what its validation returned and keeps those whose validation is pending
+// (storage::ApplyValidations). A process killed during a commit
 // leaves its work under .staging/ only, which the next attempt or run sweeps: a reader sees the
 // checkpoint whole or not at all.
 //

@@ -137,7 +137,7 @@ class ControllerStateTest : public testing::Test {
 
   // `rank`'s training function returns and its process exits 0.
   void Finish(int rank) {
-    ranks_.Deliver(rank, MessageType::kDone, "");
+    ranks_.Deliver(rank, MessageType::kDone, "{}");
     processes_.Exit(rank, 0);
   }
 

@@ -1018,15 +1018,64 @@ std::vector<CheckpointRecord> RankByScore(std::vector<CheckpointRecord> records,
 }
 
 std::vector<std::string> SelectForDeletion(const std::vector<CheckpointRecord>& records,
-                                           const RetentionPolicy& policy) {
+                                           const RetentionPolicy& policy,
+                                           const std::set<std::string>& pending) {
   if (!policy.num_to_keep || records.empty()) return {};
   const std::string& latest = records.back().dir_name;
-  std::vector<CheckpointRecord> ranked = RankByScore(records, policy);
+  std::vector<CheckpointRecord> settled;
+  for (const auto& r : records) {
+    if (!pending.contains(r.dir_name)) settled.push_back(r);
+  }
+  std::vector<CheckpointRecord> ranked = RankByScore(std::move(settled), policy);
   std::vector<std::string> doomed;
   for (size_t i = static_cast<size_t>(*policy.num_to_keep); i < ranked.size(); ++i) {
     if (ranked[i].dir_name != latest) doomed.push_back(ranked[i].dir_name);
   }
   return doomed;
+}
+
+Validations ApplyValidations(const std::string& run_dir, std::vector<CheckpointRecord> records,
+                             FileSystem& fs) {
+  nlohmann::json outcomes = nlohmann::json::object();
+  if (StatusOr<std::string> text = fs.ReadFile(JoinPath(run_dir, kValidationName)); text.ok()) {
+    nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("checkpoints") && j["checkpoints"].is_object()) {
+      outcomes = j["checkpoints"];
+    }
+  }
+  Validations out;
+  for (CheckpointRecord& r : records) {
+    auto it = outcomes.find(r.dir_name);
+    const bool ended = it != outcomes.end() && it->is_object() &&
+                       it->value("round", nlohmann::json()) == nlohmann::json(r.round);
+    if (ended) {
+      const nlohmann::json metrics = it->value("metrics", nlohmann::json());
+      if (metrics.is_object() && r.metrics.is_object()) r.metrics.update(metrics);
+    } else if (fs.Stat(JoinPath(JoinPath(run_dir, kValidationRequestsDir),
+                                std::to_string(r.round) + ".json"))
+                   .ok()) {
+      out.pending.insert(r.dir_name);
+    }
+    out.records.push_back(std::move(r));
+  }
+  return out;
+}
+
+StatusOr<std::vector<std::string>> ApplyRetention(const std::string& run_dir,
+                                                  const RetentionPolicy& policy) {
+  std::vector<std::string> warnings;
+  JT_ASSIGN_OR_RETURN(CheckpointIndex index, CheckpointIndex::Load(run_dir, &warnings));
+  Validations v = ApplyValidations(run_dir, index.records());
+  std::vector<std::string> doomed = SelectForDeletion(v.records, policy, v.pending);
+  if (doomed.empty()) return std::vector<std::string>{};
+  for (const auto& d : doomed) index.Remove(d);
+  JT_RETURN_IF_ERROR(index.Save());
+  std::vector<std::string> out;
+  for (const auto& d : doomed) {
+    Status s = RemoveTree(JoinPath(run_dir, d));
+    if (!s.ok()) out.push_back("cannot delete checkpoint " + d + ": " + s.message());
+  }
+  return out;
 }
 
 Status RemoveTree(const std::string& path) {

@@ -41,6 +41,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -248,12 +249,41 @@ struct RetentionPolicy {
 
 // The checkpoints to delete: all but the best `num_to_keep` by score (or the newest, without a
 // score attribute); the newest is never deleted. A checkpoint without the score counts as worst.
+// The checkpoints named in `pending` (validation pending: their score may still come) are never
+// deleted and take none of the `num_to_keep` places.
 std::vector<std::string> SelectForDeletion(const std::vector<CheckpointRecord>& records,
-                                           const RetentionPolicy& policy);
+                                           const RetentionPolicy& policy,
+                                           const std::set<std::string>& pending = {});
+
+// Asynchronous validation (python/jaxtrain/validation.py, docs/checkpoints.md). Rank 0 of a
+// report(checkpoint=..., validation=...) writes <run>/validation-requests/<round>.json before it
+// sends the report; the driver runs the validation once the round's checkpoint has committed and
+// records its outcome in <run>/validation.json: {"checkpoints": {dir_name: {"round", "status"
+// ("validated" or "failed"), "metrics", "error"}}}.
+inline constexpr char kValidationName[] = "validation.json";
+inline constexpr char kValidationRequestsDir[] = "validation-requests";
+
+struct Validations {
+  std::vector<CheckpointRecord> records;  // with the metrics each validation returned merged in
+  std::set<std::string> pending;          // requested and not ended
+};
+
+// `records` with the outcomes of their validations: the metrics a validation returned replace
+// the reported ones of the same name; a checkpoint whose round has a request and no outcome for
+// that round is pending. A missing or damaged validation.json counts as no outcome.
+Validations ApplyValidations(const std::string& run_dir, std::vector<CheckpointRecord> records,
+                             FileSystem& fs = LocalFileSystem());
 
 // `records` ordered best first by the policy's score (newest first without one).
 std::vector<CheckpointRecord> RankByScore(std::vector<CheckpointRecord> records,
                                           const RetentionPolicy& policy);
+
+// Applies `policy` to the run directory's committed checkpoints as the controller does after a
+// commit (ApplyValidations, SelectForDeletion; the index saved before any deletion): for the
+// driver once the controller has ended and the last validations have. Returns one line per
+// checkpoint that could not be deleted. Errors: as CheckpointIndex::Load and Save.
+StatusOr<std::vector<std::string>> ApplyRetention(const std::string& run_dir,
+                                                  const RetentionPolicy& policy);
 
 // Removes a directory tree. Errors: kInternal naming the path.
 Status RemoveTree(const std::string& path);

@@ -1530,6 +1530,45 @@ TEST(RankByScoreTest, EmptyInputGivesEmptyOutput) {
   EXPECT_TRUE(RankByScore({}, KeepBest(1, true)).empty());
 }
 
+TEST(RetentionTest, PendingCheckpointsAreKeptAndTakeNoPlace) {
+  // c2 and c3 wait for the validation that gives their score: neither counts as worst.
+  auto records = Records({0.5, std::nullopt, std::nullopt, 0.9, 0.1});
+  EXPECT_EQ(Sorted(SelectForDeletion(records, KeepBest(1, true), {"c2", "c3"})),
+            (std::vector<std::string>{"c1"}));
+}
+
+// --- ApplyValidations ----------------------------------------------------------------------------
+
+class ValidationsTest : public TempDirTest {};
+
+TEST_F(ValidationsTest, MergesOutcomesAndFindsPendingRequests) {
+  auto records = Records({0.1, 0.2, 0.3, 0.4});
+  WriteTestFile(Path("validation.json"),
+                R"({"checkpoints": {"c1": {"round": 1, "status": "validated",
+                                           "metrics": {"score": 5, "acc": 0.7}},
+                                    "c2": {"round": 9, "metrics": {"score": 6}},
+                                    "c4": {"round": 4, "status": "failed", "error": "boom"}}})");
+  WriteTestFile(Path("validation-requests/2.json"), "{}");  // c2's outcome is of another round
+  WriteTestFile(Path("validation-requests/3.json"), "{}");
+  WriteTestFile(Path("validation-requests/4.json"), "{}");
+  Validations v = ApplyValidations(root_, records);
+  EXPECT_EQ(v.records[0].metrics["score"], 5);
+  EXPECT_EQ(v.records[0].metrics["acc"], 0.7);
+  EXPECT_EQ(v.records[0].metrics["other"], 1);
+  EXPECT_EQ(v.records[1].metrics["score"], 0.2);
+  EXPECT_EQ(v.pending, (std::set<std::string>{"c2", "c3"}));
+}
+
+TEST_F(ValidationsTest, DamagedOrMissingRecordMeansNoOutcome) {
+  auto records = Records({0.1});
+  EXPECT_TRUE(ApplyValidations(root_, records).pending.empty());
+  WriteTestFile(Path("validation.json"), "{not json");
+  WriteTestFile(Path("validation-requests/1.json"), "{}");
+  Validations v = ApplyValidations(root_, records);
+  EXPECT_EQ(v.pending, std::set<std::string>{"c1"});
+  EXPECT_EQ(v.records[0].metrics["score"], 0.1);
+}
+
 // --- RemoveTree ----------------------------------------------------------------------------------
 
 class RemoveTreeTest : public TempDirTest {};
