@@ -6,11 +6,18 @@ from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from jaxtrain.errors import ControllerError, TrainingFailedError, WorkerGroupError
 from jaxtrain.result import Result
-from jaxtrain.session import TrainContext, get_checkpoint, get_context, report
+from jaxtrain.session import (
+    CheckpointUploadMode,
+    TrainContext,
+    get_checkpoint,
+    get_context,
+    report,
+)
 
 __all__ = [
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointUploadMode",
     "ControllerError",
     "FailureConfig",
     "Result",

@@ -565,6 +565,7 @@ def main() -> None:
             store=store,
             fail_storage=lambda message, code: _fail(client, "storage", EXIT_RAISED, message,
                                                      code),
+            first_round=start["first_round"],
         )
     )
     try:
