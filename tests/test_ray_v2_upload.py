@@ -23,6 +23,8 @@ import pytest
 from jaxtrain import TrainingFailedError, _core
 from jaxtrain.checkpoint import MANIFEST_NAME
 
+pytest_plugins = ["s3_server"]  # bucket, on a local S3 server
+
 # --- the Ray Train scripts (imports changed: `import ray` -> `import jaxtrain as ray`,
 # `from ray.train...` -> `from jaxtrain...`, TorchTrainer -> JaxTrainer) ---------------------
 
@@ -180,6 +182,25 @@ def train_func_bad_input(config):
     ray.train.report({}, checkpoint=checkpoint, checkpoint_upload_fn=lambda c, n: None)
 
 
+def train_func_store(config):
+    import jaxtrain as ray
+    from jaxtrain.train import Checkpoint, CheckpointUploadMode
+
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    source = os.path.join(config["out"], f"store-async-{rank}")
+    os.makedirs(source)
+    Path(source, f"part-{rank}").write_text(f"stored {rank}")
+    ray.train.report({"epoch": 1}, checkpoint=Checkpoint.from_directory(source),
+                     checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+    try:  # the run's hosts write to the store: a directory left there is not taken over
+        ray.train.report({"epoch": 2}, checkpoint=Checkpoint(config["out"]),
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    except ValueError as e:
+        Path(config["out"], f"refused{rank}").write_text(str(e))
+    ray.train.report({"epoch": 2})
+
+
 # --- the tests ------------------------------------------------------------------------------
 
 
@@ -282,3 +303,26 @@ def test_bad_upload_arguments_are_refused_naming_the_argument_and_value(storage,
     assert len(messages) == len(expected), messages
     for message, pattern in zip(messages, expected, strict=True):
         assert re.match(pattern, message), (pattern, message)
+
+
+def test_async_in_a_run_whose_hosts_upload_to_the_store_and_no_upload_refused_there(
+        bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_STORE_DIRECT", "1")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _fit(train_func_store, f"s3://{bucket}/runs", out, "store")
+    assert result.metrics == {"epoch": 2}
+    fs, root = result.filesystem, result.path
+    manifest = json.loads(fs.cat_file(f"{root}/checkpoint_000001/{MANIFEST_NAME}"))
+    assert manifest["location"] == "store"
+    assert {f["path"]: f["rank"] for f in manifest["file_list"]} == {"part-0": 0, "part-1": 1}
+    with result.checkpoint.as_directory() as d:
+        assert sorted(p.name for p in Path(d).iterdir() if p.name != MANIFEST_NAME) == [
+            "part-0", "part-1"]
+        assert Path(d, "part-1").read_text() == "stored 1"
+    for rank in (0, 1):
+        assert not (out / f"store-async-{rank}").exists()
+        assert re.match(r"report\(checkpoint=Checkpoint\('.*'\), checkpoint_upload_mode="
+                        r"CheckpointUploadMode.NO_UPLOAD\) on rank \d: this run's hosts write "
+                        r"its checkpoints to s3://.* themselves",
+                        (out / f"refused{rank}").read_text())
