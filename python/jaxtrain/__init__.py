@@ -18,6 +18,7 @@ from jaxtrain.errors import (
 from jaxtrain.preemption import PreemptionInfo, get_preemption_info
 from jaxtrain.result import Result
 from jaxtrain.session import (
+    CheckpointUploadMode,
     TrainContext,
     get_all_reported_checkpoints,
     get_checkpoint,
@@ -38,6 +39,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointConfig",
     "CheckpointConsistencyMode",
+    "CheckpointUploadMode",
     "ControllerError",
     "FailureConfig",
     "PreemptionError",

@@ -48,6 +48,18 @@ class StoreError(Exception):
     """An upload to, or a listing of, the store failed; the message names the host and the URL."""
 
 
+def round_dir_name(round_: int, asked: str | None) -> str:
+    """The name of the checkpoint of the run's round `round_`: `asked`, or
+    ``checkpoint_<round>`` as the controller names it; a ValueError for a name the engine
+    would not take."""
+    name = asked if asked is not None else f"checkpoint_{round_:06d}"
+    if not storage.valid_dir_name(name):
+        raise ValueError(f"report(checkpoint_dir_name={name!r}) is not allowed; it must be one "
+                         "directory name, not starting with '.', and not 'logs' or "
+                         f"'{storage.INDEX_NAME}'")
+    return name
+
+
 class Store:
     """The run directory on the object store, as one worker writes and reads it."""
 
@@ -69,12 +81,7 @@ class Store:
         """The directory of this attempt's `report_round`-th report on the store: `asked`, or
         ``checkpoint_<round>`` as the controller names it. A name that a committed checkpoint has
         is refused with a ValueError: an object store cannot swap a directory in atomically."""
-        name = asked if asked is not None else (
-            f"checkpoint_{self.first_round + report_round - 1:06d}")
-        if not storage.valid_dir_name(name):
-            raise ValueError(f"report(checkpoint_dir_name={name!r}) is not allowed; it must be one "
-                             "directory name, not starting with '.', and not 'logs' or "
-                             f"'{storage.INDEX_NAME}'")
+        name = round_dir_name(self.first_round + report_round - 1, asked)
         if name in self.committed or name in self._used:
             raise ValueError(
                 f"report(checkpoint_dir_name={name!r}): {self.url}/{name} is already a checkpoint "

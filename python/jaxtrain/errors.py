@@ -9,8 +9,9 @@ class TrainingFailedError(RuntimeError):
     Attributes name the first failing rank: ``rank``, ``host``, ``attempt``, ``cause`` (one of
     "exception", "exit", "signal", "oom", "connection", "watchdog", "start-up", "checkpoint",
     "storage", "preemption"), ``exit_code`` (the status its process exited with, else None),
-    ``signal`` (the signal that ended it, else None), ``status_code`` (for "storage" and "checkpoint": the
-    error's code, e.g. "RESOURCE_EXHAUSTED" for a full disk, else None), ``worker_traceback``
+    ``signal`` (the signal that ended it, else None), ``status_code`` (for "storage" and
+    "checkpoint": the error's code, e.g. "RESOURCE_EXHAUSTED" for a full disk, else None),
+    ``worker_traceback``
     (the worker's Python traceback, when it raised), ``log_path`` and ``log_tail``. ``rank`` is
     -1 when no rank failed but the driver did: its run directory could not be written
     ("storage"), or the group could not be started.

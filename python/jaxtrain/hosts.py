@@ -342,6 +342,86 @@ def relay(argv: list[str]) -> int:
     return 255
 
 
+# --- a hostfile's labels: ScalingConfig.label_selector on ssh runs -------------------------------
+
+LABELS_WORD = "labels="
+
+
+def hostfile_labels(text: str, source: str) -> list[tuple[str, str, dict[str, str]]]:
+    """The hosts of a hostfile (docs/hosts.md) with their labels: (its line without the labels
+    word, the host, {label: value}) for each host line. A line's labels are one word,
+    ``labels=key=value[,key=value...]``; a label or value that Kubernetes would not take is
+    refused with a ValueError naming the file, the line and the word."""
+    from jaxtrain.config import _LABEL_NAME, _valid_label_key
+
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        words = raw.split("#", 1)[0].split()
+        if not words:
+            continue
+        labels: dict[str, str] = {}
+        kept = []
+        for word in words:
+            if not word.startswith(LABELS_WORD):
+                kept.append(word)
+                continue
+            for item in word[len(LABELS_WORD):].split(","):
+                key, eq, value = item.partition("=")
+                if not eq or not _valid_label_key(key) or not _LABEL_NAME.match(value):
+                    raise ValueError(
+                        f"{source} line {number}: {word!r} is not allowed; labels are "
+                        "'labels=key=value,key2=value2', each key a label name (optionally "
+                        "after a DNS prefix and '/') and each value up to 63 letters, digits, "
+                        "'-', '_' or '.'")
+                labels[key] = value
+        hosts.append((" ".join(kept), kept[0], labels))
+    return hosts
+
+
+def matches(labels: dict[str, str], node_labels: dict[str, tuple[str, tuple[str, ...]]]) -> bool:
+    """Whether a host with `labels` satisfies a label selector (ScalingConfig.node_labels()):
+    every "in" label present with one of its values, every "notin" label absent or with another
+    value (Kubernetes' and Ray's rule)."""
+    for key, (op, values) in node_labels.items():
+        present = labels.get(key) in values
+        if present != (op == "in"):
+            return False
+    return True
+
+
+def select_hosts(text: str, source: str, node_labels: dict[str, tuple[str, tuple[str, ...]]],
+                 num_workers: int) -> str:
+    """The hostfile of the hosts of `text` whose labels match the selector, without their
+    labels. A ValueError with the reason when none matches, or when the matching hosts' slots
+    hold fewer than `num_workers` (hosts without slots share the workers, so any number of
+    them will do)."""
+    hosts = hostfile_labels(text, source)
+    chosen = [(line, host) for line, host, labels in hosts if matches(labels, node_labels)]
+    wanted = {k: (v[0] if op == "in" and len(v) == 1 else f"{'!' if op == 'notin' else ''}in("
+                  f"{','.join(v)})") for k, (op, v) in node_labels.items()}
+    if not chosen:
+        listed = "; ".join(f"{host}: {labels or 'no labels'}" for _, host, labels in hosts)
+        raise ValueError(
+            f"ScalingConfig.label_selector={wanted!r} matches no host of {source} ({listed}); "
+            "give the hosts labels=key=value words, or change the selector")
+    slots = [_slots(line) for line, _ in chosen]
+    if all(n is not None for n in slots) and sum(slots) < num_workers:
+        names = ", ".join(f"{host} (slots={n})" for (_, host), n in zip(chosen, slots,
+                                                                         strict=True))
+        raise ValueError(
+            f"ScalingConfig.label_selector={wanted!r} matches only {names} of {source}: "
+            f"{sum(slots)} slots for {num_workers} workers (num_workers); label more hosts, or "
+            "ask for fewer workers")
+    return "".join(line + "\n" for line, _ in chosen)
+
+
+def _slots(line: str) -> int | None:
+    for word in line.split()[1:]:
+        if word.startswith("slots=") and word[6:].isdigit():
+            return int(word[6:])
+    return None
+
+
 # --- the hosts of a run started on every host ----------------------------------------------------
 
 

@@ -286,10 +286,47 @@ def _listen_host(api: Api, pod: Any) -> str:
     )
 
 
-def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = True) -> dict:
+def with_node_labels(template: dict | None,
+                     node_labels: dict[str, tuple[str, tuple[str, ...]]]) -> dict | None:
+    """The worker pod template with ScalingConfig.label_selector (as ScalingConfig.node_labels
+    gives it) added: a label of one value becomes a ``nodeSelector`` entry, any other
+    requirement (``!v``, ``in(a,b)``, ``!in(a,b)``) a ``matchExpression`` of the required node
+    affinity (NotIn, In, NotIn), which every term of a template's own affinity gets. A template
+    whose nodeSelector names one of the labels with another value is refused with a
+    ValueError naming both."""
+    if not node_labels:
+        return template
+    pod = json.loads(json.dumps(template)) if template else {}
+    spec = pod.setdefault("spec", {})
+    selector = spec.setdefault("nodeSelector", {})
+    expressions = []
+    for key, (op, values) in node_labels.items():
+        if op == "in" and len(values) == 1:
+            if selector.get(key, values[0]) != values[0]:
+                raise ValueError(
+                    f"ScalingConfig.label_selector[{key!r}]={values[0]!r} contradicts the worker "
+                    f"pod template's nodeSelector {key}: {selector[key]!r} "
+                    "(JAXTRAIN_K8S_POD_TEMPLATE); keep one of them")
+            selector[key] = values[0]
+        else:
+            expressions.append({"key": key, "operator": "In" if op == "in" else "NotIn",
+                                "values": list(values)})
+    if expressions:
+        required = (spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+                    .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
+        terms = required.setdefault("nodeSelectorTerms", []) or [{}]
+        for term in terms:  # the terms are ORed: each must hold the selector
+            term.setdefault("matchExpressions", []).extend(expressions)
+        required["nodeSelectorTerms"] = terms
+    return pod
+
+
+def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = True,
+                   node_labels: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> dict:
     """What the Kubernetes launcher needs for a run, after checking that it can be done. Without
     `needs_run_dir` (the workers upload their checkpoints to object storage themselves) the run
-    directory need not be on a volume the worker pods mount."""
+    directory need not be on a volume the worker pods mount. `node_labels`
+    (ScalingConfig.node_labels()) select the nodes of the worker pods (with_node_labels)."""
     api = Api()
     api.check_reachable()
     namespace = api.namespace()
@@ -303,7 +340,8 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
             "JAXTRAIN_K8S_IMAGE is not set: name the image of the worker pods (one with jaxtrain "
             "and jax installed); a driver running in a pod lends its own image"
         )
-    template = load_pod_template(os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE"))
+    template = with_node_labels(load_pod_template(os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE")),
+                                node_labels or {})
     if needs_run_dir and not _mounts_covering(run_dir, template):
         template = _share_driver_volume(run_dir, template, pod)
     if needs_run_dir and not _mounts_covering(run_dir, template):

@@ -8,9 +8,11 @@ these functions raise a RuntimeError that says so.
 from __future__ import annotations
 
 import collections
+import enum
 import json
 import os
 import shutil
+import stat
 import sys
 import threading
 import uuid
@@ -21,7 +23,7 @@ from typing import Any, NoReturn
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.checkpoint_memory import HostMemory
 from jaxtrain.checkpoint_peers import Peers
-from jaxtrain.checkpoint_store import Store, StoreError, status_code
+from jaxtrain.checkpoint_store import Store, StoreError, round_dir_name, status_code
 from jaxtrain.validation import (
     CheckpointConsistencyMode,
     ReportedCheckpoint,
@@ -67,6 +69,53 @@ class TrainContext:
     def get_attempt(self) -> int:
         """How many times the worker group has been restarted before this one (0 at first)."""
         return self.attempt
+
+    def get_storage(self) -> StorageContext:
+        """Where this run keeps its checkpoints (Ray's ``TrainContext.get_storage()``): for
+        ``report(..., checkpoint_upload_mode=NO_UPLOAD)`` and ``checkpoint_upload_fn``, which
+        put a checkpoint at ``build_checkpoint_path_from_name(name)`` themselves."""
+        store = _session.store if _session is not None else None
+        if store is not None:
+            return StorageContext(store.url, store.fs, store.root)
+        return StorageContext(self.run_dir)
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """The run's storage as the training function sees it: ``experiment_fs_path`` is the run
+    directory (its URL in a run whose hosts write to object storage themselves)."""
+
+    experiment_fs_path: str
+    storage_filesystem: Any = None  # the store's fsspec filesystem; None for a local directory
+    _root: str = ""
+
+    def build_checkpoint_path_from_name(self, checkpoint_dir_name: str) -> str:
+        """Where the checkpoint named `checkpoint_dir_name` of this run lies once committed."""
+        from jaxtrain import storage
+
+        if not storage.valid_dir_name(checkpoint_dir_name):
+            raise ValueError(
+                f"build_checkpoint_path_from_name({checkpoint_dir_name!r}): the name must be one "
+                "directory name, not starting with '.', and not 'logs' or "
+                f"'{storage.INDEX_NAME}'")
+        if self.storage_filesystem is not None:
+            return storage.url(self.storage_filesystem,
+                               f"{self._root.rstrip('/')}/{checkpoint_dir_name}")
+        return os.path.join(self.experiment_fs_path, checkpoint_dir_name)
+
+
+class CheckpointUploadMode(enum.Enum):
+    """How ``report(checkpoint=...)`` takes a checkpoint into the run's storage (Ray Train's
+    names; what each means here: docs/checkpoints.md)."""
+
+    ASYNC = "ASYNC"
+    SYNC = "SYNC"
+    NO_UPLOAD = "NO_UPLOAD"
+
+    def default_delete_local_checkpoint_after_upload(self) -> bool:
+        """What ``report`` does when ``delete_local_checkpoint_after_upload`` is None: True for
+        ASYNC, False for the other modes (as in Ray)."""
+        return self is CheckpointUploadMode.ASYNC
 
 
 SNAPSHOT_BUDGET_ENV = "JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB"
@@ -139,9 +188,15 @@ class _Stager:
                 return
             self._queue.append((round_, text, None))
 
-    def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict) -> None:
+    def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict,
+                   prepare: Callable[[dict], None] | None = None,
+                   delete: str | None = None) -> None:
+        """Queues the checkpoint of a round: `snapshot` written into description["staging"], or,
+        without one, `prepare(description)` run on this thread to fill in description["files"]
+        (checkpoint_upload_mode=ASYNC); then the part uploaded (a store run), `delete` (the
+        user's directory) removed, and the report sent."""
         with self._cv:
-            self._queue.append((round_, text, (snapshot, description)))
+            self._queue.append((round_, text, (snapshot, description, prepare, delete)))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="jaxtrain-stager",
                                                 daemon=True)
@@ -174,29 +229,35 @@ class _Stager:
                 if work is None:
                     self._client.report(round_, text)
                 else:
-                    snapshot, description = work
+                    snapshot, description, prepare, delete = work
                     staging = description["staging"]
                     try:
-                        # A part with a copy in memory is staged with each file's SHA-256, which
-                        # the manifest then vouches for the copies with (docs/checkpoint-memory.md);
-                        # one uploaded to object storage gets its SHA-256s while it is uploaded.
-                        description["files"] = snapshot.write(staging,
-                                                              release=self._memory is None,
-                                                              sha256=self._memory is not None)
+                        if prepare is not None:
+                            prepare(description)
+                        else:
+                            # A part with a copy in memory is staged with each file's SHA-256,
+                            # which the manifest then vouches for the copies with
+                            # (docs/checkpoint-memory.md); one uploaded to object storage gets
+                            # its SHA-256s while it is uploaded.
+                            description["files"] = snapshot.write(
+                                staging, release=self._memory is None,
+                                sha256=self._memory is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{staging}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
                     if self._store is not None:
                         upload(self._store, description, round_, self._fail_storage)
-                    if self._memory is not None:
+                    if delete is not None:
+                        _delete_local(delete, self._rank)
+                    if self._memory is not None and snapshot is not None:
                         # Before the report, which names the copy: every part of a committed
                         # checkpoint then has its copy, unless keeping it failed (said in the
                         # log, and then the report names none).
                         copy_id = uuid.uuid4().hex
                         if self._hold(round_, snapshot, copy_id):
                             description["copy_id"] = copy_id
-                    del snapshot, work
+                    del snapshot, work, prepare
                     self._client.report_checkpoint(round_, json.dumps(description), text)
             except Exception as e:
                 self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
@@ -258,12 +319,14 @@ class _Session:
                  fail: Callable[[str], NoReturn], memory: HostMemory | None = None,
                  peers: Peers | None = None, store: Store | None = None,
                  fail_storage: Callable[[str, str], NoReturn] | None = None,
-                 validation: bool = False):
+                 validation: bool = False,
+                 first_round: int = 1):
         self.client = client
         self.validation = validation  # the trainer has a validation_config
         self.context = context
         self.checkpoint = checkpoint  # the committed checkpoint this attempt started from
         self.round = 0
+        self.first_round = first_round  # the run's number of this attempt's first report
         self.lock = threading.Lock()
         self.store = store
         self.fail_storage = fail_storage
@@ -331,7 +394,9 @@ def report(
     metrics: dict,
     checkpoint: Checkpoint | None = None,
     checkpoint_dir_name: str | None = None,
-    *,
+    checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
+    delete_local_checkpoint_after_upload: bool | None = None,
+    checkpoint_upload_fn: Callable[[Checkpoint, str], Checkpoint] | None = None,
     validation: bool | ValidationTaskConfig = False,
 ) -> None:
     """Reports one round of metrics from this worker, and optionally its part of a checkpoint.
@@ -357,6 +422,17 @@ def report(
     once the round's checkpoint has committed, the driver runs the trainer's ValidationConfig
     function on it in a process of its own and merges the metrics it returns into the
     checkpoint's (docs/checkpoints.md). Rank 0's argument decides.
+    ``checkpoint_upload_mode`` (Ray Train's; docs/checkpoints.md): ``SYNC`` (the default) is the
+    above; ``ASYNC`` returns at once and stages the files from the directory in the background,
+    so the directory must stay as it is until then, and deletes it afterwards unless
+    ``delete_local_checkpoint_after_upload=False``; ``NO_UPLOAD`` takes a checkpoint the caller
+    wrote straight into the run's storage, at
+    ``get_context().get_storage().build_checkpoint_path_from_name(name)``, and only commits it.
+    ``delete_local_checkpoint_after_upload`` (None: True for ASYNC only) deletes the directory
+    once its files are in the run's storage. ``checkpoint_upload_fn(checkpoint, dir_name)`` is
+    called instead of jaxtrain's copy (with ASYNC, in the background) and returns the
+    ``Checkpoint`` that jaxtrain then commits: one it put at the round's place in the run's
+    storage, which is committed where it lies, or any other local directory, which is copied.
     """
     session = _require("report")
     text = _metrics_text(metrics)
@@ -368,10 +444,19 @@ def report(
         )
     if checkpoint_dir_name is not None and not isinstance(checkpoint_dir_name, str):
         raise TypeError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}) takes a string")
+    mode, delete = _upload_options(checkpoint_upload_mode, delete_local_checkpoint_after_upload,
+                                   checkpoint_upload_fn)
     with session.lock:
         store = session.store
-        if checkpoint is not None and store is not None:  # refused before the round counts
-            checkpoint_dir_name = store.dir_name(session.round + 1, checkpoint_dir_name)
+        ctx = session.context
+        dir_name = checkpoint_dir_name
+        if checkpoint is not None:  # refused before the round counts
+            if mode is CheckpointUploadMode.NO_UPLOAD:
+                dir_name = _no_upload_dir_name(session, checkpoint, checkpoint_dir_name)
+            elif store is not None:
+                dir_name = store.dir_name(session.round + 1, checkpoint_dir_name)
+            elif checkpoint_upload_fn is not None:
+                dir_name = _round_dir_name(session, checkpoint_dir_name)
         session.round += 1
         session.client.note_round(session.round)  # a preemption's answer names it
         if session.context.world_rank == 0 and session.validation:
@@ -386,32 +471,224 @@ def report(
             return
         from jaxtrain import _core
 
-        ctx = session.context
         staging = store.staging(session.round) if store is not None else os.path.join(
             ctx.run_dir, ".staging", f"a{ctx.attempt}-r{session.round}-rank{ctx.world_rank}"
         )
         # Back-pressure: the previous checkpoint is staged and its commit has ended before this
         # one is read, so one snapshot at most is held in memory.
         session.wait_checkpoints_settled()
-        description = {"staging": staging, "dir_name": checkpoint_dir_name}
+        description = {"staging": staging, "dir_name": dir_name}
+        if mode is CheckpointUploadMode.ASYNC:
+            session.stager.checkpoint(
+                session.round, text, None, description,
+                prepare=lambda d: _stage_async(session, checkpoint, d, checkpoint_upload_fn),
+                delete=checkpoint.path if delete and checkpoint.filesystem is None else None)
+            return _settle_if_preempted(session)
+        source = checkpoint
+        if checkpoint_upload_fn is not None:
+            source = _call_upload_fn(session, checkpoint_upload_fn, checkpoint, dir_name)
+            if delete and not _same_directory(source, checkpoint):
+                _delete_local(checkpoint.path, ctx.world_rank)
+            delete = False  # the upload function's result is committed, never deleted
+        if mode is CheckpointUploadMode.NO_UPLOAD or _in_place(session, source, dir_name):
+            try:
+                description["files"] = _claim(source.path, staging)
+            except (FileNotFoundError, ValueError, PermissionError) as e:
+                raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
+            session.client.report_checkpoint(session.round, json.dumps(description), text)
+            return _settle_if_preempted(session)
         try:
-            snapshot = _core.snapshot_directory(checkpoint.path, session.snapshot_budget)
+            snapshot = _core.snapshot_directory(_local_path(source, "checkpoint"),
+                                                session.snapshot_budget)
             if snapshot is None:
-                _say_over_budget(session, checkpoint.path)
-                description["files"] = _core.stage_directory(checkpoint.path, staging,
+                _say_over_budget(session, source.path)
+                description["files"] = _core.stage_directory(source.path, staging,
                                                              durable=False)
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
+        if delete:  # the files are in memory or staged: the directory is no longer needed
+            _delete_local(source.path, ctx.world_rank)
         if snapshot is None:  # copied: nothing is queued (drained above), so it goes now
             if store is not None:
                 upload(store, description, session.round, session.fail_storage)
             session.client.report_checkpoint(session.round, json.dumps(description), text)
         else:
             session.stager.checkpoint(session.round, text, snapshot, description)
-        if session.preempted:
-            # A just-in-time checkpoint: its commit stops the group, so nothing is done past it
-            # that the restart would do again (the controller sends no settle for it).
-            session.wait_checkpoints_settled()
+        _settle_if_preempted(session)
+
+
+def _settle_if_preempted(session: _Session) -> None:
+    """After a checkpoint report that follows a preemption notice (a just-in-time checkpoint):
+    waits for its commit, which stops the group, so that nothing is done past it that the
+    restart would do again (the controller sends no settle for it; docs/preemption.md)."""
+    if session.preempted:
+        session.wait_checkpoints_settled()
+
+
+_MODES = ", ".join(f"CheckpointUploadMode.{m.name}" for m in CheckpointUploadMode)
+
+
+def _upload_options(mode: Any, delete: Any, upload_fn: Any) -> tuple[CheckpointUploadMode, bool]:
+    """The upload mode of a report and whether it deletes the reported directory, checked;
+    a TypeError or ValueError naming the argument and its value otherwise."""
+    if not isinstance(mode, CheckpointUploadMode):
+        raise ValueError(f"report(checkpoint_upload_mode={mode!r}) is not allowed; use one of "
+                         f"{_MODES} (jaxtrain.CheckpointUploadMode)")
+    if delete is not None and not isinstance(delete, bool):
+        raise TypeError(f"report(delete_local_checkpoint_after_upload={delete!r}) takes True, "
+                        "False or None (None: True for ASYNC, False otherwise)")
+    if upload_fn is not None and not callable(upload_fn):
+        raise TypeError(f"report(checkpoint_upload_fn={upload_fn!r}) takes a function "
+                        "(checkpoint, checkpoint_dir_name) -> Checkpoint, or None")
+    if upload_fn is not None and mode is CheckpointUploadMode.NO_UPLOAD:
+        raise ValueError(
+            f"report(checkpoint_upload_fn={getattr(upload_fn, '__name__', upload_fn)!r}, "
+            "checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD): a NO_UPLOAD checkpoint is "
+            "already in the run's storage, so no upload function would run; use SYNC or ASYNC "
+            "with checkpoint_upload_fn")
+    if mode is CheckpointUploadMode.NO_UPLOAD:
+        delete = False  # the checkpoint is the stored copy itself (Ray deletes nothing either)
+    elif delete is None:
+        delete = mode.default_delete_local_checkpoint_after_upload()
+    return mode, delete
+
+
+def _round_dir_name(session: _Session, asked: str | None) -> str:
+    """The name of this report's checkpoint in a run directory the ranks share: `asked`, or
+    ``checkpoint_<round>`` as the controller names it."""
+    return round_dir_name(session.first_round + session.round, asked)
+
+
+def _no_upload_dir_name(session: _Session, checkpoint: Checkpoint, asked: str | None) -> str:
+    """The checkpoint name of a NO_UPLOAD report: its directory's, which must be one directly
+    in the run directory; a ValueError naming the path and the place otherwise."""
+    ctx = session.context
+    what = (f"report(checkpoint=Checkpoint({checkpoint.path!r}), "
+            "checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)")
+    if session.store is not None:
+        raise ValueError(
+            f"{what} on rank {ctx.world_rank}: this run's hosts write its checkpoints to "
+            f"{session.store.url} themselves, where jaxtrain cannot take over a directory that "
+            "another writer left; report with SYNC or ASYNC (or save with jaxtrain.orbax.save, "
+            "which commits Orbax's files in place there)")
+    path = checkpoint.path.rstrip("/")
+    name = os.path.basename(path)
+    if checkpoint.filesystem is not None or (
+            os.path.realpath(os.path.dirname(path)) != os.path.realpath(ctx.run_dir)):
+        raise ValueError(
+            f"{what} on rank {ctx.world_rank}: a NO_UPLOAD checkpoint must already be in the "
+            f"run's storage, one directory directly in '{ctx.run_dir}' (write it at "
+            "get_context().get_storage().build_checkpoint_path_from_name(name)); use SYNC or "
+            "ASYNC for a directory anywhere else")
+    if asked is not None and asked != name:
+        raise ValueError(
+            f"{what} with checkpoint_dir_name={asked!r} on rank {ctx.world_rank}: a NO_UPLOAD "
+            f"checkpoint keeps the name of its directory, {name!r}; leave checkpoint_dir_name "
+            "out or give that name")
+    return _round_dir_name(session, name)
+
+
+def _in_place(session: _Session, checkpoint: Checkpoint, dir_name: str | None) -> bool:
+    """Whether `checkpoint` is the directory of `dir_name` in a run directory the ranks
+    share (where a NO_UPLOAD report or an upload function put it)."""
+    return (session.store is None and checkpoint.filesystem is None and dir_name is not None
+            and os.path.realpath(checkpoint.path)
+            == os.path.realpath(os.path.join(session.context.run_dir, dir_name)))
+
+
+def _same_directory(a: Checkpoint, b: Checkpoint) -> bool:
+    return a.filesystem is None and b.filesystem is None and (
+        os.path.realpath(a.path) == os.path.realpath(b.path))
+
+
+def _local_path(checkpoint: Checkpoint, what: str) -> str:
+    if checkpoint.filesystem is not None:
+        raise ValueError(f"the {what} {checkpoint.path!r} is on a remote filesystem; report() "
+                         "copies a local directory (or commits one in the run's storage with "
+                         "checkpoint_upload_mode=NO_UPLOAD)")
+    return checkpoint.path
+
+
+def _call_upload_fn(session: _Session, upload_fn: Callable, checkpoint: Checkpoint,
+                    dir_name: str | None) -> Checkpoint:
+    """The checkpoint that `upload_fn(checkpoint, dir_name)` returns, which must be a
+    Checkpoint (a ValueError naming what it returned otherwise, as Ray raises)."""
+    result = upload_fn(checkpoint, dir_name)
+    if not isinstance(result, Checkpoint):
+        raise ValueError(
+            f"report(checkpoint_upload_fn={getattr(upload_fn, '__name__', upload_fn)!r}) on rank "
+            f"{session.context.world_rank}: the function must return a jaxtrain.Checkpoint of "
+            f"what it uploaded; it returned {result!r}")
+    return result
+
+
+def _stage_async(session: _Session, checkpoint: Checkpoint, description: dict,
+                 upload_fn: Callable | None) -> None:
+    """An ASYNC report's part, on the stager's thread: the upload function's result (or the
+    user's directory) claimed where it lies in the run directory, or copied into staging."""
+    from jaxtrain import _core
+
+    source = checkpoint
+    if upload_fn is not None:
+        source = _call_upload_fn(session, upload_fn, checkpoint, description["dir_name"])
+    if _in_place(session, source, description["dir_name"]):
+        description["files"] = _claim(source.path, description["staging"])
+    else:
+        description["files"] = _core.stage_directory(_local_path(source, "checkpoint"),
+                                                     description["staging"], durable=False)
+
+
+def _claim(src: str, staging: str) -> list[dict]:
+    """Moves the regular files under `src`, a checkpoint directory in the run directory, into
+    this rank's `staging` (renames: nothing is copied) and describes them as stage_directory
+    does (path, size, CRC-32C, mode); the commit moves them back under the checkpoint's name.
+    A file that another rank of the same checkpoint moved first is that rank's. A symbolic
+    link is refused with a ValueError naming it."""
+    from jaxtrain import _core
+
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"the checkpoint directory '{src}' does not exist")
+    os.makedirs(staging, exist_ok=True)
+    files = []
+    for root, _, names in os.walk(src):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, src)
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # another rank's report of this directory took it
+            if stat.S_ISLNK(mode):
+                raise ValueError(f"'{path}' is a symbolic link; a checkpoint committed where it "
+                                 "lies holds regular files only")
+            if not stat.S_ISREG(mode):
+                continue
+            target = os.path.join(staging, rel)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                os.rename(path, target)
+            except FileNotFoundError:
+                continue  # another rank's report of this directory took it
+            crc, size = 0, 0
+            with open(target, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    crc = _core.crc32c(chunk, crc)
+                    size += len(chunk)
+            files.append({"path": rel, "size": size, "crc32c": crc, "mode": mode & 0o7777})
+    return files
+
+
+def _delete_local(path: str, rank: int) -> None:
+    """Deletes a reported directory once its files are in the run's storage; a failure is said
+    on stderr, never fatal (the checkpoint is safe)."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        sys.stderr.write(f"jaxtrain worker: rank {rank}: deleting the reported checkpoint "
+                         f"directory '{path}' after its upload failed ({e})\n")
+        sys.stderr.flush()
 
 
 def _report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:

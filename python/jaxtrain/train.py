@@ -13,6 +13,7 @@ from jaxtrain.errors import (
 from jaxtrain.preemption import PreemptionInfo, get_preemption_info
 from jaxtrain.result import Result
 from jaxtrain.session import (
+    CheckpointUploadMode,
     TrainContext,
     get_all_reported_checkpoints,
     get_checkpoint,
@@ -32,6 +33,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointConfig",
     "CheckpointConsistencyMode",
+    "CheckpointUploadMode",
     "ControllerError",
     "FailureConfig",
     "PreemptionError",

@@ -8,6 +8,7 @@ run directory, and stops them all when one fails or the driver is interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -15,8 +16,9 @@ import posixpath
 import signal
 import socket
 import sys
+import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -148,7 +150,7 @@ class JaxTrainer:
         meanwhile).
         """
         private = storage.private_requested()
-        with storage.private_files(private):
+        with storage.private_files(private), _select_nodes_by_labels(self.scaling_config):
             return self._fit(private)
 
     def _fit(self, private: bool) -> Result:
@@ -194,7 +196,8 @@ class JaxTrainer:
             plan = _core.plan_kubernetes(self.scaling_config._core)
             # Refused before the cluster is asked for anything (docs/kubernetes.md).
             launcher_options = json.dumps(kubernetes.launch_options(
-                self.run_config.name, run_dir, needs_run_dir=store is None))
+                self.run_config.name, run_dir, needs_run_dir=store is None,
+                node_labels=self.scaling_config.node_labels()))
         elif launcher == "ssh":
             plan = _core.plan_ssh(self.scaling_config._core)
             spans_hosts = _plan_spans_hosts(plan)
@@ -507,6 +510,88 @@ def _why_unpicklable(fn: Callable, config: dict | None, error: Exception) -> str
     return (f"train_loop_per_worker={name!r} cannot be sent to the workers: {what} cannot be "
             f"pickled ({reason}). Create such objects inside the training function, or pass "
             "picklable values through train_loop_config")
+
+
+SLURM_CONSTRAINT_ENV = "JAXTRAIN_SLURM_CONSTRAINT"
+HOSTFILE_ENV = "JAXTRAIN_HOSTFILE"
+
+
+@contextlib.contextmanager
+def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
+    """Applies ScalingConfig.label_selector for the launcher that will start the workers, for
+    the length of a fit(): on Kubernetes the pod template gets it (kubernetes.launch_options);
+    on Slurm it becomes the allocation's and steps' --constraint (JAXTRAIN_SLURM_CONSTRAINT,
+    ANDed with the user's own); on ssh hosts of a hostfile, only the hosts whose labels match
+    are used (JAXTRAIN_HOSTFILE then names a copy holding those). Refused with a ValueError
+    naming the field where no launcher can select: the local launcher, hosts listed without
+    labels. An empty selector is no selector."""
+    node_labels = scaling_config.node_labels()
+    if not node_labels:
+        yield
+        return
+    field = f"ScalingConfig.label_selector={scaling_config.label_selector!r}"
+    launcher = _core.choose_launcher()
+    overrides: dict[str, str] = {}
+    chosen = None
+    if launcher == "slurm":
+        constraint = slurm_constraint(node_labels)
+        own = os.environ.get(SLURM_CONSTRAINT_ENV)
+        overrides[SLURM_CONSTRAINT_ENV] = f"({own})&{constraint}" if own else constraint
+    elif launcher == "ssh":
+        path = os.environ.get(HOSTFILE_ENV)
+        if not path:
+            raise ValueError(
+                f"{field}: the hosts of this run (JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTS) have no "
+                "labels to select by; list them in a hostfile (JAXTRAIN_HOSTFILE) with "
+                "labels=key=value words (docs/hosts.md), or leave label_selector out")
+        try:
+            with open(os.path.expanduser(path)) as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"{HOSTFILE_ENV}='{path}' cannot be read: {e.strerror}") from None
+        from jaxtrain import hosts
+
+        selected = hosts.select_hosts(text, f"{HOSTFILE_ENV}={path}", node_labels,
+                                      scaling_config.num_workers)
+        fd, chosen = tempfile.mkstemp(prefix="jaxtrain-hostfile-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(selected)
+        overrides[HOSTFILE_ENV] = chosen
+    elif launcher != "kubernetes":
+        raise ValueError(
+            f"{field}: this run starts its workers on this machine ({launcher} launcher), "
+            "which has no node labels to select by; labels select Kubernetes nodes, Slurm node "
+            "features (--constraint) and hosts of a hostfile (docs/hosts.md), so run there, "
+            "or leave label_selector out")
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if chosen is not None:
+            os.unlink(chosen)
+
+
+def slurm_constraint(node_labels: dict[str, tuple[str, tuple[str, ...]]]) -> str:
+    """A label selector (ScalingConfig.node_labels()) as Slurm's --constraint: Slurm's node
+    features are plain names, so a label's value is the feature its nodes must have (the key
+    only says what it means): {"gpu": "h100", "net": "in(ib,roce)"} -> "h100&(ib|roce)". Slurm
+    cannot exclude a feature, so '!v' and '!in(...)' are refused with a ValueError naming
+    the label."""
+    terms = []
+    for key, (op, values) in node_labels.items():
+        if op == "notin":
+            raise ValueError(
+                f"ScalingConfig.label_selector[{key!r}] excludes {'|'.join(values)}, which a "
+                "Slurm --constraint cannot say (it asks for node features, it does not exclude "
+                "them); select the nodes by the features they have")
+        terms.append(values[0] if len(values) == 1 else f"({'|'.join(values)})")
+    return "&".join(terms)
 
 
 def _slurm_spans_hosts() -> bool:

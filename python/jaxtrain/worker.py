@@ -624,6 +624,7 @@ def main() -> None:
             fail_storage=lambda message, code: _fail(client, "storage", EXIT_RAISED, message,
                                                      code),
             validation=task.get("validation", False),
+            first_round=start["first_round"],
         )
     )
     try:

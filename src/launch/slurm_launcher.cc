@@ -226,7 +226,8 @@ std::vector<std::string> SlurmShape::SrunArgs() const {
   if (tasks_per_node) args.push_back("--ntasks-per-node=" + std::to_string(*tasks_per_node));
   if (gpus_per_task > 0) args.push_back("--gpus-per-task=" + std::to_string(gpus_per_task));
   if (exclusive) args.push_back("--exclusive");
-  if (spread) args.push_back("--distribution=cyclic");
+  if (!constraint.empty()) args.push_back("--constraint=" + constraint);
+  if (spread) args.push_back("--distribution=cyclic");  // last: SallocArgs replaces it
   return args;
 }
 
@@ -246,6 +247,7 @@ std::string SlurmShape::Describe() const {
   }
   out += " each";
   if (exclusive) out += ", whole nodes";
+  if (!constraint.empty()) out += ", nodes with " + constraint;
   return out;
 }
 
@@ -300,6 +302,7 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
   }
   if (per_node) shape.tasks_per_node = per_node;
   if (IsTrue(env.GetEnv(kSlurmExclusiveEnv))) shape.exclusive = true;
+  if (auto constraint = env.GetEnv(kSlurmConstraintEnv)) shape.constraint = *constraint;
   if (shape.nodes && *shape.nodes > n) {
     return InvalidArgumentError(std::string(kSlurmNodesEnv) + "=" + std::to_string(*shape.nodes) +
                                 " is more nodes than ScalingConfig.num_workers=" +

@@ -48,6 +48,9 @@ inline constexpr char kSharedStorageEnv[] =
 inline constexpr char kSlurmNodesEnv[] = "JAXTRAIN_SLURM_NODES";
 inline constexpr char kSlurmTasksPerNodeEnv[] = "JAXTRAIN_SLURM_TASKS_PER_NODE";
 inline constexpr char kSlurmExclusiveEnv[] = "JAXTRAIN_SLURM_EXCLUSIVE";
+// Node features the allocation and its steps need (--constraint): the user's, ANDed by the Python
+// layer with ScalingConfig.label_selector's (docs/slurm.md).
+inline constexpr char kSlurmConstraintEnv[] = "JAXTRAIN_SLURM_CONSTRAINT";
 
 // "local", "slurm", "ssh" or "kubernetes": JAXTRAIN_LAUNCHER when set to one of them; otherwise
 // ("auto" or unset) "ssh" when JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTFILE lists hosts
@@ -64,6 +67,7 @@ struct SlurmShape {
   int cpus_per_task = 1;              // --cpus-per-task
   int gpus_per_task = 0;              // --gpus-per-task (0: not passed)
   bool exclusive = false;             // --exclusive (whole nodes)
+  std::string constraint;             // --constraint: node features (empty: not passed)
   bool spread = false;                // steps: --distribution=cyclic; allocations: --spread-job
 
   std::vector<std::string> SrunArgs() const;
@@ -72,7 +76,7 @@ struct SlurmShape {
 };
 
 // ScalingConfig -> SlurmShape, with JAXTRAIN_SLURM_NODES, _TASKS_PER_NODE and _EXCLUSIVE from
-// `env` overriding what the ScalingConfig implies.
+// `env` overriding what the ScalingConfig implies, and JAXTRAIN_SLURM_CONSTRAINT's features.
 // Errors: kInvalidArgument naming the field or setting: a fractional GPU count, a setting that is
 // not a whole number >= 1, nodes x tasks per node != num_workers.
 StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,

@@ -96,6 +96,21 @@ TEST(SlurmShapeTest, ResourcesPerWorkerBecomeCpusAndGpusPerTask) {
   EXPECT_TRUE(Contains(half.status().message(), "resources_per_worker['GPU']=0.5"));
 }
 
+TEST(SlurmShapeTest, NodeFeaturesConstrainTheAllocationAndEveryStep) {
+  accelerators::FakeHost host;
+  host.env[kSlurmConstraintEnv] = "h100&(ib|roce)";
+  auto shape = SlurmShapeFor(Config({.num_workers = 4, .placement_strategy = "SPREAD"}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1",
+                                        "--constraint=h100&(ib|roce)", "--distribution=cyclic"}));
+  EXPECT_EQ(shape->SallocArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1",
+                                          "--constraint=h100&(ib|roce)", "--spread-job"}));
+  EXPECT_EQ(shape->Describe(), "4 tasks, 1 CPU each, nodes with h100&(ib|roce)");
+  host.env[kSlurmConstraintEnv] = "";
+  EXPECT_EQ(SlurmShapeFor(Config({.num_workers = 4}), host)->SrunArgs(),
+            (Strings{"--ntasks=4", "--cpus-per-task=1"}));
+}
+
 TEST(SlurmShapeTest, ATpuSliceTakesWholeHostsUnlessSimulated) {
   accelerators::FakeHost host;
   auto config =
