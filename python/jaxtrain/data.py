@@ -15,15 +15,32 @@ the global batch of step t is rows ``t*B .. (t+1)*B - 1``, the batch a single pr
 ``jax.make_array_from_process_local_data``, sharded along the batch axis over every device of the
 run (or over the mesh or sharding you give). The process index and count come from
 ``get_context()`` inside a worker, from JAX elsewhere.
+
+The data position goes into the checkpoint: a ``DataLoader`` (one pass over the data per
+``iter()``, epochs shuffled by a seed) registers itself with the worker's session, and
+``track(iterator)`` registers any iterator with ``get_state()`` / ``set_state()`` (a Grain
+``DataLoader`` or ``DatasetIterator``). Every ``report(checkpoint=...)`` writes the position of
+each registered iterator into that rank's part of the checkpoint (``.jaxtrain_data/``), so it is
+committed with the rest; after a restart, or in a run resumed by name, each one is set back to
+the position of ``get_checkpoint()`` when it registers, and goes on mid-epoch (docs/data.md).
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
+import os
+import posixpath
+import shutil
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 DATA_AXIS = "data"
+# The directory, in each rank's part of a checkpoint, that holds the positions of its iterators:
+# one file per rank, rank-<world rank>.json.
+POSITIONS_DIR = ".jaxtrain_data"
 
 
 def process_index_and_count() -> tuple[int, int]:
@@ -82,29 +99,40 @@ def shard(dataset: Any, *, index: int | None = None, count: int | None = None,
 
 
 def iter_batches(data: Any, global_batch_size: int, *, index: int | None = None,
-                 count: int | None = None, drop_last: bool = True) -> Iterator[Any]:
+                 count: int | None = None, drop_last: bool = True, shuffle: bool = False,
+                 seed: int = 0, epoch: int = 0) -> Iterator[Any]:
     """This process's rows of each global batch of ``data`` (an array, or a dict / tuple of
     arrays with equal first dimensions): for step t, rows ``t*B + index*b .. t*B + (index+1)*b -
     1`` with ``B = global_batch_size`` and ``b = B / count``. Assembled by ``global_batch``, step
     t is exactly rows ``t*B .. (t+1)*B - 1``. ``drop_last``: skip a last, short batch (a short
-    batch would give the processes different shapes unless it divides; it is refused then)."""
+    batch would give the processes different shapes unless it divides; it is refused then).
+    ``shuffle``: the rows are taken in the order of a permutation drawn from ``(seed, epoch)``,
+    the same on every process and in every run, so that an epoch can be resumed mid-way."""
+    return _batches(data, global_batch_size, index, count, drop_last, shuffle, seed, epoch, 0)
+
+
+def _batches(data: Any, global_batch_size: int, index: int | None, count: int | None,
+             drop_last: bool, shuffle: bool, seed: int, epoch: int, start: int) -> Iterator[Any]:
+    """iter_batches from global batch `start` on; the arguments are checked before the first
+    batch is asked for."""
     index, count = _where(index, count)
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
-            or global_batch_size < 1:
-        raise ValueError(f"global_batch_size={global_batch_size!r} is not allowed; it must be a "
-                         "whole number >= 1")
+    _whole("global_batch_size", global_batch_size, 1)
+    _whole("seed", seed, 0)
+    _whole("epoch", epoch, 0)
     if global_batch_size % count:
         raise ValueError(
             f"global_batch_size={global_batch_size} is not allowed with {count} processes; it "
             "must be a multiple of the number of processes")
-    leaves = _leaves(data)
-    rows = {leaf.shape[0] for leaf in leaves}
-    if len(rows) != 1:
-        raise ValueError(f"iter_batches(data): the arrays have different numbers of rows {rows}")
-    n = rows.pop()
+    n = _rows(data)
+    order = _permutation(n, seed, epoch) if shuffle else None
+    return _cut(data, n, global_batch_size, index, count, drop_last, order, start)
+
+
+def _cut(data: Any, n: int, global_batch_size: int, index: int, count: int, drop_last: bool,
+         order: Any, start: int) -> Iterator[Any]:
     local = global_batch_size // count
-    for start in range(0, n, global_batch_size):
-        size = min(global_batch_size, n - start)
+    for first in range(start * global_batch_size, n, global_batch_size):
+        size = min(global_batch_size, n - first)
         if size < global_batch_size:
             if drop_last:
                 return
@@ -113,8 +141,32 @@ def iter_batches(data: Any, global_batch_size: int, *, index: int | None = None,
                     f"iter_batches: the last batch has {size} rows, which does not divide among "
                     f"{count} processes; pass drop_last=True or a size that divides")
             local = size // count
-        lo = start + index * local
-        yield _map(data, lambda a, lo=lo, local=local: a[lo:lo + local])
+        lo = first + index * local
+        if order is None:
+            yield _map(data, lambda a, lo=lo, local=local: a[lo:lo + local])
+        else:
+            rows = order[lo:lo + local]
+            yield _map(data, lambda a, rows=rows: a[rows])
+
+
+def _whole(field: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{field}={value!r} is not allowed; it must be a whole number >= {least}")
+
+
+def _rows(data: Any) -> int:
+    rows = {leaf.shape[0] for leaf in _leaves(data)}
+    if len(rows) != 1:
+        raise ValueError(f"iter_batches(data): the arrays have different numbers of rows {rows}")
+    return rows.pop()
+
+
+def _permutation(n: int, seed: int, epoch: int) -> Any:
+    """The order of the rows in epoch `epoch`: the same for a (seed, epoch) on every process,
+    run and NumPy version (PCG64 and its permutation are stable)."""
+    import numpy as np
+
+    return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 def mesh(axis_name: str = DATA_AXIS) -> Any:
@@ -162,3 +214,258 @@ def _map(data: Any, fn: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(fn(v) for v in data)
     return fn(data)
+
+
+# --- the data position in the checkpoint --------------------------------------------------------
+
+
+class DataLoader:
+    """The global batches of ``data`` epoch after epoch, whose position goes into every
+    checkpoint: each ``iter(loader)`` is one pass (one epoch) that yields this process's rows of
+    each global batch, as ``iter_batches`` does for that epoch, the rows in a fresh order drawn
+    from ``(seed, epoch)`` when ``shuffle``.
+
+    Created inside the training function, it registers itself with the worker's session
+    (``track``): ``report(checkpoint=...)`` saves its position (the epoch and the batches of it
+    already yielded), and after a restart, or in a run resumed by name, it starts at the
+    position of ``get_checkpoint()``: the first pass then yields the rest of that epoch, so that
+    every sample of the epoch is seen once across the restart. A pass left before its end is
+    over: the next ``iter()`` starts the next epoch. ``name`` tells the loaders of one rank
+    apart in the checkpoint (default: the order in which they were created)."""
+
+    def __init__(self, data: Any, global_batch_size: int, *, shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = True, name: str | None = None,
+                 index: int | None = None, count: int | None = None) -> None:
+        self._data = data
+        self._args = (global_batch_size, index, count, drop_last, shuffle, seed)
+        _batches(data, global_batch_size, index, count, drop_last, shuffle, seed, 0, 0)  # checks
+        self._rows = _rows(data)
+        self.global_batch_size = global_batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self._epoch = 0
+        self._step = 0  # batches of the pass in progress already yielded
+        self._resume = False  # set_state: the next pass goes on from _step
+        track(self, name)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next one."""
+        return self._epoch
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        b = self.global_batch_size
+        return self._rows // b if self._args[3] else -(-self._rows // b)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume:
+            self._resume = False
+        else:
+            if self._step:  # a pass left before its end
+                self._epoch += 1
+            self._step = 0
+        global_batch_size, index, count, drop_last, shuffle, seed = self._args
+        epoch = self._epoch
+        batches = _batches(self._data, global_batch_size, index, count, drop_last, shuffle, seed,
+                           epoch, self._step)
+        return self._pass(epoch, batches)
+
+    def _pass(self, epoch: int, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            if self._epoch != epoch:
+                return  # another pass has started: this one is over
+            self._step += 1  # counted before the caller trains on it and reports
+            yield batch
+        if self._epoch == epoch:
+            self._epoch, self._step = epoch + 1, 0
+
+    def get_state(self) -> dict:
+        """The position: the epoch and how many of its global batches were yielded (a pass
+        yielded to its end is at the start of the next epoch)."""
+        epoch, step = self._epoch, self._step
+        if step >= len(self):
+            epoch, step = epoch + 1, 0
+        return {"epoch": epoch, "step": step, "rows": self._rows,
+                "global_batch_size": self.global_batch_size, "shuffle": self.shuffle,
+                "seed": self.seed}
+
+    def set_state(self, state: dict) -> None:
+        """Goes to a position that get_state gave: the next pass yields the rest of its epoch.
+        A position taken over other data (a different number of rows, batch size, shuffle or
+        seed) is refused with a ValueError naming what differs."""
+        mine = self.get_state()
+        for field in ("rows", "global_batch_size", "shuffle", "seed"):
+            if state.get(field) != mine[field]:
+                raise ValueError(
+                    f"data.DataLoader: the saved position is of {field}={state.get(field)!r}, "
+                    f"and this loader has {field}={mine[field]!r}; the position is meaningless "
+                    "for other data. Create it as it was, or under another name= to start afresh")
+        self._epoch, self._step = int(state["epoch"]), int(state["step"])
+        self._resume = self._step > 0
+
+
+def track(iterator: Any, name: str | None = None) -> Any:
+    """Registers an iterator whose position goes into every checkpoint of this worker: anything
+    with ``get_state()`` and ``set_state(state)``, such as ``iter()`` of a Grain ``DataLoader``
+    or of a Grain dataset (a ``DatasetIterator``); ``DataLoader`` registers itself. Returns the
+    iterator, positioned as in ``get_checkpoint()`` when the attempt restored one.
+
+    Each ``report(checkpoint=...)`` of this rank saves ``get_state()`` of every tracked iterator
+    in its part of the checkpoint. ``name`` tells the iterators of one rank apart (default: the
+    order of registration, which must then be the same in every attempt). Outside a jaxtrain
+    worker it does nothing."""
+    for method in ("get_state", "set_state"):
+        if not callable(getattr(iterator, method, None)):
+            raise TypeError(
+                f"data.track(iterator): a {type(iterator).__name__} has no {method}(); pass an "
+                "iterator with get_state() and set_state() (a Grain DataLoader's or dataset's "
+                "iterator, a data.DataLoader)")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"data.track(name={name!r}) is not allowed; give a non-empty string")
+    registry = _registry()
+    if registry is None:
+        return iterator
+    key = name if name is not None else f"#{len(registry.tracked)}"
+    if key in registry.tracked:
+        raise ValueError(f"data.track(name={key!r}): an iterator of that name is tracked already "
+                         "on this rank; give each one its own name")
+    registry.tracked[key] = iterator
+    registry.restore(key, iterator)
+    return iterator
+
+
+class _Registry:
+    """The iterators tracked by one worker's session, and the positions its checkpoint holds."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.rank = session.context.world_rank
+        self.tracked: dict[str, Any] = {}
+        self._saved: dict[str, dict] | None = None  # read from the checkpoint on first use
+        self._from_rank: int | None = None
+
+    def restore(self, key: str, iterator: Any) -> None:
+        checkpoint = self.session.checkpoint
+        if checkpoint is None:
+            return
+        if self._saved is None:
+            self._saved, self._from_rank = _read_positions(checkpoint, self.rank)
+        entry = self._saved.get(key)
+        if entry is None:
+            _say(f"rank {self.rank}: the checkpoint {checkpoint.path} holds no data position "
+                     f"of iterator {key!r}; it starts from the beginning")
+            return
+        if self._from_rank != self.rank and not isinstance(iterator, DataLoader):
+            raise RuntimeError(
+                f"data.track: rank {self.rank} passed no part of the checkpoint "
+                f"{checkpoint.path} in its round, so the position of its iterator {key!r} is not "
+                f"in it (only rank {self._from_rank}'s is, and an iterator's position, a Grain "
+                "one's say, differs by rank). Pass report(checkpoint=...) on every rank that "
+                "tracks an iterator (a rank's directory may be empty: the position is added)")
+        iterator.set_state(_decode(entry))
+
+    def save(self, directory: str) -> None:
+        """Writes the positions of the tracked iterators into `directory`, the files this rank
+        passes to report(checkpoint=): POSITIONS_DIR holds this rank's file and no other (one
+        left there by a restored copy of the checkpoint would clash with the other ranks')."""
+        where = os.path.join(directory, POSITIONS_DIR)
+        if os.path.lexists(os.path.join(directory, _manifest_name())):
+            return  # a committed checkpoint, which report() refuses: never written into
+        shutil.rmtree(where, ignore_errors=True)
+        if not self.tracked:
+            return
+        positions = {}
+        for key, iterator in self.tracked.items():
+            state = iterator.get_state()
+            try:
+                positions[key] = _encode(state)
+            except TypeError as e:
+                raise TypeError(f"report(checkpoint=...) on rank {self.rank}: the position of the "
+                                f"tracked iterator {key!r} cannot be saved: {e}") from None
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, f"rank-{self.rank}.json"), "w", encoding="utf-8") as f:
+            json.dump({"version": 1, "rank": self.rank, "positions": positions}, f)
+
+
+_current: _Registry | None = None
+
+
+def _registry() -> _Registry | None:
+    """The registry of this worker's session (a new one for each attempt's session)."""
+    global _current
+    from jaxtrain import session
+
+    if session._session is None:
+        return None
+    if _current is None or _current.session is not session._session:
+        _current = _Registry(session._session)
+    return _current
+
+
+def _save_positions(directory: str) -> None:
+    """report(checkpoint=)'s hook: the positions of this rank's tracked iterators go into the
+    directory whose files it is about to read (they are committed with the rest)."""
+    registry = _registry()
+    if registry is not None:
+        try:
+            registry.save(directory)
+        except OSError as e:
+            raise type(e)(f"report(checkpoint=...) on rank {registry.rank}: writing the data "
+                          f"position into '{directory}' failed: {e}") from None
+
+
+def _read_positions(checkpoint: Any, rank: int) -> tuple[dict[str, dict], int | None]:
+    """The positions that `rank` saved in `checkpoint`, or when it saved none, those of the
+    lowest rank that did; and which rank's they are (None: no rank saved any)."""
+    fs = checkpoint.filesystem
+    where = posixpath.join(checkpoint.path, POSITIONS_DIR) if fs is not None else os.path.join(
+        checkpoint.path, POSITIONS_DIR)
+    try:
+        if fs is not None:
+            names = [posixpath.basename(p) for p in fs.ls(where, detail=False)]
+        else:
+            names = os.listdir(where)
+    except FileNotFoundError:
+        return {}, None
+    ranks = sorted(int(n[5:-5]) for n in names
+                   if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit())
+    if not ranks:
+        return {}, None
+    chosen = rank if rank in ranks else ranks[0]
+    path = f"{where}/rank-{chosen}.json"
+    if fs is not None:
+        text = fs.cat_file(path)
+    else:
+        with open(path, "rb") as f:
+            text = f.read()
+    return json.loads(text)["positions"], chosen
+
+
+def _encode(state: Any) -> dict:
+    """A position as JSON: bytes (a Grain DataLoader's) in base64, else JSON itself."""
+    if isinstance(state, bytes):
+        return {"bytes": base64.b64encode(state).decode("ascii")}
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"get_state() gave a {type(state).__name__}, which is neither bytes nor "
+                        f"JSON ({e})") from None
+    return {"json": state}
+
+
+def _decode(entry: dict) -> Any:
+    if "bytes" in entry:
+        return base64.b64decode(entry["bytes"])
+    return entry["json"]
+
+
+def _manifest_name() -> str:
+    from jaxtrain.storage import MANIFEST_NAME
+
+    return MANIFEST_NAME
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"jaxtrain worker: {text}\n")
+    sys.stderr.flush()

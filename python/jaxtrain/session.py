@@ -469,8 +469,9 @@ def report(
         if checkpoint is None:
             session.stager.report(session.round, text)
             return
-        from jaxtrain import _core
+        from jaxtrain import _core, data
 
+        data._save_positions(checkpoint.path)  # the tracked iterators' positions, with the files
         staging = store.staging(session.round) if store is not None else os.path.join(
             ctx.run_dir, ".staging", f"a{ctx.attempt}-r{session.round}-rank{ctx.world_rank}"
         )
