@@ -252,3 +252,46 @@ def test_a_validation_that_raises_is_recorded_and_the_run_finishes(tmp_path, sto
     assert "the evaluation set is missing" in record["checkpoint_000001"]["error"]
     assert record["checkpoint_000002"] == {"round": 2, "status": "validated",
                                            "metrics": {"accuracy": 0.75}}
+
+
+RANK_ZERO_SAVES = """
+import json
+import os
+import tempfile
+
+import jaxtrain.train as train                       # was: import ray.train
+from jaxtrain import JaxTrainer                      # was: from ray.train.jax import JaxTrainer
+from jaxtrain.train import CheckpointConsistencyMode, RunConfig, ScalingConfig
+
+
+def train_func(config):
+    ctx = train.get_context()
+    seen = []
+    for epoch in range(4):
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if ctx.get_world_rank() == 0:                # Ray's usual pattern: rank 0 saves
+                json.dump({"epoch": epoch}, open(os.path.join(d, "state.json"), "w"))
+                checkpoint = train.Checkpoint.from_directory(d)
+            train.report({"epoch": epoch}, checkpoint=checkpoint)
+        reported = train.get_all_reported_checkpoints(
+            consistency_mode=CheckpointConsistencyMode.COMMITTED)
+        seen.append([os.path.basename(r.checkpoint.path) for r in reported])
+    json.dump(seen, open(os.path.join(config["out"], f"rank-{ctx.get_world_rank()}.json"), "w"))
+
+
+JaxTrainer(
+    train_func,
+    train_loop_config={"out": OUT},
+    scaling_config=ScalingConfig(num_workers=3),
+    run_config=RunConfig(name="rank-zero-saves", storage_path=STORAGE),
+).fit()
+json.dump({"ranks": [json.load(open(os.path.join(OUT, f"rank-{r}.json"))) for r in range(3)]},
+          open(os.path.join(OUT, "result.json"), "w"))
+"""
+
+
+def test_ranks_that_pass_no_checkpoint_see_the_round_they_just_reported(tmp_path, storage):
+    _, out = _run(RANK_ZERO_SAVES, tmp_path, storage)
+    expected = [[f"checkpoint_{r:06d}" for r in range(1, epoch + 2)] for epoch in range(4)]
+    assert out["ranks"] == [expected] * 3

@@ -15,6 +15,7 @@ import shutil
 import stat
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -755,10 +756,35 @@ def get_all_reported_checkpoints(
             "checkpoints to object storage themselves (docs/checkpoints.md)")
     with session.lock:  # no report of this rank is in flight meanwhile
         session.wait_checkpoints_settled()
+        last = session.first_round + session.round - 1 if session.round else 0
     run_dir = session.context.run_dir
+    # A rank that passed no part of its latest round's checkpoint (only rank 0 saving) has no
+    # commit of its own to wait for: it waits until the run's record holds that round, which is
+    # written once the round's checkpoint, if any, is committed.
+    _wait_recorded(run_dir, last)
     if consistency_mode is CheckpointConsistencyMode.VALIDATED:
         return wait_validated(run_dir)
     return reported_checkpoints(run_dir)
+
+
+def _wait_recorded(run_dir: str, round_: int) -> None:
+    """Returns once result.jsonl's last line is of `round_` or later (at once for 0)."""
+    path = os.path.join(run_dir, "result.jsonl")
+    while round_ > 0:
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in reversed(lines):
+            try:
+                if json.loads(line)["round"] >= round_:
+                    return
+                break
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by the tail's start, or one being appended
+        time.sleep(0.01)
 
 
 def get_context() -> TrainContext:
