@@ -27,6 +27,7 @@ from jaxtrain import (
     _core,
     callbacks,
     checkpoint_memory,
+    gce_metadata,
     local_mode,
     ray_args,
     runtime_env,
@@ -170,6 +171,7 @@ class JaxTrainer:
         compilation_cache = _compilation_cache()  # refused before anything starts
         snapshot_budget = session.check_snapshot_budget()  # likewise
         in_memory = checkpoint_memory.check_switch()  # likewise
+        gce_metadata_watch = gce_metadata.setting()  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         storage.warn_if_locks_stay_local(run_dir)
@@ -232,6 +234,8 @@ class JaxTrainer:
             worker_env[STORE_ENV] = "1"
         if snapshot_budget is not None:
             worker_env[session.SNAPSHOT_BUDGET_ENV] = snapshot_budget
+        if gce_metadata_watch:
+            worker_env[gce_metadata.ENV] = gce_metadata_watch
         if in_memory is not None:
             worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
             # Absolute: workers may run in another working directory.

@@ -534,6 +534,7 @@ def main() -> None:
         os._exit(EXIT_CONTROLLER_LOST)
     client.watch_controller(EXIT_CONTROLLER_LOST)
     start = json.loads(start_json)
+    metadata_watcher = None
 
     try:
         from jaxtrain.checkpoint_store import STORE_ENV
@@ -570,6 +571,11 @@ def main() -> None:
         # the process at once (docs/preemption.md).
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         client.watch_preemption()
+        # On GCE and TPU VMs, one rank per host also watches the metadata server's notices.
+        if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
+            from jaxtrain import gce_metadata
+
+            metadata_watcher = gce_metadata.start(rank, client.send_preemption_notice)
         import cloudpickle
 
         from jaxtrain import runtime_env
@@ -638,6 +644,8 @@ def main() -> None:
         _fail(client, "training", EXIT_RAISED)
 
     session._require("report").flush()  # queued reports go before done
+    if metadata_watcher is not None:
+        metadata_watcher.stop()
     sys.stdout.flush()
     sys.stderr.flush()
     try:

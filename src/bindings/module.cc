@@ -422,6 +422,14 @@ class PyWorkerClient {
   }
   void WatchController(int exit_code) { client_->WatchController(exit_code); }
   void WatchPreemption() { Check(client_->WatchPreemption()); }
+  void SendPreemptionNotice(std::string_view source, uint64_t deadline_ms) {
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = client_->SendPreemptionNotice(source, deadline_ms);
+    }
+    Check(s);
+  }
   std::string PreemptionCall() {
     nb::gil_scoped_release release;
     return client_->PreemptionCall();
@@ -873,6 +881,8 @@ NB_MODULE(_core, m) {
       .def("send_done", &PyWorkerClient::SendDone, "json"_a)
       .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)
       .def("watch_preemption", &PyWorkerClient::WatchPreemption)
+      .def("send_preemption_notice", &PyWorkerClient::SendPreemptionNotice, "source"_a,
+           "deadline_ms"_a)
       .def("preemption_call", &PyWorkerClient::PreemptionCall)
       .def("note_round", &PyWorkerClient::NoteRound, "round"_a)
       .def("stop", &PyWorkerClient::Stop);

@@ -419,6 +419,13 @@ Status WorkerClient::WatchPreemption() {
   return OkStatus();
 }
 
+Status WorkerClient::SendPreemptionNotice(std::string_view source, uint64_t deadline_ms) {
+  wire::Preemption notice{.source = std::string(source), .deadline_ms = deadline_ms};
+  if (notice.source.empty()) return InvalidArgumentError("a preemption notice needs a source");
+  JT_ASSIGN_OR_RETURN(std::string body, wire::EncodeWorkerMessage(notice));
+  return Send(wire::MessageType::kPreemption, body);
+}
+
 void WorkerClient::EndBySigterm() {
   signal(SIGTERM, SIG_DFL);
   kill(getpid(), SIGTERM);

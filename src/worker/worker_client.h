@@ -118,6 +118,11 @@ class WorkerClient {
   // handler; also when no answer comes within 5 s). Needs WatchController(), which reads the
   // answers. Errors: kInternal when the handler cannot be installed.
   Status WatchPreemption();
+  // Tells the controller of a notice this host received some other way than by SIGTERM (the GCE
+  // metadata server, ...): `source` names it, `deadline_ms` (UNIX ms, 0 = none) is when the host
+  // goes; the controller takes the earlier of it and its grace. Its answer needs no action: the
+  // process goes on either way. Errors: kInvalidArgument when `source` is empty; as Report().
+  Status SendPreemptionNotice(std::string_view source, uint64_t deadline_ms);
   // One get_preemption_info() call: "" while no preemption is agreed for this call, else the
   // agreement's JSON {"sync_call", "deadline_ms", "preempted_node_to_ranks"}. Every rank's call
   // number sync_call is the first to return it; a call made while the controller's query is

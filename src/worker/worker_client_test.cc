@@ -339,6 +339,26 @@ TEST(WorkerClientTest, SendsAnError) {
   EXPECT_EQ(controller.received[0].body, R"({"message":"boom"})");
 }
 
+TEST(WorkerClientTest, SendsAPreemptionNoticeWithItsSourceAndDeadline) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    EXPECT_EQ((*client)->SendPreemptionNotice("", 5).code(), StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*client)->SendPreemptionNotice("GCE metadata: preempted", 1234).ok());
+  }
+  controller.Join();
+  ASSERT_EQ(controller.received.size(), 1u);
+  EXPECT_EQ(controller.received[0].type, MessageType::kPreemption);
+  auto decoded = wire::DecodeWorkerMessage(
+      {.type = controller.received[0].type, .body = controller.received[0].body});
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(std::get<wire::Preemption>(*decoded),
+            (wire::Preemption{.source = "GCE metadata: preempted", .deadline_ms = 1234}));
+}
+
 TEST(WorkerClientTest, ItsLastFrameReachesABusyControllerThoughItClosesWithANoticeUnread) {
   // A worker ends right after its last frame, with a notice it never read on its socket: closing
   // such a socket resets the connection, and a reset drops what the controller's TCP has not yet
