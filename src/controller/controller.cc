@@ -386,9 +386,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
 
   // --- preemption (preemption.h, docs/preemption.md) ------------------------------------------
 
-  void Reply(int rank, std::string_view kind) {
-    port->Send(rank, wire::MessageType::kPreemptionReply,
-               std::string(R"({"kind":")") + std::string(kind) + "\"}");
+  // `source`: the notice's, which an answer names (the worker matches it to its notice).
+  void Reply(int rank, std::string_view kind, const std::string& source = "") {
+    nlohmann::json reply = {{"kind", kind}};
+    if (!source.empty()) reply["source"] = source;
+    port->Send(rank, wire::MessageType::kPreemptionReply, reply.dump());
   }
 
   void OnMessage(int rank, const wire::Preemption& m) {
@@ -403,7 +405,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       return;
     }
     // The group is being stopped (its SIGTERM is the stop's) or not training: the rank ends.
-    if (phase != Phase::kRunning) return Reply(rank, "stop");
+    if (phase != Phase::kRunning) return Reply(rank, "stop", m.source);
     const std::string& host = ranks[static_cast<size_t>(rank)].host;
     std::vector<int> host_ranks;
     for (size_t r = 0; r < ranks.size(); ++r) {
@@ -420,7 +422,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(grace).count());
     const bool opened =
         preemption.Notice(rank, host, std::move(host_ranks), m.source, Now() + grace, deadline_ms);
-    Reply(rank, "noted");
+    Reply(rank, "noted", m.source);
     if (!opened) return;
     Say("preemption notice: " + preemption.Describe() + "; the group goes on until a checkpoint " +
         "reported after it is committed, for " +

@@ -453,8 +453,8 @@ void WorkerClient::OnPreemptionReply(const std::string& body) {
     query_pending_ = false;
     sync_call_ = j.value("sync_call", uint64_t{0});
     agreement_ = body;
-  } else if (kind == "noted" || kind == "stop") {
-    notice_reply_ = kind;
+  } else if ((kind == "noted" || kind == "stop") && j.value("source", "") == "SIGTERM") {
+    notice_reply_ = kind;  // the answer to the SIGTERM's notice, not to another source's
   }
   settle_cv_.NotifyAll();
 }
