@@ -383,7 +383,7 @@ def test_unknown_run_is_named_with_where_it_was_looked_for(tmp_path):
 
 
 @pytest.mark.parametrize("option, message", [
-    (["-n", "0"], "ScalingConfig.num_workers=0 is not allowed"),
+    (["-n", "-1"], "ScalingConfig.num_workers=-1 is not allowed"),
     (["--placement-strategy", "RANDOM"], "ScalingConfig.placement_strategy='RANDOM'"),
     (["--resources-per-worker", "TPU=four"], "'TPU=four' is not NAME=AMOUNT"),
     (["--max-failures", "-2"], "FailureConfig.max_failures=-2 is not allowed"),
@@ -470,9 +470,9 @@ def test_plan_prints_the_placement_without_starting_anything(tmp_path):
 
 
 def test_plan_refuses_bad_values_and_missing_hardware():
-    bad = jaxtrain("plan", "-n", "0")
+    bad = jaxtrain("plan", "-n", "-1")
     assert bad.returncode == 2
-    assert "ScalingConfig.num_workers=0" in bad.stderr
+    assert "ScalingConfig.num_workers=-1" in bad.stderr
     no_tpu = jaxtrain("plan", "-n", "4", "--use-tpu", "--topology", "4x4",
                       "--accelerator-type", "TPU-V6E", env={**os.environ, "JAXTRAIN_SIMULATE": "0"})
     assert no_tpu.returncode == 1

@@ -57,8 +57,8 @@ class ScalingConfig:
         label_selector: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
     ) -> None:
         owner = "ScalingConfig"
-        allowed = (f"it must be a whole number from 1 to {_core.MAX_WORKERS}, or 0 for local "
-                   "mode (the training function runs in the driver's process)")
+        allowed = (f"it must be a whole number >= 1 and at most {_core.MAX_WORKERS}, or 0 for "
+                   "local mode (the training function runs in the driver's process)")
         _expect(owner, "num_workers", num_workers, (int,), allowed)
         if num_workers < 0 or num_workers > _core.MAX_WORKERS:  # the core takes a C int
             raise ValueError(f"{owner}.num_workers={num_workers} is not allowed; {allowed}")

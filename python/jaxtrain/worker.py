@@ -221,6 +221,8 @@ def done_message(value) -> str:
     the limit when its pickle is larger than RETURN_VALUE_LIMIT."""
     import cloudpickle
 
+    if value is None:  # nothing returned: nothing to record (Result.return_value is None)
+        return "{}"
     try:
         data = cloudpickle.dumps(value)
     except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...

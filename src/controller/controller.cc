@@ -89,6 +89,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   struct RankState {
     bool registered = false;
     bool done = false;
+    bool refused = false;  // the controller closed its connection (a protocol error)
     std::string host;
     std::string coordinator;
   };
@@ -474,6 +475,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
 
   void ProtocolError(int rank, const std::string& what) {
     Fail({.rank = rank, .cause = FailureCause::kConnection, .message = "protocol error: " + what});
+    ranks[static_cast<size_t>(rank)].refused = true;
     port->Close(rank);
   }
 
@@ -585,8 +587,10 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     }
     const bool our_signal =
         (exit.signal == SIGTERM && sent_sigterm) || (exit.signal == SIGKILL && sent_sigkill);
+    // Not when the controller closed the connection itself: the exit (the worker's "controller
+    // lost") is then the protocol error's consequence.
     if (failure && failure->rank == rank && failure->cause == FailureCause::kConnection &&
-        !our_signal) {
+        !our_signal && !r.refused) {
       failure->cause = exit_failure.cause;
       failure->exit_code = exit_failure.exit_code;
       failure->signal = exit_failure.signal;
