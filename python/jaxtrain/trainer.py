@@ -152,9 +152,9 @@ class JaxTrainer:
         """
         private = storage.private_requested()
         # Chosen among every host listed, before label_selector narrows them to the workers'.
-        placement = validation.place(self.validation_config, "local" if
-                                     self.scaling_config.num_workers == 0
-                                     else _core.choose_launcher())
+        placement = validation.Placement() if self.validation_config is None else \
+            validation.place(self.validation_config, "local" if
+                             self.scaling_config.num_workers == 0 else _core.choose_launcher())
         with storage.private_files(private), _select_nodes_by_labels(self.scaling_config):
             return self._fit(private, placement)
 
