@@ -1,9 +1,9 @@
 """Where a Ray Train V2 validation runs: ValidationConfig(ray_remote_kwargs={...}) as jaxtrain
 maps it (num_cpus, num_gpus and memory the host must have; label_selector over a hostfile's
 labels) and ValidationConfig(host=...) (jaxtrain's). A real run on the ssh test hosts validates on
-a named host that runs no worker, and on one that cannot be reached (recorded, not fatal);
-refusals (an unknown host, more CPUs or GPUs than the host has, a Ray option that cannot apply)
-before anything starts."""
+a named host that runs no worker, on one that cannot be reached and on one with too few CPUs
+(recorded, not fatal); refusals (an unknown host, more CPUs or GPUs than the host has, a Ray
+option that cannot apply) before anything starts."""
 
 from __future__ import annotations
 
@@ -255,6 +255,8 @@ RAY_SCRIPT = textwrap.dedent("""\
             "num_cpus": 1, "num_gpus": 0}, host=sys.argv[1])),
         "down": fit("down", ValidationConfig(validate, ray_remote_kwargs={
             "label_selector": {"role": "down"}})),
+        "small": fit("small", ValidationConfig(validate, ray_remote_kwargs={
+            "num_cpus": 100000}, host=sys.argv[1])),
     }
     json.dump(out, open("out.json", "w"))
 """)
@@ -294,3 +296,8 @@ def test_a_validation_runs_on_the_named_host_and_an_unreachable_one_is_recorded(
         assert outcome["status"] == "failed"
         assert "the validation host host3 cannot be reached over ssh" in outcome["error"]
     assert "the validation of checkpoint_000001 failed (the run goes on" in proc.stderr
+    # host2's CPUs are known only there: the process checks them, and the validation fails.
+    record = json.loads((cwd / "runs" / "small" / "validation.json").read_text())["checkpoints"]
+    assert [o["status"] for o in record.values()] == ["failed", "failed"]
+    for outcome in record.values():
+        assert "ray_remote_kwargs['num_cpus']=100000 is more than host2 has (" in outcome["error"]
