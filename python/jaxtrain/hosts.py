@@ -342,6 +342,76 @@ def relay(argv: list[str]) -> int:
     return 255
 
 
+# --- one command on a host of the run, as the ssh launcher reaches it ---------------------------
+
+SSH_COMMAND_ENV = "JAXTRAIN_SSH_COMMAND"
+# What the ssh launcher gives ssh after the user's own options (src/launch/ssh_launcher.cc,
+# kSshOptions): never prompt, no terminal, notice a dead connection within about 15 s.
+_SSH_OPTIONS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o",
+                "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
+
+
+def ssh_argv(target: str, command: str) -> tuple[list[str], tuple[int, ...]]:
+    """The argv that runs the shell command `command` on `target` as the ssh launcher reaches
+    that host — JAXTRAIN_SSH_COMMAND (default ssh; on host 0 of a run started on every host, the
+    relay), the launcher's options, "--", the target — and the descriptors it must inherit (the
+    relay's agent key). ssh exits 255 when the host cannot be reached."""
+    ssh = os.environ.get(SSH_COMMAND_ENV, "").split() or ["ssh"]
+    fds = (int(os.environ[AGENT_KEY_FD_ENV]),) if os.environ.get(AGENT_KEY_FD_ENV) else ()
+    return [*ssh, *_SSH_OPTIONS, "--", target, command], fds
+
+
+@dataclass
+class RunHost:
+    """A host an ssh run lists: its ssh target, its hostfile labels, and what its description
+    says it has ("cpus", "gpus"; only what JAXTRAIN_HOSTS says)."""
+
+    target: str
+    labels: dict[str, str] = field(default_factory=dict)
+    has: dict[str, int] = field(default_factory=dict)
+
+
+def run_hosts() -> tuple[list[RunHost], str]:
+    """The hosts the ssh launcher would start this run's workers on, as listed (before
+    ScalingConfig.label_selector narrows them), and where they are listed: JAXTRAIN_HOSTFILE, else
+    JAXTRAIN_SSH_HOSTS, else JAXTRAIN_HOSTS (the launcher's order). ValueError when none is set
+    or the list cannot be read."""
+    path = os.environ.get("JAXTRAIN_HOSTFILE")
+    listed = os.environ.get("JAXTRAIN_SSH_HOSTS")
+    described = os.environ.get("JAXTRAIN_HOSTS")
+    if path:
+        source = f"JAXTRAIN_HOSTFILE={path}"
+        try:
+            with open(os.path.expanduser(path), encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"{source} cannot be read: {e.strerror}") from None
+        return [RunHost(host, labels) for _, host, labels in hostfile_labels(text, source)], source
+    if listed:
+        entries = [e.strip() for e in listed.split(",") if e.strip()]
+        return ([RunHost(e.rpartition(":")[0] if e.rpartition(":")[2].isdigit() else e)
+                 for e in entries], f"JAXTRAIN_SSH_HOSTS={listed}")
+    if described:
+        source = f"JAXTRAIN_HOSTS={described}"
+        try:
+            with open(os.path.expanduser(described), encoding="utf-8") as f:
+                entries = json.load(f)["hosts"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{source} cannot be read as a host description: {e}") from None
+        out = []
+        for entry in entries:
+            has = {}
+            if isinstance(entry.get("cpus"), int):
+                has["cpus"] = entry["cpus"]
+            gpus = entry.get("gpus")
+            if isinstance(gpus, (int, list)):
+                has["gpus"] = gpus if isinstance(gpus, int) else len(gpus)
+            out.append(RunHost(str(entry.get("name")), {}, has))
+        return out, source
+    raise ValueError("the run lists no ssh hosts: set JAXTRAIN_HOSTFILE, JAXTRAIN_SSH_HOSTS or "
+                     "JAXTRAIN_HOSTS (docs/hosts.md)")
+
+
 # --- a hostfile's labels: ScalingConfig.label_selector on ssh runs -------------------------------
 
 LABELS_WORD = "labels="

@@ -151,23 +151,27 @@ class JaxTrainer:
         meanwhile).
         """
         private = storage.private_requested()
+        # Chosen among every host listed, before label_selector narrows them to the workers'.
+        placement = validation.Placement() if self.validation_config is None else \
+            validation.place(self.validation_config, "local" if
+                             self.scaling_config.num_workers == 0 else _core.choose_launcher())
         with storage.private_files(private), _select_nodes_by_labels(self.scaling_config):
-            return self._fit(private)
+            return self._fit(private, placement)
 
-    def _fit(self, private: bool) -> Result:
+    def _fit(self, private: bool, placement: validation.Placement) -> Result:
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
         # Local mode: the function runs in this process, the controller's one process is a relay.
         local = local_mode.Driver() if self.scaling_config.num_workers == 0 else None
         try:
-            return self._fit_with(private, fn, local)
+            return self._fit_with(private, fn, local, placement)
         finally:
             if local is not None:
                 local.close()
 
-    def _fit_with(self, private: bool, fn: Callable[..., Any],
-                  local: local_mode.Driver | None) -> Result:
+    def _fit_with(self, private: bool, fn: Callable[..., Any], local: local_mode.Driver | None,
+                  placement: validation.Placement) -> Result:
         compilation_cache = _compilation_cache()  # refused before anything starts
         snapshot_budget = session.check_snapshot_budget()  # likewise
         in_memory = checkpoint_memory.check_switch()  # likewise
@@ -286,7 +290,7 @@ class JaxTrainer:
             memory_store=checkpoint_memory.store_path(run_dir)
             if in_memory == "1" and launcher == "local" else "",
         )
-        validator = _validator(self.validation_config, run_dir)
+        validator = _validator(self.validation_config, run_dir, placement)
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         sigterm = _SigtermAsException()
         try:
@@ -340,17 +344,11 @@ class JaxTrainer:
 
 
 
-def _validator(config: validation.ValidationConfig | None,
-               run_dir: str) -> validation.Validator | None:
+def _validator(config: validation.ValidationConfig | None, run_dir: str,
+               placement: validation.Placement) -> validation.Validator | None:
     """The driver's Validator of a run with a validation_config; a function that cannot be
-    pickled is refused before anything starts."""
-    if config is None:
-        return None
-    try:
-        return validation.Validator(config, run_dir)
-    except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
-        raise ValueError(f"ValidationConfig.fn={config.fn!r} cannot be sent to the validation "
-                         f"process: it cannot be pickled ({type(e).__name__}: {e})") from e
+    pickled, or a host that cannot see the run directory, is refused before anything starts."""
+    return None if config is None else validation.Validator(config, run_dir, placement)
 
 
 def _retain(run_dir: str, checkpoint_config) -> None:
