@@ -115,9 +115,11 @@ class WorkerClient {
   // Turns this process's SIGTERM into a preemption notice: the controller is told, and answers
   // "noted" (the process goes on; the group agrees on the notice, get_preemption_info()) or
   // "stop" (the SIGTERM was the group's stop: the process then ends by SIGTERM, as without a
-  // handler; also when no answer comes within 5 s). Needs WatchController(), which reads the
-  // answers. Errors: kInternal when the handler cannot be installed.
-  Status WatchPreemption();
+  // handler; also when no answer comes within 5 s). With `usr1_notice_s` >= 0, SIGUSR1 is a
+  // notice too (Slurm's --signal=USR1@<s> before the time limit), with a deadline that many
+  // seconds away (0: none named), and never ends the process. Needs WatchController(), which
+  // reads the answers. Errors: kInternal when a handler cannot be installed.
+  Status WatchPreemption(int usr1_notice_s = -1);
   // One get_preemption_info() call: "" while no preemption is agreed for this call, else the
   // agreement's JSON {"sync_call", "deadline_ms", "preempted_node_to_ranks"}. Every rank's call
   // number sync_call is the first to return it; a call made while the controller's query is
