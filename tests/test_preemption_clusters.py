@@ -8,6 +8,7 @@ undisturbed run's."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ WAIT_AT = 5  # the step at which attempt 0 waits for the notice
 # rank 0 writes "ready" (and runs TRIGGER, when not empty), and every rank calls
 # get_preemption_info() until the notice comes: the step at which it is seen does not depend on
 # when the cluster delivers it. On the notice, one just-in-time checkpoint; a periodic one every
-# 4 steps.
+# 4 steps. Each step takes $STEP_S seconds (default 0).
 TRAIN = '''
 import json, os, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -69,6 +70,7 @@ def train(config):
                     raise RuntimeError("no preemption notice came")
                 time.sleep(0.2)
                 info = train.get_preemption_info()
+        time.sleep(config["step_s"])
         due = (step + 1) % 4 == 0
         if info is not None and not saved_on_preemption:
             Path(config["out"], f"seen-{attempt}-{rank}").write_text(json.dumps(
@@ -87,7 +89,8 @@ def train(config):
 name, workers, wait_at, trigger = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 result = JaxTrainer(
     train,
-    train_loop_config={"out": os.path.abspath("."), "wait_at": wait_at, "trigger": trigger},
+    train_loop_config={"out": os.path.abspath("."), "wait_at": wait_at, "trigger": trigger,
+                       "step_s": float(os.environ.get("STEP_S", "0"))},
     scaling_config=ScalingConfig(num_workers=workers, placement_strategy="SPREAD"),
     run_config=RunConfig(name=name, storage_path=os.path.abspath("."),
                          failure_config=FailureConfig(max_failures=0)),
@@ -190,6 +193,67 @@ def test_the_time_limit_signal_is_a_notice_with_its_deadline(slurm_cluster, slur
     # The deadline is the sooner of the time limit's (100 s away) and preemption_grace_s (30).
     seen = json.loads((slurm_dir / "seen-0-0").read_text())
     assert started_ms < seen["deadline_ms"] < time.time() * 1000 + 30_000
+
+
+def test_sigusr1_is_a_notice_where_the_slurm_setting_is_given(tmp_path):
+    """The worker's side of the time limit signal without a cluster: local workers given
+    JAXTRAIN_SLURM_SIGNAL_S, rank 0 sending itself SIGUSR1."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXTRAIN_"))}
+    env.update(HOME=str(tmp_path), JAXTRAIN_LAUNCHER="local")
+    undisturbed = _undisturbed(tmp_path, env, 2)
+    proc = run_command([PY, "train.py", "usr1", "2", str(WAIT_AT), "kill -USR1 $PPID"],
+                       cwd=tmp_path, env={**env, "JAXTRAIN_SLURM_SIGNAL_S": "100"},
+                       capture_output=True, text=True, timeout=300)
+
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    failure = _check_preempted_run(tmp_path, "usr1", proc.stdout, undisturbed, 2,
+                                   "SIGUSR1 (Slurm time limit)")
+    assert failure["jit_step"] == WAIT_AT and failure["rank"] == 0, failure
+
+
+# A batch job that asks for its own requeue at step WAIT_AT of its first run, as a preemption with
+# PreemptMode=REQUEUE ends it, and resumes by name when Slurm runs it again.
+REQUEUE = """#!/bin/bash
+if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then trigger='scontrol requeue $SLURM_JOB_ID'; fi
+exec "$PYTHON" train.py requeued 2 WAIT_AT "${trigger:-}"
+""".replace("WAIT_AT", str(WAIT_AT))
+
+
+def test_a_requeued_batch_job_resumes_the_run_by_name(slurm_cluster, slurm_dir):
+    undisturbed = _undisturbed(slurm_dir, slurm_cluster.env(HOME=str(slurm_dir)), 2)
+    (slurm_dir / "job.sh").write_text(REQUEUE)
+    # Steps of 1 s: the first run cannot finish in the KillWait (5 s) that the requeue leaves it.
+    env = slurm_cluster.env(HOME=str(slurm_dir), PYTHON=PY, STEP_S="1")
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--requeue", "-N2", "-n2", "--open-mode=append",
+         f"--output={slurm_dir}/job.out", f"--chdir={slurm_dir}", str(slurm_dir / "job.sh")],
+        env=env, capture_output=True, text=True, check=True).stdout.strip()
+    deadline = time.monotonic() + 280
+    state = ""
+    while "JobState=COMPLETED" not in state and "JobState=FAILED" not in state:
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+        state = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                               text=True).stdout
+    out = (slurm_dir / "job.out").read_text()
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + out[-3000:]
+
+    run = json.loads((slurm_dir / "requeued" / "run.json").read_text())
+    attempts = run["attempts"]
+    # The requeue ended the first run's driver too; the second resumed from a committed checkpoint.
+    assert attempts[0]["status"] != "FINISHED" and attempts[-1]["status"] == "FINISHED", attempts
+    restored = json.loads(Path(attempts[-1]["restored_from"], "state.json").read_text())
+    rows = [json.loads(line)["metrics"]
+            for line in (slurm_dir / "requeued" / "result.jsonl").read_text().splitlines()]
+    # The rerun went on from the step after its checkpoint's (the periodic one of step 3, or one
+    # committed between the notice the workers got and the driver's end), nothing before it
+    # redone.
+    assert 3 <= restored["step"] < 11, (restored, rows)
+    resumed = [r["step"] for r in rows[len(rows) - (11 - restored["step"]):]]
+    assert resumed == list(range(restored["step"] + 1, 12)), (restored, rows)
+    assert rows[len(rows) - len(resumed) - 1]["step"] >= restored["step"], rows
+    assert _final(out)["state"] == pytest.approx(undisturbed["state"], rel=1e-12)
 
 
 # --- Kubernetes ------------------------------------------------------------------------------
