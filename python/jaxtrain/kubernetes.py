@@ -42,6 +42,10 @@ _JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 _JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 _COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 _DEFAULT_PENDING_TIMEOUT_S = 300.0
+# What a worker pod's terminationGracePeriodSeconds gives beyond FailureConfig.preemption_grace_s:
+# a deleted or drained pod's workers save their just-in-time checkpoint before the kubelet's
+# SIGKILL, and its upload and commit have this long after the notice's deadline.
+_TERMINATION_GRACE_MARGIN_S = 15
 _TEARDOWN_TIMEOUT_S = 60.0
 _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
                  "CreateContainerConfigError", "CreateContainerError")
@@ -321,12 +325,28 @@ def with_node_labels(template: dict | None,
     return pod
 
 
+def with_termination_grace(template: dict | None, preemption_grace_s: float) -> dict:
+    """`template` with the worker pods' terminationGracePeriodSeconds, unless it names its own:
+    a deleted pod's SIGTERM is a preemption notice (docs/preemption.md), and the pod must outlive
+    the notice's deadline by a margin for the just-in-time checkpoint to be committed."""
+    pod = dict(template or {})
+    spec = dict(pod.get("spec") or {})
+    if "terminationGracePeriodSeconds" not in spec:
+        spec["terminationGracePeriodSeconds"] = (int(-(-preemption_grace_s // 1))
+                                                 + _TERMINATION_GRACE_MARGIN_S)
+    pod["spec"] = spec
+    return pod
+
+
 def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = True,
-                   node_labels: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> dict:
+                   node_labels: dict[str, tuple[str, tuple[str, ...]]] | None = None,
+                   preemption_grace_s: float = 30.0) -> dict:
     """What the Kubernetes launcher needs for a run, after checking that it can be done. Without
     `needs_run_dir` (the workers upload their checkpoints to object storage themselves) the run
     directory need not be on a volume the worker pods mount. `node_labels`
-    (ScalingConfig.node_labels()) select the nodes of the worker pods (with_node_labels)."""
+    (ScalingConfig.node_labels()) select the nodes of the worker pods (with_node_labels);
+    `preemption_grace_s` (FailureConfig's) sets their terminationGracePeriodSeconds
+    (with_termination_grace)."""
     api = Api()
     api.check_reachable()
     namespace = api.namespace()
@@ -352,6 +372,7 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
             "driver's pod or in JAXTRAIN_K8S_POD_TEMPLATE, or use s3:// or gs:// storage, "
             "which the worker pods write to themselves"
         )
+    template = with_termination_grace(template, preemption_grace_s)
     owner = None
     if pod is not None:
         # The run's objects go with the driver's pod: nothing is left if the pod is deleted.

@@ -203,7 +203,8 @@ class JaxTrainer:
             # Refused before the cluster is asked for anything (docs/kubernetes.md).
             launcher_options = json.dumps(kubernetes.launch_options(
                 self.run_config.name, run_dir, needs_run_dir=store is None,
-                node_labels=self.scaling_config.node_labels()))
+                node_labels=self.scaling_config.node_labels(),
+                preemption_grace_s=self.run_config.failure_config.preemption_grace_s))
         elif launcher == "ssh":
             plan = _core.plan_ssh(self.scaling_config._core)
             spans_hosts = _plan_spans_hosts(plan)

@@ -481,6 +481,14 @@ def _restore_point(path: str | None, memory, rank: int, attempt: int,
 
 
 def main() -> None:
+    # Under the Slurm launcher SIGUSR1 is a notice: Slurm's --signal=USR1@<s> before the time
+    # limit (JAXTRAIN_SLURM_SIGNAL_S, which the launcher sets for its steps). It may come while
+    # the worker starts (Slurm sends it up to 60 s early): held until watch_preemption() takes
+    # it, then raised again.
+    usr1_notice_s = os.environ.get("JAXTRAIN_SLURM_SIGNAL_S", "")
+    early_usr1: list[int] = []
+    if usr1_notice_s.isdigit():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: early_usr1.append(signum))
     standby = os.environ.get("JAXTRAIN_STANDBY") == "1"
     relay = LOCAL_MODE_SOCKET_ENV in os.environ
     secret = _await_activation(import_ahead=not relay) if standby else _take_secret()
@@ -572,7 +580,9 @@ def main() -> None:
         # rank through the controller, get_preemption_info()); the group's own stop still ends
         # the process at once (docs/preemption.md).
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        client.watch_preemption()
+        client.watch_preemption(int(usr1_notice_s) if usr1_notice_s.isdigit() else -1)
+        if early_usr1:
+            os.kill(os.getpid(), signal.SIGUSR1)
         # On GCE and TPU VMs, one rank per host also watches the metadata server's notices.
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
             from jaxtrain import gce_metadata

@@ -421,7 +421,7 @@ class PyWorkerClient {
     Check(s);
   }
   void WatchController(int exit_code) { client_->WatchController(exit_code); }
-  void WatchPreemption() { Check(client_->WatchPreemption()); }
+  void WatchPreemption(int usr1_notice_s) { Check(client_->WatchPreemption(usr1_notice_s)); }
   void SendPreemptionNotice(std::string_view source, uint64_t deadline_ms) {
     Status s;
     {
@@ -880,7 +880,7 @@ NB_MODULE(_core, m) {
       .def("send_error", &PyWorkerClient::SendError, "json"_a)
       .def("send_done", &PyWorkerClient::SendDone, "json"_a)
       .def("watch_controller", &PyWorkerClient::WatchController, "exit_code"_a)
-      .def("watch_preemption", &PyWorkerClient::WatchPreemption)
+      .def("watch_preemption", &PyWorkerClient::WatchPreemption, nb::arg("usr1_notice_s") = -1)
       .def("send_preemption_notice", &PyWorkerClient::SendPreemptionNotice, "source"_a,
            "deadline_ms"_a)
       .def("preemption_call", &PyWorkerClient::PreemptionCall)

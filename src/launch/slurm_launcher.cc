@@ -234,6 +234,7 @@ std::vector<std::string> SlurmShape::SrunArgs() const {
 std::vector<std::string> SlurmShape::SallocArgs() const {
   std::vector<std::string> args = SrunArgs();
   if (spread) args.back() = "--spread-job";
+  if (signal_s > 0) args.push_back("--signal=USR1@" + std::to_string(signal_s));
   return args;
 }
 
@@ -303,6 +304,16 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
   if (per_node) shape.tasks_per_node = per_node;
   if (IsTrue(env.GetEnv(kSlurmExclusiveEnv))) shape.exclusive = true;
   if (auto constraint = env.GetEnv(kSlurmConstraintEnv)) shape.constraint = *constraint;
+  shape.signal_s = kDefaultSlurmSignalS;
+  if (auto signal_s = env.GetEnv(kSlurmSignalEnv); signal_s && !signal_s->empty()) {
+    auto v = ParseWhole(*signal_s);
+    if (!v || *v > 65535) {
+      return InvalidArgumentError(std::string(kSlurmSignalEnv) + "='" + *signal_s +
+                                  "' is not allowed; it must be a whole number of seconds from 0 "
+                                  "(no signal before the time limit) to 65535");
+    }
+    shape.signal_s = *v;
+  }
   if (shape.nodes && *shape.nodes > n) {
     return InvalidArgumentError(std::string(kSlurmNodesEnv) + "=" + std::to_string(*shape.nodes) +
                                 " is more nodes than ScalingConfig.num_workers=" +
@@ -566,6 +577,8 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   for (const auto& name : group.unset_env) env.erase(name);
   for (const auto& name : kPerRankEnv) env.erase(name);
   for (const auto& [k, v] : group.env) env[k] = v;
+  // The tasks take SIGUSR1 as the time limit's notice, due in this many seconds.
+  env[kSlurmSignalEnv] = std::to_string(options_.shape.signal_s);
   // The secret goes to srun's stdin, which srun hands to every task (--input=all) as their
   // stdin: never in an environment (/proc/PID/environ) or a command line.
   int secret_fd = -1;

@@ -51,6 +51,11 @@ inline constexpr char kSlurmExclusiveEnv[] = "JAXTRAIN_SLURM_EXCLUSIVE";
 // Node features the allocation and its steps need (--constraint): the user's, ANDed by the Python
 // layer with ScalingConfig.label_selector's (docs/slurm.md).
 inline constexpr char kSlurmConstraintEnv[] = "JAXTRAIN_SLURM_CONSTRAINT";
+// How many seconds before the time limit Slurm sends the workers SIGUSR1, a preemption notice
+// with that deadline (docs/slurm.md): jaxtrain's own allocations ask for --signal=USR1@<s>, and
+// the steps' tasks get the setting (0: no signal is asked for).
+inline constexpr char kSlurmSignalEnv[] = "JAXTRAIN_SLURM_SIGNAL_S";
+inline constexpr int kDefaultSlurmSignalS = 90;
 
 // "local", "slurm", "ssh" or "kubernetes": JAXTRAIN_LAUNCHER when set to one of them; otherwise
 // ("auto" or unset) "ssh" when JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTFILE lists hosts
@@ -69,6 +74,7 @@ struct SlurmShape {
   bool exclusive = false;             // --exclusive (whole nodes)
   std::string constraint;             // --constraint: node features (empty: not passed)
   bool spread = false;                // steps: --distribution=cyclic; allocations: --spread-job
+  int signal_s = 0;                   // allocations: --signal=USR1@<signal_s> (0: not passed)
 
   std::vector<std::string> SrunArgs() const;
   std::vector<std::string> SallocArgs() const;
@@ -76,9 +82,11 @@ struct SlurmShape {
 };
 
 // ScalingConfig -> SlurmShape, with JAXTRAIN_SLURM_NODES, _TASKS_PER_NODE and _EXCLUSIVE from
-// `env` overriding what the ScalingConfig implies, and JAXTRAIN_SLURM_CONSTRAINT's features.
+// `env` overriding what the ScalingConfig implies, JAXTRAIN_SLURM_CONSTRAINT's features and
+// JAXTRAIN_SLURM_SIGNAL_S (default kDefaultSlurmSignalS).
 // Errors: kInvalidArgument naming the field or setting: a fractional GPU count, a setting that is
-// not a whole number >= 1, nodes x tasks per node != num_workers.
+// not a whole number >= 1 (JAXTRAIN_SLURM_SIGNAL_S: 0 to 65535), nodes x tasks per node !=
+// num_workers.
 StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
                                    const accelerators::HostView& env);
 

@@ -60,8 +60,29 @@ TEST(SlurmShapeTest, CpuWorkersAreTasksOfOneCpuEach) {
   auto shape = SlurmShapeFor(Config({.num_workers = 4}), host);
   ASSERT_TRUE(shape.ok()) << shape.status().ToString();
   EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1"}));
-  EXPECT_EQ(shape->SallocArgs(), shape->SrunArgs());
+  EXPECT_EQ(shape->SallocArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1", "--signal=USR1@90"}));
   EXPECT_EQ(shape->Describe(), "4 tasks, 1 CPU each");
+}
+
+TEST(SlurmShapeTest, TheTimeLimitSignalIsAskedForByAllocationsOnly) {
+  accelerators::FakeHost host;
+  host.env[kSlurmSignalEnv] = "120";
+  auto shape = SlurmShapeFor(Config({.num_workers = 2}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->signal_s, 120);
+  EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=2", "--cpus-per-task=1"}));
+  EXPECT_EQ(shape->SallocArgs(), (Strings{"--ntasks=2", "--cpus-per-task=1", "--signal=USR1@120"}));
+  host.env[kSlurmSignalEnv] = "0";
+  EXPECT_EQ(SlurmShapeFor(Config({.num_workers = 2}), host)->SallocArgs(),
+            (Strings{"--ntasks=2", "--cpus-per-task=1"}));
+  for (const char* bad : {"-1", "1.5", "65536", "soon"}) {
+    host.env[kSlurmSignalEnv] = bad;
+    auto refused = SlurmShapeFor(Config({.num_workers = 2}), host);
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(
+        Contains(refused.status().message(), std::string("JAXTRAIN_SLURM_SIGNAL_S='") + bad + "'"))
+        << refused.status().message();
+  }
 }
 
 TEST(SlurmShapeTest, PlacementStrategiesBecomeNodeCountsAndDistributions) {
@@ -69,7 +90,8 @@ TEST(SlurmShapeTest, PlacementStrategiesBecomeNodeCountsAndDistributions) {
   auto spread = SlurmShapeFor(Config({.num_workers = 4, .placement_strategy = "SPREAD"}), host);
   EXPECT_EQ(spread->SrunArgs(),
             (Strings{"--ntasks=4", "--cpus-per-task=1", "--distribution=cyclic"}));
-  EXPECT_EQ(spread->SallocArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1", "--spread-job"}));
+  EXPECT_EQ(spread->SallocArgs(),
+            (Strings{"--ntasks=4", "--cpus-per-task=1", "--spread-job", "--signal=USR1@90"}));
   auto strict_spread =
       SlurmShapeFor(Config({.num_workers = 3, .placement_strategy = "STRICT_SPREAD"}), host);
   EXPECT_EQ(strict_spread->SrunArgs(),
@@ -103,8 +125,9 @@ TEST(SlurmShapeTest, NodeFeaturesConstrainTheAllocationAndEveryStep) {
   ASSERT_TRUE(shape.ok()) << shape.status().ToString();
   EXPECT_EQ(shape->SrunArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1",
                                         "--constraint=h100&(ib|roce)", "--distribution=cyclic"}));
-  EXPECT_EQ(shape->SallocArgs(), (Strings{"--ntasks=4", "--cpus-per-task=1",
-                                          "--constraint=h100&(ib|roce)", "--spread-job"}));
+  EXPECT_EQ(shape->SallocArgs(),
+            (Strings{"--ntasks=4", "--cpus-per-task=1", "--constraint=h100&(ib|roce)",
+                     "--spread-job", "--signal=USR1@90"}));
   EXPECT_EQ(shape->Describe(), "4 tasks, 1 CPU each, nodes with h100&(ib|roce)");
   host.env[kSlurmConstraintEnv] = "";
   EXPECT_EQ(SlurmShapeFor(Config({.num_workers = 4}), host)->SrunArgs(),

@@ -21,12 +21,13 @@
 namespace jaxtrain::worker {
 namespace {
 
-// The SIGTERM handler's way out: one byte down this pipe to the notice thread.
+// The SIGTERM and SIGUSR1 handler's way out: one byte down this pipe to the notice thread ('T'
+// or 'U').
 int notice_pipe[2] = {-1, -1};
 
-void OnSigterm(int) {
+void OnSigterm(int sig) {
   const int saved = errno;
-  const char byte = 'T';
+  const char byte = sig == SIGUSR1 ? 'U' : 'T';
   if (notice_pipe[1] >= 0) [[maybe_unused]]
     ssize_t n = write(notice_pipe[1], &byte, 1);
   errno = saved;
@@ -386,7 +387,7 @@ void WorkerClient::Stop() {
   }
 }
 
-Status WorkerClient::WatchPreemption() {
+Status WorkerClient::WatchPreemption(int usr1_notice_s) {
   if (notice_thread_.joinable()) return OkStatus();
   if (pipe2(notice_pipe, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
   fcntl(notice_pipe[1], F_SETFL, O_NONBLOCK);  // a handler never blocks
@@ -395,25 +396,37 @@ Status WorkerClient::WatchPreemption() {
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
   if (sigaction(SIGTERM, &action, nullptr) != 0) return ErrnoError("sigaction SIGTERM", errno);
-  notice_thread_ = std::thread([this] {
+  if (usr1_notice_s >= 0 && sigaction(SIGUSR1, &action, nullptr) != 0) {
+    return ErrnoError("sigaction SIGUSR1", errno);
+  }
+  notice_thread_ = std::thread([this, usr1_notice_s] {
     char byte;
     for (;;) {
       ssize_t n = read(notice_pipe[0], &byte, 1);
       if (n < 0 && errno == EINTR) continue;
       if (n != 1) return;  // Stop() closed the pipe
+      nlohmann::json notice = {{"source", "SIGTERM"}};
+      if (byte == 'U') {  // Slurm's --signal=USR1@<s>: the time limit comes in that many seconds
+        notice["source"] = "SIGUSR1 (Slurm time limit)";
+        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::system_clock::now().time_since_epoch());
+        if (usr1_notice_s > 0) notice["deadline_ms"] = now.count() + usr1_notice_s * int64_t{1000};
+      }
       {
         MutexLock lock(settle_mu_);
         notice_reply_.clear();
+        notice_source_ = notice["source"].get<std::string>();
       }
       bool noted = false;
-      if (Send(wire::MessageType::kPreemption, R"({"source":"SIGTERM"})").ok()) {
+      if (Send(wire::MessageType::kPreemption, notice.dump()).ok()) {
         MutexLock lock(settle_mu_);
         settle_cv_.WaitFor(settle_mu_, kNoticeAnswerTimeout, [this]() REQUIRES(settle_mu_) {
           return !notice_reply_.empty() || lost_;
         });
         noted = notice_reply_ == "noted";
       }
-      if (!noted) EndBySigterm();
+      // A SIGUSR1 while the group stops itself is not its end: the stop's SIGTERM comes.
+      if (!noted && byte == 'T') EndBySigterm();
     }
   });
   return OkStatus();
@@ -453,8 +466,8 @@ void WorkerClient::OnPreemptionReply(const std::string& body) {
     query_pending_ = false;
     sync_call_ = j.value("sync_call", uint64_t{0});
     agreement_ = body;
-  } else if ((kind == "noted" || kind == "stop") && j.value("source", "") == "SIGTERM") {
-    notice_reply_ = kind;  // the answer to the SIGTERM's notice, not to another source's
+  } else if ((kind == "noted" || kind == "stop") && j.value("source", "") == notice_source_) {
+    notice_reply_ = kind;  // the answer to the signal's notice, not to another source's
   }
   settle_cv_.NotifyAll();
 }

@@ -115,9 +115,11 @@ class WorkerClient {
   // Turns this process's SIGTERM into a preemption notice: the controller is told, and answers
   // "noted" (the process goes on; the group agrees on the notice, get_preemption_info()) or
   // "stop" (the SIGTERM was the group's stop: the process then ends by SIGTERM, as without a
-  // handler; also when no answer comes within 5 s). Needs WatchController(), which reads the
-  // answers. Errors: kInternal when the handler cannot be installed.
-  Status WatchPreemption();
+  // handler; also when no answer comes within 5 s). With `usr1_notice_s` >= 0, SIGUSR1 is a
+  // notice too (Slurm's --signal=USR1@<s> before the time limit), with a deadline that many
+  // seconds away (0: none named), and never ends the process. Needs WatchController(), which
+  // reads the answers. Errors: kInternal when a handler cannot be installed.
+  Status WatchPreemption(int usr1_notice_s = -1);
   // Tells the controller of a notice this host received some other way than by SIGTERM (the GCE
   // metadata server, ...): `source` names it, `deadline_ms` (UNIX ms, 0 = none) is when the host
   // goes; the controller takes the earlier of it and its grace. Its answer needs no action: the
@@ -165,7 +167,8 @@ class WorkerClient {
   bool agreed_ GUARDED_BY(settle_mu_) = false;
   uint64_t sync_call_ GUARDED_BY(settle_mu_) = 0;
   std::string agreement_ GUARDED_BY(settle_mu_);
-  std::string notice_reply_ GUARDED_BY(settle_mu_);  // "noted" or "stop"; "" while waiting
+  std::string notice_reply_ GUARDED_BY(settle_mu_);   // "noted" or "stop"; "" while waiting
+  std::string notice_source_ GUARDED_BY(settle_mu_);  // the signal's notice being answered
   // The last collective release the watcher read (under the same mutex as the notices).
   std::optional<StatusOr<wire::Collective>> release_ GUARDED_BY(settle_mu_);
   std::string release_body_ GUARDED_BY(settle_mu_);  // what release_'s data points into
