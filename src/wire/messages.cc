@@ -278,10 +278,16 @@ struct Encoder {
     if (d.return_value) j["return_value"] = ToHex(*d.return_value);
     return Dump(j);
   }
+  // Every field that is set, so that what was decoded is encoded whole (a deadline without a
+  // source included: the decoder takes it, and so it must survive a second pass).
   StatusOr<std::string> operator()(const Preemption& p) const {
-    if (p.source.empty()) return Dump({{"calls", p.calls}, {"rounds", p.rounds}});
-    json j = {{"source", p.source}};
+    json j = json::object();
+    if (!p.source.empty()) j["source"] = p.source;
     if (p.deadline_ms != 0) j["deadline_ms"] = p.deadline_ms;
+    if (p.source.empty() || p.calls != 0 || p.rounds != 0) {
+      j["calls"] = p.calls;
+      j["rounds"] = p.rounds;
+    }
     return Dump(j);
   }
   StatusOr<std::string> operator()(const Collective& c) const {

@@ -322,6 +322,8 @@ TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgai
       {MessageType::kPreemption, R"({"source":"SIGTERM"})"},
       {MessageType::kPreemption, R"({"source":"metadata","deadline_ms":1764000000000})"},
       {MessageType::kPreemption, R"({"calls":0,"rounds":12})"},
+      {MessageType::kPreemption, R"({"deadline_ms":17})"},
+      {MessageType::kPreemption, R"({"source":"SIGTERM","calls":2})"},
       {MessageType::kCollective, EncodeCollectiveBody(1, 1, "")},
       {MessageType::kCollective, EncodeCollectiveBody(7, 2, std::string("\0pickled\xff", 9))},
   };
