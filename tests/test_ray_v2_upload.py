@@ -176,6 +176,10 @@ def train_func_bad_input(config):
     except ValueError as e:
         messages.append(f"ValueError: {e}")
     Path(config["out"], f"messages{rank}.json").write_text(json.dumps(messages))
+    # Every rank's messages are written before either rank's failing report below ends the run.
+    from jaxtrain.collective import barrier
+
+    barrier()
     # Nothing refused counted a round: the next report is every rank's first.
     ray.train.report({"ok": 1})
     # An upload function that returns no Checkpoint fails the run, naming it (Ray: ValueError).
