@@ -102,6 +102,10 @@ def plan_slurm(scaling_config: ScalingConfig) -> Plan:
 
 MAX_WORKERS: int = 100000
 
+SSH_OPTIONS: tuple = ...
+
+SSH_FORWARDED_ENV_PREFIXES: tuple = ('JAX_', 'XLA_', 'LIBTPU_', 'NCCL_', 'TF_CPP_')
+
 MAX_BROADCAST_BYTES: int = 1048576
 
 def check_local_workers(scaling_config: ScalingConfig) -> None:

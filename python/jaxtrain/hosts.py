@@ -345,10 +345,6 @@ def relay(argv: list[str]) -> int:
 # --- one command on a host of the run, as the ssh launcher reaches it ---------------------------
 
 SSH_COMMAND_ENV = "JAXTRAIN_SSH_COMMAND"
-# What the ssh launcher gives ssh after the user's own options (src/launch/ssh_launcher.cc,
-# kSshOptions): never prompt, no terminal, notice a dead connection within about 15 s.
-_SSH_OPTIONS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o",
-                "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
 
 
 def ssh_argv(target: str, command: str) -> tuple[list[str], tuple[int, ...]]:
@@ -358,7 +354,9 @@ def ssh_argv(target: str, command: str) -> tuple[list[str], tuple[int, ...]]:
     relay's agent key). ssh exits 255 when the host cannot be reached."""
     ssh = os.environ.get(SSH_COMMAND_ENV, "").split() or ["ssh"]
     fds = (int(os.environ[AGENT_KEY_FD_ENV]),) if os.environ.get(AGENT_KEY_FD_ENV) else ()
-    return [*ssh, *_SSH_OPTIONS, "--", target, command], fds
+    from jaxtrain import _core
+
+    return [*ssh, *_core.SSH_OPTIONS, "--", target, command], fds
 
 
 @dataclass

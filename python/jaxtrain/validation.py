@@ -274,9 +274,6 @@ def wait_validated(run_dir: str) -> list[ReportedCheckpoint]:
 
 # --- where the validation runs -----------------------------------------------------------------
 
-# Driver variables passed to a validation on another host, besides those JAXTRAIN_SSH_ENV names,
-# as the ssh launcher passes them to its workers (src/launch/ssh_launcher.cc).
-_FORWARDED_PREFIXES = ("JAX_", "XLA_", "LIBTPU_", "NCCL_", "TF_CPP_")
 _NEEDS = {"num_cpus": ("cpus", "CPUs"), "num_gpus": ("gpus", "GPUs"), "memory": ("memory",
                                                                                 "bytes of memory")}
 
@@ -495,11 +492,11 @@ class Validator:
         if target is None:
             argv = [sys.executable, "-c", _PROGRAM]
         else:
-            from jaxtrain import hosts
+            from jaxtrain import _core, hosts
 
             named = [n.strip() for n in os.environ.get("JAXTRAIN_SSH_ENV", "").split(",")]
             header["env"] = {k: v for k, v in os.environ.items()
-                             if k.startswith(_FORWARDED_PREFIXES) or k in named}
+                             if k.startswith(_core.SSH_FORWARDED_ENV_PREFIXES) or k in named}
             argv, fds = hosts.ssh_argv(target, (
                 f"exec env PYTHONPATH={shlex.quote(python_path)} {shlex.quote(sys.executable)} "
                 f"-c {shlex.quote(_PROGRAM)}"))

@@ -688,6 +688,12 @@ NB_MODULE(_core, m) {
       "Plans for the Slurm launcher: one environment for every rank; Slurm places them.");
 
   m.attr("MAX_WORKERS") = config::kMaxWorkers;
+  m.attr("SSH_OPTIONS") = nb::tuple(nb::cast(launch::kSshOptions));
+  {
+    std::vector<std::string> prefixes(std::begin(launch::kForwardedPrefixes),
+                                      std::end(launch::kForwardedPrefixes));
+    m.attr("SSH_FORWARDED_ENV_PREFIXES") = nb::tuple(nb::cast(prefixes));
+  }
   m.attr("MAX_BROADCAST_BYTES") = wire::kMaxCollectiveData;
   m.def(
       "check_local_workers",

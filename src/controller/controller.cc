@@ -234,18 +234,6 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     BeginStop();
   }
 
-  static bool IsTrainingFailure(FailureCause cause) {
-    switch (cause) {
-      case FailureCause::kException:
-      case FailureCause::kExit:
-      case FailureCause::kSignal:
-      case FailureCause::kOom:
-      case FailureCause::kConnection:
-      case FailureCause::kWatchdog: return true;
-      default: return false;
-    }
-  }
-
   // A failure of the driver's own records (the run directory), blamed on no rank.
   // `why` is the error, whose code FailurePolicy decides from.
   static RankFailure StorageFailure(const Status& why, std::string message) {

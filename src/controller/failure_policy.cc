@@ -23,6 +23,23 @@ std::string_view FailureActionName(FailureDecision::Action action) {
   return action == FailureDecision::Action::kRetry ? "retry" : "raise";
 }
 
+bool IsTrainingFailure(FailureCause cause) {
+  switch (cause) {
+    case FailureCause::kException:
+    case FailureCause::kExit:
+    case FailureCause::kSignal:
+    case FailureCause::kOom:
+    case FailureCause::kConnection:
+    case FailureCause::kWatchdog: return true;
+    case FailureCause::kStartUp:
+    case FailureCause::kCheckpoint:
+    case FailureCause::kStorage:
+    case FailureCause::kDriver:
+    case FailureCause::kPreemption: return false;
+  }
+  return false;
+}
+
 bool IsTransientStorageError(StatusCode code) {
   return code == StatusCode::kResourceExhausted || code == StatusCode::kUnavailable;
 }
@@ -65,7 +82,7 @@ FailureDecision FailurePolicy::Decide(FailureCause cause, StatusCode code) {
     case FailureCause::kSignal:
     case FailureCause::kOom:
     case FailureCause::kConnection:
-    case FailureCause::kWatchdog: break;
+    case FailureCause::kWatchdog: break;  // IsTrainingFailure(cause)
   }
   return Count(failures_, max_failures_, "FailureConfig.max_failures");
 }

@@ -60,6 +60,10 @@ struct FailureDecision {
 
 std::string_view FailureActionName(FailureDecision::Action action);  // "retry", "raise"
 
+// True for the causes that FailureConfig.max_failures counts: the training function raised or
+// its process ended, was killed, lost its connection or made no progress.
+bool IsTrainingFailure(FailureCause cause);
+
 // True for the codes of storage errors that may pass: kResourceExhausted, kUnavailable.
 bool IsTransientStorageError(StatusCode code);
 

@@ -99,5 +99,17 @@ TEST(FailurePolicyTest, EveryCauseHasItsRunJsonName) {
   EXPECT_EQ(FailureActionName(Action::kRetry), "retry");
 }
 
+TEST(FailurePolicyTest, PreemptionsCountAgainstTheirOwnBudgetOnly) {
+  FailurePolicy p(/*max_failures=*/0, /*max_start_failures=*/0, FailurePolicy::kMaxStorageFailures,
+                  /*max_preemptions=*/1);
+  EXPECT_TRUE(p.Decide(FailureCause::kPreemption).retry());
+  EXPECT_EQ(p.failures(), 0);
+  EXPECT_EQ(p.Decide(FailureCause::kPreemption).reason,
+            "failure 2, over the 1 restarts that FailureConfig.max_preemption_failures allows");
+  EXPECT_TRUE(IsTrainingFailure(FailureCause::kWatchdog));
+  EXPECT_FALSE(IsTrainingFailure(FailureCause::kPreemption));
+  EXPECT_FALSE(IsTrainingFailure(FailureCause::kStartUp));
+}
+
 }  // namespace
 }  // namespace jaxtrain::controller

@@ -95,24 +95,6 @@ os._exit(rc)
 constexpr int kProbeNoPython = 97;
 constexpr int kProbeNoCwd = 98;
 
-// Driver variables passed to every worker, besides those JAXTRAIN_SSH_ENV names: JAX's, XLA's
-// and the accelerator runtimes' own settings. Not TPU_*: those describe one host, and placement
-// computes them per rank. The rest of the environment is the host's login one.
-constexpr std::string_view kForwardedPrefixes[] = {"JAX_", "XLA_", "LIBTPU_", "NCCL_", "TF_CPP_"};
-
-// ssh options that make it fit to run a worker: never prompt, no terminal, notice a dead
-// connection within about 15 s. The user's own options (JAXTRAIN_SSH_COMMAND, ~/.ssh/config)
-// are read first, and ssh keeps the first value it reads for an option.
-const std::vector<std::string> kSshOptions = {"-T",
-                                              "-o",
-                                              "BatchMode=yes",
-                                              "-o",
-                                              "ConnectTimeout=10",
-                                              "-o",
-                                              "ServerAliveInterval=5",
-                                              "-o",
-                                              "ServerAliveCountMax=3"};
-
 std::vector<std::string> Split(std::string_view text, char sep) {
   std::vector<std::string> out;
   size_t start = 0;

@@ -43,6 +43,27 @@
 
 namespace jaxtrain::launch {
 
+// Driver variables passed to every worker, besides those JAXTRAIN_SSH_ENV names: JAX's, XLA's
+// and the accelerator runtimes' own settings. Not TPU_*: those describe one host, and placement
+// computes them per rank. The rest of the environment is the host's login one. Python's
+// validations on a host pass the same (_core.SSH_FORWARDED_ENV_PREFIXES).
+inline constexpr std::string_view kForwardedPrefixes[] = {"JAX_", "XLA_", "LIBTPU_", "NCCL_",
+                                                          "TF_CPP_"};
+
+// ssh options that make it fit to run a worker (and the driver's validations on a host,
+// python/jaxtrain/hosts.py, through _core.SSH_OPTIONS): never prompt, no terminal, notice a dead
+// connection within about 15 s. The user's own options (JAXTRAIN_SSH_COMMAND, ~/.ssh/config)
+// are read first, and ssh keeps the first value it reads for an option.
+inline const std::vector<std::string> kSshOptions = {"-T",
+                                                     "-o",
+                                                     "BatchMode=yes",
+                                                     "-o",
+                                                     "ConnectTimeout=10",
+                                                     "-o",
+                                                     "ServerAliveInterval=5",
+                                                     "-o",
+                                                     "ServerAliveCountMax=3"};
+
 // Settings (docs/hosts.md).
 inline constexpr char kSshHostsEnv[] = "JAXTRAIN_SSH_HOSTS";      // "h1,h2" or "h1:4,h2:4"
 inline constexpr char kHostfileEnv[] = "JAXTRAIN_HOSTFILE";       // "host slots=N" per line
