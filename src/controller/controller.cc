@@ -89,7 +89,8 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   struct RankState {
     bool registered = false;
     bool done = false;
-    bool refused = false;  // the controller closed its connection (a protocol error)
+    bool refused = false;      // the controller closed its connection (a protocol error)
+    uint64_t closed_turn = 0;  // the turn of the loop (Step()) that saw its connection close
     std::string host;
     std::string coordinator;
   };
@@ -139,6 +140,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   std::vector<launch::ProcessSpec> specs;
   std::shared_ptr<std::map<std::string, std::string>> shared_env;  // every spec's shared_env
   std::vector<RankFailure> failures;
+  uint64_t turn = 0;  // Step()s taken
   bool sent_sigterm = false;
   bool sent_sigkill = false;
   uint64_t oom_kills_before = 0;
@@ -286,6 +288,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   }
 
   void OnClosed(int rank) override {
+    ranks[static_cast<size_t>(rank)].closed_turn = turn;
     if (!ranks[static_cast<size_t>(rank)].done && phase != Phase::kStopping &&
         phase != Phase::kDraining) {
       Fail({.rank = rank,
@@ -615,14 +618,19 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     auto ours = [this](const launch::ExitStatus& e) {
       return (e.signal == SIGTERM && sent_sigterm) || (e.signal == SIGKILL && sent_sigkill);
     };
-    // srun reports the task that failed first first, and then those it killed for it: a better
-    // witness than the order in which one loop step saw several connections close.
+    // The task that failed first is blamed: of those whose connections closed, the one whose
+    // close was seen in the earliest turn of the loop; among those closing in one turn, the
+    // first that srun reports. srun's order alone is no witness: it may report the SIGKILLs of
+    // the rest of the step (--kill-on-bad-exit, or srun's answer to the stop's SIGTERM) before
+    // the failure that caused them, as the messages of several nodes race.
+    auto closed = [this](int rank) {
+      const uint64_t t = ranks[static_cast<size_t>(rank)].closed_turn;
+      return t == 0 ? UINT64_MAX : t;
+    };
     const std::pair<int, launch::TaskEnd>* first = nullptr;
     for (const auto& task : output.task_ends()) {
-      if (!task.second.exit.ok() && !ours(task.second.exit)) {
-        first = &task;
-        break;
-      }
+      if (task.second.exit.ok() || ours(task.second.exit)) continue;
+      if (!first || closed(task.first) < closed(first->first)) first = &task;
     }
     auto blame_first = [&](RankFailure& f) {
       const launch::TaskEnd& end = first->second;
@@ -753,6 +761,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   }
 
   bool Step() {
+    ++turn;
     if (TakeAbortRequest(/*counts=*/!failure && phase != Phase::kDraining)) BeginStop();
     if (!AnyUnreaped()) {
       if (!drain_deadline) drain_deadline = Now() + kDrainTime;

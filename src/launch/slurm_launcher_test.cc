@@ -296,12 +296,26 @@ TEST(AddressTowardsTest, IsTheSourceAddressOfTheRoute) {
 // ...), each line labelled "<task>: " with --label, all of its stdin given to every task
 // (--input=all); every task that fails is reported as srun reports it, and the first one's failure
 // kills the others (--kill-on-bad-exit); a SIGTERM, which the tasks get as well, does not stop it
-// from reporting. Its arguments go to $FAKE_SRUN_ARGS.
+// from reporting. Its arguments go to $FAKE_SRUN_ARGS. With $FAKE_SRUN_REMOTE set, the tasks are
+// as on other nodes: outside srun's process group, killed with SIGKILL when srun gets SIGTERM (as
+// srun's "forcing job termination"), and their ends reported last first, as the messages of
+// several nodes may race.
 constexpr char kFakeSrun[] = R"(#!/usr/bin/python3
 import os, signal, subprocess, sys, threading
 
-# Like srun, outlive a SIGTERM (the tasks get it too) to report how the tasks ended.
-signal.signal(signal.SIGTERM, lambda *_: None)
+remote = bool(os.environ.get("FAKE_SRUN_REMOTE"))
+tasks, running = {}, set()
+# Like srun, outlive a SIGTERM (the tasks get it too, or SIGKILL when remote) to report how the
+# tasks ended.
+def on_sigterm(*_):
+    for pid in running if remote else []:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # reaped, not yet discarded
+            pass
+
+
+signal.signal(signal.SIGTERM, on_sigterm)
 
 with open(os.environ["FAKE_SRUN_ARGS"], "w") as f:
     f.write("\n".join(sys.argv[1:]) + "\n")
@@ -326,7 +340,7 @@ def label(i, out):
             sys.stdout.flush()
 
 
-tasks, pumps = {}, []
+pumps = []
 for i in range(n):
     place = {"SLURM_PROCID": i, "SLURM_LOCALID": i, "SLURM_NODEID": 0, "JAXTRAIN_RANK": i,
              "JAXTRAIN_LOCAL_RANK": i, "JAXTRAIN_LOCAL_WORLD_SIZE": n, "JAXTRAIN_NODE_RANK": 0}
@@ -335,12 +349,13 @@ for i in range(n):
     os.write(w, stdin)
     os.close(w)
     p = subprocess.Popen(args, env=env, stdin=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+                         text=True, start_new_session=remote)
     os.close(r)
     tasks[p.pid] = (i, p)
+    running.add(p.pid)
     pumps.append(threading.Thread(target=label, args=(i, p.stdout)))
     pumps[-1].start()
-rc, running = 0, set(tasks)
+rc, ends = 0, []
 while running:
     pid, status = os.wait()
     running.discard(pid)
@@ -349,13 +364,14 @@ while running:
     if code == 0:
         continue
     what = f"Exited with exit code {code}" if code > 0 else signal.strsignal(-code)
-    with lock:
-        sys.stderr.write(f"srun: error: fakehost: task {i}: {what}\n")
-        sys.stderr.flush()
+    ends.append(f"srun: error: fakehost: task {i}: {what}\n")
     if rc == 0:
         rc = code if code > 0 else 128 - code
-        for other in running:
+        for other in [] if remote else running:  # remote: killed by the stop's SIGTERM
             os.kill(other, signal.SIGKILL)  # not Popen.kill(), which would reap it here
+with lock:
+    sys.stderr.writelines(ends[::-1] if remote else ends)
+    sys.stderr.flush()
 for t in pumps:
     t.join()
 sys.exit(rc)
@@ -541,6 +557,27 @@ TEST_F(ControllerOnSlurmTest, ATaskKilledIsBlamedAsSrunReportsItAndTheGroupResta
   std::string log = Log(1);
   EXPECT_TRUE(Contains(log, "srun: error: fakehost: task 1: Killed")) << log;
   EXPECT_FALSE(Contains(Log(0), "task 1: Killed")) << "srun's line goes to the rank it names";
+}
+
+// srun turns the controller's SIGTERM into SIGKILL for every task, and may report those kills
+// before the one that caused the stop: a rank still connected when the stop began was killed by
+// it, and the rank whose process ended first is blamed whatever srun's order.
+TEST_F(ControllerOnSlurmTest, ATaskKilledIsBlamedWhenSrunReportsTheKillItCausedFirst) {
+  controller::ControllerOptions o = ControllerOptions(2, {"crash"});
+  o.worker_env["FAKE_FAIL_RANK"] = "1";
+  setenv("FAKE_SRUN_REMOTE", "1", 1);
+  controller::Controller c(std::move(o), std::make_unique<SlurmLauncher>(Options()));
+  ASSERT_TRUE(c.Start().ok());
+  ASSERT_TRUE(c.Wait(std::chrono::seconds(30)));
+  unsetenv("FAKE_SRUN_REMOTE");
+  const controller::Outcome& out = c.outcome();
+  EXPECT_EQ(out.state, controller::Outcome::State::kFailed);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 1);
+  EXPECT_EQ(out.failure->message, "its process was killed by signal 9 (SIGKILL) on fakehost");
+  std::string console = ReadFile(console_path_);
+  ASSERT_NE(console.find("task 1: Killed"), std::string::npos) << console;
+  EXPECT_LT(console.find("task 0: Killed"), console.find("task 1: Killed")) << console;
 }
 
 }  // namespace
