@@ -643,8 +643,10 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       f.message = std::string("its process ") + (end.exit.signal ? "was " : "") +
                   end.exit.ToString() + " on " + end.node;
     };
+    // A connection that closed first is explained by its own task's end, not by a later one's
+    // (a node lost at once: its tasks unreported, the others killed when the step is cancelled).
     if (failure && failure->cause == FailureCause::kConnection) {
-      if (first) {
+      if (first && closed(first->first) <= closed(failure->rank)) {
         blame_first(*failure);
       } else if (!output.launcher_error().empty()) {
         failure->message += " (" + output.launcher_error() + ")";

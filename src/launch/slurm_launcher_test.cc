@@ -298,8 +298,8 @@ TEST(AddressTowardsTest, IsTheSourceAddressOfTheRoute) {
 // kills the others (--kill-on-bad-exit); a SIGTERM, which the tasks get as well, does not stop it
 // from reporting. Its arguments go to $FAKE_SRUN_ARGS. With $FAKE_SRUN_REMOTE set, the tasks are
 // as on other nodes: outside srun's process group, killed with SIGKILL when srun gets SIGTERM (as
-// srun's "forcing job termination"), and their ends reported last first, as the messages of
-// several nodes may race.
+// srun's "forcing job termination"), and their ends reported in the order of their task numbers,
+// whatever the order of the ends, as the messages of several nodes may race.
 constexpr char kFakeSrun[] = R"(#!/usr/bin/python3
 import os, signal, subprocess, sys, threading
 
@@ -364,13 +364,13 @@ while running:
     if code == 0:
         continue
     what = f"Exited with exit code {code}" if code > 0 else signal.strsignal(-code)
-    ends.append(f"srun: error: fakehost: task {i}: {what}\n")
+    ends.append((i, f"srun: error: fakehost: task {i}: {what}\n"))
     if rc == 0:
         rc = code if code > 0 else 128 - code
         for other in [] if remote else running:  # remote: killed by the stop's SIGTERM
             os.kill(other, signal.SIGKILL)  # not Popen.kill(), which would reap it here
 with lock:
-    sys.stderr.writelines(ends[::-1] if remote else ends)
+    sys.stderr.writelines(line for _, line in (sorted(ends) if remote else ends))
     sys.stderr.flush()
 for t in pumps:
     t.join()
