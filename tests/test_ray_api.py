@@ -42,12 +42,17 @@ def test_configs_are_dataclasses_compared_by_value_and_replaced_with_validation(
     assert dataclasses.replace(run, name="b").name == "b"
     assert dataclasses.asdict(FailureConfig(max_failures=-1)) == {
         "max_failures": -1, "controller_failure_limit": 3, "progress_timeout_s": None,
-        "max_preemption_failures": -1, "preemption_grace_s": 30.0}
+        "max_preemption_failures": -1, "preemption_grace_s": 30.0,
+        "unreachable_host_timeout_s": 300.0}
     # A replaced field is validated like a given one.
     with pytest.raises(ValueError, match=r"ScalingConfig.num_workers=-1"):
         dataclasses.replace(wider, num_workers=-1)
     with pytest.raises(ValueError, match=r"FailureConfig.max_failures=-2"):
         dataclasses.replace(FailureConfig(), max_failures=-2)
+    with pytest.raises(ValueError, match=r"FailureConfig.unreachable_host_timeout_s=-1.*>= 0"):
+        FailureConfig(unreachable_host_timeout_s=-1)
+    with pytest.raises(ValueError, match=r"FailureConfig.unreachable_host_timeout_s=.5m."):
+        FailureConfig(unreachable_host_timeout_s="5m")
 
 
 def test_run_config_takes_callbacks_and_a_worker_runtime_env(tmp_path):

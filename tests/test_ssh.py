@@ -244,6 +244,94 @@ def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_host
     assert workers_left(ssh_hosts, "host1") == []
 
 
+OUTAGE_RUN = '''
+import json, os, tempfile, time
+from pathlib import Path
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
+                      get_checkpoint, get_context, report)
+
+
+def train():
+    ctx = get_context()
+    mesh = Mesh(np.array(jax.devices()), ("workers",))
+    psum = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    start = 0
+    if (checkpoint := get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d:
+            start = json.loads(Path(d, "step.json").read_text())["i"] + 1
+    for i in range(start, 40):
+        # Every step waits for every rank, as training does: a rank cut off stops the others.
+        local = np.array([float(i)])
+        total = psum(jax.make_array_from_process_local_data(NamedSharding(mesh, P("workers")),
+                                                            local))
+        with tempfile.TemporaryDirectory() as d:
+            if ctx.get_world_rank() == 0:
+                Path(d, "step.json").write_text(json.dumps({"i": i}))
+            report({"i": i, "total": float(total), "attempt": ctx.get_attempt()},
+                   checkpoint=Checkpoint.from_directory(d) if ctx.get_world_rank() == 0 else None)
+        if i == 5 and ctx.get_attempt() == 0 and ctx.get_world_rank() == 0:
+            Path("ready").write_text("")
+        time.sleep(0.2 if ctx.get_attempt() == 0 else 0)
+
+
+result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+                    run_config=RunConfig(name="outage", storage_path=os.getcwd(),
+                                         failure_config=FailureConfig(max_failures=1))).fit()
+print("final", json.dumps(result.metrics))
+'''
+
+
+def test_a_restart_waits_for_a_host_whose_network_is_down_and_goes_on_once_it_is_back(
+        ssh_hosts, shared_dir):
+    """host2's network down mid-run: the attempt fails (ssh's keepalive), the restart waits for
+    host2 instead of failing the run at its first probe, and once the link is up again the run
+    resumes from its checkpoint and finishes; nothing of the first attempt is left on host2."""
+    (shared_dir / "driver.py").write_text(OUTAGE_RUN)
+    driver = start_driver([sys.executable, "driver.py"], cwd=shared_dir,
+                          env=ssh_hosts.env(HOME=str(shared_dir),
+                                            JAXTRAIN_SSH_HOSTS="host1,host2"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (shared_dir / "ready").exists() and driver.poll() is None:
+            assert time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.1)
+        with ssh_hosts.cut("host2"):
+            for line in driver.stderr:  # until the restart waits for host2
+                said.append(line)
+                if "for a host to come back" in line:
+                    break
+        out, err = driver.communicate(timeout=180)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    err = "".join(said) + err
+
+    assert driver.returncode == 0, err[-3000:]
+    assert re.search(r"jaxtrain: attempt 0 failed: rank 1 \(host host2\)", err), err[-3000:]
+    assert ("jaxtrain: waiting up to 300 s (FailureConfig.unreachable_host_timeout_s) for a host "
+            "to come back: cannot reach host host2 over ssh") in err, err[-3000:]
+    assert "jaxtrain: the hosts answer again after " in err, err[-3000:]
+    final = json.loads(out.split("final ", 1)[1])
+    assert final["i"] == 39 and final["attempt"] == 1
+    rounds = [json.loads(line) for line in (shared_dir / "outage" / "result.jsonl").open()]
+    resumed = [r["metrics"]["i"] for r in rounds if r["metrics"]["attempt"] == 1]
+    assert resumed[0] > 5, "the restart resumed from the checkpoint, not from the start"
+    state = json.loads((shared_dir / "outage" / "run.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["ERRORED", "FINISHED"]
+    # The first attempt's workers on host2 end once they learn that their connections are gone
+    # (TCP retransmissions after the outage: up to a minute or so).
+    deadline = time.monotonic() + 120
+    while (left := workers_left(ssh_hosts, "host2")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+
+
 @pytest.mark.parametrize(("host", "says"), [
     ("host3", "ssh: connect to host 198.19.13.13 port 22: Connection refused; check that it is "
               "up and runs sshd"),

@@ -283,13 +283,16 @@ class FailureConfig:
     node; docs/preemption.md) are not failures: they have their own budget,
     ``max_preemption_failures`` (-1, the default: without limit), and the group goes on after a
     notice for ``preemption_grace_s`` at most (or until a checkpoint reported after it is
-    committed) before it is stopped and restarted."""
+    committed) before it is stopped and restarted. A restart on ssh hosts waits up to
+    ``unreachable_host_timeout_s`` for a host it cannot reach (down, rebooting, its network cut),
+    probing it again with backoff, before that start fails (docs/hosts.md); 0 fails at once."""
 
     max_failures: int
     controller_failure_limit: int
     progress_timeout_s: float | None
     max_preemption_failures: int
     preemption_grace_s: float
+    unreachable_host_timeout_s: float
 
     def __init__(
         self,
@@ -298,6 +301,7 @@ class FailureConfig:
         progress_timeout_s: float | None = None,
         max_preemption_failures: int = -1,
         preemption_grace_s: float = 30.0,
+        unreachable_host_timeout_s: float = 300.0,
     ) -> None:
         owner = "FailureConfig"
         _expect(owner, "max_failures", max_failures, (int,), "use 0, a positive number, or -1")
@@ -310,18 +314,22 @@ class FailureConfig:
                 "use 0, a positive number, or -1")
         _expect(owner, "preemption_grace_s", preemption_grace_s, (int, float),
                 "give a number of seconds > 0")
+        _expect(owner, "unreachable_host_timeout_s", unreachable_host_timeout_s, (int, float),
+                "give a number of seconds >= 0")
         self._core = _core.FailureConfig(
             max_failures=max_failures,
             controller_failure_limit=controller_failure_limit,
             progress_timeout_s=None if progress_timeout_s is None else float(progress_timeout_s),
             max_preemption_failures=max_preemption_failures,
             preemption_grace_s=float(preemption_grace_s),
+            unreachable_host_timeout_s=float(unreachable_host_timeout_s),
         )
         self.max_failures = max_failures
         self.controller_failure_limit = controller_failure_limit
         self.progress_timeout_s = progress_timeout_s
         self.max_preemption_failures = max_preemption_failures
         self.preemption_grace_s = preemption_grace_s
+        self.unreachable_host_timeout_s = unreachable_host_timeout_s
 
     def _as_dict(self) -> dict:
         return {
@@ -330,6 +338,7 @@ class FailureConfig:
             "progress_timeout_s": self.progress_timeout_s,
             "max_preemption_failures": self.max_preemption_failures,
             "preemption_grace_s": self.preemption_grace_s,
+            "unreachable_host_timeout_s": self.unreachable_host_timeout_s,
         }
 
     def __repr__(self) -> str:

@@ -141,7 +141,9 @@ class PyController {
                int console_fd, std::string launcher,
                std::optional<config::ScalingConfig> scaling_config, bool status_line,
                std::string launcher_options_json, std::string memory_store)
-      : launcher_(std::move(launcher)), scaling_config_(std::move(scaling_config)) {
+      : launcher_(std::move(launcher)),
+        scaling_config_(std::move(scaling_config)),
+        host_wait_(Seconds(failure_config.unreachable_host_timeout_s())) {
     controller::ControllerOptions& o = options_;
     o.run_dir = std::move(run_dir);
     o.experiment_name = std::move(experiment_name);
@@ -277,7 +279,7 @@ class PyController {
   // Blocks for one `ssh -G` per rank until a host other than this one is found.
   void StartOnSsh() {
     const accelerators::HostView& env = accelerators::RealHost();
-    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env)};
+    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env), .host_wait = host_wait_};
     for (const auto& w : options_.plan.workers) lo.targets.push_back(w.host);
     std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
     if (host.empty()) {
@@ -309,6 +311,7 @@ class PyController {
 
   std::string launcher_;
   std::optional<config::ScalingConfig> scaling_config_;
+  Duration host_wait_;  // FailureConfig.unreachable_host_timeout_s, for the ssh launcher
   controller::ControllerOptions options_;  // until the controller is made
   std::unique_ptr<controller::Controller> controller_;
 };
@@ -519,16 +522,18 @@ NB_MODULE(_core, m) {
           "__init__",
           [](config::FailureConfig* self, int max_failures, int controller_failure_limit,
              std::optional<double> progress_timeout_s, int max_preemption_failures,
-             double preemption_grace_s) {
-            new (self) config::FailureConfig(Unwrap(
-                config::FailureConfig::Create({.max_failures = max_failures,
-                                               .controller_failure_limit = controller_failure_limit,
-                                               .progress_timeout_s = progress_timeout_s,
-                                               .max_preemption_failures = max_preemption_failures,
-                                               .preemption_grace_s = preemption_grace_s})));
+             double preemption_grace_s, double unreachable_host_timeout_s) {
+            new (self) config::FailureConfig(Unwrap(config::FailureConfig::Create(
+                {.max_failures = max_failures,
+                 .controller_failure_limit = controller_failure_limit,
+                 .progress_timeout_s = progress_timeout_s,
+                 .max_preemption_failures = max_preemption_failures,
+                 .preemption_grace_s = preemption_grace_s,
+                 .unreachable_host_timeout_s = unreachable_host_timeout_s})));
           },
           "max_failures"_a, "controller_failure_limit"_a, "progress_timeout_s"_a.none(),
-          "max_preemption_failures"_a = -1, "preemption_grace_s"_a = 30.0);
+          "max_preemption_failures"_a = -1, "preemption_grace_s"_a = 30.0,
+          "unreachable_host_timeout_s"_a = 300.0);
 
   m.def(
       "stage_directory",

@@ -97,6 +97,12 @@ StatusOr<FailureConfig> FailureConfig::Create(FailureConfigInput in) {
         "FailureConfig.preemption_grace_s=" + std::to_string(in.preemption_grace_s) +
         " is not allowed; give a number of seconds > 0");
   }
+  if (!(in.unreachable_host_timeout_s >= 0 && std::isfinite(in.unreachable_host_timeout_s))) {
+    return InvalidArgumentError("FailureConfig.unreachable_host_timeout_s=" +
+                                std::to_string(in.unreachable_host_timeout_s) +
+                                " is not allowed; give a number of seconds >= 0 (0: a restart "
+                                "fails at once when a host cannot be reached)");
+  }
   FailureConfig c;
   c.input_ = in;
   return c;

@@ -61,19 +61,23 @@ struct FailureConfigInput {
   int max_preemption_failures = -1;
   // How long a preempted group may go on after the notice when the notice names no deadline.
   double preemption_grace_s = 30;
+  // How long a restart waits for a host it cannot reach (ssh hosts: down, rebooting, its network
+  // cut), probing with backoff, before the start fails; 0: it fails at the first probe.
+  double unreachable_host_timeout_s = 300;
 };
 
 class FailureConfig {
  public:
   // Errors: kInvalidArgument for max_failures, controller_failure_limit or
-  // max_preemption_failures < -1, or a progress_timeout_s or preemption_grace_s that is not a
-  // positive number.
+  // max_preemption_failures < -1, a progress_timeout_s or preemption_grace_s that is not a
+  // positive number, or an unreachable_host_timeout_s that is negative or not finite.
   static StatusOr<FailureConfig> Create(FailureConfigInput input);
   int max_failures() const { return input_.max_failures; }
   int controller_failure_limit() const { return input_.controller_failure_limit; }
   std::optional<double> progress_timeout_s() const { return input_.progress_timeout_s; }
   int max_preemption_failures() const { return input_.max_preemption_failures; }
   double preemption_grace_s() const { return input_.preemption_grace_s; }
+  double unreachable_host_timeout_s() const { return input_.unreachable_host_timeout_s; }
 
  private:
   FailureConfigInput input_;

@@ -94,5 +94,17 @@ TEST(FailureConfigTest, PreemptionsHaveABudgetAndAGraceOfTheirOwn) {
   EXPECT_NE(grace.status().message().find("FailureConfig.preemption_grace_s=0"), std::string::npos);
 }
 
+TEST(FailureConfigTest, ARestartWaitsMinutesForAnUnreachableHostUnlessToldOtherwise) {
+  auto c = FailureConfig::Create({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->unreachable_host_timeout_s(), 300);
+  EXPECT_TRUE(FailureConfig::Create({.unreachable_host_timeout_s = 0}).ok());
+  auto negative = FailureConfig::Create({.unreachable_host_timeout_s = -1});
+  EXPECT_EQ(negative.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(negative.status().message().find("FailureConfig.unreachable_host_timeout_s=-1"),
+            std::string::npos);
+  EXPECT_NE(negative.status().message().find("give a number of seconds >= 0"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace jaxtrain::config

@@ -1,6 +1,13 @@
 #include "launch/launcher.h"
 
+#include "base/fd_io.h"
+
 namespace jaxtrain::launch {
+
+void Say(const std::string& line) {
+  // A stderr that cannot be written leaves nowhere to say so.
+  (void)WriteAll(2, "jaxtrain: " + line + "\n", "write");
+}
 
 std::map<std::string, std::string> ProcessSpec::Env() const {
   if (!shared_env) return env;

@@ -56,6 +56,10 @@ struct TaskEnd {
   ExitStatus exit;
 };
 
+// Says `line` on the driver's stderr, as "jaxtrain: <line>": what a launcher is waiting for
+// while Launch() blocks (an allocation, a host to come back).
+void Say(const std::string& line);
+
 class Launcher {
  public:
   virtual ~Launcher() = default;

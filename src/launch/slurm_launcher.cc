@@ -34,11 +34,6 @@ const std::set<std::string> kPerRankEnv = {"JAXTRAIN_RANK", "JAXTRAIN_LOCAL_RANK
 
 constexpr auto kReasonPollInterval = std::chrono::seconds(5);
 
-void Say(const std::string& line) {
-  // A stderr that cannot be written leaves nowhere to say so.
-  if (!WriteAll(2, "jaxtrain: " + line + "\n", "write").ok()) return;
-}
-
 std::vector<std::string> SplitLines(std::string_view text) {
   std::vector<std::string> out;
   size_t start = 0;

@@ -91,7 +91,8 @@ sys.stderr.flush()
 os._exit(rc)
 )PY";
 
-// Exit codes of the probe's remote command (ssh's own errors are 255).
+// Exit codes of the probe's remote command, and ssh's own for a connection that failed.
+constexpr int kSshFailed = 255;
 constexpr int kProbeNoPython = 97;
 constexpr int kProbeNoCwd = 98;
 
@@ -386,7 +387,18 @@ void SshLauncher::CloseInputs() {
   inputs_.clear();
 }
 
-Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
+// ssh's words for a host that is down, rebooting or cut off: one that may come back.
+bool MayComeBack(const std::string& said) {
+  for (const char* words : {"Connection timed out", "Connection refused", "No route to host",
+                            "Network is unreachable", "Connection reset", "Connection closed"}) {
+    if (said.find(words) != std::string::npos) return true;
+  }
+  return false;
+}
+
+Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable_later) {
+  *reachable_later = false;
+  bool only_unreachable = true;
   struct Probing {
     std::string target;
     Spawned p;
@@ -413,6 +425,7 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
                                (spawned.status().code() == StatusCode::kNotFound
                                     ? " (is OpenSSH's client installed and on PATH?)"
                                     : ""));
+      only_unreachable = false;
       break;
     }
     fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
@@ -460,7 +473,9 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
       continue;
     }
     ExitStatus exit = WaitForExit(p.p.pid);
-    if (exit.ok() || !error.ok()) continue;
+    if (exit.ok()) continue;
+    if (exit.exit_code != kSshFailed || !MayComeBack(p.output)) only_unreachable = false;
+    if (!error.ok()) continue;
     const ProcessSpec& spec = *hosts.at(p.target);
     if (exit.exit_code == kProbeNoPython) {
       error = UnavailableError("host " + p.target + " has no executable " + spec.argv.front() +
@@ -482,6 +497,7 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
   if (interrupted) {
     return CancelledError("the run is being stopped: the hosts were not probed to the end");
   }
+  *reachable_later = only_unreachable && (!error.ok() || !late.empty());
   if (!error.ok()) return error;
   if (!late.empty()) {
     std::string names;
@@ -493,6 +509,42 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs) {
         " s from host " + names + "; check that it is up and reachable from this host");
   }
   return OkStatus();
+}
+
+Status SshLauncher::WaitForHosts(const std::vector<ProcessSpec>& specs, Status failed) {
+  auto seconds = [](Duration d) {
+    return FormatNumber(std::round(std::chrono::duration<double>(d).count() * 10) / 10);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const auto give_up = start + options_.host_wait;
+  const std::string limit =
+      seconds(options_.host_wait) + " s (FailureConfig.unreachable_host_timeout_s)";
+  Say("waiting up to " + limit + " for a host to come back: " + failed.message());
+  Duration retry = options_.first_retry;
+  bool reachable_later = true;
+  while (reachable_later) {
+    const auto now = std::chrono::steady_clock::now();
+    const std::string waited = seconds(now - start);
+    if (now >= give_up) {
+      return Status(failed.code(), failed.message() + "; waited " + waited +
+                                       " s for it to come back, the most that " + limit +
+                                       " allows");
+    }
+    const Duration wait = std::min<Duration>(retry, give_up - now);
+    Say("a host is unreachable after " + waited + " s; probing again in " + seconds(wait) + " s");
+    pollfd p{interrupt_fd_, POLLIN, 0};  // ignored by poll() when -1
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(wait).count();
+    if (poll(&p, 1, static_cast<int>(ms)) > 0) {
+      return CancelledError("the run is being stopped: no workers are started");
+    }
+    retry = std::min<Duration>(retry * 2, options_.max_retry);
+    failed = Probe(specs, &reachable_later);
+    if (failed.ok()) {
+      Say("the hosts answer again after " + seconds(std::chrono::steady_clock::now() - start) +
+          " s; starting the workers");
+    }
+  }
+  return failed;
 }
 
 StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<ProcessSpec>& specs) {
@@ -509,7 +561,12 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
       return InvalidArgumentError("rank " + std::to_string(rank) + " has no host to run on");
     }
   }
-  JT_RETURN_IF_ERROR(Probe(specs));
+  bool reachable_later = false;
+  Status probed = Probe(specs, &reachable_later);
+  if (!probed.ok() && reachable_later && launched_ && options_.host_wait > Duration::zero()) {
+    probed = WaitForHosts(specs, std::move(probed));
+  }
+  JT_RETURN_IF_ERROR(probed);
 
   std::vector<std::string> extra_names;
   for (auto& w : Split(CurrentEnvironment()[kSshEnvEnv], ',')) {
@@ -582,6 +639,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     }
     fcntl(in[1], F_SETFL, fcntl(in[1], F_GETFL) | O_NONBLOCK);
   }
+  launched_ = true;
   return launched;
 }
 

@@ -18,7 +18,9 @@
 // Before the processes of an attempt are started, every host is probed once (in parallel, one
 // deadline): ssh must connect without prompting (BatchMode) and the worker's Python and working
 // directory must exist there. A failed probe fails Launch() with a message that names the host
-// and quotes ssh.
+// and quotes ssh; on a restart, a host that cannot be reached (no answer, connection timed out
+// or refused, no route) is waited for first, probed again with backoff up to host_wait, each
+// wait said on stderr.
 //
 // Every ssh command line puts "--" before the host, which ParseSshHosts and the JSON host
 // description have already checked (placement::CheckHostName): a host is never read as an option.
@@ -124,6 +126,14 @@ struct SshLauncherOptions {
   std::vector<std::string> ssh = {"ssh"};  // the command and the user's options, found in PATH
   std::vector<std::string> targets;        // by rank: where it runs (SshHost::target)
   Duration probe_timeout = std::chrono::seconds(30);
+  // How long a Launch() after one that started the group (a restart) waits for hosts it cannot
+  // reach, probing again with backoff (FailureConfig.unreachable_host_timeout_s); zero: it fails
+  // at the first probe. A first Launch() never waits: a host that is not there at the start is
+  // most often a mistake to report at once.
+  Duration host_wait = Duration::zero();
+  // The waits between probes: `first_retry`, doubled after each probe, at most `max_retry`.
+  Duration first_retry = std::chrono::seconds(5);
+  Duration max_retry = std::chrono::seconds(30);
 };
 
 class SshLauncher : public Launcher {
@@ -148,7 +158,11 @@ class SshLauncher : public Launcher {
   void Interrupt() override;
 
  private:
-  Status Probe(const std::vector<ProcessSpec>& specs);
+  // `reachable_later` is set when the probe failed only because hosts could not be reached
+  // (no answer, connection timed out or refused, no route): what waiting may mend.
+  Status Probe(const std::vector<ProcessSpec>& specs, bool* reachable_later);
+  // Probes again with backoff while `failed` is of a host that may come back, up to host_wait.
+  Status WaitForHosts(const std::vector<ProcessSpec>& specs, Status failed);
   void CloseInputs();
   bool Interrupted() const;
 
@@ -157,6 +171,7 @@ class SshLauncher : public Launcher {
   // probe runs to its end).
   const int interrupt_fd_;
   pid_t pgid_ = 0;
+  bool launched_ = false;    // a Launch() has started the group: the next one is a restart
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
 };
 

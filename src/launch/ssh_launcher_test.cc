@@ -199,6 +199,10 @@ class FakeSshTest : public ::testing::Test {
                                "target=$1; shift\n"
                                "if [ \"$target\" = down ]; then echo \"ssh: connect to host down "
                                "port 22: Connection refused\" >&2; exit 255; fi\n"
+                               "if [ \"$target\" = back ] && [ ! -e " +
+                               (dir_ / "back").string() +
+                               " ]; then echo \"ssh: connect to host back port 22: Connection "
+                               "timed out\" >&2; exit 255; fi\n"
                                "if [ \"$target\" = silent ]; then echo $$ > " +
                                (dir_ / "silent").string() +
                                "; exec sleep 300; fi\n"
@@ -315,6 +319,73 @@ TEST_F(FakeSshTest, ARefusedHostFailsTheLaunchNamingItAndQuotingSsh) {
   ASSERT_EQ(launched.status().code(), StatusCode::kUnavailable);
   EXPECT_TRUE(Contains(launched.status().message(), "cannot reach host down over ssh"));
   EXPECT_TRUE(Contains(launched.status().message(), "Connection refused"));
+}
+
+// A restart waits for a host that cannot be reached, probing with backoff, and starts once it
+// answers; a first launch does not wait, nor does a restart past host_wait.
+TEST_F(FakeSshTest, ARestartWaitsForAnUnreachableHostToComeBack) {
+  SshLauncherOptions options = Options({"back"});
+  options.host_wait = std::chrono::seconds(30);
+  options.first_retry = std::chrono::milliseconds(100);
+  options.max_retry = std::chrono::milliseconds(200);
+  SshLauncher launcher(options);
+  auto first = launcher.Launch({Python(0, "pass")});
+  ASSERT_EQ(first.status().code(), StatusCode::kUnavailable) << "a first launch does not wait";
+  std::ofstream(dir_ / "back");  // the host is up
+  first = launcher.Launch({Python(0, "pass")});
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(Finish((*first)[0]).ok());
+
+  std::filesystem::remove(dir_ / "back");  // down again, and back while the restart waits
+  std::thread comes_back([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    std::ofstream(dir_ / "back");
+  });
+  auto restarted = launcher.Launch({Python(0, "print('ran')")});
+  comes_back.join();
+  ASSERT_TRUE(restarted.ok()) << restarted.status().ToString();
+  EXPECT_TRUE(Contains(ReadOutput((*restarted)[0]), "ran"));
+  EXPECT_TRUE(Finish((*restarted)[0]).ok());
+  std::istringstream lines(ArgvLog());
+  int probes = 0;
+  for (std::string line; std::getline(lines, line);) probes += Contains(line, "test -x") ? 1 : 0;
+  EXPECT_GE(probes, 5) << "the restart probed again: 1 + 1 + at least 3 while waiting";
+}
+
+TEST_F(FakeSshTest, ARestartGivesUpOnAnUnreachableHostAfterHostWait) {
+  SshLauncherOptions options = Options({"h1", "back"});
+  options.host_wait = std::chrono::milliseconds(500);
+  options.first_retry = std::chrono::milliseconds(100);
+  std::ofstream(dir_ / "back");
+  SshLauncher launcher(options);
+  auto first = launcher.Launch({Python(0, "pass"), Python(1, "pass")});
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  for (const auto& p : *first) EXPECT_TRUE(Finish(p).ok());
+  std::filesystem::remove(dir_ / "back");
+  auto restarted = launcher.Launch({Python(0, "pass"), Python(1, "pass")});
+  ASSERT_EQ(restarted.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(Contains(restarted.status().message(), "cannot reach host back over ssh"));
+  EXPECT_TRUE(Contains(restarted.status().message(), "Connection timed out"));
+  EXPECT_TRUE(Contains(restarted.status().message(),
+                       "for it to come back, the most that 0.5 s (FailureConfig."
+                       "unreachable_host_timeout_s) allows"))
+      << restarted.status().message();
+}
+
+TEST_F(FakeSshTest, ARestartDoesNotWaitForAHostThatRefusesItsKeyOrLacksPython) {
+  SshLauncherOptions options = Options({"h1"});
+  options.host_wait = std::chrono::seconds(60);
+  SshLauncher launcher(options);
+  auto first = launcher.Launch({Python(0, "pass")});
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(Finish((*first)[0]).ok());
+  auto restarted = launcher.Launch({{.ranks = {0}, .argv = {"/nonexistent/python3", "-c", ""}}});
+  EXPECT_EQ(restarted.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(Contains(restarted.status().message(), "has no executable /nonexistent"));
+  std::istringstream lines(ArgvLog());
+  int probes = 0;
+  for (std::string line; std::getline(lines, line);) probes += Contains(line, "test -x") ? 1 : 0;
+  EXPECT_EQ(probes, 2) << "the restart probed once: a missing Python does not come back";
 }
 
 TEST_F(FakeSshTest, AHostWithoutTheWorkersPythonIsNamed) {
