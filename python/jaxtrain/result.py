@@ -11,6 +11,7 @@ from typing import Any
 
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.errors import ControllerError, WorkerGroupError
+from jaxtrain.goodput import Goodput, compute, parse_rounds
 
 
 @dataclass
@@ -26,7 +27,9 @@ class Result:
     checkpoints' paths are then paths on it), None for a local or shared directory;
     ``return_value``: what the training function returned on rank 0 (in local mode, in the
     driver), as Ray's: None when it returned nothing, or when the run did not finish (it failed,
-    was stopped, or is still running after a resume).
+    was stopped, or is still running after a resume); ``goodput``: where the run's wall time
+    went, for the run and each attempt (jaxtrain.goodput.Goodput, docs/observability.md; a
+    running run's up to when the Result was read).
     """
 
     metrics: dict[str, Any] | None
@@ -36,6 +39,7 @@ class Result:
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     filesystem: Any = None
     return_value: Any = None
+    goodput: Goodput | None = None
     _rounds: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -148,16 +152,11 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
 
 
 def _read_rounds(path: str) -> list[dict]:
-    rows = []
-    jsonl = os.path.join(path, "result.jsonl")
-    if os.path.exists(jsonl):
-        with open(jsonl, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a line torn by a crash ends the record
-    return rows
+    try:
+        with open(os.path.join(path, "result.jsonl"), "rb") as f:
+            return parse_rounds(f.read())
+    except FileNotFoundError:
+        return []
 
 
 # Rank 0's pickled return value in the run directory, written by the controller.
@@ -193,6 +192,7 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
 
     return_value = _read_return_value(path) if finished and error is None else None
     rounds = _read_rounds(path)
+    goodput = _goodput(path, rounds)
     cc = checkpoint_config or {}
     ranked = _core.ranked_checkpoints(
         path, cc.get("checkpoint_score_attribute"), cc.get("checkpoint_score_order", "max") == "max"
@@ -225,8 +225,21 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
         best_checkpoints=best,
         filesystem=filesystem,
         return_value=return_value,
+        goodput=goodput,
         _rounds=rounds,
     )
+
+
+def _goodput(path: str, rounds: list[dict]) -> Goodput | None:
+    """The run's goodput from its run.json and rounds; None without a readable run.json."""
+    import time
+
+    try:
+        with open(os.path.join(path, "run.json"), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return compute(state, rounds, now=time.time())
 
 
 def flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:

@@ -334,6 +334,8 @@ class JaxTrainer:
             _retain(run_dir, self.run_config.checkpoint_config)
         remote = (mirror.fs, mirror.root) if mirror is not None else None
         result = _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
+        if result.goodput is not None:
+            sys.stderr.write(f"jaxtrain: {result.goodput.line()}\n")
         if events is not None:
             events.finish(result)  # raises ControllerError if a raise_on_error callback failed
         if result.error is not None and local is not None and local.exception is not None:

@@ -259,6 +259,7 @@ class PyController {
   // withdraws the request. Then the controller is made as for local runs.
   void StartOnSlurm() {
     StatusOr<launch::SlurmStart> started = AbortedError("");
+    const auto asked = std::chrono::steady_clock::now();
     {
       nb::gil_scoped_release release;
       started = launch::StartSlurm(*scaling_config_, accelerators::RealHost(),
@@ -270,6 +271,9 @@ class PyController {
     if (PyErr_Occurred()) throw nb::python_error();
     launch::SlurmStart start = Unwrap(std::move(started));
     options_.listen_host = std::move(start.listen_host);
+    // Asking for the allocation and waiting in Slurm's queue: goodput's queue part.
+    options_.queue_wait_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
     controller_ =
         std::make_unique<controller::Controller>(std::move(options_), std::move(start.launcher));
   }

@@ -133,6 +133,9 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   int attempt = 0;
   double start_time = 0;
   double attempt_start_time = 0;
+  // When this attempt's every rank had registered and the start was sent; 0 = not yet.
+  double attempt_ready_time = 0;
+  double failure_time = 0;  // when this attempt's failure was first noticed
   nlohmann::json attempt_log = nlohmann::json::array();  // run.json's attempts, earlier runs' too
   std::string restore_from;  // the checkpoint this attempt starts from; "" for none
   // restore_from was checked by sizes only: its parts are in host memory (RestoreVerifier).
@@ -222,6 +225,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       f.preemption = nlohmann::json::parse(preemption.Info(/*drain_timed_out=*/false));
     }
     if (!failure) {
+      failure_time = ctl.clock_.UnixSeconds();
       f.attempt = attempt;
       if (f.rank >= 0) {
         if (!ranks[static_cast<size_t>(f.rank)].host.empty()) {
@@ -485,6 +489,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       return;
     }
     phase = Phase::kRunning;
+    attempt_ready_time = ctl.clock_.UnixSeconds();
     nlohmann::json start = {
         {"coordinator", ranks[0].coordinator},
         {"world_size", ranks.size()},
@@ -607,7 +612,9 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     const std::string first = failure->message.substr(0, failure->message.find('\n'));
     killed.message += "; rank " + std::to_string(failure->rank) + " failed meanwhile: " + first;
     failure.reset();
+    const double noticed = failure_time;  // the failure was noticed then, whoever is blamed
     Fail(std::move(killed));
+    failure_time = noticed;
   }
 
   // The process that ran several ranks (srun) has ended. How each rank ended is known from srun's
@@ -849,6 +856,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     JT_RETURN_IF_ERROR(SweepStaging());
     restore_from = std::move(restore);
     attempt_start_time = ctl.clock_.UnixSeconds();
+    attempt_ready_time = 0;
     if (attempt > first_attempt) {
       Say("restarting the worker group: attempt " + std::to_string(attempt) +
           (restore_from.empty() ? ", from the start" : ", from checkpoint " + restore_from));
@@ -879,8 +887,13 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         {"start_time", attempt_start_time},
         {"status", status},
         {"restored_from", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
+    // The times python/jaxtrain/goodput.py splits the attempt by (docs/observability.md).
+    if (attempt_ready_time > 0) a["ready_time"] = attempt_ready_time;
     if (status != "RUNNING") a["end_time"] = ctl.clock_.UnixSeconds();
-    if (failure) a["failure"] = FailureState(*failure);
+    if (failure) {
+      a["failure"] = FailureState(*failure);
+      a["failure"]["time"] = failure_time;
+    }
     return a;
   }
 
@@ -1042,6 +1055,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                             {"platform", opts.plan.platform},
                             {"simulated", opts.plan.simulated},
                             {"start_time", start_time},
+                            {"queue_wait_s", opts.queue_wait_s},
                             {"rounds", rounds},
                             {"attempts", attempts},
                             {"config", opts.run_config}};

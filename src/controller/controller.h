@@ -74,6 +74,9 @@ struct ControllerOptions {
   std::map<std::string, std::string> worker_env;  // for every rank, on top of the plan's
   std::string payload;                            // sent to every rank after kStart
   nlohmann::json run_config;                      // recorded in run.json
+  // Seconds the driver waited for the cluster before this controller was made (a Slurm
+  // allocation it requested); recorded in run.json as "queue_wait_s".
+  double queue_wait_s = 0;
   Duration terminate_grace = std::chrono::seconds(5);
   Duration handshake_timeout = std::chrono::seconds(10);
   Duration start_timeout = std::chrono::seconds(300);  // spawn to every rank registered

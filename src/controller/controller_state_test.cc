@@ -216,6 +216,49 @@ TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestComm
   EXPECT_EQ(state["attempts"][1]["restored_from"], RunDir() + "/checkpoint_000001");
 }
 
+// The times goodput accounting splits a run by (python/jaxtrain/goodput.py): the run's queue
+// wait, each attempt's start, the moment every rank had registered, and when its failure was
+// noticed.
+TEST_F(ControllerStateTest, RunJsonRecordsWhenEachAttemptWasReadyAndWhenItFailed) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 1;
+  options.queue_wait_s = 12.5;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  clock_.Advance(3s);
+  RegisterAll(/*attempt=*/0, 2);
+  clock_.Advance(2s);
+  for (int rank : {0, 1}) ReportCheckpoint(/*attempt=*/0, rank, /*round=*/1);
+  for (int rank : {0, 1}) {
+    ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kCheckpointSettled, kNoHang));
+  }
+  clock_.Advance(4s);
+  processes_.Kill(1, SIGKILL);
+  WaitForStart(2);
+  clock_.Advance(1s);
+  RegisterAll(/*attempt=*/1, 2);
+  for (int rank : {0, 1}) Finish(rank);
+  EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
+
+  json state = RunState();
+  const double t0 = state.value("start_time", 0.0);
+  EXPECT_EQ(state.value("queue_wait_s", 0.0), 12.5);
+  ASSERT_EQ(state["attempts"].size(), 2u) << state.dump();
+  const json& failed = state["attempts"][0];
+  EXPECT_DOUBLE_EQ(failed.value("start_time", 0.0), t0);
+  EXPECT_DOUBLE_EQ(failed.value("ready_time", 0.0), t0 + 3);
+  EXPECT_DOUBLE_EQ(failed["failure"].value("time", 0.0), t0 + 9);
+  EXPECT_DOUBLE_EQ(failed.value("end_time", 0.0), t0 + 9);
+  const json& restarted = state["attempts"][1];
+  EXPECT_DOUBLE_EQ(restarted.value("start_time", 0.0), t0 + 9);
+  EXPECT_DOUBLE_EQ(restarted.value("ready_time", 0.0), t0 + 10);
+  EXPECT_FALSE(restarted.contains("failure")) << restarted.dump();
+  std::ifstream rounds(RunDir() + "/result.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(rounds, line));
+  EXPECT_DOUBLE_EQ(json::parse(line).value("time", 0.0), t0 + 5);
+}
+
 // The checkpoint a restart names when the latest one's contents no longer match its checksums
 // (same sizes): the one before it, unless every part of it has its copy in the host's memory
 // store, where its ranks restore from (sizes are checked then).

@@ -273,6 +273,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.append(line)
 
     rounds = result.report_rounds()
+    out += _goodput_lines(state, rounds, status)
     if result.metrics is None:
         out.append("last metrics  none reported")
     else:
@@ -296,6 +297,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.append(f"plot       {_plot(run_dir, result, args.plot)}")
     print("\n".join(out))
     return EXIT_OK
+
+
+def _goodput_lines(state: dict, rounds: list[dict], status: str) -> list[str]:
+    """Where the run's time went (jaxtrain.goodput, docs/observability.md): the run and each
+    attempt. A crashed run's ends at its last record, a running one's now."""
+    from jaxtrain import goodput
+
+    g = goodput.compute(state, rounds, now=time.time() if status == "RUNNING" else None)
+    head = (f"goodput    {100 * g.fraction:.1f} % (seconds"
+            + (", so far)" if status == "RUNNING" else ")"))
+    return [head] + [f"  {row}" for row in g.table()]
 
 
 def _plot(run_dir: str, result: Any, path: str) -> str:
