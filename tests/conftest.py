@@ -187,3 +187,15 @@ class Fifo:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def wait_for(what: str, check, timeout: float = 120.0):
+    """Polls an outside system (a cluster, a Prometheus) until `check` returns something true,
+    and returns it; fails the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -17,12 +17,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from conftest import wait_for
 from jaxtrain import ScalingConfig, _core
 from seed_program import SEED, with_psum_first
 
@@ -37,17 +37,6 @@ PY = sys.executable
 
 def _seen(cwd: Path, world_size: int) -> list[dict]:
     return [json.loads((cwd / f"seen-rank-{r}.json").read_text()) for r in range(world_size)]
-
-
-def _wait_for(what: str, check, timeout: float = 120.0):
-    """Polls the cluster (an outside system) until `check` returns something."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -105,8 +94,8 @@ def test_the_seeds_tpu_config_becomes_the_pod_spec_gke_needs(kubernetes_cluster,
         (workdir / "driver.py").write_text(SEED)
         driver = k.popen([PY, "driver.py"], k.driver_env(ns, workdir, JAXTRAIN_SIMULATE="1"),
                          workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        jobset = _wait_for("the JobSet", lambda: k.get("jobsets", "-n", ns)["items"])[0]
-        pods = _wait_for("4 pods", lambda: (lambda p: p if len(p) == 4 else None)(
+        jobset = wait_for("the JobSet", lambda: k.get("jobsets", "-n", ns)["items"])[0]
+        pods = wait_for("4 pods", lambda: (lambda p: p if len(p) == 4 else None)(
             k.get("pods", "-n", ns)["items"]))
         out, err = driver.communicate(timeout=300)
     finally:
@@ -191,7 +180,7 @@ def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster
 
     driver = k.popen([PY, "train.py", "kill", "disturbed"], k.driver_env(ns, workdir), workdir,
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for("the marker", lambda: (workdir / "marker").exists(), timeout=240)
+    wait_for("the marker", lambda: (workdir / "marker").exists(), timeout=240)
     pod = next(p for p in k.get("pods", "-n", ns)["items"]
                if p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == "1")
     k.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--grace-period=0", "--force")
@@ -239,10 +228,10 @@ def test_pods_without_a_shared_volume_checkpoint_to_a_bucket_and_restart_from_it
     reader = threading.Thread(target=lambda: out.extend(driver.stdout), daemon=True)
     reader.start()
     try:
-        _wait_for("rank 0 to be ready", lambda: "(rank=0) ready to be killed\n" in out,
+        wait_for("rank 0 to be ready", lambda: "(rank=0) ready to be killed\n" in out,
                   timeout=240)
         # A checkpoint is committed (its manifest on the bucket, then the index) before the kill.
-        _wait_for("a committed checkpoint", lambda: (staging / "checkpoints.json").exists() and
+        wait_for("a committed checkpoint", lambda: (staging / "checkpoints.json").exists() and
                   json.loads((staging / "checkpoints.json").read_text())["checkpoints"])
         pods = k.get("pods", "-n", ns)["items"]
         pod = next(p for p in pods if p["metadata"]["annotations"][

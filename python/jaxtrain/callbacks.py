@@ -3,10 +3,10 @@
 
 The controller writes ``result.jsonl`` (a line per report round) and ``run.json`` (the attempts)
 as the run goes; while ``fit()`` waits, it follows those two files and calls each callback's
-hooks in the driver process, in order: ``on_run_start``, then ``after_report`` per round and
-``after_exception`` per failed attempt (``on_restart`` when the group starts again), and
-``on_run_end`` with the Result last. Hooks run in the driver's thread, never in a worker, and
-never in parallel with each other.
+hooks in the driver process, in order: ``on_run_start``, then ``after_report`` per round,
+``on_straggler`` when a rank starts or stops being a straggler, and ``after_exception`` per failed
+attempt (``on_restart`` when the group starts again), and ``on_run_end`` with the Result last.
+Hooks run in the driver's thread, never in a worker, and never in parallel with each other.
 
 A hook that raises is reported on stderr with its traceback and that callback is not called again
 in this run; the run goes on. A callback with ``raise_on_error = True`` stops the run instead,
@@ -53,6 +53,21 @@ class RunContext:
         return self.scaling_config
 
 
+@dataclass(frozen=True)
+class StragglerEvent:
+    """A rank started (``slow``) or stopped (not ``slow``) being a straggler: its step time
+    (the median of its last intervals between reports) against the other ranks' median, in
+    seconds; ``time`` is the controller's Unix time of the change. See docs/observability.md for
+    the rule."""
+
+    rank: int
+    slow: bool
+    step_time_s: float
+    median_step_time_s: float
+    attempt: int
+    time: float
+
+
 class UserCallback:
     """Subclass and override the hooks you need; each does nothing by default."""
 
@@ -72,6 +87,10 @@ class UserCallback:
                         worker_exceptions: dict[int, Exception]) -> None:
         """After an attempt failed: the failing rank and its error (``run_context.attempt``
         is the failed attempt). ``on_restart`` follows when the group is started again."""
+
+    def on_straggler(self, run_context: RunContext, event: StragglerEvent) -> None:
+        """When a rank starts or stops being a straggler (``event.slow``); said once for each
+        change. ``run_context.attempt`` is the attempt it happened in."""
 
     def on_restart(self, run_context: RunContext) -> None:
         """When the group starts again after a failure (``run_context.attempt`` is the new
@@ -98,6 +117,7 @@ class Dispatcher:
     context: RunContext
     _jsonl_offset: int = 0
     _attempts_seen: int = 0  # entries of run.json's attempts already handled
+    _stragglers_seen: int = 0  # straggler changes of attempts[_attempts_seen] already handled
     _state_stamp: tuple = ()
     _started: int = 0  # the newest attempt whose start was seen
     _failed: set[int] = field(default_factory=set)  # callbacks (by index) not called again
@@ -186,9 +206,18 @@ class Dispatcher:
             if number > self._started:
                 self._started = number
                 events.append((a.get("start_time", 0.0), 1, "on_restart", number, ()))
+            stragglers = a.get("stragglers", [])
+            for e in stragglers[self._stragglers_seen:]:
+                event = StragglerEvent(rank=int(e.get("rank", -1)), slow=bool(e.get("slow")),
+                                       step_time_s=float(e.get("step_time_s", 0.0)),
+                                       median_step_time_s=float(e.get("median_step_time_s", 0.0)),
+                                       attempt=number, time=float(e.get("time", 0.0)))
+                events.append((event.time, 1, "on_straggler", number, (event,)))
+            self._stragglers_seen = len(stragglers)
             if a.get("status") == "RUNNING":
                 break  # looked at again when it ends
             self._attempts_seen += 1
+            self._stragglers_seen = 0
             failure = a.get("failure")
             if failure:
                 rank = failure.get("rank", -1)

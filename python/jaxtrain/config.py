@@ -366,6 +366,10 @@ class RunConfig:
     every worker) and ``working_dir`` (the workers' working directory, also put first on their
     import path; shipped to workers on other hosts, without what ``excludes`` lists: see
     docs/hosts.md); Ray's other keys (``pip``, ``conda``, ...) are refused.
+
+    ``metrics_port``: serve the run's Prometheus metrics from the driver on this port while
+    ``fit()`` runs (0: any free port, said on stderr); ``None``: the ``JAXTRAIN_METRICS_PORT``
+    environment variable, or no endpoint (see docs/observability.md).
     """
 
     name: str
@@ -375,6 +379,7 @@ class RunConfig:
     checkpoint_config: CheckpointConfig
     callbacks: list
     worker_runtime_env: dict[str, Any] | None
+    metrics_port: int | None
 
     def __init__(
         self,
@@ -385,6 +390,7 @@ class RunConfig:
         checkpoint_config: CheckpointConfig | None = None,
         callbacks: Sequence[Any] | None = None,
         worker_runtime_env: Mapping[str, Any] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         if name is not None:
             _expect("RunConfig", "name", name, (str,), "it must be a string")
@@ -408,6 +414,13 @@ class RunConfig:
         self.checkpoint_config = checkpoint_config or CheckpointConfig()
         self.callbacks = _callbacks(callbacks)
         self.worker_runtime_env = _runtime_env(worker_runtime_env)
+        if metrics_port is not None:
+            _expect("RunConfig", "metrics_port", metrics_port, (int,),
+                    "it must be a port number, 0 to 65535 (0: any free port), or None")
+            if not 0 <= metrics_port <= 65535:
+                raise ValueError(f"RunConfig.metrics_port={metrics_port!r} is not allowed; it must "
+                                 "be a port number, 0 to 65535 (0: any free port), or None")
+        self.metrics_port = metrics_port
 
     def __repr__(self) -> str:
         fs = ("" if self.storage_filesystem is None
@@ -416,7 +429,9 @@ class RunConfig:
             f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r}, {fs}"
             f"failure_config={self.failure_config!r}, "
             f"checkpoint_config={self.checkpoint_config!r}, callbacks={self.callbacks!r}, "
-            f"worker_runtime_env={self.worker_runtime_env!r})"
+            f"worker_runtime_env={self.worker_runtime_env!r}"
+            + ("" if self.metrics_port is None else f", metrics_port={self.metrics_port!r}")
+            + ")"
         )
 
 

@@ -29,6 +29,7 @@ from jaxtrain import (
     checkpoint_memory,
     gce_metadata,
     local_mode,
+    metrics,
     ray_args,
     runtime_env,
     session,
@@ -176,6 +177,7 @@ class JaxTrainer:
         snapshot_budget = session.check_snapshot_budget()  # likewise
         in_memory = checkpoint_memory.check_switch()  # likewise
         gce_metadata_watch = gce_metadata.setting()  # likewise
+        metrics_at = metrics.endpoint(self.run_config.metrics_port, os.environ)  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
         storage.warn_if_locks_stay_local(run_dir)
@@ -253,6 +255,9 @@ class JaxTrainer:
             worker_env.update(local.env)
         sys.stdout.flush()
         sys.stderr.flush()
+        # Bound before anything starts: a port in use is refused with nothing to stop.
+        metrics_server = None if metrics_at is None else \
+            metrics.MetricsServer(*metrics_at, self.run_config.name)
         console_fd = _console_fd()
         controller = _core.Controller(
             run_dir=run_dir,
@@ -297,6 +302,8 @@ class JaxTrainer:
         try:
             if validator is not None:
                 validator.start()
+            if metrics_server is not None:
+                metrics_server.serve(controller.metrics_json)
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
             if mirror is not None:
                 mirror.start()
@@ -320,11 +327,15 @@ class JaxTrainer:
                     mirror.close()  # what was committed reaches the storage, even after Ctrl-C
             outcome = controller.outcome()
         except _Terminated:
+            if metrics_server is not None:
+                metrics_server.close()  # before the controller it reads is gone
             controller.close()
             sigterm.restore()
             sigterm.redeliver()  # ends the driver as SIGTERM would have, now that all is stopped
             raise
         finally:
+            if metrics_server is not None:
+                metrics_server.close()
             controller.close()  # releases a Slurm allocation jaxtrain requested, now
             sigterm.restore()
             if in_memory == "1":

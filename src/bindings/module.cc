@@ -230,6 +230,11 @@ class PyController {
     controller_.reset();
   }
 
+  // The run's metrics as JSON (controller/run_metrics.h); "" before the controller is made.
+  std::string MetricsJson() {
+    return controller_ ? controller::RunMetricsJson(controller_->metrics()) : "";
+  }
+
   nb::dict Outcome() {
     if (!controller_) {
       PyErr_SetString(PyExc_RuntimeError, "the run has not been started, or is closed");
@@ -881,6 +886,7 @@ NB_MODULE(_core, m) {
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)
       .def("outcome", &PyController::Outcome)
+      .def("metrics_json", &PyController::MetricsJson)
       .def("close", &PyController::Close);
 
   nb::class_<PyWorkerClient>(m, "WorkerClient")

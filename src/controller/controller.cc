@@ -27,6 +27,7 @@
 #include "controller/restore_verifier.h"
 #include "controller/round_recorder.h"
 #include "controller/status_line.h"
+#include "controller/stragglers.h"
 #include "controller/watchdog.h"
 #include "controller/worker_group.h"
 #include "controller/worker_specs.h"
@@ -106,6 +107,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                FailurePolicy::kMaxStorageFailures, c.options_.max_preemptions),
         preemption(WorldSize(c)),
         watchdog(c.clock_, WorldSize(c), c.options_.progress_timeout),
+        stragglers(WorldSize(c)),
         logs([this](int r) { return store.LogPath(r); }, WorldSize(c)) {}
 
   static int WorldSize(const Controller& c) {
@@ -126,6 +128,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   PreemptionNotice preemption;      // this attempt's (preemption.h)
   uint64_t attempt_base_round = 1;  // the run's number of this attempt's first round
   Watchdog watchdog;                // this attempt's progress watchdog
+  StragglerDetector stragglers;     // this attempt's step times (stragglers.h)
+  // This attempt's straggler changes as run.json records them (AttemptState()).
+  nlohmann::json straggler_events = nlohmann::json::array();
+  RunMetrics metrics;  // what Publish() copies to the Controller (run_metrics.h)
+  std::optional<TimePoint> group_spawned;    // this attempt's group, until it all registered
+  std::optional<TimePoint> failure_noticed;  // the first failure since training last ran
   // The listener and the ranks' connections, through the handshake (control_port.h); set by
   // Start().
   std::unique_ptr<ControlPort> port;
@@ -198,6 +206,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                     .round = rounds,
                     .metrics_json = last_metrics};
     view.ranks_up = static_cast<int>(registered);
+    view.stragglers = stragglers.Stragglers();
     if (attempt_rounds > 1) {
       double s = std::chrono::duration<double>(Now() - *attempt_first_round).count();
       if (s > 0) view.rounds_per_s = static_cast<double>(attempt_rounds - 1) / s;
@@ -236,6 +245,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         f.log_path = store.LogPath(f.rank);
       }
       failure = std::move(f);
+      if (!failure_noticed) failure_noticed = Now();
     }
     BeginStop();
   }
@@ -263,6 +273,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   void BeginStop() {
     if (phase == Phase::kStopping || phase == Phase::kDraining) return;
     phase = Phase::kStopping;
+    Publish();
     if (AnyUnreaped()) {
       // The grace period runs from the decision to stop, not from when the signals were sent.
       kill_deadline = Now() + opts.terminate_grace;
@@ -318,11 +329,74 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     r.coordinator = m.coordinator;
     RefreshStatus();
     MaybeStartTraining();
+    Publish();
   }
 
-  void OnMessage(int rank, const wire::Report& m) {
+  void OnMessage(int rank, const wire::Report& m) { AddReport(rank, m.metrics_json, std::nullopt); }
+
+  // A report, with or without a checkpoint: the rounds it completes are recorded, and at each the
+  // straggler rule is applied.
+  void AddReport(int rank, std::string_view metrics_json, std::optional<CheckpointPart> part) {
     watchdog.Progress(rank);
-    for (Round& done : collector.Add(rank, m.metrics_json)) recorder.Add(std::move(done));
+    ++metrics.reports;
+    stragglers.Report(rank, Now());
+    for (Round& done : collector.Add(rank, metrics_json, std::move(part))) {
+      ApplyStragglerRule();
+      recorder.Add(std::move(done));
+    }
+  }
+
+  void ApplyStragglerRule() {
+    std::vector<StragglerChange> changes = stragglers.Evaluate();
+    if (changes.empty()) return;
+    for (const StragglerChange& c : changes) {
+      const auto& host = ranks[static_cast<size_t>(c.rank)].host;
+      Say("rank " + std::to_string(c.rank) + " (host " + (host.empty() ? "?" : host) + ") " +
+          (c.slow ? "is a straggler" : "is no longer a straggler") + ": its step time is " +
+          Seconds(c.step_s) + ", the other ranks' median " + Seconds(c.others_s));
+      straggler_events.push_back({{"rank", c.rank},
+                                  {"slow", c.slow},
+                                  {"time", ctl.clock_.UnixSeconds()},
+                                  {"step_time_s", c.step_s},
+                                  {"median_step_time_s", c.others_s}});
+    }
+    // Callbacks learn of it from run.json (python/jaxtrain/callbacks.py).
+    Status written = WriteRunState("RUNNING");
+    if (!written.ok()) Say("cannot write run.json: " + written.message());
+    RefreshStatus();
+  }
+
+  static std::string Seconds(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.3g s", s);
+    return buf;
+  }
+
+  // Copies the run's metrics where Controller::metrics() reads them.
+  void Publish() {
+    switch (phase) {
+      case Phase::kStarting:
+        metrics.state = attempt > first_attempt ? "RESTARTING" : "STARTING";
+        break;
+      case Phase::kRunning: metrics.state = "RUNNING"; break;
+      case Phase::kStopping:
+      case Phase::kDraining: metrics.state = "STOPPING"; break;
+    }
+    PublishAs(metrics.state);
+  }
+
+  void PublishAs(std::string state) {
+    metrics.state = std::move(state);
+    metrics.attempt = attempt;
+    metrics.world_size = static_cast<int>(ranks.size());
+    metrics.ranks_up = static_cast<int>(registered);
+    metrics.rank_step_s.resize(ranks.size());
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      metrics.rank_step_s[r] = stragglers.StepSeconds(static_cast<int>(r));
+    }
+    metrics.stragglers = stragglers.Stragglers();
+    MutexLock lock(ctl.metrics_mu_);
+    ctl.metrics_ = metrics;
   }
 
   void OnMessage(int rank, wire::CheckpointReport& m) {
@@ -341,10 +415,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                                    .copy_id = std::move(m.copy_id),
                                    .in_store = m.in_store},
                         .dir_name = std::move(m.dir_name)};
-    watchdog.Progress(rank);
-    for (Round& done : collector.Add(rank, m.metrics_json, std::move(part))) {
-      recorder.Add(std::move(done));
-    }
+    AddReport(rank, m.metrics_json, std::move(part));
   }
 
   void OnMessage(int rank, wire::WorkerError& m) {
@@ -490,6 +561,10 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     }
     phase = Phase::kRunning;
     attempt_ready_time = ctl.clock_.UnixSeconds();
+    if (group_spawned) metrics.group_start.Add(SecondsSince(*group_spawned));
+    if (failure_noticed) metrics.restart.Add(SecondsSince(*failure_noticed));
+    group_spawned.reset();
+    failure_noticed.reset();
     nlohmann::json start = {
         {"coordinator", ranks[0].coordinator},
         {"world_size", ranks.size()},
@@ -528,7 +603,20 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
           /*drain_timed_out=*/false);
     }
     if (attempt_rounds++ == 0) attempt_first_round = Now();
+    ++metrics.rounds;
+    metrics.last_round = round.round;
+    if (!committed.empty()) {
+      const RoundRecorder::CommitStats& commit = recorder.last_commit();
+      metrics.checkpoint_commit.Add(std::chrono::duration<double>(commit.took).count());
+      metrics.checkpoint_bytes += commit.bytes;
+      metrics.last_checkpoint_bytes = commit.bytes;
+    }
     RefreshStatus();
+    Publish();
+  }
+
+  double SecondsSince(TimePoint t) const {
+    return std::chrono::duration<double>(Now() - t).count();
   }
 
   // The rank's next report(checkpoint=) may go on (WorkerClient::WaitCheckpointsSettled()).
@@ -853,6 +941,11 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     checkpoints_released = false;
     attempt_rounds = 0;
     attempt_first_round.reset();
+    stragglers = StragglerDetector(world_size);
+    straggler_events = nlohmann::json::array();
+    ++metrics.attempts_by_cause[attempt == first_attempt || failures.empty()
+                                    ? "start"
+                                    : std::string(FailureCauseName(failures.back().cause))];
     JT_RETURN_IF_ERROR(SweepStaging());
     restore_from = std::move(restore);
     attempt_start_time = ctl.clock_.UnixSeconds();
@@ -865,6 +958,8 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     (*shared_env)["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
     // An attempt that run.json does not show must not run: its rounds would be lost with it.
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
+    group_spawned = Now();
+    PublishAs(attempt > first_attempt ? "RESTARTING" : "STARTING");
     Status started = group->Start(specs);
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
     JT_RETURN_IF_ERROR(started);
@@ -894,6 +989,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       a["failure"] = FailureState(*failure);
       a["failure"]["time"] = failure_time;
     }
+    if (!straggler_events.empty()) a["stragglers"] = straggler_events;
     return a;
   }
 
@@ -1027,6 +1123,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         out.state = Outcome::State::kFailed;
       }
     }
+    PublishAs(std::string(OutcomeStateName(out.state)));
     store.Unlock();  // the run is over: another driver may resume it
     return out;
   }
@@ -1187,6 +1284,11 @@ void Controller::RunLoop() {
   outcome_ = std::move(out);
   done_ = true;
   done_cv_.notify_all();
+}
+
+RunMetrics Controller::metrics() const {
+  MutexLock lock(metrics_mu_);
+  return metrics_;
 }
 
 bool Controller::Wait(Duration timeout) {

@@ -30,6 +30,12 @@
 // the last committed checkpoint. Rounds continue across attempts and across runs that resume the
 // same run directory.
 //
+// Stragglers: each rank's step time is read from the times its reports arrive, and a rank
+// persistently slower than the others is named once when it starts and once when it stops being
+// slow (stragglers.h): on the console, in the status line and in run.json's attempt
+// ("stragglers"), which driver-side callbacks follow. metrics() returns them with the rest of
+// the run's metrics.
+//
 // Worker processes: the worker group (worker_group.h) starts them through the Launcher, watches
 // their pidfds and output pipes, and reports each exit; the loop decides what an exit means. A
 // launched process runs one rank (local) or several (one Slurm step, srun), whose output is split
@@ -54,9 +60,11 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/mutex.h"
 #include "base/status.h"
 #include "controller/control_port.h"
 #include "controller/failure_policy.h"
+#include "controller/run_metrics.h"
 #include "controller/worker_group.h"
 #include "launch/launcher.h"
 #include "placement/plan.h"
@@ -180,6 +188,9 @@ class Controller {
   // The control port (after Start()).
   int port() const { return port_; }
 
+  // The run's metrics as the loop last published them (run_metrics.h). Thread-safe.
+  RunMetrics metrics() const;
+
  private:
   struct Loop;
   void RunLoop();
@@ -199,6 +210,8 @@ class Controller {
   std::string abort_reason_;  // guarded by mu_
   std::atomic<bool> abort_requested_{false};
   Outcome outcome_;  // written by the loop thread before done_ is set; read-only afterwards
+  mutable Mutex metrics_mu_;
+  RunMetrics metrics_ GUARDED_BY(metrics_mu_);  // published by the loop thread
 };
 
 }  // namespace jaxtrain::controller

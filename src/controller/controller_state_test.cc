@@ -474,6 +474,75 @@ TEST_F(ControllerStateTest, TheWatchdogBlamesOnlyTheRankThatStoppedReporting) {
   EXPECT_EQ(out.rounds, 1u);
 }
 
+TEST_F(ControllerStateTest, ASlowRankIsRecordedAsAStragglerAndEveryRanksStepTimeIsPublished) {
+  auto controller = Start(Options(3));
+  WaitForStart(1);
+  clock_.Advance(2s);  // the group takes 2 s to register
+  RegisterAll(/*attempt=*/0, 3);
+  // Ranks 0 and 1 run ahead, a report every 100 ms; rank 2 reports every 400 ms, and each of its
+  // reports completes a round.
+  for (uint64_t round = 1; round <= 10; ++round) {
+    clock_.Advance(100ms);
+    for (int rank : {0, 1}) Report(rank, round, {{"rank", rank}});
+    ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  }
+  for (uint64_t round = 1; round <= 10; ++round) {
+    clock_.Advance(400ms);
+    Report(2, round, {{"rank", 2}});
+    ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  }
+  RunMetrics m = controller->metrics();
+  EXPECT_EQ(m.state, "RUNNING");
+  EXPECT_EQ(m.ranks_up, 3);
+  EXPECT_EQ(m.reports, 30u);
+  EXPECT_EQ(m.rounds, 10u);
+  EXPECT_EQ(m.attempts_by_cause, (std::map<std::string, uint64_t>{{"start", 1}}));
+  EXPECT_EQ(m.group_start.count, 1u);
+  EXPECT_DOUBLE_EQ(m.group_start.last_s, 2.0);
+  ASSERT_EQ(m.rank_step_s.size(), 3u);
+  EXPECT_NEAR(*m.rank_step_s[0], 0.1, 1e-9);
+  EXPECT_NEAR(*m.rank_step_s[2], 0.4, 1e-9);
+  EXPECT_EQ(m.stragglers, (std::vector<int>{2}));
+  // Said once, in run.json's attempt: rank 2's window of 5 intervals is full at its 6th report
+  // (round 6), and round 8 is its third consecutive slow round.
+  json events = RunState()["attempts"][0]["stragglers"];
+  ASSERT_EQ(events.size(), 1u) << events.dump();
+  EXPECT_EQ(events[0]["rank"], 2);
+  EXPECT_EQ(events[0]["slow"], true);
+  EXPECT_NEAR(events[0]["step_time_s"].get<double>(), 0.4, 1e-9);
+  EXPECT_NEAR(events[0]["median_step_time_s"].get<double>(), 0.1, 1e-9);
+  EXPECT_DOUBLE_EQ(events[0]["time"].get<double>(), clock_.UnixSeconds() - 0.8);
+
+  for (int rank : {0, 1, 2}) Finish(rank);
+  EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
+  EXPECT_EQ(controller->metrics().state, "FINISHED");
+  EXPECT_EQ(RunState()["attempts"][0]["stragglers"].size(), 1u);  // kept when the attempt ends
+}
+
+TEST_F(ControllerStateTest, RestartsAreCountedByCauseAndTimedUntilTheNewGroupRegistered) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  processes_.Kill(1, SIGKILL);
+  WaitForStart(2);
+  EXPECT_EQ(controller->metrics().state, "RESTARTING");
+  clock_.Advance(3s);
+  RegisterAll(/*attempt=*/1, 2);
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  RunMetrics m = controller->metrics();
+  EXPECT_EQ(m.state, "RUNNING");
+  EXPECT_EQ(m.attempt, 1);
+  EXPECT_EQ(m.attempts_by_cause, (std::map<std::string, uint64_t>{{"start", 1}, {"signal", 1}}));
+  EXPECT_EQ(m.restart.count, 1u);
+  EXPECT_GE(m.restart.last_s, 3.0);  // the grace period may have moved the clock too
+  EXPECT_EQ(m.group_start.count, 2u);
+  controller->Abort("done");
+  WaitForOutcome(*controller);
+  EXPECT_EQ(controller->metrics().state, "ABORTED");
+}
+
 TEST_F(ControllerStateTest, AConnectionLostJustBeforeItsProcessDiedIsBlamedOnTheSignal) {
   auto controller = Start(Options(2));
   WaitForStart(1);

@@ -61,6 +61,7 @@ void RoundRecorder::RecordOrCommit(Round round) {
     return CommitFailed(round, submitted);
   }
   committing_ = std::move(round);
+  commit_start_ = clock_.Now();
 }
 
 void RoundRecorder::OnCommitReady() {
@@ -74,6 +75,7 @@ void RoundRecorder::OnCommitReady() {
     CommitFailed(round, result->record.status());
   } else {
     const std::string committed = result->record->dir_name;
+    last_commit_ = {.took = clock_.Now() - commit_start_, .bytes = result->record->bytes};
     if (!result->index.ok()) {
       // The directory is committed (complete, with its manifest) and the next start adds it back
       // to the index; say exactly that, record the round, and stop the run. No status code: a

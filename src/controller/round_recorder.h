@@ -77,6 +77,14 @@ class RoundRecorder {
   // The committed checkpoints, oldest first, as of the last commit that ended.
   std::vector<storage::CheckpointRecord> records() const { return committer_->records(); }
 
+  // The last checkpoint committed: how long its commit took (submitted until it ended, on the
+  // recorder's clock) and its bytes. Set before Delegate::OnRecorded() is told of its round.
+  struct CommitStats {
+    Duration took{};
+    uint64_t bytes = 0;
+  };
+  const CommitStats& last_commit() const { return last_commit_; }
+
  private:
   void RecordOrCommit(Round round);
   void Record(const Round& round, const std::string& committed);
@@ -88,7 +96,9 @@ class RoundRecorder {
   const Clock& clock_;
   Delegate& delegate_;
   std::optional<Round> committing_;  // the round whose checkpoint is being committed
-  std::deque<Round> waiting_;        // rounds completed after it, in order
+  TimePoint commit_start_;           // when it was submitted
+  CommitStats last_commit_;
+  std::deque<Round> waiting_;  // rounds completed after it, in order
 };
 
 // The committer's job for a round's checkpoint, named as the ranks asked (checkpoint_dir_name)

@@ -38,6 +38,12 @@ std::string FormatStatus(const StatusView& view, size_t width) {
   std::string line = "[jaxtrain] attempt " + std::to_string(view.attempt) + " | " +
                      std::to_string(view.ranks_up) + "/" + std::to_string(view.world_size) +
                      " ranks up";
+  if (!view.stragglers.empty()) {
+    line += view.stragglers.size() == 1 ? " | straggler: rank " : " | stragglers: ranks ";
+    for (size_t i = 0; i < view.stragglers.size(); ++i) {
+      line += (i ? "," : "") + std::to_string(view.stragglers[i]);
+    }
+  }
   if (view.round > 0) {
     line += " | round " + std::to_string(view.round);
     if (std::string m = Metrics(view.metrics_json); !m.empty()) line += " | " + m;

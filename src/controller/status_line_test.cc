@@ -23,6 +23,15 @@ TEST(StatusLineTest, ShowsTheLastRoundItsScalarMetricsAndTheRate) {
             "phase=warmup ok=true | 3.2 rounds/s");
 }
 
+TEST(StatusLineTest, NamesTheStragglersAfterTheRanksUp) {
+  StatusView v{.attempt = 0, .ranks_up = 4, .world_size = 4, .round = 3, .stragglers = {2}};
+  EXPECT_EQ(FormatStatus(v, 200),
+            "[jaxtrain] attempt 0 | 4/4 ranks up | straggler: rank 2 | round 3");
+  v.stragglers = {1, 3};
+  EXPECT_EQ(FormatStatus(v, 200),
+            "[jaxtrain] attempt 0 | 4/4 ranks up | stragglers: ranks 1,3 | round 3");
+}
+
 TEST(StatusLineTest, IsCutToTheTerminalWidth) {
   StatusView v{.attempt = 0,
                .ranks_up = 1,

@@ -1,0 +1,190 @@
+"""The driver's Prometheus endpoint: the run's metrics in Prometheus' text exposition format
+(version 0.0.4), served at ``http://HOST:PORT/metrics`` while ``fit()`` runs.
+
+Opt-in: ``RunConfig(metrics_port=...)`` or ``JAXTRAIN_METRICS_PORT`` (0: any free port, said on
+stderr). It binds to 127.0.0.1 unless ``JAXTRAIN_METRICS_HOST`` names another address. The
+values come from the controller (``Controller.metrics_json()``, controller/run_metrics.h), read
+at each scrape; the families are listed in docs/observability.md.
+
+One thread, a daemon, serves one request at a time; ``close()`` returns once it has stopped, so
+the controller is never read after it is closed.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+PORT_ENV = "JAXTRAIN_METRICS_PORT"
+HOST_ENV = "JAXTRAIN_METRICS_HOST"
+DEFAULT_HOST = "127.0.0.1"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# The controller's states (RunMetrics::state), each a series of jaxtrain_run_state.
+STATES = ("STARTING", "RUNNING", "STOPPING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
+
+_PORT_RULE = "it must be a port number, 0 to 65535 (0: any free port)"
+
+
+def endpoint(metrics_port: int | None, environ: dict[str, str]) -> tuple[str, int] | None:
+    """Where to serve: RunConfig's ``metrics_port``, else ``JAXTRAIN_METRICS_PORT``; None when
+    neither asks for an endpoint. Raises ValueError for a port that is not one."""
+    port = metrics_port
+    if port is None:
+        text = environ.get(PORT_ENV, "").strip()
+        if not text:
+            return None
+        port = int(text) if text.isdigit() else -1
+        if not 0 <= port <= 65535:
+            raise ValueError(f"{PORT_ENV}={text!r} is not allowed; {_PORT_RULE}; unset it for "
+                             "no metrics endpoint")
+    return environ.get(HOST_ENV, "").strip() or DEFAULT_HOST, port
+
+
+def _label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+
+
+def _number(value: float | int) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+class _Writer:
+    def __init__(self, run: str) -> None:
+        self.run = _label(run)
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str) -> None:
+        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+    def sample(self, name: str, value: float | int, **labels: Any) -> None:
+        text = "".join(f',{k}="{_label(v)}"' for k, v in labels.items())
+        self.lines.append(f'{name}{{run="{self.run}"{text}}} {_number(value)}')
+
+    def summary(self, name: str, help_text: str, d: dict) -> None:
+        self.family(name, "summary", help_text)
+        self.sample(f"{name}_sum", float(d.get("sum_s", 0.0)))
+        self.sample(f"{name}_count", int(d.get("count", 0)))
+
+
+def exposition(m: dict, run: str) -> str:
+    """The text exposition of the controller's metrics ``m`` (RunMetricsJson), every series
+    labelled with the run's name."""
+    w = _Writer(run)
+    state = m.get("state", "STARTING")
+    w.family("jaxtrain_run_state", "gauge",
+             "1 for the run's current state, 0 for the others.")
+    for s in STATES:
+        w.sample("jaxtrain_run_state", int(s == state), state=s)
+    w.family("jaxtrain_attempt", "gauge", "The number of the attempt running or last run.")
+    w.sample("jaxtrain_attempt", m.get("attempt", 0))
+    w.family("jaxtrain_attempts_total", "counter",
+             "Attempts started by this driver, by what started them: start for the first, else "
+             "the cause of the previous attempt's failure.")
+    for cause, n in sorted(m.get("attempts_by_cause", {}).items()):
+        w.sample("jaxtrain_attempts_total", n, cause=cause)
+    w.family("jaxtrain_world_size", "gauge", "Ranks in the worker group.")
+    w.sample("jaxtrain_world_size", m.get("world_size", 0))
+    w.family("jaxtrain_ranks_up", "gauge", "Ranks registered with the controller in this attempt.")
+    w.sample("jaxtrain_ranks_up", m.get("ranks_up", 0))
+    w.family("jaxtrain_reports_total", "counter",
+             "report() calls received from every rank, as of the last round recorded.")
+    w.sample("jaxtrain_reports_total", m.get("reports", 0))
+    w.family("jaxtrain_rounds_total", "counter", "Report rounds recorded by this driver.")
+    w.sample("jaxtrain_rounds_total", m.get("rounds", 0))
+    w.family("jaxtrain_last_round", "gauge",
+             "The run's number of the last report round recorded (0: none yet).")
+    w.sample("jaxtrain_last_round", m.get("last_round", 0))
+    w.summary("jaxtrain_worker_group_start_seconds",
+              "From spawning an attempt's worker group until every rank registered.",
+              m.get("group_start", {}))
+    w.summary("jaxtrain_worker_group_restart_seconds",
+              "From noticing an attempt's failure until the next group's every rank registered.",
+              m.get("restart", {}))
+    w.summary("jaxtrain_checkpoint_commit_seconds",
+              "From a round's checkpoint handed to the committer until it was committed.",
+              m.get("checkpoint_commit", {}))
+    w.family("jaxtrain_checkpoint_committed_bytes_total", "counter",
+             "Bytes of the checkpoints committed by this driver.")
+    w.sample("jaxtrain_checkpoint_committed_bytes_total", m.get("checkpoint_bytes", 0))
+    w.family("jaxtrain_checkpoint_last_size_bytes", "gauge",
+             "Bytes of the last checkpoint committed.")
+    w.sample("jaxtrain_checkpoint_last_size_bytes", m.get("last_checkpoint_bytes", 0))
+    steps = m.get("rank_step_s", [])
+    w.family("jaxtrain_rank_step_time_seconds", "gauge",
+             "Each rank's step time: the median of its last intervals between reports.")
+    for rank, s in enumerate(steps):
+        if s is not None:
+            w.sample("jaxtrain_rank_step_time_seconds", float(s), rank=rank)
+    stragglers = set(m.get("stragglers", []))
+    w.family("jaxtrain_rank_straggler", "gauge",
+             "1 while the rank is a straggler (docs/observability.md), else 0.")
+    for rank in range(len(steps)):
+        w.sample("jaxtrain_rank_straggler", int(rank in stragglers), rank=rank)
+    return "\n".join(w.lines) + "\n"
+
+
+class MetricsServer:
+    """Binds at once (so a taken port fails before the run starts); ``serve`` starts answering
+    scrapes from ``source``, which returns RunMetricsJson ("" while there is none)."""
+
+    def __init__(self, host: str, port: int, run: str) -> None:
+        self.run = run
+        self._source: Callable[[], str] = lambda: ""
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "the metrics are at /metrics")
+                    return
+                body = server.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass  # a scrape a second is not news
+
+        class Server(http.server.HTTPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        try:
+            self._http = Server((host, port), Handler)
+        except OSError as e:
+            raise ValueError(
+                f"cannot serve the run's metrics at {host}:{port}: {e.strerror or e}; choose "
+                f"another {PORT_ENV} (or RunConfig.metrics_port), or 0 for any free port") from e
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._http.server_address[:2]
+        return str(host), int(port)
+
+    def render(self) -> str:
+        text = self._source()
+        return exposition(json.loads(text) if text else {}, self.run)
+
+    def serve(self, source: Callable[[], str]) -> None:
+        self._source = source
+        self._thread = threading.Thread(target=self._http.serve_forever, name="jaxtrain-metrics",
+                                        daemon=True)
+        self._thread.start()
+        host, port = self.address
+        print(f"jaxtrain: metrics at http://{host}:{port}/metrics", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stops serving; once it returns, ``source`` is not called again. Idempotent."""
+        if self._thread is not None:
+            self._http.shutdown()  # returns once the request being answered is done
+            self._thread.join()
+            self._thread = None
+        self._http.server_close()

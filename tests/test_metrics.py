@@ -1,0 +1,223 @@
+"""The driver's Prometheus endpoint: its exposition parsed by prometheus_client's parser, the
+settings refused with a clear error, and a real Prometheus scraping a live two-worker run and
+answering queries about it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, UserCallback
+from jaxtrain.metrics import MetricsServer, endpoint, exposition
+
+SNAPSHOT = {
+    "state": "RUNNING", "attempt": 1, "world_size": 2, "ranks_up": 2, "reports": 40,
+    "rounds": 20, "last_round": 20, "attempts_by_cause": {"start": 1, "exit": 1},
+    "group_start": {"count": 2, "sum_s": 3.5, "last_s": 1.5},
+    "restart": {"count": 1, "sum_s": 2.25, "last_s": 2.25},
+    "checkpoint_commit": {"count": 4, "sum_s": 0.5, "last_s": 0.125},
+    "checkpoint_bytes": 4096, "last_checkpoint_bytes": 1024,
+    "rank_step_s": [0.1, None], "stragglers": [1],
+}
+
+
+def test_the_exposition_parses_with_help_and_type_for_every_family():
+    parser = pytest.importorskip("prometheus_client.parser")
+    text = exposition(SNAPSHOT, 'run "a"\\b')
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    assert families["jaxtrain_reports"].type == "counter"
+    assert families["jaxtrain_attempts"].type == "counter"
+    assert families["jaxtrain_worker_group_start_seconds"].type == "summary"
+    for f in families.values():
+        assert f.documentation, f.name
+        for s in f.samples:
+            assert s.labels["run"] == 'run "a"\\b'
+    values = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "run"))): s.value
+              for f in families.values() for s in f.samples}
+    assert values[("jaxtrain_reports_total", ())] == 40
+    assert values[("jaxtrain_attempts_total", (("cause", "exit"),))] == 1
+    assert values[("jaxtrain_run_state", (("state", "RUNNING"),))] == 1
+    assert values[("jaxtrain_run_state", (("state", "STARTING"),))] == 0
+    assert values[("jaxtrain_worker_group_restart_seconds_sum", ())] == 2.25
+    assert values[("jaxtrain_checkpoint_committed_bytes_total", ())] == 4096
+    assert values[("jaxtrain_rank_step_time_seconds", (("rank", "0"),))] == 0.1
+    assert ("jaxtrain_rank_step_time_seconds", (("rank", "1"),)) not in values  # not known yet
+    assert values[("jaxtrain_rank_straggler", (("rank", "1"),))] == 1
+    # Before the controller has published anything, the families are there with zeros.
+    assert parser.text_string_to_metric_families(exposition({}, "r"))
+
+
+def test_the_port_and_host_settings():
+    assert endpoint(None, {}) is None
+    assert endpoint(None, {"JAXTRAIN_METRICS_PORT": "9100"}) == ("127.0.0.1", 9100)
+    assert endpoint(None, {"JAXTRAIN_METRICS_PORT": "0", "JAXTRAIN_METRICS_HOST": "0.0.0.0"}) \
+        == ("0.0.0.0", 0)
+    assert endpoint(9200, {"JAXTRAIN_METRICS_PORT": "9100"}) == ("127.0.0.1", 9200)
+    for bad in ("http", "-1", "70000"):
+        with pytest.raises(ValueError, match=f"JAXTRAIN_METRICS_PORT='{bad}' is not allowed; it "
+                           "must be a port number, 0 to 65535"):
+            endpoint(None, {"JAXTRAIN_METRICS_PORT": bad})
+    for bad in (-1, 65536, "9100", True):
+        with pytest.raises(ValueError, match="RunConfig.metrics_port=.* is not allowed"):
+            RunConfig(metrics_port=bad)
+    assert RunConfig(metrics_port=0).metrics_port == 0
+
+
+def test_a_taken_port_is_refused_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot serve the run's metrics at 127.0.0.1:{port}"):
+            MetricsServer("127.0.0.1", port, "r")
+
+
+def test_the_server_answers_at_metrics_only():
+    server = MetricsServer("127.0.0.1", 0, "r")
+    server.serve(lambda: json.dumps(SNAPSHOT))
+    try:
+        host, port = server.address
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert 'jaxtrain_reports_total{run="r"} 40' in r.read().decode()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://{host}:{port}/", timeout=10)
+    finally:
+        server.close()
+        server.close()
+
+
+# --- a real Prometheus --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        why = ("Prometheus is not installed: apt-get install -y --no-install-recommends "
+               "prometheus (scripts/setup.sh installs it)")
+        if os.environ.get("JAXTRAIN_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return path
+
+
+class Prometheus:
+    def __init__(self, binary: str, tmp: Path, target: str) -> None:
+        self.port = _free_port()
+        config = tmp / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: jaxtrain\n"
+            f"    static_configs:\n      - targets: ['{target}']\n")
+        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 -- closed in stop()
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for("Prometheus to be ready", self._ready, 30)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, "Prometheus exited; see prometheus.log"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def query(self, promql: str) -> list[dict]:
+        url = (f"http://127.0.0.1:{self.port}/api/v1/query?"
+               + urllib.parse.urlencode({"query": promql}))
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class ReleaseWhenScraped(UserCallback):
+    """Once the run has reported a few rounds, waits (in the driver) until Prometheus holds the
+    run's reports and both ranks' step times, then lets the workers end."""
+
+    def __init__(self, prometheus: Prometheus, run: str, release: Path) -> None:
+        self.prometheus, self.run, self.release = prometheus, run, release
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if run_context.round < 3 or self.release.exists():
+            return
+
+        def scraped():
+            reports = self.prometheus.query(f'jaxtrain_reports_total{{run="{self.run}"}}')
+            steps = self.prometheus.query(
+                f'jaxtrain_rank_step_time_seconds{{run="{self.run}"}}')
+            return reports and float(reports[0]["value"][1]) > 0 and len(steps) == 2
+
+        wait_for("Prometheus to scrape the live run", scraped, 20)
+        self.release.write_text("scraped")
+
+
+def _train(config):
+    import time
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from jaxtrain import report
+
+    x = jnp.ones((4, 4))
+    for step in range(config["max_steps"]):
+        if Path(config["release"]).exists():
+            break
+        x = x @ x / 4.0
+        time.sleep(0.05)  # the step's work
+        report({"step": step, "x": float(x[0, 0])})
+
+
+def test_a_real_prometheus_scrapes_a_live_run(storage, tmp_path, prometheus_binary, monkeypatch):
+    port = _free_port()
+    monkeypatch.setenv("JAXTRAIN_METRICS_PORT", str(port))
+    prometheus = Prometheus(prometheus_binary, tmp_path, f"127.0.0.1:{port}")
+    release = tmp_path / "release"
+    try:
+        result = JaxTrainer(
+            _train, train_loop_config={"max_steps": 400, "release": str(release)},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name="scraped", storage_path=storage,
+                                 callbacks=[ReleaseWhenScraped(prometheus, "scraped", release)]),
+        ).fit()
+        assert result.error is None
+        assert release.exists()
+        # The target is gone now (its series are stale): the run's last values over a range.
+        [reports] = prometheus.query('last_over_time(jaxtrain_reports_total{run="scraped"}[5m])')
+        assert float(reports["value"][1]) > 0
+        steps = prometheus.query(
+            'last_over_time(jaxtrain_rank_step_time_seconds{run="scraped"}[5m])')
+        assert sorted(s["metric"]["rank"] for s in steps) == ["0", "1"]
+        assert all(float(s["value"][1]) > 0 for s in steps)
+        [running] = prometheus.query(
+            'max_over_time(jaxtrain_run_state{run="scraped",state="RUNNING"}[5m])')
+        assert float(running["value"][1]) == 1
+        [started] = prometheus.query(
+            'last_over_time(jaxtrain_attempts_total{run="scraped",cause="start"}[5m])')
+        assert float(started["value"][1]) == 1
+    finally:
+        prometheus.stop()
