@@ -31,7 +31,7 @@ SNAPSHOT = {
 
 
 def test_the_exposition_parses_with_help_and_type_for_every_family():
-    parser = pytest.importorskip("prometheus_client.parser")
+    from prometheus_client import parser
     text = exposition(SNAPSHOT, 'run "a"\\b')
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}
     assert families["jaxtrain_reports"].type == "counter"
