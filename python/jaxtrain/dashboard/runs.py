@@ -79,21 +79,28 @@ class RemoteSource:
         self.where = storage.url(fs, f"{self.base}/{only}" if only else self.base)
         self._lock = threading.Lock()
         self._views: dict[str, tuple[float, str]] = {}  # name -> (when copied, local copy)
+        self._names: tuple[float, list[str]] = (-REMOTE_REFRESH_S, [])  # (when listed, names)
         atexit.register(self.close)
 
     def names(self) -> list[str]:
         if self.only:
             return [self.only]
+        with self._lock:
+            when, names = self._names
+        if time.monotonic() - when < REMOTE_REFRESH_S:
+            return names
+        self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.base, detail=True)
         except FileNotFoundError:
-            return []
-        names = []
-        for entry in entries:
-            path = entry["name"].rstrip("/")
-            if entry["type"] == "directory" and self.fs.exists(f"{path}/run.json"):
-                names.append(path.rsplit("/", 1)[-1])
-        return sorted(names)
+            entries = []
+        names = sorted(
+            entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries
+            if entry["type"] == "directory"
+            and self.fs.exists(f"{entry['name'].rstrip('/')}/run.json"))
+        with self._lock:
+            self._names = (time.monotonic(), names)
+        return names
 
     def run_dir(self, name: str) -> str | None:
         from jaxtrain import storage

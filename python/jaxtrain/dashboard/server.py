@@ -103,10 +103,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: Dashboard
     server_version = "jaxtrain-dashboard"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # a request per second per viewer: not worth a line each
 
-    def do_GET(self) -> None:  # noqa: N802 (the base's name)
+    def do_GET(self) -> None:
         url = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(url.query)
         refused = self._refusal(query)
@@ -119,6 +119,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._api(url.path, query)
         except runs_lib.SourceError as e:
             self._send(503, {"error": str(e)})
+        except OSError as e:  # the storage went away, or an object store did not answer
+            self._send(503, {"error": f"cannot read the runs of {self.server.source.where}: {e}"})
 
     def _refusal(self, query: dict) -> str | None:
         token = self.server.token
@@ -159,12 +161,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             run_dir = self._run_dir(m.group(1))
             if run_dir is None:
                 return
-            rank = int(m.group(2))
-            text = runs_lib.log_tail(run_dir, rank)
-            if text is None:
-                return self._send(404, {"error": f"rank {rank} of run {m.group(1)!r} has no log "
-                                        "(it has printed nothing yet, or there is no such rank)"})
-            return self._send(200, {"rank": rank, "text": text})
+            rank, world_size = int(m.group(2)), runs_lib.read_state(run_dir).get("world_size")
+            if isinstance(world_size, int) and rank >= world_size:
+                return self._send(404, {"error": f"run {urllib.parse.unquote(m.group(1))!r} has "
+                                        f"ranks 0 to {world_size - 1}, not {rank}"})
+            # text None: the rank has printed nothing yet.
+            return self._send(200, {"rank": rank, "text": runs_lib.log_tail(run_dir, rank)})
         if m := _RUN.fullmatch(path):
             run_dir = self._run_dir(m.group(1))
             if run_dir is None:

@@ -271,7 +271,7 @@ async function drawLog(run) {
   const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
   try {
     const data = await getJSON("/api/runs/" + encodeURIComponent(run) + "/logs/" + rank);
-    log.textContent = data.text;
+    log.textContent = data.text ?? "(rank " + rank + " has printed nothing yet)";
   } catch (e) {
     log.textContent = e.message;
   }
