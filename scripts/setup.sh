@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# chromium, chromium-driver: the dashboard's browser test (tests/test_dashboard.py).
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config git libgtest-dev nlohmann-json3-dev
-              libsodium-dev clang-format tcsh)
+              libsodium-dev clang-format tcsh chromium chromium-driver)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
