@@ -408,7 +408,7 @@ def test_logs_of_a_rank_the_run_does_not_have_exit_2(runs):
     assert proc.returncode == 2 and "has ranks 0-1" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "ls", "show", "logs", "metrics"])
+@pytest.mark.parametrize("command", ["run", "ls", "show", "logs", "metrics", "dashboard"])
 def test_every_subcommand_has_help_with_an_example_and_exit_codes(command, capsys):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out

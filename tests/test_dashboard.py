@@ -33,7 +33,7 @@ from jaxtrain import (
 )
 from jaxtrain.cli import main as cli_main
 from jaxtrain.dashboard import Dashboard, open_source
-from jaxtrain.dashboard.runs import progress
+from jaxtrain.dashboard.runs import progress, thinned
 
 pytest_plugins = ["s3_server"]
 
@@ -199,6 +199,13 @@ def test_progress_and_eta_come_from_step_and_total_steps():
     no_total = [{"round": 1, "time": 1.0, "metrics": {"step": 3}}]
     assert progress(no_total, attempts, 2.0)["eta_s"] is None
     assert progress([], attempts, 2.0)["round"] == 0
+
+
+def test_a_long_run_sends_every_nth_round_and_always_the_last():
+    rounds = [{"round": i} for i in range(1, 10_001)]
+    sent = [r["round"] for r in thinned(rounds, most=1000)]
+    assert sent[:3] == [1, 11, 21] and sent[-1] == 10_000 and len(sent) == 1001
+    assert thinned(rounds[:5], most=1000) == rounds[:5]
 
 
 def test_a_token_is_checked_on_every_request(finished_run):

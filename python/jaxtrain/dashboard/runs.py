@@ -25,6 +25,8 @@ STEP_METRIC = "step"
 TOTAL_METRIC = "total_steps"
 # Rounds of the current attempt the ETA's pace is measured over (the latest ones).
 ETA_WINDOW_ROUNDS = 50
+# The most rounds one answer sends: a long run's curve is drawn from every n-th round.
+MAX_ROUNDS_SENT = 5000
 # How old a remote run's local copy may get before it is read again.
 REMOTE_REFRESH_S = 5.0
 # What a log tail holds at most.
@@ -289,11 +291,19 @@ def detail(name: str, run_dir: str, rounds: list[dict], remote: bool, now: float
         "metrics": [{"round": r.get("round"), "time": r.get("time"),
                      "metrics": {k: v for k, v in flatten(r.get("metrics")).items()
                                  if _number(v) is not None}}
-                    for r in rounds if (r.get("round") or 0) > since],
+                    for r in thinned([r for r in rounds if (r.get("round") or 0) > since])],
         "checkpoints": checkpoints(run_dir, state),
         "goodput": goodput(run_dir, state),
     })
     return out
+
+
+def thinned(rounds: list[dict], most: int = MAX_ROUNDS_SENT) -> list[dict]:
+    """At most about `most` of `rounds`, evenly spaced, the last always among them."""
+    if len(rounds) <= most:
+        return rounds
+    stride = -(-len(rounds) // most)
+    return rounds[:-1:stride] + rounds[-1:]
 
 
 def _attempt(a: dict) -> dict:
