@@ -141,7 +141,8 @@ def test_the_api_shows_a_finished_run_and_never_writes_to_it(finished_run):
         [run] = listing["runs"]
         assert (run["name"], run["status"], run["attempts"], run["world_size"]) == (
             "done", "FINISHED", 2, 2)
-        assert run["progress"]["step"] == 5 and run["progress"]["total"] == 6
+        assert (run["progress"]["done"], run["progress"]["total"]) == (6, 6)
+        assert run["progress"]["fraction"] == 1.0
         assert run["progress"]["eta_s"] is None  # finished: nothing left to wait for
 
         status, detail, _ = get(f"{url}/api/runs/done")
@@ -191,11 +192,14 @@ def test_progress_and_eta_come_from_step_and_total_steps():
     rounds = [{"round": i + 1, "time": 100.0 + 2 * i,
                "metrics": {"step": i, "total_steps": 50}} for i in range(10)]
     p = progress(rounds, attempts, now=120.0)
-    assert (p["step"], p["total"], p["fraction"]) == (9, 50, pytest.approx(0.18))
-    assert p["eta_s"] == pytest.approx(41 * 2.0)  # 41 steps left at 2 s a step
+    # Steps 0-9 are done: 10 of 50.
+    assert (p["step"], p["done"], p["total"]) == (9, 10, 50)
+    assert p["fraction"] == pytest.approx(0.2)
+    assert p["eta_s"] == pytest.approx(40 * 2.0)  # 40 steps left at 2 s a step
     # The pace is the current attempt's: rounds before a restart do not count.
-    p = progress(rounds, [{"start_time": 100.0}, {"start_time": 115.0}], now=120.0)
-    assert p["eta_s"] == pytest.approx(41 * 2.0)
+    slower = rounds[:5] + [{**r, "time": r["time"] + 10 * i} for i, r in enumerate(rounds[5:])]
+    p = progress(slower, [{"start_time": 100.0}, {"start_time": slower[5]["time"]}], now=200.0)
+    assert p["eta_s"] == pytest.approx(40 * 12.0)
     no_total = [{"round": 1, "time": 1.0, "metrics": {"step": 3}}]
     assert progress(no_total, attempts, 2.0)["eta_s"] is None
     assert progress([], attempts, 2.0)["round"] == 0
@@ -273,6 +277,8 @@ def test_a_run_on_the_s3_server(bucket, tmp_path):
         assert len(detail["metrics"]) == 6
         assert any(c["best"] for c in detail["checkpoints"])
         assert "died on purpose" in get(f"{url}/api/runs/remote/logs/1")[1]["text"]
+    with serving(f"s3://{bucket}/runs/remote") as url:
+        assert [r["name"] for r in get(f"{url}/api/runs")[1]["runs"]] == ["remote"]
 
 
 # --- in a real browser --------------------------------------------------------------------------

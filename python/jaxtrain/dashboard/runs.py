@@ -19,8 +19,8 @@ from typing import Any
 
 from jaxtrain.result import flatten
 
-# The metric names of progress: rank 0 reports its position as `step` and the run's length as
-# `total_steps` (docs/dashboard.md); the ETA needs both.
+# The metric names of progress: rank 0 reports its position as `step` (from 0) and the run's
+# length as `total_steps` (docs/dashboard.md); the ETA needs both.
 STEP_METRIC = "step"
 TOTAL_METRIC = "total_steps"
 # Rounds of the current attempt the ETA's pace is measured over (the latest ones).
@@ -225,18 +225,20 @@ def _parse_rounds(data: bytes) -> list[dict]:
 
 
 def progress(rounds: list[dict], attempts: list[dict], now: float) -> dict:
-    """Rank 0's position (`step`, else the round), the total when it reports `total_steps`, and
-    the ETA: the steps left at the pace of the current attempt's latest rounds."""
+    """Rank 0's position (`step`, counted from 0, so `done` = step + 1 steps are done; without
+    it, the round), the run's length when it reports `total_steps`, and the ETA: the steps left
+    at the pace of the current attempt's latest rounds."""
+    out = {"round": rounds[-1].get("round") if rounds else 0, "step": None, "done": None,
+           "total": None, "fraction": None, "eta_s": None}
     if not rounds:
-        return {"round": 0, "step": None, "total": None, "fraction": None, "eta_s": None}
+        return out
     last = flatten(rounds[-1].get("metrics"))
     step = _number(last.get(STEP_METRIC))
     total = _number(last.get(TOTAL_METRIC))
-    out = {"round": rounds[-1].get("round"), "step": step, "total": total, "fraction": None,
-           "eta_s": None}
+    out.update(step=step, done=step + 1 if step is not None else None, total=total)
     if step is None or total is None or total <= 0:
         return out
-    out["fraction"] = min(1.0, max(0.0, step / total))
+    out["fraction"] = min(1.0, max(0.0, (step + 1) / total))
     began = max((a.get("start_time") or 0.0 for a in attempts), default=0.0)
     recent = [r for r in rounds[-ETA_WINDOW_ROUNDS:] if (r.get("time") or 0.0) >= began]
     if len(recent) >= 2:
@@ -244,7 +246,7 @@ def progress(rounds: list[dict], attempts: list[dict], now: float) -> dict:
         steps = step - first_step if first_step is not None else 0
         seconds = recent[-1]["time"] - recent[0]["time"]
         if steps > 0 and seconds > 0:
-            out["eta_s"] = max(0.0, (total - step) * seconds / steps)
+            out["eta_s"] = max(0.0, (total - step - 1) * seconds / steps)
     return out
 
 

@@ -62,7 +62,7 @@ function progressCell(p) {
     return el("span", {}, p && p.step !== null ? "step " + p.step : "round " + (p ? p.round : 0));
   }
   const bar = el("span", { class: "bar" }, el("span", { style: "width:" + (100 * p.fraction) + "%" }));
-  return el("span", {}, bar, p.step + " / " + p.total + " (" + Math.round(100 * p.fraction) + "%)");
+  return el("span", {}, bar, p.done + " / " + p.total + " (" + Math.round(100 * p.fraction) + "%)");
 }
 
 async function getJSON(url) {
