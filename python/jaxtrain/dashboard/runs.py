@@ -256,11 +256,15 @@ def _number(v: Any) -> float | None:
     return v
 
 
-def summary(name: str, run_dir: str, rounds: list[dict], remote: bool, now: float) -> dict:
-    """What the list of runs shows of one run."""
-    state = read_state(run_dir)
+def summary(name: str, run_dir: str, rounds: list[dict], remote: bool, now: float,
+            state: dict | None = None) -> dict:
+    """What the list of runs shows of one run (`state`: its run.json, if already read)."""
+    state = read_state(run_dir) if state is None else state
     shown, driver = status(run_dir, state, remote)
     attempts = [a for a in state.get("attempts", []) if isinstance(a, dict)]
+    position = progress(rounds, attempts, now)
+    if shown != "RUNNING":
+        position["eta_s"] = None  # nothing is left to wait for
     return {
         "name": name,
         "status": shown,
@@ -272,8 +276,7 @@ def summary(name: str, run_dir: str, rounds: list[dict], remote: bool, now: floa
         "rounds": len(rounds),
         "start_time": state.get("start_time"),
         "end_time": state.get("end_time"),
-        "progress": progress(rounds, attempts, now) if shown == "RUNNING" else
-        {**progress(rounds, attempts, now), "eta_s": None},
+        "progress": position,
         "last_metrics": rounds[-1].get("metrics") if rounds else None,
     }
 
@@ -283,7 +286,7 @@ def detail(name: str, run_dir: str, rounds: list[dict], remote: bool, now: float
     """Everything the run's page shows. `since`: the rounds already shown (those with a number
     above it are sent)."""
     state = read_state(run_dir)
-    out = summary(name, run_dir, rounds, remote, now)
+    out = summary(name, run_dir, rounds, remote, now, state)
     attempts = [a for a in state.get("attempts", []) if isinstance(a, dict)]
     out.update({
         "now": now,
