@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import textwrap
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -247,9 +249,10 @@ def _start_cli(*args: str) -> tuple[subprocess.Popen, str]:
 def test_bound_elsewhere_the_command_makes_a_token_and_prints_it(finished_run):
     proc, url = _start_cli(str(finished_run), "--host", "0.0.0.0", "--port", "0")
     try:
-        assert "?token=" in url
-        base, token = url.split("/?token=")
-        base = base.replace("0.0.0.0", "127.0.0.1")
+        parts = urllib.parse.urlsplit(url)
+        assert parts.hostname == socket.gethostname()
+        token = urllib.parse.parse_qs(parts.query)["token"][0]
+        base = f"http://127.0.0.1:{parts.port}"
         assert get(f"{base}/api/runs")[0] == 401
         assert get(f"{base}/api/runs?token={token}")[0] == 200
     finally:

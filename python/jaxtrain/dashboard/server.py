@@ -93,7 +93,10 @@ class Dashboard(http.server.ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        """The page's URL, with the token; bound to every address, named by this host's name."""
         host, port = self.server_address[:2]
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
         shown = f"[{host}]" if ":" in host else host
         query = f"?token={self.token}" if self.token else ""
         return f"http://{shown}:{port}/{query}"
