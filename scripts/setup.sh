@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# prometheus: the metrics endpoint scraped for real (tests/test_metrics.py); chromium,
+# chromium-driver: the dashboard's browser test (tests/test_dashboard.py).
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config git libgtest-dev nlohmann-json3-dev
-              libsodium-dev clang-format tcsh prometheus)
+              libsodium-dev clang-format tcsh prometheus chromium chromium-driver)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

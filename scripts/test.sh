@@ -37,5 +37,5 @@ echo "      2 minutes on a fresh 2-core machine, then cached; scripts/stores/fak
 
 echo "test: Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)"
 export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1 JAXTRAIN_REQUIRE_GCS=1 JAXTRAIN_REQUIRE_SSH=1 \
-       JAXTRAIN_REQUIRE_PROMETHEUS=1
+       JAXTRAIN_REQUIRE_PROMETHEUS=1 JAXTRAIN_REQUIRE_BROWSER=1
 .venv/bin/python -m pytest tests

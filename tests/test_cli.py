@@ -227,8 +227,10 @@ def test_run_keeps_a_live_status_line_on_a_terminal_and_none_on_a_pipe(tmp_path)
     # Rank output is written on a fresh line, with the status line redrawn below it.
     assert re.search(r"\r\x1b\[K\(rank=[01]\) training step 2\r?\n\[jaxtrain\] attempt 0",
                      out), out
-    # The status line is erased at the end, before the closing message.
-    assert re.search(r"\r\x1b\[Kjaxtrain: run 'tty' finished", out), out[-500:]
+    # The status line is erased at the end, before the closing messages (fit()'s goodput line,
+    # then the command's).
+    assert re.search(r"\r\x1b\[Kjaxtrain: goodput [^\r\n]*\r?\njaxtrain: run 'tty' finished",
+                     out), out[-500:]
 
     piped = jaxtrain("run", "-n", "2", "--storage-path", tmp_path / "runs", "--name", "pipe",
                      script)
@@ -408,7 +410,7 @@ def test_logs_of_a_rank_the_run_does_not_have_exit_2(runs):
     assert proc.returncode == 2 and "has ranks 0-1" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "ls", "show", "logs", "metrics"])
+@pytest.mark.parametrize("command", ["run", "ls", "show", "logs", "metrics", "dashboard"])
 def test_every_subcommand_has_help_with_an_example_and_exit_codes(command, capsys):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out

@@ -984,6 +984,14 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
         {"restored_from", restore_from.empty() ? nlohmann::json() : nlohmann::json(restore_from)}};
     // The times python/jaxtrain/goodput.py splits the attempt by (docs/observability.md).
     if (attempt_ready_time > 0) a["ready_time"] = attempt_ready_time;
+    // Each rank's host: where it registered from, else where the plan put it.
+    nlohmann::json hosts = nlohmann::json::array();
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      hosts.push_back(!ranks[r].host.empty()         ? ranks[r].host
+                      : r < opts.plan.workers.size() ? opts.plan.workers[r].host
+                                                     : std::string());
+    }
+    a["hosts"] = std::move(hosts);
     if (status != "RUNNING") a["end_time"] = ctl.clock_.UnixSeconds();
     if (failure) {
       a["failure"] = FailureState(*failure);

@@ -380,6 +380,10 @@ TEST_F(ControllerTest, AKilledRankIsBlamedOverAPeerThatNoticedItFirst) {
                        "peer of the collective is gone"))
       << out.failure->message;
   EXPECT_EQ(RunState()["attempts"][0]["failure"].value("rank", -1), 2);
+  // Each rank's host is recorded with the attempt (the dashboard shows it).
+  const json hosts = RunState()["attempts"][0]["hosts"];
+  ASSERT_EQ(hosts.size(), 4u) << hosts;
+  for (const json& host : hosts) EXPECT_FALSE(host.get<std::string>().empty()) << hosts;
   ExpectWorkersGone(WorkerPids(4));
 }
 

@@ -1,7 +1,7 @@
 """The ``jaxtrain`` command: run an unmodified JAX script SPMD, and inspect runs.
 
     jaxtrain run -n 4 train.py --lr 3e-4     # like torchrun, on the same engine as JaxTrainer
-    jaxtrain ls | show RUN | logs RUN -f | metrics RUN --csv
+    jaxtrain ls | show RUN | logs RUN -f | metrics RUN --csv | dashboard [STORAGE_PATH]
 
 ``run`` is a second front door to ``JaxTrainer``: its training function is ``run_script``, which
 runs the script as ``__main__`` in every worker (jax.distributed already initialised). The other
@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from jaxtrain.cli import dashboard
 from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from jaxtrain.cli.launch import cmd_plan, cmd_run, cmd_status, cmd_submit
 from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_show
@@ -259,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     form.add_argument("--json", action="store_true", help="JSON Lines")
     metrics.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
     metrics.set_defaults(handler=cmd_metrics)
+
+    dashboard.add_parser(commands, formatter, _EXIT_CODES)
     return parser
 
 
