@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_command, start_driver
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "kubernetes" / "cluster.sh"
 STATE = Path(os.environ.get("JAXTRAIN_K8S_STATE", "/tmp/jaxtrain-k8s"))
@@ -76,13 +78,14 @@ class KubernetesCluster:
         return env
 
     def popen(self, argv: list[str], env: dict[str, str], cwd: Path, **kw) -> subprocess.Popen:
-        """Starts `argv` on the node's network."""
-        return subprocess.Popen([str(SCRIPT), "exec", *argv], env=env, cwd=cwd, **kw)
+        """Starts the driver `argv` on the node's network (conftest.start_driver)."""
+        return start_driver([str(SCRIPT), "exec", *argv], env=env, cwd=cwd, **kw)
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path,
             timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([str(SCRIPT), "exec", *argv], env=env, cwd=cwd,
-                              capture_output=True, text=True, timeout=timeout)
+        """Runs the driver `argv` on the node's network (conftest.run_command)."""
+        return run_command([str(SCRIPT), "exec", *argv], env=env, cwd=cwd,
+                           capture_output=True, text=True, timeout=timeout)
 
     def objects(self, namespace: str) -> list[str]:
         """What is left in `namespace` of a run: JobSets, Jobs, pods, Secrets, Services."""

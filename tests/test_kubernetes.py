@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from conftest import wait_for
+from conftest import run_command, wait_for
 from jaxtrain import ScalingConfig, _core
 from seed_program import SEED, with_psum_first
 
@@ -167,14 +167,58 @@ KILLABLE = textwrap.dedent('''
 ''')
 
 
+TPU_ENVIRONMENT = """
+import json, os, sys
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, get_context
+name = sys.argv[1]
+def train():
+    rank = get_context().get_world_rank()
+    seen = {k: v for k, v in os.environ.items() if k.startswith(("TPU_", "MEGASCALE_"))}
+    os.makedirs(os.path.join(os.getcwd(), "seen", name), exist_ok=True)
+    with open(os.path.join(os.getcwd(), "seen", name, f"{rank}.json"), "w") as f:
+        json.dump(seen, f)
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=4, use_tpu=True, topology="4x4",
+                                               accelerator_type="TPU-V6E"),
+           run_config=RunConfig(name=name, storage_path=os.getcwd())).fit()
+"""
+
+
+def test_a_simulated_tpu_pod_sees_the_tpu_environment_of_a_local_simulated_worker(
+        kubernetes_cluster, workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    (workdir / "driver.py").write_text(TPU_ENVIRONMENT)
+    env = k.driver_env(ns, workdir, JAXTRAIN_SIMULATE="1")
+    local = run_command([PY, "driver.py", "local"], cwd=workdir, capture_output=True, text=True,
+                        timeout=300, env={**env, "JAXTRAIN_LAUNCHER": "local"})
+    assert local.returncode == 0, local.stderr[-3000:]
+    _label_node_as_tpu_slice(k, "tpu-v6e-slice", "4x4", 16)
+    try:
+        proc = k.run([PY, "driver.py", "pods"], env, workdir)
+    finally:
+        _unlabel_node(k)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    def seen(name: str) -> list[dict]:
+        return [json.loads((workdir / "seen" / name / f"{r}.json").read_text()) for r in range(4)]
+
+    on_pods, local_workers = seen("pods"), seen("local")
+    for name in ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY"):
+        assert [w.get(name) for w in on_pods] == [w.get(name) for w in local_workers], name
+    assert [w["TPU_WORKER_ID"] for w in on_pods] == ["0", "1", "2", "3"]
+    assert {w["TPU_ACCELERATOR_TYPE"] for w in on_pods} == {"v6e-16"}
+    assert on_pods == local_workers  # and every other TPU_ or MEGASCALE_ variable alike
+    assert k.objects(ns) == []
+
+
 def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster, workdir):
     k = kubernetes_cluster
     ns = k.namespace()
     (workdir / "train.py").write_text(KILLABLE)
     # The undisturbed run, for the final metrics to compare with (local workers: the same math).
-    local = subprocess.run([PY, "train.py", "keep", "undisturbed"], cwd=workdir,
-                           capture_output=True, text=True, timeout=300,
-                           env={**k.driver_env(ns, workdir), "JAXTRAIN_LAUNCHER": "local"})
+    local = run_command([PY, "train.py", "keep", "undisturbed"], cwd=workdir,
+                        capture_output=True, text=True, timeout=300,
+                        env={**k.driver_env(ns, workdir), "JAXTRAIN_LAUNCHER": "local"})
     assert local.returncode == 0, local.stderr[-3000:]
     expected = json.loads(local.stdout.split("FINAL ", 1)[1])
 

@@ -170,8 +170,132 @@ def channel_accept(fd: int, secret: bytes, purpose: str, me: str, initiators: Se
     The accepting end's handshake on the accepted socket `fd`, all of it within `timeout_s`: accepts an end in `initiators` (any when empty) that proves it holds `secret` and means `me` for `purpose`; the channel's `peer` is its name.
     """
 
+class ControllerOptions:
+    """The options of Controller(**options), one field each."""
+
+    def __init__(self) -> None: ...
+
+    @property
+    def run_dir(self) -> str: ...
+
+    @run_dir.setter
+    def run_dir(self, arg: str, /) -> None: ...
+
+    @property
+    def experiment_name(self) -> str: ...
+
+    @experiment_name.setter
+    def experiment_name(self, arg: str, /) -> None: ...
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @plan.setter
+    def plan(self, arg: Plan, /) -> None: ...
+
+    @property
+    def worker_argv(self) -> list[str]: ...
+
+    @worker_argv.setter
+    def worker_argv(self, arg: Sequence[str], /) -> None: ...
+
+    @property
+    def worker_cwd(self) -> str: ...
+
+    @worker_cwd.setter
+    def worker_cwd(self, arg: str, /) -> None: ...
+
+    @property
+    def worker_env(self) -> dict[str, str]: ...
+
+    @worker_env.setter
+    def worker_env(self, arg: Mapping[str, str], /) -> None: ...
+
+    @property
+    def payload(self) -> bytes: ...
+
+    @payload.setter
+    def payload(self, arg: bytes, /) -> None: ...
+
+    @property
+    def run_config_json(self) -> str: ...
+
+    @run_config_json.setter
+    def run_config_json(self, arg: str, /) -> None: ...
+
+    @property
+    def terminate_grace_s(self) -> float: ...
+
+    @terminate_grace_s.setter
+    def terminate_grace_s(self, arg: float, /) -> None: ...
+
+    @property
+    def start_timeout_s(self) -> float: ...
+
+    @start_timeout_s.setter
+    def start_timeout_s(self, arg: float, /) -> None: ...
+
+    @property
+    def failure_config(self) -> FailureConfig | None: ...
+
+    @failure_config.setter
+    def failure_config(self, arg: FailureConfig | None, /) -> None: ...
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig | None: ...
+
+    @checkpoint_config.setter
+    def checkpoint_config(self, arg: CheckpointConfig | None, /) -> None: ...
+
+    @property
+    def verify_checksums(self) -> bool: ...
+
+    @verify_checksums.setter
+    def verify_checksums(self, arg: bool, /) -> None: ...
+
+    @property
+    def console_fd(self) -> int: ...
+
+    @console_fd.setter
+    def console_fd(self, arg: int, /) -> None: ...
+
+    @property
+    def launcher(self) -> str:
+        """'local', 'slurm', 'ssh' or 'kubernetes'"""
+
+    @launcher.setter
+    def launcher(self, arg: str, /) -> None: ...
+
+    @property
+    def scaling_config(self) -> ScalingConfig | None:
+        """required by every launcher but 'local'"""
+
+    @scaling_config.setter
+    def scaling_config(self, arg: ScalingConfig | None, /) -> None: ...
+
+    @property
+    def status_line(self) -> bool: ...
+
+    @status_line.setter
+    def status_line(self, arg: bool, /) -> None: ...
+
+    @property
+    def launcher_options_json(self) -> str: ...
+
+    @launcher_options_json.setter
+    def launcher_options_json(self, arg: str, /) -> None: ...
+
+    @property
+    def memory_store(self) -> str: ...
+
+    @memory_store.setter
+    def memory_store(self, arg: str, /) -> None: ...
+
 class Controller:
-    def __init__(self, run_dir: str, experiment_name: str, plan: Plan, worker_argv: Sequence[str], worker_cwd: str, worker_env: Mapping[str, str], payload: bytes, run_config_json: str, terminate_grace_s: float, start_timeout_s: float, failure_config: FailureConfig, checkpoint_config: CheckpointConfig, verify_checksums: bool, console_fd: int, launcher: str = 'local', scaling_config: ScalingConfig | None = None, status_line: bool = False, launcher_options_json: str = '', memory_store: str = '') -> None: ...
+    def __init__(self, **kwargs) -> None:
+        """
+        Controller(**options): the fields of ControllerOptions by name; an unknown option, or a missing one that the run needs, is a TypeError naming it.
+        """
 
     def start(self) -> None: ...
 

@@ -124,6 +124,15 @@ def _place_from_kubernetes() -> None:
     os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = "1"
 
 
+def _take_rank_env() -> None:
+    """Sets this rank's own entry of JAXTRAIN_RANK_ENV: what the placement gives each rank (a
+    simulated TPU worker's TPU_WORKER_ID, ...) where one command starts every rank (Slurm,
+    Kubernetes; src/launch/launcher.h, MergeUniform)."""
+    table = os.environ.pop("JAXTRAIN_RANK_ENV", "")
+    if table:
+        os.environ.update(json.loads(table).get(os.environ["JAXTRAIN_RANK"], {}))
+
+
 COMPILATION_CACHE_DIR = "compilation-cache"
 
 
@@ -503,6 +512,7 @@ def main() -> None:
 
     _place_from_slurm()
     _place_from_kubernetes()
+    _take_rank_env()
     rank = _env_int("JAXTRAIN_RANK")
     attempt = _env_int("JAXTRAIN_ATTEMPT")
     world_size = _env_int("JAXTRAIN_WORLD_SIZE")

@@ -130,44 +130,68 @@ nb::dict FailureToDict(const controller::RankFailure& f) {
   return d;
 }
 
+// What fit() gives the controller (python/jaxtrain/trainer.py), by name: Controller(**options),
+// each option a field of ControllerOptions. A new option is a field here, its line in the
+// binding of ControllerOptions, and where PyController hands it on.
+struct PyControllerOptions {
+  std::string run_dir;
+  std::string experiment_name;
+  placement::Plan plan;
+  std::vector<std::string> worker_argv;
+  std::string worker_cwd;
+  std::map<std::string, std::string> worker_env;
+  nb::bytes payload = nb::bytes("", 0);
+  std::string run_config_json;
+  double terminate_grace_s = 0;
+  double start_timeout_s = 0;
+  std::optional<config::FailureConfig> failure_config;
+  std::optional<config::CheckpointConfig> checkpoint_config;
+  bool verify_checksums = true;
+  int console_fd = -1;
+  std::string launcher = "local";
+  std::optional<config::ScalingConfig> scaling_config;
+  bool status_line = false;
+  std::string launcher_options_json;
+  std::string memory_store;
+};
+// The options Controller() must be given.
+constexpr const char* kRequiredControllerOptions[] = {
+    "run_dir",           "experiment_name", "plan",           "worker_argv",
+    "worker_cwd",        "worker_env",      "payload",        "run_config_json",
+    "terminate_grace_s", "start_timeout_s", "failure_config", "checkpoint_config",
+    "verify_checksums",  "console_fd"};
+
 class PyController {
  public:
-  PyController(std::string run_dir, std::string experiment_name, const placement::Plan& plan,
-               std::vector<std::string> worker_argv, std::string worker_cwd,
-               std::map<std::string, std::string> worker_env, nb::bytes payload,
-               std::string run_config_json, double terminate_grace_s, double start_timeout_s,
-               const config::FailureConfig& failure_config,
-               const config::CheckpointConfig& checkpoint_config, bool verify_checksums,
-               int console_fd, std::string launcher,
-               std::optional<config::ScalingConfig> scaling_config, bool status_line,
-               std::string launcher_options_json, std::string memory_store)
-      : launcher_(std::move(launcher)),
-        scaling_config_(std::move(scaling_config)),
-        host_wait_(Seconds(failure_config.unreachable_host_timeout_s())) {
+  explicit PyController(PyControllerOptions a)
+      : launcher_(std::move(a.launcher)),
+        scaling_config_(std::move(a.scaling_config)),
+        host_wait_(Seconds(a.failure_config->unreachable_host_timeout_s())) {
     controller::ControllerOptions& o = options_;
-    o.run_dir = std::move(run_dir);
-    o.experiment_name = std::move(experiment_name);
-    o.plan = plan;
-    o.worker_argv = std::move(worker_argv);
-    o.worker_cwd = std::move(worker_cwd);
-    o.worker_env = std::move(worker_env);
-    o.payload = std::string(payload.c_str(), payload.size());
-    o.run_config = nlohmann::json::parse(run_config_json, nullptr, false);
-    o.terminate_grace = Seconds(terminate_grace_s);
-    o.start_timeout = Seconds(start_timeout_s);
+    o.run_dir = std::move(a.run_dir);
+    o.experiment_name = std::move(a.experiment_name);
+    o.plan = a.plan;
+    o.worker_argv = std::move(a.worker_argv);
+    o.worker_cwd = std::move(a.worker_cwd);
+    o.worker_env = std::move(a.worker_env);
+    o.payload = std::string(a.payload.c_str(), a.payload.size());
+    o.run_config = nlohmann::json::parse(a.run_config_json, nullptr, false);
+    o.terminate_grace = Seconds(a.terminate_grace_s);
+    o.start_timeout = Seconds(a.start_timeout_s);
+    const config::FailureConfig& failure_config = *a.failure_config;
     o.progress_timeout = Seconds(failure_config.progress_timeout_s().value_or(0));
     o.max_failures = failure_config.max_failures();
     o.max_start_failures = failure_config.controller_failure_limit();
     o.max_preemptions = failure_config.max_preemption_failures();
     o.preemption_grace = Seconds(failure_config.preemption_grace_s());
-    const auto& cc = checkpoint_config.input();
+    const auto& cc = a.checkpoint_config->input();
     o.retention = {.num_to_keep = cc.num_to_keep,
                    .score_attribute = cc.checkpoint_score_attribute,
-                   .higher_is_better = checkpoint_config.higher_is_better()};
-    o.verify_checksums = verify_checksums;
-    o.memory_store = std::move(memory_store);
-    o.status_line = status_line;
-    o.console_fd = console_fd;
+                   .higher_is_better = a.checkpoint_config->higher_is_better()};
+    o.verify_checksums = a.verify_checksums;
+    o.memory_store = std::move(a.memory_store);
+    o.status_line = a.status_line;
+    o.console_fd = a.console_fd;
     if (launcher_ == "local") {
       // Warm workers (docs/warm-workers.md) unless JAXTRAIN_WARM_WORKERS=0; refused here, before
       // anything starts, when it is neither.
@@ -178,7 +202,7 @@ class PyController {
     } else if (launcher_ == "kubernetes" && scaling_config_) {
       // The workers run in pods: the command of the image, the listen address the Python layer
       // chose (one the pods reach), no working directory of this host.
-      auto json = nlohmann::json::parse(launcher_options_json, nullptr, false);
+      auto json = nlohmann::json::parse(a.launcher_options_json, nullptr, false);
       launch::KubernetesOptions k = Unwrap(launch::KubernetesOptions::FromJson(json));
       if (json.contains("listen_host") && json["listen_host"].is_string()) {
         o.listen_host = json["listen_host"].get<std::string>();
@@ -187,13 +211,55 @@ class PyController {
       o.worker_cwd.clear();
       controller_ = std::make_unique<controller::Controller>(
           std::move(o),
-          std::make_unique<launch::KubernetesLauncher>(std::move(k), *scaling_config_, plan));
+          std::make_unique<launch::KubernetesLauncher>(std::move(k), *scaling_config_, a.plan));
     } else if ((launcher_ != "slurm" && launcher_ != "ssh") || !scaling_config_) {
       PyErr_SetString(PyExc_ValueError,
                       "launcher must be 'local', or 'slurm', 'ssh' or 'kubernetes' with "
                       "scaling_config");
       throw nb::python_error();
     }
+  }
+
+  // Controller(**options): each keyword sets the field of ControllerOptions of its name, with
+  // that field's type check; an unknown or missing option is a TypeError naming it.
+  static void Init(PyController* self, nb::kwargs kwargs) {
+    nb::object options = nb::cast(PyControllerOptions());
+    nb::handle type = nb::type<PyControllerOptions>();
+    for (auto [name, value] : kwargs) {
+      nb::object field = nb::getattr(type, name, nb::none());
+      if (PyObject_IsInstance(field.ptr(), reinterpret_cast<PyObject*>(&PyProperty_Type)) != 1) {
+        PyErr_Format(PyExc_TypeError,
+                     "Controller() got an unknown option '%U'; the options are the fields of "
+                     "jaxtrain._core.ControllerOptions",
+                     name.ptr());
+        throw nb::python_error();
+      }
+      try {
+        nb::setattr(options, name, value);
+      } catch (nb::python_error& e) {
+        if (!e.matches(PyExc_TypeError)) throw;
+        PyErr_Format(PyExc_TypeError,
+                     "Controller() option '%U' does not take %R (%s); its type is that of the "
+                     "field of jaxtrain._core.ControllerOptions",
+                     name.ptr(), value.ptr(), Py_TYPE(value.ptr())->tp_name);
+        throw nb::python_error();
+      }
+    }
+    for (const char* name : kRequiredControllerOptions) {
+      if (!kwargs.contains(name)) {
+        PyErr_Format(PyExc_TypeError, "Controller() is missing the option '%s'", name);
+        throw nb::python_error();
+      }
+    }
+    PyControllerOptions given = nb::cast<PyControllerOptions>(options);
+    for (const auto& [name, set] : {std::pair{"failure_config", given.failure_config.has_value()},
+                                    {"checkpoint_config", given.checkpoint_config.has_value()}}) {
+      if (!set) {
+        PyErr_Format(PyExc_TypeError, "Controller() option '%s' is None", name);
+        throw nb::python_error();
+      }
+    }
+    new (self) PyController(std::move(given));
   }
 
   void Start() {
@@ -871,17 +937,35 @@ NB_MODULE(_core, m) {
       "accepts an end in `initiators` (any when empty) that proves it holds `secret` and means "
       "`me` for `purpose`; the channel's `peer` is its name.");
 
+  nb::class_<PyControllerOptions>(m, "ControllerOptions",
+                                  "The options of Controller(**options), one field each.")
+      .def(nb::init<>())
+      .def_rw("run_dir", &PyControllerOptions::run_dir)
+      .def_rw("experiment_name", &PyControllerOptions::experiment_name)
+      .def_rw("plan", &PyControllerOptions::plan)
+      .def_rw("worker_argv", &PyControllerOptions::worker_argv)
+      .def_rw("worker_cwd", &PyControllerOptions::worker_cwd)
+      .def_rw("worker_env", &PyControllerOptions::worker_env)
+      .def_rw("payload", &PyControllerOptions::payload)
+      .def_rw("run_config_json", &PyControllerOptions::run_config_json)
+      .def_rw("terminate_grace_s", &PyControllerOptions::terminate_grace_s)
+      .def_rw("start_timeout_s", &PyControllerOptions::start_timeout_s)
+      .def_rw("failure_config", &PyControllerOptions::failure_config)
+      .def_rw("checkpoint_config", &PyControllerOptions::checkpoint_config)
+      .def_rw("verify_checksums", &PyControllerOptions::verify_checksums)
+      .def_rw("console_fd", &PyControllerOptions::console_fd)
+      .def_rw("launcher", &PyControllerOptions::launcher, "'local', 'slurm', 'ssh' or 'kubernetes'")
+      .def_rw("scaling_config", &PyControllerOptions::scaling_config,
+              "required by every launcher but 'local'")
+      .def_rw("status_line", &PyControllerOptions::status_line)
+      .def_rw("launcher_options_json", &PyControllerOptions::launcher_options_json)
+      .def_rw("memory_store", &PyControllerOptions::memory_store);
+
   nb::class_<PyController>(m, "Controller")
-      .def(nb::init<std::string, std::string, const placement::Plan&, std::vector<std::string>,
-                    std::string, std::map<std::string, std::string>, nb::bytes, std::string, double,
-                    double, const config::FailureConfig&, const config::CheckpointConfig&, bool,
-                    int, std::string, std::optional<config::ScalingConfig>, bool, std::string,
-                    std::string>(),
-           "run_dir"_a, "experiment_name"_a, "plan"_a, "worker_argv"_a, "worker_cwd"_a,
-           "worker_env"_a, "payload"_a, "run_config_json"_a, "terminate_grace_s"_a,
-           "start_timeout_s"_a, "failure_config"_a, "checkpoint_config"_a, "verify_checksums"_a,
-           "console_fd"_a, "launcher"_a = "local", "scaling_config"_a = nb::none(),
-           "status_line"_a = false, "launcher_options_json"_a = "", "memory_store"_a = "")
+      .def(
+          "__init__", &PyController::Init,
+          "Controller(**options): the fields of ControllerOptions by name; an unknown option, or a "
+          "missing one that the run needs, is a TypeError naming it.")
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)

@@ -450,7 +450,8 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pid_ = 0;
   kills_ = 0;
-  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes"));
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes",
+                                                       placement::kPerRankPlacementVariables));
   if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");
   const std::string key = group.secret;
 

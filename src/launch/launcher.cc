@@ -1,5 +1,7 @@
 #include "launch/launcher.h"
 
+#include <nlohmann/json.hpp>
+
 #include "base/fd_io.h"
 
 namespace jaxtrain::launch {
@@ -17,12 +19,14 @@ std::map<std::string, std::string> ProcessSpec::Env() const {
 }
 
 StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
-                                    const std::set<std::string>& per_rank,
-                                    std::string_view engine) {
+                                    const std::set<std::string>& per_rank, std::string_view engine,
+                                    const std::set<std::string>& passed) {
   if (specs.empty()) return InvalidArgumentError("no processes to launch");
   const ProcessSpec& first = specs.front();
   const std::map<std::string, std::string> first_env = first.Env();
   UniformGroup group{.argv = first.argv, .cwd = first.cwd, .secret = first.secret};
+  std::set<std::string> differing;
+  nlohmann::json rank_env = nlohmann::json::object();
   for (const auto& spec : specs) {
     if (spec.argv != first.argv || spec.cwd != first.cwd || spec.secret != first.secret) {
       return InvalidArgumentError("the " + std::string(engine) +
@@ -39,6 +43,10 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
       auto a = first_env.find(name);
       auto b = env.find(name);
       if (a == first_env.end() || b == env.end() || a->second != b->second) {
+        if (passed.count(name)) {
+          differing.insert(name);
+          continue;
+        }
         return InvalidArgumentError("the environment variable " + name +
                                     " differs between ranks, " + "which one " +
                                     std::string(engine) + " launch cannot give");
@@ -46,9 +54,20 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
     }
     group.ranks.insert(group.ranks.end(), spec.ranks.begin(), spec.ranks.end());
   }
-  for (const auto& [k, v] : first_env) {
-    if (!per_rank.count(k)) group.env[k] = v;
+  for (const auto& spec : specs) {
+    const std::map<std::string, std::string> env = spec.Env();
+    nlohmann::json own = nlohmann::json::object();
+    for (const auto& name : differing) {
+      if (auto it = env.find(name); it != env.end()) own[name] = it->second;
+    }
+    if (own.empty()) continue;
+    for (int rank : spec.ranks) rank_env[std::to_string(rank)] = own;
   }
+  for (const auto& [k, v] : first_env) {
+    if (!per_rank.count(k) && !differing.count(k)) group.env[k] = v;
+  }
+  group.unset_env.insert(differing.begin(), differing.end());
+  if (!differing.empty()) group.env[kRankEnvVariable] = rank_env.dump();
   return group;
 }
 

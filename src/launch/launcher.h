@@ -110,11 +110,19 @@ struct UniformGroup {
   std::string secret;  // ProcessSpec::secret, the same for every rank
 };
 
+// The variable that carries, in a group's shared environment, what the placement gives each rank
+// of its own (MergeUniform's `passed`): a JSON object from rank to {name: value}. The worker sets
+// its rank's entry once it knows its rank (python/jaxtrain/worker.py).
+inline constexpr char kRankEnvVariable[] = "JAXTRAIN_RANK_ENV";
+
 // Merges `specs` into one command. `per_rank` names the variables each rank derives itself from
-// the engine's (they may differ and are left out); `engine` names the launcher in messages.
+// the engine's (they may differ and are left out); `passed` those that may differ between ranks
+// and are passed to each rank in kRankEnvVariable (left out of env, and unset); `engine` names
+// the launcher in messages.
 // Errors: kInvalidArgument when there is no spec, or when the specs differ in their command,
 // working directory or any other environment variable.
 StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
-                                    const std::set<std::string>& per_rank, std::string_view engine);
+                                    const std::set<std::string>& per_rank, std::string_view engine,
+                                    const std::set<std::string>& passed = {});
 
 }  // namespace jaxtrain::launch

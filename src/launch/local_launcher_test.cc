@@ -105,6 +105,28 @@ TEST(LauncherTest, MergeUniformSeesTheSharedEnvironment) {
       << differs.status().message();
 }
 
+TEST(LauncherTest, MergeUniformPassesEachRankItsOwnValuesOfThePassedNames) {
+  std::vector<ProcessSpec> specs(3, ProcessSpec{{0}, {"/bin/true"}, {}, {}, ""});
+  for (int r = 0; r < 3; ++r) {
+    specs[r].ranks = {r};
+    specs[r].env = {{"JT_SHARED", "all"}, {"JT_ID", std::to_string(r)}};
+  }
+  specs[2].env.erase("JT_ID");  // a rank without it has it unset
+  auto group = MergeUniform(specs, {}, "Test", {"JT_ID", "JT_UNUSED"});
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  EXPECT_EQ(group->env, (std::map<std::string, std::string>{
+                            {"JT_SHARED", "all"},
+                            {kRankEnvVariable, R"({"0":{"JT_ID":"0"},"1":{"JT_ID":"1"}})"}}));
+  EXPECT_EQ(group->unset_env, (std::set<std::string>{"JT_ID"}));
+  // Passed names that every rank has alike stay shared; nothing is passed per rank then.
+  specs[2].env["JT_ID"] = "0";
+  specs[1].env["JT_ID"] = "0";
+  auto alike = MergeUniform(specs, {}, "Test", {"JT_ID"});
+  ASSERT_TRUE(alike.ok()) << alike.status().ToString();
+  EXPECT_EQ(alike->env, (std::map<std::string, std::string>{{"JT_SHARED", "all"}, {"JT_ID", "0"}}));
+  EXPECT_TRUE(alike->unset_env.empty());
+}
+
 TEST(LocalLauncherTest, TheSecretArrivesOnAnInheritedPipeAndNotInTheEnvironment) {
   LocalLauncher launcher;
   setenv("JAXTRAIN_RUN_SECRET", "inherited-from-an-outer-run", 1);

@@ -566,7 +566,8 @@ SlurmLauncher::~SlurmLauncher() = default;
 StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pgid_ = 0;
-  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm"));
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm",
+                                                       placement::kPerRankPlacementVariables));
   const std::vector<int>& ranks = group.ranks;
   std::map<std::string, std::string> env = CurrentEnvironment();
   for (const auto& name : group.unset_env) env.erase(name);

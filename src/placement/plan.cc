@@ -509,13 +509,26 @@ StatusOr<Plan> PlanOnHosts(const config::ScalingConfig& config, const HostDescri
   return plan;
 }
 
-StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators::HostView& view) {
+namespace {
+
+Environment InheritedFrom(const accelerators::HostView& view) {
   Environment inherited;
   for (const char* name : kInheritedNames) {
     if (const std::optional<std::string> value = view.GetEnv(name)) inherited[name] = *value;
   }
-  const std::optional<std::string> simulate_value = view.GetEnv(kSimulateEnv);
-  const bool simulate = simulate_value && !simulate_value->empty() && *simulate_value != "0";
+  return inherited;
+}
+
+bool SimulateSwitch(const accelerators::HostView& view) {
+  const std::optional<std::string> value = view.GetEnv(kSimulateEnv);
+  return value && !value->empty() && *value != "0";
+}
+
+}  // namespace
+
+StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators::HostView& view) {
+  const Environment inherited = InheritedFrom(view);
+  const bool simulate = SimulateSwitch(view);
   const bool accelerated = config.use_tpu() || config.use_gpu();
   const std::string how_to_simulate =
       accelerated
@@ -584,10 +597,20 @@ StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators
 
 StatusOr<Plan> PlanForScheduler(const config::ScalingConfig& config,
                                 const accelerators::HostView& env) {
+  const bool simulate = SimulateSwitch(env);
+  if (simulate && config.use_tpu()) {
+    // The ranks' environment is the one a local simulated run gives them (TPU_WORKER_ID,
+    // TPU_WORKER_HOSTNAMES, ...), from the same hosts; where they run is the engine's to choose.
+    JT_ASSIGN_OR_RETURN(Plan plan,
+                        PlanOnHosts(config, SimulatedHosts(config), InheritedFrom(env), true));
+    plan.hosts_source.clear();
+    for (WorkerPlacement& w : plan.workers) {
+      w = {.rank = w.rank, .env = std::move(w.env), .unset_env = std::move(w.unset_env)};
+    }
+    return plan;
+  }
   Plan plan;
-  const auto simulate = env.GetEnv(kSimulateEnv);
-  plan.simulated =
-      simulate && !simulate->empty() && *simulate != "0" && (config.use_gpu() || config.use_tpu());
+  plan.simulated = simulate && config.use_gpu();
   plan.platform = plan.simulated || (!config.use_gpu() && !config.use_tpu()) ? "cpu"
                   : config.use_gpu()                                         ? "cuda"
                                                                              : "tpu";

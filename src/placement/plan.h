@@ -20,6 +20,7 @@
 #pragma once
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,11 @@ namespace jaxtrain::placement {
 
 // The environment variable that runs a TPU or GPU ScalingConfig on local CPU processes.
 inline constexpr char kSimulateEnv[] = "JAXTRAIN_SIMULATE";
+
+// The variables of a plan's environment that may differ between ranks placed by an engine
+// (PlanForScheduler for a simulated TPU config): the launcher passes each rank its own.
+inline const std::set<std::string> kPerRankPlacementVariables = {
+    "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_VISIBLE_CHIPS", "MEGASCALE_SLICE_ID"};
 
 struct WorkerPlacement {
   int rank = 0;
@@ -78,8 +84,11 @@ StatusOr<Plan> PlanLocal(const config::ScalingConfig& config, const accelerators
 // The plan for an engine that places the ranks itself (Slurm, Kubernetes): the world size and one
 // environment for every rank (JAX_PLATFORMS, and for CPU one device and gloo collectives, unless
 // `host` sets them); no host, local rank or device is assigned. With the simulate switch any
-// ScalingConfig runs as CPU processes, as for local runs. Never fails today; a StatusOr so that
-// engines may refuse shapes later.
+// ScalingConfig runs as CPU processes, as for local runs; a simulated TPU config's ranks get the
+// environment PlanLocal gives them on the simulated hosts (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES,
+// TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY, ...), which differs between ranks: the launcher passes each
+// rank its own (launch::UniformGroup::rank_env). Errors: those of PlanOnHosts for a simulated TPU
+// config; never otherwise today, a StatusOr so that engines may refuse shapes later.
 StatusOr<Plan> PlanForScheduler(const config::ScalingConfig& config,
                                 const accelerators::HostView& host);
 

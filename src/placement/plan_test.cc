@@ -219,6 +219,53 @@ TEST(PlanLocalTest, SimulatedTpuRunsOnCpuWithTheSameWorldSizeAndTheTpuEnvironmen
             "sim-slice-0-host-0,sim-slice-0-host-1,sim-slice-0-host-2,sim-slice-0-host-3");
 }
 
+TEST(PlanForSchedulerTest, SimulatedTpuRanksGetTheEnvironmentOfALocalSimulatedRun) {
+  accelerators::FakeHost host;
+  host.env["JAXTRAIN_SIMULATE"] = "1";
+  for (const auto& in : {Tpu(4, "4x4", "TPU-V6E"), Tpu(8, "2x2x2", "TPU-V4"),
+                         Tpu(8, "4x4", "TPU-V6E")}) {  // the last: two slices
+    const config::ScalingConfig config = Make(in);
+    auto local = PlanLocal(config, host);
+    auto scheduled = PlanForScheduler(config, host);
+    ASSERT_TRUE(local.ok()) << local.status().ToString();
+    ASSERT_TRUE(scheduled.ok()) << scheduled.status().ToString();
+    EXPECT_TRUE(scheduled->simulated);
+    EXPECT_EQ(scheduled->platform, "cpu");
+    EXPECT_EQ(scheduled->num_slices, local->num_slices);
+    ASSERT_EQ(scheduled->workers.size(), local->workers.size());
+    std::set<std::string> differing;
+    for (size_t r = 0; r < local->workers.size(); ++r) {
+      const WorkerPlacement& w = scheduled->workers[r];
+      EXPECT_EQ(w.rank, static_cast<int>(r));
+      EXPECT_EQ(w.env, local->workers[r].env) << "rank " << r;
+      EXPECT_EQ(w.unset_env, local->workers[r].unset_env) << "rank " << r;
+      // The engine places the ranks: no host or device of the simulated hosts is kept.
+      EXPECT_EQ(w.host, "");
+      EXPECT_TRUE(w.devices.empty());
+      for (const auto& [name, value] : w.env) {
+        if (Env(scheduled->workers[0], name) != value) differing.insert(name);
+      }
+    }
+    for (const std::string& name : differing) {
+      EXPECT_TRUE(kPerRankPlacementVariables.count(name)) << name << " differs between ranks";
+    }
+  }
+  EXPECT_EQ(
+      Env(PlanForScheduler(Make(Tpu(4, "4x4", "TPU-V6E")), host)->workers[2], "TPU_WORKER_ID"),
+      "2");
+}
+
+TEST(PlanForSchedulerTest, WithoutTheSimulateSwitchEveryRankHasOneEnvironment) {
+  accelerators::FakeHost host;
+  auto plan = PlanForScheduler(Make(Tpu(4, "4x4", "TPU-V6E")), host);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_FALSE(plan->simulated);
+  EXPECT_EQ(plan->platform, "tpu");
+  for (const WorkerPlacement& w : plan->workers) {
+    EXPECT_EQ(w.env, (std::map<std::string, std::string>{{"JAX_PLATFORMS", "tpu"}}));
+  }
+}
+
 TEST(PlanLocalTest, GpuWithoutDevicesNamesTheSimulateSwitch) {
   config::ScalingConfigInput in;
   in.use_gpu = true;
