@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "controller/controller.h"
 #include "controller/testing/cpu_plan.h"
@@ -231,6 +232,17 @@ TEST_F(ControllerStateTest, RunJsonRecordsWhenEachAttemptWasReadyAndWhenItFailed
   for (int rank : {0, 1}) ReportCheckpoint(/*attempt=*/0, rank, /*round=*/1);
   for (int rank : {0, 1}) {
     ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kCheckpointSettled, kNoHang));
+  }
+  // The ranks hear of the commit just before the round is recorded, on the loop's thread.
+  const auto deadline = std::chrono::steady_clock::now() + kNoHang;
+  auto recorded = [this] {
+    std::error_code missing;
+    const auto size = std::filesystem::file_size(RunDir() + "/result.jsonl", missing);
+    return !missing && size > 0;
+  };
+  while (!recorded()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "round 1 was never recorded";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   clock_.Advance(4s);
   processes_.Kill(1, SIGKILL);
