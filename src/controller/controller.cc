@@ -44,6 +44,8 @@ namespace {
 
 constexpr size_t kLogTailBytes = 4096;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
+// How often, at most, reports rewrite run.json to refresh the ranks' step times in it.
+constexpr Duration kStepTimesRefresh = std::chrono::seconds(10);
 // How long the end of a run waits for a console that does not read (the output is in the logs).
 constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
 constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
@@ -129,6 +131,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   uint64_t attempt_base_round = 1;  // the run's number of this attempt's first round
   Watchdog watchdog;                // this attempt's progress watchdog
   StragglerDetector stragglers;     // this attempt's step times (stragglers.h)
+  TimePoint state_written;          // when run.json was last written (WriteRunState())
   // This attempt's straggler changes as run.json records them (AttemptState()).
   nlohmann::json straggler_events = nlohmann::json::array();
   RunMetrics metrics;  // what Publish() copies to the Controller (run_metrics.h)
@@ -343,6 +346,10 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     for (Round& done : collector.Add(rank, metrics_json, std::move(part))) {
       ApplyStragglerRule();
       recorder.Add(std::move(done));
+    }
+    if (phase == Phase::kRunning && Now() - state_written >= kStepTimesRefresh) {
+      Status written = WriteRunState("RUNNING");
+      if (!written.ok()) Say("cannot write run.json: " + written.message());
     }
   }
 
@@ -992,6 +999,14 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
                                                      : std::string());
     }
     a["hosts"] = std::move(hosts);
+    // Each rank's step time (stragglers.h), null until it is known; refreshed while the attempt
+    // runs at most every kStepTimesRefresh (AddReport()).
+    nlohmann::json step_times = nlohmann::json::array();
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      std::optional<double> s = stragglers.StepSeconds(static_cast<int>(r));
+      step_times.push_back(s ? nlohmann::json(*s) : nlohmann::json());
+    }
+    a["step_time_s"] = std::move(step_times);
     if (status != "RUNNING") a["end_time"] = ctl.clock_.UnixSeconds();
     if (failure) {
       a["failure"] = FailureState(*failure);
@@ -1152,6 +1167,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   }
 
   Status WriteRunState(std::string_view status) {
+    state_written = Now();
     nlohmann::json attempts = attempt_log;
     if (status == "RUNNING") attempts.push_back(AttemptState(status));
     nlohmann::json state = {{"name", opts.experiment_name},

@@ -524,11 +524,41 @@ TEST_F(ControllerStateTest, ASlowRankIsRecordedAsAStragglerAndEveryRanksStepTime
   EXPECT_NEAR(events[0]["step_time_s"].get<double>(), 0.4, 1e-9);
   EXPECT_NEAR(events[0]["median_step_time_s"].get<double>(), 0.1, 1e-9);
   EXPECT_DOUBLE_EQ(events[0]["time"].get<double>(), clock_.UnixSeconds() - 0.8);
+  // Every rank's step time, as of run.json's last write (the straggler's change, round 8).
+  json step_times = RunState()["attempts"][0]["step_time_s"];
+  ASSERT_EQ(step_times.size(), 3u) << step_times.dump();
+  EXPECT_NEAR(step_times[0].get<double>(), 0.1, 1e-9);
+  EXPECT_NEAR(step_times[2].get<double>(), 0.4, 1e-9);
 
   for (int rank : {0, 1, 2}) Finish(rank);
   EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
   EXPECT_EQ(controller->metrics().state, "FINISHED");
   EXPECT_EQ(RunState()["attempts"][0]["stragglers"].size(), 1u);  // kept when the attempt ends
+}
+
+// run.json's attempt carries every rank's step time, which reports refresh at most every 10 s
+// (the dashboard shows it; docs/observability.md).
+TEST_F(ControllerStateTest, RunJsonCarriesEveryRanksStepTimeRefreshedAtMostEvery10Seconds) {
+  auto controller = Start(Options(2));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  auto rounds = [&](uint64_t first, uint64_t last, std::chrono::seconds apart) {
+    for (uint64_t round = first; round <= last; ++round) {
+      clock_.Advance(apart);
+      for (int rank : {0, 1}) Report(rank, round, {{"rank", rank}});
+      ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+    }
+  };
+  auto step_times = [&] { return RunState()["attempts"][0]["step_time_s"]; };
+  rounds(1, 3, 11s);
+  EXPECT_EQ(step_times(), json::parse("[11.0, 11.0]"));
+  rounds(4, 6, 1s);  // the median interval is 1 s now, but run.json was written 3 s ago
+  EXPECT_EQ(step_times(), json::parse("[11.0, 11.0]"));
+  rounds(7, 7, 10s);
+  EXPECT_EQ(step_times(), json::parse("[1.0, 1.0]"));
+  for (int rank : {0, 1}) Finish(rank);
+  EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
+  EXPECT_EQ(step_times(), json::parse("[1.0, 1.0]"));
 }
 
 TEST_F(ControllerStateTest, RestartsAreCountedByCauseAndTimedUntilTheNewGroupRegistered) {

@@ -358,8 +358,7 @@ def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float)
             "state": rank_state,
             "last_report_age_s": now - last_round if last_round else None,
             "last_output_age_s": now - printed if printed else None,
-            # Per-rank step times come from the straggler accounting when it records them.
-            "step_time_s": None,
+            "step_time_s": _number_at(latest.get("step_time_s"), r),
         })
     return out
 
@@ -423,3 +422,10 @@ def goodput(state: dict, rounds: list[dict], now: float) -> dict | None:
     except (KeyError, TypeError, ValueError) as e:
         return {"error": f"cannot account this run's time: {e}"}
     return {"parts": g.parts(), "wall": g.wall, "fraction": g.fraction}
+
+
+def _number_at(values: Any, i: int) -> float | None:
+    """values[i] when values is a list holding a number there (run.json's per-rank fields)."""
+    if isinstance(values, list) and i < len(values):
+        return _number(values[i])
+    return None
