@@ -14,6 +14,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,32 @@ def link_cut(veth: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+
+@contextlib.contextmanager
+def namespace_frozen(namespace: str) -> Iterator[list[int]]:
+    """Every process of the network namespace stopped (SIGSTOP) for the block, as a host that
+    hangs: its sshd, its ssh sessions, its workers; its kernel still answers TCP. Stopped until no
+    new process turns up (one may be forking); continued (SIGCONT) after the block. Yields the
+    pids stopped."""
+    stopped: list[int] = []
+    try:
+        while True:
+            pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", namespace],
+                                                   capture_output=True, text=True,
+                                                   check=True).stdout.split()]
+            new = [p for p in pids if p not in stopped]
+            if not new:
+                break
+            for pid in new:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+        yield stopped
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def host_mounts(namespace: str) -> list[str]:

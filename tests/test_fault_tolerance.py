@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,13 +84,13 @@ def _assert_recovered(result, tmp_path, cause):
     assert failure["cause"] == cause
     if cause == "watchdog":
         # Rank 0 waits for the stopped rank 1: both may stall past the limit, so the message names
-        # every stale rank, and the one that reported last longest ago is blamed.
-        stale = re.search(r"from rank\(s\) (\d+(?:, \d+)*), alive but stuck", failure["message"])
-        assert stale, failure["message"]
-        named = [int(r) for r in stale.group(1).split(", ")]
-        assert set(named) <= {0, 1} and failure["rank"] in named
-    else:
-        assert failure["rank"] == 1
+        # every stale rank with its host. Each is pinged: rank 0, waiting, answers; rank 1,
+        # stopped, does not, and is blamed whichever reported last longest ago.
+        host = re.escape(socket.gethostname())
+        said = re.search(rf"from rank\(s\) (?:0, )?1 on {host}; rank\(s\) 1 on {host} did not "
+                         r"answer a ping within 2 s: stopped \(SIGSTOP\)", failure["message"])
+        assert said, failure["message"]
+    assert failure["rank"] == 1
     assert run["attempts"][1]["restored_from"].endswith("checkpoint_000003")
     # Steps 0-2 from attempt 0, then 3-5 from attempt 1, resumed from step 2's checkpoint.
     lines = [json.loads(x) for x in Path(result.path, "result.jsonl").read_text().splitlines()]

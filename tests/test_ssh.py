@@ -213,17 +213,39 @@ def test_a_driver_killed_leaves_no_process_on_any_host_within_5_s(ssh_hosts, sha
     assert not any(left.values()), f"still running 5 s after the driver was killed: {left}"
 
 
-def start_long_run(hosts: SshHosts, cwd: Path) -> subprocess.Popen:
-    (cwd / "driver.py").write_text(LONG_RUN)
+def start_long_run(hosts: SshHosts, cwd: Path, program: str = LONG_RUN,
+                   stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """`program` driven on host1 and host2 from `cwd`, once it has written `ready`."""
+    (cwd / "driver.py").write_text(program)
     driver = start_driver([sys.executable, "driver.py"], cwd=cwd,
                           env=hosts.env(HOME=str(cwd), JAXTRAIN_SSH_HOSTS="host1,host2"),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=stdout, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (cwd / "ready").exists() and driver.poll() is None:
         assert time.monotonic() < deadline, "the run did not get going"
         time.sleep(0.1)
     assert (cwd / "ready").exists(), driver.communicate(timeout=30)
     return driver
+
+
+def said_until(driver: subprocess.Popen, words: str) -> str:
+    """The driver's stderr up to and including the first line with `words` (or to its end)."""
+    said = []
+    for line in driver.stderr:
+        said.append(line)
+        if words in line:
+            break
+    return "".join(said)
+
+
+def finish(driver: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
+    """The driver's stdout and stderr once it ends; killed if it does not within `timeout`."""
+    try:
+        return driver.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        driver.communicate()
+        raise
 
 
 def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_hosts, shared_dir):
@@ -289,28 +311,11 @@ def test_a_restart_waits_for_a_host_whose_network_is_down_and_goes_on_once_it_is
     """host2's network down mid-run: the attempt fails (ssh's keepalive), the restart waits for
     host2 instead of failing the run at its first probe, and once the link is up again the run
     resumes from its checkpoint and finishes; nothing of the first attempt is left on host2."""
-    (shared_dir / "driver.py").write_text(OUTAGE_RUN)
-    driver = start_driver([sys.executable, "driver.py"], cwd=shared_dir,
-                          env=ssh_hosts.env(HOME=str(shared_dir),
-                                            JAXTRAIN_SSH_HOSTS="host1,host2"),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    said: list[str] = []
-    try:
-        deadline = time.monotonic() + 120
-        while not (shared_dir / "ready").exists() and driver.poll() is None:
-            assert time.monotonic() < deadline, "the run did not get going"
-            time.sleep(0.1)
-        with ssh_hosts.cut("host2"):
-            for line in driver.stderr:  # until the restart waits for host2
-                said.append(line)
-                if "for a host to come back" in line:
-                    break
-        out, err = driver.communicate(timeout=180)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.communicate()
-    err = "".join(said) + err
+    driver = start_long_run(ssh_hosts, shared_dir, OUTAGE_RUN, stdout=subprocess.PIPE)
+    with ssh_hosts.cut("host2"):
+        said = said_until(driver, "for a host to come back")  # the restart waits for host2
+    out, err = finish(driver)
+    err = said + err
 
     assert driver.returncode == 0, err[-3000:]
     assert re.search(r"jaxtrain: attempt 0 failed: rank 1 \(host host2\)", err), err[-3000:]
@@ -330,6 +335,63 @@ def test_a_restart_waits_for_a_host_whose_network_is_down_and_goes_on_once_it_is
     while (left := workers_left(ssh_hosts, "host2")) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == []
+
+
+FROZEN_RUN = OUTAGE_RUN.replace(
+    "    ctx = get_context()\n",
+    "    ctx = get_context()\n"
+    "    Path(f'pid-{ctx.get_attempt()}-{ctx.get_world_rank()}').write_text(str(os.getpid()))\n",
+).replace('name="outage"', 'name="frozen"').replace(
+    "FailureConfig(max_failures=1)", "FailureConfig(max_failures=1, progress_timeout_s=5)")
+
+
+def test_a_frozen_host_is_blamed_by_the_watchdog_and_its_stale_rank_stays_out_of_the_restart(
+        ssh_hosts, shared_dir):
+    """Every process of host2 stopped mid-run (a host that hangs; its kernel still answers TCP):
+    the progress watchdog pings the stale ranks and blames host2's, which does not answer; the
+    restart's ssh probe of host2 gets no answer (ConnectTimeout), so the restart waits for it.
+    host2 continued then: the second attempt runs there and finishes, and the first attempt's
+    process on host2 ends without reporting into the second."""
+    driver = start_long_run(ssh_hosts, shared_dir, FROZEN_RUN, stdout=subprocess.PIPE)
+    stale = int((shared_dir / "pid-0-1").read_text())  # attempt 0's rank 1, on host2
+    with ssh_hosts.freeze("host2") as frozen:
+        said = said_until(driver, "for a host to come back")  # the restart waits for host2
+    out, err = finish(driver)
+    err = said + err
+
+    assert driver.returncode == 0, err[-3000:]
+    assert stale in frozen
+    assert re.search(r"jaxtrain: attempt 0 failed: rank 1 \(host host2\): no report\(\) for 5 s "
+                     r"\(the progress watchdog's limit\) from rank\(s\) (0 on host1; )?1 on host2; "
+                     r"rank\(s\) 1 on host2 did not answer a ping within 2 s: stopped \(SIGSTOP\), "
+                     r"frozen or cut off", err), err[-3000:]
+    assert re.search(r"jaxtrain: waiting up to 300 s \(FailureConfig.unreachable_host_timeout_s\) "
+                     r"for a host to come back: .*host2", err), err[-3000:]
+    assert "jaxtrain: the hosts answer again after " in err, err[-3000:]
+    assert "not part of this attempt" not in err  # no hello of attempt 0 came back
+    final = json.loads(out.split("final ", 1)[1])
+    assert final["i"] == 39 and final["attempt"] == 1
+    state = json.loads((shared_dir / "frozen" / "run.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["ERRORED", "FINISHED"]
+    failure = state["attempts"][0]["failure"]
+    assert (failure["cause"], failure["rank"], failure["host"]) == ("watchdog", 1, "host2")
+    # Once the second attempt reports, every round is its own, one after another: the continued
+    # rank of attempt 0 added nothing to it.
+    results = shared_dir / "frozen" / "result.jsonl"
+    rounds = [json.loads(line)["metrics"] for line in results.open()]
+    attempts = [r["attempt"] for r in rounds]
+    first = attempts.index(1)
+    assert attempts[first:] == [1] * (len(rounds) - first)
+    resumed = [r["i"] for r in rounds[first:]]
+    assert resumed == list(range(resumed[0], 40)) and resumed[0] > 5
+    assert int((shared_dir / "pid-1-1").read_text()) != stale
+    # The first attempt's processes on host2, continued, end: their connections are gone.
+    deadline = time.monotonic() + 60
+    while (left := workers_left(ssh_hosts, "host2")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+    assert not Path(f"/proc/{stale}").exists() or b"python" not in Path(
+        f"/proc/{stale}/cmdline").read_bytes()
 
 
 @pytest.mark.parametrize(("host", "says"), [

@@ -278,7 +278,9 @@ class FailureConfig:
     cannot start (a start-up failure) is retried up to ``controller_failure_limit`` times (-1:
     without limit; Ray's default is -1, jaxtrain's 3, see docs/ray-differences.md).
     ``progress_timeout_s`` turns on the progress watchdog: once a rank has called ``report()``,
-    going that many seconds without another call counts as a failure (alive but stuck).
+    going that many seconds without another call counts as a failure (alive but stuck); the
+    stale ranks are pinged, and those that do not answer (a stopped process, a hung host) are
+    blamed over those waiting for them (docs/failure-detection.md).
     Preemptions (a worker's SIGTERM that the run did not send: a reclaimed spot VM, a drained
     node; docs/preemption.md) are not failures: they have their own budget,
     ``max_preemption_failures`` (-1, the default: without limit), and the group goes on after a

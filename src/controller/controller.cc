@@ -46,6 +46,8 @@ constexpr size_t kLogTailBytes = 4096;
 constexpr Duration kDrainTime = std::chrono::seconds(1);
 // How often, at most, reports rewrite run.json to refresh the ranks' step times in it.
 constexpr Duration kStepTimesRefresh = std::chrono::seconds(10);
+// How long a rank that the progress watchdog finds stale has to answer its ping.
+constexpr Duration kWatchdogPingWait = std::chrono::seconds(2);
 // How long the end of a run waits for a console that does not read (the output is in the logs).
 constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
 constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
@@ -130,8 +132,17 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   PreemptionNotice preemption;      // this attempt's (preemption.h)
   uint64_t attempt_base_round = 1;  // the run's number of this attempt's first round
   Watchdog watchdog;                // this attempt's progress watchdog
-  StragglerDetector stragglers;     // this attempt's step times (stragglers.h)
-  TimePoint state_written;          // when run.json was last written (WriteRunState())
+  // The ping of the ranks the watchdog found stale, until it fails the attempt: a rank waiting in
+  // a collective for a stuck peer answers (its connection's thread does), a stopped process or a
+  // cut-off host does not.
+  struct WatchdogPing {
+    std::vector<int> ranks;      // pinged, in the order they were found stale
+    std::vector<bool> answered;  // by position in `ranks`
+    TimePoint deadline;          // the last rank pinged has until then to answer
+  };
+  std::optional<WatchdogPing> watchdog_ping;
+  StragglerDetector stragglers;  // this attempt's step times (stragglers.h)
+  TimePoint state_written;       // when run.json was last written (WriteRunState())
   // This attempt's straggler changes as run.json records them (AttemptState()).
   nlohmann::json straggler_events = nlohmann::json::array();
   RunMetrics metrics;  // what Publish() copies to the Controller (run_metrics.h)
@@ -513,6 +524,14 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
 
   // A collective call; once every rank has made it, each is released (with rank 0's data, one
   // buffer shared by every connection's queue).
+  void OnMessage(int rank, const wire::Pong&) {
+    if (!watchdog_ping) return;
+    WatchdogPing& p = *watchdog_ping;
+    auto at = std::find(p.ranks.begin(), p.ranks.end(), rank);
+    if (at != p.ranks.end()) p.answered[static_cast<size_t>(at - p.ranks.begin())] = true;
+    if (phase == Phase::kRunning) CheckProgress();  // decides once no answer is awaited
+  }
+
   void OnMessage(int rank, const wire::Collective& m) {
     watchdog.Progress(rank);
     StatusOr<std::optional<Collectives::Release>> arrived = collectives.Arrive(rank, m, Now());
@@ -778,19 +797,67 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
 
   // --- the loop ------------------------------------------------------------------------------
 
-  // The progress watchdog (watchdog.h): every stale rank is named; the one stale longest is
-  // blamed.
+  // `rs` with their hosts, grouped by host in order: "0, 1 on host1; 2 on host2".
+  std::string RanksOn(const std::vector<int>& rs) const {
+    std::vector<std::pair<std::string, std::string>> by_host;  // host, its ranks
+    for (int r : rs) {
+      std::string host = ranks[static_cast<size_t>(r)].host;
+      if (host.empty()) host = opts.plan.workers[static_cast<size_t>(r)].host;
+      auto at = std::find_if(by_host.begin(), by_host.end(),
+                             [&](const auto& h) { return h.first == host; });
+      if (at == by_host.end()) at = by_host.insert(by_host.end(), {host, ""});
+      at->second += (at->second.empty() ? "" : ", ") + std::to_string(r);
+    }
+    std::string out;
+    for (const auto& [host, names] : by_host) {
+      out += (out.empty() ? "" : "; ") + names + (host.empty() ? "" : " on " + host);
+    }
+    return out;
+  }
+
+  // The progress watchdog (watchdog.h): every stale rank is named with its host. A stale rank is
+  // pinged first (ranks waiting in a collective for a stuck one stall with it): those that do not
+  // answer within kWatchdogPingWait (stopped, frozen, cut off) are blamed, else the one stale
+  // longest. A rank found stale while others' answers are awaited is pinged too.
   void CheckProgress() {
     std::optional<Watchdog::Stale> stale = watchdog.Check();
-    if (!stale) return;
-    std::string names;
-    for (int r : stale->ranks) names += (names.empty() ? "" : ", ") + std::to_string(r);
-    Fail({.rank = stale->blamed,
-          .cause = FailureCause::kWatchdog,
-          .message = "no report() for " +
-                     FormatNumber(std::chrono::duration<double>(opts.progress_timeout).count()) +
-                     " s (the progress watchdog's limit) from rank(s) " + names +
-                     ", alive but stuck"});
+    if (!stale) {
+      watchdog_ping.reset();
+      return;
+    }
+    if (!watchdog_ping) watchdog_ping.emplace();
+    WatchdogPing& ping = *watchdog_ping;
+    const TimePoint now = Now();
+    for (int r : stale->ranks) {
+      if (std::find(ping.ranks.begin(), ping.ranks.end(), r) != ping.ranks.end()) continue;
+      ping.ranks.push_back(r);
+      ping.answered.push_back(false);
+      ping.deadline = now + kWatchdogPingWait;
+      if (port->connected(r)) port->Send(r, wire::MessageType::kPing, "");
+    }
+    std::vector<int> silent, answered;
+    for (size_t i = 0; i < ping.ranks.size(); ++i) {
+      (ping.answered[i] ? answered : silent).push_back(ping.ranks[i]);
+    }
+    if (!silent.empty() && now < ping.deadline) return;  // answers may yet come
+    std::sort(silent.begin(), silent.end());
+    std::sort(answered.begin(), answered.end());
+    std::string message =
+        "no report() for " +
+        FormatNumber(std::chrono::duration<double>(opts.progress_timeout).count()) +
+        " s (the progress watchdog's limit) from rank(s) " + RanksOn(stale->ranks);
+    int blamed = stale->blamed;
+    if (silent.empty()) {
+      message += ", alive but stuck";
+    } else {
+      if (std::find(silent.begin(), silent.end(), blamed) == silent.end()) blamed = silent.front();
+      message += "; rank(s) " + RanksOn(silent) + " did not answer a ping within " +
+                 FormatNumber(std::chrono::duration<double>(kWatchdogPingWait).count()) +
+                 " s: stopped (SIGSTOP), frozen or cut off";
+      if (!answered.empty()) message += "; rank(s) " + RanksOn(answered) + " answered";
+    }
+    watchdog_ping.reset();
+    Fail({.rank = blamed, .cause = FailureCause::kWatchdog, .message = std::move(message)});
   }
 
   void CheckTimers() {
@@ -831,6 +898,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     if (phase == Phase::kStarting) consider(start_deadline);
     if (phase == Phase::kRunning) {
       if (auto t = watchdog.NextDeadline()) consider(*t);
+      if (watchdog_ping) consider(watchdog_ping->deadline);
       if (preemption.open()) consider(preemption.deadline());
       if (auto t = collectives.NextWarning()) consider(*t);
     }
@@ -934,6 +1002,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     ranks.assign(ranks.size(), RankState{});
     registered = 0;
     watchdog = Watchdog(ctl.clock_, world_size, opts.progress_timeout);
+    watchdog_ping.reset();
     preemption = PreemptionNotice(world_size);
     port->BeginAttempt(attempt, ranks.size());
     failure.reset();

@@ -79,6 +79,16 @@ class ControllerStateTest : public testing::Test {
     return controller;
   }
 
+  // A controller of `workers` ranks with a 30 s progress watchdog, every rank registered.
+  std::unique_ptr<Controller> StartWatched(int workers) {
+    ControllerOptions options = Options(workers);
+    options.progress_timeout = 30s;
+    auto controller = Start(std::move(options));
+    WaitForStart(1);
+    RegisterAll(/*attempt=*/0, workers);
+    return controller;
+  }
+
   // Waits for the group's `start`-th start (1 = the first attempt).
   void WaitForStart(int start) {
     ASSERT_TRUE(processes_.WaitForStarts(start, kNoHang)) << "start " << start << " never came";
@@ -464,26 +474,77 @@ TEST_F(ControllerStateTest, WorkersThatIgnoreSigtermAreKilledOnlyWhenTheGracePer
 }
 
 TEST_F(ControllerStateTest, TheWatchdogBlamesOnlyTheRankThatStoppedReporting) {
-  ControllerOptions options = Options(2);
-  options.progress_timeout = 30s;
-  auto controller = Start(std::move(options));
-  WaitForStart(1);
-  RegisterAll(/*attempt=*/0, 2);
+  auto controller = StartWatched(2);
   for (int rank : {0, 1}) Report(rank, 1, {{"rank", rank}});
   ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
   clock_.Advance(20s);
   Report(0, 2, {{"rank", 0}});  // rank 1 is stuck in round 2
   ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
   clock_.Advance(15s);  // rank 1: 35 s without a report; rank 0: 15 s
+  ASSERT_TRUE(ranks_.WaitForSent(0, 1, MessageType::kPing, kNoHang));
+  ranks_.Deliver(1, MessageType::kPong, "");  // alive: stuck, not stopped
 
   const Outcome& out = WaitForOutcome(*controller);
   EXPECT_EQ(out.state, State::kFailed);
   ASSERT_TRUE(out.failure.has_value());
   EXPECT_EQ(out.failure->cause, FailureCause::kWatchdog);
   EXPECT_EQ(out.failure->rank, 1);
-  EXPECT_NE(out.failure->message.find("from rank(s) 1,"), std::string::npos)
+  EXPECT_NE(out.failure->message.find("from rank(s) 1 on host-1, alive but stuck"),
+            std::string::npos)
       << out.failure->message;
   EXPECT_EQ(out.rounds, 1u);
+}
+
+TEST_F(ControllerStateTest, RanksStaleTogetherArePingedAndTheOnesThatDoNotAnswerAreBlamed) {
+  auto controller = StartWatched(3);
+  for (int rank : {0, 1, 2}) Report(rank, 1, {{"rank", rank}});
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  // Ranks 2 and 1 report round 2 at 5 s and 10 s, then stall; rank 0 goes on reporting.
+  for (auto [advance, rank, round] : {std::tuple{5s, 2, 2}, {5s, 1, 2}, {10s, 0, 2}, {10s, 0, 3}}) {
+    clock_.Advance(advance);
+    Report(rank, static_cast<uint64_t>(round), {{"rank", rank}});
+    ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  }
+  clock_.Advance(15s);  // at 45 s: rank 2 40 s without a report, rank 1 35 s; both are pinged
+  for (int rank : {1, 2}) {
+    ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kPing, kNoHang)) << rank;
+  }
+  EXPECT_FALSE(ranks_.WaitForSent(0, 0, MessageType::kPing, std::chrono::seconds(0)));
+  ranks_.Deliver(2, MessageType::kPong, "");  // rank 2 is alive (waiting); rank 1 is silent
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  EXPECT_EQ(controller->metrics().state, "RUNNING");  // rank 1 may yet answer
+  clock_.Advance(2s);
+
+  const Outcome& out = WaitForOutcome(*controller);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->cause, FailureCause::kWatchdog);
+  EXPECT_EQ(out.failure->rank, 1);  // not rank 2, stale longer: it answered
+  EXPECT_EQ(out.failure->host, "host-1");
+  EXPECT_EQ(out.failure->message,
+            "no report() for 30 s (the progress watchdog's limit) from rank(s) 1 on host-1; 2 on "
+            "host-2; rank(s) 1 on host-1 did not answer a ping within 2 s: stopped (SIGSTOP), "
+            "frozen or cut off; rank(s) 2 on host-2 answered");
+}
+
+TEST_F(ControllerStateTest, RanksStaleTogetherThatAllAnswerFailAtOnceBlamingTheStalest) {
+  auto controller = StartWatched(2);
+  Report(0, 1, {{"rank", 0}});
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  clock_.Advance(5s);
+  Report(1, 1, {{"rank", 1}});
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  clock_.Advance(31s);
+  for (int rank : {0, 1}) {
+    ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kPing, kNoHang)) << rank;
+    ranks_.Deliver(rank, MessageType::kPong, "");
+  }
+
+  const Outcome& out = WaitForOutcome(*controller);  // no wait for the ping's deadline
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->rank, 0);
+  EXPECT_EQ(out.failure->message,
+            "no report() for 30 s (the progress watchdog's limit) from rank(s) 0 on host-0; 1 on "
+            "host-1, alive but stuck");
 }
 
 TEST_F(ControllerStateTest, ASlowRankIsRecordedAsAStragglerAndEveryRanksStepTimeIsPublished) {

@@ -46,8 +46,13 @@ enum class MessageType : uint8_t {
   kPreemption = 16,
   // controller -> worker: the query, the agreed preemption, "noted" or "stop" (docs/wire.md)
   kPreemptionReply = 17,
+  // controller -> worker: is this rank's process alive? (empty; asked of ranks the progress
+  // watchdog finds stale together, answered by the worker's connection thread)
+  kPing = 18,
+  // worker -> controller: the answer to a kPing (empty)
+  kPong = 19,
 };
-constexpr uint8_t kMaxMessageType = 17;
+constexpr uint8_t kMaxMessageType = 19;
 
 constexpr size_t kFrameHeaderSize = 5;
 // The largest body the u32 length field can describe (it counts the type byte too).

@@ -26,6 +26,7 @@ std::string_view TypeName(MessageType type) {
     case MessageType::kCollective: return "collective";
     case MessageType::kCollectiveRelease: return "collective release";
     case MessageType::kDone: return "done";
+    case MessageType::kPong: return "pong";
     default: return "unexpected";
   }
 }
@@ -210,6 +211,13 @@ StatusOr<Collective> DecodeCollective(std::string_view body) {
   return c;
 }
 
+StatusOr<Pong> DecodePong(std::string_view body) {
+  if (!body.empty()) {
+    return InvalidArgumentError("the body is " + std::to_string(body.size()) + " bytes, not empty");
+  }
+  return Pong{};
+}
+
 StatusOr<Done> DecodeDone(std::string_view body) {
   JT_ASSIGN_OR_RETURN(json j, ParseObject(body));
   Done d;
@@ -290,6 +298,7 @@ struct Encoder {
     }
     return Dump(j);
   }
+  StatusOr<std::string> operator()(const Pong&) const { return std::string(); }
   StatusOr<std::string> operator()(const Collective& c) const {
     return EncodeCollectiveBody(c.sequence, static_cast<uint8_t>(c.kind), c.data);
   }
@@ -303,6 +312,7 @@ struct TypeOf {
   MessageType operator()(const Done&) const { return MessageType::kDone; }
   MessageType operator()(const Preemption&) const { return MessageType::kPreemption; }
   MessageType operator()(const Collective&) const { return MessageType::kCollective; }
+  MessageType operator()(const Pong&) const { return MessageType::kPong; }
 };
 
 }  // namespace
@@ -317,6 +327,7 @@ StatusOr<WorkerMessage> DecodeWorkerMessage(const FrameView& frame) {
     case MessageType::kDone: return Typed(frame.type, DecodeDone(frame.body));
     case MessageType::kPreemption: return Typed(frame.type, DecodePreemption(frame.body));
     case MessageType::kCollective: return Typed(frame.type, DecodeCollective(frame.body));
+    case MessageType::kPong: return Typed(frame.type, DecodePong(frame.body));
     default: return UnexpectedType(frame.type);
   }
 }

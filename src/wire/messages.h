@@ -122,8 +122,13 @@ struct Collective {
   bool operator==(const Collective&) const = default;
 };
 
-using WorkerMessage =
-    std::variant<Registration, Report, CheckpointReport, WorkerError, Done, Collective, Preemption>;
+// kPong: the answer to the controller's kPing; an empty body.
+struct Pong {
+  bool operator==(const Pong&) const = default;
+};
+
+using WorkerMessage = std::variant<Registration, Report, CheckpointReport, WorkerError, Done,
+                                   Collective, Preemption, Pong>;
 
 // Decodes an authenticated worker's frame; string views in the result point into `frame.body`.
 // Errors: kInvalidArgument, its message "malformed message of type N (name): " and which field is

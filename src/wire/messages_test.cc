@@ -265,6 +265,9 @@ std::vector<Malformed> MalformedMessages() {
       {MessageType::kPreemption, R"({"calls":"2"})", pre + "calls is \"2\", not " + u64},
       {MessageType::kPreemption, R"({"calls":2,"rounds":0.5})", pre + "rounds is 0.5, not " + u64},
       {MessageType::kPreemptionReply, "{}", "unexpected message type 17"},
+      {MessageType::kPing, "", "unexpected message type 18"},
+      {MessageType::kPong, "x",
+       "malformed message of type 19 (pong): the body is 1 bytes, not empty"},
       {MessageType::kCollective, "12345678",
        coll + "collective frame of 8 bytes is shorter than its 9-byte sequence number and kind"},
       {MessageType::kCollective, EncodeCollectiveBody(0, 1, ""),
@@ -326,6 +329,7 @@ TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgai
       {MessageType::kPreemption, R"({"source":"SIGTERM","calls":2})"},
       {MessageType::kCollective, EncodeCollectiveBody(1, 1, "")},
       {MessageType::kCollective, EncodeCollectiveBody(7, 2, std::string("\0pickled\xff", 9))},
+      {MessageType::kPong, ""},
   };
   for (const auto& [type, body] : frames) {
     StatusOr<WorkerMessage> decoded = DecodeWorkerMessage({type, body});

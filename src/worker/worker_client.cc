@@ -337,6 +337,10 @@ void WorkerClient::WatchController(int exit_code) {
         OnPreemptionReply(f->body);
         continue;
       }
+      if (f->type == wire::MessageType::kPing) {  // answered here, whatever training is doing
+        [[maybe_unused]] Status s = Send(wire::MessageType::kPong, "");
+        continue;
+      }
       if (f->type == wire::MessageType::kCollectiveRelease) {
         MutexLock lock(settle_mu_);
         release_body_ = std::move(f->body);

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -268,6 +269,27 @@ TEST(WorkerClientTest, ACollectiveCallReturnsTheDataOfItsRelease) {
   ASSERT_EQ(controller.received.size(), 1u);  // the call refused was never sent
   EXPECT_EQ(controller.received[0].type, MessageType::kCollective);
   EXPECT_EQ(controller.received[0].body, wire::EncodeCollectiveBody(1, 2, ""));
+}
+
+TEST(WorkerClientTest, TheConnectionsThreadAnswersAPingWhileACallWaits) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  // The ping comes before the release the call waits for: the release's frame is read after it.
+  controller.Serve(
+      {{MessageType::kPing, ""},
+       {MessageType::kCollectiveRelease, wire::EncodeCollectiveRelease({.sequence = 1})}});
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    (*client)->WatchController(7);
+    ASSERT_TRUE((*client)->Collective({.sequence = 1}).ok());
+    (*client)->Stop();
+  }
+  controller.Join();
+  std::vector<MessageType> types;
+  for (const auto& f : controller.received) types.push_back(f.type);
+  EXPECT_EQ(types.size(), 2u);
+  EXPECT_EQ(std::count(types.begin(), types.end(), MessageType::kPong), 1);
 }
 
 TEST(WorkerClientTest, AControllerThatNeverAnswersTimesOut) {
