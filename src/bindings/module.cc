@@ -239,9 +239,9 @@ class PyController {
       } catch (nb::python_error& e) {
         if (!e.matches(PyExc_TypeError)) throw;
         PyErr_Format(PyExc_TypeError,
-                     "Controller() option '%U' does not take %R (%s); its type is that of the "
+                     "Controller() option '%U' does not take %R (%R); its type is that of the "
                      "field of jaxtrain._core.ControllerOptions",
-                     name.ptr(), value.ptr(), Py_TYPE(value.ptr())->tp_name);
+                     name.ptr(), value.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())));
         throw nb::python_error();
       }
     }
