@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxtrain import CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
-from jaxtrain.loggers import TensorBoardLogger
-
 
 def corpus() -> str:
     import argparse as a
@@ -31,10 +28,36 @@ def corpus() -> str:
     return "".join(open(m.__file__, encoding="utf-8").read() for m in (textwrap, a, typing))
 
 
+def char_lm(vocab_size: int, seq: int, width: int, layers: int):
+    """The model: a causal transformer over characters (bench/chaos_goodput.py trains it too)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            h = nn.MultiHeadDotProductAttention(num_heads=4)(
+                h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+            x = x + h
+            h = nn.Dense(4 * width)(nn.LayerNorm()(x))
+            return x + nn.Dense(width)(nn.gelu(h))
+
+    class CharLM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(vocab_size, width)(tokens)
+            x = x + self.param("pos", nn.initializers.normal(0.02), (seq, width))
+            for _ in range(layers):
+                x = Block()(x)
+            return nn.Dense(vocab_size)(nn.LayerNorm()(x))
+
+    return CharLM()
+
+
 def train_func(config: dict) -> None:
     import signal
 
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -51,26 +74,7 @@ def train_func(config: dict) -> None:
     vocab = sorted(set(text))
     ids = np.array([vocab.index(c) for c in text], dtype=np.int32)
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.LayerNorm()(x)
-            h = nn.MultiHeadDotProductAttention(num_heads=4)(
-                h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
-            x = x + h
-            h = nn.Dense(4 * width)(nn.LayerNorm()(x))
-            return x + nn.Dense(width)(nn.gelu(h))
-
-    class CharLM(nn.Module):
-        @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(len(vocab), width)(tokens)
-            x = x + self.param("pos", nn.initializers.normal(0.02), (seq, width))
-            for _ in range(config["layers"]):
-                x = Block()(x)
-            return nn.Dense(len(vocab))(nn.LayerNorm()(x))
-
-    model = CharLM()
+    model = char_lm(len(vocab), seq, width, config["layers"])
     optimizer = optax.adamw(config["lr"])
     mesh = data.mesh()  # every device of every process, along "data"
     replicated = NamedSharding(mesh, P())
@@ -131,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="flax_char_lm")
     parser.add_argument("--storage-path", default=None)
     args = parser.parse_args(argv)
+    # Imported here, so that the model and the corpus import without jaxtrain.
+    from jaxtrain import CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+    from jaxtrain.loggers import TensorBoardLogger
+
 
     result = JaxTrainer(
         train_func,
