@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, UserCallback
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, UserCallback, goodput
 from jaxtrain.metrics import MetricsServer, endpoint, exposition
 
 SNAPSHOT = {
@@ -30,9 +30,23 @@ SNAPSHOT = {
 }
 
 
-def test_the_exposition_parses_with_help_and_type_for_every_family():
+def _finished_run(path: Path) -> Path:
+    """A run directory by hand: the driver 100-130 s, one attempt 101-129 s, ready at 102 s,
+    reports at 105 and 125 s: start-up 2 s, compile 3 s, training 20 s, shutdown 5 s."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "run.json").write_text(json.dumps({
+        "status": "FINISHED", "start_time": 100.0, "end_time": 130.0,
+        "attempts": [{"attempt": 0, "status": "FINISHED", "start_time": 101.0,
+                      "ready_time": 102.0, "end_time": 129.0}]}))
+    (path / "result.jsonl").write_text(
+        "".join(json.dumps({"round": i + 1, "time": t}) + "\n" for i, t in enumerate((105, 125))))
+    return path
+
+
+def test_the_exposition_parses_with_help_and_type_for_every_family(tmp_path):
     from prometheus_client import parser
-    text = exposition(SNAPSHOT, 'run "a"\\b')
+    run_goodput = goodput.from_run_dir(_finished_run(tmp_path / "run"))
+    text = exposition(SNAPSHOT, 'run "a"\\b', run_goodput)
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}
     assert families["jaxtrain_reports"].type == "counter"
     assert families["jaxtrain_attempts"].type == "counter"
@@ -52,8 +66,16 @@ def test_the_exposition_parses_with_help_and_type_for_every_family():
     assert values[("jaxtrain_rank_step_time_seconds", (("rank", "0"),))] == 0.1
     assert ("jaxtrain_rank_step_time_seconds", (("rank", "1"),)) not in values  # not known yet
     assert values[("jaxtrain_rank_straggler", (("rank", "1"),))] == 1
-    # Before the controller has published anything, the families are there with zeros.
-    assert parser.text_string_to_metric_families(exposition({}, "r"))
+    assert families["jaxtrain_goodput_seconds"].type == "gauge"
+    parts = {part: values[("jaxtrain_goodput_seconds", (("part", part),))]
+             for part in goodput.PARTS}
+    assert parts == {"queue": 0, "startup": 2, "compile": 3, "training": 20,
+                     "checkpoint_blocked": 0, "restart": 0, "lost": 0, "shutdown": 5}
+    assert values[("jaxtrain_goodput_ratio", ())] == pytest.approx(20 / 30)
+    # Before the controller has published anything, the families are there with zeros; the
+    # goodput's, without samples until run.json can be read.
+    families = {f.name: f for f in parser.text_string_to_metric_families(exposition({}, "r"))}
+    assert families["jaxtrain_goodput_ratio"].samples == []
 
 
 def test_the_port_and_host_settings():
@@ -81,14 +103,16 @@ def test_a_taken_port_is_refused_naming_it():
             MetricsServer("127.0.0.1", port, "r")
 
 
-def test_the_server_answers_at_metrics_only():
+def test_the_server_answers_at_metrics_only(tmp_path):
     server = MetricsServer("127.0.0.1", 0, "r")
-    server.serve(lambda: json.dumps(SNAPSHOT))
+    server.serve(lambda: json.dumps(SNAPSHOT), str(_finished_run(tmp_path / "run")))
     try:
         host, port = server.address
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            assert 'jaxtrain_reports_total{run="r"} 40' in r.read().decode()
+            text = r.read().decode()
+            assert 'jaxtrain_reports_total{run="r"} 40' in text
+            assert 'jaxtrain_goodput_seconds{run="r",part="training"} 20.0' in text
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"http://{host}:{port}/", timeout=10)
     finally:

@@ -4,7 +4,8 @@
 Opt-in: ``RunConfig(metrics_port=...)`` or ``JAXTRAIN_METRICS_PORT`` (0: any free port, said on
 stderr). It binds to 127.0.0.1 unless ``JAXTRAIN_METRICS_HOST`` names another address. The
 values come from the controller (``Controller.metrics_json()``, controller/run_metrics.h), read
-at each scrape; the families are listed in docs/observability.md.
+at each scrape, and the goodput parts from the run directory (jaxtrain.goodput), read at most
+every GOODPUT_EVERY_S seconds; the families are listed in docs/observability.md.
 
 One thread, a daemon, serves one request at a time; ``close()`` returns once it has stopped, so
 the controller is never read after it is closed.
@@ -17,8 +18,11 @@ import json
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+from jaxtrain import goodput
 
 PORT_ENV = "JAXTRAIN_METRICS_PORT"
 HOST_ENV = "JAXTRAIN_METRICS_HOST"
@@ -27,6 +31,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # The controller's states (RunMetrics::state), each a series of jaxtrain_run_state.
 STATES = ("STARTING", "RUNNING", "STOPPING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
+
+# The goodput gauges are computed from run.json and result.jsonl at most this often (seconds).
+GOODPUT_EVERY_S = 5.0
 
 _PORT_RULE = "it must be a port number, 0 to 65535 (0: any free port)"
 
@@ -72,9 +79,9 @@ class _Writer:
         self.sample(f"{name}_count", int(d.get("count", 0)))
 
 
-def exposition(m: dict, run: str) -> str:
-    """The text exposition of the controller's metrics ``m`` (RunMetricsJson), every series
-    labelled with the run's name."""
+def exposition(m: dict, run: str, run_goodput: goodput.Goodput | None = None) -> str:
+    """The text exposition of the controller's metrics ``m`` (RunMetricsJson) and of the run's
+    goodput (no samples without one), every series labelled with the run's name."""
     w = _Writer(run)
     state = m.get("state", "STARTING")
     w.family("jaxtrain_run_state", "gauge",
@@ -126,6 +133,16 @@ def exposition(m: dict, run: str) -> str:
              "1 while the rank is a straggler (docs/observability.md), else 0.")
     for rank in range(len(steps)):
         w.sample("jaxtrain_rank_straggler", int(rank in stragglers), rank=rank)
+    w.family("jaxtrain_goodput_seconds", "gauge",
+             "Seconds of the run's wall time in each part (docs/observability.md, Goodput); "
+             "they add up to the wall time.")
+    if run_goodput is not None:
+        for part, seconds in run_goodput.parts().items():
+            w.sample("jaxtrain_goodput_seconds", seconds, part=part)
+    w.family("jaxtrain_goodput_ratio", "gauge",
+             "The run's goodput: productive training time over wall time, 0 to 1.")
+    if run_goodput is not None:
+        w.sample("jaxtrain_goodput_ratio", run_goodput.fraction)
     return "\n".join(w.lines) + "\n"
 
 
@@ -136,6 +153,9 @@ class MetricsServer:
     def __init__(self, host: str, port: int, run: str) -> None:
         self.run = run
         self._source: Callable[[], str] = lambda: ""
+        self._run_dir: str | None = None
+        self._goodput: goodput.Goodput | None = None
+        self._goodput_at = float("-inf")  # time.monotonic() of the last computation
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -171,10 +191,25 @@ class MetricsServer:
 
     def render(self) -> str:
         text = self._source()
-        return exposition(json.loads(text) if text else {}, self.run)
+        return exposition(json.loads(text) if text else {}, self.run, self._run_goodput())
 
-    def serve(self, source: Callable[[], str]) -> None:
+    def _run_goodput(self) -> goodput.Goodput | None:
+        """The run directory's goodput, computed again once GOODPUT_EVERY_S have passed; the last
+        one while run.json cannot be read (not yet written)."""
+        if self._run_dir is None or time.monotonic() - self._goodput_at < GOODPUT_EVERY_S:
+            return self._goodput
+        self._goodput_at = time.monotonic()
+        try:
+            self._goodput = goodput.from_run_dir(self._run_dir)
+        except (OSError, ValueError):
+            pass
+        return self._goodput
+
+    def serve(self, source: Callable[[], str], run_dir: str | None = None) -> None:
+        """Answers scrapes from now on; ``run_dir``: the local run directory whose goodput the
+        gauges show (none without it)."""
         self._source = source
+        self._run_dir = run_dir
         self._thread = threading.Thread(target=self._http.serve_forever, name="jaxtrain-metrics",
                                         daemon=True)
         self._thread.start()

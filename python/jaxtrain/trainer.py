@@ -303,7 +303,7 @@ class JaxTrainer:
             if validator is not None:
                 validator.start()
             if metrics_server is not None:
-                metrics_server.serve(controller.metrics_json)
+                metrics_server.serve(controller.metrics_json, run_dir)
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
             if mirror is not None:
                 mirror.start()
