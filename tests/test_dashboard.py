@@ -183,6 +183,39 @@ def test_the_api_shows_a_finished_run_and_never_writes_to_it(finished_run):
     assert tree_digest(finished_run) == before
 
 
+def test_the_api_shows_each_attempts_stragglers(tmp_path):
+    """run.json's straggler changes (docs/observability.md), written by hand: rank 1 was one for
+    a while in attempt 0, rank 2 became one in attempt 1 and still was at its end."""
+    run = tmp_path / "slow"
+    run.mkdir()
+
+    def change(rank, slow, t, step_s=0.4):
+        return {"rank": rank, "slow": slow, "time": t, "step_time_s": step_s,
+                "median_step_time_s": 0.1}
+
+    (run / "run.json").write_text(json.dumps({
+        "status": "FINISHED", "world_size": 3, "start_time": 100.0, "end_time": 200.0,
+        "attempts": [
+            {"attempt": 0, "status": "ERRORED", "start_time": 100.0, "end_time": 140.0,
+             "hosts": ["a", "a", "b"],
+             "failure": {"rank": 0, "host": "a", "cause": "exit", "message": "exit code 1",
+                         "time": 139.0, "decision": {"action": "retry", "reason": "restart 1"}},
+             "stragglers": [change(1, True, 110.0), change(1, False, 120.0, 0.1)]},
+            {"attempt": 1, "status": "FINISHED", "start_time": 141.0, "end_time": 199.0,
+             "hosts": ["a", "a", "b"], "stragglers": [change(2, True, 150.0, 0.31)]},
+        ]}))
+    with serving(str(tmp_path)) as url:
+        status, detail, _ = get(f"{url}/api/runs/slow")
+    assert status == 200
+    first, second = detail["attempt_list"]
+    assert first["stragglers"] == [{"rank": 1, "start_time": 110.0, "end_time": 120.0,
+                                    "step_time_s": 0.4, "median_step_time_s": 0.1}]
+    assert second["stragglers"] == [{"rank": 2, "start_time": 150.0, "end_time": None,
+                                     "step_time_s": 0.31, "median_step_time_s": 0.1}]
+    # The ranks table is the latest attempt's: rank 2 was a straggler when it ended.
+    assert [r["straggler"] for r in detail["ranks"]] == [None, None, second["stragglers"][0]]
+
+
 def test_one_run_directory_is_served_alone(finished_run):
     with serving(str(finished_run / "done")) as url:
         assert [r["name"] for r in get(f"{url}/api/runs")[1]["runs"]] == ["done"]

@@ -321,7 +321,31 @@ def _attempt(a: dict) -> dict:
         "restored_from": os.path.basename(a["restored_from"]) if a.get("restored_from") else None,
         "failure": failure and {k: failure.get(k) for k in (
             "rank", "host", "cause", "message", "exit_code", "signal", "decision")},
+        "stragglers": straggler_periods(a),
     }
+
+
+def straggler_periods(a: dict) -> list[dict]:
+    """An attempt's stragglers (docs/observability.md), from run.json's record of each change:
+    one period per time a rank became a straggler, oldest first, with its step time and the
+    other ranks' median then; ``end_time`` is when it stopped being one, None if it still was
+    when the attempt ended (or is now, while it runs)."""
+    events = a.get("stragglers") if isinstance(a.get("stragglers"), list) else []
+    periods: list[dict] = []
+    open_by_rank: dict[int, dict] = {}
+    for e in events:
+        if not isinstance(e, dict) or not isinstance(e.get("rank"), int) \
+                or _number(e.get("time")) is None:
+            continue
+        rank = e["rank"]
+        if e.get("slow") and rank not in open_by_rank:
+            open_by_rank[rank] = {"rank": rank, "start_time": e["time"], "end_time": None,
+                                  "step_time_s": _number(e.get("step_time_s")),
+                                  "median_step_time_s": _number(e.get("median_step_time_s"))}
+            periods.append(open_by_rank[rank])
+        elif not e.get("slow") and rank in open_by_rank:
+            open_by_rank.pop(rank)["end_time"] = e["time"]
+    return periods
 
 
 def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float) -> list[dict]:
@@ -336,6 +360,7 @@ def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float)
     failure = latest.get("failure") if isinstance(latest.get("failure"), dict) else {}
     attempt_status = latest.get("status", "?")
     last_round = rounds[-1].get("time") if rounds else None
+    straggling = {p["rank"]: p for p in straggler_periods(latest) if p["end_time"] is None}
     out = []
     for r in range(world_size):
         if attempt_status == "RUNNING":
@@ -359,6 +384,8 @@ def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float)
             "last_report_age_s": now - last_round if last_round else None,
             "last_output_age_s": now - printed if printed else None,
             "step_time_s": _number_at(latest.get("step_time_s"), r),
+            # Its straggler period in the latest attempt, while it lasts (or lasted to the end).
+            "straggler": straggling.get(r),
         })
     return out
 

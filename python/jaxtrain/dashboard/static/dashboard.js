@@ -57,6 +57,14 @@ function num(v) {
     : String(Math.round(v * 1e4) / 1e4);
 }
 
+// A straggler period (the API's attempt "stragglers", rank "straggler"), in words.
+function stragglerText(p) {
+  const step = (s) => typeof s !== "number" ? "-" : s < 1 ? num(1000 * s) + " ms" : seconds(s);
+  return "rank " + p.rank + " straggler: step time " + step(p.step_time_s) +
+    ", the other ranks' median " + step(p.median_step_time_s) + ", from " + when(p.start_time) +
+    (p.end_time ? " to " + when(p.end_time) : "");
+}
+
 function progressCell(p) {
   if (!p || p.fraction === null) {
     return el("span", {}, p && p.step !== null ? "step " + p.step : "round " + (p ? p.round : 0));
@@ -138,6 +146,15 @@ function drawAttempts(run) {
       a.failure.cause + ": " + a.failure.message : "");
     bar.append(title);
     g.append(label, bar);
+    // Each straggler period: a thin amber band under the attempt's bar.
+    for (const p of a.stragglers || []) {
+      const band = svg("rect", { class: "straggler", "data-rank": p.rank, x: x(p.start_time),
+        y: y + row - 8, height: 3, width: Math.max(2, x(p.end_time || end) - x(p.start_time)) });
+      const tip = svg("title", {});
+      tip.textContent = stragglerText(p);
+      band.append(tip);
+      g.append(band);
+    }
     if (a.failure) {
       const cause = svg("text", { x: Math.min(x(end) + 4, width - 200), y: y + 14 });
       cause.textContent = "rank " + a.failure.rank + ": " + a.failure.cause;
@@ -161,6 +178,9 @@ function drawAttempts(run) {
         "rank " + f.rank + (f.host ? " (host " + f.host + ")" : "") + " " + f.cause),
       ": " + f.message);
       if (f.decision) item.append(" [" + f.decision.action + ": " + f.decision.reason + "]");
+    }
+    for (const p of a.stragglers || []) {
+      item.append(" \u2014 ", el("span", { class: "straggler", "data-rank": p.rank }, stragglerText(p)));
     }
     return item;
   }));
@@ -243,7 +263,9 @@ function drawGoodput(goodput) {
 
 function drawRanks(ranks) {
   $("ranks").tBodies[0].replaceChildren(...ranks.map((r) => el("tr", { "data-rank": r.rank },
-    el("td", {}, r.rank), el("td", {}, r.host || "-"), el("td", {}, status(r.state)),
+    el("td", {}, r.rank), el("td", {}, r.host || "-"),
+    el("td", {}, status(r.state), ...(r.straggler ? [" ", el("span",
+      { class: "straggler", "data-rank": r.rank, title: stragglerText(r.straggler) }, "straggler")] : [])),
     el("td", {}, r.last_report_age_s === null ? "-" : seconds(r.last_report_age_s) + " ago"),
     el("td", {}, r.last_output_age_s === null ? "-" : seconds(r.last_output_age_s) + " ago"),
     el("td", {}, r.step_time_s === null ? "-" : seconds(r.step_time_s)))));
