@@ -29,6 +29,10 @@ return); lost time = wall - productive. The rest of the wall time is split into:
 stopping and restarting the group, restoring, shutting down). jaxtrain's own accounting
 (``Result.goodput``, docs/observability.md) is printed beside it.
 
+Each system runs as its users get it: jaxtrain's workers keep JAX's persistent compilation cache
+in the run directory (its default), so a restarted group loads the step it compiled before; Ray's
+do not unless ``--ray-jax-cache`` sets ``JAX_COMPILATION_CACHE_DIR`` for them.
+
 The figure: jaxtrain's lost time over Ray's (target <= 0.3 x). Results go to
 bench/results/chaos_goodput.json.
 """
@@ -272,6 +276,8 @@ def run_side(side: str, out: str, args_json: str) -> None:
     else:
         os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
         os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(args["ray_poll_s"]))
+        if args["ray_jax_cache"]:  # JAX's persistent cache, as jaxtrain's workers keep it
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(out, "compilation-cache")
         config["t0"] = time.time()  # fit() starts Ray when the user has not: counted
         config["deadline"] = config["t0"] + args["minutes"] * 60
         killer.start()
@@ -361,7 +367,8 @@ def run(side: str, python: str, args: argparse.Namespace, tmp: str) -> dict:
     out = tempfile.mkdtemp(prefix=f"{side}-", dir=tmp)
     argv = [python, os.path.abspath(__file__), "--side", side, out,
             json.dumps({k: getattr(args, k) for k in
-                        ("minutes", "kill_every", "checkpoint_every", "workers", "ray_poll_s")})]
+                        ("minutes", "kill_every", "checkpoint_every", "workers", "ray_poll_s",
+                         "ray_jax_cache")})]
     print(f"chaos_goodput: {side}, {args.minutes:g} min ...", file=sys.stderr, flush=True)
     with open(os.path.join(out, "console.log"), "wb") as log:
         code = subprocess.run(argv, stdout=log, stderr=log, cwd=out).returncode
@@ -384,6 +391,9 @@ def main() -> None:
     parser.add_argument("--ray-poll-s", type=float, default=0.1,
                         help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for Ray (0.1, as compare_ray; "
                              "Ray's own default is 2)")
+    parser.add_argument("--ray-jax-cache", action="store_true",
+                        help="give Ray's workers JAX's persistent compilation cache "
+                             "(JAX_COMPILATION_CACHE_DIR), which jaxtrain's keep by default")
     parser.add_argument("--no-ray", action="store_true", help="jaxtrain alone")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     args = parser.parse_args()
@@ -417,7 +427,8 @@ def print_table(args: argparse.Namespace, results: dict) -> None:
     jt, ray = results["jaxtrain"], results.get("ray")
     print(f"{args.workers} CPU workers, Flax char LM, {args.minutes:g} min of wall time per side; "
           f"a rank SIGKILLed every {args.kill_every:g} s, checkpoints every "
-          f"{args.checkpoint_every:g} s")
+          f"{args.checkpoint_every:g} s"
+          + ("; Ray with JAX's compilation cache" if args.ray_jax_cache else ""))
     rows = [("wall time", "wall_s"), ("productive steps", "productive_s"),
             ("lost (wall - productive)", "lost_s"), ("  first steps (compile)", "first_steps_s"),
             ("  checkpoints and reports", "checkpoints_and_reports_s"),
