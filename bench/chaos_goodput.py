@@ -142,11 +142,15 @@ def train_body(config: dict, rank: int, world: int, report, checkpoint_cls, get_
     step = int(state["step"].addressable_data(0))
     restored = step
     per_rank = m["batch"] // world
-    log = os.open(os.path.join(out, f"steps-a{attempt}.jsonl"),
-                  os.O_WRONLY | os.O_CREAT | os.O_APPEND) if rank == 0 else None
-    if rank == 0:
-        write_json(os.path.join(out, f"attempt-a{attempt}.json"),
-                   {"attempt": attempt, "restored_step": restored, "t_first": t_first})
+    log = None
+    if rank == 0:  # one line per group started (a failure other than the kills starts one too)
+        with open(os.path.join(out, "groups.jsonl"), "a+") as f:
+            f.seek(0)
+            group = sum(1 for _ in f)
+            f.write(json.dumps({"group": group, "attempt": attempt, "restored_step": restored,
+                                "t_first": t_first}) + "\n")
+        log = os.open(os.path.join(out, f"steps-g{group}.jsonl"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     last_checkpoint = time.time()
     while True:
         t0 = time.time()
@@ -307,21 +311,20 @@ def figures(out: str) -> dict:
         driver = json.load(f)
     kept: dict[int, dict] = {}  # step -> its surviving execution
     executed = []
-    attempts = 0
-    while os.path.exists(os.path.join(out, f"attempt-a{attempts}.json")):
-        with open(os.path.join(out, f"attempt-a{attempts}.json")) as f:
-            restored = json.load(f)["restored_step"]
-        for s in [s for s in kept if s >= restored]:
+    with open(os.path.join(out, "groups.jsonl")) as f:
+        groups = [json.loads(line) for line in f if line.endswith("\n")]
+    for g in groups:
+        for s in [s for s in kept if s >= g["restored_step"]]:
             del kept[s]
         try:
-            with open(os.path.join(out, f"steps-a{attempts}.jsonl")) as f:
+            with open(os.path.join(out, f"steps-g{g['group']}.jsonl")) as f:
                 lines = [json.loads(line) for line in f if line.endswith("\n")]
         except FileNotFoundError:
             lines = []
         for line in lines:
             executed.append(line)
             kept[line["step"]] = line
-        attempts += 1
+    attempts = len(groups)
     kills = attempt_of(out)
     wall = driver["t_end"] - driver["t0"]
     productive = sum(r["t1"] - r["t0"] for r in kept.values() if not r["first"])
@@ -439,7 +442,7 @@ def print_table(args: argparse.Namespace, results: dict) -> None:
         print(f"{label:32}{jt[key]:>12.1f} s" + (f"{ray[key]:>12.1f} s" if ray else ""))
     print(f"{'goodput':32}{100 * jt['goodput']:>12.1f} %"
           + (f"{100 * ray['goodput']:>12.1f} %" if ray else ""))
-    for label, key in (("kills (scheduled)", "kills"), ("attempts", "attempts"),
+    for label, key in (("kills (scheduled)", "kills"), ("worker groups", "attempts"),
                        ("steps kept / run", "steps")):
         extra = {"kills": "kills_scheduled", "steps": "steps_executed"}.get(key)
         cell = [f"{r[key]}" + (f" / {r[extra]}" if extra else "") for r in (jt, ray) if r]
