@@ -56,6 +56,9 @@ class Collectives {
   std::string TakeWarning(TimePoint now);
 
   uint64_t next() const { return next_; }
+  // The first rank whose training function returned (Done()), or -1: the rank to blame when a
+  // later call fails because of it.
+  int first_returned() const { return returned_; }
 
  private:
   // "call N, barrier()" for the call pending of `kind`.

@@ -539,8 +539,12 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       return ProtocolError(rank, arrived.status().message());
     }
     if (!arrived.ok()) {
-      return Fail(
-          {.rank = rank, .cause = FailureCause::kException, .message = arrived.status().message()});
+      // A call made after a rank returned without it: that rank broke the sequence, not this one
+      // (which only came to the call after it had returned).
+      const int blamed = collectives.first_returned() >= 0 ? collectives.first_returned() : rank;
+      return Fail({.rank = blamed,
+                   .cause = FailureCause::kException,
+                   .message = arrived.status().message()});
     }
     if (!*arrived) return;
     const Collectives::Release& r = **arrived;
