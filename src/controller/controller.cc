@@ -157,7 +157,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
   double attempt_start_time = 0;
   // When this attempt's every rank had registered and the start was sent; 0 = not yet.
   double attempt_ready_time = 0;
-  double failure_time = 0;  // when this attempt's failure was first noticed
+  double failure_time = 0;  // when this attempt's first failure was noticed, whoever is blamed
   nlohmann::json attempt_log = nlohmann::json::array();  // run.json's attempts, earlier runs' too
   std::string restore_from;  // the checkpoint this attempt starts from; "" for none
   // restore_from was checked by sizes only: its parts are in host memory (RestoreVerifier).
@@ -248,7 +248,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
       f.preemption = nlohmann::json::parse(preemption.Info(/*drain_timed_out=*/false));
     }
     if (!failure) {
-      failure_time = ctl.clock_.UnixSeconds();
+      if (failure_time == 0) failure_time = ctl.clock_.UnixSeconds();  // kept by Reblame()
       f.attempt = attempt;
       if (f.rank >= 0) {
         if (!ranks[static_cast<size_t>(f.rank)].host.empty()) {
@@ -730,9 +730,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     const std::string first = failure->message.substr(0, failure->message.find('\n'));
     killed.message += "; rank " + std::to_string(failure->rank) + " failed meanwhile: " + first;
     failure.reset();
-    const double noticed = failure_time;  // the failure was noticed then, whoever is blamed
     Fail(std::move(killed));
-    failure_time = noticed;
   }
 
   // The process that ran several ranks (srun) has ended. How each rank ended is known from srun's
@@ -1030,6 +1028,7 @@ struct Controller::Loop : ControlPort::Delegate, WorkerGroup::Delegate, RoundRec
     restore_from = std::move(restore);
     attempt_start_time = ctl.clock_.UnixSeconds();
     attempt_ready_time = 0;
+    failure_time = 0;
     if (attempt > first_attempt) {
       Say("restarting the worker group: attempt " + std::to_string(attempt) +
           (restore_from.empty() ? ", from the start" : ", from checkpoint " + restore_from));
