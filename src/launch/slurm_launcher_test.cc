@@ -247,6 +247,17 @@ TEST(ParseSrunTaskEndTest, ReadsSignalsExitCodesAndTaskRanges) {
   }
 }
 
+TEST(ParseSlurmTimeLeftTest, ReadsSqueuesFormsOfTimeLeft) {
+  EXPECT_EQ(ParseSlurmTimeLeft("1:38\n"), 98);
+  EXPECT_EQ(ParseSlurmTimeLeft("0:05"), 5);
+  EXPECT_EQ(ParseSlurmTimeLeft("2:01:40"), 7300);
+  EXPECT_EQ(ParseSlurmTimeLeft("1-00:00:10"), 86410);
+  EXPECT_EQ(ParseSlurmTimeLeft("3-04"), 3 * 86400 + 4 * 3600);
+  for (const char* other : {"UNLIMITED", "NOT_SET", "INVALID", "", "12", "1:x", "1:2:3:4"}) {
+    EXPECT_FALSE(ParseSlurmTimeLeft(other).has_value()) << other;
+  }
+}
+
 class TempDirTest : public testing::Test {
  protected:
   void SetUp() override {
