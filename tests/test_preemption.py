@@ -177,3 +177,138 @@ def test_get_preemption_info_outside_a_training_function_is_refused():
 
     with pytest.raises(RuntimeError, match="get_preemption_info"):
         jaxtrain.get_preemption_info()
+
+
+# --- Automatic save: a training function that never calls get_preemption_info() -------------
+
+
+def _train_registered(config):
+    """Registers its just-in-time save once (on_preemption: the files of rank 0's state;
+    orbax.save_on_preemption: a state sharded over both processes) and otherwise only reports
+    metrics: no periodic checkpoint, no get_preemption_info(). On attempt 0, rank 1 gets a SIGTERM
+    from outside at step config["signal_at"]."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxtrain as train
+    from jaxtrain import orbax as jt_orbax
+
+    ctx = train.get_context()
+    rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+    last = {}
+    mesh = jax.make_mesh((2,), ("x",))
+    shardings = {"w": NamedSharding(mesh, P("x")), "step": NamedSharding(mesh, P())}
+
+    def init():
+        return {"w": jnp.arange(8.0), "step": jnp.zeros((), jnp.int32)}
+
+    step_fn = jax.jit(lambda s: {"w": s["w"] * 0.9 + jnp.sum(s["w"]) / (s["step"] + 1.0),
+                                 "step": s["step"] + 1}, out_shardings=shardings)
+    if config["orbax"]:
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                jax.eval_shape(init), shardings)
+        state = jt_orbax.restore(abstract)
+        jt_orbax.save_on_preemption(lambda: state)
+    else:
+        state = None
+        checkpoint = train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                saved = json.loads(Path(d, "state.json").read_text())
+            state = jax.jit(lambda: {"w": jnp.asarray(saved["w"]),
+                                     "step": jnp.asarray(saved["step"], jnp.int32)},
+                            out_shardings=shardings)()
+
+        def save(directory):
+            if rank == 0:  # process_allgather gave every process the whole state
+                Path(directory, "state.json").write_text(json.dumps(last))
+
+        train.on_preemption(save)
+    if state is None:
+        state = jax.jit(init, out_shardings=shardings)()
+    start = int(state["step"].addressable_data(0))
+    if attempt > 0:
+        Path(config["out"], f"resumed-{rank}").write_text(str(start))
+    for step in range(start, config["steps"]):
+        state = step_fn(state)
+        if step == config["signal_at"] and attempt == 0 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        w = [float(x) for x in multihost_utils.process_allgather(state["w"], tiled=True)]
+        last.update(w=w, step=step + 1)
+        train.report({"step": step, "w": w, "attempt": attempt})
+
+
+def _fit_registered(tmp_path, name, *, orbax, signal_at=6):
+    return JaxTrainer(
+        _train_registered,
+        train_loop_config={"out": str(tmp_path), "signal_at": signal_at, "orbax": orbax,
+                           "steps": 20},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path / "results"),
+                             failure_config=FailureConfig(max_failures=0)),
+    ).fit()
+
+
+@pytest.mark.parametrize("orbax", [False, True], ids=["on_preemption", "orbax"])
+def test_a_registered_save_is_the_just_in_time_checkpoint_without_code_for_it(tmp_path, orbax):
+    if orbax:
+        pytest.importorskip("orbax.checkpoint")
+    undisturbed = _fit_registered(tmp_path / "undisturbed", "undisturbed", orbax=orbax,
+                                  signal_at=-1).metrics
+    result = _fit_registered(tmp_path, "registered", orbax=orbax)
+
+    attempts = json.loads(Path(result.path, "run.json").read_text())["attempts"]
+    assert [a["status"] for a in attempts] == ["ERRORED", "FINISHED"], attempts
+    failure = attempts[0]["failure"]
+    assert failure["cause"] == "preemption" and failure["rank"] == 1, failure
+    assert "by SIGTERM" in failure["message"] and "was committed" in failure["message"], failure
+    assert failure["preemption"]["drain_timed_out"] is False
+    # The only checkpoint of the run is the registered save's, made at the agreed report.
+    rows = _rows(result)
+    first = [r["step"] for r in rows if r["attempt"] == 0]
+    second = [r["step"] for r in rows if r["attempt"] == 1]
+    jit_step = first[-1]
+    assert 6 <= jit_step <= 8, first  # the notice is agreed within a step or two
+    assert attempts[1]["restored_from"].endswith(f"checkpoint_{jit_step + 1:06d}"), attempts[1]
+    assert [(tmp_path / f"resumed-{r}").read_text() for r in range(2)] == [str(jit_step + 1)] * 2
+    assert second[0] == jit_step + 1, (first, second)  # nothing redone
+    assert first == list(range(jit_step + 1)) and second[-1] == 19
+    logs = Path(result.path, "logs")
+    for rank in range(2):
+        assert "saving the just-in-time checkpoint" in (logs / f"rank-{rank}.log").read_text()
+    assert result.metrics["w"] == pytest.approx(undisturbed["w"], rel=1e-6)
+    assert result.metrics["step"] == undisturbed["step"] == 19
+
+
+def test_on_preemption_checks_its_argument(tmp_path):
+    def train_func(config):
+        import jaxtrain as train
+        from jaxtrain import orbax as jt_orbax
+
+        for call, expected in ((lambda: train.on_preemption("save"), "save_fn='save'"),
+                               (lambda: jt_orbax.save_on_preemption(3), "state_fn=3"),
+                               (lambda: jt_orbax.save_on_preemption(lambda: 1, item="a/b"),
+                                "item='a/b'")):
+            try:
+                call()
+            except (TypeError, ValueError) as e:
+                assert expected in str(e), e
+            else:
+                raise AssertionError(f"{expected} was accepted")
+        train.on_preemption(lambda d: None)
+        train.on_preemption(None)
+        train.report({"ok": 1})
+
+    result = JaxTrainer(train_func, scaling_config=ScalingConfig(num_workers=1),
+                        run_config=RunConfig(name="args", storage_path=str(tmp_path))).fit()
+    assert result.metrics == {"ok": 1}
+    with pytest.raises(RuntimeError, match="on_preemption"):
+        import jaxtrain
+
+        jaxtrain.on_preemption(lambda d: None)

@@ -46,6 +46,7 @@ def train(config):
 
     ctx = train.get_context()
     rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+    Path(config["out"], f"job-{attempt}-{rank}").write_text(os.environ.get("SLURM_JOB_ID", ""))
     state, start = 1.0, 0
     checkpoint = train.get_checkpoint()
     if checkpoint is not None:
@@ -193,6 +194,49 @@ def test_the_time_limit_signal_is_a_notice_with_its_deadline(slurm_cluster, slur
     # The deadline is the sooner of the time limit's (100 s away) and preemption_grace_s (30).
     seen = json.loads((slurm_dir / "seen-0-0").read_text())
     assert started_ms < seen["deadline_ms"] < time.time() * 1000 + 30_000
+
+
+def test_after_the_time_limit_notice_the_run_goes_on_in_a_new_allocation(slurm_cluster,
+                                                                        slurm_dir):
+    undisturbed = _undisturbed(slurm_dir, slurm_cluster.env(HOME=str(slurm_dir)), 2)
+    # jaxtrain's own allocation, 2 minutes, --signal=USR1@100: the notice comes in its first 20 s
+    # (as above), and the restart finds the allocation within its notice's reach of the limit.
+    proc = _slurm_drive(slurm_cluster, slurm_dir, "renewed", "", SALLOC_TIMELIMIT="2",
+                        JAXTRAIN_SLURM_SIGNAL_S="100")
+
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    attempts = json.loads((slurm_dir / "renewed" / "run.json").read_text())["attempts"]
+    assert attempts[-1]["status"] == "FINISHED" and len(attempts) >= 2, attempts
+    # Every restart was a time limit's notice, counted as a preemption (max_failures=0), and
+    # each attempt ran in an allocation of its own: the same request, made again.
+    for attempt in attempts[:-1]:
+        failure = attempt["failure"]
+        assert failure["cause"] == "preemption", failure
+        assert "by SIGUSR1 (Slurm time limit)" in failure["message"], failure
+        assert failure["decision"]["action"] == "retry", failure
+    jobs = [[(slurm_dir / f"job-{i}-{rank}").read_text() for rank in range(2)]
+            for i in range(len(attempts))]
+    assert all(a == b and a for a, b in jobs), jobs
+    assert len({a for a, _ in jobs}) == len(jobs), jobs
+    first_job, second_job = jobs[0][0], jobs[1][0]
+    assert (f"Slurm job {first_job}, this run's allocation, reaches its time limit in"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "asking Slurm for a new allocation of the same shape" in proc.stderr
+    assert f"Slurm granted job {second_job}" in proc.stderr
+    state = subprocess.run(["squeue", "--noheader", f"--jobs={first_job}", "--format=%T"],
+                           env=slurm_cluster.env(), capture_output=True, text=True).stdout
+    assert "RUNNING" not in state, state  # released, not left to its time limit
+
+    # Each restart resumed from the just-in-time checkpoint: nothing redone, nothing skipped.
+    restored = json.loads(Path(attempts[1]["restored_from"], "state.json").read_text())
+    rows = [json.loads(line)["metrics"]
+            for line in (slurm_dir / "renewed" / "result.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(12)), rows
+    by_attempt = [[r["step"] for r in rows if r["attempt"] == i] for i in range(len(attempts))]
+    assert by_attempt[0][-1] == restored["step"], (by_attempt, restored)
+    assert json.loads((slurm_dir / "seen-0-0").read_text())["step"] == restored["step"]
+    assert _final(proc.stdout)["state"] == pytest.approx(undisturbed["state"], rel=1e-12)
 
 
 def test_sigusr1_is_a_notice_where_the_slurm_setting_is_given(tmp_path):

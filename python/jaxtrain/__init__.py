@@ -15,7 +15,7 @@ from jaxtrain.errors import (
     TrainingFailedError,
     WorkerGroupError,
 )
-from jaxtrain.preemption import PreemptionInfo, get_preemption_info
+from jaxtrain.preemption import PreemptionInfo, get_preemption_info, on_preemption
 from jaxtrain.result import Result
 from jaxtrain.session import (
     CheckpointUploadMode,
@@ -63,6 +63,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_preemption_info",
+    "on_preemption",
     "report",
     "train",
 ]

@@ -34,6 +34,7 @@ import os
 import posixpath
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from jaxtrain import session, storage
@@ -66,8 +67,7 @@ def save(state: Any, metrics: dict, *, checkpoint_dir_name: str | None = None,
     ocp = _ocp()
     s = session._require("orbax.save")
     ctx = s.context
-    if not isinstance(item, str) or not item or "/" in item or item.startswith("."):
-        raise ValueError(f"item={item!r} is not allowed; it must be a plain directory name")
+    _check_item(item)
     if s.store is not None:
         _save_to_store(ocp, s, state, metrics, checkpoint_dir_name, item)
         return
@@ -93,6 +93,35 @@ def save(state: Any, metrics: dict, *, checkpoint_dir_name: str | None = None,
             session.report(metrics)
     finally:
         shutil.rmtree(view, ignore_errors=True)
+
+
+def save_on_preemption(state_fn: Callable[[], Any] | None, *, item: str = ITEM) -> None:
+    """Registers Orbax's just-in-time save of ``state_fn()`` for a preemption notice, as
+    ``jaxtrain.on_preemption`` does for a function that writes files (docs/preemption.md,
+    "Automatic save"): at the agreed ``report(metrics)`` call, every rank runs
+    ``save(state_fn(), metrics, item=item)`` instead, so the state of that step is the
+    just-in-time checkpoint, committed before ``report`` returns; ``restore`` reads it back after
+    the restart. ``state_fn`` returns the current state (e.g. ``lambda: state`` inside the
+    training function, which sees each new value of ``state``). Every rank must register it
+    (Orbax saves from every process); ``None`` takes the registration back."""
+    s = session._require("orbax.save_on_preemption")
+    _check_item(item)
+    if state_fn is None:
+        s.preemption_save = None
+        return
+    if not callable(state_fn):
+        raise TypeError(
+            f"jaxtrain.orbax.save_on_preemption(state_fn={state_fn!r}) is not allowed: state_fn "
+            "must be a function () -> state (the pytree to save, e.g. lambda: state), or None "
+            "to take the registration back")
+    _ocp()  # refused now, not at the notice, where orbax-checkpoint is missing
+    s.preemption_save = lambda metrics, dir_name: save(
+        state_fn(), metrics, checkpoint_dir_name=dir_name, item=item)
+
+
+def _check_item(item: Any) -> None:
+    if not isinstance(item, str) or not item or "/" in item or item.startswith("."):
+        raise ValueError(f"item={item!r} is not allowed; it must be a plain directory name")
 
 
 def restore(abstract_state: Any = None, *, checkpoint: Checkpoint | None = None,

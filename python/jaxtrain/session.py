@@ -336,6 +336,10 @@ class _Session:
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
         self.preempted = False  # get_preemption_info() returned a notice (preemption.py)
+        # The registered just-in-time save (preemption.on_preemption, orbax.save_on_preemption):
+        # (metrics, checkpoint_dir_name) -> None, which reports the round with its checkpoint.
+        self.preemption_save: Callable[[dict, str | None], None] | None = None
+        self.saved_on_preemption = False  # the just-in-time checkpoint has been reported
         self.collective_lock = threading.Lock()
         self.collectives = 0  # jaxtrain.collective calls made; numbers them for the controller
 
@@ -447,6 +451,10 @@ def report(
         raise TypeError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}) takes a string")
     mode, delete = _upload_options(checkpoint_upload_mode, delete_local_checkpoint_after_upload,
                                    checkpoint_upload_fn)
+    from jaxtrain import preemption
+
+    if preemption._save_on_notice(session, metrics, checkpoint is not None, checkpoint_dir_name):
+        return  # the registered save reported this round with the just-in-time checkpoint
     with session.lock:
         store = session.store
         ctx = session.context

@@ -449,6 +449,38 @@ StatusOr<std::string> AddressTowards(const std::string& host) {
   return UnavailableError("no route from this host to '" + host + "': " + error);
 }
 
+std::optional<int64_t> ParseSlurmTimeLeft(std::string_view raw) {
+  const std::string trimmed = Trim(raw);
+  std::string_view text = trimmed;
+  int64_t days = 0;
+  if (size_t dash = text.find('-'); dash != std::string_view::npos) {
+    auto d = ParseWhole(text.substr(0, dash));
+    if (!d) return std::nullopt;
+    days = *d;
+    text = text.substr(dash + 1);
+  }
+  std::vector<int64_t> parts;  // [hours:]minutes:seconds, or hours alone after days
+  size_t start = 0;
+  for (;;) {
+    size_t colon = text.find(':', start);
+    auto v =
+        ParseWhole(text.substr(start, colon == std::string_view::npos ? colon : colon - start));
+    if (!v) return std::nullopt;
+    parts.push_back(*v);
+    if (colon == std::string_view::npos) break;
+    start = colon + 1;
+  }
+  if (parts.size() > 3 || (parts.size() == 1 && days == 0)) return std::nullopt;
+  int64_t seconds = 0;
+  if (days > 0 && parts.size() < 3) {  // "1-02" is hours, "1-02:03" hours and minutes
+    const int64_t unit[] = {3600, 60};
+    for (size_t i = 0; i < parts.size(); ++i) seconds += parts[i] * unit[i];
+  } else {
+    for (int64_t p : parts) seconds = seconds * 60 + p;
+  }
+  return days * 86400 + seconds;
+}
+
 // --- SlurmAllocation ----------------------------------------------------------------------------
 
 StatusOr<std::unique_ptr<SlurmAllocation>> SlurmAllocation::Current(
@@ -589,6 +621,7 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
     }
   } secret_closer{secret_fd};
 
+  if (steps_ > 0) JT_RETURN_IF_ERROR(RenewAtTimeLimit());
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
   auto state =
@@ -630,6 +663,35 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
   fcntl(pidfd, F_SETFD, FD_CLOEXEC);
   fcntl(p.output_fd, F_SETFL, fcntl(p.output_fd, F_GETFL) | O_NONBLOCK);
   return std::vector<LaunchedProcess>{{ranks, p.pid, pidfd, p.output_fd}};
+}
+
+Status SlurmLauncher::RenewAtTimeLimit() {
+  if (allocation_ == nullptr || !allocation_->owned() || options_.shape.signal_s <= 0) {
+    return OkStatus();
+  }
+  auto text =
+      RunCommand({options_.squeue, "--noheader", "--jobs=" + options_.job_id, "--format=%L"},
+                 options_.command_timeout);
+  if (!text.ok()) return OkStatus();  // the state check after it says what is wrong
+  std::optional<int64_t> left = ParseSlurmTimeLeft(*text);
+  if (!left || *left > options_.shape.signal_s + kSlurmSignalSlackS) return OkStatus();
+  Say("Slurm job " + options_.job_id + ", this run's allocation, reaches its time limit in " +
+      std::to_string(*left) + " s (its time-limit notice, --signal=USR1@" +
+      std::to_string(options_.shape.signal_s) +
+      ", is due): releasing it and asking Slurm for a new allocation of the same shape; the run "
+      "resumes there from its latest checkpoint");
+  allocation_.reset();  // scancel: its nodes are free for the new request
+  auto renewed = SlurmAllocation::Request(options_.shape, options_.step_name,
+                                          [this] { return interrupted_.load(); });
+  if (!renewed.ok()) {
+    if (renewed.status().code() == StatusCode::kAborted) {
+      return CancelledError(renewed.status().message());
+    }
+    return renewed.status();
+  }
+  allocation_ = std::move(*renewed);
+  options_.job_id = allocation_->job_id();
+  return OkStatus();
 }
 
 Status SlurmLauncher::SignalGroup(int signal) {

@@ -12,7 +12,10 @@
 //
 // Where the allocation comes from (SlurmAllocation): the one the driver runs inside
 // (SLURM_JOB_ID: an sbatch script, salloc), or one requested with `salloc --no-shell` and
-// released when the SlurmAllocation is destroyed. A retry runs a new step in the same allocation.
+// released when the SlurmAllocation is destroyed. A retry runs a new step in the same allocation,
+// except in an allocation of jaxtrain's own whose time-limit notice is due (its time left is at
+// most the notice's seconds plus Slurm's 60 s of slack): that one is released and the same
+// request made again, so that the run goes on past the time limit (docs/slurm.md).
 //
 // The mapping from ScalingConfig to Slurm options (SlurmShapeFor) is documented in docs/slurm.md.
 //
@@ -20,6 +23,8 @@
 // are thread-safe. SignalGroup(SIGKILL) blocks for the time of one squeue and one scancel.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -39,6 +44,8 @@ namespace jaxtrain::launch {
 
 // How long a Slurm client command (squeue, scancel, scontrol) may take before it is killed.
 inline constexpr Duration kSlurmCommandTimeout = std::chrono::seconds(30);
+// How much earlier than asked Slurm may send the time limit's signal (sbatch(1), --signal).
+inline constexpr int kSlurmSignalSlackS = 60;
 
 // Environment settings (docs/slurm.md).
 inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local|slurm|ssh|kubernetes|auto
@@ -95,6 +102,10 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
 // simulate switch runs any ScalingConfig as CPU processes, as for local runs.
 StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
                                        const accelerators::HostView& env);
+
+// A job's time left as squeue's %L gives it ("[days-][hours:]minutes:seconds"), in seconds;
+// nullopt for anything else ("UNLIMITED", "NOT_SET", "INVALID", empty).
+std::optional<int64_t> ParseSlurmTimeLeft(std::string_view text);
 
 // One task's end as srun reports it: "srun: error: node2: task 1: Killed",
 // "srun: error: node1: tasks 0-1,3: Exited with exit code 3". nullopt for any other line.
@@ -163,8 +174,11 @@ class SlurmLauncher : public Launcher {
                          std::unique_ptr<SlurmAllocation> allocation = nullptr);
   ~SlurmLauncher() override;
 
-  // Starts one srun step for every spec (one task per rank, in rank order).
-  // Errors: kUnavailable when srun cannot be started; kFailedPrecondition when the allocation is
+  // Starts one srun step for every spec (one task per rank, in rank order). A retry in an
+  // allocation of jaxtrain's own whose time-limit notice is due first releases it and waits for
+  // a new one of the same request (said on stderr).
+  // Errors: kUnavailable when srun cannot be started, or Slurm does not grant the new allocation;
+  // kCancelled when Interrupt() withdrew that request; kFailedPrecondition when the allocation is
   // no longer running (Slurm ended it: a node failed, its time ran out, it was cancelled);
   // kUnavailable when squeue does not answer within command_timeout;
   // kInvalidArgument when the specs differ in their command, working directory or an environment
@@ -179,14 +193,22 @@ class SlurmLauncher : public Launcher {
     return ParseSrunTaskEnd(line);
   }
 
+  // Withdraws a request for a new allocation that Launch() waits for. Thread-safe.
+  void Interrupt() override { interrupted_.store(true); }
+
  private:
   void CancelStep();
+  // Before a retry: an allocation of jaxtrain's own whose time-limit notice is due (time left <=
+  // signal_s + kSlurmSignalSlackS) is released and requested again. Errors: as Request(), with
+  // kCancelled for a withdrawn request.
+  Status RenewAtTimeLimit();
 
   SlurmLauncherOptions options_;
   std::unique_ptr<SlurmAllocation> allocation_;
   pid_t pgid_ = 0;
   int steps_ = 0;
   std::string step_name_;  // of the last Launch()
+  std::atomic<bool> interrupted_{false};
 };
 
 // What a Slurm run starts with: its launcher and the address the nodes reach the controller at.

@@ -247,6 +247,17 @@ TEST(ParseSrunTaskEndTest, ReadsSignalsExitCodesAndTaskRanges) {
   }
 }
 
+TEST(ParseSlurmTimeLeftTest, ReadsSqueuesFormsOfTimeLeft) {
+  EXPECT_EQ(ParseSlurmTimeLeft("1:38\n"), 98);
+  EXPECT_EQ(ParseSlurmTimeLeft("0:05"), 5);
+  EXPECT_EQ(ParseSlurmTimeLeft("2:01:40"), 7300);
+  EXPECT_EQ(ParseSlurmTimeLeft("1-00:00:10"), 86410);
+  EXPECT_EQ(ParseSlurmTimeLeft("3-04"), 3 * 86400 + 4 * 3600);
+  for (const char* other : {"UNLIMITED", "NOT_SET", "INVALID", "", "12", "1:x", "1:2:3:4"}) {
+    EXPECT_FALSE(ParseSlurmTimeLeft(other).has_value()) << other;
+  }
+}
+
 class TempDirTest : public testing::Test {
  protected:
   void SetUp() override {
@@ -472,6 +483,49 @@ TEST_F(SlurmLauncherTest, NoStepInAnAllocationThatSlurmHasEnded) {
   EXPECT_TRUE(Contains(launched.status().message(), "Slurm job 42"));
   EXPECT_TRUE(Contains(launched.status().message(), "COMPLETING NodeDown"));
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/srun-args")) << "srun was started";
+}
+
+TEST_F(SlurmLauncherTest, ARetryNearTheTimeLimitOfItsOwnAllocationGoesToANewOne) {
+  SlurmLauncherOptions options = Options();
+  options.shape = {.tasks = 1, .signal_s = 90};
+  // Slurm's client as Request() finds it on PATH: salloc grants jobs 7, 8, ...; squeue says each
+  // runs, with the time left in $dir/left.
+  Script("salloc", "#!/bin/sh\nn=$(( $(cat " + dir_ + "/jobs 2>/dev/null || echo 6) + 1 ))\n" +
+                       "echo $n > " + dir_ + "/jobs\necho \"salloc: Granted job allocation $n\"\n");
+  Script("squeue",
+         "#!/bin/sh\ncase \"$*\" in *%L*) cat " + dir_ + "/left;; *) echo 'RUNNING None';; esac\n");
+  std::ofstream(dir_ + "/left") << "1:30\n";  // 90 s: the notice is due (<= 90 + 60)
+  const std::string path = getenv("PATH");
+  setenv("PATH", (dir_ + ":" + path).c_str(), 1);
+  auto allocation = SlurmAllocation::Request(options.shape, "jaxtrain-test", [] { return false; });
+  ASSERT_TRUE(allocation.ok()) << allocation.status().ToString();
+  options.job_id = (*allocation)->job_id();
+  EXPECT_EQ(options.job_id, "7");
+  {
+    SlurmLauncher launcher(options, std::move(*allocation));
+    auto launch = [&]() -> std::string {
+      auto launched = launcher.Launch({{{0}, {"/bin/true"}, {}, {}, ""}});
+      if (!launched.ok()) return launched.status().ToString();
+      pollfd p{launched->front().pidfd, POLLIN, 0};
+      poll(&p, 1, 10000);
+      EXPECT_TRUE(TryReap(launched->front().pid)->ok());
+      close(launched->front().pidfd);
+      close(launched->front().output_fd);
+      return ReadFile(dir_ + "/srun-args");
+    };
+    // The first step runs in the allocation it was given, however near its limit.
+    EXPECT_TRUE(Contains(launch(), "--jobid=7\n"));
+    // A retry: job 7 is released and the same request made again.
+    EXPECT_TRUE(Contains(launch(), "--jobid=8\n"));
+    EXPECT_TRUE(Contains(ReadFile(dir_ + "/scancel-args"), "--quiet 7\n"));
+    // With time to spare, or none set, a retry stays where it is.
+    for (const char* left : {"2:31\n", "UNLIMITED\n"}) {
+      std::ofstream(dir_ + "/left") << left;
+      EXPECT_TRUE(Contains(launch(), "--jobid=8\n")) << left;
+    }
+  }
+  EXPECT_TRUE(Contains(ReadFile(dir_ + "/scancel-args"), "--quiet 8\n"));  // released at the end
+  setenv("PATH", path.c_str(), 1);
 }
 
 TEST_F(SlurmLauncherTest, ASlurmCommandThatHangsIsKilledAndNamed) {
