@@ -86,6 +86,30 @@ def test_plan_names_what_kubernetes_cannot_give(args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_plan_shows_kueues_labels_on_a_suspended_jobset():
+    proc = _plan("-n", "2", JAXTRAIN_K8S_QUEUE_NAME="team-a", JAXTRAIN_K8S_PRIORITY_CLASS="low")
+    assert proc.returncode == 0, proc.stderr
+    jobset = json.loads(proc.stdout)
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "low"
+    assert jobset["spec"]["suspend"] is True
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAXTRAIN_K8S_QUEUE_NAME": "Team_A"}, "JAXTRAIN_K8S_QUEUE_NAME='Team_A' is not allowed"),
+    ({"JAXTRAIN_K8S_QUEUE_NAME": "q", "JAXTRAIN_K8S_PRIORITY_CLASS": "x" * 64},
+     "JAXTRAIN_K8S_PRIORITY_CLASS='" + "x" * 64 + "' is not allowed"),
+    ({"JAXTRAIN_K8S_PRIORITY_CLASS": "high"}, "set JAXTRAIN_K8S_QUEUE_NAME to the LocalQueue"),
+])
+def test_kueue_settings_are_refused_with_the_setting_and_value(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kubernetes.kueue_settings(env)
+    proc = _plan("-n", "2", **env)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert kubernetes.kueue_settings({"JAXTRAIN_K8S_QUEUE_NAME": "team-a.gpu"}) == (
+        "team-a.gpu", "")
+
+
 def test_run_names_differ_after_user_code_seeds_random():
     # User code seeding `random` before fit() must not repeat a name another run has.
     names = set()

@@ -292,6 +292,55 @@ TEST(KubernetesOptionsTest, NamesTheMissingField) {
   EXPECT_NE(o.status().message().find("'image'"), std::string::npos);
 }
 
+KubernetesOptions Queued(const std::string& queue, const std::string& priority) {
+  auto o = KubernetesOptions::FromJson({{"namespace", "ml"},
+                                        {"name", "run-abcde"},
+                                        {"image", "example/train:1"},
+                                        {"request_dir", "/tmp/unused"},
+                                        {"worker_command", {"python"}},
+                                        {"supervisor_argv", {"python"}},
+                                        {"queue_name", queue},
+                                        {"priority_class", priority}});
+  EXPECT_TRUE(o.ok()) << o.status().message();
+  return *o;
+}
+
+TEST(JobSetManifestTest, AQueuedJobSetCarriesKueuesLabelsAndStartsSuspended) {
+  auto m = Manifest(Config({.num_workers = 2}), Queued("team-a", "low"));
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ((*m)["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], "team-a");
+  EXPECT_EQ((*m)["metadata"]["labels"]["kueue.x-k8s.io/priority-class"], "low");
+  EXPECT_EQ((*m)["spec"]["suspend"], true);
+  // Kueue manages the JobSet as one workload: its pods do not carry the labels.
+  EXPECT_FALSE(Pod(*m)["metadata"]["labels"].contains("kueue.x-k8s.io/queue-name"));
+
+  auto plain = Manifest(Config({.num_workers = 2}), Options());
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)["spec"]["suspend"], false);
+  EXPECT_FALSE((*plain)["metadata"]["labels"].contains("kueue.x-k8s.io/queue-name"));
+}
+
+TEST(KubernetesOptionsTest, RefusesKueueNamesThatCannotBeLabels) {
+  json j = {{"namespace", "ml"},
+            {"name", "r"},
+            {"image", "i"},
+            {"request_dir", "/tmp"},
+            {"worker_command", {"python"}},
+            {"supervisor_argv", {"python"}}};
+  for (const std::string& bad : std::vector<std::string>{"Team_A", "-a", std::string(64, 'a')}) {
+    j["queue_name"] = bad;
+    auto o = KubernetesOptions::FromJson(j);
+    EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(o.status().message().find("JAXTRAIN_K8S_QUEUE_NAME='" + bad + "'"), std::string::npos)
+        << o.status().message();
+  }
+  j["queue_name"] = "";
+  j["priority_class"] = "high";
+  auto o = KubernetesOptions::FromJson(j);
+  EXPECT_NE(o.status().message().find("set JAXTRAIN_K8S_QUEUE_NAME"), std::string::npos)
+      << o.status().message();
+}
+
 TEST(ParseKubernetesTaskEndTest, ReadsTheSupervisorsLines) {
   auto exited =
       ParseKubernetesTaskEnd("jaxtrain kubernetes: rank 3 on node-7: exited with status 3\n");
