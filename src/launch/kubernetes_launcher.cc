@@ -490,6 +490,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pid_ = 0;
   kills_ = 0;
+  if (interrupted_) return CancelledError("the run is being stopped: no JobSet is created");
   JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes",
                                                        placement::kPerRankPlacementVariables));
   if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");

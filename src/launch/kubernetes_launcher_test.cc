@@ -28,6 +28,19 @@ KubernetesOptions Options() {
   return *o;
 }
 
+KubernetesOptions Queued(const std::string& queue, const std::string& priority) {
+  auto o = KubernetesOptions::FromJson({{"namespace", "ml"},
+                                        {"name", "run-abcde"},
+                                        {"image", "example/train:1"},
+                                        {"request_dir", "/tmp/unused"},
+                                        {"worker_command", {"python"}},
+                                        {"supervisor_argv", {"python"}},
+                                        {"queue_name", queue},
+                                        {"priority_class", priority}});
+  EXPECT_TRUE(o.ok()) << o.status().message();
+  return *o;
+}
+
 StatusOr<json> Manifest(const config::ScalingConfig& c, const KubernetesOptions& o,
                         bool simulate = false) {
   accelerators::FakeHost host;
@@ -286,23 +299,47 @@ TEST(KubernetesLauncherTest, LeavesNoRequestBehindWhenItsSupervisorNeverReadIt) 
   rmdir(base);
 }
 
+TEST(KubernetesLauncherTest, AQueuedLaunchWaitsForAdmissionAndLeavesTheRestToTheController) {
+  char base[] = "/tmp/kubernetes-launcher-test-XXXXXX";
+  ASSERT_NE(mkdtemp(base), nullptr);
+  KubernetesOptions o = Queued("team", "");
+  o.request_dir = base;
+  // A supervisor whose JobSet is queued, then admitted, then runs its ranks.
+  o.supervisor_argv = {"sh", "-c",
+                       "echo 'jaxtrain kubernetes: queued: JobSet ml/r waits'; sleep 0.2; "
+                       "echo 'jaxtrain kubernetes: admitted by Kueue after 1 s queued'; "
+                       "echo '0: training'",
+                       "sh"};
+  auto c = Config({.num_workers = 2});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok());
+  KubernetesLauncher launcher(o, c, *plan);
+  std::vector<ProcessSpec> specs = {{{0}, {"python"}, {}, {}, "", "ab"},
+                                    {{1}, {"python"}, {}, {}, "", "ab"}};
+  auto launched = launcher.Launch(specs);
+  ASSERT_TRUE(launched.ok()) << launched.status().message();
+  int status = 0;
+  waitpid((*launched)[0].pid, &status, 0);
+  // What follows the admission is the controller's to read: the ranks' output.
+  std::string rest(64, '\0');
+  ssize_t n = read((*launched)[0].output_fd, rest.data(), rest.size());
+  ASSERT_GT(n, 0);
+  EXPECT_EQ(rest.substr(0, static_cast<size_t>(n)), "0: training\n");
+  close((*launched)[0].pidfd);
+  close((*launched)[0].output_fd);
+
+  // Interrupted: no JobSet is asked for.
+  launcher.Interrupt();
+  EXPECT_EQ(launcher.Launch(specs).status().code(), StatusCode::kCancelled);
+  launcher.EndRun(/*keep=*/false);
+  rmdir(base);
+}
+
 TEST(KubernetesOptionsTest, NamesTheMissingField) {
   auto o = KubernetesOptions::FromJson({{"namespace", "ml"}, {"name", "r"}});
   EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(o.status().message().find("'image'"), std::string::npos);
-}
-
-KubernetesOptions Queued(const std::string& queue, const std::string& priority) {
-  auto o = KubernetesOptions::FromJson({{"namespace", "ml"},
-                                        {"name", "run-abcde"},
-                                        {"image", "example/train:1"},
-                                        {"request_dir", "/tmp/unused"},
-                                        {"worker_command", {"python"}},
-                                        {"supervisor_argv", {"python"}},
-                                        {"queue_name", queue},
-                                        {"priority_class", priority}});
-  EXPECT_TRUE(o.ok()) << o.status().message();
-  return *o;
 }
 
 TEST(JobSetManifestTest, AQueuedJobSetCarriesKueuesLabelsAndStartsSuspended) {
