@@ -610,6 +610,7 @@ class Supervisor:
         self.admitted = not self.queue_name
         self.queued_since = time.monotonic()
         self.queue_reason = ""
+        self.evicted = False
         # GKE's impending-termination taint: the nodes of the pods, watched; those that have it
         # (node -> (when it was seen, a spot or preemptible node)).
         self.watched_nodes: set[str] = set()
@@ -783,6 +784,9 @@ class Supervisor:
                              daemon=True).start()
         if state.node in self.tainted and event["type"] != "DELETED":
             self._leave_tainted_node(state.node)
+        if (pod.metadata.deletion_timestamp and self.queue_name and self.admitted
+                and not self.evicted and self._suspended()):
+            self._say_evicted()  # at once: the group may be stopped before the next poll
         statuses = pod.status.container_statuses or []
         main = next((s for s in statuses if s.name == self.container), None)
         if event["type"] == "DELETED":
@@ -855,14 +859,14 @@ class Supervisor:
                 suspended = now
                 self.events.put({"type": "JOBSET", "suspended": now})
             elif now and not self.admitted:
-                reason = self._workload_condition("QuotaReserved")
+                reason = self._workload_condition("QuotaReserved", "False")
                 if reason and reason != self.queue_reason:
                     self.events.put({"type": "QUEUED", "reason": reason})
             time.sleep(_JOBSET_POLL_S)
 
-    def _workload_condition(self, kind: str) -> str:
-        """The message of the condition `kind` of the JobSet's Kueue Workload ("" if none can be
-        read: an identity may not read Workloads)."""
+    def _workload_condition(self, kind: str, status: str = "True") -> str:
+        """The message of the JobSet's Kueue Workload's condition `kind` when its status is
+        `status` ("" if none can be read: an identity may not read Workloads)."""
         try:
             workloads = self.api.custom.list_namespaced_custom_object(
                 KUEUE_GROUP, KUEUE_VERSION, self.namespace, "workloads",
@@ -871,7 +875,7 @@ class Supervisor:
             return ""
         for workload in workloads:
             for c in workload.get("status", {}).get("conditions") or []:
-                if c.get("type") == kind:
+                if c.get("type") == kind and c.get("status") == status:
                     return c.get("message") or c.get("reason") or ""
         return ""
 
@@ -884,10 +888,24 @@ class Supervisor:
             self.out.say(f"admitted by Kueue from LocalQueue '{self.queue_name}' after "
                          f"{time.monotonic() - self.queued_since:.0f} s queued")
         elif event["suspended"] and self.admitted:
-            why = self._workload_condition("Evicted") or "suspended by Kueue"
-            self.out.say(f"evicted by Kueue ({why}): the pods of JobSet {self.namespace}/"
-                         f"{self.name} are deleted, and their SIGTERM is the workers' preemption "
-                         "notice; the next attempt is queued again")
+            self._say_evicted()
+
+    def _say_evicted(self) -> None:
+        if self.evicted:
+            return
+        self.evicted = True
+        why = self._workload_condition("Evicted") or "suspended by Kueue"
+        self.out.say(f"evicted by Kueue ({why}): the pods of JobSet {self.namespace}/"
+                     f"{self.name} are deleted, and their SIGTERM is the workers' preemption "
+                     "notice; the next attempt is queued again")
+
+    def _suspended(self) -> bool:
+        try:
+            return bool(self.api.custom.get_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL,
+                self.name).get("spec", {}).get("suspend"))
+        except Exception:
+            return False
 
     # -- GKE's impending node termination --
 
