@@ -1,8 +1,9 @@
 """A real Kubernetes cluster on this machine for the Kubernetes tests (scripts/kubernetes/).
 
 The session fixture ``kubernetes_cluster`` starts it once — etcd, the API server, scheduler,
-controller manager, a kubelet with containerd and runc, kube-proxy, CoreDNS and the JobSet
-controller, built from the Go module proxy on first use (about 15 minutes, then cached) — imports
+controller manager, a kubelet with containerd and runc, kube-proxy, CoreDNS, the JobSet
+controller and Kueue, built from the Go module proxy on first use (about 35 minutes, then
+cached) — imports
 the worker image built from this checkout's .venv, and stops the cluster when the session ends.
 Where it cannot run (not root, no network namespaces, no Go) its tests are skipped with the reason,
 unless JAXTRAIN_REQUIRE_KUBERNETES=1 (scripts/test.sh sets it): then they fail instead.

@@ -86,6 +86,30 @@ def test_plan_names_what_kubernetes_cannot_give(args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_plan_shows_kueues_labels_on_a_suspended_jobset():
+    proc = _plan("-n", "2", JAXTRAIN_K8S_QUEUE_NAME="team-a", JAXTRAIN_K8S_PRIORITY_CLASS="low")
+    assert proc.returncode == 0, proc.stderr
+    jobset = json.loads(proc.stdout)
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "low"
+    assert jobset["spec"]["suspend"] is True
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAXTRAIN_K8S_QUEUE_NAME": "Team_A"}, "JAXTRAIN_K8S_QUEUE_NAME='Team_A' is not allowed"),
+    ({"JAXTRAIN_K8S_QUEUE_NAME": "q", "JAXTRAIN_K8S_PRIORITY_CLASS": "x" * 64},
+     "JAXTRAIN_K8S_PRIORITY_CLASS='" + "x" * 64 + "' is not allowed"),
+    ({"JAXTRAIN_K8S_PRIORITY_CLASS": "high"}, "set JAXTRAIN_K8S_QUEUE_NAME to the LocalQueue"),
+])
+def test_kueue_settings_are_refused_with_the_setting_and_value(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kubernetes.kueue_settings(env)
+    proc = _plan("-n", "2", **env)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert kubernetes.kueue_settings({"JAXTRAIN_K8S_QUEUE_NAME": "team-a.gpu"}) == (
+        "team-a.gpu", "")
+
+
 def test_run_names_differ_after_user_code_seeds_random():
     # User code seeding `random` before fit() must not repeat a name another run has.
     names = set()
@@ -272,3 +296,51 @@ def test_the_supervisor_deletes_only_the_objects_it_created():
               ("JobSet", "run-x-1"): server.add("JobSet", "run-x-1")}
     supervisor.delete(grace=True)
     assert server.objects == others
+
+
+class _FakeKueue:
+    """The custom objects API of a cluster with Kueue (`installed`), a LocalQueue 'team' and a
+    WorkloadPriorityClass 'high'; the identity may read them unless `forbidden`."""
+
+    def __init__(self, installed: bool = True, forbidden: bool = False) -> None:
+        self.installed, self.forbidden = installed, forbidden
+
+    def _refuse(self, plural: str, name: str) -> None:
+        if self.forbidden:
+            raise ApiException(status=403, reason="Forbidden")
+        if not self.installed:
+            raise ApiException(status=404, reason="NotFound")
+        if (plural, name) not in {("localqueues", "team"), ("workloadpriorityclasses", "high")}:
+            e = ApiException(status=404, reason="NotFound")
+            e.body = json.dumps({"message": f'{plural}.kueue.x-k8s.io "{name}" not found'})
+            raise e
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        self._refuse(plural, name)
+
+    def get_cluster_custom_object(self, group, version, plural, name):
+        self._refuse(plural, name)
+
+    def list_namespaced_custom_object(self, group, version, namespace, plural, limit=None):
+        self._refuse(plural, "team")
+        return {"items": []}
+
+
+@pytest.mark.parametrize("fake, queue, priority, message", [
+    (_FakeKueue(), "team", "high", None),
+    (_FakeKueue(forbidden=True), "other", "low", None),  # not the run's to check then
+    (_FakeKueue(), "other", "", "JAXTRAIN_K8S_QUEUE_NAME='other': no Kueue LocalQueue of that "
+                                "name in namespace 'ml'"),
+    (_FakeKueue(), "team", "low", "JAXTRAIN_K8S_PRIORITY_CLASS='low': no Kueue "
+                                  "WorkloadPriorityClass of that name"),
+    (_FakeKueue(installed=False), "team", "", "Kueue is not installed in this cluster"),
+])
+def test_fit_checks_the_kueue_queue_and_priority_class(fake, queue, priority, message):
+    from kubernetes import client
+
+    api = SimpleNamespace(client=client, custom=fake)
+    if message is None:
+        kubernetes.Api.check_kueue(api, "ml", queue, priority)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            kubernetes.Api.check_kueue(api, "ml", queue, priority)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kubernetes_fixtures import IMAGE
 
 from conftest import run_command
 
@@ -294,22 +295,46 @@ def test_a_requeued_batch_job_resumes_the_run_by_name(slurm_cluster, slurm_dir):
 # --- Kubernetes ------------------------------------------------------------------------------
 
 
+def _wait_for(what: str, check, driver: subprocess.Popen, timeout: float = 240):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline and driver.poll() is None, (what,
+                                                                       driver.communicate())
+        time.sleep(0.2)
+    return found
+
+
+def _supervisor_said(workdir: Path, name: str, out: str, err: str) -> str:
+    """The driver's output and the ranks' logs, where the supervisor's own lines go."""
+    return out + err + (workdir / name / "logs" / "rank-0.log").read_text()
+
+
+def _k8s_run(k, ns: str, tmp_path: Path, name: str, cpu: str | None = None,
+             **env: str) -> tuple[Path, dict, subprocess.Popen]:
+    """Starts the driver of a 2-worker run `name` in namespace `ns` (worker pods requesting
+    `cpu`, when given) and returns once attempt 0 waits for the notice at step WAIT_AT: its
+    directory, the undisturbed run's final metrics and the driver."""
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    (workdir / "train.py").write_text(TRAIN)
+    driver_env = k.driver_env(ns, workdir, **env)
+    if cpu is not None:  # what Kueue's quota counts
+        template = Path(driver_env["JAXTRAIN_K8S_POD_TEMPLATE"])
+        pod = json.loads(template.read_text())
+        pod["spec"]["containers"][0]["resources"] = {"requests": {"cpu": cpu}}
+        template.write_text(json.dumps(pod))
+    undisturbed = _undisturbed(workdir, driver_env, 2)
+    driver = k.popen([PY, "train.py", name, "2", str(WAIT_AT), ""], driver_env, workdir,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for("attempt 0 at the step that waits", (workdir / "ready").exists, driver)
+    return workdir, undisturbed, driver
+
+
 def test_a_deleted_worker_pod_is_a_notice_and_the_group_restarts_from_its_checkpoint(
         kubernetes_cluster, tmp_path):
     k = kubernetes_cluster
     ns = k.namespace()
-    workdir = tmp_path / "runs"
-    workdir.mkdir()
-    (workdir / "train.py").write_text(TRAIN)
-    env = k.driver_env(ns, workdir)
-    undisturbed = _undisturbed(workdir, env, 2)
-
-    driver = k.popen([PY, "train.py", "deleted", "2", str(WAIT_AT), ""], env, workdir,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not (workdir / "ready").exists():
-        assert time.monotonic() < deadline and driver.poll() is None, driver.communicate()
-        time.sleep(0.2)
+    workdir, undisturbed, driver = _k8s_run(k, ns, tmp_path, "deleted")
     pods = k.get("pods", "-n", ns)["items"]
     pod = next(p for p in pods
                if p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == "1")
@@ -341,3 +366,115 @@ def test_termination_grace_follows_preemption_grace_unless_the_template_names_on
     mine = {"spec": {"terminationGracePeriodSeconds": 600}}
     assert kubernetes.with_termination_grace(mine, 30.0) == mine
 
+
+
+# --- Kubernetes: Kueue and GKE's impending node termination -----------------------------------
+
+# A ClusterQueue whose CPU quota fits one run (two pods of 500m), preempting lower priorities.
+KUEUE_OBJECTS = """
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ResourceFlavor
+metadata: {name: jaxtrain-test}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ClusterQueue
+metadata: {name: jaxtrain-test}
+spec:
+  namespaceSelector: {}
+  preemption: {withinClusterQueue: LowerPriority}
+  resourceGroups:
+  - coveredResources: [cpu]
+    flavors: [{name: jaxtrain-test, resources: [{name: cpu, nominalQuota: "1"}]}]
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: WorkloadPriorityClass
+metadata: {name: jaxtrain-low}
+value: 10
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: WorkloadPriorityClass
+metadata: {name: jaxtrain-high}
+value: 1000
+"""
+
+
+def test_a_kueue_eviction_is_a_notice_and_the_run_waits_queued_until_readmitted(
+        kubernetes_cluster, tmp_path):
+    k = kubernetes_cluster
+    k.kubectl("apply", "-f", "-", input=KUEUE_OBJECTS)
+    ns = k.namespace()
+    k.kubectl("apply", "-n", ns, "-f", "-", input=(
+        "apiVersion: kueue.x-k8s.io/v1beta2\nkind: LocalQueue\nmetadata: {name: team}\n"
+        "spec: {clusterQueue: jaxtrain-test}\n"))
+    workdir, undisturbed, driver = _k8s_run(k, ns, tmp_path, "kueued", cpu="500m",
+                                            JAXTRAIN_K8S_QUEUE_NAME="team",
+                                            JAXTRAIN_K8S_PRIORITY_CLASS="jaxtrain-low")
+    jobsets = k.get("jobsets", "-n", ns)["items"]
+    assert [j["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for j in jobsets] == ["team"]
+    # A higher-priority workload that the quota cannot hold beside the run: Kueue evicts the run.
+    high = {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "high", "labels": {"kueue.x-k8s.io/queue-name": "team",
+                                                    "kueue.x-k8s.io/priority-class":
+                                                        "jaxtrain-high"}},
+            "spec": {"template": {"spec": {
+                "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                "containers": [{"name": "c", "image": IMAGE, "imagePullPolicy": "Never",
+                                "command": ["python", "-c", "import time; time.sleep(900)"],
+                                "resources": {"requests": {"cpu": "500m"}}}]}}}}
+    k.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(high))
+
+    def queued_again():
+        items = k.get("jobsets", "-n", ns)["items"]
+        return [j for j in items if j["metadata"]["name"].endswith("-2")
+                and j["spec"].get("suspend")]
+
+    # The restarted attempt's JobSet waits, suspended, while the other workload holds the quota.
+    _wait_for("attempt 1 queued", queued_again, driver)
+    _wait_for("the other workload admitted",
+              lambda: k.get("job", "high", "-n", ns)["spec"].get("suspend") is False, driver)
+    assert queued_again()
+    k.kubectl("delete", "job", "high", "-n", ns, "--wait=false")
+    out, err = driver.communicate(timeout=300)
+
+    assert driver.returncode == 0, out[-2000:] + err[-3000:]
+    _check_preempted_run(workdir, "kueued", out, undisturbed, 2, "SIGTERM")
+    said = _supervisor_said(workdir, "kueued", out, err)
+    assert "jaxtrain kubernetes: evicted by Kueue (" in said, said[-3000:]
+    assert "jaxtrain: kubernetes: queued: JobSet" in err, err[-3000:]
+    assert "jaxtrain: kubernetes: admitted by Kueue from LocalQueue 'team'" in err, err[-3000:]
+    assert k.objects(ns) == []
+
+
+def test_gkes_impending_termination_taint_is_a_notice_for_the_ranks_on_its_node(
+        kubernetes_cluster, tmp_path):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    workdir, undisturbed, driver = _k8s_run(k, ns, tmp_path, "tainted")
+    taint = "cloud.google.com/impending-node-termination"
+    try:
+        pods = {p["metadata"]["name"] for p in k.get("pods", "-n", ns)["items"]}
+        # As GKE marks a spot node that is about to be reclaimed.
+        k.kubectl("label", "node", "node1", "cloud.google.com/gke-spot=true", "--overwrite")
+        k.kubectl("taint", "node", "node1", f"{taint}:NoSchedule")
+
+        def leaving():
+            return all(p["metadata"].get("deletionTimestamp")
+                       for p in k.get("pods", "-n", ns)["items"]
+                       if p["metadata"]["name"] in pods)
+
+        _wait_for("the node's pods deleted", leaving, driver)
+    finally:
+        # The node "comes back" (a replacement): the restarted group's pods can be scheduled.
+        k.kubectl("taint", "node", "node1", f"{taint}:NoSchedule-", check=False)
+        k.kubectl("label", "node", "node1", "cloud.google.com/gke-spot-", check=False)
+    out, err = driver.communicate(timeout=300)
+
+    assert driver.returncode == 0, out[-2000:] + err[-3000:]
+    failure = _check_preempted_run(workdir, "tainted", out, undisturbed, 2, "SIGTERM")
+    # Both ranks ran on the tainted node: the notice names their hosts and nothing else.
+    ranks = failure["preemption"]["preempted_node_to_ranks"]
+    assert sorted(r for rs in ranks.values() for r in rs) <= [0, 1] and ranks, ranks
+    said = _supervisor_said(workdir, "tainted", out, err)
+    assert f"node node1 has GKE's {taint} taint: deleting its pods (ranks 0, 1) with a " \
+           "grace period of" in said, said[-3000:]
+    assert k.objects(ns) == []

@@ -47,6 +47,24 @@ _DEFAULT_PENDING_TIMEOUT_S = 300.0
 # SIGKILL, and its upload and commit have this long after the notice's deadline.
 _TERMINATION_GRACE_MARGIN_S = 15
 _TEARDOWN_TIMEOUT_S = 60.0
+# Kueue (sigs.k8s.io/kueue): a JobSet with the queue-name label is a workload that Kueue admits
+# (unsuspends) when its ClusterQueue has quota, and evicts (suspends again) for a higher-priority
+# one. Its labels, and the API of its LocalQueues and Workloads.
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta2"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+_KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+_KUEUE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?")
+# How often the supervisor of a queued JobSet asks whether Kueue admitted (or evicted) it.
+_JOBSET_POLL_S = 1.0
+# GKE's taint on a node about to be reclaimed (a spot or preemptible VM's preemption, a host
+# maintenance that terminates it), put by its node termination handler with effect NoSchedule; a
+# spot or preemptible VM goes 30 s after the notice (k8s-node-termination-handler's
+# preemptibleNodeTerminationDuration, GCE's preemption notice).
+GKE_TERMINATION_TAINT = "cloud.google.com/impending-node-termination"
+_GKE_SPOT_LABELS = ("cloud.google.com/gke-spot", "cloud.google.com/gke-preemptible")
+_GKE_SPOT_NOTICE_S = 30.0
 _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
                  "CreateContainerConfigError", "CreateContainerError")
 # What a run's driver and supervisors do in its namespace, all of it (docs/kubernetes-rbac.yaml's
@@ -166,6 +184,39 @@ class Api:
                     "resource); install its controller: see docs/kubernetes.md"
                 ) from None
             raise
+
+    def check_kueue(self, namespace: str, queue_name: str, priority_class: str) -> None:
+        """Kueue is installed, the LocalQueue is in the namespace and the priority class exists
+        (where this identity may read them: a refusal of the read is not the run's)."""
+        try:
+            self.custom.get_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, namespace, "localqueues", queue_name)
+            if priority_class:
+                self.custom.get_cluster_custom_object(
+                    KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses", priority_class)
+        except self.client.ApiException as e:
+            if e.status == 403:
+                return
+            if e.status != 404:
+                raise
+            try:
+                self.custom.list_namespaced_custom_object(
+                    KUEUE_GROUP, KUEUE_VERSION, namespace, "localqueues", limit=1)
+            except self.client.ApiException as e2:
+                if e2.status == 404:
+                    raise ValueError(
+                        f"JAXTRAIN_K8S_QUEUE_NAME='{queue_name}': Kueue is not installed in this "
+                        "cluster (no localqueues.kueue.x-k8s.io resource); install it (see "
+                        "docs/kubernetes.md) or leave JAXTRAIN_K8S_QUEUE_NAME unset") from None
+            body = _reason(e)
+            if "workloadpriorityclasses" in body:
+                raise ValueError(
+                    f"JAXTRAIN_K8S_PRIORITY_CLASS='{priority_class}': no Kueue "
+                    "WorkloadPriorityClass of that name (kubectl get workloadpriorityclasses)"
+                ) from None
+            raise ValueError(
+                f"JAXTRAIN_K8S_QUEUE_NAME='{queue_name}': no Kueue LocalQueue of that name in "
+                f"namespace '{namespace}' (kubectl get localqueues -n {namespace})") from None
 
     def own_pod(self, namespace: str) -> Any | None:
         """The driver's own pod, when it runs in one (its name is the host name)."""
@@ -373,6 +424,9 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
             "which the worker pods write to themselves"
         )
     template = with_termination_grace(template, preemption_grace_s)
+    queue_name, priority_class = kueue_settings(os.environ)
+    if queue_name:
+        api.check_kueue(namespace, queue_name, priority_class)
     owner = None
     if pod is not None:
         # The run's objects go with the driver's pod: nothing is left if the pod is deleted.
@@ -404,7 +458,30 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
         "owner": owner,
         "labels": {"jaxtrain.dev/experiment": dns_name(experiment_name, 63)},
         "listen_host": _listen_host(api, pod),
+        "queue_name": queue_name,
+        "priority_class": priority_class,
     }
+
+
+def kueue_settings(environ: dict[str, str] | Any = os.environ) -> tuple[str, str]:
+    """JAXTRAIN_K8S_QUEUE_NAME (a Kueue LocalQueue of the run's namespace) and
+    JAXTRAIN_K8S_PRIORITY_CLASS (a Kueue WorkloadPriorityClass), checked: each names an object in
+    a label (a DNS subdomain name of at most 63 characters), and a priority class needs a queue."""
+    names = []
+    for setting in ("JAXTRAIN_K8S_QUEUE_NAME", "JAXTRAIN_K8S_PRIORITY_CLASS"):
+        value = environ.get(setting, "")
+        if value and not _KUEUE_NAME.fullmatch(value):
+            raise ValueError(
+                f"{setting}='{value}' is not allowed: it names a Kueue object in a label, so it "
+                "must be at most 63 characters of lower-case letters, digits, '-' and '.', "
+                "starting and ending with a letter or digit")
+        names.append(value)
+    if names[1] and not names[0]:
+        raise ValueError(
+            f"JAXTRAIN_K8S_PRIORITY_CLASS='{names[1]}' is a Kueue WorkloadPriorityClass, which "
+            "only a queued JobSet has: set JAXTRAIN_K8S_QUEUE_NAME to the LocalQueue too (a pod "
+            "PriorityClass goes in the pod template's spec.priorityClassName)")
+    return names[0], names[1]
 
 
 # ---- the supervisor -------------------------------------------------------------------------
@@ -500,7 +577,9 @@ class ObjectExists(Exception):
 class _Pod:
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.uid = ""
         self.node = "?"
+        self.deleted_for_taint = False
         self.logs: threading.Thread | None = None
         self.ended = False
         self.pending_since: float | None = None
@@ -526,6 +605,17 @@ class Supervisor:
         self.stop_requested: str | None = None  # "grace" or "now"
         self.secret_uid: str | None = None  # what this supervisor created
         self.jobset_uid: str | None = None
+        # Kueue: the LocalQueue of a queued JobSet; admitted once Kueue has unsuspended it.
+        self.queue_name = request.get("queue_name") or ""
+        self.admitted = not self.queue_name
+        self.queued_since = time.monotonic()
+        self.queue_reason = ""
+        self.evicted = False
+        # GKE's impending-termination taint: the nodes of the pods, watched; those that have it
+        # (node -> (when it was seen, a spot or preemptible node)).
+        self.watched_nodes: set[str] = set()
+        self.tainted: dict[str, tuple[float, bool]] = {}
+        self.cannot_watch_nodes = False
 
     # -- objects --
 
@@ -685,8 +775,18 @@ class Supervisor:
             return None
         state = self.pods.setdefault(pod.metadata.name, _Pod(rank))
         state.node = pod.spec.node_name or state.node
+        state.uid = pod.metadata.uid or state.uid
         if state.ended:
             return None
+        if pod.spec.node_name and pod.spec.node_name not in self.watched_nodes:
+            self.watched_nodes.add(pod.spec.node_name)
+            threading.Thread(target=self._watch_node, args=(pod.spec.node_name,),
+                             daemon=True).start()
+        if state.node in self.tainted and event["type"] != "DELETED":
+            self._leave_tainted_node(state.node)
+        if (pod.metadata.deletion_timestamp and self.queue_name and self.admitted
+                and not self.evicted and self._suspended()):
+            self._say_evicted()  # at once: the group may be stopped before the next poll
         statuses = pod.status.container_statuses or []
         main = next((s for s in statuses if s.name == self.container), None)
         if event["type"] == "DELETED":
@@ -737,7 +837,137 @@ class Supervisor:
             state.pending_since = None
         return None
 
+    # -- Kueue --
+
+    def _poll_jobset(self) -> None:
+        """Puts a JOBSET event whenever the JobSet's suspension changes: Kueue admitting it
+        (unsuspended) or evicting it (suspended again)."""
+        suspended = True
+        while True:
+            try:
+                jobset = self.api.custom.get_namespaced_custom_object(
+                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
+            except Exception as e:
+                if getattr(e, "status", None) == 404:
+                    return
+                time.sleep(_JOBSET_POLL_S)
+                continue
+            if jobset["metadata"].get("uid") != self.jobset_uid:
+                return
+            now = bool(jobset.get("spec", {}).get("suspend"))
+            if now != suspended:
+                suspended = now
+                self.events.put({"type": "JOBSET", "suspended": now})
+            elif now and not self.admitted:
+                reason = self._workload_condition("QuotaReserved", "False")
+                if reason and reason != self.queue_reason:
+                    self.events.put({"type": "QUEUED", "reason": reason})
+            time.sleep(_JOBSET_POLL_S)
+
+    def _workload_condition(self, kind: str, status: str = "True") -> str:
+        """The message of the JobSet's Kueue Workload's condition `kind` when its status is
+        `status` ("" if none can be read: an identity may not read Workloads)."""
+        try:
+            workloads = self.api.custom.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, self.namespace, "workloads",
+                label_selector=f"{_KUEUE_JOB_UID_LABEL}={self.jobset_uid}")["items"]
+        except Exception:
+            return ""
+        for workload in workloads:
+            for c in workload.get("status", {}).get("conditions") or []:
+                if c.get("type") == kind and c.get("status") == status:
+                    return c.get("message") or c.get("reason") or ""
+        return ""
+
+    def _on_jobset(self, event: dict) -> None:
+        if event["type"] == "QUEUED":
+            self.queue_reason = event["reason"]
+            self.out.say(f"queued: {event['reason']}")
+        elif not event["suspended"] and not self.admitted:
+            self.admitted = True
+            self.out.say(f"admitted by Kueue from LocalQueue '{self.queue_name}' after "
+                         f"{time.monotonic() - self.queued_since:.0f} s queued")
+        elif event["suspended"] and self.admitted:
+            self._say_evicted()
+
+    def _say_evicted(self) -> None:
+        if self.evicted:
+            return
+        self.evicted = True
+        why = self._workload_condition("Evicted") or "suspended by Kueue"
+        self.out.say(f"evicted by Kueue ({why}): the pods of JobSet {self.namespace}/"
+                     f"{self.name} are deleted, and their SIGTERM is the workers' preemption "
+                     "notice; the next attempt is queued again")
+
+    def _suspended(self) -> bool:
+        try:
+            return bool(self.api.custom.get_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL,
+                self.name).get("spec", {}).get("suspend"))
+        except Exception:
+            return False
+
+    # -- GKE's impending node termination --
+
+    def _watch_node(self, node: str) -> None:
+        """Puts a TAINT event when `node` gets GKE's impending-termination taint."""
+        from kubernetes import watch
+
+        version = None
+        while node not in self.tainted:
+            try:
+                stream = watch.Watch().stream(
+                    self.api.core.list_node, field_selector=f"metadata.name={node}",
+                    resource_version=version, timeout_seconds=300)
+                for event in stream:
+                    obj = event["object"]
+                    version = obj.metadata.resource_version
+                    if any(t.key == GKE_TERMINATION_TAINT for t in obj.spec.taints or []):
+                        labels = obj.metadata.labels or {}
+                        spot = any(labels.get(k) == "true" for k in _GKE_SPOT_LABELS)
+                        self.events.put({"type": "TAINT", "node": node, "spot": spot})
+                        return
+            except Exception as e:
+                status = getattr(e, "status", None)
+                if status in (401, 403):
+                    if not self.cannot_watch_nodes:
+                        self.cannot_watch_nodes = True
+                        self.out.say(f"cannot watch node {node} ({_reason(e)}): GKE's "
+                                     f"{GKE_TERMINATION_TAINT} taint is not seen in this attempt "
+                                     "(a ClusterRole with get, list and watch of nodes lets it "
+                                     "be; docs/kubernetes.md)")
+                    return
+                if status == 410:
+                    version = None
+                time.sleep(1.0)
+
+    def _leave_tainted_node(self, node: str) -> None:
+        """Deletes the pods on `node`, which GKE is about to reclaim: their workers' SIGTERM is
+        a preemption notice, and a spot node's pods get the grace period its 30 s notice leaves
+        (others, their own terminationGracePeriodSeconds)."""
+        seen, spot = self.tainted[node]
+        grace = max(1, int(_GKE_SPOT_NOTICE_S - (time.monotonic() - seen))) if spot else None
+        leaving = [(name, state) for name, state in self.pods.items()
+                   if state.node == node and not state.ended and not state.deleted_for_taint]
+        if not leaving:
+            return
+        ranks = ", ".join(str(state.rank) for _, state in sorted(leaving, key=lambda p: p[1].rank))
+        self.out.say(f"node {node} has GKE's {GKE_TERMINATION_TAINT} taint: deleting its pods "
+                     f"(rank{'s' if len(leaving) > 1 else ''} {ranks}) with "
+                     + (f"a grace period of {grace} s" if grace else "their grace period")
+                     + "; their SIGTERM is the workers' preemption notice")
+        for name, state in leaving:
+            state.deleted_for_taint = True
+            try:
+                self.api.core.delete_namespaced_pod(
+                    name, self.namespace,
+                    body=self._delete_options(state.uid, grace_period_seconds=grace))
+            except Exception as e:
+                self.out.say(f"cannot delete pod {name} on {node}: {_reason(e)}")
+
     def _pending_too_long(self) -> tuple[int, str] | None:
+        if not self.admitted:
+            return None  # queued in Kueue: a wait for quota, not a pod that cannot be scheduled
         now = time.monotonic()
         for name, state in self.pods.items():
             if state.pending_since is not None and now - state.pending_since > self.pending_timeout:
@@ -766,6 +996,11 @@ class Supervisor:
             self.out.say(f"error: cannot create JobSet {self.namespace}/{self.name}: {_reason(e)}")
             self.delete(grace=False)
             return 3
+        if self.queue_name:
+            # Created suspended: Launch() waits for the "admitted" line (kubernetes_launcher.h).
+            self.out.say(f"queued: JobSet {self.namespace}/{self.name} waits for Kueue to admit "
+                         f"it from LocalQueue '{self.queue_name}'")
+            threading.Thread(target=self._poll_jobset, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
         ended: tuple[int, str] | None = None
         while ended is None and self.stop_requested is None:
@@ -774,7 +1009,12 @@ class Supervisor:
             except queue.Empty:
                 ended = self._pending_too_long()
                 continue
-            if event["type"] != "STOP":
+            if event["type"] in ("JOBSET", "QUEUED"):
+                self._on_jobset(event)
+            elif event["type"] == "TAINT":
+                self.tainted.setdefault(event["node"], (time.monotonic(), event["spot"]))
+                self._leave_tainted_node(event["node"])
+            elif event["type"] != "STOP":
                 ended = self._handle(event)
         self.delete(grace=self.stop_requested != "now")
         for state in self.pods.values():

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A real one-node Kubernetes cluster on this machine, for jaxtrain's tests: etcd, kube-apiserver,
 # kube-scheduler, kube-controller-manager, kubelet with containerd and runc (Debian's), the CNI
-# bridge, kube-proxy, CoreDNS and the JobSet controller with its webhooks, all built by build.sh.
+# bridge, kube-proxy, CoreDNS, the JobSet controller and Kueue with their webhooks, all built by
+# build.sh. Kueue manages JobSets and Jobs that carry its queue-name label; the tests make the
+# ResourceFlavors, ClusterQueues and LocalQueues they need.
 # Everything runs inside one private network and mount namespace (held by a `sleep infinity`), so
 # the host's network, routes, iptables and mounts are never touched and no packet leaves.
 #
@@ -27,7 +29,9 @@ WORKER_IMAGE=docker.io/jaxtrain/worker:test
 NICE=(nice -n 10)
 # Paths containerd, the CNI plugins and kubelet insist on; inside the namespace they are bind
 # mounts of directories under $S.
-NS_DIRS=(/run/containerd /run/netns /var/lib/cni /var/lib/kubelet /var/log/pods /var/log/containers)
+# Kueue reads its metrics server's certificate from a fixed path, without a flag to change it.
+NS_DIRS=(/run/containerd /run/netns /var/lib/cni /var/lib/kubelet /var/log/pods /var/log/containers
+         /etc/kueue/metrics/certs)
 
 log() { echo "[kubernetes] $*" >&2; }
 holder() { local p; p=$(cat "$RUN/holder.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null && echo "$p"; }
@@ -103,8 +107,11 @@ EOF
 }
 
 configs() {
-  mkdir -p "$ETC/cni" "$S/jobset-certs"
-  cp "$PKI/webhook.crt" "$S/jobset-certs/tls.crt"; cp "$PKI/webhook.key" "$S/jobset-certs/tls.key"
+  mkdir -p "$ETC/cni" "$S/jobset-certs" "$S/kueue-certs" "$S/root/etc/kueue/metrics/certs"
+  local d
+  for d in "$S/jobset-certs" "$S/kueue-certs" "$S/root/etc/kueue/metrics/certs"; do
+    cp "$PKI/webhook.crt" "$d/tls.crt"; cp "$PKI/webhook.key" "$d/tls.key"
+  done
   cat >"$ETC/containerd.toml" <<EOF
 version = 2
 root = "$VAR/containerd"
@@ -186,6 +193,20 @@ metrics: {bindAddress: "0"}
 health: {healthProbeBindAddress: "127.0.0.1:8081"}
 EOF
   python3 "$here/webhooks.py" "$PKI/ca.crt" "$ETC/jobset-webhooks.json"
+  # Kueue with the certificates made here (not its internal cert management, which wants an
+  # in-cluster Service), its webhooks on 127.0.0.1:9444, and the integrations the tests use.
+  cat >"$ETC/kueue.yaml" <<EOF
+apiVersion: config.kueue.x-k8s.io/v1beta2
+kind: Configuration
+leaderElection: {leaderElect: false}
+internalCertManagement: {enable: false}
+webhook: {port: 9444, host: 127.0.0.1, certDir: $S/kueue-certs}
+metrics: {bindAddress: "0"}
+health: {healthProbeBindAddress: "127.0.0.1:8083"}
+integrations: {frameworks: ["batch/job", "jobset.x-k8s.io/jobset"]}
+EOF
+  "$repo/.venv/bin/python" "$here/webhooks.py" --kueue "$PKI/ca.crt" "$BIN/kueue-webhooks.yaml" \
+    "$ETC/kueue-webhooks.json"
 }
 
 namespaces() {
@@ -194,8 +215,13 @@ namespaces() {
   echo $! >"$RUN/holder.pid"
   wait_for "the namespace holder" 10 test -e "/proc/$(cat "$RUN/holder.pid")/ns/net"
   : >"$RUN/made-dirs"
+  local d part made
   for d in "${NS_DIRS[@]}"; do
-    [[ -d $d ]] || { mkdir -p "$d"; echo "$d" >>"$RUN/made-dirs"; }
+    made=""
+    for part in ${d//\// }; do  # each directory made here is removed at stop, deepest first
+      made+="/$part"
+      [[ -d $made ]] || { mkdir "$made"; echo "$made" >>"$RUN/made-dirs"; }
+    done
     mkdir -p "$S/root$d"
     in_ns mount --bind "$S/root$d" "$d"
   done
@@ -280,6 +306,17 @@ start() {
   daemon jobset "$BIN/jobset-controller" --config="$ETC/jobset.yaml" --kubeconfig="$PKI/admin.kubeconfig" --zap-log-level=info
   wait_for "the JobSet webhook" 60 in_ns curl -sf http://127.0.0.1:8081/readyz
   kc apply -f "$ETC/jobset-webhooks.json" >/dev/null
+  kc apply --server-side -f "$BIN/kueue-crds.yaml" >/dev/null
+  local crd
+  for crd in clusterqueues localqueues workloads resourceflavors workloadpriorityclasses; do
+    wait_for "Kueue's CRDs" 60 kc wait --for=condition=Established "crd/$crd.kueue.x-k8s.io" --timeout=5s
+  done
+  kc create namespace kueue-system >/dev/null 2>&1 || true
+  # The visibility API (an aggregated API server) is not needed and would want an APIService.
+  daemon kueue "$BIN/kueue-controller" --config="$ETC/kueue.yaml" --kubeconfig="$PKI/admin.kubeconfig" \
+    --feature-gates=VisibilityOnDemand=false --zap-log-level=info
+  wait_for "the Kueue webhook" 120 in_ns curl -sf http://127.0.0.1:8083/readyz
+  kc apply -f "$ETC/kueue-webhooks.json" >/dev/null
   wait_for kube-proxy 60 in_ns curl -sf http://127.0.0.1:10256/healthz
   wait_for coredns 60 in_ns curl -sf http://127.0.0.1:8181/ready
   log "cluster up in $((SECONDS - began)) s; admin kubeconfig: $PKI/admin.kubeconfig (inside the namespace)"
@@ -300,7 +337,7 @@ stop_one() {  # name timeout: SIGTERM, then SIGKILL
 
 stop() {
   local n
-  for n in jobset coredns kube-proxy kubelet kube-controller-manager kube-scheduler; do stop_one $n 15; done
+  for n in kueue jobset coredns kube-proxy kubelet kube-controller-manager kube-scheduler; do stop_one $n 15; done
   stop_one kube-apiserver 20
   stop_one etcd 10
   if holder >/dev/null; then
@@ -320,7 +357,7 @@ stop() {
     [[ -d $c ]] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
   done
   if [[ -f $RUN/made-dirs ]]; then
-    while read -r d; do rmdir "$d" 2>/dev/null || true; done <"$RUN/made-dirs"
+    while read -r d; do rmdir "$d" 2>/dev/null || true; done < <(tac "$RUN/made-dirs")
     rm -f "$RUN/made-dirs"
   fi
 }

@@ -1,12 +1,14 @@
 #include "launch/kubernetes_launcher.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -28,6 +30,11 @@ const std::set<std::string> kSecretEnv = {"JAXTRAIN_RUN_SECRET", "JAXTRAIN_RUN_S
 constexpr char kSecretDir[] = "/var/run/jaxtrain";
 constexpr char kJobIndexLabel[] = "jobset.sigs.k8s.io/job-index";
 constexpr char kDefaultMegascalePort[] = "8081";
+constexpr char kKueueQueueLabel[] = "kueue.x-k8s.io/queue-name";
+constexpr char kKueuePriorityLabel[] = "kueue.x-k8s.io/priority-class";
+// The supervisor's lines while its JobSet waits for Kueue (python/jaxtrain/kubernetes.py).
+constexpr std::string_view kSupervisorPrefix = "jaxtrain kubernetes: ";
+constexpr std::string_view kAdmittedLine = "jaxtrain kubernetes: admitted";
 
 // Ranks per Job and Jobs of the group: a TPU slice per Job, or one Job for every worker.
 struct Shape {
@@ -73,6 +80,23 @@ StatusOr<std::vector<std::string>> Strings(const json& j, const char* field) {
     out.push_back(v.get<std::string>());
   }
   return out;
+}
+
+// A Kueue object's name as a label value: a DNS subdomain name of at most 63 characters.
+StatusOr<std::string> KueueName(const json& j, const char* field, const char* setting) {
+  JT_ASSIGN_OR_RETURN(std::string name, String(j, field, false));
+  if (name.empty()) return name;
+  const bool chars =
+      name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-.") == std::string::npos;
+  auto alnum = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; };
+  if (name.size() > 63 || !chars || !alnum(name.front()) || !alnum(name.back())) {
+    return InvalidArgumentError(
+        std::string(setting) + "='" + name +
+        "' is not allowed: it names a Kueue object in a label, so it must be at most 63 "
+        "characters of lower-case letters, digits, '-' and '.', starting and ending with a "
+        "letter or digit");
+  }
+  return name;
 }
 
 json EnvVar(const std::string& name, const std::string& value) {
@@ -185,6 +209,16 @@ StatusOr<KubernetesOptions> KubernetesOptions::FromJson(const json& j) {
         o.pod_template.dump().substr(0, 200));
   }
   o.owner = j.value("owner", json());
+  JT_ASSIGN_OR_RETURN(o.queue_name, KueueName(j, "queue_name", "JAXTRAIN_K8S_QUEUE_NAME"));
+  JT_ASSIGN_OR_RETURN(o.priority_class,
+                      KueueName(j, "priority_class", "JAXTRAIN_K8S_PRIORITY_CLASS"));
+  if (!o.priority_class.empty() && o.queue_name.empty()) {
+    return InvalidArgumentError(
+        "JAXTRAIN_K8S_PRIORITY_CLASS='" + o.priority_class +
+        "' is a Kueue WorkloadPriorityClass, which only a queued JobSet has: set "
+        "JAXTRAIN_K8S_QUEUE_NAME to the LocalQueue too (a pod PriorityClass goes in the pod "
+        "template's spec.priorityClassName)");
+  }
   if (j.contains("labels") && j["labels"].is_object()) {
     for (const auto& [k, v] : j["labels"].items()) {
       if (v.is_string()) o.labels[k] = v.get<std::string>();
@@ -372,15 +406,21 @@ StatusOr<json> JobSetManifest(const config::ScalingConfig& config, const placeme
   // Workers never call the API server: no token of the service account unless the template asks.
   if (!spec.contains("automountServiceAccountToken")) spec["automountServiceAccountToken"] = false;
 
+  // Kueue's labels go on the JobSet only: Kueue manages it as one workload.
+  json jobset_labels = labels;
+  if (!options.queue_name.empty()) jobset_labels[kKueueQueueLabel] = options.queue_name;
+  if (!options.priority_class.empty()) jobset_labels[kKueuePriorityLabel] = options.priority_class;
   json metadata = {
-      {"name", jobset_name}, {"namespace", options.namespace_name}, {"labels", labels}};
+      {"name", jobset_name}, {"namespace", options.namespace_name}, {"labels", jobset_labels}};
   if (!jobset_annotations.empty()) metadata["annotations"] = jobset_annotations;
   if (!options.owner.is_null()) metadata["ownerReferences"] = json::array({options.owner});
   return json{{"apiVersion", "jobset.x-k8s.io/v1alpha2"},
               {"kind", "JobSet"},
               {"metadata", metadata},
               {"spec",
-               {{"failurePolicy", {{"maxRestarts", 0}}},
+               {// Queued: no pod starts before Kueue admits it (and unsuspends it).
+                {"suspend", !options.queue_name.empty()},
+                {"failurePolicy", {{"maxRestarts", 0}}},
                 {"network", {{"enableDNSHostnames", true}, {"publishNotReadyAddresses", true}}},
                 {"replicatedJobs", json::array({{{"name", shape.replicated_job},
                                                  {"replicas", shape.jobs},
@@ -450,6 +490,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pid_ = 0;
   kills_ = 0;
+  if (interrupted_) return CancelledError("the run is being stopped: no JobSet is created");
   JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes",
                                                        placement::kPerRankPlacementVariables));
   if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");
@@ -462,7 +503,8 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
                   {"jobset", jobset},
                   {"secret", {{"name", jobset_name}, {"key", key}, {"env", SecretEnv(group.env)}}},
                   {"ranks", group.ranks.size()},
-                  {"pending_timeout_s", options_.pending_timeout_s}};
+                  {"pending_timeout_s", options_.pending_timeout_s},
+                  {"queue_name", options_.queue_name}};
 
   // The last attempt's request is gone unless its supervisor died before reading it.
   RemoveRequest();
@@ -515,7 +557,51 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   pid_ = spawned->pid;
   fcntl(pidfd, F_SETFD, FD_CLOEXEC);
   fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
+  if (!options_.queue_name.empty()) {
+    Status admitted = AwaitAdmission(spawned->pid, spawned->output_fd);
+    if (!admitted.ok()) {
+      close(pidfd);
+      close(spawned->output_fd);
+      pid_ = 0;
+      return admitted;
+    }
+  }
   return std::vector<LaunchedProcess>{{group.ranks, spawned->pid, pidfd, spawned->output_fd}};
+}
+
+void KubernetesLauncher::Interrupt() { interrupted_ = true; }
+
+Status KubernetesLauncher::AwaitAdmission(pid_t pid, int output_fd) {
+  std::string line;
+  bool told = false;
+  for (;;) {
+    if (interrupted_ && !told) {
+      kill(pid, SIGUSR1);  // the JobSet deleted at once; the supervisor then ends
+      told = true;
+    }
+    pollfd pfd{output_fd, POLLIN, 0};
+    if (poll(&pfd, 1, 200) < 0 && errno != EINTR) break;
+    char c;
+    ssize_t n = read(output_fd, &c, 1);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n <= 0) break;  // the supervisor ended before its JobSet was admitted
+    if (c != '\n') {
+      line.push_back(c);
+      continue;
+    }
+    std::string_view said = line;
+    if (said.substr(0, kSupervisorPrefix.size()) == kSupervisorPrefix) {
+      said.remove_prefix(kSupervisorPrefix.size());
+    }
+    Say("kubernetes: " + std::string(said));
+    if (std::string_view(line).substr(0, kAdmittedLine.size()) == kAdmittedLine) break;
+    line.clear();
+  }
+  if (!told) return OkStatus();  // an early end is the controller's to read, as any other
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return CancelledError("the run is being stopped: its JobSet was deleted while queued in Kueue");
 }
 
 Status KubernetesLauncher::SignalGroup(int signal) {

@@ -26,11 +26,20 @@
 // its supervisor never read is deleted at the next Launch(); the file and the directory at
 // EndRun() or when the launcher is destroyed. Only a driver killed hard leaves them behind.
 //
-// Thread-safety: used by the controller's event loop only. JobSetManifest is a pure function.
+// Kueue: with KubernetesOptions::queue_name the JobSet carries Kueue's queue-name (and priority
+// class) label and is created suspended. The supervisor says "queued" while Kueue has not admitted
+// it, and Launch() waits for its "admitted" line (a queue is a wait, like a Slurm allocation's, not
+// a start-up that can time out), saying the supervisor's queue lines on the driver's stderr. A
+// Kueue eviction suspends the JobSet, whose pods are deleted: their SIGTERM is the workers'
+// preemption notice (docs/preemption.md), and the next attempt's JobSet is queued again.
+//
+// Thread-safety: used by the controller's event loop only, except Interrupt(). JobSetManifest is a
+// pure function.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -61,8 +70,15 @@ struct KubernetesOptions {
   nlohmann::json pod_template;                // merged into every worker pod; null: none
   nlohmann::json owner;                       // ownerReference of the run's objects; null: none
   std::map<std::string, std::string> labels;  // added to every object and pod
+  // Kueue (docs/kubernetes.md): the LocalQueue the JobSet is submitted to (its
+  // kueue.x-k8s.io/queue-name label; the JobSet is created suspended, for Kueue to admit), and its
+  // WorkloadPriorityClass (kueue.x-k8s.io/priority-class). Empty: none.
+  std::string queue_name;
+  std::string priority_class;
 
-  // Errors: kInvalidArgument naming the missing or malformed field.
+  // Errors: kInvalidArgument naming the missing or malformed field (queue_name and
+  // priority_class must be DNS subdomain names of at most 63 characters: label values that name
+  // an object).
   static StatusOr<KubernetesOptions> FromJson(const nlohmann::json& json);
 };
 
@@ -125,9 +141,16 @@ class KubernetesLauncher : public Launcher {
   // Deletes the request directory and any request left in it.
   void EndRun(bool keep) override;
 
+  // A Launch() waiting for Kueue's admission ends with kCancelled, its JobSet deleted.
+  void Interrupt() override;
+
  private:
   void RemoveRequest();   // the last Launch()'s request file, if still there
   void RemoveRequests();  // and the directory
+  // Reads the supervisor's output, a byte at a time (nothing past it is taken from the
+  // controller), until it says its JobSet is admitted or its output ends, saying each line.
+  // Errors: kCancelled after Interrupt(), the supervisor told to delete the JobSet and reaped.
+  Status AwaitAdmission(pid_t pid, int output_fd);
 
   KubernetesOptions options_;
   config::ScalingConfig config_;
@@ -135,6 +158,7 @@ class KubernetesLauncher : public Launcher {
   pid_t pid_ = 0;  // the supervisor of the last Launch(); 0 when none
   int kills_ = 0;  // SIGKILLs asked for since the last Launch()
   int attempts_ = 0;
+  std::atomic<bool> interrupted_{false};
   std::string request_dir_;   // made by the first Launch(); "" when none
   std::string request_path_;  // the last Launch()'s request file; "" when none
 };

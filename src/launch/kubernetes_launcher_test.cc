@@ -28,6 +28,19 @@ KubernetesOptions Options() {
   return *o;
 }
 
+KubernetesOptions Queued(const std::string& queue, const std::string& priority) {
+  auto o = KubernetesOptions::FromJson({{"namespace", "ml"},
+                                        {"name", "run-abcde"},
+                                        {"image", "example/train:1"},
+                                        {"request_dir", "/tmp/unused"},
+                                        {"worker_command", {"python"}},
+                                        {"supervisor_argv", {"python"}},
+                                        {"queue_name", queue},
+                                        {"priority_class", priority}});
+  EXPECT_TRUE(o.ok()) << o.status().message();
+  return *o;
+}
+
 StatusOr<json> Manifest(const config::ScalingConfig& c, const KubernetesOptions& o,
                         bool simulate = false) {
   accelerators::FakeHost host;
@@ -286,10 +299,83 @@ TEST(KubernetesLauncherTest, LeavesNoRequestBehindWhenItsSupervisorNeverReadIt) 
   rmdir(base);
 }
 
+TEST(KubernetesLauncherTest, AQueuedLaunchWaitsForAdmissionAndLeavesTheRestToTheController) {
+  char base[] = "/tmp/kubernetes-launcher-test-XXXXXX";
+  ASSERT_NE(mkdtemp(base), nullptr);
+  KubernetesOptions o = Queued("team", "");
+  o.request_dir = base;
+  // A supervisor whose JobSet is queued, then admitted, then runs its ranks.
+  o.supervisor_argv = {"sh", "-c",
+                       "echo 'jaxtrain kubernetes: queued: JobSet ml/r waits'; sleep 0.2; "
+                       "echo 'jaxtrain kubernetes: admitted by Kueue after 1 s queued'; "
+                       "echo '0: training'",
+                       "sh"};
+  auto c = Config({.num_workers = 2});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok());
+  KubernetesLauncher launcher(o, c, *plan);
+  std::vector<ProcessSpec> specs = {{{0}, {"python"}, {}, {}, "", "ab"},
+                                    {{1}, {"python"}, {}, {}, "", "ab"}};
+  auto launched = launcher.Launch(specs);
+  ASSERT_TRUE(launched.ok()) << launched.status().message();
+  int status = 0;
+  waitpid((*launched)[0].pid, &status, 0);
+  // What follows the admission is the controller's to read: the ranks' output.
+  std::string rest(64, '\0');
+  ssize_t n = read((*launched)[0].output_fd, rest.data(), rest.size());
+  ASSERT_GT(n, 0);
+  EXPECT_EQ(rest.substr(0, static_cast<size_t>(n)), "0: training\n");
+  close((*launched)[0].pidfd);
+  close((*launched)[0].output_fd);
+
+  // Interrupted: no JobSet is asked for.
+  launcher.Interrupt();
+  EXPECT_EQ(launcher.Launch(specs).status().code(), StatusCode::kCancelled);
+  launcher.EndRun(/*keep=*/false);
+  rmdir(base);
+}
+
 TEST(KubernetesOptionsTest, NamesTheMissingField) {
   auto o = KubernetesOptions::FromJson({{"namespace", "ml"}, {"name", "r"}});
   EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(o.status().message().find("'image'"), std::string::npos);
+}
+
+TEST(JobSetManifestTest, AQueuedJobSetCarriesKueuesLabelsAndStartsSuspended) {
+  auto m = Manifest(Config({.num_workers = 2}), Queued("team-a", "low"));
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ((*m)["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], "team-a");
+  EXPECT_EQ((*m)["metadata"]["labels"]["kueue.x-k8s.io/priority-class"], "low");
+  EXPECT_EQ((*m)["spec"]["suspend"], true);
+  // Kueue manages the JobSet as one workload: its pods do not carry the labels.
+  EXPECT_FALSE(Pod(*m)["metadata"]["labels"].contains("kueue.x-k8s.io/queue-name"));
+
+  auto plain = Manifest(Config({.num_workers = 2}), Options());
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)["spec"]["suspend"], false);
+  EXPECT_FALSE((*plain)["metadata"]["labels"].contains("kueue.x-k8s.io/queue-name"));
+}
+
+TEST(KubernetesOptionsTest, RefusesKueueNamesThatCannotBeLabels) {
+  json j = {{"namespace", "ml"},
+            {"name", "r"},
+            {"image", "i"},
+            {"request_dir", "/tmp"},
+            {"worker_command", {"python"}},
+            {"supervisor_argv", {"python"}}};
+  for (const std::string& bad : std::vector<std::string>{"Team_A", "-a", std::string(64, 'a')}) {
+    j["queue_name"] = bad;
+    auto o = KubernetesOptions::FromJson(j);
+    EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(o.status().message().find("JAXTRAIN_K8S_QUEUE_NAME='" + bad + "'"), std::string::npos)
+        << o.status().message();
+  }
+  j["queue_name"] = "";
+  j["priority_class"] = "high";
+  auto o = KubernetesOptions::FromJson(j);
+  EXPECT_NE(o.status().message().find("set JAXTRAIN_K8S_QUEUE_NAME"), std::string::npos)
+      << o.status().message();
 }
 
 TEST(ParseKubernetesTaskEndTest, ReadsTheSupervisorsLines) {

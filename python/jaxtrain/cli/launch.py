@@ -203,6 +203,7 @@ def _plan_kubernetes(args: argparse.Namespace) -> int:
             "pod_template": kubernetes.load_pod_template(
                 os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE")),
         }
+        options["queue_name"], options["priority_class"] = kubernetes.kueue_settings(os.environ)
         env = dict(plan.to_dict()["workers"][0]["env"])
         env["JAXTRAIN_WORLD_SIZE"] = str(args.num_workers)
         jobset = _core.kubernetes_jobset(scaling, json.dumps(options), options["name"] + "-1", env)
