@@ -1,13 +1,13 @@
 #include "controller/attempt.h"
 
 #include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
 #include "base/strings.h"
+#include "controller/run_record.h"
 #include "storage/checkpoint.h"
 #include "storage/files.h"
 #include "wire/frame.h"
@@ -45,35 +45,6 @@ bool IsPeerNotice(FailureCause cause) {
 }
 
 }  // namespace
-
-std::string HostName() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
-RankFailure StorageFailure(const Status& why, std::string message) {
-  return {.rank = -1,
-          .host = HostName(),
-          .cause = FailureCause::kStorage,
-          .status_code = why.code(),
-          .message = std::move(message)};
-}
-
-nlohmann::json FailureState(const RankFailure& f) {
-  nlohmann::json j = {{"rank", f.rank},
-                      {"host", f.host},
-                      {"cause", FailureCauseName(f.cause)},
-                      {"message", f.message},
-                      {"exit_code", f.exit_code >= 0 ? nlohmann::json(f.exit_code) : nullptr},
-                      {"signal", f.signal != 0 ? nlohmann::json(f.signal) : nullptr}};
-  if (f.status_code != StatusCode::kOk) j["status_code"] = StatusCodeName(f.status_code);
-  if (!f.preemption.is_null()) j["preemption"] = f.preemption;
-  if (!f.decision.empty()) {
-    j["decision"] = {{"action", f.retried ? "retry" : "raise"}, {"reason", f.decision}};
-  }
-  return j;
-}
 
 Attempt::Attempt(Setup setup, const ControllerOptions& opts, ControlPort& port, WorkerGroup& group,
                  const Clock& clock, Delegate& delegate)
@@ -696,7 +667,7 @@ nlohmann::json Attempt::Record(std::string_view status) const {
   a["step_time_s"] = std::move(step_times);
   if (status != "RUNNING") a["end_time"] = clock_.UnixSeconds();
   if (failure_) {
-    a["failure"] = FailureState(*failure_);
+    a["failure"] = FailureJson(*failure_);
     a["failure"]["time"] = failure_time_;
   }
   if (!straggler_events_.empty()) a["stragglers"] = straggler_events_;

@@ -48,16 +48,6 @@
 
 namespace jaxtrain::controller {
 
-// A failure of the driver's own records (the run directory), blamed on no rank, on this host.
-// `why` is the error, whose code FailurePolicy decides from.
-RankFailure StorageFailure(const Status& why, std::string message);
-
-// This host's name.
-std::string HostName();
-
-// run.json's record of a failure: the cause's name and the fields that apply to it.
-nlohmann::json FailureState(const RankFailure& f);
-
 class Attempt {
  public:
   enum class Phase { kStarting, kRunning, kStopping, kDraining };

@@ -27,6 +27,7 @@
 #include "controller/report_collector.h"
 #include "controller/restore_verifier.h"
 #include "controller/round_recorder.h"
+#include "controller/run_record.h"
 #include "controller/status_line.h"
 #include "controller/stragglers.h"
 #include "controller/watchdog.h"
@@ -83,6 +84,7 @@ struct Controller::Loop : ControlPort::Delegate,
       : ctl(c),
         opts(c.options_),
         store(std::move(s)),
+        record(store, c.options_, c.clock_),
         recorder(store, std::move(committer), c.clock_, *this),
         policy(c.options_.max_failures, c.options_.max_start_failures,
                FailurePolicy::kMaxStorageFailures, c.options_.max_preemptions),
@@ -91,6 +93,7 @@ struct Controller::Loop : ControlPort::Delegate,
   Controller& ctl;
   const ControllerOptions& opts;
   storage::RunStore store;
+  RunRecord record;  // run.json and error.txt (run_record.h)
   // Records completed rounds in order, committing their checkpoints off this thread, one at a
   // time (round_recorder.h).
   RoundRecorder recorder;
@@ -105,9 +108,6 @@ struct Controller::Loop : ControlPort::Delegate,
   RunMetrics metrics;                // what Publish() copies to the Controller (run_metrics.h)
   std::optional<TimePoint> failure_noticed;  // the first failure since training last ran
   int first_attempt = 0;                     // attempts of earlier runs of this run directory
-  double start_time = 0;
-  nlohmann::json attempt_log = nlohmann::json::array();  // run.json's attempts, earlier runs' too
-  TimePoint state_written;  // when run.json was last written (WriteRunState())
   std::vector<RankFailure> failures;
   std::vector<std::string> warnings;
   RankLogs logs;  // created on each rank's first output (rank_logs.h)
@@ -218,7 +218,7 @@ struct Controller::Loop : ControlPort::Delegate,
   void CountReport() override { ++metrics.reports; }
   void AddRound(Round round) override { recorder.Add(std::move(round)); }
   void RecordRunning(bool if_stale) override {
-    if (if_stale && Now() - state_written < kStepTimesRefresh) return;
+    if (if_stale && record.SinceWritten() < kStepTimesRefresh) return;
     Status written = WriteRunState("RUNNING");
     if (!written.ok()) Say("cannot write run.json: " + written.message());
   }
@@ -433,7 +433,7 @@ struct Controller::Loop : ControlPort::Delegate,
       failure->retried = d.retry();
       failure->decision = std::move(d.reason);
     }
-    attempt_log.push_back(attempt->Record(status));
+    record.AddAttempt(attempt->Record(status));
     if (!failure_noticed) failure_noticed = attempt->failed_at();
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
@@ -452,7 +452,7 @@ struct Controller::Loop : ControlPort::Delegate,
     if (!s.ok() && TakeAbortRequest(/*counts=*/true)) {
       // Stopped while the group started (Abort() interrupts the launcher): the run is aborted,
       // not failed, and this attempt never ran.
-      attempt_log.push_back(attempt->Record("ABORTED"));
+      record.AddAttempt(attempt->Record("ABORTED"));
       return false;
     }
     if (!s.ok()) {
@@ -461,7 +461,7 @@ struct Controller::Loop : ControlPort::Delegate,
                           .attempt = attempt->number(),
                           .cause = FailureCause::kStartUp,
                           .message = "the worker group could not be started: " + s.message()});
-      attempt_log.push_back(attempt->Record("ERRORED"));
+      record.AddAttempt(attempt->Record("ERRORED"));
       return false;
     }
     return true;
@@ -492,18 +492,7 @@ struct Controller::Loop : ControlPort::Delegate,
     } else if (!failures.empty() && (attempt->failure() || failures.back().rank < 0)) {
       out.state = Outcome::State::kFailed;
       out.failure = failures.front();
-      std::string text;
-      for (const auto& f : failures) {
-        text += "attempt " + std::to_string(f.attempt) + ": rank " + std::to_string(f.rank) +
-                " (host " + f.host + "), " + std::string(FailureCauseName(f.cause)) + ": " +
-                f.message + "\n";
-      }
-      const RankFailure& first = failures.front();
-      if (!first.traceback.empty()) text += "\n" + first.traceback;
-      if (!first.log_path.empty()) {
-        text += "\n--- last lines of " + first.log_path + " ---\n" + first.log_tail;
-      }
-      Status s = store.WriteError(text);
+      Status s = record.WriteError(failures);
       if (!s.ok()) Say("cannot write error.txt: " + s.message());
     } else {
       out.state = Outcome::State::kSucceeded;
@@ -531,37 +520,10 @@ struct Controller::Loop : ControlPort::Delegate,
     return out;
   }
 
-  // Attempts of an earlier driver of this run that run.json shows as RUNNING: that driver ended
-  // (it was killed, or its machine went down) without recording how; they are marked CRASHED.
-  void MarkCrashedAttempts() {
-    for (auto& a : attempt_log) {
-      if (!a.is_object() || a.value("status", "") != "RUNNING") continue;
-      const std::string& who = store.previous_holder();
-      a["status"] = "CRASHED";
-      a["failure"] = {{"rank", -1},
-                      {"host", ""},
-                      {"cause", FailureCauseName(FailureCause::kDriver)},
-                      {"message", "its driver (" + (who.empty() ? "unknown" : who) +
-                                      ") ended without recording how the attempt ended"}};
-    }
-  }
-
+  // run.json as `status`, with the attempt in progress while the run is RUNNING.
   Status WriteRunState(std::string_view status) {
-    state_written = Now();
-    nlohmann::json attempts = attempt_log;
-    if (status == "RUNNING") attempts.push_back(attempt->Record(status));
-    nlohmann::json state = {{"name", opts.experiment_name},
-                            {"status", status},
-                            {"world_size", opts.plan.workers.size()},
-                            {"platform", opts.plan.platform},
-                            {"simulated", opts.plan.simulated},
-                            {"start_time", start_time},
-                            {"queue_wait_s", opts.queue_wait_s},
-                            {"rounds", rounds},
-                            {"attempts", attempts},
-                            {"config", opts.run_config}};
-    if (status != "RUNNING") state["end_time"] = ctl.clock_.UnixSeconds();
-    return store.WriteRunState(state);
+    return record.Write(status, rounds,
+                        status == "RUNNING" ? attempt->Record(status) : nlohmann::json());
   }
 };
 
@@ -625,16 +587,10 @@ Status Controller::Start() {
   for (const auto& w : warnings) loop->Say("warning: " + w);
   if (!reindexed.ok())
     loop->Say("warning: cannot rewrite checkpoints.json: " + reindexed.message());
-  nlohmann::json previous = loop->store.PreviousRunState();
-  if (previous.is_object() && previous.contains("attempts") && previous["attempts"].is_array()) {
-    loop->attempt_log = previous["attempts"];
-    loop->first_attempt = static_cast<int>(previous["attempts"].size());
-    loop->MarkCrashedAttempts();
-  }
+  loop->first_attempt = loop->record.Resume();
   loop->rounds = loop->store.LastRound();
   const std::string secret = wire::GenerateSecret();  // the port checks hellos against it
   JT_ASSIGN_OR_RETURN(loop->port, seams_.open_port(secret, *loop, &port_));
-  loop->start_time = clock_.UnixSeconds();
 
   loop->workers = BuildWorkerSpecs(
       options_.plan, {.argv = options_.worker_argv,
@@ -652,7 +608,7 @@ Status Controller::Start() {
          .host = HostName(),
          .cause = FailureCause::kStartUp,
          .message = "the worker group could not be started: " + started.message()});
-    loop->attempt_log.push_back(loop->attempt->Record("ERRORED"));
+    loop->record.AddAttempt(loop->attempt->Record("ERRORED"));
     Status recorded = loop->WriteRunState("ERRORED");
     if (!recorded.ok()) loop->Say("cannot write run.json: " + recorded.message());
     return started;
