@@ -6,18 +6,17 @@
 // pidfd, and its output pipe), and the run directory. Other threads only call Abort(), Wait() and
 // outcome().
 //
-// One attempt, as the loop sees it:
+// The run and its attempts: the run (Controller::Loop, controller.cc) keeps what spans attempts
+// (the run directory and its records, the rounds recorded, the failures so far and the policy, the
+// port and the group, the console, the metrics); each attempt is a fresh Attempt (attempt.h),
+// which owns that attempt's state, from the start of its group to its last process reaped, and
+// draws its phases (kStarting, kRunning, kStopping, kDraining). The run's state machine:
 //
-//   kStarting ──all ranks authenticated and registered──> kRunning ──all ranks done──> (exits)
-//       │                                                     │
-//       └── a rank fails / Abort() / start-up timeout / ──────┴──> kStopping
-//           watchdog                                               SIGTERM, then SIGKILL
-//                                                                  after the grace period
-//   Once every process is reaped and its output drained (kDraining), the attempt is over:
-//   succeeded (every rank returned, every process exited 0) → the run is kSucceeded;
-//   aborted → kAborted; failed → FailurePolicy decides from the failure's cause and codes
-//   (failure_policy.h): retry, a new attempt (fresh coordinator port, attempt number + 1, the
-//   latest committed checkpoint), or raise, kFailed.
+//   StartAttempt ──> step the attempt until it is over (every process reaped, its output drained,
+//   no commit in flight) ──> EndAttempt: succeeded (every rank returned, every process exited 0)
+//   → the run is kSucceeded; aborted → kAborted; failed → FailurePolicy decides from the
+//   failure's cause and codes (failure_policy.h): retry, a new Attempt (fresh coordinator port,
+//   attempt number + 1, the latest committed checkpoint), or raise, kFailed.
 //
 // Report rounds: a round is complete when every rank has reported it (ReportCollector); rank 0's
 // metrics are recorded, and the ranks' checkpoints, if any, are committed as one checkpoint

@@ -1,0 +1,302 @@
+// One Attempt driven alone, through fakes of its edges: the ranks' connections (FakeConnections),
+// their processes (FakeProcesses) and the time (FakeClock). No loop thread: each test delivers
+// what the ranks do and hands it to the attempt as the run's loop would, in the loop's order
+// (connections before processes), then reads the attempt's result. Above all the table of whom a
+// failure blames: a closed connection explained by its process's exit, the stop's own signals, a
+// SIGKILL from outside over a peer that noticed it, a rank that ends before registering.
+#include "controller/attempt.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <nlohmann/json.hpp>
+
+#include "controller/testing/cpu_plan.h"
+#include "controller/testing/fake_control_port.h"
+#include "controller/testing/fake_worker_group.h"
+#include "wire/frame.h"
+#include "wire/messages.h"
+
+namespace jaxtrain::controller {
+namespace {
+
+using nlohmann::json;
+using wire::MessageType;
+using namespace std::chrono_literals;
+
+// The run's side of the attempt: forwards the port's and the group's events to it, and notes
+// what the attempt asks of the run.
+class FakeRun : public ControlPort::Delegate,
+                public WorkerGroup::Delegate,
+                public Attempt::Delegate {
+ public:
+  Attempt* attempt = nullptr;
+  std::vector<std::string> said;
+  std::vector<uint64_t> rounds;
+  int reports = 0;
+  int trainings_started = 0;
+  std::optional<std::string> return_value;
+
+  // ControlPort::Delegate and WorkerGroup::Delegate.
+  void OnFrame(int rank, const wire::FrameView& f) override { attempt->OnFrame(rank, f); }
+  void OnBadFrame(int rank, const std::string& what) override { attempt->OnBadFrame(rank, what); }
+  void OnClosed(int rank) override { attempt->OnClosed(rank); }
+  void OnLog(int, std::string_view) override {}
+  void OnConsole(std::string) override {}
+  void OnExit(const std::vector<int>& ranks, const launch::ExitStatus& exit,
+              const RankOutput& output) override {
+    attempt->OnExit(ranks, exit, output);
+  }
+
+  // Attempt::Delegate (Say() serves all three).
+  void Say(const std::string& line) override { said.push_back(line); }
+  void CountReport() override { ++reports; }
+  void AddRound(Round round) override { rounds.push_back(round.round); }
+  void RecordRunning(bool) override {}
+  void Publish() override {}
+  void RefreshStatus() override {}
+  Status RecordReturnValue(const std::optional<std::string>& value) override {
+    return_value = value;
+    return OkStatus();
+  }
+  void OnTrainingStarted() override { ++trainings_started; }
+  json CommittedNames() const override { return json::array({"checkpoint_000004"}); }
+};
+
+class AttemptTest : public testing::Test {
+ protected:
+  static constexpr int kWorkers = 2;
+
+  AttemptTest() : port_(ranks_, run_), group_(processes_, run_) {
+    opts_.plan = CpuPlan(kWorkers);
+    opts_.experiment_name = "attempt_test";
+    opts_.terminate_grace = 5s;
+    opts_.start_timeout = 60s;
+  }
+
+  // Attempt `number`, whose first round is `first_round`, started.
+  void Start(int number = 3, uint64_t first_round = 5) {
+    attempt_ = std::make_unique<Attempt>(
+        Attempt::Setup{
+            .number = number,
+            .first_round = first_round,
+            .restore_from = first_round > 1 ? "/run/checkpoint_000004" : "",
+            .run_dir = "/run",
+            .log_path = [](int r) { return "/run/logs/rank-" + std::to_string(r) + ".log"; },
+            .payload_header = *wire::EncodeFrameHeader(MessageType::kPayload, 7),
+            .payload = std::make_shared<const std::string>("payload")},
+        opts_, port_, group_, clock_, run_);
+    run_.attempt = attempt_.get();
+    std::vector<launch::ProcessSpec> specs(kWorkers);
+    for (int r = 0; r < kWorkers; ++r) specs[static_cast<size_t>(r)].ranks = {r};
+    ASSERT_TRUE(attempt_->Start(specs).ok());
+  }
+
+  // What the ranks sent is handled, then the processes' exits: one turn of the loop.
+  void Turn() {
+    attempt_->NewTurn();
+    port_.OnConnsReady();
+    group_.OnReady();
+  }
+
+  void Register(int rank) {
+    json body = {{"host", "host-" + std::to_string(rank)},
+                 {"coordinator", rank == 0 ? "127.0.0.1:8476" : ""}};
+    ranks_.Deliver(rank, MessageType::kRegister, body.dump());
+  }
+  void RegisterAll() {
+    for (int r = 0; r < kWorkers; ++r) Register(r);
+    Turn();
+    ASSERT_EQ(attempt_->phase(), Attempt::Phase::kRunning);
+  }
+
+  const RankFailure& Failure() {
+    EXPECT_TRUE(attempt_->failure().has_value());
+    static const RankFailure kNone;
+    return attempt_->failure() ? *attempt_->failure() : kNone;
+  }
+
+  FakeRun run_;
+  FakeConnections ranks_;
+  FakeProcesses processes_;
+  FakeClock clock_;
+  FakeControlPort port_;
+  FakeWorkerGroup group_;
+  ControllerOptions opts_;
+  std::unique_ptr<Attempt> attempt_;
+};
+
+TEST_F(AttemptTest, StartsWithItsOwnNumberRoundAndCheckpoint) {
+  Start(/*number=*/3, /*first_round=*/5);
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kStarting);
+  RegisterAll();
+  EXPECT_EQ(run_.trainings_started, 1);
+  for (int r = 0; r < kWorkers; ++r) {
+    auto start = ranks_.WaitForSent(3, r, MessageType::kStart, 1s);
+    ASSERT_TRUE(start.has_value()) << "rank " << r;
+    json body = json::parse(start->body);
+    EXPECT_EQ(body["attempt"], 3);
+    EXPECT_EQ(body["world_size"], kWorkers);
+    EXPECT_EQ(body["coordinator"], "127.0.0.1:8476");
+    EXPECT_EQ(body["first_round"], 5);
+    EXPECT_EQ(body["checkpoint"], "/run/checkpoint_000004");
+    EXPECT_EQ(body["committed"], json::array({"checkpoint_000004"}));
+    auto payload = ranks_.WaitForSent(3, r, MessageType::kPayload, 1s);
+    ASSERT_TRUE(payload.has_value());
+    EXPECT_EQ(payload->body, "payload");
+  }
+  json record = attempt_->Record("RUNNING");
+  EXPECT_EQ(record["attempt"], 3);
+  EXPECT_EQ(record["restored_from"], "/run/checkpoint_000004");
+  EXPECT_EQ(record["hosts"], json::array({"host-0", "host-1"}));
+  EXPECT_TRUE(record.contains("ready_time"));
+  EXPECT_FALSE(record.contains("failure"));
+  EXPECT_FALSE(record.contains("end_time"));
+}
+
+TEST_F(AttemptTest, RoundsContinueFromTheFirstRound) {
+  Start(/*number=*/1, /*first_round=*/5);
+  RegisterAll();
+  for (int r = 0; r < kWorkers; ++r) {
+    ranks_.Deliver(r, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+  }
+  Turn();
+  EXPECT_EQ(run_.reports, kWorkers);
+  EXPECT_EQ(run_.rounds, std::vector<uint64_t>{5});
+  EXPECT_EQ(attempt_->next_round(), 6u);
+}
+
+TEST_F(AttemptTest, SucceedsWhenEveryRankReturnsAndExits) {
+  Start();
+  RegisterAll();
+  for (int r = 0; r < kWorkers; ++r) {
+    ranks_.Deliver(r, MessageType::kDone, "{}");
+    processes_.Exit(r, 0);
+  }
+  Turn();
+  EXPECT_FALSE(attempt_->failure().has_value());
+  EXPECT_TRUE(attempt_->Drained());
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kDraining);
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+}
+
+// The connection closes first; the process's own exit says more and replaces it.
+TEST_F(AttemptTest, ClosedConnectionIsExplainedByItsExit) {
+  Start();
+  RegisterAll();
+  processes_.Die(1, {.exit_code = 3});  // seen with the stop's SIGTERM
+  ranks_.Disconnect(1);
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kExit);
+  EXPECT_EQ(f.exit_code, 3);
+  EXPECT_EQ(f.attempt, 3);
+  EXPECT_EQ(f.host, "host-1");
+  EXPECT_EQ(f.log_path, "/run/logs/rank-1.log");
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  EXPECT_TRUE(attempt_->Drained());
+}
+
+// An exit by the stop's own SIGTERM explains nothing: the connection's loss stays the cause.
+TEST_F(AttemptTest, OurSigtermDoesNotExplainAClosedConnection) {
+  Start();
+  RegisterAll();
+  ranks_.Disconnect(1);
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kConnection);
+  EXPECT_EQ(f.signal, 0);
+}
+
+// A SIGKILL the controller did not send is the cause, over the peer that noticed the loss first.
+TEST_F(AttemptTest, SigkillFromOutsideIsBlamedOverAPeersError) {
+  Start();
+  RegisterAll();
+  processes_.Die(1, {.signal = SIGKILL});
+  ranks_.Deliver(0, MessageType::kError, json{{"message", "peer lost"}, {"traceback", ""}}.dump());
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_TRUE(f.cause == FailureCause::kSignal || f.cause == FailureCause::kOom);
+  EXPECT_EQ(f.signal, SIGKILL);
+  EXPECT_NE(f.message.find("rank 0 failed meanwhile: peer lost"), std::string::npos) << f.message;
+}
+
+// The stop's own SIGKILL (after the grace period) blames nobody anew.
+TEST_F(AttemptTest, OurSigkillAfterTheGracePeriodKeepsTheFirstFailure) {
+  Start();
+  RegisterAll();
+  processes_.IgnoreSigterm();
+  ranks_.Deliver(0, MessageType::kError, json{{"message", "boom"}, {"traceback", ""}}.dump());
+  Turn();
+  EXPECT_FALSE(attempt_->Drained());
+  clock_.Advance(opts_.terminate_grace);
+  attempt_->CheckTimers();
+  EXPECT_EQ(processes_.signals(SIGKILL), 1);
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 0);
+  EXPECT_EQ(f.cause, FailureCause::kException);
+  EXPECT_EQ(f.message, "boom");
+  EXPECT_TRUE(attempt_->Drained());
+}
+
+TEST_F(AttemptTest, ExitBeforeRegisteringIsAStartUpFailure) {
+  Start();
+  Register(0);
+  processes_.Exit(1, 1);
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kStartUp);
+  EXPECT_EQ(f.exit_code, 1);
+  EXPECT_EQ(run_.trainings_started, 0);
+}
+
+TEST_F(AttemptTest, StartUpTimeoutBlamesTheFirstRankMissing) {
+  Start();
+  Register(0);
+  Turn();
+  attempt_->CheckTimers();
+  EXPECT_FALSE(attempt_->failure().has_value());
+  ASSERT_TRUE(attempt_->NextDeadline(/*commit_in_flight=*/false).has_value());
+  clock_.Advance(opts_.start_timeout);
+  attempt_->CheckTimers();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kStartUp);
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kStopping);
+  ASSERT_TRUE(attempt_->failed_at().has_value());
+  json record = attempt_->Record("ERRORED");
+  EXPECT_EQ(record["failure"]["cause"], FailureCauseName(FailureCause::kStartUp));
+  EXPECT_TRUE(record.contains("end_time"));
+}
+
+TEST_F(AttemptTest, BadFrameIsAProtocolErrorAndClosesTheConnection) {
+  Start();
+  RegisterAll();
+  ranks_.Deliver(1, MessageType::kRegister, "{not json");
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kConnection);
+  EXPECT_EQ(f.message.rfind("protocol error: ", 0), 0u) << f.message;
+  EXPECT_FALSE(port_.connected(1));
+}
+
+// Stop() (an abort) fails nobody: the ranks' ends by its signals are the stop's.
+TEST_F(AttemptTest, StopSignalsTheGroupAndBlamesNobody) {
+  Start();
+  RegisterAll();
+  attempt_->Stop();
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kStopping);
+  Turn();
+  EXPECT_FALSE(attempt_->failure().has_value());
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  EXPECT_TRUE(attempt_->Drained());
+}
+
+}  // namespace
+}  // namespace jaxtrain::controller
