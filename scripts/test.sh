@@ -37,7 +37,7 @@ echo "      (a short run; scripts/fuzz.sh 600 for a long one)"
 ./scripts/fuzz.sh
 
 stage "the Kubernetes test cluster's binaries"
-echo "      (built from the Go module proxy once per version: about 15 minutes on a fresh 2-core machine, then cached; scripts/kubernetes/build.sh)"
+echo "      (built from the Go module proxy once per version: about 20 minutes on a fresh 2-core machine, Kueue included, then cached; scripts/kubernetes/build.sh)"
 ./scripts/kubernetes/build.sh >/dev/null
 
 stage "the GCS emulator of the gs:// tests"
