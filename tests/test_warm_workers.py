@@ -244,15 +244,23 @@ PRELOAD = textwrap.dedent(
         rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
         with open(os.path.join(config["out"], f"a{attempt}-r{rank}.json"), "w") as f:
             json.dump({"imported_before": imported_before, "probe": preload_probe.INFO,
-                       "pid": os.getpid()}, f)
+                       "pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0)}, f)
         if attempt == 0 and rank == 1:
             while len(standbys_of(config["driver"])) < 2:  # the restart's standbys exist
                 time.sleep(0.05)
+            if os.environ.get("PROBE_WATCH_NICE") == "1":  # and are importing the probe
+                while len([n for n in os.listdir(config["out"]) if n.startswith("in-")]) < 2:
+                    time.sleep(0.05)
+            open(os.path.join(config["out"], "killing"), "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+    extra = {}
+    if os.environ.get("PROBE_FUSSY_CONFIG") == "1":
+        import preload_probe
+        extra["fussy"] = preload_probe.Fussy()
     result = JaxTrainer(
-        train, train_loop_config={"out": sys.argv[1], "driver": os.getpid()},
+        train, train_loop_config={"out": sys.argv[1], "driver": os.getpid(), **extra},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="preload", storage_path=sys.argv[2],
                              failure_config=FailureConfig(max_failures=1)),
@@ -272,6 +280,29 @@ PROBE = textwrap.dedent(
         jax.devices()
     INFO = {"attempt_env": os.environ.get("JAXTRAIN_ATTEMPT"), "pid": os.getpid(),
             "backends_initialized": xla_bridge.backends_are_initialized()}
+    if os.environ.get("PROBE_WATCH_NICE") == "1" and INFO["attempt_env"] is None:
+        # Imported ahead: still importing when the restart activates this standby.
+        import threading, time
+        tid = threading.get_native_id()
+        INFO["nice_before"] = os.getpriority(os.PRIO_PROCESS, tid)
+        open(os.path.join(os.environ["PROBE_OUT"], f"in-{os.getpid()}"), "w").close()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (
+                not os.path.exists(os.path.join(os.environ["PROBE_OUT"], "killing"))
+                or os.getpriority(os.PRIO_PROCESS, tid) == INFO["nice_before"]):
+            time.sleep(0.02)
+        INFO["nice_after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+
+    def make_fussy():
+        if "JAXTRAIN_ATTEMPT" not in os.environ:
+            raise RuntimeError("unpickled before the attempt began")
+        return Fussy()
+
+
+    class Fussy:
+        def __reduce__(self):
+            return make_fussy, ()
     """
 )
 
@@ -313,6 +344,22 @@ def test_a_preload_that_touches_a_device_starts_the_standby_again_without_it(tmp
     assert logs.count("preloading the training function asked for JAX's 'cpu' backend (a "
                       "device) before the activation; starting again without the preload") == 2, \
         logs[-4000:]
+
+
+def test_a_standby_still_preloading_at_activation_goes_on_at_the_workers_priority(tmp_path):
+    out = tmp_path / "out"
+    ranks, _, _ = _drive_preload(tmp_path, env={"PROBE_WATCH_NICE": "1", "PROBE_OUT": str(out)})
+    for rank in ranks:
+        assert rank["probe"]["attempt_env"] is None, rank  # imported ahead
+        assert rank["probe"]["nice_before"] == min(19, rank["nice"] + 10), rank
+        assert rank["probe"]["nice_after"] == rank["nice"], rank
+
+
+def test_a_task_that_cannot_be_unpickled_ahead_is_unpickled_at_activation(tmp_path):
+    _, logs, _ = _drive_preload(tmp_path, env={"PROBE_FUSSY_CONFIG": "1"})  # attempt 1 ran
+    assert logs.count("the training function could not be unpickled before activation "
+                      "(RuntimeError: unpickled before the attempt began); it is unpickled at "
+                      "activation") == 2, logs[-4000:]
 
 
 def test_preload_off_leaves_the_import_to_the_function(tmp_path):

@@ -345,6 +345,7 @@ class _Standby:
         self.task: tuple[bytes, dict] | None = None  # the preloaded payload and its task
         self.spoiled = ""  # why the preload left this process unusable, or ""
         self.wake_r, self.wake_w = os.pipe()  # written when spoiled
+        self.import_tid = 0  # the import thread's native id
 
 
 _standby: _Standby | None = None
@@ -354,6 +355,8 @@ def _import_ahead(state: _Standby | None = None) -> None:
     """What every worker imports, done by a standby before its activation; then, with `state`,
     the training function (_preload_task). An import that fails here fails again, and is
     reported, where the worker imports it itself."""
+    if state is not None:
+        state.import_tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STANDBY_IMPORT_NICE)
     except OSError:  # not Linux, or not allowed: the import runs at normal priority
@@ -544,6 +547,7 @@ def _await_activation(import_ahead: bool = True) -> str:
     os.environ.pop("JAXTRAIN_STANDBY")
     fd = int(os.environ.pop("JAXTRAIN_RUN_SECRET_FD"))
     state = _standby = _Standby()
+    own_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     # A local mode relay imports nothing.
     importer = threading.Thread(target=_import_ahead if import_ahead else lambda: None,
                                 args=(state,) if import_ahead else (),
@@ -562,6 +566,13 @@ def _await_activation(import_ahead: bool = True) -> str:
     if not chunks:
         os._exit(0)
     activation = b"".join(chunks)
+    if importer.is_alive():
+        # The rest of the import (or preload) is this attempt's start-up now: at the worker's
+        # own priority, where the user may raise it again (root, or RLIMIT_NICE).
+        try:
+            os.setpriority(os.PRIO_PROCESS, state.import_tid, own_nice)
+        except OSError:
+            pass
     importer.join()
     if state.spoiled:
         _restart_standby(activation, fd, state.spoiled)
