@@ -374,3 +374,27 @@ def test_a_bad_preload_value_is_refused_naming_it(tmp_path, monkeypatch):
                          run_config=RunConfig(name="bad", storage_path=str(tmp_path)))
     with pytest.raises(ValueError, match=r"JAXTRAIN_PRELOAD_TASK='yes' is not allowed; use 1"):
         trainer.fit()
+
+
+def _helper_that_imports():
+    import json.decoder  # noqa: F401
+
+
+def test_the_modules_a_function_imports_are_found_in_its_code():
+    from jaxtrain.worker import _imported_modules
+
+    def train(config):
+        import os.path  # noqa: F401
+        from collections import abc  # noqa: F401
+
+        def nested():
+            import email.parser  # noqa: F401
+        _helper_that_imports()
+
+    # Its nested functions and the functions of its module it calls; relative imports are left
+    # to the function (a standby cannot know its package).
+    relative = compile("def f():\n    from . import x\n    from .y import z\n", "rel", "exec")
+    namespace: dict = {"__name__": "pkg.mod"}
+    exec(relative, namespace)
+    assert _imported_modules(train) == ["os.path", "collections", "email.parser", "json.decoder"]
+    assert _imported_modules(namespace["f"]) == []

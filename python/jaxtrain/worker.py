@@ -413,10 +413,12 @@ def _imported_modules(fn, limit: int = 200) -> list[str]:
             code = codes.pop(0)
             level = 0
             for ins in dis.get_instructions(code):
-                if ins.opname == "LOAD_CONST" and isinstance(ins.argval, int):
+                # An import's level (0: absolute) is the constant pushed just before it
+                # (LOAD_SMALL_INT from Python 3.14).
+                if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT") and isinstance(ins.argval, int):
                     level = ins.argval
                 elif ins.opname == "IMPORT_NAME":
-                    if level == 0:
+                    if level == 0 and ins.argval:
                         names.setdefault(ins.argval, None)
                 elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                     value = module_globals.get(ins.argval)
