@@ -33,8 +33,9 @@ Each system runs as its users get it: jaxtrain's workers keep JAX's persistent c
 in the run directory (its default), so a restarted group loads the step it compiled before; Ray's
 do not unless ``--ray-jax-cache`` sets ``JAX_COMPILATION_CACHE_DIR`` for them.
 
-The figure: jaxtrain's lost time over Ray's (target <= 0.3 x). Results go to
-bench/results/chaos_goodput.json.
+The figure: jaxtrain's lost time over Ray's (target <= 0.3 x). Each side's load average at its
+start and end is printed beside it (the sides run one after the other on a machine that may be
+shared). Results go to bench/results/chaos_goodput.json.
 """
 
 from __future__ import annotations
@@ -373,13 +374,15 @@ def run(side: str, python: str, args: argparse.Namespace, tmp: str) -> dict:
                         ("minutes", "kill_every", "checkpoint_every", "workers", "ray_poll_s",
                          "ray_jax_cache")})]
     print(f"chaos_goodput: {side}, {args.minutes:g} min ...", file=sys.stderr, flush=True)
+    load_before = os.getloadavg()[0]  # the machine may be shared: said beside each side's figures
     with open(os.path.join(out, "console.log"), "wb") as log:
         code = subprocess.run(argv, stdout=log, stderr=log, cwd=out).returncode
+    load_after = os.getloadavg()[0]
     if code != 0:
         with open(os.path.join(out, "console.log"), errors="replace") as f:
             tail = f.read()[-4000:]
         sys.exit(f"{side} failed ({code}); output ends:\n{tail}")
-    return figures(out)
+    return {**figures(out), "load_before": load_before, "load_after": load_after}
 
 
 def main() -> None:
@@ -447,12 +450,19 @@ def print_table(args: argparse.Namespace, results: dict) -> None:
         extra = {"kills": "kills_scheduled", "steps": "steps_executed"}.get(key)
         cell = [f"{r[key]}" + (f" / {r[extra]}" if extra else "") for r in (jt, ray) if r]
         print(f"{label:32}" + "".join(f"{c:>14}" for c in cell))
+    print(f"{'load average (1 min), start/end':32}"
+          + "".join(f"{r['load_before']:.1f} / {r['load_after']:.1f}".rjust(14)
+                    for r in (jt, ray) if r))
     if jt["jaxtrain_goodput_line"]:
         print(f"jaxtrain's own accounting (Result.goodput): {jt['jaxtrain_goodput_line']}")
     if ray:
         ratio = jt["lost_s"] / ray["lost_s"] if ray["lost_s"] > 0 else float("inf")
         met = "met" if ratio <= TARGET else "NOT met"
         print(f"lost time jaxtrain / Ray: {ratio:.2f} x; target <= {TARGET} x: {met}")
+        loads = [max(r["load_before"], r["load_after"]) for r in (jt, ray)]
+        if abs(loads[0] - loads[1]) > 2:
+            print(f"the sides ran under different loads (up to {loads[0]:.1f} and "
+                  f"{loads[1]:.1f}): the ratio does not compare them fairly")
         results["ratio_lost"] = ratio
 
 

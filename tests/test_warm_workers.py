@@ -150,11 +150,9 @@ def test_a_bad_warm_workers_value_is_refused_naming_it(tmp_path, monkeypatch):
         trainer.fit()
 
 
-HOLD = textwrap.dedent(
+# The pids of the standby workers of the driver `driver` (their JAXTRAIN_STANDBY=1 in /proc).
+STANDBYS_OF = textwrap.dedent(
     """
-    import json, os, sys, time
-    from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
-
     def standbys_of(driver):
         found = []
         for pid in os.listdir("/proc"):
@@ -168,6 +166,15 @@ HOLD = textwrap.dedent(
             if ppid == driver and b"JAXTRAIN_STANDBY=1" in env:
                 found.append(int(pid))
         return found
+    """
+)
+
+HOLD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+
+    STANDBYS_OF
 
     def train(config):
         from jaxtrain import get_context
@@ -184,7 +191,7 @@ HOLD = textwrap.dedent(
                scaling_config=ScalingConfig(num_workers=2),
                run_config=RunConfig(name="held", storage_path=sys.argv[2])).fit()
     """
-)
+).replace("STANDBYS_OF\n", STANDBYS_OF)
 
 
 def _alive(pid: int) -> bool:
@@ -217,3 +224,177 @@ def test_a_driver_killed_with_sigkill_leaves_no_standby_alive(tmp_path):
     while any(_alive(p) for p in standbys) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in standbys if _alive(p)], "standbys outlived their driver"
+
+
+PRELOAD = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+
+    STANDBYS_OF
+
+
+    def train(config):
+        imported_before = "preload_probe" in sys.modules  # before this function imports it
+        import preload_probe
+        from jaxtrain import get_context
+
+        ctx = get_context()
+        rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+        with open(os.path.join(config["out"], f"a{attempt}-r{rank}.json"), "w") as f:
+            json.dump({"imported_before": imported_before, "probe": preload_probe.INFO,
+                       "pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0)}, f)
+        if attempt == 0 and rank == 1:
+            while len(standbys_of(config["driver"])) < 2:  # the restart's standbys exist
+                time.sleep(0.05)
+            if os.environ.get("PROBE_WATCH_NICE") == "1":  # and are importing the probe
+                while len([n for n in os.listdir(config["out"]) if n.startswith("in-")]) < 2:
+                    time.sleep(0.05)
+            open(os.path.join(config["out"], "killing"), "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+    extra = {}
+    if os.environ.get("PROBE_FUSSY_CONFIG") == "1":
+        import preload_probe
+        extra["fussy"] = preload_probe.Fussy()
+    result = JaxTrainer(
+        train, train_loop_config={"out": sys.argv[1], "driver": os.getpid(), **extra},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="preload", storage_path=sys.argv[2],
+                             failure_config=FailureConfig(max_failures=1)),
+    ).fit()
+    print(json.dumps({"path": result.path}))
+    """
+).replace("STANDBYS_OF\n", STANDBYS_OF)
+
+# Imported by the training function; records how it was imported.
+PROBE = textwrap.dedent(
+    """
+    import os
+    from jax._src import xla_bridge
+
+    if os.environ.get("PROBE_TOUCHES_DEVICE") == "1":
+        import jax
+        jax.devices()
+    INFO = {"attempt_env": os.environ.get("JAXTRAIN_ATTEMPT"), "pid": os.getpid(),
+            "backends_initialized": xla_bridge.backends_are_initialized()}
+    if os.environ.get("PROBE_WATCH_NICE") == "1" and INFO["attempt_env"] is None:
+        # Imported ahead: still importing when the restart activates this standby.
+        import threading, time
+        tid = threading.get_native_id()
+        INFO["nice_before"] = os.getpriority(os.PRIO_PROCESS, tid)
+        open(os.path.join(os.environ["PROBE_OUT"], f"in-{os.getpid()}"), "w").close()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (
+                not os.path.exists(os.path.join(os.environ["PROBE_OUT"], "killing"))
+                or os.getpriority(os.PRIO_PROCESS, tid) == INFO["nice_before"]):
+            time.sleep(0.02)
+        INFO["nice_after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+
+    def make_fussy():
+        if "JAXTRAIN_ATTEMPT" not in os.environ:
+            raise RuntimeError("unpickled before the attempt began")
+        return Fussy()
+
+
+    class Fussy:
+        def __reduce__(self):
+            return make_fussy, ()
+    """
+)
+
+
+def _drive_preload(tmp_path: Path, env: dict | None = None):
+    (tmp_path / "preload_probe.py").write_text(PROBE)
+    script = tmp_path / "driver.py"
+    script.write_text(PRELOAD)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_command([sys.executable, str(script), str(out), str(tmp_path / "runs")],
+                       cwd=tmp_path, env={**os.environ, **(env or {})}, capture_output=True,
+                       text=True, timeout=NO_HANG_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = Path(json.loads(proc.stdout.strip().splitlines()[-1])["path"])
+    logs = "".join((run_dir / "logs" / f"rank-{r}.log").read_text() for r in range(2))
+    ranks = [json.loads((out / f"a1-r{r}.json").read_text()) for r in range(2)]
+    return ranks, logs, out
+
+
+def test_a_standby_imports_the_functions_modules_before_its_activation(tmp_path):
+    ranks, logs, out = _drive_preload(tmp_path)
+    for rank in ranks:
+        assert rank["imported_before"], rank
+        # Imported by the standby before its activation (no attempt yet), no device touched,
+        # in the process that then ran the function.
+        assert rank["probe"] == {"attempt_env": None, "pid": rank["pid"],
+                                 "backends_initialized": False}, rank
+    assert logs.count("preloaded the training function") == 2, logs[-4000:]
+    # A fresh worker (attempt 0) imports them in the function, as before.
+    assert not json.loads((out / "a0-r0.json").read_text())["imported_before"]
+
+
+def test_a_preload_that_touches_a_device_starts_the_standby_again_without_it(tmp_path):
+    ranks, logs, _ = _drive_preload(tmp_path, env={"PROBE_TOUCHES_DEVICE": "1"})
+    for rank in ranks:
+        assert not rank["imported_before"], rank  # the function imported it, after activation
+        assert rank["probe"]["attempt_env"] == "1", rank
+    assert logs.count("preloading the training function asked for JAX's 'cpu' backend (a "
+                      "device) before the activation; starting again without the preload") == 2, \
+        logs[-4000:]
+
+
+def test_a_standby_still_preloading_at_activation_goes_on_at_the_workers_priority(tmp_path):
+    out = tmp_path / "out"
+    ranks, _, _ = _drive_preload(tmp_path, env={"PROBE_WATCH_NICE": "1", "PROBE_OUT": str(out)})
+    for rank in ranks:
+        assert rank["probe"]["attempt_env"] is None, rank  # imported ahead
+        assert rank["probe"]["nice_before"] == min(19, rank["nice"] + 10), rank
+        assert rank["probe"]["nice_after"] == rank["nice"], rank
+
+
+def test_a_task_that_cannot_be_unpickled_ahead_is_unpickled_at_activation(tmp_path):
+    _, logs, _ = _drive_preload(tmp_path, env={"PROBE_FUSSY_CONFIG": "1"})  # attempt 1 ran
+    assert logs.count("the training function could not be unpickled before activation "
+                      "(RuntimeError: unpickled before the attempt began); it is unpickled at "
+                      "activation") == 2, logs[-4000:]
+
+
+def test_preload_off_leaves_the_import_to_the_function(tmp_path):
+    ranks, logs, _ = _drive_preload(tmp_path, env={"JAXTRAIN_PRELOAD_TASK": "0"})
+    assert not any(rank["imported_before"] for rank in ranks)
+    assert "preload" not in logs
+
+
+def test_a_bad_preload_value_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_PRELOAD_TASK", "yes")
+    trainer = JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                         run_config=RunConfig(name="bad", storage_path=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"JAXTRAIN_PRELOAD_TASK='yes' is not allowed; use 1"):
+        trainer.fit()
+
+
+def _helper_that_imports():
+    import json.decoder  # noqa: F401
+
+
+def test_the_modules_a_function_imports_are_found_in_its_code():
+    from jaxtrain.worker import _imported_modules
+
+    def train(config):
+        import os.path  # noqa: F401
+        from collections import abc  # noqa: F401
+
+        def nested():
+            import email.parser  # noqa: F401
+        _helper_that_imports()
+
+    # Its nested functions and the functions of its module it calls; relative imports are left
+    # to the function (a standby cannot know its package).
+    relative = compile("def f():\n    from . import x\n    from .y import z\n", "rel", "exec")
+    namespace: dict = {"__name__": "pkg.mod"}
+    exec(relative, namespace)
+    assert _imported_modules(train) == ["os.path", "collections", "email.parser", "json.decoder"]
+    assert _imported_modules(namespace["f"]) == []

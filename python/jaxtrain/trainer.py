@@ -8,11 +8,13 @@ run directory, and stops them all when one fails or the driver is interrupted.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import json
 import os
 import posixpath
+import shutil
 import signal
 import socket
 import sys
@@ -174,6 +176,7 @@ class JaxTrainer:
     def _fit_with(self, private: bool, fn: Callable[..., Any], local: local_mode.Driver | None,
                   placement: validation.Placement) -> Result:
         compilation_cache = _compilation_cache()  # refused before anything starts
+        preload = _preload_setting()  # likewise
         snapshot_budget = session.check_snapshot_budget()  # likewise
         in_memory = checkpoint_memory.check_switch()  # likewise
         gce_metadata_watch = gce_metadata.setting()  # likewise
@@ -253,6 +256,11 @@ class JaxTrainer:
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         if local is not None:
             worker_env.update(local.env)
+        preload_file = None
+        if preload and launcher == "local" and local is None and shipped is None:
+            # Standbys unpickle the task ahead of a restart (docs/warm-workers.md).
+            preload_file = _write_preload(payload)
+            worker_env[PRELOAD_FILE_ENV] = preload_file
         sys.stdout.flush()
         sys.stderr.flush()
         # Bound before anything starts: a port in use is refused with nothing to stop.
@@ -338,6 +346,9 @@ class JaxTrainer:
                 metrics_server.close()
             controller.close()  # releases a Slurm allocation jaxtrain requested, now
             sigterm.restore()
+            if preload_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(preload_file)
             if in_memory == "1":
                 checkpoint_memory.remove_store(run_dir)  # this host's copies; others: sweep()
         if validator is not None:
@@ -665,17 +676,54 @@ def _ship_working_dir(run_config: RunConfig, spans_hosts: bool) -> runtime_env.P
     return runtime_env.pack(working_dir, run_config.worker_runtime_env.get("excludes", ()))
 
 
+def _switch(name: str, on: str, off: str) -> str:
+    """The value of the switch variable `name`: "1" (the default; unset or empty too) or "0";
+    any other value is refused, naming the variable, the value and what each allowed one does."""
+    value = os.environ.get(name) or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r} is not allowed; use 1 (the default: {on}) or 0 "
+                         f"({off})")
+    return value
+
+
 def _compilation_cache() -> str:
     """JAXTRAIN_COMPILATION_CACHE: "1" (the default) lets every worker keep JAX's persistent
-    compilation cache in the run directory, "0" leaves JAX's cache as the user has it; unset or
-    empty is "1"."""
-    value = os.environ.get("JAXTRAIN_COMPILATION_CACHE") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"JAXTRAIN_COMPILATION_CACHE={value!r} is not allowed; use 1 (the default: the "
-            "workers cache compiled programs in <run dir>/compilation-cache) or 0 (no cache "
-            "from jaxtrain)")
-    return value
+    compilation cache in the run directory, "0" leaves JAX's cache as the user has it."""
+    return _switch("JAXTRAIN_COMPILATION_CACHE",
+                   "the workers cache compiled programs in <run dir>/compilation-cache",
+                   "no cache from jaxtrain")
+
+
+def _preload_setting() -> bool:
+    """JAXTRAIN_PRELOAD_TASK: "1" (the default) lets standby workers unpickle the training
+    function and import its modules ahead of a restart, "0" leaves both to the activation."""
+    return _switch("JAXTRAIN_PRELOAD_TASK",
+                   "standby workers unpickle the training function and import its modules "
+                   "before a restart, docs/warm-workers.md",
+                   "they do both at activation") == "1"
+
+
+# Names the file _write_preload writes (worker.PRELOAD_FILE_ENV; jaxtrain.worker is not imported
+# here, since `python -m jaxtrain.worker` would then find it imported already).
+PRELOAD_FILE_ENV = "JAXTRAIN_PRELOAD_FILE"
+_preload_dir: str | None = None
+
+
+def _write_preload(payload: bytes) -> str:
+    """Writes `payload` (the pickled task) where this driver's standby workers read it ahead of
+    their activation: one private file per driver process, in a 0700 directory of its own (so
+    that every fit() names the same path and a pooled standby keeps its key), replaced by each
+    fit(), removed when the fit() ends and the directory when the driver exits."""
+    global _preload_dir
+    if _preload_dir is None:
+        _preload_dir = tempfile.mkdtemp(prefix="jaxtrain-preload-")
+        atexit.register(shutil.rmtree, _preload_dir, True)
+    path = os.path.join(_preload_dir, "task.pkl")
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def _worker_env(run_config: RunConfig, plan: Any) -> dict[str, str]:

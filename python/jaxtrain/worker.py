@@ -331,9 +331,32 @@ def _take_secret() -> str | None:
 STANDBY_IMPORT_NICE = 10
 
 
-def _import_ahead() -> None:
-    """What every worker imports, done by a standby before its activation. An import that fails
-    here fails again, and is reported, where the worker imports it itself."""
+# The file of the pickled task a standby unpickles ahead of its activation (set by fit() for local
+# workers; docs/warm-workers.md).
+PRELOAD_FILE_ENV = "JAXTRAIN_PRELOAD_FILE"
+# A standby started again without the preload, because the preload touched a device.
+NO_PRELOAD_ENV = "JAXTRAIN_STANDBY_NO_PRELOAD"
+
+
+class _Standby:
+    """What a standby's import thread leaves for its main thread."""
+
+    def __init__(self) -> None:
+        self.task: tuple[bytes, dict] | None = None  # the preloaded payload and its task
+        self.spoiled = ""  # why the preload left this process unusable, or ""
+        self.wake_r, self.wake_w = os.pipe()  # written when spoiled
+        self.import_tid = 0  # the import thread's native id
+
+
+_standby: _Standby | None = None
+
+
+def _import_ahead(state: _Standby | None = None) -> None:
+    """What every worker imports, done by a standby before its activation; then, with `state`,
+    the training function (_preload_task). An import that fails here fails again, and is
+    reported, where the worker imports it itself."""
+    if state is not None:
+        state.import_tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STANDBY_IMPORT_NICE)
     except OSError:  # not Linux, or not allowed: the import runs at normal priority
@@ -344,33 +367,223 @@ def _import_ahead() -> None:
 
         from jaxtrain import _core, checkpoint, session  # noqa: F401
     except BaseException:
-        pass
+        return
+    if state is not None:
+        try:
+            _preload_task(state)
+        except BaseException as e:  # never fatal: the worker unpickles at activation
+            _say(f"the training function was not preloaded ({type(e).__name__}: {e}); it is "
+                 "unpickled at activation")
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"jaxtrain worker: standby: {message}\n")
+    sys.stderr.flush()
+
+
+class _DeviceTouched(RuntimeError):
+    pass
+
+
+def _imported_modules(fn, limit: int = 200) -> list[str]:
+    """The absolute module names that `fn`'s code imports (``import a.b``, ``from a import b``),
+    in its nested functions and in the functions and classes pickled with it (those of its
+    globals that share its module), in the order first met."""
+    import dis
+    import types
+
+    names: dict[str, None] = {}
+    seen: set[int] = set()
+    todo: list = [fn]
+    while todo and len(seen) < limit:
+        obj = todo.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            todo += [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
+            continue
+        if isinstance(obj, types.MethodType):
+            obj = obj.__func__
+        if not isinstance(obj, types.FunctionType):
+            continue
+        module_globals = obj.__globals__
+        codes = [obj.__code__]
+        while codes:
+            code = codes.pop(0)
+            level = 0
+            for ins in dis.get_instructions(code):
+                # An import's level (0: absolute) is the constant pushed just before it
+                # (LOAD_SMALL_INT from Python 3.14).
+                if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT") and isinstance(ins.argval, int):
+                    level = ins.argval
+                elif ins.opname == "IMPORT_NAME":
+                    if level == 0 and ins.argval:
+                        names.setdefault(ins.argval, None)
+                elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                    value = module_globals.get(ins.argval)
+                    if isinstance(value, (types.FunctionType, type)) and getattr(
+                            value, "__module__", None) == obj.__module__:
+                        todo.append(value)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return list(names)
+
+
+def _preload_task(state: _Standby) -> None:
+    """Unpickles the task in the file PRELOAD_FILE_ENV names and imports the modules its
+    function's code imports, before the activation, so that a restart does not wait for them.
+
+    The rule (docs/warm-workers.md): nothing before the activation touches a device, because
+    ``jax.distributed.initialize`` has to come first (and on an accelerator the running group
+    holds it). JAX's backend initialisation is refused meanwhile; an unpickling or an import that
+    asks for it leaves the process unusable (a module may have kept the refusal), and the standby
+    starts again without the preload (_restart_standby). Anything else that fails only costs the
+    preload: the worker unpickles the task at activation, and the function imports what it
+    imports; the log says so. The task is used at activation only if its bytes are the ones the
+    controller sends."""
+    path = os.environ.get(PRELOAD_FILE_ENV)
+    if not path or os.environ.get(NO_PRELOAD_ENV) == "1":
+        return
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        _say(f"the training function was not preloaded (cannot read {path}: {e.strerror}); it "
+             "is unpickled at activation")
+        return
+    import cloudpickle
+    from jax._src import xla_bridge
+
+    init_backend = getattr(xla_bridge, "_init_backend", None)
+    if init_backend is None:  # another jax: no way to keep devices untouched
+        _say("the training function was not preloaded (this jax has no "
+             "xla_bridge._init_backend to guard); it is unpickled at activation")
+        return
+    touched: list[str] = []
+
+    def refuse(platform: str, *args, **kwargs):
+        touched.append(platform)
+        raise _DeviceTouched(f"a standby worker may not initialise JAX's '{platform}' backend "
+                             "before its activation")
+
+    began = time.monotonic()
+    imported, missing = [], []
+    task = None
+    xla_bridge._init_backend = refuse
+    try:
+        try:
+            task = cloudpickle.loads(data)
+        except Exception as e:
+            if not touched:
+                _say(f"the training function could not be unpickled before activation "
+                     f"({type(e).__name__}: {e}); it is unpickled at activation")
+        if task is not None and not touched:
+            import importlib
+
+            for name in _imported_modules(task["fn"]):
+                if name in sys.modules:
+                    continue
+                try:
+                    importlib.import_module(name)
+                    imported.append(name)
+                except Exception:
+                    missing.append(name)
+                if touched:
+                    break
+    finally:
+        xla_bridge._init_backend = init_backend
+    if touched:
+        state.spoiled = (f"preloading the training function asked for JAX's "
+                         f"'{touched[0]}' backend (a device) before the activation")
+        os.write(state.wake_w, b"x")
+        return
+    if task is None:
+        return
+    state.task = (data, task)
+    _say(f"preloaded the training function in {time.monotonic() - began:.2f} s; imported "
+         f"{', '.join(imported) or 'nothing new'}"
+         + (f"; not importable before activation: {', '.join(missing)}" if missing else ""))
+
+
+def preloaded_task(task_bytes: bytes):
+    """The task a standby unpickled ahead, when `task_bytes` is the payload it unpickled; else
+    None (the caller unpickles)."""
+    state, task = _standby, None
+    if state is not None and state.task is not None and state.task[0] == task_bytes:
+        task = state.task[1]
+    if state is not None:
+        state.task = None
+    return task
+
+
+def _restart_standby(activation: bytes | None, fd: int, reason: str) -> None:
+    """Replaces this process (same pid, so the pool and the controller keep it) with a standby
+    that does not preload: given `activation`, on a new pipe that holds it, else on `fd`, the
+    pool's pipe, still unread."""
+    _say(f"{reason}; starting again without the preload (set JAXTRAIN_PRELOAD_TASK=0 to skip it)")
+    if activation is not None:
+        r, w = os.pipe()
+        os.write(w, activation)  # far less than a pipe holds
+        os.close(w)
+        os.close(fd)
+        fd = r
+    os.set_inheritable(fd, True)
+    env = dict(os.environ)
+    env.update({"JAXTRAIN_STANDBY": "1", "JAXTRAIN_RUN_SECRET_FD": str(fd), NO_PRELOAD_ENV: "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, list(sys.orig_argv), env)
 
 
 def _await_activation(import_ahead: bool = True) -> str:
-    """A standby worker (JAXTRAIN_STANDBY=1, src/launch/standby_pool.h): imports jax while it
-    waits for its activation on the pipe JAXTRAIN_RUN_SECRET_FD names, a JSON object with the
-    run's secret and the variables that differ per attempt and per fit(); sets them and returns
-    the secret. EOF instead of an activation: the pool ended this
-    standby or the driver is gone; it exits 0 at once, even in the middle of the import. No fork
-    happens after the import, so it does not matter which threads the import started
-    (docs/warm-workers.md)."""
+    """A standby worker (JAXTRAIN_STANDBY=1, src/launch/standby_pool.h): imports jax, and the
+    training function (_preload_task), while it waits for its activation on the pipe
+    JAXTRAIN_RUN_SECRET_FD names, a JSON object with the run's secret and the variables that
+    differ per attempt and per fit(); sets them and returns the secret. EOF instead of an
+    activation: the pool ended this standby or the driver is gone; it exits 0 at once, even in the
+    middle of the import. No fork happens after the import, so it does not matter which threads
+    the import started (docs/warm-workers.md)."""
+    global _standby
+    import select
+
     os.environ.pop("JAXTRAIN_STANDBY")
     fd = int(os.environ.pop("JAXTRAIN_RUN_SECRET_FD"))
+    state = _standby = _Standby()
+    own_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     # A local mode relay imports nothing.
     importer = threading.Thread(target=_import_ahead if import_ahead else lambda: None,
+                                args=(state,) if import_ahead else (),
                                 name="jaxtrain-standby-import", daemon=True)
     importer.start()
+    # Woken by the import thread when the preload spoiled this process: it starts again at once,
+    # the pool's pipe unread, so that the restart finds a usable standby.
+    while True:
+        readable, _, _ = select.select([fd, state.wake_r], [], [])
+        if fd in readable:
+            break
+        _restart_standby(None, fd, state.spoiled)
     chunks = []
-    with os.fdopen(fd, "rb", closefd=True) as f:
-        while chunk := f.read():
-            chunks.append(chunk)
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
     if not chunks:
         os._exit(0)
-    activation = json.loads(b"".join(chunks))
-    os.environ.update(activation["env"])
+    activation = b"".join(chunks)
+    if importer.is_alive():
+        # The rest of the import (or preload) is this attempt's start-up now: at the worker's
+        # own priority, where the user may raise it again (root, or RLIMIT_NICE).
+        try:
+            os.setpriority(os.PRIO_PROCESS, state.import_tid, own_nice)
+        except OSError:
+            pass
     importer.join()
-    return activation["secret"]
+    if state.spoiled:
+        _restart_standby(activation, fd, state.spoiled)
+    os.close(fd)
+    os.close(state.wake_r)
+    os.close(state.wake_w)
+    parsed = json.loads(activation)
+    os.environ.update(parsed["env"])
+    return parsed["secret"]
 
 
 def _start_peers(memory, secret: str, rank: int, world_size: int):
@@ -605,7 +818,7 @@ def main() -> None:
         task_bytes, shipped = runtime_env.unwrap(payload)
         if shipped is not None:  # before the task: its function may live in the working_dir
             runtime_env.enter(shipped)
-        task = cloudpickle.loads(task_bytes)
+        task = preloaded_task(task_bytes) or cloudpickle.loads(task_bytes)
     except Exception:
         _fail(client, "start-up", EXIT_START_UP)
 
