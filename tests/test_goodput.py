@@ -95,6 +95,17 @@ def test_records_without_the_split_times_count_start_up_until_the_first_report()
     assert g.wall == 105
 
 
+def test_steps_after_the_last_report_are_training_until_the_functions_returned():
+    # Attempt 1's last report is at 190; its last function returned at 195, it ended at 198.
+    state = json.loads(json.dumps(STATE))
+    state["attempts"][1]["returned_time"] = 195.0
+    second = goodput.compute(state, ROUNDS).attempts[1]
+    assert (second.training, second.shutdown) == (35, 3)
+    # A time outside the span it can fall in is bounded by the last report and the end.
+    state["attempts"][1]["returned_time"] = 185.0
+    assert goodput.compute(state, ROUNDS).attempts[1].shutdown == 8
+
+
 # --- a real run ----------------------------------------------------------------------------------
 
 STEPS = 6
@@ -160,6 +171,10 @@ def test_a_run_with_a_killed_rank(tmp_path: Path, capfd):
     assert first.training > 0 and second.training > 0
     assert 0 < g.fraction < 1
     assert state["queue_wait_s"] == 0  # no Slurm: nothing waited
+    # The finished attempt recorded when its last function returned, after its last round.
+    last_round = json.loads(Path(run_dir, "result.jsonl").read_text().splitlines()[-1])
+    assert "returned_time" not in a0
+    assert last_round["time"] <= a1["returned_time"] <= a1["end_time"], a1
 
     # fit() said it once.
     err = capfd.readouterr().err

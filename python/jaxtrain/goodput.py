@@ -3,7 +3,8 @@
 The one definition of the parts (docs/observability.md); the end-of-``fit()`` line,
 ``Result.goodput``, ``jaxtrain show`` and any dashboard or metrics endpoint read them from here.
 Every time comes from the driver's clock, as the controller records it: ``run.json``'s run and
-attempt times (``start_time``, ``ready_time``, ``end_time``, ``failure.time``, ``queue_wait_s``)
+attempt times (``start_time``, ``ready_time``, ``returned_time``, ``end_time``, ``failure.time``,
+``queue_wait_s``)
 and ``result.jsonl``'s round times (a round is recorded once every rank reported it and, for a
 round with a checkpoint, once the checkpoint is committed).
 
@@ -12,7 +13,7 @@ was restarted, else to its ``end_time``, is split at these moments::
 
     start_time -start-up-> ready_time -compile-> first report -training-> ...
       failed:    ... the restored checkpoint's report -lost-> failure -restart-> next start
-      otherwise: ... last report -shutdown-> end_time
+      otherwise: ... every function returned -shutdown-> end_time
 
 The run adds the driver's own time: the queue wait before it (``queue_wait_s``), its start-up
 before the first attempt, and its shutdown after the last. Attempts of an earlier driver of the
@@ -50,14 +51,15 @@ class Goodput:
     driver's start-up, then each attempt's launch until every rank had started and registered
     (processes, Python, jaxtrain). ``compile``: from then to the attempt's first report: ``import
     jax``, ``jax.distributed.initialize``, the checkpoint's restore and the first step's
-    compilation. ``training``: productive time, from an attempt's first report to its last, less
-    what a restart redid. ``checkpoint_blocked``: training blocked by checkpoints (not recorded by
-    this version: always 0, inside ``training``). ``restart``: from noticing a failure through
+    compilation. ``training``: productive time, from an attempt's first report to its last (to
+    the return of its last rank's function when it finished), less what a restart redid.
+    ``checkpoint_blocked``: training blocked by checkpoints (not recorded by this version: always
+    0, inside ``training``). ``restart``: from noticing a failure through
     stopping the group and choosing the checkpoint to the next attempt's launch (or the end of
     the run). ``lost``: progress a restart redid, from the report of the checkpoint it restored
-    (or the attempt's first report) to the failure. ``shutdown``: from an attempt's last report to
-    its end (the function's tail, ``jax.distributed.shutdown``, the processes' exit), and the
-    driver's end. ``fraction``: ``training / wall``.
+    (or the attempt's first report) to the failure. ``shutdown``: from the return of an attempt's
+    last function (an older run.json: its last report) to its end (``jax.distributed.shutdown``,
+    the processes' exit), and the driver's end. ``fraction``: ``training / wall``.
 
     For the run, ``attempts`` holds each attempt's own Goodput (``attempt``, ``status`` and
     ``cause`` set); an attempt's own ``attempts`` is empty. ``live``: the run was still running,
@@ -211,8 +213,12 @@ def _attempt(a: dict, following: dict | None, reported: list[tuple[float, Any]],
         elif status == "RUNNING" and now is not None:
             parts["training"] = stop - first
         elif times:
-            parts["training"] = times[-1] - first
-            parts["shutdown"] = stop - times[-1]
+            # Training ends when the last rank's function returned (steps after the last
+            # report are training too); an older run.json without that time: at the last report.
+            returned = _number(a.get("returned_time"))
+            trained = _clamp(returned, times[-1], stop) if returned is not None else times[-1]
+            parts["training"] = trained - first
+            parts["shutdown"] = stop - trained
         else:  # it ran without reporting: its time is the function's
             parts["training"] = stop - first
     if failed_at is not None:

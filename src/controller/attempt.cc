@@ -229,6 +229,9 @@ void Attempt::OnMessage(int rank, wire::WorkerError& m) {
 }
 
 void Attempt::OnMessage(int rank, const wire::Done& m) {
+  if (!ranks_[static_cast<size_t>(rank)].done && ++ranks_returned_ == ranks_.size()) {
+    returned_time_ = clock_.UnixSeconds();
+  }
   ranks_[static_cast<size_t>(rank)].done = true;
   if (rank == 0) {
     Status s = delegate_.RecordReturnValue(m.return_value);
@@ -653,6 +656,7 @@ nlohmann::json Attempt::Record(std::string_view status) const {
        setup_.restore_from.empty() ? nlohmann::json() : nlohmann::json(setup_.restore_from)}};
   // The times python/jaxtrain/goodput.py splits the attempt by (docs/observability.md).
   if (ready_time_ > 0) a["ready_time"] = ready_time_;
+  if (returned_time_ > 0) a["returned_time"] = returned_time_;
   // Each rank's host: where it registered from, else where the plan put it.
   nlohmann::json hosts = nlohmann::json::array();
   for (size_t r = 0; r < ranks_.size(); ++r) hosts.push_back(HostOf(r));

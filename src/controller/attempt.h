@@ -211,9 +211,11 @@ class Attempt {
   std::vector<RankState> ranks_;
   size_t registered_ = 0;
   uint64_t turn_ = 0;
-  double start_time_ = 0;  // Unix seconds: the attempt's, as run.json records it
-  double ready_time_ = 0;  // when every rank had registered and the start was sent; 0 = not yet
-  TimePoint started_{};    // when the group was started
+  double start_time_ = 0;      // Unix seconds: the attempt's, as run.json records it
+  double ready_time_ = 0;      // when every rank had registered and the start was sent; 0 = not yet
+  size_t ranks_returned_ = 0;  // ranks whose training function returned (wire::Done)
+  double returned_time_ = 0;   // when the last of them returned; 0 = not every rank yet
+  TimePoint started_{};        // when the group was started
   TimePoint start_deadline_{};
   std::optional<TimePoint> kill_deadline_;
   std::optional<TimePoint> drain_deadline_;

@@ -228,8 +228,8 @@ TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestComm
 }
 
 // The times goodput accounting splits a run by (python/jaxtrain/goodput.py): the run's queue
-// wait, each attempt's start, the moment every rank had registered, and when its failure was
-// noticed.
+// wait, each attempt's start, the moment every rank had registered, when its failure was noticed
+// and when every rank's function had returned.
 TEST_F(ControllerStateTest, RunJsonRecordsWhenEachAttemptWasReadyAndWhenItFailed) {
   ControllerOptions options = Options(2);
   options.max_failures = 1;
@@ -259,6 +259,7 @@ TEST_F(ControllerStateTest, RunJsonRecordsWhenEachAttemptWasReadyAndWhenItFailed
   WaitForStart(2);
   clock_.Advance(1s);
   RegisterAll(/*attempt=*/1, 2);
+  clock_.Advance(2s);
   for (int rank : {0, 1}) Finish(rank);
   EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
 
@@ -274,6 +275,9 @@ TEST_F(ControllerStateTest, RunJsonRecordsWhenEachAttemptWasReadyAndWhenItFailed
   const json& restarted = state["attempts"][1];
   EXPECT_DOUBLE_EQ(restarted.value("start_time", 0.0), t0 + 9);
   EXPECT_DOUBLE_EQ(restarted.value("ready_time", 0.0), t0 + 10);
+  // When the last rank's function returned: the end of training, before the group's shutdown.
+  EXPECT_DOUBLE_EQ(restarted.value("returned_time", 0.0), t0 + 12);
+  EXPECT_FALSE(failed.contains("returned_time")) << failed.dump();
   EXPECT_FALSE(restarted.contains("failure")) << restarted.dump();
   std::ifstream rounds(RunDir() + "/result.jsonl");
   std::string line;
