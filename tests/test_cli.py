@@ -351,6 +351,22 @@ def test_show_of_a_resumed_run_lists_both_attempts(runs):
     assert "status     FINISHED" in out and "error      " not in out
 
 
+def test_show_gives_an_attempts_queue_wait_and_counts_it_as_queue(tmp_path):
+    # run.json written by hand: attempt 0's launch waited 25 s for Kueue to admit its JobSet.
+    run = tmp_path / "queued"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({
+        "name": "queued", "status": "FINISHED", "start_time": 100.0, "end_time": 200.0,
+        "world_size": 1, "platform": "cpu",
+        "attempts": [{"attempt": 0, "status": "FINISHED", "start_time": 100.0,
+                      "ready_time": 130.0, "end_time": 199.0, "queue_wait_s": 25.0}]}))
+    proc = jaxtrain("show", run)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\n  0  FINISHED .*  queued 25\.0 s\n", proc.stdout), proc.stdout
+    # The goodput table's queue and start-up columns: the wait is queue, not start-up.
+    assert re.search(r"\n  attempt 0\s+FINISHED\s+25\.0\s+5\.0\s", proc.stdout), proc.stdout
+
+
 def test_logs_prefix_every_rank_or_print_one_rank_as_it_is(runs):
     storage, _ = runs
     every = jaxtrain("logs", storage / "resumed")

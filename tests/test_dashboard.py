@@ -216,6 +216,26 @@ def test_the_api_shows_each_attempts_stragglers(tmp_path):
     assert [r["straggler"] for r in detail["ranks"]] == [None, None, second["stragglers"][0]]
 
 
+def test_the_api_shows_each_attempts_queue_wait(tmp_path):
+    """An attempt whose launch waited for Kueue (queue_wait_s), and one still queued, written by
+    hand: the attempt list and the goodput's queue part show them."""
+    run = tmp_path / "queued"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({
+        "status": "FINISHED", "world_size": 1, "start_time": 100.0, "end_time": 200.0,
+        "attempts": [
+            {"attempt": 0, "status": "FINISHED", "start_time": 100.0, "ready_time": 130.0,
+             "end_time": 199.0, "queue_wait_s": 25.0},
+        ]}))
+    with serving(str(tmp_path)) as url:
+        status, detail, _ = get(f"{url}/api/runs/queued")
+    assert status == 200
+    [attempt] = detail["attempt_list"]
+    assert attempt["queue_wait_s"] == 25.0 and attempt["queued"] is False
+    assert detail["goodput"]["parts"]["queue"] == 25.0
+    assert detail["goodput"]["parts"]["startup"] == 5.0
+
+
 def test_one_run_directory_is_served_alone(finished_run):
     with serving(str(finished_run / "done")) as url:
         assert [r["name"] for r in get(f"{url}/api/runs")[1]["runs"]] == ["done"]

@@ -106,6 +106,34 @@ def test_steps_after_the_last_report_are_training_until_the_functions_returned()
     assert goodput.compute(state, ROUNDS).attempts[1].shutdown == 8
 
 
+def test_an_attempts_queue_wait_is_queue_not_start_up():
+    # Attempt 1's launch waited 1.5 s of its 2 s start-up for Kueue to admit its JobSet.
+    state = json.loads(json.dumps(STATE))
+    state["attempts"][1]["queue_wait_s"] = 1.5
+    state["attempts"][0]["queue_wait_s"] = 0.0
+    g = goodput.compute(state, ROUNDS)
+    first, second = g.attempts
+    assert first.queue == 0 and first.startup == 3
+    assert second.queue == 1.5 and second.startup == 0.5 and second.wall == 43
+    assert g.queue == 5 + 1.5 and g.startup == 6 - 1.5 and g.wall == 105
+    assert sum(g.parts().values()) == pytest.approx(g.wall)
+    assert "queue 6.5 s" in g.line()
+
+
+def test_an_attempt_queued_now_has_waited_all_its_time():
+    state = json.loads(json.dumps(STATE))
+    state["status"] = "RUNNING"
+    del state["end_time"]
+    queued = state["attempts"][1]
+    for name in ("end_time", "ready_time"):
+        del queued[name]
+    queued.update(status="RUNNING", phase="queued", queue_wait_s=0.0)
+    g = goodput.compute(state, ROUNDS[:4], now=165.0)
+    assert g.attempts[1].queue == 10 and g.attempts[1].startup == 0
+    assert g.attempts[1].wall == 10
+    assert g.queue == 15
+
+
 # --- a real run ----------------------------------------------------------------------------------
 
 STEPS = 6

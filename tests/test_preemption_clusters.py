@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -433,6 +434,13 @@ def test_a_kueue_eviction_is_a_notice_and_the_run_waits_queued_until_readmitted(
     _wait_for("the other workload admitted",
               lambda: k.get("job", "high", "-n", ns)["spec"].get("suspend") is False, driver)
     assert queued_again()
+    # While its launch waits for Kueue the driver's loop waits too: run.json says it is queued,
+    # and so does `jaxtrain show` on the live run.
+    live = json.loads((workdir / "kueued" / "run.json").read_text())
+    assert [a.get("phase") for a in live["attempts"]] == [None, "queued"], live["attempts"]
+    shown = _show(workdir / "kueued")
+    assert "queued: attempt 1 waits to be admitted" in shown, shown
+    assert re.search(r"\n  1  queued ", shown), shown
     k.kubectl("delete", "job", "high", "-n", ns, "--wait=false")
     out, err = driver.communicate(timeout=300)
 
@@ -442,7 +450,25 @@ def test_a_kueue_eviction_is_a_notice_and_the_run_waits_queued_until_readmitted(
     assert "jaxtrain kubernetes: evicted by Kueue (" in said, said[-3000:]
     assert "jaxtrain: kubernetes: queued: JobSet" in err, err[-3000:]
     assert "jaxtrain: kubernetes: admitted by Kueue from LocalQueue 'team'" in err, err[-3000:]
+    # Attempt 1 waited for the other workload: its queue wait is recorded, shown, and counted
+    # in goodput's queue part rather than its start-up.
+    attempts = json.loads((workdir / "kueued" / "run.json").read_text())["attempts"]
+    assert attempts[1]["queue_wait_s"] > 0 and "phase" not in attempts[1], attempts
+    shown = _show(workdir / "kueued")
+    assert re.search(r"\n  1  FINISHED .*  queued \d+\.\d s", shown), shown
+    from jaxtrain import goodput
+
+    g = goodput.from_run_dir(str(workdir / "kueued"))
+    assert g.attempts[1].queue == pytest.approx(attempts[1]["queue_wait_s"]), g.to_dict()
     assert k.objects(ns) == []
+
+
+def _show(run_dir: Path) -> str:
+    """`jaxtrain show RUN_DIR`'s output."""
+    shown = subprocess.run([PY, "-m", "jaxtrain", "show", str(run_dir)], capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout
 
 
 def test_gkes_impending_termination_taint_is_a_notice_for_the_ranks_on_its_node(

@@ -15,6 +15,10 @@ was restarted, else to its ``end_time``, is split at these moments::
       failed:    ... the restored checkpoint's report -lost-> failure -restart-> next start
       otherwise: ... every function returned -shutdown-> end_time
 
+An attempt's own ``queue_wait_s`` (its launch waited for Kueue to admit its JobSet, or for a new
+Slurm allocation) is taken out of its start-up into ``queue``; an attempt whose ``phase`` is
+``queued`` (its launch waits now) has all its time so far in ``queue``.
+
 The run adds the driver's own time: the queue wait before it (``queue_wait_s``), its start-up
 before the first attempt, and its shutdown after the last. Attempts of an earlier driver of the
 same run directory (a resumed run) count from their start to their end; the time between drivers
@@ -221,6 +225,12 @@ def _attempt(a: dict, following: dict | None, reported: list[tuple[float, Any]],
             parts["shutdown"] = stop - trained
         else:  # it ran without reporting: its time is the function's
             parts["training"] = stop - first
+    # The launch's wait in a queue (Kueue's admission, a new Slurm allocation) is inside its
+    # start-up: `queue`, not start-up. An attempt still queued has waited all its time so far.
+    waited = (stop - start if a.get("phase") == "queued"
+              else max(0.0, _number(a.get("queue_wait_s")) or 0.0))
+    parts["queue"] = min(waited, parts["startup"])
+    parts["startup"] -= parts["queue"]
     if failed_at is not None:
         parts["restart"] = span_end - stop
     else:

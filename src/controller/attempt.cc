@@ -657,6 +657,9 @@ nlohmann::json Attempt::Record(std::string_view status) const {
   // The times python/jaxtrain/goodput.py splits the attempt by (docs/observability.md).
   if (ready_time_ > 0) a["ready_time"] = ready_time_;
   if (returned_time_ > 0) a["returned_time"] = returned_time_;
+  // Inside start_time..ready_time: waiting for Kueue's admission or a new Slurm allocation.
+  a["queue_wait_s"] = queue_wait_s_;
+  if (queued_) a["phase"] = "queued";  // its launch waits in the queue now
   // Each rank's host: where it registered from, else where the plan put it.
   nlohmann::json hosts = nlohmann::json::array();
   for (size_t r = 0; r < ranks_.size(); ++r) hosts.push_back(HostOf(r));

@@ -122,6 +122,12 @@ class Attempt {
   void Fail(RankFailure f);
   // Stops the group (Abort()): SIGTERM, then SIGKILL after the grace period.
   void Stop();
+  // The launcher may wait in a queue (Launcher::MayQueue()) before Start() returns: run.json
+  // shows the attempt with phase "queued" meanwhile (the loop is blocked in Start(), so no status
+  // line is drawn; the launcher's own lines say it).
+  void SetQueued(bool queued) { queued_ = queued; }
+  // What the launch waited in a queue (Launcher::QueueWait()), recorded as queue_wait_s.
+  void SetQueueWait(double seconds) { queue_wait_s_ = seconds; }
   // A failure of the driver's that ended the attempt before its group could start.
   void SetStartFailure(RankFailure f) { failure_ = std::move(f); }
   // The start-up timeout, the watchdog, the preemption deadline, the grace period.
@@ -213,6 +219,8 @@ class Attempt {
   uint64_t turn_ = 0;
   double start_time_ = 0;      // Unix seconds: the attempt's, as run.json records it
   double ready_time_ = 0;      // when every rank had registered and the start was sent; 0 = not yet
+  bool queued_ = false;        // Start() may be waiting in the launcher's queue (SetQueued())
+  double queue_wait_s_ = 0;    // what Start() waited in the launcher's queue
   size_t ranks_returned_ = 0;  // ranks whose training function returned (wire::Done)
   double returned_time_ = 0;   // when the last of them returned; 0 = not every rank yet
   TimePoint started_{};        // when the group was started

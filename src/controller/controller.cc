@@ -393,10 +393,19 @@ struct Controller::Loop : ControlPort::Delegate,
     logs.BeginAttempt(number);  // each log gets the attempt's header before its first output
     (*workers.shared_env)["JAXTRAIN_ATTEMPT"] = std::to_string(number);
     // An attempt that run.json does not show must not run: its rounds would be lost with it.
+    // One whose launch may wait in a queue (Kueue) shows as queued until the launch returns:
+    // the loop is blocked meanwhile, so `jaxtrain show` says it, not the status line.
+    const bool may_queue = ctl.launcher_->MayQueue();
+    attempt->SetQueued(may_queue);
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
     PublishAs(number > first_attempt ? "RESTARTING" : "STARTING");
     Status started = attempt->Start(workers.specs);
+    attempt->SetQueued(false);
+    attempt->SetQueueWait(ctl.launcher_->QueueWait());
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
+    if (started.ok() && (may_queue || ctl.launcher_->QueueWait() > 0)) {
+      RecordRunning(/*if_stale=*/false);  // no longer queued; the wait it had
+    }
     JT_RETURN_IF_ERROR(started);
     // The descriptors left beside a connection per rank and the processes' pidfds and pipes are
     // the logs' to keep open; the others are opened again when written to.

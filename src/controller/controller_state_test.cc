@@ -49,6 +49,18 @@ class UnusedLauncher : public launch::Launcher {
   std::atomic<int>& interrupts_;
 };
 
+// A launcher whose Launch() waits in a queue (Kueue): what it says it waited.
+class QueuingLauncher : public UnusedLauncher {
+ public:
+  QueuingLauncher(std::atomic<int>& interrupts, double wait)
+      : UnusedLauncher(interrupts), wait_(wait) {}
+  double QueueWait() const override { return wait_; }
+  bool MayQueue() const override { return true; }
+
+ private:
+  double wait_;
+};
+
 class ControllerStateTest : public testing::Test {
  protected:
   void SetUp() override {
@@ -70,9 +82,11 @@ class ControllerStateTest : public testing::Test {
     return options;
   }
 
-  std::unique_ptr<Controller> Start(ControllerOptions options) {
+  std::unique_ptr<Controller> Start(ControllerOptions options,
+                                    std::unique_ptr<launch::Launcher> launcher = nullptr) {
+    if (launcher == nullptr) launcher = std::make_unique<UnusedLauncher>(interrupts_);
     auto controller = std::make_unique<Controller>(
-        std::move(options), std::make_unique<UnusedLauncher>(interrupts_), clock_,
+        std::move(options), std::move(launcher), clock_,
         ControllerSeams{.open_port = ranks_.Opener(), .make_group = processes_.Maker()});
     Status s = controller->Start();
     EXPECT_TRUE(s.ok()) << s.ToString();
@@ -225,6 +239,30 @@ TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestComm
   EXPECT_EQ(state["attempts"][0]["status"], "ERRORED");
   EXPECT_EQ(state["attempts"][0]["failure"]["cause"], "signal");
   EXPECT_EQ(state["attempts"][1]["restored_from"], RunDir() + "/checkpoint_000001");
+}
+
+// An attempt whose launch waits in a queue shows as queued in run.json while it waits, then
+// records the wait as its queue_wait_s (goodput's `queue`).
+TEST_F(ControllerStateTest, RunJsonShowsAQueuedAttemptAndRecordsItsQueueWait) {
+  json while_queued;
+  processes_.OnNextStart([&] {
+    while_queued = RunState();
+    return OkStatus();
+  });
+  auto controller = Start(Options(2), std::make_unique<QueuingLauncher>(interrupts_, 7.5));
+  WaitForStart(1);
+  ASSERT_EQ(while_queued["attempts"].size(), 1u) << while_queued.dump();
+  EXPECT_EQ(while_queued["attempts"][0].value("phase", ""), "queued");
+  EXPECT_EQ(while_queued["attempts"][0]["status"], "RUNNING");
+  RegisterAll(/*attempt=*/0, 2);
+  for (int rank : {0, 1}) Finish(rank);
+  EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);
+  json state = RunState();
+  ASSERT_EQ(state["attempts"].size(), 1u) << state.dump();
+  EXPECT_FALSE(state["attempts"][0].contains("phase"));
+  EXPECT_EQ(state["attempts"][0].value("queue_wait_s", 0.0), 7.5);
+  // The driver's own queue wait (a Slurm allocation before the run) is the run's, not this.
+  EXPECT_EQ(state.value("queue_wait_s", -1.0), 0.0);
 }
 
 // The times goodput accounting splits a run by (python/jaxtrain/goodput.py): the run's queue

@@ -10,6 +10,7 @@
 
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -490,6 +491,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pid_ = 0;
   kills_ = 0;
+  queue_wait_s_ = 0;
   if (interrupted_) return CancelledError("the run is being stopped: no JobSet is created");
   JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes",
                                                        placement::kPerRankPlacementVariables));
@@ -558,7 +560,10 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   fcntl(pidfd, F_SETFD, FD_CLOEXEC);
   fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
   if (!options_.queue_name.empty()) {
+    const auto queued = std::chrono::steady_clock::now();
     Status admitted = AwaitAdmission(spawned->pid, spawned->output_fd);
+    queue_wait_s_ =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
     if (!admitted.ok()) {
       close(pidfd);
       close(spawned->output_fd);

@@ -144,6 +144,11 @@ class KubernetesLauncher : public Launcher {
   // A Launch() waiting for Kueue's admission ends with kCancelled, its JobSet deleted.
   void Interrupt() override;
 
+  // The last Launch()'s wait for Kueue's admission: from the supervisor's start to its
+  // "admitted" line (or its end); 0 without a queue.
+  double QueueWait() const override { return queue_wait_s_; }
+  bool MayQueue() const override { return !options_.queue_name.empty(); }
+
  private:
   void RemoveRequest();   // the last Launch()'s request file, if still there
   void RemoveRequests();  // and the directory
@@ -158,6 +163,7 @@ class KubernetesLauncher : public Launcher {
   pid_t pid_ = 0;  // the supervisor of the last Launch(); 0 when none
   int kills_ = 0;  // SIGKILLs asked for since the last Launch()
   int attempts_ = 0;
+  double queue_wait_s_ = 0;  // of the last Launch()
   std::atomic<bool> interrupted_{false};
   std::string request_dir_;   // made by the first Launch(); "" when none
   std::string request_path_;  // the last Launch()'s request file; "" when none

@@ -317,8 +317,11 @@ TEST(KubernetesLauncherTest, AQueuedLaunchWaitsForAdmissionAndLeavesTheRestToThe
   KubernetesLauncher launcher(o, c, *plan);
   std::vector<ProcessSpec> specs = {{{0}, {"python"}, {}, {}, "", "ab"},
                                     {{1}, {"python"}, {}, {}, "", "ab"}};
+  EXPECT_TRUE(launcher.MayQueue());
   auto launched = launcher.Launch(specs);
   ASSERT_TRUE(launched.ok()) << launched.status().message();
+  // It waited between "queued" and "admitted" (the supervisor's sleep).
+  EXPECT_GT(launcher.QueueWait(), 0.0);
   int status = 0;
   waitpid((*launched)[0].pid, &status, 0);
   // What follows the admission is the controller's to read: the ranks' output.

@@ -92,6 +92,15 @@ class Launcher {
   // What the last calls did that the run's log should say (standbys used or lost), once each.
   virtual std::vector<std::string> TakeNotes() { return {}; }
 
+  // Seconds the last Launch() waited in a queue before it started anything: Kueue's admission
+  // of the JobSet, a new Slurm allocation after a time-limit notice. 0 when it waited for none.
+  // Recorded as the attempt's queue_wait_s in run.json (docs/observability.md).
+  virtual double QueueWait() const { return 0; }
+
+  // Whether the next Launch() may wait in such a queue for a while (a Kueue LocalQueue): run.json
+  // shows the attempt as queued until it returns.
+  virtual bool MayQueue() const { return false; }
+
   // The run is being stopped: a Launch() in progress on another thread ends soon with kCancelled,
   // as does every later one, leaving nothing running. Thread-safe. The default does nothing: a
   // launcher whose Launch() only spawns processes ends soon anyway (SshLauncher's probe waits for

@@ -598,6 +598,7 @@ SlurmLauncher::~SlurmLauncher() = default;
 StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pgid_ = 0;
+  queue_wait_s_ = 0;
   JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm",
                                                        placement::kPerRankPlacementVariables));
   const std::vector<int>& ranks = group.ranks;
@@ -681,8 +682,10 @@ Status SlurmLauncher::RenewAtTimeLimit() {
       ", is due): releasing it and asking Slurm for a new allocation of the same shape; the run "
       "resumes there from its latest checkpoint");
   allocation_.reset();  // scancel: its nodes are free for the new request
+  const auto asked = std::chrono::steady_clock::now();
   auto renewed = SlurmAllocation::Request(options_.shape, options_.step_name,
                                           [this] { return interrupted_.load(); });
+  queue_wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
   if (!renewed.ok()) {
     if (renewed.status().code() == StatusCode::kAborted) {
       return CancelledError(renewed.status().message());

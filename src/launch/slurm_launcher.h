@@ -196,6 +196,11 @@ class SlurmLauncher : public Launcher {
   // Withdraws a request for a new allocation that Launch() waits for. Thread-safe.
   void Interrupt() override { interrupted_.store(true); }
 
+  // The last Launch()'s wait for a new allocation at a time-limit notice (asking salloc and
+  // waiting in Slurm's queue); 0 when it ran in the allocation it had. The driver's wait for its
+  // first allocation is the run's queue_wait_s (SlurmStart), not an attempt's.
+  double QueueWait() const override { return queue_wait_s_; }
+
  private:
   void CancelStep();
   // Before a retry: an allocation of jaxtrain's own whose time-limit notice is due (time left <=
@@ -207,7 +212,8 @@ class SlurmLauncher : public Launcher {
   std::unique_ptr<SlurmAllocation> allocation_;
   pid_t pgid_ = 0;
   int steps_ = 0;
-  std::string step_name_;  // of the last Launch()
+  std::string step_name_;    // of the last Launch()
+  double queue_wait_s_ = 0;  // of the last Launch()
   std::atomic<bool> interrupted_{false};
 };
 

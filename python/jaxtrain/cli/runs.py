@@ -241,6 +241,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     elif status == "CRASHED":
         status += (" (its driver ended without recording how the run ended: it was killed, or "
                    "its machine went down; run it again to resume it)")
+    attempts = state.get("attempts", [])
+    if status.startswith("RUNNING") and attempts and attempts[-1].get("phase") == "queued":
+        # Its launch waits in a queue (Kueue's admission): the driver's loop waits with it.
+        status += f"; queued: attempt {attempts[-1].get('attempt', '?')} waits to be admitted"
     field("status", status)
     field("started", _when(state.get("start_time")))
     field("duration", _duration(state.get("start_time"), state.get("end_time")))
@@ -256,12 +260,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     if config.get("train_loop_config") is not None:
         out.append(f"  {'train_loop_config':<19}{json.dumps(config['train_loop_config'])}")
 
-    attempts = state.get("attempts", [])
     out.append(f"attempts ({len(attempts)})")
     for a in attempts:
         start, end = a.get("start_time"), a.get("end_time")
-        line = (f"  {a.get('attempt', '?')}  {a.get('status', '?'):<9} {_when(start)}  "
-                f"{_duration(start, end)}")
+        shown = "queued" if a.get("phase") == "queued" else a.get("status", "?")
+        line = f"  {a.get('attempt', '?')}  {shown:<9} {_when(start)}  {_duration(start, end)}"
+        if isinstance(a.get("queue_wait_s"), int | float) and a["queue_wait_s"] > 0:
+            line += f"  queued {a['queue_wait_s']:.1f} s"
         if a.get("restored_from"):
             restored = a["restored_from"]
             if os.path.dirname(restored) == run_dir:

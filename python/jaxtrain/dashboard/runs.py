@@ -318,6 +318,8 @@ def _attempt(a: dict) -> dict:
         "status": a.get("status"),
         "start_time": a.get("start_time"),
         "end_time": a.get("end_time"),
+        "queued": a.get("phase") == "queued",  # its launch waits in a queue (Kueue) now
+        "queue_wait_s": _number(a.get("queue_wait_s")) or 0.0,
         "restored_from": os.path.basename(a["restored_from"]) if a.get("restored_from") else None,
         "failure": failure and {k: failure.get(k) for k in (
             "rank", "host", "cause", "message", "exit_code", "signal", "decision")},

@@ -169,8 +169,9 @@ function drawAttempts(run) {
 
   $("attempts").replaceChildren(...attempts.map((a) => {
     const item = el("li", { "data-attempt": a.attempt, "data-status": a.status },
-      status(a.status), " ", when(a.start_time), ", ",
+      status(a.queued ? "queued" : a.status), " ", when(a.start_time), ", ",
       seconds((a.end_time || run.now) - a.start_time) + (a.end_time ? "" : "+"));
+    if (a.queue_wait_s > 0) item.append(", queued " + seconds(a.queue_wait_s));
     if (a.restored_from) item.append(", restored from " + a.restored_from);
     if (a.failure) {
       const f = a.failure;
