@@ -6,8 +6,8 @@
 // run.json is rewritten whole, atomically (storage::RunStore::WriteRunState), each time: when an
 // attempt starts (an attempt that run.json does not show must not run; one whose launch may wait
 // in a queue shows as queued, and again once the launch returns, with its queue_wait_s), when its
-// stragglers change or its step times are stale, and when the run ends. Attempts that ended are kept here
-// (AddAttempt()); the attempt in progress is passed to Write() as it is now.
+// stragglers change or its step times are stale, and when the run ends. Attempts that ended are
+// kept here (AddAttempt()); the attempt in progress is passed to Write() as it is now.
 //
 // Threads: the controller's event-loop thread only (Resume() on the thread of Controller::Start,
 // before the loop runs).
