@@ -118,6 +118,10 @@ SlurmdPort=6818
 # Short timeouts: a lost node is noticed in seconds, a cancelled step is killed quickly.
 SlurmdTimeout=10
 KillWait=5
+# A step whose processes outlive SIGKILL for this long drains its node ("Kill task failed"),
+# and every later test then waits for a node that never comes back. On a loaded 2-core machine
+# a requeued step's JAX processes took ~70 s to be gone (Slurm's default: 60 s).
+UnkillableStepTimeout=180
 InactiveLimit=0
 MinJobAge=30
 EOF
