@@ -167,6 +167,20 @@ def test_a_worker_killed_on_host2_restarts_the_group_from_its_checkpoint(ssh_hos
     assert [a["status"] for a in state["attempts"]] == ["ERRORED", "FINISHED"]
     rank2 = (shared_dir / "killed" / "logs" / "rank-2.log").read_text()
     assert "jaxtrain: the worker on host2 was killed by signal 9 (SIGKILL)" in rank2
+    # The restart activated the standby workers the hosts held (docs/warm-workers.md): every
+    # rank's, the killed one's too, since its host is still there.
+    assert "jaxtrain: ranks 0,1,2,3 started from standby workers on their hosts" in proc.stderr
+    # Once fit() has returned, nothing of the run is left on the hosts, standbys included.
+    for host in ("host1", "host2"):
+        assert not workers_left_after(ssh_hosts, host, 10), host
+
+
+def workers_left_after(hosts: SshHosts, host: str, seconds: float) -> list[str]:
+    """workers_left(hosts, host) once empty, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (left := workers_left(hosts, host)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def test_a_host_that_lost_its_memory_restores_from_its_peers_then_from_storage(ssh_hosts,

@@ -354,7 +354,10 @@ class PyController {
   // Blocks for one `ssh -G` per rank until a host other than this one is found.
   void StartOnSsh() {
     const accelerators::HostView& env = accelerators::RealHost();
-    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env), .host_wait = host_wait_};
+    // Standby workers on the hosts for a restart unless JAXTRAIN_WARM_WORKERS=0.
+    launch::SshLauncherOptions lo{.ssh = launch::SshCommand(env),
+                                  .host_wait = host_wait_,
+                                  .warm = Unwrap(launch::WarmWorkersRequested())};
     for (const auto& w : options_.plan.workers) lo.targets.push_back(w.host);
     std::string host = env.GetEnv(launch::kListenHostEnv).value_or("");
     if (host.empty()) {

@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -16,8 +17,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "base/fd_io.h"
 #include "base/strings.h"
 #include "launch/process.h"
+#include "launch/standby_pool.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -54,7 +57,20 @@ def orphan_guard():
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 fds = ()
-if h.get("secret"):
+standby = None
+preload = None
+if h.get("standby"):
+    r, standby = os.pipe()
+    env["JAXTRAIN_STANDBY"] = "1"
+    env["JAXTRAIN_RUN_SECRET_FD"] = str(r)
+    fds = (r,)
+    if h.get("preload"):
+        import base64, tempfile
+        fd, preload = tempfile.mkstemp(prefix="jaxtrain-preload-")
+        os.write(fd, base64.b64decode(h["preload"]))
+        os.close(fd)
+        env["JAXTRAIN_PRELOAD_FILE"] = preload
+elif h.get("secret"):
     r, w = os.pipe()
     os.write(w, h["secret"].encode())
     os.close(w)
@@ -68,6 +84,38 @@ try:
 except OSError as e:
     sys.stderr.write(f"jaxtrain: cannot start {h['argv'][0]} on {host}: {e}\n")
     sys.exit(127)
+def unlink_preload():
+    if preload:
+        try:
+            os.unlink(preload)
+        except OSError:
+            pass
+if standby is not None:
+    lock = threading.Lock()
+    state = []
+    def early():
+        rc = p.wait()
+        with lock:
+            if not state:
+                state.append("gone")
+                unlink_preload()
+                os._exit(128 - rc if rc < 0 else rc)
+    threading.Thread(target=early, daemon=True).start()
+    a = line()
+    with lock:
+        if a is None or state:
+            unlink_preload()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            os._exit(0)
+        state.append("active")
+    try:
+        os.write(standby, a)
+    except OSError:
+        pass
+    os.close(standby)
 def kill(sig):
     try:
         os.killpg(p.pid, sig)
@@ -82,6 +130,7 @@ def watch():
 threading.Thread(target=watch, daemon=True).start()
 rc = p.wait()
 kill(signal.SIGKILL)
+unlink_preload()
 if rc < 0:
     sys.stderr.write(f"jaxtrain: the worker on {host} was killed by signal {-rc} "
                      f"({signal.Signals(-rc).name})\n")
@@ -160,6 +209,38 @@ ssize_t WriteNoSigpipe(int fd, std::string_view data) {
   }
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   return n;
+}
+
+// The file a standby preloads, to ship to its host.
+// Errors: kUnavailable when it cannot be read; kResourceExhausted when it holds more than `limit`.
+StatusOr<std::string> ReadPreload(const std::string& path, size_t limit) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return UnavailableError("cannot read " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) > limit) {
+    close(fd);
+    return ResourceExhaustedError("the pickled function is " + std::to_string(st.st_size) +
+                                  " bytes, more than the " + std::to_string(limit) +
+                                  " shipped to standbys");
+  }
+  auto bytes = ReadAll(fd);
+  close(fd);
+  return bytes;
+}
+
+// The driver's variables every worker gets (kForwardedPrefixes, and those JAXTRAIN_SSH_ENV names).
+nlohmann::json ForwardedEnvironment() {
+  std::vector<std::string> extra_names;
+  for (auto& w : Split(CurrentEnvironment()[kSshEnvEnv], ',')) {
+    if (!w.empty()) extra_names.push_back(w);
+  }
+  nlohmann::json forwarded = nlohmann::json::object();
+  for (const auto& [k, v] : CurrentEnvironment()) {
+    bool pass = std::find(extra_names.begin(), extra_names.end(), k) != extra_names.end();
+    for (auto prefix : kForwardedPrefixes) pass = pass || k.rfind(prefix, 0) == 0;
+    if (pass) forwarded[k] = v;
+  }
+  return forwarded;
 }
 
 std::string Remote(const std::vector<std::string>& words) {
@@ -367,6 +448,7 @@ SshLauncher::SshLauncher(SshLauncherOptions options)
 
 SshLauncher::~SshLauncher() {
   CloseInputs();
+  EndStandbys();
   if (interrupt_fd_ >= 0) close(interrupt_fd_);
 }
 
@@ -561,26 +643,38 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
       return InvalidArgumentError("rank " + std::to_string(rank) + " has no host to run on");
     }
   }
-  bool reachable_later = false;
-  Status probed = Probe(specs, &reachable_later);
-  if (!probed.ok() && reachable_later && launched_ && options_.host_wait > Duration::zero()) {
-    probed = WaitForHosts(specs, std::move(probed));
+  std::vector<std::optional<Standby>> warm = TakeStandbys(specs);
+  auto discard = [&] {
+    for (auto& slot : warm) {
+      if (!slot) continue;
+      close(slot->input);
+      kill(slot->process.pid, SIGKILL);
+      WaitForExit(slot->process.pid);
+      close(slot->process.pidfd);
+      close(slot->process.output_fd);
+      slot.reset();
+    }
+  };
+  // Only the hosts that start afresh are probed (and waited for): a standby's connection is up.
+  std::vector<ProcessSpec> cold;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!warm[i]) cold.push_back(specs[i]);
   }
-  JT_RETURN_IF_ERROR(probed);
+  if (!cold.empty()) {
+    bool reachable_later = false;
+    Status probed = Probe(cold, &reachable_later);
+    if (!probed.ok() && reachable_later && launched_ && options_.host_wait > Duration::zero()) {
+      probed = WaitForHosts(cold, std::move(probed));
+    }
+    if (!probed.ok()) discard();
+    JT_RETURN_IF_ERROR(probed);
+  }
 
-  std::vector<std::string> extra_names;
-  for (auto& w : Split(CurrentEnvironment()[kSshEnvEnv], ',')) {
-    if (!w.empty()) extra_names.push_back(w);
-  }
-  nlohmann::json forwarded = nlohmann::json::object();
-  for (const auto& [k, v] : CurrentEnvironment()) {
-    bool pass = std::find(extra_names.begin(), extra_names.end(), k) != extra_names.end();
-    for (auto prefix : kForwardedPrefixes) pass = pass || k.rfind(prefix, 0) == 0;
-    if (pass) forwarded[k] = v;
-  }
+  const nlohmann::json forwarded = ForwardedEnvironment();
 
   std::vector<LaunchedProcess> launched;
   auto fail = [&](Status s) -> Status {
+    discard();
     if (pgid_ > 0) killpg(pgid_, SIGKILL);
     for (auto& l : launched) {
       WaitForExit(l.pid);
@@ -591,11 +685,38 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     pgid_ = 0;
     return s;
   };
-  for (const auto& spec : specs) {
+  std::vector<int> warm_ranks;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ProcessSpec& spec = specs[i];
     const std::string& target = options_.targets[spec.ranks.front()];
+    if (warm[i]) {
+      Standby standby = std::move(*warm[i]);
+      warm[i].reset();
+      nlohmann::json overrides = nlohmann::json::object();
+      for (const auto& [k, v] : spec.Env()) {
+        for (const char* name : kActivationEnv) {
+          if (k == name) overrides[k] = v;
+        }
+      }
+      const std::string activation =
+          nlohmann::json{{"secret", spec.secret}, {"env", overrides}}.dump() + "\n";
+      if (pgid_ == 0) pgid_ = standby_pgid_;
+      launched.push_back(standby.process);
+      inputs_.push_back(standby.input);
+      // The agent reads its activation as soon as it is written (a few hundred bytes, far less
+      // than the pipe holds); one that is gone meanwhile fails its rank's start, as a worker
+      // that dies at once would.
+      if (WriteNoSigpipe(standby.input, activation) != static_cast<ssize_t>(activation.size())) {
+        notes_.push_back("the standby worker of rank " + RanksText(spec.ranks) + " on " + target +
+                         " could not be activated; the restart notices it as that rank's end");
+      }
+      warm_ranks.insert(warm_ranks.end(), spec.ranks.begin(), spec.ranks.end());
+      continue;
+    }
     nlohmann::json env = forwarded;
     for (const auto& name : spec.unset_env) env.erase(name);
     for (const auto& [k, v] : spec.Env()) env[k] = v;
+    env.erase(kPreloadFileEnv);  // a path of this host, for standbys only
     const std::string header = nlohmann::json{{"argv", spec.argv},
                                               {"env", env},
                                               {"unset", spec.unset_env},
@@ -603,45 +724,167 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
                                               {"secret", spec.secret}}
                                    .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
                                "\n";
-    int in[2];
-    if (pipe2(in, O_CLOEXEC) != 0) return fail(ErrnoError("pipe2", errno));
-    std::vector<std::string> argv = options_.ssh;
-    argv.insert(argv.end(), kSshOptions.begin(), kSshOptions.end());
-    argv.insert(argv.end(), {"--", target, AgentCommand(spec.argv.front(), target)});
-    auto spawned = SpawnWithOutputPipe(
-        {.argv = argv, .process_group = pgid_, .search_path = true, .stdin_fd = in[0]});
-    close(in[0]);
-    if (!spawned.ok()) {
-      close(in[1]);
-      return fail(UnavailableError("cannot start '" + options_.ssh.front() + "' for rank " +
-                                   std::to_string(spec.ranks.front()) + " on " + target + ": " +
-                                   spawned.status().message()));
-    }
-    if (pgid_ == 0) pgid_ = spawned->pid;
-    inputs_.push_back(in[1]);
-    int pidfd = static_cast<int>(syscall(SYS_pidfd_open, spawned->pid, 0));
-    if (pidfd < 0) {
-      int err = errno;
-      close(spawned->output_fd);
-      launched.push_back({spec.ranks, spawned->pid, -1, -1});
-      return fail(ErrnoError("pidfd_open", err));
-    }
-    fcntl(pidfd, F_SETFD, FD_CLOEXEC);
-    fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
-    launched.push_back({spec.ranks, spawned->pid, pidfd, spawned->output_fd});
-    // Blocking: the header fits the pipe's buffer (64 KiB) unless the environment is huge, and
-    // then waits for ssh to connect and read it.
-    std::string_view rest = header;
-    while (!rest.empty()) {
-      ssize_t n = WriteNoSigpipe(in[1], rest);
-      if (n <= 0) break;  // ssh has already exited; its exit says why
-      rest.remove_prefix(static_cast<size_t>(n));
-    }
-    fcntl(in[1], F_SETFL, fcntl(in[1], F_GETFL) | O_NONBLOCK);
+    int input = -1;
+    auto started = StartAgent(spec, header, pgid_, &input);
+    if (!started.ok()) return fail(started.status());
+    if (pgid_ == 0) pgid_ = started->pid;
+    launched.push_back(*started);
+    inputs_.push_back(input);
+  }
+  if (!warm_ranks.empty()) {
+    notes_.push_back("rank" + std::string(warm_ranks.size() > 1 ? "s " : " ") +
+                     RanksText(warm_ranks) +
+                     " started from standby workers on their hosts (already past import jax)");
   }
   launched_ = true;
   return launched;
 }
+
+StatusOr<LaunchedProcess> SshLauncher::StartAgent(const ProcessSpec& spec,
+                                                  const std::string& header, pid_t pgid,
+                                                  int* input) {
+  const std::string& target = options_.targets[spec.ranks.front()];
+  int in[2];
+  if (pipe2(in, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  std::vector<std::string> argv = options_.ssh;
+  argv.insert(argv.end(), kSshOptions.begin(), kSshOptions.end());
+  argv.insert(argv.end(), {"--", target, AgentCommand(spec.argv.front(), target)});
+  auto spawned = SpawnWithOutputPipe(
+      {.argv = argv, .process_group = pgid, .search_path = true, .stdin_fd = in[0]});
+  close(in[0]);
+  if (!spawned.ok()) {
+    close(in[1]);
+    return UnavailableError("cannot start '" + options_.ssh.front() + "' for rank " +
+                            std::to_string(spec.ranks.front()) + " on " + target + ": " +
+                            spawned.status().message());
+  }
+  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, spawned->pid, 0));
+  if (pidfd < 0) {
+    int err = errno;
+    close(in[1]);
+    kill(spawned->pid, SIGKILL);
+    WaitForExit(spawned->pid);
+    close(spawned->output_fd);
+    return ErrnoError("pidfd_open", err);
+  }
+  fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+  fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
+  // Blocking: the header fits the pipe's buffer (64 KiB) unless the environment (or a shipped
+  // preload) is large, and then waits for ssh to connect and read it.
+  std::string_view rest = header;
+  while (!rest.empty()) {
+    ssize_t n = WriteNoSigpipe(in[1], rest);
+    if (n <= 0) break;  // ssh has already exited; its exit says why
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
+  fcntl(in[1], F_SETFL, fcntl(in[1], F_GETFL) | O_NONBLOCK);
+  *input = in[1];
+  return LaunchedProcess{spec.ranks, spawned->pid, pidfd, spawned->output_fd};
+}
+
+Status SshLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
+  if (!options_.warm || !standbys_.empty() || Interrupted()) return OkStatus();
+  // Read once for every spec: they name one file.
+  std::optional<std::string> preload;
+  std::string preload_path;
+  for (const auto& [k, v] : specs.front().Env()) {
+    if (k == kPreloadFileEnv) preload_path = v;
+  }
+  if (!preload_path.empty()) {
+    auto bytes = ReadPreload(preload_path, kMaxPreloadBytes);
+    if (bytes.ok()) {
+      preload = Base64(*bytes);
+    } else {
+      notes_.push_back("the standby workers do not preload the training function (" +
+                       bytes.status().message() + ")");
+    }
+  }
+  const nlohmann::json forwarded = ForwardedEnvironment();
+  for (const auto& spec : specs) {
+    if (spec.ranks.size() != 1 || spec.ranks.front() < 0 ||
+        static_cast<size_t>(spec.ranks.front()) >= options_.targets.size()) {
+      EndStandbys();
+      return InvalidArgumentError("the ssh launcher starts one process per rank");
+    }
+    const std::string& target = options_.targets[spec.ranks.front()];
+    nlohmann::json env = forwarded;
+    for (const auto& name : spec.unset_env) env.erase(name);
+    for (const auto& [k, v] : spec.Env()) env[k] = v;
+    for (const char* name : kActivationEnv) env.erase(name);
+    env.erase(kPreloadFileEnv);
+    nlohmann::json header = {{"argv", spec.argv},
+                             {"env", env},
+                             {"unset", spec.unset_env},
+                             {"cwd", spec.cwd},
+                             {"standby", true}};
+    if (preload) header["preload"] = *preload;
+    int input = -1;
+    auto started = StartAgent(
+        spec, header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n",
+        standby_pgid_, &input);
+    if (!started.ok()) {
+      EndStandbys();
+      return started.status();
+    }
+    if (standby_pgid_ == 0) standby_pgid_ = started->pid;
+    standbys_.push_back({StandbyKey(spec) + "\n" + target, *started, input});
+  }
+  return OkStatus();
+}
+
+std::vector<std::optional<SshLauncher::Standby>> SshLauncher::TakeStandbys(
+    const std::vector<ProcessSpec>& specs) {
+  std::vector<std::optional<Standby>> slots(specs.size());
+  if (standbys_.empty()) return slots;
+  bool same = standbys_.size() == specs.size();
+  for (size_t i = 0; same && i < specs.size(); ++i) {
+    same =
+        standbys_[i].key == StandbyKey(specs[i]) + "\n" + options_.targets[specs[i].ranks.front()];
+  }
+  if (!same) {
+    notes_.push_back("the standby workers were started for another placement; starting afresh");
+    EndStandbys();
+    return slots;
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    Standby& standby = standbys_[i];
+    if (std::optional<ExitStatus> exit = TryReap(standby.process.pid)) {
+      const std::string& target = options_.targets[specs[i].ranks.front()];
+      notes_.push_back("the standby worker of rank " + RanksText(specs[i].ranks) + " on " + target +
+                       " is gone (its ssh " + exit->ToString() + "); starting it afresh");
+      close(standby.input);
+      close(standby.process.pidfd);
+      close(standby.process.output_fd);
+      continue;
+    }
+    slots[i] = std::move(standby);
+  }
+  standbys_.clear();
+  return slots;
+}
+
+void SshLauncher::EndStandbys() {
+  // Their agents see their stdin end and end their standbys; SIGKILL ends the local ssh at once.
+  for (auto& standby : standbys_) close(standby.input);
+  if (standby_pgid_ > 0) killpg(standby_pgid_, SIGKILL);
+  for (auto& standby : standbys_) {
+    WaitForExit(standby.process.pid);
+    close(standby.process.pidfd);
+    close(standby.process.output_fd);
+  }
+  standbys_.clear();
+  standby_pgid_ = 0;
+}
+
+void SshLauncher::EndRun(bool) { EndStandbys(); }
+
+std::vector<pid_t> SshLauncher::standby_pids() const {
+  std::vector<pid_t> pids;
+  for (const auto& standby : standbys_) pids.push_back(standby.process.pid);
+  return pids;
+}
+
+std::vector<std::string> SshLauncher::TakeNotes() { return std::exchange(notes_, {}); }
 
 Status SshLauncher::SignalGroup(int signal) {
   // The agent reads the signal's name without "SIG" (glibc's sigabbrev_np is newer than the

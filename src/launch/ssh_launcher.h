@@ -22,6 +22,17 @@
 // or refused, no route) is waited for first, probed again with backoff up to host_wait, each
 // wait said on stderr.
 //
+// Warm workers (docs/warm-workers.md), with SshLauncherOptions::warm: once an attempt trains,
+// PrepareNext() starts one more ssh per rank whose agent starts a standby worker (JAXTRAIN_STANDBY,
+// as StandbyPool's locally: it imports jax, and the training function when the driver ships it,
+// and touches no device) and waits for a second line on its stdin, the activation: the run's
+// secret and kActivationEnv, written to the standby's activation pipe. A restart activates the
+// standbys still alive whose keys (StandbyKey and host) are the specs', over the connections
+// already open, and starts afresh, probing first, only those of a host whose standby is gone; a
+// note says which ranks were warm and why any was not. Standbys are in a process group of their
+// own, so the running group's signals do not reach them; an agent whose stdin ends before the
+// activation ends its standby and exits 0.
+//
 // Every ssh command line puts "--" before the host, which ParseSshHosts and the JSON host
 // description have already checked (placement::CheckHostName): a host is never read as an option.
 //
@@ -134,6 +145,7 @@ struct SshLauncherOptions {
   // The waits between probes: `first_retry`, doubled after each probe, at most `max_retry`.
   Duration first_retry = std::chrono::seconds(5);
   Duration max_retry = std::chrono::seconds(30);
+  bool warm = false;  // standby workers on the hosts for a restart (JAXTRAIN_WARM_WORKERS)
 };
 
 class SshLauncher : public Launcher {
@@ -157,7 +169,34 @@ class SshLauncher : public Launcher {
   // kCancelled, now and from then on. Thread-safe.
   void Interrupt() override;
 
+  // With options.warm: starts a standby worker per spec on its host, unless standbys are held.
+  // A spec whose environment names a JAXTRAIN_PRELOAD_FILE of this host ships the file's bytes
+  // (up to kMaxPreloadBytes) for the standby to preload.
+  // Errors: kUnavailable when an ssh cannot be started (the standbys started are ended).
+  Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
+  void EndRun(bool keep) override;  // ends the standbys
+  std::vector<std::string> TakeNotes() override;
+
+  static constexpr size_t kMaxPreloadBytes = 16 << 20;
+
+  // The local ssh processes of the standbys held (for tests).
+  std::vector<pid_t> standby_pids() const;
+
  private:
+  struct Standby {
+    std::string key;  // StandbyKey(spec) and the host
+    LaunchedProcess process;
+    int input = -1;  // the write end of its agent's stdin
+  };
+  // Starts the ssh of `spec` in process group `pgid` (0: a new one it leads) and writes `header`
+  // on its agent's stdin; *input is the write end, non-blocking afterwards.
+  StatusOr<LaunchedProcess> StartAgent(const ProcessSpec& spec, const std::string& header,
+                                       pid_t pgid, int* input);
+  // The standbys for `specs`, slot by slot (nullopt: start that one afresh), taken from those
+  // held; none when they were started for other specs (then they are ended).
+  std::vector<std::optional<Standby>> TakeStandbys(const std::vector<ProcessSpec>& specs);
+  void EndStandbys();
+
   // `reachable_later` is set when the probe failed only because hosts could not be reached
   // (no answer, connection timed out or refused, no route): what waiting may mend.
   Status Probe(const std::vector<ProcessSpec>& specs, bool* reachable_later);
@@ -173,6 +212,9 @@ class SshLauncher : public Launcher {
   pid_t pgid_ = 0;
   bool launched_ = false;    // a Launch() has started the group: the next one is a restart
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
+  std::vector<Standby> standbys_;
+  pid_t standby_pgid_ = 0;
+  std::vector<std::string> notes_;
 };
 
 }  // namespace jaxtrain::launch

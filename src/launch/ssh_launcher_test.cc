@@ -469,5 +469,177 @@ TEST_F(FakeSshTest, WhenTheLauncherGoesItsWorkersAndTheirChildrenGoToo) {
   EXPECT_TRUE(state.empty() || state == "Z") << "the worker's child is still there: " << state;
 }
 
+// --- standby workers (warm restarts) -------------------------------------------------------------
+
+// A worker that tells how it was started: its rank, the secret it got, its attempt, whether it
+// was a standby, and its pid. A standby reads its activation as python/jaxtrain/worker.py does;
+// with DIE_AS_STANDBY naming its rank it exits before any activation instead.
+constexpr char kTellingWorker[] =
+    "import json, os, sys\n"
+    "standby = os.environ.get('JAXTRAIN_STANDBY') == '1'\n"
+    "fd = int(os.environ['JAXTRAIN_RUN_SECRET_FD'])\n"
+    "if standby and os.environ.get('DIE_AS_STANDBY') == os.environ['JAXTRAIN_RANK']:\n"
+    "    sys.exit(3)\n"
+    "data = b''\n"
+    "while chunk := os.read(fd, 65536):\n"
+    "    data += chunk\n"
+    "if standby:\n"
+    "    a = json.loads(data)\n"
+    "    os.environ.update(a['env'])\n"
+    "    secret = a['secret']\n"
+    "else:\n"
+    "    secret = data.decode()\n"
+    "path = os.environ.get('JAXTRAIN_PRELOAD_FILE')\n"
+    "preload = open(path).read() + ' at ' + path if path else '-'\n"
+    "print('rank', os.environ['JAXTRAIN_RANK'], secret, os.environ.get('JAXTRAIN_ATTEMPT'),\n"
+    "      'standby' if standby else 'fresh', 'preload=' + preload, flush=True)\n";
+
+class WarmSshTest : public FakeSshTest {
+ protected:
+  std::vector<ProcessSpec> Specs(int attempt, const std::string& secret,
+                                 std::map<std::string, std::string> extra = {}) {
+    std::vector<ProcessSpec> specs;
+    for (int r = 0; r < 2; ++r) {
+      std::map<std::string, std::string> env = extra;
+      env["JAXTRAIN_RANK"] = std::to_string(r);
+      env["JAXTRAIN_ATTEMPT"] = std::to_string(attempt);
+      specs.push_back(Python(r, kTellingWorker, env));
+      specs.back().secret = secret;
+    }
+    return specs;
+  }
+  SshLauncherOptions WarmOptions() {
+    SshLauncherOptions o = Options({"h1", "h2"});
+    o.warm = true;
+    return o;
+  }
+  // Runs each process to its end: its output.
+  static std::vector<std::string> RunAll(const std::vector<LaunchedProcess>& launched) {
+    std::vector<std::string> out;
+    for (const auto& p : launched) {
+      out.push_back(ReadOutput(p));
+      EXPECT_TRUE(Finish(p).ok()) << out.back();
+    }
+    return out;
+  }
+  static std::string Joined(const std::vector<std::string>& notes) {
+    std::string all;
+    for (const auto& n : notes) all += n + "\n";
+    return all;
+  }
+};
+
+TEST_F(WarmSshTest, ARestartActivatesStandbysWithTheNewAttemptsSecretAndNoProbe) {
+  SshLauncher launcher(WarmOptions());
+  auto first = launcher.Launch(Specs(0, "secret-0"));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  std::vector<std::string> out = RunAll(*first);
+  EXPECT_TRUE(Contains(out[1], "rank 1 secret-0 0 fresh")) << out[1];
+
+  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "secret-0")).ok());
+  ASSERT_EQ(launcher.standby_pids().size(), 2u);
+  const std::string log_before = ArgvLog();
+  const auto sshs_before = std::count(log_before.begin(), log_before.end(), '\n');
+  auto restart = launcher.Launch(Specs(1, "secret-1"));
+  ASSERT_TRUE(restart.ok()) << restart.status().ToString();
+  out = RunAll(*restart);
+  EXPECT_TRUE(Contains(out[0], "rank 0 secret-1 1 standby")) << out[0];
+  EXPECT_TRUE(Contains(out[1], "rank 1 secret-1 1 standby")) << out[1];
+  // No new ssh: no probe, no agent; the standbys' connections carried the activation.
+  std::string log = ArgvLog();
+  EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), sshs_before) << log;
+  EXPECT_FALSE(Contains(log, "secret-1")) << log;
+  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()), "ranks 0,1 started from standby workers"));
+  EXPECT_TRUE(launcher.standby_pids().empty());
+}
+
+TEST_F(WarmSshTest, AStandbyThatIsGoneStartsAfreshAndTheNoteSaysWhy) {
+  SshLauncher launcher(WarmOptions());
+  auto first = launcher.Launch(Specs(0, "s0", {{"DIE_AS_STANDBY", "1"}}));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  RunAll(*first);
+  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "s0", {{"DIE_AS_STANDBY", "1"}})).ok());
+  // Rank 1's standby exits at once: wait for its ssh to end (not reaped: the launcher does).
+  siginfo_t info{};
+  ASSERT_EQ(waitid(P_PID, static_cast<id_t>(launcher.standby_pids()[1]), &info, WEXITED | WNOWAIT),
+            0);
+  auto restart = launcher.Launch(Specs(1, "s1", {{"DIE_AS_STANDBY", "1"}}));
+  ASSERT_TRUE(restart.ok()) << restart.status().ToString();
+  std::vector<std::string> out = RunAll(*restart);
+  EXPECT_TRUE(Contains(out[0], "rank 0 s1 1 standby")) << out[0];
+  EXPECT_TRUE(Contains(out[1], "rank 1 s1 1 fresh")) << out[1];
+  const std::string notes = Joined(launcher.TakeNotes());
+  EXPECT_TRUE(Contains(notes,
+                       "the standby worker of rank 1 on h2 is gone (its ssh exited with "
+                       "status 3); starting it afresh"))
+      << notes;
+  EXPECT_TRUE(Contains(notes, "rank 0 started from standby workers")) << notes;
+}
+
+TEST_F(WarmSshTest, StandbysOfAnotherPlacementAreEndedAndTheRestartIsCold) {
+  SshLauncher launcher(WarmOptions());
+  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "s0", {{"SHAPE", "a"}})).ok());
+  const std::vector<pid_t> pids = launcher.standby_pids();
+  auto launched = launcher.Launch(Specs(1, "s1", {{"SHAPE", "b"}}));
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  std::vector<std::string> out = RunAll(*launched);
+  EXPECT_TRUE(Contains(out[0], "rank 0 s1 1 fresh")) << out[0];
+  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()), "started for another placement"));
+  for (pid_t pid : pids) EXPECT_TRUE(testing::SettledState(pid).empty()) << pid;
+}
+
+TEST_F(WarmSshTest, EndRunEndsTheStandbysAndTheirWorkers) {
+  SshLauncher launcher(WarmOptions());
+  // Each standby worker writes its pid to a file of its rank before it waits.
+  std::map<std::string, std::string> env = {{"PID_DIR", dir_.string()}};
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back(Python(r,
+                           "import os\n"
+                           "open(os.path.join(os.environ['PID_DIR'], 'pid' + "
+                           "os.environ['JAXTRAIN_RANK']), 'w').write(str(os.getpid()))\n"
+                           "os.read(int(os.environ['JAXTRAIN_RUN_SECRET_FD']), 100)\n",
+                           {{"PID_DIR", dir_.string()}, {"JAXTRAIN_RANK", std::to_string(r)}}));
+  }
+  ASSERT_TRUE(launcher.PrepareNext(specs).ok());
+  std::vector<pid_t> workers;
+  for (int r = 0; r < 2; ++r) {
+    const auto path = dir_ / ("pid" + std::to_string(r));
+    auto written = [&] {
+      std::error_code ec;
+      const auto size = std::filesystem::file_size(path, ec);
+      return !ec && size > 0;
+    };
+    for (int i = 0; i < 600 && !written(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::ifstream in(path);
+    pid_t pid = 0;
+    in >> pid;
+    ASSERT_GT(pid, 0);
+    workers.push_back(pid);
+  }
+  launcher.EndRun(false);
+  EXPECT_TRUE(launcher.standby_pids().empty());
+  for (pid_t pid : workers) {
+    const std::string state = testing::SettledState(pid);
+    EXPECT_TRUE(state.empty() || state == "Z") << "standby worker " << pid << ": " << state;
+  }
+}
+
+TEST_F(WarmSshTest, APreloadFileOfThisHostIsShippedToTheStandbys) {
+  SshLauncher launcher(WarmOptions());
+  const std::string preload = (dir_ / "task.pkl").string();
+  std::ofstream(preload) << "pickled bytes";
+  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "s0", {{"JAXTRAIN_PRELOAD_FILE", preload}})).ok());
+  auto launched = launcher.Launch(Specs(1, "s1", {{"JAXTRAIN_PRELOAD_FILE", preload}}));
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  std::vector<std::string> out = RunAll(*launched);
+  // The standby got the bytes in a file of its own host, not this host's path.
+  EXPECT_TRUE(Contains(out[0], "rank 0 s1 1 standby preload=pickled bytes at ")) << out[0];
+  EXPECT_FALSE(Contains(out[0], preload)) << out[0];
+  EXPECT_FALSE(Contains(ArgvLog(), "pickled")) << ArgvLog();
+}
+
 }  // namespace
 }  // namespace jaxtrain::launch

@@ -36,6 +36,9 @@ namespace jaxtrain::launch {
 inline constexpr const char* kActivationEnv[] = {"JAXTRAIN_ATTEMPT", "JAXTRAIN_CONTROLLER_ADDR",
                                                  "JAXTRAIN_RUN_DIR", "JAXTRAIN_EXPERIMENT_NAME"};
 
+// Names the file of the pickled task a standby preloads (python/jaxtrain/worker.py).
+inline constexpr char kPreloadFileEnv[] = "JAXTRAIN_PRELOAD_FILE";
+
 // Names the inherited pipe a local process reads the run's secret from.
 inline constexpr char kSecretFdEnv[] = "JAXTRAIN_RUN_SECRET_FD";
 
