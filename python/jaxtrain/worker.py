@@ -143,11 +143,12 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
 
     Called before anything is compiled. Left alone: JAXTRAIN_COMPILATION_CACHE=0 (the driver
     passes it on, checked), and a cache directory the user chose (JAX_COMPILATION_CACHE_DIR, or
-    jax_compilation_cache_dir set some other way before the training function). JAX's own
-    thresholds stay: only programs that took jax_persistent_cache_min_compile_time_secs (1 s) to
-    compile are written, and only by process 0, so that other hosts hit the cache only where the
-    run directory is shared (as Slurm and Kubernetes runs across hosts already require). JAX caches
-    the CPU backend's programs too, but see _cache_every_cpu_rank."""
+    jax_compilation_cache_dir set some other way before the training function). Every program is
+    written, however quick its compilation (jax_persistent_cache_min_compile_time_secs 0 unless the
+    workers' environment sets JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS), by process 0 only, so
+    that other hosts hit the cache only where the run directory is shared (as Slurm and Kubernetes
+    runs across hosts already require). JAX caches the CPU backend's programs too, but see
+    _cache_every_cpu_rank."""
     if os.environ.get("JAXTRAIN_COMPILATION_CACHE", "1") == "0":
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
@@ -158,6 +159,11 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
     if os.environ.get(STORE_ENV) == "1":  # the run directory is not on this host: its own cache
         path = host_cache_dir(COMPILATION_CACHE_DIR, os.path.basename(run_dir))
     jax.config.update("jax_compilation_cache_dir", path)
+    # Every program, however quick to compile (JAX's threshold is 1 s), so that a restarted group
+    # compiles nothing: the model's initialisation and the small programs around the step too.
+    # A threshold the user set for the workers is kept.
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return path
 
 
