@@ -19,11 +19,13 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "base/fd_io.h"
 #include "base/strings.h"
 #include "launch/ssh_launcher.h"
+#include "launch/standby_pool.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -593,46 +595,96 @@ SlurmLauncher::SlurmLauncher(SlurmLauncherOptions options,
                              std::unique_ptr<SlurmAllocation> allocation)
     : options_(std::move(options)), allocation_(std::move(allocation)) {}
 
-SlurmLauncher::~SlurmLauncher() = default;
+SlurmLauncher::~SlurmLauncher() { EndStandby(); }
+
+StatusOr<SlurmLauncher::Step> SlurmLauncher::StepFor(const std::vector<ProcessSpec>& specs) const {
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm",
+                                                       placement::kPerRankPlacementVariables));
+  Step step;
+  step.ranks = group.ranks;
+  step.secret = group.secret;
+  step.env = CurrentEnvironment();
+  for (const auto& name : group.unset_env) step.env.erase(name);
+  for (const auto& name : kPerRankEnv) step.env.erase(name);
+  for (const auto& [k, v] : group.env) step.env[k] = v;
+  // The tasks take SIGUSR1 as the time limit's notice, due in this many seconds.
+  step.env[kSlurmSignalEnv] = std::to_string(options_.shape.signal_s);
+  for (auto& a : options_.shape.SrunArgs()) step.args.push_back(a);
+  // The secret (or a standby's activation) goes to srun's stdin, which srun hands to every task
+  // (--input=all) as their stdin: never in an environment (/proc/PID/environ) or a command line.
+  step.args.insert(step.args.end(), {"--kill-on-bad-exit=1", "--export=ALL", "--input=all"});
+  // One rank's output needs no labels: the controller reads it as a local process's.
+  if (step.ranks.size() > 1) step.args.push_back("--label");
+  if (!group.cwd.empty()) step.args.push_back("--chdir=" + group.cwd);
+  step.args.insert(step.args.end(), group.argv.begin(), group.argv.end());
+  // NUL cannot occur in an argument or a variable: the fields cannot run together.
+  for (const auto& a : step.args) step.key += "arg=" + a + '\0';
+  for (const auto& [k, v] : step.env) {
+    if (!IsActivationName(k)) step.key += "env=" + k + "=" + v + '\0';
+  }
+  return step;
+}
+
+StatusOr<LaunchedProcess> SlurmLauncher::StartStep(Step step, bool standby, int* input) {
+  std::vector<std::string> argv = {options_.srun, "--jobid=" + options_.job_id,
+                                   "--job-name=" + step.name};
+  // A standby step starts while the attempt's step holds the allocation's CPUs.
+  if (standby) argv.push_back("--overlap");
+  argv.insert(argv.end(), step.args.begin(), step.args.end());
+  int in[2] = {-1, -1};
+  if (standby) {
+    for (const char* name : kActivationEnv) step.env.erase(name);
+    step.env["JAXTRAIN_STANDBY"] = "1";
+    step.env["JAXTRAIN_RUN_SECRET_FD"] = "0";
+    if (pipe2(in, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  } else if (!step.secret.empty()) {
+    JT_ASSIGN_OR_RETURN(in[0], PipeHolding(step.secret));
+    step.env["JAXTRAIN_RUN_SECRET_FD"] = "0";
+  }
+  auto spawned = Spawn(argv, &step.env, true, in[0]);
+  if (in[0] >= 0) close(in[0]);
+  if (!spawned.ok()) {
+    if (in[1] >= 0) close(in[1]);
+    return spawned.status();
+  }
+  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, spawned->pid, 0));
+  if (pidfd < 0) {
+    int err = errno;
+    if (in[1] >= 0) close(in[1]);
+    killpg(spawned->pid, SIGKILL);
+    WaitForExit(spawned->pid);
+    close(spawned->output_fd);
+    return ErrnoError("pidfd_open", err);
+  }
+  fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+  fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
+  if (input != nullptr) *input = in[1];
+  return LaunchedProcess{step.ranks, spawned->pid, pidfd, spawned->output_fd};
+}
 
 StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
     const std::vector<ProcessSpec>& specs) {
   pgid_ = 0;
   queue_wait_s_ = 0;
-  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Slurm",
-                                                       placement::kPerRankPlacementVariables));
-  const std::vector<int>& ranks = group.ranks;
-  std::map<std::string, std::string> env = CurrentEnvironment();
-  for (const auto& name : group.unset_env) env.erase(name);
-  for (const auto& name : kPerRankEnv) env.erase(name);
-  for (const auto& [k, v] : group.env) env[k] = v;
-  // The tasks take SIGUSR1 as the time limit's notice, due in this many seconds.
-  env[kSlurmSignalEnv] = std::to_string(options_.shape.signal_s);
-  // The secret goes to srun's stdin, which srun hands to every task (--input=all) as their
-  // stdin: never in an environment (/proc/PID/environ) or a command line.
-  int secret_fd = -1;
-  if (!group.secret.empty()) {
-    JT_ASSIGN_OR_RETURN(secret_fd, PipeHolding(group.secret));
-    env["JAXTRAIN_RUN_SECRET_FD"] = "0";
+  JT_ASSIGN_OR_RETURN(Step step, StepFor(specs));
+  if (steps_ > 0) {
+    const std::string job = options_.job_id;
+    Status renewed = RenewAtTimeLimit();
+    if (!renewed.ok() || options_.job_id != job) EndStandby();  // it ran in the old allocation
+    JT_RETURN_IF_ERROR(renewed);
   }
-  struct CloseOnReturn {
-    int fd;
-    ~CloseOnReturn() {
-      if (fd >= 0) close(fd);
-    }
-  } secret_closer{secret_fd};
-
-  if (steps_ > 0) JT_RETURN_IF_ERROR(RenewAtTimeLimit());
   // A step in an allocation that Slurm has ended (node failure, time limit, scancel) can never
   // start: say so once instead of failing every retry.
   auto state =
       RunCommand({options_.squeue, "--noheader", "--jobs=" + options_.job_id, "--format=%T %r"},
                  options_.command_timeout);
   if (!state.ok() && state.status().code() == StatusCode::kDeadlineExceeded) {
+    EndStandby();
     return UnavailableError("cannot ask Slurm whether job " + options_.job_id +
                             ", this run's allocation, still runs: " + state.status().message());
   }
   if (!state.ok() || Trim(*state).substr(0, 7) != "RUNNING") {
+    EndStandby();
     return FailedPreconditionError(
         "Slurm job " + options_.job_id + ", this run's allocation, is no longer running (" +
         (state.ok() ? (Trim(*state).empty() ? std::string("gone") : Trim(*state))
@@ -640,31 +692,85 @@ StatusOr<std::vector<LaunchedProcess>> SlurmLauncher::Launch(
         "): Slurm ended it (a node failed, its time ran out, or it was cancelled)");
   }
 
-  step_name_ = options_.step_name + "-" + std::to_string(++steps_);
-  std::vector<std::string> argv = {options_.srun, "--jobid=" + options_.job_id,
-                                   "--job-name=" + step_name_};
-  for (auto& a : options_.shape.SrunArgs()) argv.push_back(a);
-  argv.insert(argv.end(), {"--kill-on-bad-exit=1", "--export=ALL", "--input=all"});
-  // One rank's output needs no labels: the controller reads it as a local process's.
-  if (ranks.size() > 1) argv.push_back("--label");
-  if (!group.cwd.empty()) argv.push_back("--chdir=" + group.cwd);
-  argv.insert(argv.end(), group.argv.begin(), group.argv.end());
-
-  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, &env, true, secret_fd));
-  pgid_ = p.pid;
-  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
-  if (pidfd < 0) {
-    int err = errno;
-    killpg(p.pid, SIGKILL);
-    WaitForExit(p.pid);
-    close(p.output_fd);
-    pgid_ = 0;
-    return ErrnoError("pidfd_open", err);
+  if (standby_) {
+    std::optional<LaunchedProcess> warm = ActivateStandby(step);
+    if (warm) return std::vector<LaunchedProcess>{*warm};
   }
-  fcntl(pidfd, F_SETFD, FD_CLOEXEC);
-  fcntl(p.output_fd, F_SETFL, fcntl(p.output_fd, F_GETFL) | O_NONBLOCK);
-  return std::vector<LaunchedProcess>{{ranks, p.pid, pidfd, p.output_fd}};
+  step.name = step_name_ = options_.step_name + "-" + std::to_string(++steps_);
+  JT_ASSIGN_OR_RETURN(LaunchedProcess launched, StartStep(std::move(step), false, nullptr));
+  pgid_ = launched.pid;
+  return std::vector<LaunchedProcess>{launched};
 }
+
+std::optional<LaunchedProcess> SlurmLauncher::ActivateStandby(const Step& step) {
+  StandbyStep standby = std::move(*standby_);
+  standby_.reset();
+  std::string why;
+  if (standby.key != step.key) {
+    why = "was started for another placement";
+  } else if (std::optional<ExitStatus> exit = TryReap(standby.process.pid)) {
+    why = "is gone (srun " + exit->ToString() + ")";
+    standby.process.pid = 0;
+  }
+  if (why.empty()) {
+    nlohmann::json overrides = nlohmann::json::object();
+    for (const char* name : kActivationEnv) {
+      if (auto it = step.env.find(name); it != step.env.end()) overrides[name] = it->second;
+    }
+    const std::string activation =
+        nlohmann::json{{"secret", step.secret}, {"env", overrides}}.dump();
+    int err = 0;
+    Status written = WriteAll(standby.input, activation, "write", &err);
+    close(standby.input);
+    standby.input = -1;
+    if (written.ok()) {
+      step_name_ = standby.name;
+      pgid_ = standby.process.pid;
+      notes_.push_back("ranks " + RanksText(step.ranks) + " started from a standby step (" +
+                       standby.name + ", already past import jax)");
+      return standby.process;
+    }
+    why = std::string("could not be activated (") + std::strerror(err) + ")";
+  }
+  notes_.push_back("the standby step " + standby.name + " " + why + "; starting a new step");
+  standby_ = std::move(standby);
+  EndStandby();
+  return std::nullopt;
+}
+
+Status SlurmLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
+  if (!options_.warm || standby_ || interrupted_.load()) return OkStatus();
+  JT_ASSIGN_OR_RETURN(Step step, StepFor(specs));
+  StandbyStep standby{.key = step.key, .name = options_.step_name + "-" + std::to_string(++steps_)};
+  step.name = standby.name;
+  JT_ASSIGN_OR_RETURN(standby.process, StartStep(std::move(step), true, &standby.input));
+  standby_ = std::move(standby);
+  return OkStatus();
+}
+
+void SlurmLauncher::EndStandby() {
+  if (!standby_) return;
+  StandbyStep standby = std::move(*standby_);
+  standby_.reset();
+  if (standby.input >= 0) close(standby.input);  // its tasks read EOF and exit 0
+  if (standby.process.pid > 0) {
+    // srun ends once its tasks have; one that does not soon is killed, and its step cancelled
+    // (a killed srun leaves its tasks running).
+    std::optional<ExitStatus> exit;
+    for (int i = 0; i < 50 && !(exit = TryReap(standby.process.pid)); ++i) usleep(100 * 1000);
+    if (!exit) {
+      killpg(standby.process.pid, SIGKILL);
+      WaitForExit(standby.process.pid);
+      CancelStep(standby.name);
+    }
+  }
+  if (standby.process.pidfd >= 0) close(standby.process.pidfd);
+  if (standby.process.output_fd >= 0) close(standby.process.output_fd);
+}
+
+void SlurmLauncher::EndRun(bool) { EndStandby(); }
+
+std::vector<std::string> SlurmLauncher::TakeNotes() { return std::exchange(notes_, {}); }
 
 Status SlurmLauncher::RenewAtTimeLimit() {
   if (allocation_ == nullptr || !allocation_->owned() || options_.shape.signal_s <= 0) {
@@ -699,12 +805,12 @@ Status SlurmLauncher::RenewAtTimeLimit() {
 
 Status SlurmLauncher::SignalGroup(int signal) {
   Status s = pgid_ > 0 ? SignalProcessGroup(pgid_, signal) : OkStatus();
-  if (signal == SIGKILL) CancelStep();  // says itself when it cannot
+  if (signal == SIGKILL) CancelStep(step_name_);  // says itself when it cannot
   return s;
 }
 
-void SlurmLauncher::CancelStep() {
-  if (step_name_.empty()) return;
+void SlurmLauncher::CancelStep(const std::string& name) {
+  if (name.empty()) return;
   auto steps = RunCommand(
       {options_.squeue, "--noheader", "--steps", "--jobs=" + options_.job_id, "--format=%i|%j"},
       options_.command_timeout);
@@ -714,7 +820,7 @@ void SlurmLauncher::CancelStep() {
   }
   for (const auto& line : SplitLines(*steps)) {
     size_t bar = line.find('|');
-    if (bar == std::string::npos || line.substr(bar + 1) != step_name_) continue;
+    if (bar == std::string::npos || line.substr(bar + 1) != name) continue;
     auto s =
         RunCommand({options_.scancel, "--quiet", line.substr(0, bar)}, options_.command_timeout);
     if (!s.ok()) Say("cannot cancel job step " + line.substr(0, bar) + ": " + s.status().message());
@@ -745,9 +851,11 @@ StatusOr<SlurmStart> StartSlurm(const config::ScalingConfig& config,
     host = *chosen;
   }
   std::string job_id = allocation->job_id();
+  JT_ASSIGN_OR_RETURN(const bool warm, WarmWorkersRequested());
   return SlurmStart{
       .launcher = std::make_unique<SlurmLauncher>(
-          SlurmLauncherOptions{.job_id = std::move(job_id), .shape = shape, .step_name = step_name},
+          SlurmLauncherOptions{
+              .job_id = std::move(job_id), .shape = shape, .step_name = step_name, .warm = warm},
           std::move(allocation)),
       .listen_host = std::move(host)};
 }

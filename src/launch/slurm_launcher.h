@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -165,6 +166,7 @@ struct SlurmLauncherOptions {
   std::string squeue = "squeue";
   // squeue and scancel are killed after this long (their error then names them).
   Duration command_timeout = kSlurmCommandTimeout;
+  bool warm = false;  // a standby step for a restart (JAXTRAIN_WARM_WORKERS)
 };
 
 class SlurmLauncher : public Launcher {
@@ -201,8 +203,42 @@ class SlurmLauncher : public Launcher {
   // first allocation is the run's queue_wait_s (SlurmStart), not an attempt's.
   double QueueWait() const override { return queue_wait_s_; }
 
+  // With options.warm: starts the next attempt's step ahead, as standbys (docs/warm-workers.md,
+  // "On Slurm"): `srun --overlap` in the allocation, every task a standby worker that imports jax
+  // and waits for its activation on its stdin. The next Launch() of the same step (same command,
+  // environment but for kActivationEnv, shape) in the same allocation activates it by writing the
+  // activation to srun's stdin, which srun hands to every task; otherwise it is ended and a new
+  // step started, and a note says why. Does nothing while a standby step is held.
+  // Errors: kUnavailable when srun cannot be started; as Launch() for specs it cannot merge.
+  Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
+  void EndRun(bool keep) override;  // ends the standby step
+  std::vector<std::string> TakeNotes() override;
+
  private:
-  void CancelStep();
+  // One step's srun arguments after --jobid and --job-name, its environment and its key.
+  struct Step {
+    std::vector<int> ranks;
+    std::vector<std::string> args;
+    std::map<std::string, std::string> env;
+    std::string secret;
+    std::string key;   // the arguments and the environment but for kActivationEnv
+    std::string name;  // --job-name
+  };
+  struct StandbyStep {
+    std::string key;
+    std::string name;
+    LaunchedProcess process;
+    int input = -1;  // the write end of srun's stdin
+  };
+  StatusOr<Step> StepFor(const std::vector<ProcessSpec>& specs) const;
+  // Starts `step` (as standbys: *input is the write end of srun's stdin).
+  StatusOr<LaunchedProcess> StartStep(Step step, bool standby, int* input);
+  // The standby step activated for `step`, or nullopt (it was ended; a note says why).
+  std::optional<LaunchedProcess> ActivateStandby(const Step& step);
+  // Closes its stdin (the tasks read EOF and exit 0) and waits a moment for srun; else kills
+  // srun and cancels the step.
+  void EndStandby();
+  void CancelStep(const std::string& name);
   // Before a retry: an allocation of jaxtrain's own whose time-limit notice is due (time left <=
   // signal_s + kSlurmSignalSlackS) is released and requested again. Errors: as Request(), with
   // kCancelled for a withdrawn request.
@@ -215,6 +251,8 @@ class SlurmLauncher : public Launcher {
   std::string step_name_;    // of the last Launch()
   double queue_wait_s_ = 0;  // of the last Launch()
   std::atomic<bool> interrupted_{false};
+  std::optional<StandbyStep> standby_;
+  std::vector<std::string> notes_;
 };
 
 // What a Slurm run starts with: its launcher and the address the nodes reach the controller at.

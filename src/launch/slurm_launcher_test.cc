@@ -339,9 +339,21 @@ while args and args[0].startswith("--"):
         n = int(arg.split("=", 1)[1])
     elif arg.startswith("--chdir="):
         os.chdir(arg.split("=", 1)[1])
-# --input=all: every task reads all of srun's stdin (the run's secret), not a share of one pipe.
-stdin = sys.stdin.buffer.read() if broadcast else b""
+# --input=all: every task reads all of srun's stdin (the run's secret, a standby's activation) as
+# it comes, not a share of one pipe.
+inputs = []
 lock = threading.Lock()
+
+
+def broadcast_stdin():
+    while chunk := os.read(0, 65536):
+        for w in inputs:
+            try:
+                os.write(w, chunk)
+            except OSError:
+                pass
+    for w in inputs:
+        os.close(w)
 
 
 def label(i, out):
@@ -357,8 +369,10 @@ for i in range(n):
              "JAXTRAIN_LOCAL_RANK": i, "JAXTRAIN_LOCAL_WORLD_SIZE": n, "JAXTRAIN_NODE_RANK": 0}
     env = dict(os.environ, **{k: str(v) for k, v in place.items()})
     r, w = os.pipe()
-    os.write(w, stdin)
-    os.close(w)
+    if broadcast:
+        inputs.append(w)
+    else:
+        os.close(w)
     p = subprocess.Popen(args, env=env, stdin=r, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=remote)
     os.close(r)
@@ -366,6 +380,7 @@ for i in range(n):
     running.add(p.pid)
     pumps.append(threading.Thread(target=label, args=(i, p.stdout)))
     pumps[-1].start()
+threading.Thread(target=broadcast_stdin, daemon=True).start()
 rc, ends = 0, []
 while running:
     pid, status = os.wait()
@@ -450,6 +465,111 @@ TEST_F(SlurmLauncherTest, OneStepRunsEveryRankWithTheSharedEnvironmentOnly) {
   }
   EXPECT_TRUE(Contains(args, "--chdir=" + dir_ + "\n")) << args;
   EXPECT_FALSE(Contains(args, "s3cr3t")) << "the environment never goes on a command line";
+}
+
+// A task that tells how it was started: standby or fresh, the secret, the attempt. A standby reads
+// its activation from stdin (JAXTRAIN_RUN_SECRET_FD=0) as python/jaxtrain/worker.py does.
+constexpr char kTellingTask[] =
+    "import json, os\n"
+    "standby = os.environ.get('JAXTRAIN_STANDBY') == '1'\n"
+    "data = b''\n"
+    "while chunk := os.read(int(os.environ['JAXTRAIN_RUN_SECRET_FD']), 65536):\n"
+    "    data += chunk\n"
+    "if standby and not data:\n"
+    "    raise SystemExit(0)\n"
+    "a = json.loads(data) if standby else {'secret': data.decode(), 'env': {}}\n"
+    "os.environ.update(a['env'])\n"
+    "print('rank', os.environ['JAXTRAIN_RANK'], a['secret'], os.environ.get('JAXTRAIN_ATTEMPT'),\n"
+    "      'standby' if standby else 'fresh', flush=True)\n";
+
+std::vector<ProcessSpec> TellingSpecs(const std::string& dir, int attempt,
+                                      const std::string& secret, const std::string& shape = "a") {
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back({{r},
+                     {"/usr/bin/python3", "-c", kTellingTask},
+                     {{"JAXTRAIN_RANK", std::to_string(r)},
+                      {"JAXTRAIN_ATTEMPT", std::to_string(attempt)},
+                      {"SHAPE", shape}},
+                     {},
+                     dir});
+    specs.back().secret = secret;
+  }
+  return specs;
+}
+
+// Runs the step to its end: its output.
+std::string RunStep(const LaunchedProcess& step) {
+  std::string output = ReadAll(step.output_fd);
+  pollfd p{step.pidfd, POLLIN, 0};
+  poll(&p, 1, 10000);
+  auto exit = TryReap(step.pid);
+  EXPECT_TRUE(exit.has_value() && exit->ok()) << output;
+  close(step.pidfd);
+  close(step.output_fd);
+  return output;
+}
+
+std::string Joined(const std::vector<std::string>& notes) {
+  std::string all;
+  for (const auto& n : notes) all += n + "\n";
+  return all;
+}
+
+TEST_F(SlurmLauncherTest, ARestartActivatesTheStandbyStepWithTheNewSecret) {
+  SlurmLauncherOptions options = Options();
+  options.warm = true;
+  SlurmLauncher launcher(options);
+  auto first = launcher.Launch(TellingSpecs(dir_, 0, "s0"));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(Contains(RunStep(first->front()), "1: rank 1 s0 0 fresh"))
+      << ReadFile(dir_ + "/srun-args");
+
+  ASSERT_TRUE(launcher.PrepareNext(TellingSpecs(dir_, 0, "s0")).ok());
+  // The fake srun writes its arguments once it runs.
+  std::string standby_args;
+  for (int i = 0; i < 100 && !Contains(standby_args = ReadFile(dir_ + "/srun-args"), "--overlap");
+       ++i) {
+    usleep(100 * 1000);
+  }
+  EXPECT_TRUE(Contains(standby_args, "--overlap\n")) << standby_args;
+  EXPECT_TRUE(Contains(standby_args, "--job-name=jaxtrain-test-2\n")) << standby_args;
+  EXPECT_TRUE(Contains(standby_args, "--input=all\n")) << standby_args;
+
+  auto restart = launcher.Launch(TellingSpecs(dir_, 1, "s1"));
+  ASSERT_TRUE(restart.ok()) << restart.status().ToString();
+  // No new srun: the standby step is the attempt's.
+  EXPECT_EQ(ReadFile(dir_ + "/srun-args"), standby_args);
+  const std::string output = RunStep(restart->front());
+  EXPECT_TRUE(Contains(output, "0: rank 0 s1 1 standby")) << output;
+  EXPECT_TRUE(Contains(output, "1: rank 1 s1 1 standby")) << output;
+  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()),
+                       "ranks 0,1 started from a standby step (jaxtrain-test-2"));
+}
+
+TEST_F(SlurmLauncherTest, AStandbyStepOfAnotherPlacementIsEndedAndANewStepStarted) {
+  SlurmLauncherOptions options = Options();
+  options.warm = true;
+  SlurmLauncher launcher(options);
+  ASSERT_TRUE(launcher.PrepareNext(TellingSpecs(dir_, 0, "s0", "a")).ok());
+  auto launched = launcher.Launch(TellingSpecs(dir_, 1, "s1", "b"));
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const std::string output = RunStep(launched->front());
+  EXPECT_TRUE(Contains(output, "0: rank 0 s1 1 fresh")) << output;
+  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()),
+                       "the standby step jaxtrain-test-1 was started for another placement; "
+                       "starting a new step"));
+  EXPECT_TRUE(Contains(ReadFile(dir_ + "/srun-args"), "--job-name=jaxtrain-test-2\n"));
+}
+
+TEST_F(SlurmLauncherTest, EndRunEndsTheStandbyStepItsTasksReadingEof) {
+  SlurmLauncherOptions options = Options();
+  options.warm = true;
+  SlurmLauncher launcher(options);
+  ASSERT_TRUE(launcher.PrepareNext(TellingSpecs(dir_, 0, "s0")).ok());
+  launcher.EndRun(false);
+  // Ended by its tasks' EOF, not by scancel.
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/scancel-args"));
 }
 
 TEST_F(SlurmLauncherTest, OneRanksOutputIsNotLabelled) {

@@ -21,11 +21,6 @@ namespace {
 constexpr char kStandbyEnv[] = "JAXTRAIN_STANDBY";
 constexpr char kWarmWorkersEnv[] = "JAXTRAIN_WARM_WORKERS";
 
-bool IsActivationName(const std::string& name) {
-  return std::any_of(std::begin(kActivationEnv), std::end(kActivationEnv),
-                     [&](const char* a) { return name == a; });
-}
-
 void EndStandby(Standby& s) {
   if (s.activation_fd >= 0) close(s.activation_fd);
   kill(s.process.pid, SIGKILL);
@@ -63,6 +58,11 @@ StatusOr<Standby> StartStandby(const ProcessSpec& spec, pid_t pgid) {
 }
 
 }  // namespace
+
+bool IsActivationName(const std::string& name) {
+  return std::any_of(std::begin(kActivationEnv), std::end(kActivationEnv),
+                     [&](const char* a) { return name == a; });
+}
 
 std::map<std::string, std::string> LocalEnvironment(const ProcessSpec& spec) {
   std::map<std::string, std::string> env = CurrentEnvironment();

@@ -36,6 +36,9 @@ namespace jaxtrain::launch {
 inline constexpr const char* kActivationEnv[] = {"JAXTRAIN_ATTEMPT", "JAXTRAIN_CONTROLLER_ADDR",
                                                  "JAXTRAIN_RUN_DIR", "JAXTRAIN_EXPERIMENT_NAME"};
 
+// Whether `name` is one of kActivationEnv.
+bool IsActivationName(const std::string& name);
+
 // Names the file of the pickled task a standby preloads (python/jaxtrain/worker.py).
 inline constexpr char kPreloadFileEnv[] = "JAXTRAIN_PRELOAD_FILE";
 
