@@ -12,9 +12,9 @@ import pytest
 
 from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
 
-# JAX writes only programs that took this long to compile (its default: 1 s); 0 lets the small
-# step below be cached. Set as a user would, so it also shows the user's threshold is kept.
-_CACHE_EVERYTHING = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+# JAX's own default writes only programs that took 1 s to compile; jaxtrain's cache writes every
+# program (the small step below too) unless the user set this for the workers.
+_THRESHOLD = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 
 def _step_once(config):
@@ -65,7 +65,7 @@ def _fit(storage, tmp_path, name, *, fail=False, env_vars=None):
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(
             name=name, storage_path=storage, failure_config=FailureConfig(max_failures=1),
-            worker_runtime_env={"env_vars": {**_CACHE_EVERYTHING, **(env_vars or {})}}),
+            worker_runtime_env={"env_vars": env_vars or {}}),
     ).fit()
 
 
@@ -89,6 +89,16 @@ def test_a_restarted_group_loads_what_the_first_attempt_compiled(storage, tmp_pa
     assert sorted(os.listdir(cache)) == _notes(tmp_path, 1, 1)["entries_before"]
 
 
+def test_a_threshold_the_user_set_is_kept(storage, tmp_path):
+    # The step compiles in far less than 1000 s: with the user's threshold it is never written,
+    # and the restarted group compiles it again.
+    result = _fit(storage, tmp_path, "threshold", fail=True, env_vars={_THRESHOLD: "1000"})
+    cache = Path(result.path, "compilation-cache")
+    assert not any(e.startswith("jit__lambda") for e in os.listdir(cache)), os.listdir(cache)
+    for rank in (0, 1):
+        assert _notes(tmp_path, 1, rank)["step_hits"] == 0
+
+
 def test_jaxtrain_compilation_cache_0_turns_the_cache_off(storage, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_COMPILATION_CACHE", "0")
     result = _fit(storage, tmp_path, "off")
@@ -99,7 +109,10 @@ def test_jaxtrain_compilation_cache_0_turns_the_cache_off(storage, tmp_path, mon
 
 def test_the_users_cache_directory_is_kept(storage, tmp_path):
     own = tmp_path / "own-cache"
-    result = _fit(storage, tmp_path, "own", env_vars={"JAX_COMPILATION_CACHE_DIR": str(own)})
+    # A cache of the user's own is left as JAX has it: its 1 s threshold too, which the user
+    # lowers here so that the small step is written.
+    result = _fit(storage, tmp_path, "own",
+                  env_vars={"JAX_COMPILATION_CACHE_DIR": str(own), _THRESHOLD: "0"})
     assert not Path(result.path, "compilation-cache").exists()
     for rank in (0, 1):
         assert _notes(tmp_path, 0, rank)["cache_dir"] == str(own)
