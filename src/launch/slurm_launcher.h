@@ -30,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "accelerators/discovery.h"
@@ -186,7 +187,8 @@ class SlurmLauncher : public Launcher {
   StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
 
   // Sends `signal` to srun, which forwards it to every task. SIGKILL also cancels the step in
-  // Slurm (scancel), since a killed srun leaves its tasks running.
+  // Slurm (scancel), since a killed srun leaves its tasks running; a step that cannot be found
+  // or cancelled is a note (TakeNotes), and the SIGKILL is not an error for it.
   Status SignalGroup(int signal) override;
 
   std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
@@ -201,8 +203,10 @@ class SlurmLauncher : public Launcher {
   // first allocation is the run's queue_wait_s (SlurmStart), not an attempt's.
   double QueueWait() const override { return queue_wait_s_; }
 
+  std::vector<std::string> TakeNotes() override { return std::exchange(notes_, {}); }
+
  private:
-  void CancelStep();
+  void CancelStep();  // notes what it cannot do
   // Before a retry: an allocation of jaxtrain's own whose time-limit notice is due (time left <=
   // signal_s + kSlurmSignalSlackS) is released and requested again. Errors: as Request(), with
   // kCancelled for a withdrawn request.
@@ -215,6 +219,7 @@ class SlurmLauncher : public Launcher {
   std::string step_name_;    // of the last Launch()
   double queue_wait_s_ = 0;  // of the last Launch()
   std::atomic<bool> interrupted_{false};
+  std::vector<std::string> notes_;  // for TakeNotes()
 };
 
 // What a Slurm run starts with: its launcher and the address the nodes reach the controller at.
