@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import run_command
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core, hosts, kubernetes, trainer
 
 # ssh_hosts and ssh_shared_dir (the real run only; under flock /tmp/jaxtrain-clusters.lock)
@@ -224,10 +224,10 @@ def test_a_hostfile_label_selects_one_of_two_ssh_hosts_for_every_worker(ssh_host
     cwd = ssh_shared_dir
     (cwd / "hosts.txt").write_text("host1 labels=zone=a\nhost2 labels=zone=b\n")
     (cwd / "train.py").write_text(RAY_SCRIPT)
-    proc = subprocess.run([sys.executable, str(cwd / "train.py")], cwd=cwd,
-                          env=ssh_hosts.env(HOME=str(cwd),
-                                            JAXTRAIN_HOSTFILE=str(cwd / "hosts.txt")),
-                          capture_output=True, text=True, timeout=240)
+    proc = run_command([sys.executable, str(cwd / "train.py")], cwd=cwd,
+                      env=ssh_hosts.env(HOME=str(cwd),
+                                        JAXTRAIN_HOSTFILE=str(cwd / "hosts.txt")),
+                      capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     host2 = ssh_hosts.run_on("host2", "hostname").stdout.strip()
     host1 = ssh_hosts.run_on("host1", "hostname").stdout.strip()

@@ -8,14 +8,13 @@ option that cannot apply) before anything starts."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import run_driver
+from conftest import run_command, run_driver
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, hosts, validation
 from jaxtrain.validation import Placement, ValidationConfig, place
 
@@ -269,10 +268,10 @@ def test_a_validation_runs_on_the_named_host_and_an_unreachable_one_is_recorded(
     (cwd / "hosts.txt").write_text("host1 labels=role=train\nhost2 labels=role=eval\n"
                                    "host3 labels=role=down\n")
     (cwd / "train.py").write_text(RAY_SCRIPT)
-    proc = subprocess.run([sys.executable, str(cwd / "train.py"), "host2"], cwd=cwd,
-                          env=ssh_hosts.env(HOME=str(cwd),
-                                            JAXTRAIN_HOSTFILE=str(cwd / "hosts.txt")),
-                          capture_output=True, text=True, timeout=400)
+    proc = run_command([sys.executable, str(cwd / "train.py"), "host2"], cwd=cwd,
+                      env=ssh_hosts.env(HOME=str(cwd),
+                                        JAXTRAIN_HOSTFILE=str(cwd / "hosts.txt")),
+                      capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads((cwd / "out.json").read_text())
     host1 = ssh_hosts.run_on("host1", "hostname").stdout.strip()

@@ -464,7 +464,7 @@ JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
 def test_jaxtrain_run_with_a_hostfile_runs_an_unmodified_script_on_the_hosts(ssh_hosts,
                                                                              shared_dir):
     (shared_dir / "hostfile").write_text("# the test hosts\nhost1 slots=1\nhost2 slots=2\n")
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "jaxtrain", "run", "--hostfile", "hostfile", "-n", "3",
          "--no-status-line", "--name", "cli", str(PSUM_SCRIPT)],
         cwd=shared_dir, env=ssh_hosts.env(HOME=str(shared_dir)), capture_output=True, text=True,
@@ -506,8 +506,8 @@ def on_host(hosts: SshHosts, host: str, cwd: Path, *args: str, env: str = "") ->
     """`jaxtrain run ARGS` started on `host` over ssh, as pdsh or gcloud --worker=all do."""
     command = (f"cd {cwd} && HOME={cwd} JAXTRAIN_SHARED_STORAGE={hosts.shared} {env} exec "
                f"{sys.executable} -m jaxtrain run --no-status-line " + " ".join(args))
-    return subprocess.Popen([*hosts.ssh_command.split(), "-o", "BatchMode=yes", host, command],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_driver([*hosts.ssh_command.split(), "-o", "BatchMode=yes", host, command],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def secret_file(path: Path, secret: str) -> str:
@@ -562,7 +562,7 @@ def test_the_same_command_on_two_hosts_is_one_run_and_a_wrong_secret_is_refused(
 def test_a_host_without_a_join_secret_is_refused_before_it_joins(tmp_path):
     (tmp_path / "same.py").write_text(SAME_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXTRAIN_")}
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "jaxtrain", "run", "--coordinator", "127.0.0.1:9",
          "--host-rank", "1", "--num-hosts", "2", "same.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)

@@ -68,7 +68,7 @@ class TrainContext:
         return self.experiment_name
 
     def get_attempt(self) -> int:
-        """How many times the worker group has been restarted before this one (0 at first)."""
+        """This attempt's number in the run: 0 at first, then on across restarts and resumes."""
         return self.attempt
 
     def get_storage(self) -> StorageContext:

@@ -485,6 +485,8 @@ struct Controller::Loop : ControlPort::Delegate,
   Outcome Finish() {
     // Standby workers serve a later fit() of the same processes, but not past an abort.
     ctl.launcher_->EndRun(/*keep=*/!abort_reason);
+    // What the last stop could not do (a Slurm step it could not cancel), said before the end.
+    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
     WarnLogs(logs.HeadAll());  // every log numbers every attempt (rank_logs.h)

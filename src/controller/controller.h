@@ -24,10 +24,9 @@
 // commit runs on the CheckpointCommitter's thread (checkpoint_committer.h), never on the loop:
 // rounds that complete meanwhile are recorded after it, in order, and the ranks that passed a
 // part are told when it has ended, which their next report(checkpoint=) waits for (at most one
-// commit in flight). An attempt ends only once its
-// commit in flight has ended, so a restart never sweeps a commit's files and the outcome names
-// the last committed checkpoint. Rounds continue across attempts and across runs that resume the
-// same run directory.
+// commit in flight). An attempt ends only once its commit in flight has ended, so a restart
+// never sweeps a commit's files and the outcome names the last committed checkpoint. Rounds
+// continue across attempts and across runs that resume the same run directory.
 //
 // Stragglers: each rank's step time is read from the times its reports arrive, and a rank
 // persistently slower than the others is named once when it starts and once when it stops being

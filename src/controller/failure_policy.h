@@ -8,6 +8,7 @@
 //   exception, exit, signal, oom,            max_failures               raise
 //   connection, watchdog
 //   start-up                                 max_start_failures         raise
+//                                            (FailureConfig.controller_failure_limit)
 //   preemption (a notice, or a failure       max_preemption_failures    raise
 //     during one)                            (default -1)
 //   storage, checkpoint with a transient     max_storage_failures       raise

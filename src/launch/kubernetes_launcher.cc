@@ -295,6 +295,22 @@ StatusOr<placement::Plan> PlanForKubernetes(const config::ScalingConfig& config,
   return placement::PlanForScheduler(config, env);
 }
 
+StatusOr<json> JobSetRequest(const config::ScalingConfig& config, const placement::Plan& plan,
+                             const KubernetesOptions& options, const std::string& jobset_name,
+                             const std::vector<ProcessSpec>& specs) {
+  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes",
+                                                       placement::kPerRankPlacementVariables));
+  if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");
+  JT_ASSIGN_OR_RETURN(json jobset, JobSetManifest(config, plan, options, jobset_name, group.env));
+  return json{
+      {"namespace", options.namespace_name},
+      {"jobset", std::move(jobset)},
+      {"secret", {{"name", jobset_name}, {"key", group.secret}, {"env", SecretEnv(group.env)}}},
+      {"ranks", group.ranks.size()},
+      {"pending_timeout_s", options.pending_timeout_s},
+      {"queue_name", options.queue_name}};
+}
+
 StatusOr<json> JobSetManifest(const config::ScalingConfig& config, const placement::Plan& plan,
                               const KubernetesOptions& options, const std::string& jobset_name,
                               const std::map<std::string, std::string>& env) {
@@ -493,20 +509,8 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
   kills_ = 0;
   queue_wait_s_ = 0;
   if (interrupted_) return CancelledError("the run is being stopped: no JobSet is created");
-  JT_ASSIGN_OR_RETURN(UniformGroup group, MergeUniform(specs, kPerRankEnv, "Kubernetes",
-                                                       placement::kPerRankPlacementVariables));
-  if (group.secret.empty()) return InternalError("the Kubernetes launcher was given no run key");
-  const std::string key = group.secret;
-
   const std::string jobset_name = options_.name + "-" + std::to_string(++attempts_);
-  JT_ASSIGN_OR_RETURN(json jobset,
-                      JobSetManifest(config_, plan_, options_, jobset_name, group.env));
-  json request = {{"namespace", options_.namespace_name},
-                  {"jobset", jobset},
-                  {"secret", {{"name", jobset_name}, {"key", key}, {"env", SecretEnv(group.env)}}},
-                  {"ranks", group.ranks.size()},
-                  {"pending_timeout_s", options_.pending_timeout_s},
-                  {"queue_name", options_.queue_name}};
+  JT_ASSIGN_OR_RETURN(json request, JobSetRequest(config_, plan_, options_, jobset_name, specs));
 
   // The last attempt's request is gone unless its supervisor died before reading it.
   RemoveRequest();
@@ -571,7 +575,9 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
       return admitted;
     }
   }
-  return std::vector<LaunchedProcess>{{group.ranks, spawned->pid, pidfd, spawned->output_fd}};
+  std::vector<int> ranks;  // in MergeUniform's order
+  for (const auto& spec : specs) ranks.insert(ranks.end(), spec.ranks.begin(), spec.ranks.end());
+  return std::vector<LaunchedProcess>{{ranks, spawned->pid, pidfd, spawned->output_fd}};
 }
 
 void KubernetesLauncher::Interrupt() { interrupted_ = true; }

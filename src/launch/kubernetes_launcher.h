@@ -86,7 +86,8 @@ struct KubernetesOptions {
 // Errors: kInvalidArgument for a generation GKE does not offer (the message lists those it does).
 StatusOr<std::string> GkeTpuAccelerator(accelerators::TpuGeneration generation);
 
-// The plan of a Kubernetes run: one environment for every rank (placement::PlanForScheduler).
+// The plan of a Kubernetes run (placement::PlanForScheduler): one environment for every rank,
+// except for a simulated TPU config, whose ranks get what a local simulated worker gets.
 // Errors: kInvalidArgument when the ScalingConfig asks for what one pod per worker cannot give:
 // a TPU generation GKE does not offer, several workers per TPU host, a fractional GPU count.
 StatusOr<placement::Plan> PlanForKubernetes(const config::ScalingConfig& config,
@@ -111,6 +112,21 @@ StatusOr<nlohmann::json> JobSetManifest(const config::ScalingConfig& config,
                                         const KubernetesOptions& options,
                                         const std::string& jobset_name,
                                         const std::map<std::string, std::string>& env);
+
+// The request Launch() writes for one attempt (a pure function of its arguments): the JobSet
+// named `jobset_name` (JobSetManifest) with the environment the specs share, the Secret (its name,
+// the run's key, the variables of SecretEnv), the number of ranks and the supervisor's settings.
+// What placement gives each rank of its own (placement::kPerRankPlacementVariables: a simulated
+// TPU worker's TPU_WORKER_ID, ...) is passed in JAXTRAIN_RANK_ENV (MergeUniform). A real TPU
+// plan has none of them: GKE sets TPU_WORKER_ID and TPU_WORKER_HOSTNAMES in the pods itself, and
+// JobSetManifest the MEGASCALE variables of several slices.
+// Errors: kInvalidArgument as MergeUniform and JobSetManifest; kInternal when the specs carry no
+// run key.
+StatusOr<nlohmann::json> JobSetRequest(const config::ScalingConfig& config,
+                                       const placement::Plan& plan,
+                                       const KubernetesOptions& options,
+                                       const std::string& jobset_name,
+                                       const std::vector<ProcessSpec>& specs);
 
 // The supervisor's line for a rank's end: "jaxtrain kubernetes: rank 1 on node-7: exited with
 // status 3" (or "killed by signal 9", or another reason such as "deleted (node lost)", read as a

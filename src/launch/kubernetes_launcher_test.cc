@@ -214,6 +214,101 @@ TEST(JobSetManifestTest, TheUsersVariablesAreReadFromTheSecretNotThePodSpec) {
   EXPECT_NE(odd.status().message().find("'A:B'"), std::string::npos);
 }
 
+// The specs the controller gives the launcher for `plan`: one process per rank, with what the
+// plan sets for that rank.
+std::vector<ProcessSpec> SpecsFor(const placement::Plan& plan) {
+  std::vector<ProcessSpec> specs;
+  for (const placement::WorkerPlacement& w : plan.workers) {
+    ProcessSpec spec{.ranks = {w.rank},
+                     .argv = {"/usr/bin/python3", "-m", "jaxtrain.worker"},
+                     .env = w.env,
+                     .unset_env = w.unset_env,
+                     .secret = "the-run-key"};
+    spec.env["JAXTRAIN_RANK"] = std::to_string(w.rank);
+    spec.env["JAXTRAIN_WORLD_SIZE"] = std::to_string(plan.workers.size());
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+// What the worker of `rank` has in its pod once it knows its rank: the container's variables
+// (those in the Secret read from it), then its own entry of JAXTRAIN_RANK_ENV
+// (python/jaxtrain/worker.py, _take_rank_env).
+std::map<std::string, std::string> WorkerEnvInPod(const json& request, int rank) {
+  std::map<std::string, std::string> env;
+  for (const auto& e : Pod(request["jobset"])["spec"]["containers"][0]["env"]) {
+    if (e.contains("value")) {
+      env[e["name"]] = e["value"];
+    } else if (e["valueFrom"].contains("secretKeyRef")) {
+      env[e["name"]] = request["secret"]["env"].at(e["valueFrom"]["secretKeyRef"]["key"]);
+    }
+  }
+  if (auto table = env.find("JAXTRAIN_RANK_ENV"); table != env.end()) {
+    const json own = json::parse(table->second).value(std::to_string(rank), json::object());
+    env.erase(table);
+    for (const auto& [name, value] : own.items()) env[name] = value;
+  }
+  return env;
+}
+
+TEST(JobSetRequestTest, ASimulatedTpuPodGetsTheEnvironmentOfALocalSimulatedWorker) {
+  accelerators::FakeHost host;
+  host.env["JAXTRAIN_SIMULATE"] = "1";
+  const std::vector<config::ScalingConfigInput> inputs = {
+      {.num_workers = 4, .use_tpu = true, .topology = "4x4", .accelerator_type = "TPU-V6E"},
+      {.num_workers = 8, .use_tpu = true, .topology = "4x4", .accelerator_type = "TPU-V6E"}};
+  for (const auto& in : inputs) {  // one slice, then two
+    const config::ScalingConfig c = Config(in);
+    auto local = placement::PlanLocal(c, host);
+    auto plan = PlanForKubernetes(c, host);
+    ASSERT_TRUE(local.ok()) << local.status().message();
+    ASSERT_TRUE(plan.ok()) << plan.status().message();
+    auto request = JobSetRequest(c, *plan, Options(), "run-abcde-1", SpecsFor(*plan));
+    ASSERT_TRUE(request.ok()) << request.status().message();
+    EXPECT_EQ((*request)["ranks"], in.num_workers);
+    EXPECT_EQ((*request)["secret"]["key"], "the-run-key");
+    for (int rank = 0; rank < in.num_workers; ++rank) {
+      const std::map<std::string, std::string> seen = WorkerEnvInPod(*request, rank);
+      for (const auto& [name, value] : local->workers[rank].env) {
+        auto it = seen.find(name);
+        ASSERT_NE(it, seen.end()) << name << " of rank " << rank;
+        EXPECT_EQ(it->second, value) << name << " of rank " << rank;
+      }
+      EXPECT_EQ(seen.at("TPU_WORKER_ID"), std::to_string(rank % 4));
+      EXPECT_EQ(seen.at("TPU_WORKER_HOSTNAMES").find("sim-slice-" + std::to_string(rank / 4)), 0u);
+      EXPECT_EQ(seen.at("TPU_ACCELERATOR_TYPE"), "v6e-16");
+      EXPECT_EQ(seen.at("TPU_TOPOLOGY"), "4x4");
+    }
+  }
+}
+
+TEST(JobSetRequestTest, ARealTpuPodKeepsWhatGkeSetsInIt) {
+  const config::ScalingConfig c =
+      Config({.num_workers = 4, .use_tpu = true, .topology = "4x4", .accelerator_type = "TPU-V6E"});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto request = JobSetRequest(c, *plan, Options(), "run-abcde-1", SpecsFor(*plan));
+  ASSERT_TRUE(request.ok()) << request.status().message();
+  const json& pod = Pod((*request)["jobset"]);
+  for (const char* name : {"TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE",
+                           "TPU_TOPOLOGY", "JAXTRAIN_RANK_ENV"}) {
+    EXPECT_FALSE(Env(pod, name).has_value()) << name;
+  }
+  EXPECT_EQ(WorkerEnvInPod(*request, 2).at("JAX_PLATFORMS"), "tpu");
+}
+
+TEST(JobSetRequestTest, SpecsWithoutTheRunKeyAreRefused) {
+  const config::ScalingConfig c = Config({.num_workers = 2});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  std::vector<ProcessSpec> specs = SpecsFor(*plan);
+  for (ProcessSpec& spec : specs) spec.secret.clear();
+  EXPECT_EQ(JobSetRequest(c, *plan, Options(), "run-abcde-1", specs).status().code(),
+            StatusCode::kInternal);
+}
+
 TEST(JobSetManifestTest, WorkerPodsGetNoServiceAccountTokenUnlessTheTemplateAsks) {
   auto m = Manifest(Config({.num_workers = 2}), Options());
   ASSERT_TRUE(m.ok()) << m.status().message();

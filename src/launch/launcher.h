@@ -1,9 +1,10 @@
 // Launcher: starts the processes of one worker group and signals them. It only starts processes;
 // workers find the controller themselves over TCP, so every launcher shares the same control path.
 //
-// Implementations: LocalLauncher (this host, local_launcher.h); for a cluster engine, where one
-// launched process carries several ranks and labels their output "<rank>: ", SlurmLauncher (one
-// srun step, slurm_launcher.h) and KubernetesLauncher (one JobSet, kubernetes_launcher.h).
+// Implementations: LocalLauncher (this host, local_launcher.h); SshLauncher (one process per
+// rank on described hosts, over ssh, ssh_launcher.h); for a cluster engine, where one launched
+// process carries several ranks and labels their output "<rank>: ", SlurmLauncher (one srun step,
+// slurm_launcher.h) and KubernetesLauncher (one JobSet, kubernetes_launcher.h).
 #pragma once
 
 #include <sys/types.h>

@@ -805,7 +805,7 @@ Status SlurmLauncher::RenewAtTimeLimit() {
 
 Status SlurmLauncher::SignalGroup(int signal) {
   Status s = pgid_ > 0 ? SignalProcessGroup(pgid_, signal) : OkStatus();
-  if (signal == SIGKILL) CancelStep(step_name_);  // says itself when it cannot
+  if (signal == SIGKILL) CancelStep(step_name_);  // notes what it cannot do
   return s;
 }
 
@@ -815,7 +815,7 @@ void SlurmLauncher::CancelStep(const std::string& name) {
       {options_.squeue, "--noheader", "--steps", "--jobs=" + options_.job_id, "--format=%i|%j"},
       options_.command_timeout);
   if (!steps.ok()) {
-    Say("cannot find the job step to cancel: " + steps.status().message());
+    notes_.push_back("cannot find the job step to cancel: " + steps.status().message());
     return;
   }
   for (const auto& line : SplitLines(*steps)) {
@@ -823,7 +823,10 @@ void SlurmLauncher::CancelStep(const std::string& name) {
     if (bar == std::string::npos || line.substr(bar + 1) != name) continue;
     auto s =
         RunCommand({options_.scancel, "--quiet", line.substr(0, bar)}, options_.command_timeout);
-    if (!s.ok()) Say("cannot cancel job step " + line.substr(0, bar) + ": " + s.status().message());
+    if (!s.ok()) {
+      notes_.push_back("cannot cancel job step " + line.substr(0, bar) + ": " +
+                       s.status().message());
+    }
   }
 }
 

@@ -31,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "accelerators/discovery.h"
@@ -188,7 +189,8 @@ class SlurmLauncher : public Launcher {
   StatusOr<std::vector<LaunchedProcess>> Launch(const std::vector<ProcessSpec>& specs) override;
 
   // Sends `signal` to srun, which forwards it to every task. SIGKILL also cancels the step in
-  // Slurm (scancel), since a killed srun leaves its tasks running.
+  // Slurm (scancel), since a killed srun leaves its tasks running; a step that cannot be found
+  // or cancelled is a note (TakeNotes), and the SIGKILL is not an error for it.
   Status SignalGroup(int signal) override;
 
   std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const override {
@@ -238,7 +240,7 @@ class SlurmLauncher : public Launcher {
   // Closes its stdin (the tasks read EOF and exit 0) and waits a moment for srun; else kills
   // srun and cancels the step.
   void EndStandby();
-  void CancelStep(const std::string& name);
+  void CancelStep(const std::string& name);  // notes what it cannot do
   // Before a retry: an allocation of jaxtrain's own whose time-limit notice is due (time left <=
   // signal_s + kSlurmSignalSlackS) is released and requested again. Errors: as Request(), with
   // kCancelled for a withdrawn request.
@@ -252,7 +254,7 @@ class SlurmLauncher : public Launcher {
   double queue_wait_s_ = 0;  // of the last Launch()
   std::atomic<bool> interrupted_{false};
   std::optional<StandbyStep> standby_;
-  std::vector<std::string> notes_;
+  std::vector<std::string> notes_;  // for TakeNotes()
 };
 
 // What a Slurm run starts with: its launcher and the address the nodes reach the controller at.

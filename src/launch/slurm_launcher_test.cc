@@ -648,6 +648,49 @@ TEST_F(SlurmLauncherTest, ARetryNearTheTimeLimitOfItsOwnAllocationGoesToANewOne)
   setenv("PATH", path.c_str(), 1);
 }
 
+TEST_F(SlurmLauncherTest, AStepThatCannotBeCancelledIsANoteTakenNotWritten) {
+  SlurmLauncherOptions options = Options();
+  // squeue answers the state check, then lists the steps ($dir/steps) or fails.
+  options.squeue = Script("squeue", "#!/bin/sh\ncase \"$*\" in *--steps*) cat " + dir_ +
+                                        "/steps || exit 1;; *) echo 'RUNNING None';; esac\n");
+  options.scancel = Script("scancel", "#!/bin/sh\necho 'no such step' >&2\nexit 1\n");
+  SlurmLauncher launcher(options);
+  auto launched = launcher.Launch({{{0}, {"/bin/true"}, {}, {}, ""}});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  pollfd p{launched->front().pidfd, POLLIN, 0};
+  poll(&p, 1, 10000);
+  EXPECT_TRUE(TryReap(launched->front().pid)->ok());
+  close(launched->front().pidfd);
+  close(launched->front().output_fd);
+
+  // What SignalGroup() writes on stderr while the loop runs it: nothing.
+  const std::string stderr_path = dir_ + "/stderr";
+  auto kill_step = [&] {
+    fflush(stderr);
+    const int saved = dup(2);
+    const int file = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    dup2(file, 2);
+    close(file);
+    Status s = launcher.SignalGroup(SIGKILL);
+    dup2(saved, 2);
+    close(saved);
+    return s;
+  };
+  EXPECT_TRUE(kill_step().ok());  // squeue fails: the step cannot be found
+  EXPECT_EQ(ReadFile(stderr_path), "");
+  Strings notes = launcher.TakeNotes();
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_TRUE(Contains(notes[0], "cannot find the job step to cancel: ")) << notes[0];
+  EXPECT_TRUE(launcher.TakeNotes().empty()) << "a note is taken once";
+
+  std::ofstream(dir_ + "/steps") << "42.0|jaxtrain-test-1\n42.1|another-step\n";
+  EXPECT_TRUE(kill_step().ok());  // scancel fails
+  EXPECT_EQ(ReadFile(stderr_path), "");
+  notes = launcher.TakeNotes();
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_TRUE(Contains(notes[0], "cannot cancel job step 42.0: ")) << notes[0];
+}
+
 TEST_F(SlurmLauncherTest, ASlurmCommandThatHangsIsKilledAndNamed) {
   SlurmLauncherOptions options = Options();
   options.squeue = Script("squeue", "#!/bin/sh\nexec sleep 60\n");

@@ -25,7 +25,7 @@
 // run's secret changes with every fit(), so a MAC could not serve). Without `hash` an entry has
 // no "sha256", as in manifests written before it existed.
 //
-// Layout:  <run>/.staging/a<attempt>-r<round>-rank<r>/...   one rank's staged files
+// Layout:  <run>/.staging/a<attempt>-r<index>-rank<r>/...   one rank's staged files
 //          <run>/<dir_name>/...  + <run>/<dir_name>/.jaxtrain_manifest.json
 //          <run>/checkpoints.json
 //
@@ -140,7 +140,8 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
 StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
                                                const std::string& dst, bool hash = false);
 
-// The staging directory of one rank's files for one report round.
+// The staging directory of one rank's files for its report `round` of `attempt` (its report
+// index in that attempt, docs/wire.md: not the run's round).
 std::string StagingPath(const std::string& run_dir, int attempt, uint64_t round, int rank);
 
 struct RankCheckpoint {

@@ -36,19 +36,19 @@ struct Registration {
   bool operator==(const Registration&) const = default;
 };
 
-// kReport: one report() round's metrics. The metrics are not parsed here but where they are
+// kReport: one report()'s metrics. The metrics are not parsed here but where they are
 // written (storage/metrics.h); the view points into the frame's body.
 struct Report {
-  uint64_t round = 0;
+  uint64_t round = 0;  // the rank's report index in this attempt (1, 2, ...), not the run's round
   std::string_view metrics_json;
   bool operator==(const Report&) const = default;
 };
 
-// kReportCheckpoint: a report() round with the rank's part of its checkpoint. JSON {"staging",
+// kReportCheckpoint: a report() with the rank's part of its checkpoint. JSON {"staging",
 // "files": [{"path", "size", "crc32c", "mode", "link", "sha256"}], "dir_name", "copy_id",
 // "store"}, then the metrics (a view into the frame's body, as Report's).
 struct CheckpointReport {
-  uint64_t round = 0;
+  uint64_t round = 0;  // as Report's
   std::vector<storage::FileEntry> files;
   std::optional<std::string> dir_name;  // the name the rank asked for; JSON null or absent = none
   std::string copy_id;                  // its copy in host memory (IsCopyId); "" = none
