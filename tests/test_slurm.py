@@ -239,6 +239,10 @@ def test_a_worker_killed_on_one_node_restarts_the_group_in_the_same_allocation(s
     # ... started ahead as standbys once attempt 0 trained, and activated by the restart.
     assert re.search(r"jaxtrain: ranks 0,1 started from a standby step \(jaxtrain-killed-2",
                      proc.stderr), proc.stderr[-3000:]
+    # The standbys got the training function down srun's stdin and imported what it imports.
+    for rank in (0, 1):
+        log = (shared_dir / "killed" / "logs" / f"rank-{rank}.log").read_text()
+        assert "standby: preloaded the training function" in log, log[-2000:]
     run_state = json.loads((shared_dir / "killed" / "run.json").read_text())
     assert [a["status"] for a in run_state["attempts"]] == ["ERRORED", "FINISHED"]
     assert run_state["attempts"][0]["failure"]["host"] == "node2"

@@ -170,6 +170,10 @@ def test_a_worker_killed_on_host2_restarts_the_group_from_its_checkpoint(ssh_hos
     # The restart activated the standby workers the hosts held (docs/warm-workers.md): every
     # rank's, the killed one's too, since its host is still there.
     assert "jaxtrain: ranks 0,1,2,3 started from standby workers on their hosts" in proc.stderr
+    # Each standby got the training function down its connection and imported what it imports.
+    for rank in range(4):
+        log = (shared_dir / "killed" / "logs" / f"rank-{rank}.log").read_text()
+        assert "standby: preloaded the training function" in log, log[-2000:]
     # Once fit() has returned, nothing of the run is left on the hosts, standbys included.
     for host in ("host1", "host2"):
         assert not workers_left_after(ssh_hosts, host, 10), host

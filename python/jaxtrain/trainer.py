@@ -257,7 +257,7 @@ class JaxTrainer:
         if local is not None:
             worker_env.update(local.env)
         preload_file = None
-        if preload and launcher in ("local", "ssh") and local is None and shipped is None:
+        if preload and launcher in ("local", "ssh", "slurm") and local is None and shipped is None:
             # Standbys unpickle the task ahead of a restart (docs/warm-workers.md).
             preload_file = _write_preload(payload)
             worker_env[PRELOAD_FILE_ENV] = preload_file

@@ -342,6 +342,10 @@ STANDBY_IMPORT_NICE = 10
 PRELOAD_FILE_ENV = "JAXTRAIN_PRELOAD_FILE"
 # A standby started again without the preload, because the preload touched a device.
 NO_PRELOAD_ENV = "JAXTRAIN_STANDBY_NO_PRELOAD"
+# "1": the pickled task comes first on the activation's pipe, as 8 bytes of length (big-endian)
+# and the bytes, before the activation (a Slurm standby step's stdin, which srun hands to every
+# task; src/launch/slurm_launcher.h).
+PRELOAD_ON_PIPE_ENV = "JAXTRAIN_PRELOAD_ON_PIPE"
 
 
 class _Standby:
@@ -352,6 +356,7 @@ class _Standby:
         self.spoiled = ""  # why the preload left this process unusable, or ""
         self.wake_r, self.wake_w = os.pipe()  # written when spoiled
         self.import_tid = 0  # the import thread's native id
+        self.preload: bytes | None = None  # the pickled task, when it came on the pipe
 
 
 _standby: _Standby | None = None
@@ -448,15 +453,20 @@ def _preload_task(state: _Standby) -> None:
     imports; the log says so. The task is used at activation only if its bytes are the ones the
     controller sends."""
     path = os.environ.get(PRELOAD_FILE_ENV)
-    if not path or os.environ.get(NO_PRELOAD_ENV) == "1":
+    if os.environ.get(NO_PRELOAD_ENV) == "1":
         return
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        _say(f"the training function was not preloaded (cannot read {path}: {e.strerror}); it "
-             "is unpickled at activation")
+    if state.preload is not None:
+        data = state.preload
+    elif not path:
         return
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            _say(f"the training function was not preloaded (cannot read {path}: {e.strerror}); "
+                 "it is unpickled at activation")
+            return
     import cloudpickle
     from jax._src import xla_bridge
 
@@ -541,6 +551,24 @@ def _restart_standby(activation: bytes | None, fd: int, reason: str) -> None:
     os.execve(sys.executable, list(sys.orig_argv), env)
 
 
+def _read_preload(fd: int) -> bytes | None:
+    """The pickled task that comes first on the activation's pipe (PRELOAD_ON_PIPE_ENV); None at
+    EOF (the standby was ended before it came)."""
+    def exactly(n: int) -> bytes | None:
+        data = b""
+        while len(data) < n:
+            chunk = os.read(fd, min(n - len(data), 1 << 20))
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    size = exactly(8)
+    if size is None:
+        os._exit(0)  # ended before its activation, as at an EOF below
+    return exactly(int.from_bytes(size, "big")) or None
+
+
 def _await_activation(import_ahead: bool = True) -> str:
     """A standby worker (JAXTRAIN_STANDBY=1, src/launch/standby_pool.h): imports jax, and the
     training function (_preload_task), while it waits for its activation on the pipe
@@ -555,6 +583,8 @@ def _await_activation(import_ahead: bool = True) -> str:
     os.environ.pop("JAXTRAIN_STANDBY")
     fd = int(os.environ.pop("JAXTRAIN_RUN_SECRET_FD"))
     state = _standby = _Standby()
+    if os.environ.pop(PRELOAD_ON_PIPE_ENV, "") == "1" and os.environ.get(NO_PRELOAD_ENV) != "1":
+        state.preload = _read_preload(fd)
     own_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     # A local mode relay imports nothing.
     importer = threading.Thread(target=_import_ahead if import_ahead else lambda: None,

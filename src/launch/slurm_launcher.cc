@@ -632,10 +632,26 @@ StatusOr<LaunchedProcess> SlurmLauncher::StartStep(Step step, bool standby, int*
   if (standby) argv.push_back("--overlap");
   argv.insert(argv.end(), step.args.begin(), step.args.end());
   int in[2] = {-1, -1};
+  // The driver's file of the pickled task: the nodes may not see it, so a standby step gets its
+  // bytes first on its stdin (python/jaxtrain/worker.py, PRELOAD_ON_PIPE_ENV).
+  std::string preload;
+  if (auto it = step.env.find(kPreloadFileEnv); it != step.env.end()) {
+    if (standby) {
+      auto bytes = ReadPreloadFile(it->second, kMaxPreloadBytes);
+      if (bytes.ok()) {
+        preload = std::move(*bytes);
+      } else {
+        notes_.push_back("the standby step does not preload the training function (" +
+                         bytes.status().message() + ")");
+      }
+    }
+    step.env.erase(it);
+  }
   if (standby) {
     for (const char* name : kActivationEnv) step.env.erase(name);
     step.env["JAXTRAIN_STANDBY"] = "1";
     step.env["JAXTRAIN_RUN_SECRET_FD"] = "0";
+    if (!preload.empty()) step.env["JAXTRAIN_PRELOAD_ON_PIPE"] = "1";
     if (pipe2(in, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
   } else if (!step.secret.empty()) {
     JT_ASSIGN_OR_RETURN(in[0], PipeHolding(step.secret));
@@ -658,6 +674,18 @@ StatusOr<LaunchedProcess> SlurmLauncher::StartStep(Step step, bool standby, int*
   }
   fcntl(pidfd, F_SETFD, FD_CLOEXEC);
   fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
+  if (!preload.empty()) {
+    // Blocking: srun passes it on as its tasks start (at most kMaxPreloadBytes). A failed write
+    // leaves the standbys without it: they read EOF, or an activation that is no length, and
+    // the restart then starts a new step.
+    std::string frame(8, '\0');
+    for (int i = 0; i < 8; ++i)
+      frame[i] = static_cast<char>((preload.size() >> (56 - 8 * i)) & 0xff);
+    frame += preload;
+    if (!WriteAll(in[1], frame).ok()) {
+      notes_.push_back("the training function could not be written to the standby step");
+    }
+  }
   if (input != nullptr) *input = in[1];
   return LaunchedProcess{step.ranks, spawned->pid, pidfd, spawned->output_fd};
 }

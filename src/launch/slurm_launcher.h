@@ -216,6 +216,10 @@ class SlurmLauncher : public Launcher {
   void EndRun(bool keep) override;  // ends the standby step
   std::vector<std::string> TakeNotes() override;
 
+  // The most of a pickled training function (kPreloadFileEnv) a standby step gets on its stdin
+  // to preload; a larger one is unpickled at activation.
+  static constexpr size_t kMaxPreloadBytes = 1 << 20;
+
  private:
   // One step's srun arguments after --jobid and --job-name, its environment and its key.
   struct Step {

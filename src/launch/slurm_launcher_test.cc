@@ -472,18 +472,23 @@ TEST_F(SlurmLauncherTest, OneStepRunsEveryRankWithTheSharedEnvironmentOnly) {
 constexpr char kTellingTask[] =
     "import json, os\n"
     "standby = os.environ.get('JAXTRAIN_STANDBY') == '1'\n"
+    "fd = int(os.environ['JAXTRAIN_RUN_SECRET_FD'])\n"
+    "pre = 'file ' + os.environ.get('JAXTRAIN_PRELOAD_FILE', 'none')\n"
+    "if os.environ.get('JAXTRAIN_PRELOAD_ON_PIPE') == '1':\n"
+    "    pre = os.read(fd, int.from_bytes(os.read(fd, 8), 'big')).decode()\n"
     "data = b''\n"
-    "while chunk := os.read(int(os.environ['JAXTRAIN_RUN_SECRET_FD']), 65536):\n"
+    "while chunk := os.read(fd, 65536):\n"
     "    data += chunk\n"
     "if standby and not data:\n"
     "    raise SystemExit(0)\n"
     "a = json.loads(data) if standby else {'secret': data.decode(), 'env': {}}\n"
     "os.environ.update(a['env'])\n"
     "print('rank', os.environ['JAXTRAIN_RANK'], a['secret'], os.environ.get('JAXTRAIN_ATTEMPT'),\n"
-    "      'standby' if standby else 'fresh', flush=True)\n";
+    "      'standby' if standby else 'fresh', 'preload=' + pre, flush=True)\n";
 
 std::vector<ProcessSpec> TellingSpecs(const std::string& dir, int attempt,
-                                      const std::string& secret, const std::string& shape = "a") {
+                                      const std::string& secret, const std::string& shape = "a",
+                                      const std::string& preload_file = "") {
   std::vector<ProcessSpec> specs;
   for (int r = 0; r < 2; ++r) {
     specs.push_back({{r},
@@ -493,6 +498,7 @@ std::vector<ProcessSpec> TellingSpecs(const std::string& dir, int attempt,
                       {"SHAPE", shape}},
                      {},
                      dir});
+    if (!preload_file.empty()) specs.back().env["JAXTRAIN_PRELOAD_FILE"] = preload_file;
     specs.back().secret = secret;
   }
   return specs;
@@ -560,6 +566,24 @@ TEST_F(SlurmLauncherTest, AStandbyStepOfAnotherPlacementIsEndedAndANewStepStarte
                        "the standby step jaxtrain-test-1 was started for another placement; "
                        "starting a new step"));
   EXPECT_TRUE(Contains(ReadFile(dir_ + "/srun-args"), "--job-name=jaxtrain-test-2\n"));
+}
+
+TEST_F(SlurmLauncherTest, TheStandbyStepGetsThePickledFunctionOnItsStdinFirst) {
+  SlurmLauncherOptions options = Options();
+  options.warm = true;
+  SlurmLauncher launcher(options);
+  const std::string file = dir_ + "/task.pkl";
+  std::ofstream(file) << "pickled bytes";
+  ASSERT_TRUE(launcher.PrepareNext(TellingSpecs(dir_, 0, "s0", "a", file)).ok());
+  auto launched = launcher.Launch(TellingSpecs(dir_, 1, "s1", "a", file));
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const std::string output = RunStep(launched->front());
+  EXPECT_TRUE(Contains(output, "0: rank 0 s1 1 standby preload=pickled bytes")) << output;
+  EXPECT_TRUE(Contains(output, "1: rank 1 s1 1 standby preload=pickled bytes")) << output;
+  // A step started afresh gets neither the bytes nor the driver's path.
+  auto fresh = launcher.Launch(TellingSpecs(dir_, 2, "s2", "a", file));
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  EXPECT_TRUE(Contains(RunStep(fresh->front()), "0: rank 0 s2 2 fresh preload=file none"));
 }
 
 TEST_F(SlurmLauncherTest, EndRunEndsTheStandbyStepItsTasksReadingEof) {

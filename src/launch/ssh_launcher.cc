@@ -5,7 +5,6 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -209,23 +208,6 @@ ssize_t WriteNoSigpipe(int fd, std::string_view data) {
   }
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   return n;
-}
-
-// The file a standby preloads, to ship to its host.
-// Errors: kUnavailable when it cannot be read; kResourceExhausted when it holds more than `limit`.
-StatusOr<std::string> ReadPreload(const std::string& path, size_t limit) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return UnavailableError("cannot read " + path + ": " + std::strerror(errno));
-  struct stat st {};
-  if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) > limit) {
-    close(fd);
-    return ResourceExhaustedError("the pickled function is " + std::to_string(st.st_size) +
-                                  " bytes, more than the " + std::to_string(limit) +
-                                  " shipped to standbys");
-  }
-  auto bytes = ReadAll(fd);
-  close(fd);
-  return bytes;
 }
 
 // The driver's variables every worker gets (kForwardedPrefixes, and those JAXTRAIN_SSH_ENV names).
@@ -791,7 +773,7 @@ Status SshLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
     if (k == kPreloadFileEnv) preload_path = v;
   }
   if (!preload_path.empty()) {
-    auto bytes = ReadPreload(preload_path, kMaxPreloadBytes);
+    auto bytes = ReadPreloadFile(preload_path, kMaxPreloadBytes);
     if (bytes.ok()) {
       preload = Base64(*bytes);
     } else {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -96,6 +97,21 @@ StatusOr<bool> WarmWorkersRequested() {
                               "' is not allowed: use 1 (the default: local workers are started "
                               "ahead of their attempt, docs/warm-workers.md) or 0 (every "
                               "attempt starts fresh processes)");
+}
+
+StatusOr<std::string> ReadPreloadFile(const std::string& path, size_t limit) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return UnavailableError("cannot read " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) > limit) {
+    close(fd);
+    return ResourceExhaustedError("the pickled function is " + std::to_string(st.st_size) +
+                                  " bytes, more than the " + std::to_string(limit) +
+                                  " shipped to standbys");
+  }
+  auto bytes = ReadAll(fd);
+  close(fd);
+  return bytes;
 }
 
 std::string StandbyKey(const ProcessSpec& spec) {

@@ -113,6 +113,10 @@ class StandbyPool {
 // Errors: kUnavailable when the pipe cannot be written (the standby has exited).
 Status Activate(Standby& standby, const ProcessSpec& spec);
 
+// The pickled task in the file `path` names (kPreloadFileEnv), to ship to standbys on other hosts.
+// Errors: kUnavailable when it cannot be read; kResourceExhausted when it holds more than `limit`.
+StatusOr<std::string> ReadPreloadFile(const std::string& path, size_t limit);
+
 // The key of `spec` (what shapes its process before activation).
 std::string StandbyKey(const ProcessSpec& spec);
 
