@@ -30,7 +30,8 @@ DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # The controller's states (RunMetrics::state), each a series of jaxtrain_run_state.
-STATES = ("STARTING", "RUNNING", "STOPPING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
+STATES = ("QUEUED", "STARTING", "RUNNING", "STOPPING", "RESTARTING", "FINISHED", "ERRORED",
+          "ABORTED")
 
 # The goodput gauges are computed from run.json and result.jsonl at most this often (seconds).
 GOODPUT_EVERY_S = 5.0

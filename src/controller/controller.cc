@@ -398,7 +398,7 @@ struct Controller::Loop : ControlPort::Delegate,
     const bool may_queue = ctl.launcher_->MayQueue();
     attempt->SetQueued(may_queue);
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
-    PublishAs(number > first_attempt ? "RESTARTING" : "STARTING");
+    PublishAs(may_queue ? "QUEUED" : number > first_attempt ? "RESTARTING" : "STARTING");
     Status started = attempt->Start(workers.specs);
     attempt->SetQueued(false);
     attempt->SetQueueWait(ctl.launcher_->QueueWait());

@@ -245,15 +245,22 @@ TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestComm
 // records the wait as its queue_wait_s (goodput's `queue`).
 TEST_F(ControllerStateTest, RunJsonShowsAQueuedAttemptAndRecordsItsQueueWait) {
   json while_queued;
+  std::string state_while_queued;
+  // Made here, not by Start(), so that the launch (which Start() may run itself) can read it.
+  auto controller = std::make_unique<Controller>(
+      Options(2), std::make_unique<QueuingLauncher>(interrupts_, 7.5), clock_,
+      ControllerSeams{.open_port = ranks_.Opener(), .make_group = processes_.Maker()});
   processes_.OnNextStart([&] {
     while_queued = RunState();
+    state_while_queued = controller->metrics().state;
     return OkStatus();
   });
-  auto controller = Start(Options(2), std::make_unique<QueuingLauncher>(interrupts_, 7.5));
+  ASSERT_TRUE(controller->Start().ok());
   WaitForStart(1);
   ASSERT_EQ(while_queued["attempts"].size(), 1u) << while_queued.dump();
   EXPECT_EQ(while_queued["attempts"][0].value("phase", ""), "queued");
   EXPECT_EQ(while_queued["attempts"][0]["status"], "RUNNING");
+  EXPECT_EQ(state_while_queued, "QUEUED");  // jaxtrain_run_state{state="QUEUED"}
   RegisterAll(/*attempt=*/0, 2);
   for (int rank : {0, 1}) Finish(rank);
   EXPECT_EQ(WaitForOutcome(*controller).state, State::kSucceeded);

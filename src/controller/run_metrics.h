@@ -26,8 +26,9 @@ struct DurationSummary {
 };
 
 struct RunMetrics {
-  // STARTING (the first group), RUNNING, STOPPING (an attempt ends), RESTARTING (a later group
-  // starts), then FINISHED, ERRORED or ABORTED.
+  // QUEUED (an attempt's launch waits to be admitted: Kueue), STARTING (the first group), RUNNING,
+  // STOPPING (an attempt ends), RESTARTING (a later group starts), then FINISHED, ERRORED or
+  // ABORTED.
   std::string state = "STARTING";
   int attempt = 0;
   int world_size = 0;
