@@ -534,10 +534,12 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable
       kill(p.p.pid, SIGKILL);
       WaitForExit(p.p.pid);
       late.push_back(p.target);
+      unanswered_.insert(p.target);
       continue;
     }
     ExitStatus exit = WaitForExit(p.p.pid);
     if (exit.ok()) continue;
+    unanswered_.insert(p.target);
     if (exit.exit_code != kSshFailed || !MayComeBack(p.output)) only_unreachable = false;
     if (!error.ok()) continue;
     const ProcessSpec& spec = *hosts.at(p.target);
@@ -626,9 +628,15 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     }
   }
   std::vector<std::optional<Standby>> warm = TakeStandbys(specs);
-  auto discard = [&] {
-    for (auto& slot : warm) {
-      if (!slot) continue;
+  auto discard = [&](const std::set<std::string>& hosts, bool all) {
+    for (size_t i = 0; i < warm.size(); ++i) {
+      auto& slot = warm[i];
+      const std::string& target = options_.targets[specs[i].ranks.front()];
+      if (!slot || !(all || hosts.count(target) > 0)) continue;
+      if (!all) {
+        notes_.push_back("the standby worker of rank " + RanksText(specs[i].ranks) + " on " +
+                         target + " is not used: its host did not answer; starting it afresh");
+      }
       close(slot->input);
       kill(slot->process.pid, SIGKILL);
       WaitForExit(slot->process.pid);
@@ -637,26 +645,24 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
       slot.reset();
     }
   };
-  // Only the hosts that start afresh are probed (and waited for): a standby's connection is up.
-  std::vector<ProcessSpec> cold;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (!warm[i]) cold.push_back(specs[i]);
+  // Every host is probed, those with standbys too: a standby's connection may not have noticed
+  // yet that its host is cut off (ssh's keepalive takes about 15 s), and one activated there would
+  // fail the restart. A host that did not answer at first gets no standby of the attempt before.
+  unanswered_.clear();
+  bool reachable_later = false;
+  Status probed = Probe(specs, &reachable_later);
+  if (!probed.ok() && reachable_later && launched_ && options_.host_wait > Duration::zero()) {
+    probed = WaitForHosts(specs, std::move(probed));
   }
-  if (!cold.empty()) {
-    bool reachable_later = false;
-    Status probed = Probe(cold, &reachable_later);
-    if (!probed.ok() && reachable_later && launched_ && options_.host_wait > Duration::zero()) {
-      probed = WaitForHosts(cold, std::move(probed));
-    }
-    if (!probed.ok()) discard();
-    JT_RETURN_IF_ERROR(probed);
-  }
+  if (!probed.ok()) discard({}, /*all=*/true);
+  JT_RETURN_IF_ERROR(probed);
+  discard(unanswered_, /*all=*/false);
 
   const nlohmann::json forwarded = ForwardedEnvironment();
 
   std::vector<LaunchedProcess> launched;
   auto fail = [&](Status s) -> Status {
-    discard();
+    discard({}, /*all=*/true);
     if (pgid_ > 0) killpg(pgid_, SIGKILL);
     for (auto& l : launched) {
       WaitForExit(l.pid);

@@ -28,10 +28,11 @@
 // and touches no device) and waits for a second line on its stdin, the activation: the run's
 // secret and kActivationEnv, written to the standby's activation pipe. A restart activates the
 // standbys still alive whose keys (StandbyKey and host) are the specs', over the connections
-// already open, and starts afresh, probing first, only those of a host whose standby is gone; a
-// note says which ranks were warm and why any was not. Standbys are in a process group of their
-// own, so the running group's signals do not reach them; an agent whose stdin ends before the
-// activation ends its standby and exits 0.
+// already open, after the usual probe of every host; it starts afresh only the ranks of a host
+// whose standby is gone or that did not answer the probe at once (its standby's connection may
+// not have noticed the outage yet); a note says which ranks were warm and why any was not. Standbys
+// are in a process group of their own, so the running group's signals do not reach them; an agent
+// whose stdin ends before the activation ends its standby and exits 0.
 //
 // Every ssh command line puts "--" before the host, which ParseSshHosts and the JSON host
 // description have already checked (placement::CheckHostName): a host is never read as an option.
@@ -42,6 +43,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -213,6 +215,7 @@ class SshLauncher : public Launcher {
   bool launched_ = false;    // a Launch() has started the group: the next one is a restart
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
   std::vector<Standby> standbys_;
+  std::set<std::string> unanswered_;  // hosts a probe of the current Launch() did not reach
   pid_t standby_pgid_ = 0;
   std::vector<std::string> notes_;
 };

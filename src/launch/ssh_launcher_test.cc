@@ -27,6 +27,12 @@ bool Contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+int CountOf(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
 config::ScalingConfig Config(config::ScalingConfigInput input) {
   auto c = config::ScalingConfig::Create(std::move(input));
   EXPECT_TRUE(c.ok()) << c.status().ToString();
@@ -529,7 +535,7 @@ class WarmSshTest : public FakeSshTest {
   }
 };
 
-TEST_F(WarmSshTest, ARestartActivatesStandbysWithTheNewAttemptsSecretAndNoProbe) {
+TEST_F(WarmSshTest, ARestartActivatesStandbysWithTheNewAttemptsSecretAndNoNewAgent) {
   SshLauncher launcher(WarmOptions());
   auto first = launcher.Launch(Specs(0, "secret-0"));
   ASSERT_TRUE(first.ok()) << first.status().ToString();
@@ -543,11 +549,12 @@ TEST_F(WarmSshTest, ARestartActivatesStandbysWithTheNewAttemptsSecretAndNoProbe)
   out = RunAll(*restart);
   EXPECT_TRUE(Contains(out[0], "rank 0 secret-1 1 standby")) << out[0];
   EXPECT_TRUE(Contains(out[1], "rank 1 secret-1 1 standby")) << out[1];
-  // No new ssh: no probe, no agent; the standbys' connections carried the activation.
+  // No new agent: the standbys' connections carried the activation. The ssh commands are those
+  // of the first launch (a probe and an agent per host), the standbys' (one per host, each of
+  // which has run its worker by now) and the restart's probes (one per host).
   std::string log = ArgvLog();
-  // Those of the first launch (a probe and an agent per host) and the standbys' (one per host),
-  // each of which has run its worker by now.
-  EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 6) << log;
+  EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 8) << log;
+  EXPECT_EQ(CountOf(log, "exec '"), 4) << log;  // the agents'; a probe runs `test -x ...`
   EXPECT_FALSE(Contains(log, "secret-1")) << log;
   EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()), "ranks 0,1 started from standby workers"));
   EXPECT_TRUE(launcher.standby_pids().empty());
@@ -574,6 +581,36 @@ TEST_F(WarmSshTest, AStandbyThatIsGoneStartsAfreshAndTheNoteSaysWhy) {
                        "status 3); starting it afresh"))
       << notes;
   EXPECT_TRUE(Contains(notes, "rank 0 started from standby workers")) << notes;
+}
+
+TEST_F(WarmSshTest, AHostThatDidNotAnswerTheRestartsProbeGetsAFreshWorker) {
+  // "back" refuses ssh while dir_/back is missing; the standby's connection, made before, stays
+  // up, as a cut-off host's does until ssh's keepalive notices.
+  std::ofstream(dir_ / "back");
+  SshLauncherOptions options = WarmOptions();
+  options.targets = {"h1", "back"};
+  options.host_wait = std::chrono::seconds(30);
+  options.first_retry = std::chrono::milliseconds(100);
+  options.max_retry = std::chrono::milliseconds(200);
+  SshLauncher launcher(options);
+  auto first = launcher.Launch(Specs(0, "s0"));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  RunAll(*first);
+  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "s0")).ok());
+  std::filesystem::remove(dir_ / "back");
+  std::thread comes_back([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::ofstream(dir_ / "back");
+  });
+  auto restart = launcher.Launch(Specs(1, "s1"));
+  comes_back.join();
+  ASSERT_TRUE(restart.ok()) << restart.status().ToString();
+  std::vector<std::string> out = RunAll(*restart);
+  EXPECT_TRUE(Contains(out[0], "rank 0 s1 1 standby")) << out[0];
+  EXPECT_TRUE(Contains(out[1], "rank 1 s1 1 fresh")) << out[1];
+  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()),
+                       "the standby worker of rank 1 on back is not used: its host did not "
+                       "answer; starting it afresh"));
 }
 
 TEST_F(WarmSshTest, StandbysOfAnotherPlacementAreEndedAndTheRestartIsCold) {
