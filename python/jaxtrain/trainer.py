@@ -579,7 +579,7 @@ def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
         from jaxtrain import hosts
 
         selected = hosts.select_hosts(text, f"{HOSTFILE_ENV}={path}", node_labels,
-                                      scaling_config.num_workers)
+                                      scaling_config.max_workers)
         fd, chosen = tempfile.mkstemp(prefix="jaxtrain-hostfile-", suffix=".txt")
         with os.fdopen(fd, "w") as f:
             f.write(selected)
