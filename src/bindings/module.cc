@@ -383,6 +383,19 @@ class PyController {
       host = *chosen;
     }
     options_.listen_host = host;
+    if (scaling_config_->elastic()) {
+      // A host lost is waited for as long as growing back would take at most (docs/elastic.md).
+      const Duration interval = Seconds(scaling_config_->resize_monitor_interval_s());
+      options_.elastic = controller::ElasticOptions{
+          .min_workers = scaling_config_->min_workers(),
+          .monitor_interval = interval,
+          .host_wait = std::min(host_wait_, interval),
+          .plan_on = [config = *scaling_config_](const std::vector<std::string>& hosts,
+                                                 int workers) {
+            return launch::PlanForSshOn(config, accelerators::RealHost(),
+                                        launch::ElasticShare{.hosts = hosts, .workers = workers});
+          }};
+    }
     controller_ = std::make_unique<controller::Controller>(
         std::move(options_), std::make_unique<launch::SshLauncher>(std::move(lo)));
   }
