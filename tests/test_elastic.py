@@ -1,0 +1,130 @@
+"""Elastic runs on the ssh test hosts (tests/ssh_fixtures.py; docs/elastic.md): a run of
+ScalingConfig(num_workers=(2, 4)) on host1 and host2, 2 workers each, that loses host2's network
+mid-run goes on with host1's 2 workers from its latest checkpoint, and grows back to 4 once host2
+answers again; real JAX, real sshd, real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from test_ssh import finish, said_until, start_long_run, workers_left
+
+pytest_plugins = ["ssh_fixtures"]
+
+# 6 epochs of a 64-row array in global batches of 8 (8 steps an epoch), shuffled per epoch, read
+# through jaxtrain.data.DataLoader whatever the world size: each step adds the global sum of its
+# batch (a psum over every process) to a value checkpointed with the step, with the loader's
+# position. Whatever the resizes, the run ends where an uninterrupted one ends: step 47 and
+# 6 x (0 + ... + 63) = 12096, each epoch's rows seen once.
+ELASTIC_RUN = '''
+import json, os, tempfile, time
+from pathlib import Path
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig, data,
+                      get_checkpoint, get_context, report)
+
+EPOCHS = 6
+
+
+def train():
+    ctx = get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    mesh = Mesh(np.array(jax.devices()), ("workers",))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    loader = data.DataLoader(np.arange(64, dtype=np.float32), global_batch_size=8, shuffle=True,
+                             seed=0)
+    step, value = 0, 0.0
+    if (checkpoint := get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d:
+            state = json.loads(Path(d, "state.json").read_text())
+        step, value = state["step"] + 1, state["value"]
+    for epoch in range(loader.epoch, EPOCHS):
+        for local in loader:
+            batch = float(total(jax.make_array_from_process_local_data(
+                NamedSharding(mesh, P("workers")), local)))
+            value += batch
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    Path(d, "state.json").write_text(json.dumps({"step": step, "value": value}))
+                report({"step": step, "epoch": epoch, "batch_sum": batch, "value": value,
+                        "world_size": world, "process_count": jax.process_count(),
+                        "local_rows": len(local), "attempt": ctx.get_attempt()},
+                       checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+            if step == 5 and ctx.get_attempt() == 0 and rank == 0:
+                Path("ready").write_text("")
+            step += 1
+            time.sleep(0.3)
+
+
+result = JaxTrainer(
+    train, scaling_config=ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=2),
+    run_config=RunConfig(name="elastic", storage_path=os.getcwd(),
+                         failure_config=FailureConfig(max_failures=1,
+                                                      unreachable_host_timeout_s=5))).fit()
+print("final", json.dumps(result.metrics))
+'''
+
+
+def rounds(run: Path) -> list[dict]:
+    path = run / "result.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["metrics"] for line in path.read_text().splitlines() if line]
+
+
+def test_a_host_lost_shrinks_the_run_and_its_return_grows_it_back(ssh_hosts, ssh_shared_dir):
+    shared_dir = ssh_shared_dir
+    driver = start_long_run(ssh_hosts, shared_dir, ELASTIC_RUN, stdout=subprocess.PIPE)
+    run = shared_dir / "elastic"
+    with ssh_hosts.cut("host2"):
+        said = said_until(driver, "resizing the run from 4 to 2 workers")
+        # Back once the run has trained on host1 alone: a round of 2 workers is recorded.
+        deadline = time.monotonic() + 120
+        while not any(r["world_size"] == 2 for r in rounds(run)) and driver.poll() is None:
+            assert time.monotonic() < deadline, said[-3000:]
+            time.sleep(0.2)
+    out, err = finish(driver)
+    err = said + err
+
+    assert driver.returncode == 0, err[-3000:]
+    assert "jaxtrain: attempt 0 failed: rank" in err, err[-3000:]
+    assert ("jaxtrain: resizing the run from 4 to 2 workers (host host2 cannot be reached; "
+            "ScalingConfig.num_workers=(2, 4)): hosts host1") in err, err[-3000:]
+    assert "host host2 can be reached again; the run grows at its next committed checkpoint" \
+        in err, err[-3000:]
+    assert "jaxtrain: resizing the run from 2 to 4 workers (host host2 can be reached again" \
+        in err, err[-3000:]
+    final = json.loads(out.split("final ", 1)[1])
+    assert (final["step"], final["value"], final["world_size"]) == (47, 12096.0, 4)
+
+    state = json.loads((run / "run.json").read_text())
+    attempts = state["attempts"]
+    assert [a["status"] for a in attempts] == ["ERRORED", "RESIZED", "FINISHED"], attempts
+    assert [a["world_size"] for a in attempts] == [4, 2, 4]
+    assert attempts[1]["hosts"] == ["host1", "host1"]
+    assert attempts[2]["hosts"] == ["host1", "host1", "host2", "host2"]
+    assert attempts[1]["resize"]["from"] == 4 and attempts[1]["resize"]["to"] == 2
+    assert attempts[2]["resize"]["from"] == 2 and attempts[2]["resize"]["to"] == 4
+    assert "failure" not in attempts[1] and state["resizes"] == 2
+    # Each attempt saw the world it was given, in jaxtrain and in JAX alike, and each process
+    # read its share of the same global batches.
+    seen = rounds(run)
+    by_attempt = {}
+    for r in seen:
+        by_attempt.setdefault(r["attempt"], set()).add(
+            (r["world_size"], r["process_count"], r["local_rows"]))
+    assert by_attempt == {0: {(4, 4, 2)}, 1: {(2, 2, 4)}, 2: {(4, 4, 2)}}, by_attempt
+    # No step is lost: every step of the 6 epochs was reported, those after the checkpoint an
+    # attempt restored from again by the next, with the same batch (the same rows) each time.
+    assert {r["step"] for r in seen} == set(range(48))
+    batches = {}
+    for r in seen:
+        assert batches.setdefault(r["step"], r["batch_sum"]) == r["batch_sum"], r
+    for epoch in range(6):
+        assert sum(batches[s] for s in range(8 * epoch, 8 * epoch + 8)) == 2016.0
+    assert workers_left(ssh_hosts, "host1") == []
