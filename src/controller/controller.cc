@@ -463,34 +463,25 @@ struct Controller::Loop : ControlPort::Delegate,
   }
 
   // Elastic runs: the plan of the next attempt, on the units (hosts, TPU slices) of the full
-  // plan that the launcher can reach now. A host of the attempt before it that cannot be
-  // reached (`restart`) is waited for up to host_wait first, unless the run could not go on
-  // without it anyway. Fewer than min_workers reachable: the full plan, whose launch waits for
-  // the hosts and fails naming them, as a fixed-size run's does.
+  // plan that the launcher can reach now; at a restart (`restart`) a host that cannot be reached
+  // is waited for up to host_wait first. Fewer than min_workers reachable: the full plan, whose
+  // launch waits for the hosts and fails naming them, as a fixed-size run's does.
   // Errors: kCancelled when the run is being stopped meanwhile; those of plan_on and UsePlan.
   Status ChoosePlan(bool restart) {
     const ElasticOptions& e = *opts.elastic;
     const placement::Plan& full = opts.plan;
-    const std::vector<std::string> all = HostsOf(full);
+    // One probe of every host, probing those down again with backoff up to the wait: the
+    // probe of a host cut off takes ssh's connect timeout, so it is not made twice.
+    const Duration wait = restart ? e.host_wait : Duration::zero();
     JT_ASSIGN_OR_RETURN(std::vector<std::string> down,
-                        ctl.launcher_->UnreachableHosts(all, Duration::zero(), -1));
-    std::set<std::string> unreachable(down.begin(), down.end());
+                        ctl.launcher_->UnreachableHosts(HostsOf(full), wait, -1));
+    const std::set<std::string> unreachable(down.begin(), down.end());
     const std::vector<std::string> before = HostsOf(*plan);
-    std::vector<std::string> lost;  // hosts of the attempt before: they may be back in a moment
-    for (const auto& h : down) {
-      if (restart && std::find(before.begin(), before.end(), h) != before.end()) lost.push_back(h);
-    }
-    if (!lost.empty() && placement::ChooseHosts(full, unreachable, e.min_workers).ok()) {
-      const std::string names = JoinNames(lost);
-      Say("host " + names + " cannot be reached; waiting up to " +
-          FormatNumber(std::chrono::duration<double>(e.host_wait).count()) +
-          " s for it to come back before the run goes on without it (elastic: "
-          "min(FailureConfig.unreachable_host_timeout_s, "
+    if (!down.empty() && restart) {
+      Say("host " + JoinNames(down) + " cannot be reached after waiting up to " +
+          FormatNumber(std::chrono::duration<double>(wait).count()) +
+          " s for it (elastic: min(FailureConfig.unreachable_host_timeout_s, "
           "ScalingConfig.elastic_resize_monitor_interval_s))");
-      JT_ASSIGN_OR_RETURN(std::vector<std::string> still,
-                          ctl.launcher_->UnreachableHosts(lost, e.host_wait, -1));
-      for (const auto& h : lost) unreachable.erase(h);
-      unreachable.insert(still.begin(), still.end());
     }
     StatusOr<placement::HostChoice> choice =
         placement::ChooseHosts(full, unreachable, e.min_workers);
@@ -613,20 +604,23 @@ struct Controller::Loop : ControlPort::Delegate,
   // it started. An abort meanwhile ends the run aborted; an attempt that cannot start, failed.
   bool Restart(const RestoreVerifier::Result& restore, bool resized) {
     Status s = opts.elastic ? ChoosePlan(/*restart=*/true) : OkStatus();
-    if (s.ok()) s = StartAttempt(attempt->number() + 1, restore, resized);
+    // Whether the next attempt was made (StartAttempt makes it first): until then `attempt` is
+    // the one that ended, already recorded.
+    const bool made = s.ok();
+    if (made) s = StartAttempt(attempt->number() + 1, restore, resized);
     if (!s.ok() && TakeAbortRequest(/*counts=*/true)) {
       // Stopped while the group started (Abort() interrupts the launcher): the run is aborted,
       // not failed, and this attempt never ran.
-      record.AddAttempt(attempt->Record("ABORTED"));
+      if (made) record.AddAttempt(attempt->Record("ABORTED"));
       return false;
     }
     if (!s.ok()) {
       Say("cannot restart the worker group: " + s.message());
       failures.push_back({.rank = -1,
-                          .attempt = attempt->number(),
+                          .attempt = attempt->number() + (made ? 0 : 1),
                           .cause = FailureCause::kStartUp,
                           .message = "the worker group could not be started: " + s.message()});
-      record.AddAttempt(attempt->Record("ERRORED"));
+      if (made) record.AddAttempt(attempt->Record("ERRORED"));
       return false;
     }
     return true;

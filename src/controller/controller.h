@@ -19,10 +19,10 @@
 //   attempt number + 1, the latest committed checkpoint), or raise, kFailed.
 //
 // Elastic runs (ControllerOptions::elastic, docs/elastic.md): before each attempt the run
-// chooses its hosts (ChoosePlan): the units of the full plan the launcher can reach, a host lost
-// by the attempt before waited for up to host_wait first; min_workers at least, else the full
-// plan (its launch then waits and fails as a fixed-size run's). A run below max watches the hosts
-// it lacks (CapacityMonitor); once one answers, the attempt stops on purpose at its next
+// chooses its hosts (ChoosePlan): the units of the full plan the launcher can reach, at a restart
+// a host that cannot be reached waited for up to host_wait first; min_workers at least, else the
+// full plan (its launch then waits and fails as a fixed-size run's). A run below max watches the
+// hosts it lacks (CapacityMonitor); once one answers, the attempt stops on purpose at its next
 // committed checkpoint (Attempt::RequestResize) and ends RESIZED: a planned restart, not a
 // failure, counted apart (run.json's "resizes"), on the hosts chosen again.
 //
@@ -85,8 +85,7 @@ struct ElasticOptions {
   int min_workers = 1;
   // How often a run below max looks for the hosts it lacks (CapacityMonitor).
   Duration monitor_interval = std::chrono::seconds(60);
-  // How long a restart waits for a host of the attempt before it that it cannot reach, before
-  // it goes on without it.
+  // How long a restart waits for a host it cannot reach before it goes on without it.
   Duration host_wait = std::chrono::seconds(60);
   // The plan with `workers` workers on `hosts` only (whole units of the full plan, in its
   // order): every rank's placement and environment computed anew. Errors: as the launcher's
