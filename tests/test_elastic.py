@@ -225,3 +225,20 @@ def test_a_simulated_multislice_tpu_run_resizes_by_whole_slices(ssh_hosts, ssh_s
     assert (alone["TPU_WORKER_ID"], alone["TPU_WORKER_HOSTNAMES"]) == ("0", "host1")
     assert not (shared_dir / "env-1-1.json").exists()
     assert {r["step"] for r in rounds(run)} == set(range(40))
+
+
+def test_fewer_hosts_than_min_fail_the_run_naming_the_host(ssh_hosts, ssh_shared_dir):
+    """(4, 4) on 2 hosts x 2: without host2 the run cannot go on, so it does what a fixed-size run
+    does: the restart waits for host2 and fails, naming it."""
+    program = ELASTIC_RUN.replace("num_workers=(2, 4)", "num_workers=(4, 4)")
+    driver = start_long_run(ssh_hosts, ssh_shared_dir, program, stdout=subprocess.PIPE)
+    with ssh_hosts.cut("host2"):
+        out, err = finish(driver)
+
+    assert driver.returncode != 0, out[-2000:]
+    assert ("host host2 cannot be reached, and the hosts left (host1) hold 2 worker(s), fewer "
+            "than the min of ScalingConfig.num_workers (4); starting on every host, as a "
+            "fixed-size run does") in err, err[-3000:]
+    assert "cannot restart the worker group: cannot reach host host2 over ssh" in err, err[-3000:]
+    attempts = json.loads((ssh_shared_dir / "elastic" / "run.json").read_text())["attempts"]
+    assert [(a["status"], a["world_size"]) for a in attempts] == [("ERRORED", 4), ("ERRORED", 4)]
