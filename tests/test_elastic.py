@@ -1,7 +1,9 @@
 """Elastic runs on the ssh test hosts (tests/ssh_fixtures.py; docs/elastic.md): a run of
 ScalingConfig(num_workers=(2, 4)) on host1 and host2, 2 workers each, that loses host2's network
 mid-run goes on with host1's 2 workers from its latest checkpoint, and grows back to 4 once host2
-answers again; real JAX, real sshd, real processes."""
+answers again; real JAX, real sshd, real processes. A simulated multi-slice TPU run resizes by
+whole slices; fewer hosts than min fail the run as a fixed-size run fails; the local launcher,
+which does not resize, trains on max."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from test_ssh import finish, said_until, start_long_run, workers_left
+
+from conftest import run_driver
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshHosts
@@ -242,3 +246,24 @@ def test_fewer_hosts_than_min_fail_the_run_naming_the_host(ssh_hosts, ssh_shared
     assert "cannot restart the worker group: cannot reach host host2 over ssh" in err, err[-3000:]
     attempts = json.loads((ssh_shared_dir / "elastic" / "run.json").read_text())["attempts"]
     assert [(a["status"], a["world_size"]) for a in attempts] == [("ERRORED", 4), ("ERRORED", 4)]
+
+
+def test_a_local_run_of_an_elastic_config_trains_on_max_and_says_so(tmp_path):
+    proc = run_driver("""
+        import json, os
+        import jax
+        from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, get_context, report
+
+        def train():
+            report({"world_size": get_context().get_world_size(),
+                    "process_count": jax.process_count()})
+
+        result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=(1, 2)),
+                            run_config=RunConfig(name="local", storage_path=os.getcwd())).fit()
+        print("final", json.dumps(result.metrics))
+        """, tmp_path, env={"JAXTRAIN_SIMULATE": "0"})
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("jaxtrain: ScalingConfig.num_workers=(1, 2): the local launcher does not resize a run "
+            "(docs/elastic.md); it trains on 2 workers, as a fixed-size run") in proc.stderr
+    assert json.loads(proc.stdout.split("final ", 1)[1]) == {"world_size": 2, "process_count": 2}
