@@ -134,3 +134,33 @@ def test_report_outside_a_worker_says_where_it_works():
         report({"x": 1})
     with pytest.raises(RuntimeError, match="only inside the training function"):
         get_context()
+
+
+def test_elastic_num_workers_is_a_min_max_range():
+    c = ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=5)
+    assert c.elastic and c.min_workers == 2 and c.max_workers == 4
+    assert c.num_workers == (2, 4)
+    assert c.elastic_resize_monitor_interval_s == 5
+    assert ScalingConfig(num_workers=[2, 4]) == ScalingConfig(num_workers=(2, 4))
+    fixed = ScalingConfig(num_workers=4)
+    assert not fixed.elastic and fixed.min_workers == fixed.max_workers == 4
+
+
+def test_elastic_range_is_checked_with_the_field_and_what_is_allowed():
+    invalid(["ScalingConfig.num_workers=(0, 4)", "1 <= min <= max"], num_workers=(0, 4))
+    invalid(["ScalingConfig.num_workers=(5, 4)", "1 <= min <= max"], num_workers=(5, 4))
+    invalid(["ScalingConfig.num_workers=(1, 2, 3)", "(min, max) pair"], num_workers=(1, 2, 3))
+    invalid(["ScalingConfig.num_workers=(1, '4')", "(min, max) pair"], num_workers=(1, "4"))
+    invalid(["ScalingConfig.elastic_resize_monitor_interval_s=0", "> 0"],
+            num_workers=(1, 2), elastic_resize_monitor_interval_s=0)
+    invalid(["ScalingConfig.elastic_resize_monitor_interval_s='60'", "> 0"],
+            num_workers=(1, 2), elastic_resize_monitor_interval_s="60")
+
+
+def test_elastic_tpu_range_is_whole_slices():
+    tpu = dict(use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4")  # 2 workers a slice
+    assert ScalingConfig(num_workers=(2, 4), **tpu).min_workers == 2
+    invalid(["ScalingConfig.num_workers=(3, 4)", "multiple of 2", "whole slices"],
+            num_workers=(3, 4), **tpu)
+    invalid(["ScalingConfig.num_workers=(2, 5)", "max=5", "multiple of 2"],
+            num_workers=(2, 5), **tpu)

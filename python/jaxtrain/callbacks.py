@@ -128,7 +128,7 @@ class Dispatcher:
         """Called before the controller starts: what the run directory holds now (rounds and
         attempts of earlier runs of the same name) is not delivered again."""
         context = RunContext(name=trainer.run_config.name, path=run_dir,
-                             world_size=trainer.scaling_config.num_workers,
+                             world_size=trainer.scaling_config.max_workers,
                              run_config=trainer.run_config, scaling_config=trainer.scaling_config,
                              train_loop_config=trainer.train_loop_config)
         d = cls(list(trainer.run_config.callbacks), context)

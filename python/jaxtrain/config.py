@@ -34,9 +34,15 @@ class ScalingConfig:
     training function runs in the driver's own process (a debugger's breakpoints work), with the
     devices the driver's JAX sees and no ``jax.distributed``; ``topology``, ``accelerator_type``
     and ``resources_per_worker`` do not apply to it (docs/ray-differences.md).
+
+    ``num_workers=(min, max)`` makes the run elastic (Ray Train V2's contract, docs/elastic.md):
+    it asks for ``max`` workers and trains on as many as it has hosts for, ``min`` at least; a
+    restart that finds a host gone goes on with fewer, and every
+    ``elastic_resize_monitor_interval_s`` seconds a run below ``max`` looks for the hosts it lacks
+    and grows back at the next committed checkpoint. A plain int is a fixed-size run.
     """
 
-    num_workers: int
+    num_workers: int | tuple[int, int]
     use_tpu: bool
     use_gpu: bool
     topology: str | None
@@ -44,10 +50,11 @@ class ScalingConfig:
     resources_per_worker: dict[str, float] | None
     placement_strategy: str
     label_selector: dict[str, str] | list[dict[str, str]] | None
+    elastic_resize_monitor_interval_s: float
 
     def __init__(
         self,
-        num_workers: int = 1,
+        num_workers: int | tuple[int, int] = 1,
         use_tpu: bool = False,
         use_gpu: bool = False,
         topology: str | None = None,
@@ -55,13 +62,33 @@ class ScalingConfig:
         resources_per_worker: Mapping[str, float] | None = None,
         placement_strategy: str = "PACK",
         label_selector: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        elastic_resize_monitor_interval_s: float = 60.0,
     ) -> None:
         owner = "ScalingConfig"
         allowed = (f"it must be a whole number >= 1 and at most {_core.MAX_WORKERS}, or 0 for "
-                   "local mode (the training function runs in the driver's process)")
-        _expect(owner, "num_workers", num_workers, (int,), allowed)
-        if num_workers < 0 or num_workers > _core.MAX_WORKERS:  # the core takes a C int
-            raise ValueError(f"{owner}.num_workers={num_workers} is not allowed; {allowed}")
+                   "local mode (the training function runs in the driver's process); an elastic "
+                   "run gives a (min, max) pair of whole numbers")
+        min_workers = None
+        if isinstance(num_workers, (tuple, list)):
+            if len(num_workers) != 2 or not all(
+                    isinstance(n, int) and not isinstance(n, bool) for n in num_workers):
+                raise ValueError(f"{owner}.num_workers={num_workers!r} is not allowed; an "
+                                 "elastic run's range is a (min, max) pair of whole numbers "
+                                 "with 1 <= min <= max")
+            num_workers = tuple(num_workers)
+            min_workers, max_workers = num_workers
+            for n in num_workers:
+                if n < 0 or n > _core.MAX_WORKERS:  # the core takes a C int
+                    raise ValueError(f"{owner}.num_workers={num_workers!r} is not allowed; an "
+                                     "elastic run's range is a (min, max) pair with "
+                                     f"1 <= min <= max <= {_core.MAX_WORKERS}")
+        else:
+            _expect(owner, "num_workers", num_workers, (int,), allowed)
+            if num_workers < 0 or num_workers > _core.MAX_WORKERS:  # the core takes a C int
+                raise ValueError(f"{owner}.num_workers={num_workers} is not allowed; {allowed}")
+            max_workers = num_workers
+        _expect(owner, "elastic_resize_monitor_interval_s", elastic_resize_monitor_interval_s,
+                (int, float), "it must be a number of seconds > 0")
         if num_workers == 0:
             for name, value in (("topology", topology), ("accelerator_type", accelerator_type),
                                 ("resources_per_worker", resources_per_worker)):
@@ -93,13 +120,15 @@ class ScalingConfig:
                     )
                 resources[key] = float(amount)
         self._core = _core.ScalingConfig(
-            num_workers=max(num_workers, 1),  # local mode: the other fields checked as for one
+            num_workers=max(max_workers, 1),  # local mode: the other fields checked as for one
             use_tpu=use_tpu,
             use_gpu=use_gpu,
             topology=topology,
             accelerator_type=accelerator_type,
             resources_per_worker=resources,
             placement_strategy=placement_strategy,
+            min_workers=min_workers,
+            elastic_resize_monitor_interval_s=float(elastic_resize_monitor_interval_s),
         )
         self.num_workers = num_workers
         self.use_tpu = use_tpu
@@ -108,8 +137,24 @@ class ScalingConfig:
         self.accelerator_type = accelerator_type
         self.resources_per_worker = dict(resources_per_worker) if resources_per_worker else None
         self.placement_strategy = placement_strategy
-        self.label_selector = _check_label_selector(label_selector, num_workers)
+        self.label_selector = _check_label_selector(label_selector, max_workers)
+        self.elastic_resize_monitor_interval_s = elastic_resize_monitor_interval_s
         self.node_labels()  # refuses per-worker selectors that differ, now
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers the run trains on: ``num_workers``, or an elastic run's min."""
+        return self._core.min_workers if self.num_workers != 0 else 0
+
+    @property
+    def max_workers(self) -> int:
+        """The workers the run asks for: ``num_workers``, or an elastic run's max."""
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def elastic(self) -> bool:
+        """Whether ``num_workers`` is a (min, max) range (docs/elastic.md)."""
+        return isinstance(self.num_workers, tuple)
 
     def node_labels(self) -> dict[str, tuple[str, tuple[str, ...]]]:
         """The label selector as every worker's node must match it: label -> ("in" or "notin",
@@ -148,6 +193,7 @@ class ScalingConfig:
             "resources_per_worker": self.resources_per_worker,
             "placement_strategy": self.placement_strategy,
             "label_selector": self.label_selector,
+            "elastic_resize_monitor_interval_s": self.elastic_resize_monitor_interval_s,
         }
 
     def __repr__(self) -> str:

@@ -92,8 +92,9 @@ def exposition(m: dict, run: str, run_goodput: goodput.Goodput | None = None) ->
     w.family("jaxtrain_attempt", "gauge", "The number of the attempt running or last run.")
     w.sample("jaxtrain_attempt", m.get("attempt", 0))
     w.family("jaxtrain_attempts_total", "counter",
-             "Attempts started by this driver, by what started them: start for the first, else "
-             "the cause of the previous attempt's failure.")
+             "Attempts started by this driver, by what started them: start for the first, resize "
+             "after an elastic run's planned stop to grow, else the cause of the previous "
+             "attempt's failure.")
     for cause, n in sorted(m.get("attempts_by_cause", {}).items()):
         w.sample("jaxtrain_attempts_total", n, cause=cause)
     w.family("jaxtrain_world_size", "gauge", "Ranks in the worker group.")

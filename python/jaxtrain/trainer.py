@@ -187,6 +187,11 @@ class JaxTrainer:
         # Local mode runs on this host whatever JAXTRAIN_LAUNCHER says.
         launcher = "local" if local is not None else _core.choose_launcher()
         launcher_options = ""
+        if self.scaling_config.elastic and launcher != "ssh":
+            sys.stderr.write(
+                f"jaxtrain: ScalingConfig.num_workers={self.scaling_config.num_workers!r}: the "
+                f"{launcher} launcher does not resize a run (docs/elastic.md); it trains on "
+                f"{self.scaling_config.max_workers} workers, as a fixed-size run\n")
         store = None  # the hosts upload their checkpoints to object storage themselves
         if local is not None:
             in_memory = None  # the driver's process keeps no copies in host memory
@@ -579,7 +584,7 @@ def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
         from jaxtrain import hosts
 
         selected = hosts.select_hosts(text, f"{HOSTFILE_ENV}={path}", node_labels,
-                                      scaling_config.num_workers)
+                                      scaling_config.max_workers)
         fd, chosen = tempfile.mkstemp(prefix="jaxtrain-hostfile-", suffix=".txt")
         with os.fdopen(fd, "w") as f:
             f.write(selected)

@@ -383,6 +383,19 @@ class PyController {
       host = *chosen;
     }
     options_.listen_host = host;
+    if (scaling_config_->elastic()) {
+      // A host lost is waited for as long as growing back would take at most (docs/elastic.md).
+      const Duration interval = Seconds(scaling_config_->resize_monitor_interval_s());
+      options_.elastic = controller::ElasticOptions{
+          .min_workers = scaling_config_->min_workers(),
+          .monitor_interval = interval,
+          .host_wait = std::min(host_wait_, interval),
+          .plan_on = [config = *scaling_config_](const std::vector<std::string>& hosts,
+                                                 int workers) {
+            return launch::PlanForSshOn(config, accelerators::RealHost(),
+                                        launch::ElasticShare{.hosts = hosts, .workers = workers});
+          }};
+    }
     controller_ = std::make_unique<controller::Controller>(
         std::move(options_), std::make_unique<launch::SshLauncher>(std::move(lo)));
   }
@@ -539,9 +552,12 @@ NB_MODULE(_core, m) {
           [](config::ScalingConfig* self, int num_workers, bool use_tpu, bool use_gpu,
              std::optional<std::string> topology, std::optional<std::string> accelerator_type,
              std::optional<std::map<std::string, double>> resources_per_worker,
-             std::string placement_strategy) {
+             std::string placement_strategy, std::optional<int> min_workers,
+             double elastic_resize_monitor_interval_s) {
             config::ScalingConfigInput in;
             in.num_workers = num_workers;
+            in.min_workers = min_workers;
+            in.elastic_resize_monitor_interval_s = elastic_resize_monitor_interval_s;
             in.use_tpu = use_tpu;
             in.use_gpu = use_gpu;
             in.topology = std::move(topology);
@@ -552,8 +568,12 @@ NB_MODULE(_core, m) {
             new (self) config::ScalingConfig(Unwrap(config::ScalingConfig::Create(std::move(in))));
           },
           "num_workers"_a, "use_tpu"_a, "use_gpu"_a, "topology"_a.none(),
-          "accelerator_type"_a.none(), "resources_per_worker"_a.none(), "placement_strategy"_a)
+          "accelerator_type"_a.none(), "resources_per_worker"_a.none(), "placement_strategy"_a,
+          "min_workers"_a.none() = nb::none(),
+          "elastic_resize_monitor_interval_s"_a = config::kDefaultResizeMonitorIntervalS)
       .def_prop_ro("resources_per_worker", &config::ScalingConfig::resources_per_worker)
+      .def_prop_ro("min_workers", &config::ScalingConfig::min_workers)
+      .def_prop_ro("elastic", &config::ScalingConfig::elastic)
       .def_prop_ro("workers_per_slice", &config::ScalingConfig::workers_per_slice)
       .def_prop_ro("num_slices", &config::ScalingConfig::num_slices)
       .def_prop_ro("tpu_slice", [](const config::ScalingConfig& c) -> nb::object {

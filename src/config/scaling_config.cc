@@ -45,13 +45,49 @@ Status CheckLocalWorkerCount(const ScalingConfig& config, int cpus) {
       "); ask for fewer workers, or run on a cluster (Slurm: docs/slurm.md)");
 }
 
+StatusOr<ScalingConfig> ScalingConfig::WithWorkers(int workers) const {
+  ScalingConfigInput in = input_;
+  in.num_workers = workers;
+  in.min_workers.reset();
+  return Create(std::move(in));
+}
+
+namespace {
+
+// ScalingConfig.num_workers=(min, max) as the user wrote it, for messages.
+std::string ElasticField(const ScalingConfigInput& in) {
+  return "ScalingConfig.num_workers=(" + std::to_string(*in.min_workers) + ", " +
+         std::to_string(in.num_workers) + ")";
+}
+
+Status CheckElastic(const ScalingConfigInput& in) {
+  if (!std::isfinite(in.elastic_resize_monitor_interval_s) ||
+      in.elastic_resize_monitor_interval_s <= 0) {
+    return InvalidArgumentError("ScalingConfig.elastic_resize_monitor_interval_s=" +
+                                FormatNumber(in.elastic_resize_monitor_interval_s) +
+                                " is not allowed; it must be a number of seconds > 0");
+  }
+  if (!in.min_workers) return OkStatus();
+  if (*in.min_workers < 1 || *in.min_workers > in.num_workers) {
+    return InvalidArgumentError(ElasticField(in) +
+                                " is not allowed; an elastic run's (min, max) must have "
+                                "1 <= min <= max");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
 StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
   ScalingConfig c;
   if (in.num_workers < 1 || in.num_workers > kMaxWorkers) {
-    return InvalidArgumentError("ScalingConfig.num_workers=" + std::to_string(in.num_workers) +
-                                " is not allowed; it must be a whole number >= 1 and at most " +
-                                std::to_string(kMaxWorkers));
+    return InvalidArgumentError(
+        (in.min_workers ? ElasticField(in) + " has max=" + std::to_string(in.num_workers)
+                        : "ScalingConfig.num_workers=" + std::to_string(in.num_workers)) +
+        " is not allowed; it must be a whole number >= 1 and at most " +
+        std::to_string(kMaxWorkers));
   }
+  JT_RETURN_IF_ERROR(CheckElastic(in));
   if (in.use_tpu && in.use_gpu) {
     return InvalidArgumentError(
         "ScalingConfig.use_tpu=True and use_gpu=True were both given; a worker uses one kind of "
@@ -134,11 +170,21 @@ StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
       c.workers_per_slice_ = slice->hosts * (per_host / chips_per_worker);
       if (in.num_workers % c.workers_per_slice_ != 0) {
         return InvalidArgumentError(
-            "ScalingConfig.num_workers=" + std::to_string(in.num_workers) +
+            (in.min_workers ? ElasticField(in) + " has max=" + std::to_string(in.num_workers)
+                            : "ScalingConfig.num_workers=" + std::to_string(in.num_workers)) +
             " must be a multiple of " + std::to_string(c.workers_per_slice_) +
             ", the number of workers in one " + slice->pod_type + " slice (topology " +
             slice->topology + ": " + std::to_string(slice->hosts) + " host(s) x " +
             std::to_string(per_host / chips_per_worker) + " worker(s) per host)");
+      }
+      if (in.min_workers && *in.min_workers % c.workers_per_slice_ != 0) {
+        return InvalidArgumentError(
+            ElasticField(in) + " has min=" + std::to_string(*in.min_workers) +
+            ", not a multiple of " + std::to_string(c.workers_per_slice_) +
+            ", the number of workers in one " + slice->pod_type +
+            " slice: an elastic TPU run resizes by whole slices; allowed: min and max multiples "
+            "of " +
+            std::to_string(c.workers_per_slice_));
       }
     } else if (tpu == in.resources_per_worker.end()) {
       c.resources_["TPU"] = 1;

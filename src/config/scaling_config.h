@@ -26,8 +26,16 @@ inline constexpr int kLocalWorkersPerCpu = 8;
 inline constexpr int kLocalWorkersFloor = 64;
 int LocalWorkerLimit(int cpus);
 
+// Ray Train V2's default for elastic_resize_monitor_interval_s.
+inline constexpr double kDefaultResizeMonitorIntervalS = 60;
+
 struct ScalingConfigInput {
-  int num_workers = 1;
+  int num_workers = 1;  // the most workers; an elastic run's max
+  // An elastic run (ScalingConfig(num_workers=(min, max)), docs/elastic.md): the fewest workers it
+  // trains on. None: num_workers exactly, as before.
+  std::optional<int> min_workers;
+  // How often an elastic run below its max looks for the capacity it lacks.
+  double elastic_resize_monitor_interval_s = kDefaultResizeMonitorIntervalS;
   bool use_tpu = false;
   bool use_gpu = false;
   std::optional<std::string> topology;
@@ -46,10 +54,21 @@ class ScalingConfig {
   //   with more than one worker but no topology or accelerator_type; an unknown TPU generation or a
   //   topology invalid for it; a TPU count per worker that does not divide the chips of a host;
   //   num_workers not a multiple of the workers one slice holds ("must be a multiple of ...").
+  //   Elastic runs: min_workers < 1 or > num_workers (the max); for TPU, min_workers not a
+  //   multiple of the workers one slice holds; elastic_resize_monitor_interval_s not finite and
+  //   > 0. (That both are multiples of a listed host's workers is checked when the run is
+  //   planned on its hosts: placement::CheckElasticHosts.)
   static StatusOr<ScalingConfig> Create(ScalingConfigInput input);
 
   const ScalingConfigInput& input() const { return input_; }
   int num_workers() const { return input_.num_workers; }
+  // An elastic run: num_workers() is its max and min_workers() its min.
+  bool elastic() const { return input_.min_workers.has_value(); }
+  int min_workers() const { return input_.min_workers.value_or(input_.num_workers); }
+  double resize_monitor_interval_s() const { return input_.elastic_resize_monitor_interval_s; }
+  // This config with `workers` workers, a fixed-size run (an elastic run's plan for the hosts at
+  // hand). Errors: as Create().
+  StatusOr<ScalingConfig> WithWorkers(int workers) const;
   bool use_tpu() const { return input_.use_tpu; }
   bool use_gpu() const { return input_.use_gpu; }
   PlacementStrategy placement_strategy() const { return placement_strategy_; }

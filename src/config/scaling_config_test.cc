@@ -183,5 +183,64 @@ TEST(ScalingConfigTest, GpuDefaultsToOneGpuPerWorker) {
   EXPECT_EQ(c->resources_per_worker().at("GPU"), 1);
 }
 
+TEST(ScalingConfigTest, APlainCountIsAFixedSizeRun) {
+  ScalingConfigInput in;
+  in.num_workers = 4;
+  auto c = ScalingConfig::Create(in);
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->elastic());
+  EXPECT_EQ(c->min_workers(), 4);
+  EXPECT_EQ(c->num_workers(), 4);
+}
+
+TEST(ScalingConfigTest, ElasticRangeKeepsMinAndMax) {
+  ScalingConfigInput in;
+  in.num_workers = 4;
+  in.min_workers = 2;
+  in.elastic_resize_monitor_interval_s = 5;
+  auto c = ScalingConfig::Create(in);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(c->elastic());
+  EXPECT_EQ(c->min_workers(), 2);
+  EXPECT_EQ(c->num_workers(), 4);
+  EXPECT_EQ(c->resize_monitor_interval_s(), 5);
+  auto fixed = c->WithWorkers(2);
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_FALSE(fixed->elastic());
+  EXPECT_EQ(fixed->num_workers(), 2);
+}
+
+TEST(ScalingConfigTest, ElasticMinMustBeAtLeastOneAndAtMostMax) {
+  ScalingConfigInput in;
+  in.num_workers = 4;
+  in.min_workers = 0;
+  ExpectInvalid(in, {"ScalingConfig.num_workers=(0, 4)", "1 <= min <= max"});
+  in.min_workers = 5;
+  ExpectInvalid(in, {"ScalingConfig.num_workers=(5, 4)", "1 <= min <= max"});
+}
+
+TEST(ScalingConfigTest, ResizeMonitorIntervalMustBePositive) {
+  ScalingConfigInput in;
+  in.num_workers = 4;
+  in.min_workers = 2;
+  in.elastic_resize_monitor_interval_s = 0;
+  ExpectInvalid(in, {"elastic_resize_monitor_interval_s=0", "> 0"});
+  in.elastic_resize_monitor_interval_s = -1;
+  ExpectInvalid(in, {"elastic_resize_monitor_interval_s=-1", "> 0"});
+}
+
+TEST(ScalingConfigTest, ElasticTpuResizesByWholeSlices) {
+  auto in = Tpu(4, "TPU-V4", "2x2x2");  // 2 hosts a slice, one worker each
+  in.min_workers = 2;
+  auto c = ScalingConfig::Create(in);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->min_workers(), 2);
+  in.min_workers = 3;
+  ExpectInvalid(in, {"ScalingConfig.num_workers=(3, 4)", "min=3", "multiple of 2", "whole slices"});
+  in = Tpu(5, "TPU-V4", "2x2x2");
+  in.min_workers = 2;
+  ExpectInvalid(in, {"ScalingConfig.num_workers=(2, 5)", "max=5", "multiple of 2"});
+}
+
 }  // namespace
 }  // namespace jaxtrain::config

@@ -54,7 +54,7 @@ Attempt::Attempt(Setup setup, const ControllerOptions& opts, ControlPort& port, 
       group_(group),
       clock_(clock),
       delegate_(delegate),
-      ranks_(opts.plan.workers.size()),
+      ranks_(plan().workers.size()),
       start_time_(clock.UnixSeconds()),
       oom_kills_before_(OomKillCount()),
       collector_(world_size(), setup_.first_round),
@@ -89,8 +89,8 @@ void Attempt::Fail(RankFailure f) {
     if (f.rank >= 0) {
       if (!ranks_[static_cast<size_t>(f.rank)].host.empty()) {
         f.host = ranks_[static_cast<size_t>(f.rank)].host;
-      } else if (f.host.empty() && static_cast<size_t>(f.rank) < opts_.plan.workers.size()) {
-        f.host = opts_.plan.workers[static_cast<size_t>(f.rank)].host;  // it never registered
+      } else if (f.host.empty() && static_cast<size_t>(f.rank) < plan().workers.size()) {
+        f.host = plan().workers[static_cast<size_t>(f.rank)].host;  // it never registered
       }
       f.log_path = setup_.log_path(f.rank);
     }
@@ -381,17 +381,29 @@ void Attempt::MaybeStartTraining() {
 
 // --- rounds (round_recorder.h) -------------------------------------------------------------------
 
+void Attempt::RequestResize(std::string why) {
+  if (resize_after_ || Stopping()) return;
+  resize_after_ = collector_.next_round();
+  resize_why_ = std::move(why);
+}
+
 void Attempt::OnRecorded(uint64_t round, const std::string& committed) {
   if (!committed.empty() && phase_ == Phase::kRunning && preemption_.AfterNotice(round)) {
     StopForPreemption(
         "the group was stopped once " + committed + ", reported after the notice, was committed",
         /*drain_timed_out=*/false);
   }
+  if (!committed.empty() && phase_ == Phase::kRunning && ResizeAfter(round)) {
+    resized_ = true;
+    delegate_.Say("stopping the group to resize it (" + resize_why_ + "), " + committed +
+                  " being committed");
+    Stop();
+  }
   if (rounds_++ == 0) first_round_at_ = Now();
 }
 
 void Attempt::OnSettled(int rank, uint64_t round) {
-  if (phase_ == Phase::kRunning && preemption_.AfterNotice(round)) return;
+  if (phase_ == Phase::kRunning && (preemption_.AfterNotice(round) || ResizeAfter(round))) return;
   port_.Send(rank, wire::MessageType::kCheckpointSettled, "settled");
 }
 
@@ -525,7 +537,7 @@ void Attempt::OnStepExit(const std::vector<int>& proc_ranks, const launch::ExitS
 // Where rank `rank` runs: where it registered from, else where the plan put it.
 std::string Attempt::HostOf(size_t rank) const {
   if (!ranks_[rank].host.empty()) return ranks_[rank].host;
-  return rank < opts_.plan.workers.size() ? opts_.plan.workers[rank].host : std::string();
+  return rank < plan().workers.size() ? plan().workers[rank].host : std::string();
 }
 
 // `rs` with their hosts, grouped by host in order: "0, 1 on host1; 2 on host2".
@@ -664,6 +676,8 @@ nlohmann::json Attempt::Record(std::string_view status) const {
   nlohmann::json hosts = nlohmann::json::array();
   for (size_t r = 0; r < ranks_.size(); ++r) hosts.push_back(HostOf(r));
   a["hosts"] = std::move(hosts);
+  a["world_size"] = ranks_.size();
+  if (!setup_.resize.is_null()) a["resize"] = setup_.resize;
   // Each rank's step time (stragglers.h), null until it is known; refreshed while the attempt
   // runs now and then (Delegate::RecordRunning()).
   nlohmann::json step_times = nlohmann::json::array();

@@ -90,6 +90,12 @@ class Attempt {
     std::function<std::string(int)> log_path;    // a rank's log file (RunStore::LogPath)
     std::string payload_header;                  // the kPayload frame's header
     std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
+    // The placement of this attempt's ranks: an elastic run's plan for the hosts at hand
+    // (docs/elastic.md); null: the run's (ControllerOptions::plan).
+    std::shared_ptr<const placement::Plan> plan;
+    // run.json's "resize" of an attempt that starts the run on another number of workers than
+    // the attempt before it ({"from", "to", "reason", ...}); null otherwise.
+    nlohmann::json resize;
   };
 
   // Opens the attempt on `port` (ControlPort::BeginAttempt); the group is started by Start().
@@ -122,6 +128,13 @@ class Attempt {
   void Fail(RankFailure f);
   // Stops the group (Abort()): SIGTERM, then SIGKILL after the grace period.
   void Stop();
+  // An elastic run can grow (docs/elastic.md): the group is stopped on purpose once a checkpoint
+  // reported from now on is committed, and the ranks that reported it are not let past it
+  // meanwhile (their next report(checkpoint=) waits). The attempt then ends resized(), without a
+  // failure. Training that returns first ends the attempt as usual.
+  void RequestResize(std::string why);
+  // Whether the attempt was stopped for a resize (RequestResize()).
+  bool resized() const { return resized_; }
   // The launcher may wait in a queue (Launcher::MayQueue()) before Start() returns: run.json
   // shows the attempt with phase "queued" meanwhile (the loop is blocked in Start(), so no status
   // line is drawn; the launcher's own lines say it).
@@ -182,6 +195,8 @@ class Attempt {
   };
 
   TimePoint Now() const { return clock_.Now(); }
+  const placement::Plan& plan() const { return setup_.plan ? *setup_.plan : opts_.plan; }
+  bool ResizeAfter(uint64_t round) const { return resize_after_ && round >= *resize_after_; }
   bool Stopping() const { return phase_ == Phase::kStopping || phase_ == Phase::kDraining; }
   void OnMessage(int rank, const wire::Registration& m);
   void OnMessage(int rank, const wire::Report& m);
@@ -241,7 +256,10 @@ class Attempt {
   std::optional<WatchdogPing> watchdog_ping_;
   StragglerDetector stragglers_;
   nlohmann::json straggler_events_ = nlohmann::json::array();  // as run.json records them
-  uint64_t rounds_ = 0;                                        // recorded in this attempt
+  std::optional<uint64_t> resize_after_;  // RequestResize(): the first round it stops at
+  std::string resize_why_;
+  bool resized_ = false;
+  uint64_t rounds_ = 0;  // recorded in this attempt
   std::optional<TimePoint> first_round_at_;
 };
 

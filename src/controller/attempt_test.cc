@@ -104,6 +104,13 @@ class AttemptTest : public testing::Test {
                  {"coordinator", rank == 0 ? "127.0.0.1:8476" : ""}};
     ranks_.Deliver(rank, MessageType::kRegister, body.dump());
   }
+  // Every rank reports one round (no checkpoint), handled in one turn.
+  void ReportRound() {
+    for (int r = 0; r < kWorkers; ++r) {
+      ranks_.Deliver(r, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+    }
+    Turn();
+  }
   void RegisterAll() {
     for (int r = 0; r < kWorkers; ++r) Register(r);
     Turn();
@@ -157,10 +164,7 @@ TEST_F(AttemptTest, StartsWithItsOwnNumberRoundAndCheckpoint) {
 TEST_F(AttemptTest, RoundsContinueFromTheFirstRound) {
   Start(/*number=*/1, /*first_round=*/5);
   RegisterAll();
-  for (int r = 0; r < kWorkers; ++r) {
-    ranks_.Deliver(r, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
-  }
-  Turn();
+  ReportRound();
   EXPECT_EQ(run_.reports, kWorkers);
   EXPECT_EQ(run_.rounds, std::vector<uint64_t>{5});
   EXPECT_EQ(attempt_->next_round(), 6u);
@@ -296,6 +300,32 @@ TEST_F(AttemptTest, StopSignalsTheGroupAndBlamesNobody) {
   EXPECT_FALSE(attempt_->failure().has_value());
   EXPECT_EQ(processes_.signals(SIGTERM), 1);
   EXPECT_TRUE(attempt_->Drained());
+}
+
+// An elastic run that can grow stops the group on purpose at the next checkpoint committed
+// after the request, holding back the ranks that reported it; the attempt ends without a failure.
+TEST_F(AttemptTest, AResizeStopsTheGroupAtTheNextCommittedCheckpointWithoutAFailure) {
+  Start(/*number=*/3, /*first_round=*/5);
+  RegisterAll();
+  ReportRound();
+  ASSERT_EQ(attempt_->next_round(), 6u);
+  attempt_->RequestResize("host host2 can be reached again");
+  attempt_->OnRecorded(5, "checkpoint_000005");  // reported before the request: goes on
+  attempt_->OnSettled(0, 5);
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kRunning);
+  EXPECT_TRUE(ranks_.WaitForSent(3, 0, MessageType::kCheckpointSettled, 0s).has_value());
+  attempt_->OnSettled(0, 6);  // reported after it: held back until the group stops
+  EXPECT_FALSE(ranks_.WaitForSent(3, 0, MessageType::kCheckpointSettled, 0s, 2).has_value());
+  attempt_->OnRecorded(6, "");  // no checkpoint: goes on
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kRunning);
+  attempt_->OnRecorded(7, "checkpoint_000007");
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kStopping);
+  EXPECT_TRUE(attempt_->resized());
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  Turn();
+  EXPECT_FALSE(attempt_->failure().has_value());
+  EXPECT_TRUE(attempt_->Drained());
+  EXPECT_EQ(attempt_->Record("RESIZED")["world_size"], kWorkers);
 }
 
 }  // namespace

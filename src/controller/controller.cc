@@ -11,11 +11,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
+#include <utility>
 
 #include "base/fd_io.h"
 #include "base/open_files.h"
 #include "base/strings.h"
 #include "controller/attempt.h"
+#include "controller/capacity_monitor.h"
 #include "controller/checkpoint_committer.h"
 #include "controller/collective.h"
 #include "controller/console.h"
@@ -34,6 +37,7 @@
 #include "controller/worker_group.h"
 #include "controller/worker_specs.h"
 #include "launch/process.h"
+#include "placement/elastic.h"
 #include "storage/files.h"
 #include "storage/run_store.h"
 #include "wire/frame.h"
@@ -104,8 +108,18 @@ struct Controller::Loop : ControlPort::Delegate,
   std::unique_ptr<ControlPort> port;
   std::unique_ptr<WorkerGroup> group;
   std::unique_ptr<Attempt> attempt;  // the attempt in progress, or the last one
-  WorkerSpecs workers;               // the processes each attempt starts
-  RunMetrics metrics;                // what Publish() copies to the Controller (run_metrics.h)
+  // The placement of the attempt in progress (or of the next one): the options' plan, or an
+  // elastic run's plan for the hosts at hand (ChoosePlan); `workers` are its processes, made
+  // with `command`.
+  std::shared_ptr<const placement::Plan> plan;
+  WorkerCommand command;
+  WorkerSpecs workers;  // the processes each attempt starts
+  // Elastic runs: watches the hosts the run lacks while it trains below max (set by Start());
+  // the resize the next attempt starts with (Attempt::Setup::resize), and the resizes so far.
+  std::unique_ptr<CapacityMonitor> monitor;
+  nlohmann::json next_resize;
+  int resizes = 0;
+  RunMetrics metrics;  // what Publish() copies to the Controller (run_metrics.h)
   std::optional<TimePoint> failure_noticed;  // the first failure since training last ran
   int first_attempt = 0;                     // attempts of earlier runs of this run directory
   std::vector<RankFailure> failures;
@@ -313,9 +327,13 @@ struct Controller::Loop : ControlPort::Delegate,
     // connections can push its connection out (Accept()). Connections before processes: a
     // worker's last frames are handled before its exit.
     // A descriptor of -1 (a port without a listener, a clock that moves by itself) is ignored.
-    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},        {port->ready_fd(), POLLIN, 0},
-                    {recorder.ready_fd(), POLLIN, 0}, {port->listen_fd(), POLLIN, 0},
-                    {group->ready_fd(), POLLIN, 0},   {ctl.clock_.wake_fd(), POLLIN, 0}};
+    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},
+                    {port->ready_fd(), POLLIN, 0},
+                    {recorder.ready_fd(), POLLIN, 0},
+                    {port->listen_fd(), POLLIN, 0},
+                    {group->ready_fd(), POLLIN, 0},
+                    {ctl.clock_.wake_fd(), POLLIN, 0},
+                    {monitor ? monitor->ready_fd() : -1, POLLIN, 0}};
     std::optional<TimePoint> next = attempt->NextDeadline(recorder.busy());
     if (auto t = port->NextDeadline()) next = next ? std::min(*next, *t) : *t;
     if (poll(fds, std::size(fds), PollTimeoutMs(ctl.clock_, next)) > 0) {
@@ -325,6 +343,7 @@ struct Controller::Loop : ControlPort::Delegate,
       if (fds[3].revents != 0) port->Accept();
       if (fds[4].revents != 0) group->OnReady();
       if (fds[5].revents != 0) ClearWake(ctl.clock_);
+      if (fds[6].revents != 0) OnCapacityBack();
     }
     port->ExpireHandshakes();
     attempt->CheckTimers();
@@ -364,10 +383,12 @@ struct Controller::Loop : ControlPort::Delegate,
     }
   }
 
-  // Starts attempt `number`, a fresh Attempt, restoring from `restore` (its dir "" for none).
+  // Starts attempt `number`, a fresh Attempt, restoring from `restore` (its dir "" for none), on
+  // `plan`; `resized`: the attempt before it ended RESIZED (its cause in the metrics).
   // Errors: as Launcher::Launch().
-  Status StartAttempt(int number, const RestoreVerifier::Result& restore) {
-    ++metrics.attempts_by_cause[number == first_attempt || failures.empty()
+  Status StartAttempt(int number, const RestoreVerifier::Result& restore, bool resized = false) {
+    ++metrics.attempts_by_cause[resized ? "resize"
+                                : number == first_attempt || failures.empty()
                                     ? "start"
                                     : std::string(FailureCauseName(failures.back().cause))];
     const uint64_t first_round = attempt ? attempt->next_round() : store.LastRound() + 1;
@@ -383,7 +404,9 @@ struct Controller::Loop : ControlPort::Delegate,
             .log_path = [this](int r) { return store.LogPath(r); },
             .payload_header =
                 *wire::EncodeFrameHeader(wire::MessageType::kPayload, opts.payload.size()),
-            .payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(), &opts.payload)},
+            .payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(), &opts.payload),
+            .plan = plan,
+            .resize = std::exchange(next_resize, nlohmann::json())},
         opts, *port, *group, ctl.clock_, *this);
     JT_RETURN_IF_ERROR(SweepStaging());
     if (number > first_attempt) {
@@ -416,19 +439,130 @@ struct Controller::Loop : ControlPort::Delegate,
     logs.set_max_open(files.rlim_cur > taken + kMinOpenLogs ? files.rlim_cur - taken
                                                             : kMinOpenLogs);
     RefreshStatus();
+    WatchMissingHosts();
     return OkStatus();
+  }
+
+  // --- elastic runs (docs/elastic.md) ----------------------------------------------------------
+
+  // The hosts of `p`, in rank order.
+  static std::vector<std::string> HostsOf(const placement::Plan& p) {
+    std::vector<std::string> hosts;
+    for (const placement::ResizeUnit& u : placement::ResizeUnits(p)) {
+      hosts.insert(hosts.end(), u.hosts.begin(), u.hosts.end());
+    }
+    return hosts;
+  }
+
+  // Makes `next` the plan of the attempts from now on: its processes, and the launcher's hosts.
+  // Errors: those of Launcher::UsePlan.
+  Status UsePlan(placement::Plan next) {
+    plan = std::make_shared<const placement::Plan>(std::move(next));
+    workers = BuildWorkerSpecs(*plan, command);
+    return ctl.launcher_->UsePlan(*plan);
+  }
+
+  // Elastic runs: the plan of the next attempt, on the units (hosts, TPU slices) of the full
+  // plan that the launcher can reach now; at a restart (`restart`) a host that cannot be reached
+  // is waited for up to host_wait first. Fewer than min_workers reachable: the full plan, whose
+  // launch waits for the hosts and fails naming them, as a fixed-size run's does.
+  // Errors: kCancelled when the run is being stopped meanwhile; those of plan_on and UsePlan.
+  Status ChoosePlan(bool restart) {
+    const ElasticOptions& e = *opts.elastic;
+    const placement::Plan& full = opts.plan;
+    // One probe of every host, probing those down again with backoff up to the wait: the
+    // probe of a host cut off takes ssh's connect timeout, so it is not made twice.
+    const Duration wait = restart ? e.host_wait : Duration::zero();
+    JT_ASSIGN_OR_RETURN(std::vector<std::string> down,
+                        ctl.launcher_->UnreachableHosts(HostsOf(full), wait, -1));
+    const std::set<std::string> unreachable(down.begin(), down.end());
+    const std::vector<std::string> before = HostsOf(*plan);
+    if (!down.empty() && restart) {
+      Say("host " + JoinNames(down) + " cannot be reached after waiting up to " +
+          FormatNumber(std::chrono::duration<double>(wait).count()) +
+          " s for it (elastic: min(FailureConfig.unreachable_host_timeout_s, "
+          "ScalingConfig.elastic_resize_monitor_interval_s))");
+    }
+    StatusOr<placement::HostChoice> choice =
+        placement::ChooseHosts(full, unreachable, e.min_workers);
+    placement::Plan next;
+    if (!choice.ok()) {
+      Say("warning: " + choice.status().message() +
+          "; starting on every host, as a fixed-size "
+          "run does");
+      next = full;
+    } else if (static_cast<size_t>(choice->workers) == full.workers.size()) {
+      next = full;
+    } else {
+      JT_ASSIGN_OR_RETURN(next, e.plan_on(choice->hosts, choice->workers));
+    }
+    const size_t from = plan->workers.size();
+    const size_t to = next.workers.size();
+    if (to != from) {
+      ++resizes;
+      record.set_resizes(resizes);
+      const std::vector<std::string> now = HostsOf(next);
+      std::vector<std::string> gone, added;
+      for (const auto& h : before) {
+        if (std::find(now.begin(), now.end(), h) == now.end()) gone.push_back(h);
+      }
+      for (const auto& h : now) {
+        if (std::find(before.begin(), before.end(), h) == before.end()) added.push_back(h);
+      }
+      const std::string reason = to < from ? "host " + JoinNames(gone) + " cannot be reached"
+                                           : "host " + JoinNames(added) + " can be reached again";
+      next_resize = {
+          {"from", from},
+          {"to", to},
+          {"reason", reason},
+          {"hosts_left_out", choice.ok() ? choice->left_out : std::vector<std::string>{}}};
+      Say("resizing the run from " + std::to_string(from) + " to " + std::to_string(to) +
+          " workers (" + reason + "; ScalingConfig.num_workers=(" + std::to_string(e.min_workers) +
+          ", " + std::to_string(full.workers.size()) + ")): hosts " + JoinNames(now));
+    }
+    return UsePlan(std::move(next));
+  }
+
+  static std::string JoinNames(const std::vector<std::string>& names) {
+    std::string out;
+    for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+    return out;
+  }
+
+  // Elastic runs below max: the hosts the attempt lacks are watched (CapacityMonitor).
+  void WatchMissingHosts() {
+    if (!monitor) return;
+    const std::vector<std::string> now = HostsOf(*plan);
+    std::vector<std::string> missing;
+    for (const auto& h : HostsOf(opts.plan)) {
+      if (std::find(now.begin(), now.end(), h) == now.end()) missing.push_back(h);
+    }
+    if (missing.empty()) return monitor->Stop();
+    monitor->Start(std::move(missing));
+  }
+
+  // The monitor found hosts the run lacks: it grows at its next committed checkpoint.
+  void OnCapacityBack() {
+    std::optional<std::vector<std::string>> back = monitor->TakeFound();
+    if (!back) return;
+    const std::string why = "host " + JoinNames(*back) + " can be reached again";
+    Say(why + "; the run grows at its next committed checkpoint");
+    attempt->RequestResize(why);
   }
 
   // Ends the attempt whose processes are all reaped; true when a new attempt has started.
   bool EndAttempt() {
     group->CloseOutputs();
+    if (monitor) monitor->Stop();
     std::optional<RankFailure>& failure = attempt->failure();
     const bool aborted = abort_reason.has_value();
+    // Stopped on purpose to grow (Attempt::RequestResize): a planned restart, not a failure.
+    const bool resized = attempt->resized() && !failure && !aborted;
     // The failed rank's log exists now, with this attempt's header, even if it printed nothing:
     // its tail goes into the failure. The other silent ranks' headers wait for their next text
     // or the end of the run (rank_logs.h): a restart creates no file per silent rank.
     if (failure && failure->rank >= 0) WriteLog(failure->rank, "");
-    if (!failure && !aborted) {
+    if (!failure && !aborted && !resized) {
       for (Round& r : attempt->TakeUnmatchedRounds()) recorder.Add(std::move(r));
       std::string mismatch = attempt->CountMismatchWarning();
       if (!mismatch.empty()) {
@@ -436,7 +570,10 @@ struct Controller::Loop : ControlPort::Delegate,
         warnings.push_back(mismatch);
       }
     }
-    std::string_view status = failure ? "ERRORED" : aborted ? "ABORTED" : "FINISHED";
+    std::string_view status = failure   ? "ERRORED"
+                              : aborted ? "ABORTED"
+                              : resized ? "RESIZED"
+                                        : "FINISHED";
     if (failure && !aborted) {
       FailureDecision d = policy.Decide(failure->cause, failure->status_code);
       failure->retried = d.retry();
@@ -444,6 +581,10 @@ struct Controller::Loop : ControlPort::Delegate,
     }
     record.AddAttempt(attempt->Record(status));
     if (!failure_noticed) failure_noticed = attempt->failed_at();
+    if (resized) {
+      std::optional<RestoreVerifier::Result> restore = CheckpointToRestoreServingAbort();
+      return restore && Restart(*restore, /*resized=*/true);
+    }
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
     Say("attempt " + std::to_string(attempt->number()) + " failed: " +
@@ -456,21 +597,30 @@ struct Controller::Loop : ControlPort::Delegate,
       return false;
     }
     std::optional<RestoreVerifier::Result> restore = CheckpointToRestoreServingAbort();
-    if (!restore) return false;
-    Status s = StartAttempt(attempt->number() + 1, *restore);
+    return restore && Restart(*restore, /*resized=*/false);
+  }
+
+  // Starts the next attempt from `restore`, on the hosts an elastic run chooses again; true when
+  // it started. An abort meanwhile ends the run aborted; an attempt that cannot start, failed.
+  bool Restart(const RestoreVerifier::Result& restore, bool resized) {
+    Status s = opts.elastic ? ChoosePlan(/*restart=*/true) : OkStatus();
+    // Whether the next attempt was made (StartAttempt makes it first): until then `attempt` is
+    // the one that ended, already recorded.
+    const bool made = s.ok();
+    if (made) s = StartAttempt(attempt->number() + 1, restore, resized);
     if (!s.ok() && TakeAbortRequest(/*counts=*/true)) {
       // Stopped while the group started (Abort() interrupts the launcher): the run is aborted,
       // not failed, and this attempt never ran.
-      record.AddAttempt(attempt->Record("ABORTED"));
+      if (made) record.AddAttempt(attempt->Record("ABORTED"));
       return false;
     }
     if (!s.ok()) {
       Say("cannot restart the worker group: " + s.message());
       failures.push_back({.rank = -1,
-                          .attempt = attempt->number(),
+                          .attempt = attempt->number() + (made ? 0 : 1),
                           .cause = FailureCause::kStartUp,
                           .message = "the worker group could not be started: " + s.message()});
-      record.AddAttempt(attempt->Record("ERRORED"));
+      if (made) record.AddAttempt(attempt->Record("ERRORED"));
       return false;
     }
     return true;
@@ -483,6 +633,7 @@ struct Controller::Loop : ControlPort::Delegate,
   }
 
   Outcome Finish() {
+    if (monitor) monitor->Stop();
     // Standby workers serve a later fit() of the same processes, but not past an abort.
     ctl.launcher_->EndRun(/*keep=*/!abort_reason);
     // What the last stop could not do (a Slurm step it could not cancel), said before the end.
@@ -603,14 +754,22 @@ Status Controller::Start() {
   const std::string secret = wire::GenerateSecret();  // the port checks hellos against it
   JT_ASSIGN_OR_RETURN(loop->port, seams_.open_port(secret, *loop, &port_));
 
-  loop->workers = BuildWorkerSpecs(
-      options_.plan, {.argv = options_.worker_argv,
-                      .cwd = options_.worker_cwd,
-                      .env = options_.worker_env,
-                      .controller_address = wire::HostPort{options_.listen_host, port_}.ToString(),
-                      .run_dir = loop->store.dir(),
-                      .experiment_name = options_.experiment_name,
-                      .secret_hex = wire::ToHex(secret)});
+  loop->command = {.argv = options_.worker_argv,
+                   .cwd = options_.worker_cwd,
+                   .env = options_.worker_env,
+                   .controller_address = wire::HostPort{options_.listen_host, port_}.ToString(),
+                   .run_dir = loop->store.dir(),
+                   .experiment_name = options_.experiment_name,
+                   .secret_hex = wire::ToHex(secret)};
+  loop->plan = std::make_shared<const placement::Plan>(options_.plan);
+  loop->workers = BuildWorkerSpecs(*loop->plan, loop->command);
+  if (options_.elastic) {
+    // The run starts as soon as min workers can be placed: on the hosts that answer now.
+    JT_ASSIGN_OR_RETURN(loop->monitor,
+                        CapacityMonitor::Create(*launcher_, options_.elastic->monitor_interval));
+    loop->record.set_resizes(0);
+    JT_RETURN_IF_ERROR(loop->ChoosePlan(/*restart=*/false));
+  }
   Status started = loop->StartAttempt(loop->first_attempt, loop->CheckpointToRestore());
   if (!started.ok()) {
     // run.json may already say RUNNING; it must say how the run ended instead.

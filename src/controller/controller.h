@@ -18,6 +18,14 @@
 //   failure's cause and codes (failure_policy.h): retry, a new Attempt (fresh coordinator port,
 //   attempt number + 1, the latest committed checkpoint), or raise, kFailed.
 //
+// Elastic runs (ControllerOptions::elastic, docs/elastic.md): before each attempt the run
+// chooses its hosts (ChoosePlan): the units of the full plan the launcher can reach, at a restart
+// a host that cannot be reached waited for up to host_wait first; min_workers at least, else the
+// full plan (its launch then waits and fails as a fixed-size run's). A run below max watches the
+// hosts it lacks (CapacityMonitor); once one answers, the attempt stops on purpose at its next
+// committed checkpoint (Attempt::RequestResize) and ends RESIZED: a planned restart, not a
+// failure, counted apart (run.json's "resizes"), on the hosts chosen again.
+//
 // Report rounds: a round is complete when every rank has reported it (ReportCollector); rank 0's
 // metrics are recorded, and the ranks' checkpoints, if any, are committed as one checkpoint
 // (storage/checkpoint.h) before the round is recorded (RoundRecorder, round_recorder.h). The
@@ -70,6 +78,22 @@
 
 namespace jaxtrain::controller {
 
+// An elastic run (ScalingConfig(num_workers=(min, max)), docs/elastic.md): ControllerOptions::plan
+// is the plan for max; each attempt trains on the hosts of it the launcher can reach
+// (Launcher::UnreachableHosts), min_workers at least, re-planned by `plan_on`.
+struct ElasticOptions {
+  int min_workers = 1;
+  // How often a run below max looks for the hosts it lacks (CapacityMonitor).
+  Duration monitor_interval = std::chrono::seconds(60);
+  // How long a restart waits for a host it cannot reach before it goes on without it.
+  Duration host_wait = std::chrono::seconds(60);
+  // The plan with `workers` workers on `hosts` only (whole units of the full plan, in its
+  // order): every rank's placement and environment computed anew. Errors: as the launcher's
+  // planning (PlanForSshOn).
+  std::function<StatusOr<placement::Plan>(const std::vector<std::string>& hosts, int workers)>
+      plan_on;
+};
+
 struct ControllerOptions {
   std::string run_dir;
   std::string experiment_name;
@@ -104,6 +128,7 @@ struct ControllerOptions {
   int console_fd = 1;  // rank output is copied here with a "(rank=N) " prefix; -1 = nowhere
   // Keep a live status line (status_line.h) below the rank output on console_fd: for a terminal.
   bool status_line = false;
+  std::optional<ElasticOptions> elastic;  // none: every attempt runs `plan`
 };
 
 // Where the controller meets the network and processes, besides its launcher and clock: how it

@@ -11,7 +11,9 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "controller/controller.h"
@@ -60,6 +62,47 @@ class QueuingLauncher : public UnusedLauncher {
  private:
   double wait_;
 };
+
+// An elastic run's launcher: the hosts it cannot reach are the test's to say; it notes the world
+// size of every plan it is handed. UnreachableHosts is called from the capacity monitor's thread.
+class ElasticLauncher : public UnusedLauncher {
+ public:
+  using UnusedLauncher::UnusedLauncher;
+  StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
+                                                      Duration, int) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> down;
+    for (const auto& h : hosts) {
+      if (down_.count(h)) down.push_back(h);
+    }
+    return down;
+  }
+  Status UsePlan(const placement::Plan& plan) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_.push_back(plan.workers.size());
+    return OkStatus();
+  }
+  void SetDown(std::set<std::string> down) {
+    std::lock_guard<std::mutex> lock(mu_);
+    down_ = std::move(down);
+  }
+  std::vector<size_t> sizes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sizes_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::string> down_;
+  std::vector<size_t> sizes_;
+};
+
+// `workers` CPU workers, 2 on each of `hosts` in order.
+placement::Plan TwoPerHost(int workers, const std::vector<std::string>& hosts) {
+  placement::Plan plan = CpuPlan(workers);
+  for (auto& w : plan.workers) w.host = hosts[static_cast<size_t>(w.rank / 2)];
+  return plan;
+}
 
 class ControllerStateTest : public testing::Test {
  protected:
@@ -859,6 +902,74 @@ TEST_F(ControllerStateTest, RanksMakingDifferentCollectiveCallsFailTheAttemptNam
             "the ranks made different collective calls as their call 1: ranks 0, 1 called "
             "broadcast_from_rank_zero(), rank 2 called barrier(); every rank must make the same "
             "jaxtrain.collective calls in the same order");
+}
+
+// An elastic run (docs/elastic.md) that loses host2 goes on with host1's 2 workers from its
+// checkpoint; once host2 answers again it stops at its next committed checkpoint, a resize and no
+// failure, and goes on with all 4.
+TEST_F(ControllerStateTest, AnElasticRunShrinksToTheHostsLeftAndGrowsBackAtACheckpoint) {
+  ControllerOptions options = Options(4);
+  options.plan = TwoPerHost(4, {"host1", "host2"});
+  options.max_failures = 1;
+  options.elastic =
+      ElasticOptions{.min_workers = 2,
+                     .monitor_interval = 1ms,
+                     .host_wait = 0s,
+                     .plan_on = [](const std::vector<std::string>& hosts, int workers) {
+                       return StatusOr<placement::Plan>(TwoPerHost(workers, hosts));
+                     }};
+  auto owned = std::make_unique<ElasticLauncher>(interrupts_);
+  ElasticLauncher& launcher = *owned;
+  auto controller = Start(std::move(options), std::move(owned));
+  WaitForStart(1);
+  EXPECT_EQ(RegisterAll(/*attempt=*/0, 4)[3]["world_size"], 4);
+
+  launcher.SetDown({"host2"});
+  processes_.Kill(2, SIGKILL);  // host2 is gone
+  WaitForStart(2);
+  std::vector<json> shrunk = RegisterAll(/*attempt=*/1, 2);
+  EXPECT_EQ(shrunk[0]["world_size"], 2);
+  launcher.SetDown({});  // host2 answers again: the monitor finds it
+
+  // Rounds with checkpoints until the group is stopped to grow (the ranks of the round at which
+  // it stops are not told to go on).
+  const int terms = processes_.signals(SIGTERM);
+  const auto deadline = std::chrono::steady_clock::now() + kNoHang;
+  uint64_t round = 0;
+  while (processes_.signals(SIGTERM) == terms) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the run never grew";
+    ++round;
+    for (int rank : {0, 1}) ReportCheckpoint(/*attempt=*/1, rank, round);
+    while (processes_.signals(SIGTERM) == terms &&
+           !ranks_.WaitForSent(1, 0, MessageType::kCheckpointSettled, 0s, round)) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "round " << round;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  WaitForStart(3);
+  std::vector<json> grown = RegisterAll(/*attempt=*/2, 4);
+  EXPECT_EQ(grown[3]["world_size"], 4);
+  EXPECT_EQ(grown[3]["checkpoint"], RunDir() + "/checkpoint_" +
+                                        std::string(6 - std::to_string(round).size(), '0') +
+                                        std::to_string(round));
+  for (int rank = 0; rank < 4; ++rank) Finish(rank);
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_EQ(out.attempts, 3);
+  EXPECT_EQ(out.failures.size(), 1u) << "a resize is no failure";
+  EXPECT_EQ(launcher.sizes(), (std::vector<size_t>{4, 2, 4}));
+  json state = RunState();
+  EXPECT_EQ(state["resizes"], 2);
+  ASSERT_EQ(state["attempts"].size(), 3u);
+  EXPECT_EQ(state["attempts"][0]["status"], "ERRORED");
+  EXPECT_EQ(state["attempts"][1]["status"], "RESIZED");
+  EXPECT_FALSE(state["attempts"][1].contains("failure"));
+  EXPECT_EQ(state["attempts"][2]["status"], "FINISHED");
+  EXPECT_EQ(state["attempts"][1]["world_size"], 2);
+  EXPECT_EQ(state["attempts"][1]["resize"]["reason"], "host host2 cannot be reached");
+  EXPECT_EQ(state["attempts"][2]["resize"]["reason"], "host host2 can be reached again");
+  EXPECT_EQ(state["attempts"][2]["world_size"], 4);
 }
 
 }  // namespace

@@ -70,6 +70,7 @@ Status RunRecord::Write(std::string_view status, uint64_t rounds, const nlohmann
                           {"attempts", attempts},
                           {"config", opts_.run_config}};
   if (status != "RUNNING") state["end_time"] = clock_.UnixSeconds();
+  if (resizes_) state["resizes"] = *resizes_;
   return store_.WriteRunState(state);
 }
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,6 +53,10 @@ class RunRecord {
   // not null, `running`: the attempt in progress. Errors: as RunStore::WriteRunState.
   Status Write(std::string_view status, uint64_t rounds, const nlohmann::json& running);
 
+  // An elastic run's resizes so far (docs/elastic.md), written as "resizes"; a run that never
+  // calls it writes none.
+  void set_resizes(int resizes) { resizes_ = resizes; }
+
   // How long ago run.json was last written.
   Duration SinceWritten() const { return clock_.Now() - written_; }
 
@@ -66,6 +71,7 @@ class RunRecord {
   const double start_time_;
   nlohmann::json attempts_ = nlohmann::json::array();  // earlier runs' too
   TimePoint written_;
+  std::optional<int> resizes_;
 };
 
 }  // namespace jaxtrain::controller

@@ -17,8 +17,10 @@
 #include <string_view>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/status.h"
 #include "launch/process.h"
+#include "placement/plan.h"
 
 namespace jaxtrain::launch {
 
@@ -101,6 +103,27 @@ class Launcher {
   // Whether the next Launch() may wait in such a queue for a while (a Kueue LocalQueue): run.json
   // shows the attempt as queued until it returns.
   virtual bool MayQueue() const { return false; }
+
+  // --- elastic runs (docs/elastic.md) ----------------------------------------------------------
+
+  // Which of `hosts` (WorkerPlacement::host) cannot be reached now: probed once, and those that
+  // do not answer probed again with backoff for up to `wait` (zero: once). Only hosts that may
+  // come back (no answer, connection refused or timed out, no route) are named; a host that
+  // answers but refuses (a host key, a login) is left to Launch() to report. Empty for a
+  // launcher that cannot tell (the default: every host is taken as there). Thread-safe: the
+  // controller probes missing hosts from a thread of its own while the group runs.
+  // Errors: kCancelled when Interrupt() was called, or `cancel_fd` (when >= 0) became readable.
+  virtual StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
+                                                              Duration wait, int cancel_fd) {
+    return std::vector<std::string>{};
+  }
+
+  // The next Launch() starts the ranks of `plan`, an elastic run's new world (re-planned on the
+  // hosts at hand): the launcher forgets where ranks ran before. Called between attempts only.
+  // Errors: kFailedPrecondition for a launcher that cannot resize a run (the default).
+  virtual Status UsePlan(const placement::Plan& plan) {
+    return FailedPreconditionError("this launcher does not resize a run");
+  }
 
   // The run is being stopped: a Launch() in progress on another thread ends soon with kCancelled,
   // as does every later one, leaving nothing running. Thread-safe. The default does nothing: a

@@ -358,6 +358,12 @@ placement::HostDescription SshHostDescription(const std::vector<SshHost>& hosts,
 
 StatusOr<placement::Plan> PlanForSsh(const config::ScalingConfig& config,
                                      const accelerators::HostView& env) {
+  return PlanForSshOn(config, env, std::nullopt);
+}
+
+StatusOr<placement::Plan> PlanForSshOn(const config::ScalingConfig& config,
+                                       const accelerators::HostView& env,
+                                       const std::optional<ElasticShare>& share) {
   placement::Environment inherited = CurrentEnvironment();
   const bool simulate = [&] {
     auto v = env.GetEnv(placement::kSimulateEnv);
@@ -388,7 +394,18 @@ StatusOr<placement::Plan> PlanForSsh(const config::ScalingConfig& config,
         "JAXTRAIN_HOSTFILE to a file of 'host slots=N' lines, or JAXTRAIN_HOSTS to a JSON host "
         "description (jaxtrain run: --hosts, --hostfile)");
   }
-  return placement::PlanOnHosts(config, hosts, inherited, simulate);
+  if (!share) {
+    JT_ASSIGN_OR_RETURN(placement::Plan plan,
+                        placement::PlanOnHosts(config, hosts, inherited, simulate));
+    JT_RETURN_IF_ERROR(placement::CheckElasticHosts(config, plan));
+    return plan;
+  }
+  // The hosts as described for the full run (their slots from its max), only those kept.
+  JT_ASSIGN_OR_RETURN(config::ScalingConfig fewer, config.WithWorkers(share->workers));
+  return placement::PlanOnHosts(
+      fewer,
+      placement::OnlyHosts(hosts, std::set<std::string>(share->hosts.begin(), share->hosts.end())),
+      inherited, simulate);
 }
 
 std::vector<std::string> SshCommand(const accelerators::HostView& env) {
@@ -460,8 +477,20 @@ bool MayComeBack(const std::string& said) {
   return false;
 }
 
-Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable_later) {
+std::map<std::string, SshLauncher::HostCheck> SshLauncher::ChecksOf(
+    const std::vector<ProcessSpec>& specs) const {
+  std::map<std::string, HostCheck> hosts;
+  for (const auto& spec : specs) {
+    hosts.emplace(options_.targets[spec.ranks.front()],
+                  HostCheck{.python = spec.argv.front(), .cwd = spec.cwd});
+  }
+  return hosts;
+}
+
+Status SshLauncher::Probe(const std::map<std::string, HostCheck>& hosts, int cancel_fd,
+                          bool* reachable_later, std::vector<std::string>* unreachable) const {
   *reachable_later = false;
+  if (unreachable) unreachable->clear();
   bool only_unreachable = true;
   struct Probing {
     std::string target;
@@ -469,15 +498,16 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable
     std::string output;
     bool open = true;
   };
-  std::map<std::string, const ProcessSpec*> hosts;
-  for (const auto& spec : specs) hosts.emplace(options_.targets[spec.ranks.front()], &spec);
   std::vector<Probing> probes;
   Status error;
-  for (const auto& [target, spec] : hosts) {
-    std::string command =
-        "test -x " + ShellQuote(spec->argv.front()) + " || exit " + std::to_string(kProbeNoPython);
-    if (!spec->cwd.empty()) {
-      command += "; cd " + ShellQuote(spec->cwd) + " || exit " + std::to_string(kProbeNoCwd);
+  for (const auto& [target, check] : hosts) {
+    std::string command = "true";
+    if (!check.python.empty()) {
+      command =
+          "test -x " + ShellQuote(check.python) + " || exit " + std::to_string(kProbeNoPython);
+    }
+    if (!check.cwd.empty()) {
+      command += "; cd " + ShellQuote(check.cwd) + " || exit " + std::to_string(kProbeNoCwd);
     }
     std::vector<std::string> argv = options_.ssh;
     argv.insert(argv.end(), kSshOptions.begin(), kSshOptions.end());
@@ -507,8 +537,9 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) break;
     fds.push_back({interrupt_fd_, POLLIN, 0});  // ignored by poll() when -1
+    fds.push_back({cancel_fd, POLLIN, 0});
     poll(fds.data(), fds.size(), static_cast<int>(left.count()));
-    if (fds.back().revents != 0) {
+    if (fds[fds.size() - 2].revents != 0 || fds.back().revents != 0) {
       interrupted = true;  // every probe still running is killed below
       break;
     }
@@ -534,21 +565,24 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable
       kill(p.p.pid, SIGKILL);
       WaitForExit(p.p.pid);
       late.push_back(p.target);
-      unanswered_.insert(p.target);
+      if (unreachable) unreachable->push_back(p.target);
       continue;
     }
     ExitStatus exit = WaitForExit(p.p.pid);
     if (exit.ok()) continue;
-    unanswered_.insert(p.target);
-    if (exit.exit_code != kSshFailed || !MayComeBack(p.output)) only_unreachable = false;
+    if (exit.exit_code != kSshFailed || !MayComeBack(p.output)) {
+      only_unreachable = false;
+    } else if (unreachable) {
+      unreachable->push_back(p.target);
+    }
     if (!error.ok()) continue;
-    const ProcessSpec& spec = *hosts.at(p.target);
+    const HostCheck& check = hosts.at(p.target);
     if (exit.exit_code == kProbeNoPython) {
-      error = UnavailableError("host " + p.target + " has no executable " + spec.argv.front() +
+      error = UnavailableError("host " + p.target + " has no executable " + check.python +
                                ": the workers run the driver's Python at the same path on every "
                                "host; install the same environment there");
     } else if (exit.exit_code == kProbeNoCwd) {
-      error = UnavailableError("host " + p.target + " has no directory " + spec.cwd +
+      error = UnavailableError("host " + p.target + " has no directory " + check.cwd +
                                ": the workers start in the driver's working directory, which "
                                "must exist on every host (shared storage, or the same checkout); "
                                "or give RunConfig(worker_runtime_env={'working_dir': ...}), "
@@ -577,7 +611,7 @@ Status SshLauncher::Probe(const std::vector<ProcessSpec>& specs, bool* reachable
   return OkStatus();
 }
 
-Status SshLauncher::WaitForHosts(const std::vector<ProcessSpec>& specs, Status failed) {
+Status SshLauncher::WaitForHosts(const std::map<std::string, HostCheck>& hosts, Status failed) {
   auto seconds = [](Duration d) {
     return FormatNumber(std::round(std::chrono::duration<double>(d).count() * 10) / 10);
   };
@@ -604,7 +638,7 @@ Status SshLauncher::WaitForHosts(const std::vector<ProcessSpec>& specs, Status f
       return CancelledError("the run is being stopped: no workers are started");
     }
     retry = std::min<Duration>(retry * 2, options_.max_retry);
-    failed = Probe(specs, &reachable_later);
+    failed = Probe(hosts, /*cancel_fd=*/-1, &reachable_later, nullptr);
     if (failed.ok()) {
       Say("the hosts answer again after " + seconds(std::chrono::steady_clock::now() - start) +
           " s; starting the workers");
@@ -648,15 +682,16 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
   // Every host is probed, those with standbys too: a standby's connection may not have noticed
   // yet that its host is cut off (ssh's keepalive takes about 15 s), and one activated there would
   // fail the restart. A host that did not answer at first gets no standby of the attempt before.
-  unanswered_.clear();
   bool reachable_later = false;
-  Status probed = Probe(specs, &reachable_later);
+  std::vector<std::string> unanswered;
+  const std::map<std::string, HostCheck> checks = ChecksOf(specs);
+  Status probed = Probe(checks, /*cancel_fd=*/-1, &reachable_later, &unanswered);
   if (!probed.ok() && reachable_later && launched_ && options_.host_wait > Duration::zero()) {
-    probed = WaitForHosts(specs, std::move(probed));
+    probed = WaitForHosts(checks, std::move(probed));
   }
   if (!probed.ok()) discard({}, /*all=*/true);
   JT_RETURN_IF_ERROR(probed);
-  discard(unanswered_, /*all=*/false);
+  discard({unanswered.begin(), unanswered.end()}, /*all=*/false);
 
   const nlohmann::json forwarded = ForwardedEnvironment();
 
@@ -873,6 +908,38 @@ std::vector<pid_t> SshLauncher::standby_pids() const {
 }
 
 std::vector<std::string> SshLauncher::TakeNotes() { return std::exchange(notes_, {}); }
+
+StatusOr<std::vector<std::string>> SshLauncher::UnreachableHosts(
+    const std::vector<std::string>& hosts, Duration wait, int cancel_fd) {
+  std::map<std::string, HostCheck> checks;
+  for (const auto& h : hosts) checks.emplace(h, HostCheck{});
+  const auto give_up = std::chrono::steady_clock::now() + wait;
+  Duration retry = options_.first_retry;
+  std::vector<std::string> down;
+  for (;;) {
+    bool reachable_later = false;
+    Status probed = Probe(checks, cancel_fd, &reachable_later, &down);
+    if (probed.code() == StatusCode::kCancelled) return probed;
+    const auto now = std::chrono::steady_clock::now();
+    if (down.empty() || now >= give_up) return down;
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::min<Duration>(retry, give_up - now))
+                        .count();
+    pollfd fds[] = {{interrupt_fd_, POLLIN, 0}, {cancel_fd, POLLIN, 0}};  // -1s are ignored
+    if (poll(fds, 2, static_cast<int>(ms)) > 0) {
+      return CancelledError("the run is being stopped: the hosts were not probed to the end");
+    }
+    retry = std::min<Duration>(retry * 2, options_.max_retry);
+    checks.clear();
+    for (const auto& h : down) checks.emplace(h, HostCheck{});
+  }
+}
+
+Status SshLauncher::UsePlan(const placement::Plan& plan) {
+  options_.targets.clear();
+  for (const auto& w : plan.workers) options_.targets.push_back(w.host);
+  return OkStatus();
+}
 
 Status SshLauncher::SignalGroup(int signal) {
   // The agent reads the signal's name without "SIG" (glibc's sigabbrev_np is newer than the

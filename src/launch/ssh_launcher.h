@@ -53,6 +53,7 @@
 #include "base/status.h"
 #include "config/scaling_config.h"
 #include "launch/launcher.h"
+#include "placement/elastic.h"
 #include "placement/hosts.h"
 #include "placement/plan.h"
 
@@ -116,6 +117,22 @@ placement::HostDescription SshHostDescription(const std::vector<SshHost>& hosts,
 // those of ParseSshHosts; kNotFound when the hostfile cannot be read; those of PlanOnHosts.
 StatusOr<placement::Plan> PlanForSsh(const config::ScalingConfig& config,
                                      const accelerators::HostView& env);
+
+// An elastic run's share of its hosts: `workers` workers on `hosts` (whole hosts of the full
+// plan, placement::ChooseHosts).
+struct ElasticShare {
+  std::vector<std::string> hosts;
+  int workers = 0;
+};
+
+// PlanForSsh, and for an elastic run (docs/elastic.md) the plan on `share` only: the hosts
+// described as for the full run (their slots from max), those not in it left out, every rank's
+// placement and environment computed anew for `share->workers`. Without a share, an elastic
+// config's range is also checked against the hosts (placement::CheckElasticHosts).
+// Errors: those of PlanForSsh and CheckElasticHosts.
+StatusOr<placement::Plan> PlanForSshOn(const config::ScalingConfig& config,
+                                       const accelerators::HostView& env,
+                                       const std::optional<ElasticShare>& share);
 
 // The ssh command of JAXTRAIN_SSH_COMMAND ("ssh -F conf -i key"), split at spaces; {"ssh"}.
 std::vector<std::string> SshCommand(const accelerators::HostView& env);
@@ -184,6 +201,15 @@ class SshLauncher : public Launcher {
   // The local ssh processes of the standbys held (for tests).
   std::vector<pid_t> standby_pids() const;
 
+  // Elastic runs: the hosts that ssh cannot connect to (only that ssh connects is probed; the
+  // Python and directory checks are Launch()'s), probed again after first_retry, doubled up to
+  // max_retry, until `wait` has passed. Thread-safe: reads only the options that UsePlan() leaves
+  // alone.
+  StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
+                                                      Duration wait, int cancel_fd) override;
+  // The ranks' hosts from now on are `plan`'s.
+  Status UsePlan(const placement::Plan& plan) override;
+
  private:
   struct Standby {
     std::string key;  // StandbyKey(spec) and the host
@@ -199,11 +225,21 @@ class SshLauncher : public Launcher {
   std::vector<std::optional<Standby>> TakeStandbys(const std::vector<ProcessSpec>& specs);
   void EndStandbys();
 
+  // What a probe checks on a host: that ssh connects, and that `python` (when not empty) is an
+  // executable and `cwd` (when not empty) a directory there.
+  struct HostCheck {
+    std::string python;
+    std::string cwd;
+  };
+  std::map<std::string, HostCheck> ChecksOf(const std::vector<ProcessSpec>& specs) const;
   // `reachable_later` is set when the probe failed only because hosts could not be reached
-  // (no answer, connection timed out or refused, no route): what waiting may mend.
-  Status Probe(const std::vector<ProcessSpec>& specs, bool* reachable_later);
+  // (no answer, connection timed out or refused, no route): what waiting may mend; those hosts
+  // are listed in `unreachable` when it is given. `cancel_fd` (-1: none) cuts it short as
+  // Interrupt() does.
+  Status Probe(const std::map<std::string, HostCheck>& hosts, int cancel_fd, bool* reachable_later,
+               std::vector<std::string>* unreachable) const;
   // Probes again with backoff while `failed` is of a host that may come back, up to host_wait.
-  Status WaitForHosts(const std::vector<ProcessSpec>& specs, Status failed);
+  Status WaitForHosts(const std::map<std::string, HostCheck>& hosts, Status failed);
   void CloseInputs();
   bool Interrupted() const;
 
@@ -215,7 +251,6 @@ class SshLauncher : public Launcher {
   bool launched_ = false;    // a Launch() has started the group: the next one is a restart
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
   std::vector<Standby> standbys_;
-  std::set<std::string> unanswered_;  // hosts a probe of the current Launch() did not reach
   pid_t standby_pgid_ = 0;
   std::vector<std::string> notes_;
 };

@@ -1,0 +1,233 @@
+"""Benchmark: an elastic run on the ssh test hosts losing a host and getting it back, against the
+same run's cold start.
+
+    .venv/bin/python bench/elastic.py [--interval 5] [--host-timeout 5]
+
+The hosts are the tests' (tests/ssh_fixtures.py, scripts/ssh_hosts.sh): they use fixed
+machine-wide names, so the benchmark takes ``/tmp/jaxtrain-clusters.lock`` itself (do not run it
+under ``flock``: it would wait for itself), starts the hosts, runs one driver and stops them.
+
+One ``fit()`` of ``ScalingConfig(num_workers=(2, 4), elastic_resize_monitor_interval_s=--interval)``
+on host1 and host2 (2 workers each) with ``FailureConfig(max_failures=1,
+unreachable_host_timeout_s=--host-timeout)``: a data-parallel step (a psum over every process)
+and a ``report`` with a checkpoint every 0.2 s. Once attempt 0 has reported 10 rounds the benchmark
+cuts host2's link (as a pulled cable), and restores it once a round of the 2-worker attempt is
+recorded; the 4-worker attempt then runs 10 rounds and returns. The times are result.jsonl's (when
+a round was recorded: every rank had reported it) and the benchmark's own, on one clock.
+
+Figures (each printed as a ratio to the cold start):
+
+* cold start: ``fit()`` -> the first round of attempt 0 (4 workers).
+* shrink: the cut -> the first round on 2 workers. Its parts from run.json: detect (-> attempt
+  0's failure), stop (-> its end), wait and probe (-> attempt 1's start: the elastic deadline,
+  min(unreachable_host_timeout_s, interval), and ssh's connect timeout of the probes), relaunch
+  (-> every rank registered), first round.
+* grow: the link restored -> the first round on 4 workers. Its parts: notice (-> the resize
+  request, at most one interval plus a probe), drain (-> attempt 1's end: its next committed
+  checkpoint, then the stop), relaunch (-> every rank registered), first round.
+
+Results are printed and written to bench/results/elastic.json (with the load average before and
+after: the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fcntl
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LOCK = "/tmp/jaxtrain-clusters.lock"
+RESULTS = REPO / "bench" / "results" / "elastic.json"
+ROUNDS_BEFORE_CUT = 10
+ROUNDS_AFTER_GROW = 10
+
+DRIVER = """
+import json, os, sys, tempfile, time
+from pathlib import Path
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
+                      get_checkpoint, get_context, report)
+
+INTERVAL, HOST_TIMEOUT, AFTER_GROW = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+
+
+def train():
+    ctx = get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    mesh = Mesh(np.array(jax.devices()), ("workers",))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    step = 0
+    if (checkpoint := get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d:
+            step = json.loads(Path(d, "step.json").read_text())["step"] + 1
+    done = 0
+    while not (world == 4 and ctx.get_attempt() > 0 and done >= AFTER_GROW):
+        total(jax.make_array_from_process_local_data(NamedSharding(mesh, P("workers")),
+                                                     np.array([1.0]))).block_until_ready()
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                Path(d, "step.json").write_text(json.dumps({"step": step}))
+            report({"step": step, "world_size": world, "attempt": ctx.get_attempt()},
+                   checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+        step, done = step + 1, done + 1
+        time.sleep(0.2)
+
+
+Path("fit.json").write_text(json.dumps({"time": time.time()}))
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=(2, 4),
+                                               elastic_resize_monitor_interval_s=INTERVAL),
+           run_config=RunConfig(name="run", storage_path=os.getcwd(),
+                                failure_config=FailureConfig(
+                                    max_failures=1, unreachable_host_timeout_s=HOST_TIMEOUT))).fit()
+"""
+
+
+def loadavg() -> list[float]:
+    return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def rounds(out: Path) -> list[dict]:
+    path = out / "run" / "result.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(what: str, condition, driver: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if driver.poll() is not None:
+            raise RuntimeError(f"the driver ended (exit {driver.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout} s")
+        time.sleep(0.05)
+
+
+def first_round(out: Path, world: int, attempt_min: int = 0) -> dict | None:
+    for r in rounds(out):
+        m = r["metrics"]
+        if m["world_size"] == world and m["attempt"] >= attempt_min:
+            return r
+    return None
+
+
+def run(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(REPO / "tests"))
+    from ssh_fixtures import SCRIPT, STATE, SshHosts
+
+    print("ssh hosts: starting", flush=True)
+    subprocess.run([str(SCRIPT), "start"], check=True, stdout=subprocess.DEVNULL, timeout=600)
+    try:
+        hosts = SshHosts(ssh_command=f"ssh -F {STATE / 'ssh_config'}", shared=STATE / "shared",
+                         state=STATE)
+        out = Path(tempfile.mkdtemp(prefix="bench-elastic-", dir=hosts.shared))
+        (out / "driver.py").write_text(DRIVER)
+        env = hosts.env(HOME=str(out), JAXTRAIN_SSH_HOSTS="host1,host2")
+        with open(out / "driver.log", "w") as log:
+            driver = subprocess.Popen(
+                [sys.executable, "driver.py", str(args.interval), str(args.host_timeout),
+                 str(ROUNDS_AFTER_GROW)], cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                wait_for("attempt 0's rounds", lambda: len(rounds(out)) >= ROUNDS_BEFORE_CUT,
+                         driver)
+                with hosts.cut("host2"):
+                    t_cut = time.time()
+                    print("host2 cut", flush=True)
+                    wait_for("a round on 2 workers", lambda: first_round(out, 2) is not None,
+                             driver)
+                t_back = time.time()
+                print("host2 back", flush=True)
+                driver.wait(timeout=600)
+            finally:
+                if driver.poll() is None:
+                    driver.terminate()
+                    driver.wait()
+        if driver.returncode != 0:
+            raise RuntimeError(f"the driver failed; {out}/driver.log:\n"
+                               + (out / "driver.log").read_text()[-4000:])
+        return figures(out, t_cut, t_back)
+    finally:
+        subprocess.run([str(SCRIPT), "stop"], capture_output=True, check=False, timeout=300)
+        print("ssh hosts: stopped", flush=True)
+
+
+def figures(out: Path, t_cut: float, t_back: float) -> dict:
+    state = json.loads((out / "run" / "run.json").read_text())
+    attempts = state["attempts"]
+    if [(a["status"], a["world_size"]) for a in attempts] != [
+            ("ERRORED", 4), ("RESIZED", 2), ("FINISHED", 4)]:
+        raise RuntimeError(f"expected a failure, a shrink and a grow: {attempts}")
+    a0, a1, a2 = attempts
+    t_fit = json.loads((out / "fit.json").read_text())["time"]
+    cold = first_round(out, 4)["time"] - t_fit
+    shrunk = first_round(out, 2)["time"]
+    grown = first_round(out, 4, attempt_min=a2["attempt"])["time"]
+    log = (out / "driver.log").read_text()
+
+    def parts(start: float, marks: list[tuple[str, float]]) -> dict:
+        split, before = {}, start
+        for name, t in marks:
+            split[name] = t - before
+            before = t
+        return split
+
+    return {
+        "cold_start_s": cold,
+        "shrink_s": shrunk - t_cut,
+        "shrink_ratio": (shrunk - t_cut) / cold,
+        "grow_s": grown - t_back,
+        "grow_ratio": (grown - t_back) / cold,
+        "shrink_parts_s": parts(t_cut, [
+            ("detect", a0["failure"]["time"]), ("stop", a0["end_time"]),
+            ("wait and probe", a1["start_time"]), ("relaunch", a1["ready_time"]),
+            ("first round", shrunk)]),
+        "grow_parts_s": parts(t_back, [
+            ("notice and drain", a1["end_time"]), ("probe", a2["start_time"]),
+            ("relaunch", a2["ready_time"]), ("first round", grown)]),
+        "resize_lines": [line for line in log.splitlines() if "resiz" in line or "grows" in line],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--interval", type=float, default=5,
+                        help="ScalingConfig.elastic_resize_monitor_interval_s (default 5)")
+    parser.add_argument("--host-timeout", type=float, default=5,
+                        help="FailureConfig.unreachable_host_timeout_s (default 5)")
+    args = parser.parse_args()
+    with open(LOCK, "w") as lock:
+        print(f"waiting for {LOCK}", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        before = loadavg()
+        f = run(args)
+        f.update(load_before=before, load_after=loadavg(), interval_s=args.interval,
+                 host_timeout_s=args.host_timeout, machine=platform.node(),
+                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    print(f"\nssh hosts, (2, 4) workers, interval {args.interval} s, unreachable_host_timeout_s "
+          f"{args.host_timeout} s; load average {f['load_before']} before, {f['load_after']} after")
+    print(f"  cold start (fit() -> first round on 4)  {f['cold_start_s']:8.2f} s")
+    print(f"  shrink (host2 cut -> first round on 2)  {f['shrink_s']:8.2f} s   "
+          f"{f['shrink_ratio']:.2f} x the cold start")
+    for name, s in f["shrink_parts_s"].items():
+        print(f"    {name:<17}{s:8.2f} s")
+    print(f"  grow (host2 back -> first round on 4)   {f['grow_s']:8.2f} s   "
+          f"{f['grow_ratio']:.2f} x the cold start")
+    for name, s in f["grow_parts_s"].items():
+        print(f"    {name:<17}{s:8.2f} s")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(f, indent=2) + "\n")
+    print(f"written to {RESULTS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
