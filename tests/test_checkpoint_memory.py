@@ -16,16 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import (
-    FailureConfig,
-    JaxTrainer,
-    RunConfig,
-    ScalingConfig,
-    TrainingFailedError,
-    _core,
-    checkpoint_memory,
-)
-from jaxtrain.checkpoint_memory import HostMemory
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError, _core
+from jaxtrain.worker import checkpoint_memory
+from jaxtrain.worker.checkpoint_memory import HostMemory
 
 SHARD_BYTES = 4 << 20
 
@@ -38,7 +31,8 @@ def _train(config):
     import shutil
     import time
 
-    from jaxtrain import Checkpoint, checkpoint_memory, get_checkpoint, get_context, report
+    from jaxtrain import Checkpoint, get_checkpoint, get_context, report
+    from jaxtrain.worker import checkpoint_memory
 
     ctx = get_context()
     rank = ctx.get_world_rank()

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiException
 
-from jaxtrain import kubernetes
+from jaxtrain.kubernetes import supervisor as kubernetes
 
 REPO = Path(__file__).resolve().parent.parent
 

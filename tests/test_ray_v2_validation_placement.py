@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_driver
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, hosts, validation
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, validation
+from jaxtrain.hosts import join as hosts
 from jaxtrain.validation import Placement, ValidationConfig, place
 
 # ssh_hosts and ssh_shared_dir (the real run only; under flock /tmp/jaxtrain-clusters.lock)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from test_checkpoint_memory import _hold
 
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core, checkpoint_memory, storage
-from jaxtrain.checkpoint_memory import HostMemory
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core, storage
+from jaxtrain.worker import checkpoint_memory
+from jaxtrain.worker.checkpoint_memory import HostMemory
 
 
 def _lease(run_dir: Path, age_s: float, host: str = "other-host", pid: int = 4242) -> None:

@@ -9,6 +9,7 @@ from jaxtrain import collective, train
 from jaxtrain.callbacks import RunContext, UserCallback
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from jaxtrain.driver.trainer import JaxTrainer
 from jaxtrain.errors import (
     ControllerError,
     PreemptionError,
@@ -25,7 +26,6 @@ from jaxtrain.session import (
     get_context,
     report,
 )
-from jaxtrain.trainer import JaxTrainer
 from jaxtrain.validation import (
     CheckpointConsistencyMode,
     ReportedCheckpoint,

@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxtrain import session, storage
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.checkpoint_store import Store, StoreError
+from jaxtrain.worker.checkpoint_store import Store, StoreError
 
 ITEM = "state"
 _PROCESS_DIR = re.compile(r"ocdbt\.process_(\d+)$")

@@ -105,7 +105,7 @@ class Result:
         ``pip install 'jaxtrain[plot]'``) and returns its path, ``<run>/metrics.png`` by
         default. ``metrics``: the metric names to draw (nested keys joined with '/'); default
         every numeric metric."""
-        from jaxtrain.plot import plot_metrics
+        from jaxtrain.driver.plot import plot_metrics
 
         if path is None:
             if self.filesystem is not None:

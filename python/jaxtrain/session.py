@@ -22,9 +22,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.checkpoint_memory import HostMemory
-from jaxtrain.checkpoint_peers import Peers
-from jaxtrain.checkpoint_store import Store, StoreError, round_dir_name, status_code
 from jaxtrain.validation import (
     CheckpointConsistencyMode,
     ReportedCheckpoint,
@@ -34,6 +31,9 @@ from jaxtrain.validation import (
     wait_validated,
     write_request,
 )
+from jaxtrain.worker.checkpoint_memory import HostMemory
+from jaxtrain.worker.checkpoint_peers import Peers
+from jaxtrain.worker.checkpoint_store import Store, StoreError, round_dir_name, status_code
 
 
 @dataclass(frozen=True)

@@ -304,8 +304,8 @@ def place(config: ValidationConfig | None, launcher: str) -> Placement:
     if config.host is None and not selector:
         check_needs(needs, this_host(), "the driver's host")
         return Placement(None, needs)
-    from jaxtrain import hosts
     from jaxtrain.config import _label_requirement
+    from jaxtrain.hosts import join as hosts
 
     field_ = (f"ValidationConfig.host={config.host!r}" if config.host is not None else
               f"ValidationConfig.ray_remote_kwargs['label_selector']={selector!r}")
@@ -492,7 +492,8 @@ class Validator:
         if target is None:
             argv = [sys.executable, "-c", _PROGRAM]
         else:
-            from jaxtrain import _core, hosts
+            from jaxtrain import _core
+            from jaxtrain.hosts import join as hosts
 
             named = [n.strip() for n in os.environ.get("JAXTRAIN_SSH_ENV", "").split(",")]
             header["env"] = {k: v for k, v in os.environ.items()

@@ -148,11 +148,11 @@ struct RankCheckpoint {
   std::string staging_dir;
   std::vector<FileEntry> files;
   // A token the rank chose for this part, naming its copies kept elsewhere (host memory:
-  // python/jaxtrain/checkpoint_memory.py); recorded in the manifest's "copies". "" = none.
+  // python/jaxtrain/worker/checkpoint_memory.py); recorded in the manifest's "copies". "" = none.
   std::string copy_id;
   // The part's files are already in place in the run directory on object storage, uploaded
-  // there by the rank's own host (python/jaxtrain/checkpoint_store.py); nothing is staged here
-  // (staging_dir is ""), and the commit writes only the manifest, which names them.
+  // there by the rank's own host (python/jaxtrain/worker/checkpoint_store.py); nothing is staged
+  // here (staging_dir is ""), and the commit writes only the manifest, which names them.
   bool in_store = false;
 };
 

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from jaxtrain.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError, say, table
-from jaxtrain.script_runner import run_script
+from jaxtrain.worker.script_runner import run_script
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -42,7 +42,7 @@ def parse_resources(text: str) -> dict[str, float]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig
-    from jaxtrain.trainer import JaxTrainer
+    from jaxtrain.driver.trainer import JaxTrainer
 
     if args.target is None:
         raise UsageError("give the script to run: jaxtrain run [options] script.py [args ...] "
@@ -81,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.environ["JAXTRAIN_HOSTFILE"] = os.path.abspath(args.hostfile)
     if args.coordinator is None:
         return _fit(trainer, args, run_dir)
-    from jaxtrain.hosts import SameCommand
+    from jaxtrain.hosts.join import SameCommand
 
     try:
         same = SameCommand.from_args(args.coordinator, args.host_rank, args.num_hosts,
@@ -127,7 +127,7 @@ def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
 
 def _shown_run_dir(run_config: Any) -> str:
     """The run directory as users name it: a path, or a URL on remote storage."""
-    from jaxtrain.trainer import _run_dir
+    from jaxtrain.driver.trainer import _run_dir
 
     path = run_config.storage_path
     if "://" in path and not path.startswith("file://"):
@@ -185,7 +185,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_kubernetes(args: argparse.Namespace) -> int:
     """The JobSet of attempt 1, as the Kubernetes launcher would create it; no cluster asked."""
-    from jaxtrain import _core, kubernetes
+    from jaxtrain import _core
+    from jaxtrain.kubernetes import supervisor as kubernetes
 
     try:
         scaling = scaling_config(args)._core
@@ -256,7 +257,7 @@ def _run_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from jaxtrain import kubernetes
+    from jaxtrain.kubernetes import supervisor as kubernetes
 
     if args.target is None:
         raise UsageError("give the script to run: jaxtrain submit --kubernetes --image IMAGE "
@@ -282,7 +283,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from jaxtrain import kubernetes
+    from jaxtrain.kubernetes import supervisor as kubernetes
 
     try:
         rows = kubernetes.status(args.namespace, args.name)

@@ -316,7 +316,7 @@ def _goodput_lines(state: dict, rounds: list[dict], status: str) -> list[str]:
 
 
 def _plot(run_dir: str, result: Any, path: str) -> str:
-    from jaxtrain.plot import plot_metrics
+    from jaxtrain.driver.plot import plot_metrics
 
     if not path:  # beside the run's files; a remote run's view is temporary, so here instead
         name = os.path.basename(run_dir.rstrip("/"))
@@ -375,7 +375,7 @@ def _log_files(run_dir: str, state: dict, rank: int | None) -> list[tuple[bytes,
 
 def cmd_logs(args: argparse.Namespace) -> int:
     if args.kubernetes:
-        from jaxtrain import kubernetes
+        from jaxtrain.kubernetes import supervisor as kubernetes
 
         try:
             return kubernetes.logs(args.namespace, args.run, args.follow, say)

@@ -66,7 +66,7 @@ class Driver:
     @property
     def env(self) -> dict[str, str]:
         """What the relay's environment needs."""
-        from jaxtrain.worker import LOCAL_MODE_SOCKET_ENV
+        from jaxtrain.worker.entry import LOCAL_MODE_SOCKET_ENV
 
         return {LOCAL_MODE_SOCKET_ENV: self._listener.getsockname()}
 
@@ -126,7 +126,7 @@ class Driver:
 
     def _train(self, controller: Any, events: Any, client: Any, start: dict,
                fn: Callable[..., Any], config: dict | None, takes_config: bool) -> None:
-        from jaxtrain.worker import done_message
+        from jaxtrain.worker.entry import done_message
 
         def fail(message: str) -> None:
             """The stager thread's failure (a checkpoint that cannot be staged): the rank's error

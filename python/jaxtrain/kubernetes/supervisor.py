@@ -1203,6 +1203,3 @@ def main(argv: list[str]) -> int:
                      "launcher; it is not run by hand\n")
     return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -25,24 +25,14 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import (
-    _core,
-    callbacks,
-    checkpoint_memory,
-    gce_metadata,
-    local_mode,
-    metrics,
-    ray_args,
-    runtime_env,
-    session,
-    storage,
-    validation,
-)
+from jaxtrain import _core, callbacks, runtime_env, session, storage, validation
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.checkpoint_store import STORE_ENV
 from jaxtrain.config import RunConfig, ScalingConfig
+from jaxtrain.driver import local_mode, metrics, ray_args
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, _load
+from jaxtrain.worker import checkpoint_memory, gce_metadata
+from jaxtrain.worker.checkpoint_store import STORE_ENV
 
 # Seconds a worker gets between SIGTERM and SIGKILL when the group is stopped.
 _TERMINATE_GRACE_S = 5.0
@@ -74,7 +64,8 @@ def _takes_config(fn: Callable) -> bool:
 class JaxTrainer:
     """Runs ``train_loop_per_worker`` SPMD on ``scaling_config.num_workers`` processes, each with
     ``jax.distributed`` initialised before the function starts; with ``num_workers=0`` (local
-    mode) in the driver's own process instead, without ``jax.distributed`` (jaxtrain/local_mode.py).
+    mode) in the driver's own process instead, without ``jax.distributed``
+    (jaxtrain/driver/local_mode.py).
 
     The function takes no argument, or one dict (``train_loop_config``).
     ``resume_from_checkpoint``: the checkpoint that ``get_checkpoint()`` returns in the first
@@ -200,7 +191,7 @@ class JaxTrainer:
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
         elif launcher == "kubernetes":
-            from jaxtrain import kubernetes
+            from jaxtrain.kubernetes import supervisor as kubernetes
 
             spans_hosts = True  # pods never share the driver's directories
             store = _store_direct(self.run_config, mirror, spans_hosts)
@@ -576,7 +567,7 @@ def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"{HOSTFILE_ENV}='{path}' cannot be read: {e.strerror}") from None
-        from jaxtrain import hosts
+        from jaxtrain.hosts import join as hosts
 
         selected = hosts.select_hosts(text, f"{HOSTFILE_ENV}={path}", node_labels,
                                       scaling_config.num_workers)
