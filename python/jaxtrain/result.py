@@ -147,7 +147,7 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
                 status_code=f.get("status_code"),
                 log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
             )
-    return _load(path, state.get("config", {}).get("checkpoint_config"), error, remote,
+    return load(path, state.get("config", {}).get("checkpoint_config"), error, remote,
                  finished=state.get("status") == "FINISHED")
 
 
@@ -183,7 +183,7 @@ def _read_return_value(path: str) -> Any:
             "its type comes from") from e
 
 
-def _load(path: str, checkpoint_config: dict | None, error: BaseException | None,
+def load(path: str, checkpoint_config: dict | None, error: BaseException | None,
           remote: tuple[Any, str] | None = None, finished: bool = False) -> Result:
     """The Result of the run directory `path`; with `remote` (filesystem, run directory), `path`
     is a local copy of that remote run directory, and the Result names the remote one.

@@ -315,7 +315,7 @@ def upload(store: Store, description: dict, round_: int,
     description["store"] = True
 
 
-class _Session:
+class Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
                  fail: Callable[[str], NoReturn], memory: HostMemory | None = None,
                  peers: Peers | None = None, store: Store | None = None,
@@ -366,15 +366,22 @@ class _Session:
         self.stager.drain()
 
 
-_session: _Session | None = None
+_session: Session | None = None
 
 
-def _install(session: _Session | None) -> None:
+def install(session: Session | None) -> None:
+    """Makes `session` this process's (the worker's, or local mode's driver), or None for none."""
     global _session
     _session = session
 
 
-def _require(what: str) -> _Session:
+def current() -> Session | None:
+    """This process's session; None outside a training function's process."""
+    return _session
+
+
+def require(what: str) -> Session:
+    """This process's session, or a RuntimeError that says `what` works only in a worker."""
     if _session is None:
         raise RuntimeError(
             f"jaxtrain.{what}() works only inside the training function that "
@@ -383,7 +390,8 @@ def _require(what: str) -> _Session:
     return _session
 
 
-def _to_json(value: Any) -> Any:
+def to_json(value: Any) -> Any:
+    """json.dumps' default for reported metrics."""
     # numpy and JAX scalars and arrays, which training code reports all the time.
     if hasattr(value, "item") and getattr(value, "size", 2) == 1:
         return value.item()
@@ -439,7 +447,7 @@ def report(
     ``Checkpoint`` that jaxtrain then commits: one it put at the round's place in the run's
     storage, which is committed where it lies, or any other local directory, which is copied.
     """
-    session = _require("report")
+    session = require("report")
     text = _metrics_text(metrics)
     check_validation_arg(validation, session.validation)
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
@@ -527,7 +535,7 @@ def report(
         _settle_if_preempted(session)
 
 
-def _settle_if_preempted(session: _Session) -> None:
+def _settle_if_preempted(session: Session) -> None:
     """After a checkpoint report that follows a preemption notice (a just-in-time checkpoint):
     waits for its commit, which stops the group, so that nothing is done past it that the
     restart would do again (the controller sends no settle for it; docs/preemption.md)."""
@@ -563,13 +571,13 @@ def _upload_options(mode: Any, delete: Any, upload_fn: Any) -> tuple[CheckpointU
     return mode, delete
 
 
-def _round_dir_name(session: _Session, asked: str | None) -> str:
+def _round_dir_name(session: Session, asked: str | None) -> str:
     """The name of this report's checkpoint in a run directory the ranks share: `asked`, or
     ``checkpoint_<round>`` as the controller names it."""
     return round_dir_name(session.first_round + session.round, asked)
 
 
-def _no_upload_dir_name(session: _Session, checkpoint: Checkpoint, asked: str | None) -> str:
+def _no_upload_dir_name(session: Session, checkpoint: Checkpoint, asked: str | None) -> str:
     """The checkpoint name of a NO_UPLOAD report: its directory's, which must be one directly
     in the run directory; a ValueError naming the path and the place otherwise."""
     ctx = session.context
@@ -598,7 +606,7 @@ def _no_upload_dir_name(session: _Session, checkpoint: Checkpoint, asked: str | 
     return _round_dir_name(session, name)
 
 
-def _in_place(session: _Session, checkpoint: Checkpoint, dir_name: str | None) -> bool:
+def _in_place(session: Session, checkpoint: Checkpoint, dir_name: str | None) -> bool:
     """Whether `checkpoint` is the directory of `dir_name` in a run directory the ranks
     share (where a NO_UPLOAD report or an upload function put it)."""
     return (session.store is None and checkpoint.filesystem is None and dir_name is not None
@@ -619,7 +627,7 @@ def _local_path(checkpoint: Checkpoint, what: str) -> str:
     return checkpoint.path
 
 
-def _call_upload_fn(session: _Session, upload_fn: Callable, checkpoint: Checkpoint,
+def _call_upload_fn(session: Session, upload_fn: Callable, checkpoint: Checkpoint,
                     dir_name: str | None) -> Checkpoint:
     """The checkpoint that `upload_fn(checkpoint, dir_name)` returns, which must be a
     Checkpoint (a ValueError naming what it returned otherwise, as Ray raises)."""
@@ -632,7 +640,7 @@ def _call_upload_fn(session: _Session, upload_fn: Callable, checkpoint: Checkpoi
     return result
 
 
-def _stage_async(session: _Session, checkpoint: Checkpoint, description: dict,
+def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
                  upload_fn: Callable | None) -> None:
     """An ASYNC report's part, on the stager's thread: the upload function's result (or the
     user's directory) claimed where it lies in the run directory, or copied into staging."""
@@ -701,13 +709,13 @@ def _delete_local(path: str, rank: int) -> None:
         sys.stderr.flush()
 
 
-def _report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:
+def report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:
     """``report(metrics)`` with this rank's part of a checkpoint that is already in place on the
     store (jaxtrain.orbax): `files` (as Store.describe gives them) in ``<run>/<dir_name>/``, the
     name session.store.dir_name gave for this report. Nothing is staged or uploaded; the round
     counts, waits for the previous checkpoint and goes after the queued reports as with
     ``report(checkpoint=)``."""
-    session = _require("report")
+    session = require("report")
     text = _metrics_text(metrics)
     description = {"store": True, "dir_name": dir_name, "files": files}
     with session.lock:
@@ -720,10 +728,10 @@ def _metrics_text(metrics: Any) -> str:
     """The metrics of a report as the controller takes them: a dict, as JSON."""
     if not isinstance(metrics, dict):
         raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
-    return json.dumps(metrics, default=_to_json)
+    return json.dumps(metrics, default=to_json)
 
 
-def _say_over_budget(session: _Session, path: str) -> None:
+def _say_over_budget(session: Session, path: str) -> None:
     if session.said_over_budget:
         return
     session.said_over_budget = True
@@ -741,7 +749,7 @@ def get_checkpoint() -> Checkpoint | None:
     restart, or when a run is resumed by name), or None. With JAXTRAIN_CHECKPOINT_IN_MEMORY=1, after
     a restart: a view of it in this host's memory, under another path but with the same files
     (docs/checkpoint-memory.md)."""
-    return _require("get_checkpoint").checkpoint
+    return require("get_checkpoint").checkpoint
 
 
 def get_all_reported_checkpoints(
@@ -753,7 +761,7 @@ def get_all_reported_checkpoints(
     commits have ended; with ``CheckpointConsistencyMode.VALIDATED`` (the default, as in Ray)
     also until the validations of those checkpoints have ended. Returns [] when no checkpoint
     was committed. Every rank that calls it after the same report gets the same checkpoints."""
-    session = _require("get_all_reported_checkpoints")
+    session = require("get_all_reported_checkpoints")
     if not isinstance(consistency_mode, CheckpointConsistencyMode):
         raise ValueError(
             f"get_all_reported_checkpoints(consistency_mode={consistency_mode!r}) is not "
@@ -797,4 +805,4 @@ def _wait_recorded(run_dir: str, round_: int) -> None:
 
 def get_context() -> TrainContext:
     """This worker's ranks, world size and experiment name."""
-    return _require("get_context").context
+    return require("get_context").context

@@ -622,7 +622,7 @@ def _main() -> None:
         threading.Thread(target=_end_with_stdin, daemon=True).start()
         import cloudpickle
 
-        from jaxtrain.session import _to_json
+        from jaxtrain.session import to_json
 
         os.environ.update(header["env"])
         needs = header["needs"]
@@ -643,7 +643,7 @@ def _main() -> None:
         if not isinstance(metrics, dict):
             raise TypeError(f"the validation function returned {type(metrics).__name__}, not a "
                             "dict of metrics")
-        outcome = {"metrics": json.loads(json.dumps(metrics, default=_to_json))}
+        outcome = {"metrics": json.loads(json.dumps(metrics, default=to_json))}
     except BaseException:
         outcome = {"error": traceback.format_exc()}
         sys.stderr.write(outcome["error"])

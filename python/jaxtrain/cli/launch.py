@@ -127,12 +127,12 @@ def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
 
 def _shown_run_dir(run_config: Any) -> str:
     """The run directory as users name it: a path, or a URL on remote storage."""
-    from jaxtrain.driver.trainer import _run_dir
+    from jaxtrain.driver.trainer import local_run_dir
 
     path = run_config.storage_path
     if "://" in path and not path.startswith("file://"):
         return f"{path.rstrip('/')}/{run_config.name}"
-    return _run_dir(run_config)
+    return local_run_dir(run_config)
 
 
 def scaling_config(args: argparse.Namespace) -> Any:

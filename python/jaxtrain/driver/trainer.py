@@ -30,7 +30,7 @@ from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args
 from jaxtrain.errors import TrainingFailedError
-from jaxtrain.result import Result, _load
+from jaxtrain.result import Result, load
 from jaxtrain.worker import checkpoint_memory, gce_metadata
 from jaxtrain.worker.checkpoint_store import STORE_ENV
 
@@ -173,7 +173,7 @@ class JaxTrainer:
         gce_metadata_watch = gce_metadata.setting()  # likewise
         metrics_at = metrics.endpoint(self.run_config.metrics_port, os.environ)  # likewise
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
-        run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
+        run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
         storage.warn_if_locks_stay_local(run_dir)
         # Local mode runs on this host whatever JAXTRAIN_LAUNCHER says.
         launcher = "local" if local is not None else _core.choose_launcher()
@@ -624,7 +624,8 @@ def _plan_spans_hosts(plan) -> bool:
                for w in plan.to_dict()["workers"])
 
 
-def _run_dir(run_config: RunConfig) -> str:
+def local_run_dir(run_config: RunConfig) -> str:
+    """The run directory of `run_config` on the local filesystem (a path or ``file://`` URL)."""
     path = run_config.storage_path.removeprefix("file://")
     return os.path.abspath(os.path.join(path, run_config.name))
 
@@ -761,5 +762,5 @@ def _result(outcome: dict, run_dir: str, checkpoint_config,
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    return _load(run_dir, checkpoint_config._as_dict(), error, remote,
+    return load(run_dir, checkpoint_config._as_dict(), error, remote,
                  finished=outcome["state"] == "FINISHED")

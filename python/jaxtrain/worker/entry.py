@@ -846,8 +846,8 @@ def main() -> None:
               f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
               f"before rank {rank} read it from storage: {e}; a new fit() of the run checks "
               "every checkpoint and restores the newest whole one")
-    session._install(
-        session._Session(
+    session.install(
+        session.Session(
             client,
             session.TrainContext(
                 world_rank=rank,
@@ -877,10 +877,10 @@ def main() -> None:
     except BaseException:
         # What report() accepted before the function raised still reaches the controller (a
         # checkpoint whose round every rank reported is committed before the restart).
-        session._require("report").flush()
+        session.require("report").flush()
         _fail(client, "training", EXIT_RAISED)
 
-    session._require("report").flush()  # queued reports go before done
+    session.require("report").flush()  # queued reports go before done
     if metadata_watcher is not None:
         metadata_watcher.stop()
     sys.stdout.flush()
