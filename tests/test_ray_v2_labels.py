@@ -19,7 +19,7 @@ import pytest
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core
 from jaxtrain.driver import trainer
 from jaxtrain.hosts import join as hosts
-from jaxtrain.kubernetes import supervisor as kubernetes
+from jaxtrain.kubernetes import launch as kubernetes
 
 # ssh_hosts and ssh_shared_dir (the real run only; under flock /tmp/jaxtrain-clusters.lock)
 pytest_plugins = ["ssh_fixtures"]

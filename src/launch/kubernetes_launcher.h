@@ -56,7 +56,7 @@
 
 namespace jaxtrain::launch {
 
-// What the Python layer decides for a Kubernetes run (python/jaxtrain/kubernetes/supervisor.py), as
+// What the Python layer decides for a Kubernetes run (python/jaxtrain/kubernetes/launch.py), as
 // JSON.
 struct KubernetesOptions {
   std::string namespace_name;

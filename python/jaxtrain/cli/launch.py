@@ -186,7 +186,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_kubernetes(args: argparse.Namespace) -> int:
     """The JobSet of attempt 1, as the Kubernetes launcher would create it; no cluster asked."""
     from jaxtrain import _core
-    from jaxtrain.kubernetes import supervisor as kubernetes
+    from jaxtrain.kubernetes.api import load_pod_template
+    from jaxtrain.kubernetes.launch import kueue_settings
 
     try:
         scaling = scaling_config(args)._core
@@ -201,10 +202,10 @@ def _plan_kubernetes(args: argparse.Namespace) -> int:
             "worker_command": [os.environ.get("JAXTRAIN_K8S_PYTHON", "python"), "-m",
                                "jaxtrain.worker"],
             "supervisor_argv": ["unused"],
-            "pod_template": kubernetes.load_pod_template(
+            "pod_template": load_pod_template(
                 os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE")),
         }
-        options["queue_name"], options["priority_class"] = kubernetes.kueue_settings(os.environ)
+        options["queue_name"], options["priority_class"] = kueue_settings(os.environ)
         env = dict(plan.to_dict()["workers"][0]["env"])
         env["JAXTRAIN_WORLD_SIZE"] = str(args.num_workers)
         jobset = _core.kubernetes_jobset(scaling, json.dumps(options), options["name"] + "-1", env)
@@ -257,7 +258,7 @@ def _run_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from jaxtrain.kubernetes import supervisor as kubernetes
+    from jaxtrain.kubernetes import submit as kubernetes
 
     if args.target is None:
         raise UsageError("give the script to run: jaxtrain submit --kubernetes --image IMAGE "
@@ -283,7 +284,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from jaxtrain.kubernetes import supervisor as kubernetes
+    from jaxtrain.kubernetes import submit as kubernetes
 
     try:
         rows = kubernetes.status(args.namespace, args.name)

@@ -375,7 +375,7 @@ def _log_files(run_dir: str, state: dict, rank: int | None) -> list[tuple[bytes,
 
 def cmd_logs(args: argparse.Namespace) -> int:
     if args.kubernetes:
-        from jaxtrain.kubernetes import supervisor as kubernetes
+        from jaxtrain.kubernetes import submit as kubernetes
 
         try:
             return kubernetes.logs(args.namespace, args.run, args.follow, say)

@@ -191,7 +191,7 @@ class JaxTrainer:
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
         elif launcher == "kubernetes":
-            from jaxtrain.kubernetes import supervisor as kubernetes
+            from jaxtrain.kubernetes import launch as kubernetes
 
             spans_hosts = True  # pods never share the driver's directories
             store = _store_direct(self.run_config, mirror, spans_hosts)
@@ -537,7 +537,7 @@ HOSTFILE_ENV = "JAXTRAIN_HOSTFILE"
 @contextlib.contextmanager
 def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
     """Applies ScalingConfig.label_selector for the launcher that will start the workers, for
-    the length of a fit(): on Kubernetes the pod template gets it (kubernetes.launch_options);
+    the length of a fit(): on Kubernetes the pod template gets it (jaxtrain.kubernetes.launch);
     on Slurm it becomes the allocation's and steps' --constraint (JAXTRAIN_SLURM_CONSTRAINT,
     ANDed with the user's own); on ssh hosts of a hostfile, only the hosts whose labels match
     are used (JAXTRAIN_HOSTFILE then names a copy holding those). Refused with a ValueError
