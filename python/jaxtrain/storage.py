@@ -51,13 +51,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxtrain import _core
+from jaxtrain.records import INDEX_FILE, RECORD_FILES, RUN_FILE
 
 # The file in each committed checkpoint directory that lists its files, sizes and checksums
 # (written by the engine's CommitCheckpoint).
 MANIFEST_NAME = ".jaxtrain_manifest.json"
 
-INDEX_NAME = "checkpoints.json"
-_RECORDS = ("run.json", "result.jsonl", "return_value.pkl")  # the last: Result.return_value
+INDEX_NAME = INDEX_FILE
 _CHUNK = 8 << 20
 _BLOCK = 8 << 20
 _PROGRESS_AFTER_S = 3.0
@@ -236,7 +236,7 @@ class Mirror:
         self._remote = list(records)
         # Only for a run the storage still has: a run deleted there starts afresh.
         if (self._newest_round(self._local_index()) > self._newest_round(index)
-                and self.fs.exists(posixpath.join(self.root, "run.json"))):
+                and self.fs.exists(posixpath.join(self.root, RUN_FILE))):
             print(f"jaxtrain: {self.local} holds checkpoints that {self.url} lacks (an upload "
                   "that did not finish); uploading them first", file=sys.stderr)
             self.push(with_logs=True)
@@ -336,7 +336,7 @@ class Mirror:
     def _download_records(self, index: dict) -> None:
         """The records, the logs, and `index` (the remote index as _remote_index() read it: only
         its valid records)."""
-        for name in _RECORDS:
+        for name in RECORD_FILES:
             self._get(posixpath.join(self.root, name), [name])
         if index:
             with os.fdopen(_create_inside(self.local, [INDEX_NAME]), "w", encoding="utf-8") as f:
@@ -444,7 +444,7 @@ class Mirror:
                 if self._upload_checkpoint(r, progress):
                     self._uploaded[r["dir_name"]] = r["round"]
         progress.finish()
-        for name in _RECORDS:
+        for name in RECORD_FILES:
             self._put_if_changed(name)
         if with_logs:
             logs = os.path.join(self.local, "logs")
@@ -527,7 +527,7 @@ def local_view(fs: Any, root: str) -> str:
     view = tempfile.mkdtemp(prefix="jaxtrain-run-")
     mirror = Mirror(fs, root, view)
     fs.invalidate_cache()
-    if not fs.exists(posixpath.join(root, "run.json")):
+    if not fs.exists(posixpath.join(root, RUN_FILE)):
         shutil.rmtree(view)
         raise FileNotFoundError(f"{url(fs, root)!r} is not a jaxtrain run directory: it has no "
                                 "run.json")

@@ -202,12 +202,11 @@ def _running(run_dir: str) -> bool:
     live driver holds its lock or, where locks do not cross hosts (FUSE, NFS ``nolock``), renews
     its lease (run_lock_holder says either; a driver killed by SIGKILL leaves RUNNING behind, but
     neither a lock nor a fresh lease); True when that cannot be told from here."""
-    from jaxtrain import _core
+    from jaxtrain import _core, records
 
     try:
-        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
-            if json.load(f).get("status") != "RUNNING":
-                return False
+        if records.read_state(run_dir).get("status") != "RUNNING":
+            return False
         return _core.run_lock_holder(run_dir) is not None
     except FileNotFoundError:
         return os.path.isdir(run_dir)  # a run directory without run.json yet: starting
