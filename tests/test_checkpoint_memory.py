@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError, _core
+from jaxtrain.driver.options import EngineOptions
 from jaxtrain.worker import checkpoint_memory
 from jaxtrain.worker.checkpoint_memory import HostMemory
 
@@ -519,7 +520,7 @@ def test_a_bad_memory_budget_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("JAXTRAIN_MEMORY_BUDGET_MIB", "lots")
     with pytest.raises(ValueError, match=r"JAXTRAIN_MEMORY_BUDGET_MIB='lots' is not allowed; use "
                                          r"a whole number of MiB"):
-        checkpoint_memory.check_switch()
+        EngineOptions.read()
 
 
 def test_local_rank_0_frees_its_hosts_store_at_the_runs_normal_end(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain import RunConfig, runtime_env
+from jaxtrain.driver import options
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +27,8 @@ def host_local(tmp_path, monkeypatch):
     tmp = tmp_path / "host-tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.delenv(runtime_env.MAX_MIB_ENV, raising=False)
-    monkeypatch.delenv(runtime_env.GITIGNORE_ENV, raising=False)
+    monkeypatch.delenv(options.WORKING_DIR_MAX_MIB_ENV, raising=False)
+    monkeypatch.delenv(options.WORKING_DIR_GITIGNORE_ENV, raising=False)
     return tmp
 
 
@@ -87,9 +88,9 @@ def test_the_same_directory_packs_to_the_same_bytes(tmp_path):
 
 def test_gitignore_files_can_be_left_out_of_the_rules(tmp_path, monkeypatch):
     root = project(tmp_path)
-    monkeypatch.setenv(runtime_env.GITIGNORE_ENV, "0")
+    monkeypatch.setenv(options.WORKING_DIR_GITIGNORE_ENV, "0")
     assert "notes/a.log" in names(runtime_env.pack(str(root)).archive)
-    monkeypatch.setenv(runtime_env.GITIGNORE_ENV, "no")
+    monkeypatch.setenv(options.WORKING_DIR_GITIGNORE_ENV, "no")
     with pytest.raises(ValueError, match="JAXTRAIN_WORKING_DIR_GITIGNORE='no' is not allowed"):
         runtime_env.pack(str(root))
 
@@ -156,7 +157,7 @@ def test_a_link_out_that_is_excluded_is_not_refused(tmp_path):
 def test_over_the_cap_is_refused_saying_what_is_big_and_what_to_do(tmp_path, monkeypatch):
     root = project(tmp_path)
     write(root, {"data/big.bin": os.urandom(3 * 2**20)})
-    monkeypatch.setenv(runtime_env.MAX_MIB_ENV, "1")
+    monkeypatch.setenv(options.WORKING_DIR_MAX_MIB_ENV, "1")
 
     with pytest.raises(ValueError) as e:
         runtime_env.pack(str(root))
@@ -176,7 +177,7 @@ def test_over_the_cap_is_refused_saying_what_is_big_and_what_to_do(tmp_path, mon
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5"])
 def test_a_cap_that_is_not_a_whole_number_of_mib_is_refused(tmp_path, monkeypatch, value):
-    monkeypatch.setenv(runtime_env.MAX_MIB_ENV, value)
+    monkeypatch.setenv(options.WORKING_DIR_MAX_MIB_ENV, value)
     with pytest.raises(ValueError, match=f"JAXTRAIN_WORKING_DIR_MAX_MIB={value!r} is not allowed;"
                                          " use a whole number of MiB above 0"):
         runtime_env.pack(str(project(tmp_path)))

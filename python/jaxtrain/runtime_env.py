@@ -4,8 +4,9 @@ Driver (``pack``): once per fit() of a run whose workers are on other hosts, the
 packed into one gzip'd tar in a fixed order, without ``.git``, ``__pycache__``, what the
 ``.gitignore`` files in it list, and what the runtime env's ``excludes`` list (gitignore patterns,
 relative to the directory). Symbolic links are kept as links when they lead to a place inside the
-directory and refused when they lead out; none is followed. Above the cap (``MAX_MIB_ENV``, 100 MiB
-of packed bytes by default) it is refused with a ValueError that says what to do.
+directory and refused when they lead out; none is followed. Above the cap
+(JAXTRAIN_WORKING_DIR_MAX_MIB, 100 MiB of packed bytes by default) it is refused with a ValueError
+that says what to do.
 
 Wire (``wrap``/``unwrap``): the payload every worker gets over the control connection is a plain
 pickle of bytes and strings: the task (cloudpickled) and, where the directory is shipped, the
@@ -38,11 +39,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-MAX_MIB_ENV = "JAXTRAIN_WORKING_DIR_MAX_MIB"
-DEFAULT_MAX_MIB = 100
-# "0": the .gitignore files in the directory do not exclude anything (Ray:
-# RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1).
-GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
 # Never shipped, whatever the patterns say.
 ALWAYS_EXCLUDED = (".git", "__pycache__")
 # Seconds of packing after which progress is said on stderr, and between two such lines.
@@ -158,24 +154,6 @@ def check_excludes(excludes: object) -> list[str]:
     return list(excludes)
 
 
-def _gitignore_on() -> bool:
-    value = os.environ.get(GITIGNORE_ENV) or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{GITIGNORE_ENV}={value!r} is not allowed; use 1 (the default: the "
-                         ".gitignore files in working_dir exclude what they list) or 0 (they "
-                         "exclude nothing)")
-    return value == "1"
-
-
-def max_bytes() -> int:
-    """The cap on a packed working_dir, from JAXTRAIN_WORKING_DIR_MAX_MIB."""
-    value = os.environ.get(MAX_MIB_ENV) or str(DEFAULT_MAX_MIB)
-    if not value.isdigit() or int(value) == 0:
-        raise ValueError(f"{MAX_MIB_ENV}={value!r} is not allowed; use a whole number of MiB "
-                         f"above 0 (the default is {DEFAULT_MAX_MIB})")
-    return int(value) * 2**20
-
-
 # -- packing (the driver) ---------------------------------------------------------------------
 
 
@@ -229,6 +207,8 @@ def _leads_out(name: str, target: str) -> bool:
 
 
 def _too_big(root: str, packed: int, cap: int, files: list[tuple[str, int]]) -> ValueError:
+    from jaxtrain.driver.options import WORKING_DIR_MAX_MIB_ENV
+
     by_top: dict[str, int] = {}
     for rel, size in files:
         top = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
@@ -241,7 +221,7 @@ def _too_big(root: str, packed: int, cap: int, files: list[tuple[str, int]]) -> 
         f"{_mib(total)} before packing, most in " + ", ".join(
             f"{name} ({_mib(size)})" for name, size in largest) + ". Exclude what the workers "
         "do not need with worker_runtime_env['excludes'] (gitignore patterns, e.g. ['data/', "
-        f"'*.ckpt']), or raise the cap with {MAX_MIB_ENV}=<MiB>")
+        f"'*.ckpt']), or raise the cap with {WORKING_DIR_MAX_MIB_ENV}=<MiB>")
 
 
 def _mib(n: int) -> str:
@@ -265,12 +245,18 @@ class _CappedReader:
         return self._f.read(size)
 
 
-def pack(working_dir: str, excludes: Sequence[str] = (), *,
-         clock: Callable[[], float] = time.monotonic) -> Packed:
-    """Packs ``working_dir`` (absolute) for workers on other hosts. Raises ValueError for a
-    link that leads out, or a packed size over the cap."""
-    cap = max_bytes()
-    gitignore = _gitignore_on()
+def pack(working_dir: str, excludes: Sequence[str] = (), *, cap: int | None = None,
+         gitignore: bool | None = None, clock: Callable[[], float] = time.monotonic) -> Packed:
+    """Packs ``working_dir`` (absolute) for workers on other hosts, at most `cap` bytes, with
+    its .gitignore files' exclusions when `gitignore` (None: as JAXTRAIN_WORKING_DIR_MAX_MIB and
+    JAXTRAIN_WORKING_DIR_GITIGNORE say). Raises ValueError for a link that leads out, or a packed
+    size over the cap."""
+    from jaxtrain.driver import options
+
+    if cap is None:
+        cap = options.working_dir_max_bytes(os.environ)
+    if gitignore is None:
+        gitignore = options.working_dir_gitignore(os.environ)
     real_root = os.path.realpath(working_dir)
     out = io.BytesIO()
     began = last_said = clock()

@@ -126,27 +126,12 @@ def snapshot_budget_bytes(local_world_size: int) -> int:
     """How many bytes of checkpoint files ``report(checkpoint=)`` may hold in memory per rank:
     JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB (MiB; 0 turns snapshots off), by default a quarter of this
     host's memory shared by its ranks. The driver has checked the variable
-    (check_snapshot_budget)."""
+    (jaxtrain.driver.options)."""
     value = os.environ.get(SNAPSHOT_BUDGET_ENV)
     if value:
         return int(value) << 20
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return memory // 4 // max(local_world_size, 1)
-
-
-def check_snapshot_budget() -> str | None:
-    """JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB as the driver passes it on (None: unset, the default);
-    anything but a whole number of MiB >= 0 is refused with a ValueError naming it."""
-    value = os.environ.get(SNAPSHOT_BUDGET_ENV)
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(
-            f"{SNAPSHOT_BUDGET_ENV}={value!r} is not allowed; use a whole number of MiB >= 0 (the "
-            "memory each rank may hold a checkpoint in while report(checkpoint=) stages it in the "
-            "background; 0 copies every checkpoint before report() returns), or leave it unset "
-            "(a quarter of the host's memory, shared by its ranks)")
-    return str(int(value))
 
 
 class _Stager:

@@ -812,16 +812,6 @@ def warn_if_locks_stay_local(run_dir: str) -> None:
               "in sync (NTP)", file=sys.stderr)
 
 
-def private_requested() -> bool:
-    """Whether the run is private: JAXTRAIN_PRIVATE set to anything but "" and "0"; unset, when
-    checkpoints are also held in host memory (JAXTRAIN_CHECKPOINT_IN_MEMORY=1), whose copies are
-    restored into the run's workers as its checkpoints are (docs/security.md)."""
-    value = os.environ.get("JAXTRAIN_PRIVATE")
-    if value is None:
-        return os.environ.get("JAXTRAIN_CHECKPOINT_IN_MEMORY") == "1"
-    return value not in ("", "0")
-
-
 @contextlib.contextmanager
 def private_files(private: bool) -> Iterator[None]:
     """With `private`, the umask gains 077 while the run lasts, so that every directory the run

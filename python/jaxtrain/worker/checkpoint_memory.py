@@ -68,33 +68,6 @@ _OWNER = "owner.json"
 _HELD = re.compile(r"a(\d+)-r(\d+)")
 
 
-def check_switch() -> str | None:
-    """JAXTRAIN_CHECKPOINT_IN_MEMORY as the driver passes it on: None (unset or empty), "0" or
-    "1"; anything else is refused with a ValueError naming the variable, the value and what is
-    allowed. With "1", JAXTRAIN_MEMORY_DIR (when set) must be an existing directory, and
-    JAXTRAIN_MEMORY_BUDGET_MIB (when set) a whole number of MiB."""
-    value = os.environ.get(IN_MEMORY_ENV)
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"{IN_MEMORY_ENV}={value!r} is not allowed; use 1 (each rank keeps its latest "
-            "checkpoints in its host's memory, so a restarted group restores from there) or 0 "
-            "(the default: restores read the storage)")
-    memory_dir = os.environ.get(MEMORY_DIR_ENV)
-    if value == "1" and memory_dir and not os.path.isdir(memory_dir):
-        raise ValueError(
-            f"{MEMORY_DIR_ENV}={memory_dir!r} is not a directory; name a directory on a memory "
-            f"filesystem (tmpfs) that exists on every host, or unset it ({DEFAULT_MEMORY_DIR})")
-    budget = os.environ.get(BUDGET_ENV)
-    if value == "1" and budget and not budget.isdigit():
-        raise ValueError(
-            f"{BUDGET_ENV}={budget!r} is not allowed; use a whole number of MiB (the most this "
-            "run's copies may take of each host's memory filesystem), or unset it (a copy is kept "
-            "when it takes at most half the filesystem's free space)")
-    return value
-
-
 def enabled() -> bool:
     return os.environ.get(IN_MEMORY_ENV) == "1"
 
