@@ -28,7 +28,7 @@ import cloudpickle
 from jaxtrain import _core, callbacks, runtime_env, session, storage, validation
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
-from jaxtrain.driver import local_mode, metrics, ray_args
+from jaxtrain.driver import local_mode, metrics, ray_args, validator
 from jaxtrain.driver.options import COMPILATION_CACHE_ENV, EngineOptions
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load
@@ -147,13 +147,13 @@ class JaxTrainer:
         """
         options = EngineOptions.read(os.environ, self.run_config.metrics_port)  # before anything
         # Chosen among every host listed, before label_selector narrows them to the workers'.
-        placement = validation.Placement() if self.validation_config is None else \
-            validation.place(self.validation_config, "local" if
+        placement = validator.Placement() if self.validation_config is None else \
+            validator.place(self.validation_config, "local" if
                              self.scaling_config.num_workers == 0 else _core.choose_launcher())
         with storage.private_files(options.private), _select_nodes_by_labels(self.scaling_config):
             return self._fit(options, placement)
 
-    def _fit(self, options: EngineOptions, placement: validation.Placement) -> Result:
+    def _fit(self, options: EngineOptions, placement: validator.Placement) -> Result:
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
@@ -166,7 +166,7 @@ class JaxTrainer:
                 local.close()
 
     def _fit_with(self, options: EngineOptions, fn: Callable[..., Any],
-                  local: local_mode.Driver | None, placement: validation.Placement) -> Result:
+                  local: local_mode.Driver | None, placement: validator.Placement) -> Result:
         in_memory = options.checkpoint_in_memory
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
@@ -358,10 +358,10 @@ class JaxTrainer:
 
 
 def _validator(config: validation.ValidationConfig | None, run_dir: str,
-               placement: validation.Placement) -> validation.Validator | None:
+               placement: validator.Placement) -> validator.Validator | None:
     """The driver's Validator of a run with a validation_config; a function that cannot be
     pickled, or a host that cannot see the run directory, is refused before anything starts."""
-    return None if config is None else validation.Validator(config, run_dir, placement)
+    return None if config is None else validator.Validator(config, run_dir, placement)
 
 
 def _retain(run_dir: str, checkpoint_config) -> None:
