@@ -255,11 +255,12 @@ std::vector<std::string> SelectForDeletion(const std::vector<CheckpointRecord>& 
                                            const RetentionPolicy& policy,
                                            const std::set<std::string>& pending = {});
 
-// Asynchronous validation (python/jaxtrain/validation.py, docs/checkpoints.md). Rank 0 of a
-// report(checkpoint=..., validation=...) writes <run>/validation-requests/<round>.json before it
-// sends the report; the driver runs the validation once the round's checkpoint has committed and
-// records its outcome in <run>/validation.json: {"checkpoints": {dir_name: {"round", "status"
-// ("validated" or "failed"), "metrics", "error"}}}.
+// Asynchronous validation (python/jaxtrain/validation.py and driver/validator.py,
+// docs/checkpoints.md). Rank 0 of a report(checkpoint=..., validation=...) writes
+// <run>/validation-requests/<round>.json before it sends the report; the driver runs the
+// validation once the round's checkpoint has committed and records its outcome in
+// <run>/validation.json: {"checkpoints": {dir_name: {"round", "status" ("validated" or
+// "failed"), "metrics", "error"}}}.
 inline constexpr char kValidationName[] = "validation.json";
 inline constexpr char kValidationRequestsDir[] = "validation-requests";
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, runtime_env, session, storage, validation
+from jaxtrain import _core, callbacks, session, storage, validation
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
-from jaxtrain.driver import local_mode, metrics, ray_args, validator
+from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
 from jaxtrain.driver.options import COMPILATION_CACHE_ENV, EngineOptions
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load

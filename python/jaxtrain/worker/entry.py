@@ -815,7 +815,7 @@ def main() -> None:
             metadata_watcher = gce_metadata.start(rank, client.send_preemption_notice)
         import cloudpickle
 
-        from jaxtrain import runtime_env
+        from jaxtrain.worker import runtime_env
 
         task_bytes, shipped = runtime_env.unwrap(payload)
         if shipped is not None:  # before the task: its function may live in the working_dir
