@@ -30,6 +30,7 @@ from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
 from jaxtrain.driver.options import COMPILATION_CACHE_ENV, EngineOptions
+from jaxtrain.driver.run_dir import make_private, private_files, warn_if_locks_stay_local
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load
 from jaxtrain.worker import checkpoint_memory, gce_metadata
@@ -150,7 +151,7 @@ class JaxTrainer:
         placement = validator.Placement() if self.validation_config is None else \
             validator.place(self.validation_config, "local" if
                              self.scaling_config.num_workers == 0 else _core.choose_launcher())
-        with storage.private_files(options.private), _select_nodes_by_labels(self.scaling_config):
+        with private_files(options.private), _select_nodes_by_labels(self.scaling_config):
             return self._fit(options, placement)
 
     def _fit(self, options: EngineOptions, placement: validator.Placement) -> Result:
@@ -170,7 +171,7 @@ class JaxTrainer:
         in_memory = options.checkpoint_in_memory
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
-        storage.warn_if_locks_stay_local(run_dir)
+        warn_if_locks_stay_local(run_dir)
         # Local mode runs on this host whatever JAXTRAIN_LAUNCHER says.
         launcher = "local" if local is not None else _core.choose_launcher()
         launcher_options = ""
@@ -224,7 +225,7 @@ class JaxTrainer:
             _refuse_live_run(run_dir)
             mirror.pull(store_direct=store is not None)
         if options.private:
-            storage.make_private(run_dir)
+            make_private(run_dir)
         worker_env = _worker_env(self.run_config, plan)
         # Every launcher passes it on.
         worker_env[COMPILATION_CACHE_ENV] = options.compilation_cache
