@@ -454,7 +454,7 @@ class _Client:
 
 def _stage_one(memory: HostMemory, tmp_path: Path) -> dict:
     """One checkpoint through the rank's background stager; what its report said."""
-    from jaxtrain import session
+    from jaxtrain.worker.stager import Stager
 
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
@@ -464,7 +464,7 @@ def _stage_one(memory: HostMemory, tmp_path: Path) -> dict:
     def fail(message):
         raise AssertionError(message)
 
-    stager = session._Stager(client, 0, fail, memory)
+    stager = Stager(client, 0, fail, memory)
     staging = tmp_path / "run" / ".staging" / "a0-r1-rank0"
     stager.checkpoint(1, "{}", _core.snapshot_directory(str(src), 1 << 20),
                       {"staging": str(staging), "dir_name": None})
