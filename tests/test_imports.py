@@ -13,6 +13,14 @@ ORDERS = {
 }
 
 
+def _python(code: str) -> str:
+    """What a fresh Python running `code` printed (stripped); it must exit 0."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_jax_and_jaxtrain_load_together_and_jax_computes(order):
     code = ORDERS[order] + (
@@ -21,10 +29,7 @@ def test_jax_and_jaxtrain_load_together_and_jax_computes(order):
         "jaxtrain.ScalingConfig(num_workers=2)\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "ok"
+    assert _python(code) == "ok"
 
 
 def test_the_shipped_type_stubs_match_the_built_module(tmp_path):
@@ -50,10 +55,7 @@ def test_a_worker_imports_no_driver_module():
         "from jaxtrain import JaxTrainer\n"
         "assert JaxTrainer.__module__ == 'jaxtrain.driver.trainer', JaxTrainer.__module__\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == ""
+    assert _python(code) == ""
 
 
 def test_the_package_face_names_every_public_name():
