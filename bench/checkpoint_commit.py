@@ -123,7 +123,7 @@ def train_func(config: dict) -> None:
         report({"rank": rank}, checkpoint=checkpoint)
         t_staged = time.time()
         # What a synchronous commit would block until: the controller's notice that it ended.
-        session._require("report").wait_checkpoints_settled()
+        session.require("report").wait_checkpoints_settled()
         rounds.append({"t_call": t_call, "t_staged": t_staged, "t_settled": time.time()})
     with open(os.path.join(config["out_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(rounds, f)

@@ -50,7 +50,7 @@ def _on_gpu(config):
     import jax
 
     from jaxtrain import report
-    from jaxtrain.worker import _local_device_ids
+    from jaxtrain.worker.entry import _local_device_ids
 
     measured = _matmul(config["size"], config["repeats"])
     report({

@@ -64,7 +64,8 @@ def train_func(config: dict) -> None:
 
     from jax.experimental import multihost_utils
 
-    from jaxtrain import Checkpoint, checkpoint_memory, get_checkpoint, get_context, report
+    from jaxtrain import Checkpoint, get_checkpoint, get_context, report
+    from jaxtrain.worker import checkpoint_memory
 
     ctx = get_context()
     rank = ctx.get_world_rank()

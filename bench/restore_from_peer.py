@@ -4,10 +4,10 @@ reading it from storage.
     .venv/bin/python bench/restore_from_peer.py [--shard-mib 256] [--repeats 5]
 
 Two processes stand for two hosts, each with a memory directory of its own under /dev/shm and a
-peer server (jaxtrain/checkpoint_peers.py) on loopback; a directory of files stands for the JAX
-coordination service's key-value store. Rank 1's host keeps a copy of rank 0's part, sent by rank
-0 as its stager does (``replicate``). Then, per repeat, in turn (ABAB..., so machine noise hits
-both):
+peer server (jaxtrain/worker/checkpoint_peers.py) on loopback; a directory of files stands for
+the JAX coordination service's key-value store. Rank 1's host keeps a copy of rank 0's part,
+sent by rank 0 as its stager does (``replicate``). Then, per repeat, in turn (ABAB..., so machine
+noise hits both):
 
 * peer: rank 0's host has lost its memory; the rank fetches its part from rank 1's host (its
   size and CRC-32C checked on the way in, as a restart does) and then reads it from its own
@@ -39,8 +39,8 @@ from unittest import mock
 import startup_and_report
 
 from jaxtrain import _core
-from jaxtrain.checkpoint_memory import HostMemory
-from jaxtrain.checkpoint_peers import Peers
+from jaxtrain.worker.checkpoint_memory import HostMemory
+from jaxtrain.worker.checkpoint_peers import Peers
 
 TARGET_RATIO = 0.1
 BLOCK = 4 << 20

@@ -237,7 +237,7 @@ def train_func(config: dict) -> None:
             t_call = time.time()
             report({"rank": rank}, checkpoint=source)
             t_staged = time.time()
-            session._require("report").wait_checkpoints_settled()
+            session.require("report").wait_checkpoints_settled()
             out["rounds"].append({"t_call": t_call, "t_staged": t_staged,
                                   "t_settled": time.time()})
     with open(os.path.join(config["out_dir"], f"rank{rank}.json"), "w") as f:

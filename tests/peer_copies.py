@@ -18,8 +18,17 @@ PROGRAM = """
 import json, os, shutil, socket, tempfile, time
 from pathlib import Path
 import numpy as np
-from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
-                      checkpoint_memory, get_checkpoint, get_context, report)
+from jaxtrain import (
+    Checkpoint,
+    FailureConfig,
+    JaxTrainer,
+    RunConfig,
+    ScalingConfig,
+    get_checkpoint,
+    get_context,
+    report,
+)
+from jaxtrain.worker import checkpoint_memory
 
 
 def shard(rank, step):

@@ -27,7 +27,7 @@ def _report_environment(config):
     from jax.sharding import PartitionSpec as P
 
     from jaxtrain import get_context
-    from jaxtrain.worker import _local_device_ids
+    from jaxtrain.worker.entry import _local_device_ids
 
     ctx = get_context()
     mesh = Mesh(np.array(jax.devices()), ("ranks",))
@@ -270,7 +270,7 @@ def test_gpu_placement_follows_the_strategy_and_the_real_platform():
 
 
 def test_local_device_ids_follow_the_planned_environment(monkeypatch):
-    from jaxtrain.worker import _local_device_ids
+    from jaxtrain.worker.entry import _local_device_ids
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "1")

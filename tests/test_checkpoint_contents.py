@@ -175,7 +175,7 @@ def _forged_checkpoint(config):
     if ctx.get_world_rank() == 0:
         report({"step": 0})
         return
-    s = session._session
+    s = session.current()
     files = [{"path": "precious.bin", "size": 7, "crc32c": 0}]
     staging = config["victim"]
     if config["how"] == "dotdot":

@@ -16,16 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import (
-    FailureConfig,
-    JaxTrainer,
-    RunConfig,
-    ScalingConfig,
-    TrainingFailedError,
-    _core,
-    checkpoint_memory,
-)
-from jaxtrain.checkpoint_memory import HostMemory
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError, _core
+from jaxtrain.driver.options import EngineOptions
+from jaxtrain.worker import checkpoint_memory
+from jaxtrain.worker.checkpoint_memory import HostMemory
 
 SHARD_BYTES = 4 << 20
 
@@ -38,7 +32,8 @@ def _train(config):
     import shutil
     import time
 
-    from jaxtrain import Checkpoint, checkpoint_memory, get_checkpoint, get_context, report
+    from jaxtrain import Checkpoint, get_checkpoint, get_context, report
+    from jaxtrain.worker import checkpoint_memory
 
     ctx = get_context()
     rank = ctx.get_world_rank()
@@ -459,7 +454,7 @@ class _Client:
 
 def _stage_one(memory: HostMemory, tmp_path: Path) -> dict:
     """One checkpoint through the rank's background stager; what its report said."""
-    from jaxtrain import session
+    from jaxtrain.worker.stager import Stager
 
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
@@ -469,7 +464,7 @@ def _stage_one(memory: HostMemory, tmp_path: Path) -> dict:
     def fail(message):
         raise AssertionError(message)
 
-    stager = session._Stager(client, 0, fail, memory)
+    stager = Stager(client, 0, fail, memory)
     staging = tmp_path / "run" / ".staging" / "a0-r1-rank0"
     stager.checkpoint(1, "{}", _core.snapshot_directory(str(src), 1 << 20),
                       {"staging": str(staging), "dir_name": None})
@@ -525,7 +520,7 @@ def test_a_bad_memory_budget_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("JAXTRAIN_MEMORY_BUDGET_MIB", "lots")
     with pytest.raises(ValueError, match=r"JAXTRAIN_MEMORY_BUDGET_MIB='lots' is not allowed; use "
                                          r"a whole number of MiB"):
-        checkpoint_memory.check_switch()
+        EngineOptions.read()
 
 
 def test_local_rank_0_frees_its_hosts_store_at_the_runs_normal_end(tmp_path, monkeypatch):

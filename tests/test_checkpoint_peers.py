@@ -1,7 +1,8 @@
-"""The peer copies' protocol (jaxtrain/checkpoint_peers.py) between real peer servers on loopback:
-two ranks, each with a store of its own (two memory directories stand for two hosts' memory), and
-a dict for the coordination service's key-value store. The whole path across hosts, with real
-JAX workers, is tests/test_ssh.py's test_a_host_that_lost_its_memory_restores_from_its_peers_*."""
+"""The peer copies' protocol (jaxtrain/worker/checkpoint_peers.py) between real peer servers on
+loopback: two ranks, each with a store of its own (two memory directories stand for two hosts'
+memory), and a dict for the coordination service's key-value store. The whole path across hosts,
+with real JAX workers, is
+tests/test_ssh.py's test_a_host_that_lost_its_memory_restores_from_its_peers_*."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from unittest import mock
 
 import pytest
 
-from jaxtrain import _core, checkpoint_memory, checkpoint_peers
-from jaxtrain.channel import Connection
-from jaxtrain.checkpoint_memory import HostMemory
-from jaxtrain.checkpoint_peers import PeerError, Peers, peer_of
+from jaxtrain import _core
+from jaxtrain.hosts.channel import Connection
+from jaxtrain.worker import checkpoint_memory, checkpoint_peers
+from jaxtrain.worker.checkpoint_memory import HostMemory
+from jaxtrain.worker.checkpoint_peers import PeerError, Peers, peer_of
 
 SECRET = secrets.token_bytes(32)
 

@@ -1,4 +1,4 @@
-"""The joins and relay sessions of a run started on every host (jaxtrain/hosts.py), attacked on
+"""The joins and relay sessions of a run started on every host (jaxtrain/hosts/join.py), attacked on
 loopback: a relayed join proof, tampered records, a trickling connection at the coordinator port,
 the secrets in what the agents run. The whole path on real hosts is tests/test_ssh.py's
 test_the_same_command_on_two_hosts_*.
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from jaxtrain import hosts
-from jaxtrain.channel import Connection
+from jaxtrain.hosts import join as hosts
+from jaxtrain.hosts.channel import Connection
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 TOKEN = "0f" * 16
@@ -240,7 +240,7 @@ def test_a_host_with_another_secret_is_refused_and_says_why(tmp_path):
     host0 = hosts.SameCommand(("127.0.0.1", _free_port()), 0, 2, SECRET)
     threading.Thread(target=_quietly(host0.gather, timeout_s=30), daemon=True).start()
     _connect_when_listening(host0.coordinator[1]).close()
-    code = (f"import sys; from jaxtrain import hosts; sys.exit(hosts.SameCommand(('127.0.0.1', "
+    code = (f"import sys; from jaxtrain.hosts import join; sys.exit(join.SameCommand(('127.0.0.1', "
             f"{host0.coordinator[1]}), 1, 2, b'another secret of 32 characters!').join())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

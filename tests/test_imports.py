@@ -13,6 +13,14 @@ ORDERS = {
 }
 
 
+def _python(code: str) -> str:
+    """What a fresh Python running `code` printed (stripped); it must exit 0."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_jax_and_jaxtrain_load_together_and_jax_computes(order):
     code = ORDERS[order] + (
@@ -21,10 +29,7 @@ def test_jax_and_jaxtrain_load_together_and_jax_computes(order):
         "jaxtrain.ScalingConfig(num_workers=2)\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "ok"
+    assert _python(code) == "ok"
 
 
 def test_the_shipped_type_stubs_match_the_built_module(tmp_path):
@@ -36,3 +41,28 @@ def test_the_shipped_type_stubs_match_the_built_module(tmp_path):
         "python/jaxtrain/_core.pyi is stale: regenerate it with "
         "`.venv/bin/python -m nanobind.stubgen -m jaxtrain._core -o python/jaxtrain/_core.pyi`"
     )
+
+
+def test_a_worker_imports_no_driver_module():
+    """The package face imports its public names on first use: a worker process (its entry point
+    and what the training function calls) loads nothing of the driver side."""
+    code = (
+        "import sys\n"
+        "import jaxtrain, jaxtrain.worker.entry, jaxtrain.collective, jaxtrain.data\n"
+        "from jaxtrain import get_context, report, Checkpoint\n"
+        "print(' '.join(m for m in sys.modules\n"
+        "               if m.startswith('jaxtrain.driver') or m == 'cloudpickle'))\n"
+        "from jaxtrain import JaxTrainer\n"
+        "assert JaxTrainer.__module__ == 'jaxtrain.driver.trainer', JaxTrainer.__module__\n"
+    )
+    assert _python(code) == ""
+
+
+def test_the_package_face_names_every_public_name():
+    import jaxtrain
+
+    for name in jaxtrain.__all__:
+        assert getattr(jaxtrain, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'trainer'"):
+        jaxtrain.trainer  # noqa: B018
+    assert sorted(jaxtrain.__all__) == sorted([*jaxtrain._HOMES, *jaxtrain._SUBMODULES])

@@ -17,39 +17,39 @@ import pytest
 import yaml
 from kubernetes.client import ApiException
 
-from jaxtrain import kubernetes
+from jaxtrain.kubernetes import api, launch, submit, supervisor
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_run_names_become_dns_labels():
-    assert kubernetes.dns_name("My_Run 2026.12", 30) == "my-run-2026-12"
-    assert kubernetes.dns_name("42-answers", 30) == "r-42-answers"
-    assert kubernetes.dns_name("x" * 80, 30) == "x" * 30
-    assert kubernetes.dns_name("--", 30) == "r"
+    assert api.dns_name("My_Run 2026.12", 30) == "my-run-2026-12"
+    assert api.dns_name("42-answers", 30) == "r-42-answers"
+    assert api.dns_name("x" * 80, 30) == "x" * 30
+    assert api.dns_name("--", 30) == "r"
 
 
 def test_a_pod_template_is_read_as_yaml_and_refused_when_not_a_pod(tmp_path):
     good = tmp_path / "pod.yaml"
     good.write_text("spec:\n  tolerations: [{key: tpu, operator: Exists}]\n")
-    assert kubernetes.load_pod_template(str(good)) == {
+    assert api.load_pod_template(str(good)) == {
         "spec": {"tolerations": [{"key": "tpu", "operator": "Exists"}]}}
     bad = tmp_path / "list.yaml"
     bad.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match=r"JAXTRAIN_K8S_POD_TEMPLATE='.*list.yaml' must hold a "
                                          r"Pod"):
-        kubernetes.load_pod_template(str(bad))
+        api.load_pod_template(str(bad))
     with pytest.raises(ValueError, match="cannot be read"):
-        kubernetes.load_pod_template(str(tmp_path / "absent.yaml"))
+        api.load_pod_template(str(tmp_path / "absent.yaml"))
 
 
 def test_the_run_directory_must_be_on_a_volume_the_workers_mount():
     mount = {"name": "r", "mountPath": "/mnt/runs"}
     template = {"spec": {"containers": [{"volumeMounts": [mount]}]}}
-    assert kubernetes._mounts_covering("/mnt/runs/my_run", template)
-    assert kubernetes._mounts_covering("/mnt/runs", template)
-    assert not kubernetes._mounts_covering("/mnt/runs2/x", template)
-    assert not kubernetes._mounts_covering("/mnt/runs/x", None)
+    assert launch._mounts_covering("/mnt/runs/my_run", template)
+    assert launch._mounts_covering("/mnt/runs", template)
+    assert not launch._mounts_covering("/mnt/runs2/x", template)
+    assert not launch._mounts_covering("/mnt/runs/x", None)
 
 
 def _plan(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -103,10 +103,10 @@ def test_plan_shows_kueues_labels_on_a_suspended_jobset():
 ])
 def test_kueue_settings_are_refused_with_the_setting_and_value(env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        kubernetes.kueue_settings(env)
+        launch.kueue_settings(env)
     proc = _plan("-n", "2", **env)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
-    assert kubernetes.kueue_settings({"JAXTRAIN_K8S_QUEUE_NAME": "team-a.gpu"}) == (
+    assert launch.kueue_settings({"JAXTRAIN_K8S_QUEUE_NAME": "team-a.gpu"}) == (
         "team-a.gpu", "")
 
 
@@ -115,18 +115,18 @@ def test_run_names_differ_after_user_code_seeds_random():
     names = set()
     for _ in range(2):
         random.seed(0)
-        names.add(kubernetes.object_name("jaxtrain_run-2026-12-05_14-55-07.123-abcdef"))
+        names.add(api.object_name("jaxtrain_run-2026-12-05_14-55-07.123-abcdef"))
     assert len(names) == 2
     # Names that differ only past the cut keep apart in their hash, and fit the budget.
     base = "a-very-long-sweep-name-for-the-learning-rate-trial"
-    one, two = (kubernetes.object_name(f"{base}{n}").rsplit("-", 1)[0] for n in (1, 2))
+    one, two = (api.object_name(f"{base}{n}").rsplit("-", 1)[0] for n in (1, 2))
     assert one != two
     assert len(one) <= 30 and one.startswith("a-very-long-sweep-name")
-    assert re.fullmatch(r"my-run-[a-z0-9]{6}", kubernetes.object_name("My_Run"))
+    assert re.fullmatch(r"my-run-[a-z0-9]{6}", api.object_name("My_Run"))
 
 
 def test_log_lines_end_at_newline_or_carriage_return_and_are_capped():
-    lines = kubernetes._Lines(cap=8)
+    lines = supervisor._Lines(cap=8)
     assert lines.take(b"a\nb\r") == [b"a\n"]  # a '\r' at the end waits for what follows
     assert lines.take(b"\nc\rd") == [b"b\r\n", b"c\r"]
     assert lines.take(b"0123456789") == [b"d0123456\n"]  # a line without an end, capped
@@ -134,18 +134,18 @@ def test_log_lines_end_at_newline_or_carriage_return_and_are_capped():
     assert lines.close() == [b"789\n"]
     assert lines.close() == []
     # A progress bar that never sends '\n' keeps no more than the cap.
-    bar = kubernetes._Lines(cap=8)
+    bar = supervisor._Lines(cap=8)
     for _ in range(1000):
         bar.take(b"\r 50%|#####")
     assert len(bar._partial) < 8
 
 
 def test_labelled_lines_end_in_newline_for_the_controller(capfd):
-    out = kubernetes._Output(labelled=True)
+    out = supervisor._Output(labelled=True)
     out.rank_lines(1, [b"\r", b" 10%|#\r", b"done\r\n", b"x\n"])
     out.rank_lines(0, [])
     assert capfd.readouterr().out == "1:  10%|#\n1: done\r\n1: x\n"
-    kubernetes._Output(labelled=False).rank_lines(0, [b" 10%|#\r", b"x\n"])
+    supervisor._Output(labelled=False).rank_lines(0, [b" 10%|#\r", b"x\n"])
     assert capfd.readouterr().out == " 10%|#\rx\n"  # the controller shows the bar move
 
 
@@ -165,8 +165,8 @@ def _roles() -> dict[str, set[tuple[str, str, str, str]]]:
 
 def test_the_documented_roles_grant_exactly_what_the_code_uses():
     roles = _roles()
-    assert roles["jaxtrain"] == set(kubernetes._NEEDED)
-    assert roles["jaxtrain-submit"] == set(kubernetes._NEEDED_TO_SUBMIT)
+    assert roles["jaxtrain"] == set(api._NEEDED)
+    assert roles["jaxtrain-submit"] == set(api._NEEDED_TO_SUBMIT)
     for granted in roles.values():
         assert not {g for g in granted if g[2] == "secrets" and g[0] in ("get", "list", "watch")}
 
@@ -182,7 +182,7 @@ def test_the_network_policy_covers_the_pods_a_run_makes():
     assert selected.items() <= labels.items()
     assert any(a.items() <= labels.items() for a in admitted)
     # The driver pods of jaxtrain submit too.
-    assert selected.items() <= kubernetes.MANAGED_BY.items()
+    assert selected.items() <= submit.MANAGED_BY.items()
 
 
 class _FakeServer:
@@ -251,7 +251,7 @@ def _keep_signal_handlers():
         signal.signal(s, handler)
 
 
-def _supervisor(server: _FakeServer) -> kubernetes.Supervisor:
+def _supervisor(server: _FakeServer) -> supervisor.Supervisor:
     from kubernetes import client
 
     container = {"name": "worker", "image": "example/train:1"}
@@ -260,8 +260,8 @@ def _supervisor(server: _FakeServer) -> kubernetes.Supervisor:
                   "parallelism": 1, "template": {"spec": {"containers": [container]}}}}}]}}
     request = {"namespace": "ml", "jobset": jobset, "ranks": 1,
                "secret": {"name": "run-x-1", "key": "k" * 64, "env": {"env.API_KEY": "v"}}}
-    api = SimpleNamespace(client=client, core=server, custom=server)
-    return kubernetes.Supervisor(api, request, kubernetes._Output(labelled=False))
+    cluster = SimpleNamespace(client=client, core=server, custom=server)
+    return supervisor.Supervisor(cluster, request, supervisor._Output(labelled=False))
 
 
 def test_an_existing_secret_of_the_same_name_is_left_untouched(capfd):
@@ -285,16 +285,16 @@ def test_an_existing_jobset_of_the_same_name_is_left_untouched(capfd):
 
 def test_the_supervisor_deletes_only_the_objects_it_created():
     server = _FakeServer()
-    supervisor = _supervisor(server)
-    supervisor.create()
+    running = _supervisor(server)
+    running.create()
     secret = server.objects[("Secret", "run-x-1")]
     assert secret["data"] == {"env.API_KEY": "v", "secret": "k" * 64}
-    assert secret["owners"][0]["uid"] == supervisor.jobset_uid
+    assert secret["owners"][0]["uid"] == running.jobset_uid
     # Both replaced by another's objects of the same names (say, after a restart of the driver).
     del server.objects[("Secret", "run-x-1")], server.objects[("JobSet", "run-x-1")]
     others = {("Secret", "run-x-1"): server.add("Secret", "run-x-1"),
               ("JobSet", "run-x-1"): server.add("JobSet", "run-x-1")}
-    supervisor.delete(grace=True)
+    running.delete(grace=True)
     assert server.objects == others
 
 
@@ -338,9 +338,9 @@ class _FakeKueue:
 def test_fit_checks_the_kueue_queue_and_priority_class(fake, queue, priority, message):
     from kubernetes import client
 
-    api = SimpleNamespace(client=client, custom=fake)
+    cluster = SimpleNamespace(client=client, custom=fake)
     if message is None:
-        kubernetes.Api.check_kueue(api, "ml", queue, priority)
+        api.Api.check_kueue(cluster, "ml", queue, priority)
     else:
         with pytest.raises(ValueError, match=re.escape(message)):
-            kubernetes.Api.check_kueue(api, "ml", queue, priority)
+            api.Api.check_kueue(cluster, "ml", queue, priority)

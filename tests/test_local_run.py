@@ -382,7 +382,7 @@ def test_rank_0_holds_the_coordinator_port_until_jax_has_bound_it():
     code = """
 import socket, sys
 import jax
-from jaxtrain.worker import _reserve_coordinator
+from jaxtrain.worker.entry import _reserve_coordinator
 
 held, address = _reserve_coordinator("127.0.0.1")
 port = int(address.rsplit(":", 1)[1])
@@ -410,7 +410,7 @@ jax.distributed.shutdown()
 def test_ranks_above_0_wait_until_the_coordinator_listens(monkeypatch):
     # A rank that calls jax.distributed.initialize before rank 0's coordinator listens is refused,
     # and gRPC waits about a second before it tries again: the others wait for the port instead.
-    from jaxtrain import worker
+    from jaxtrain.worker import entry as worker
 
     held, address = worker._reserve_coordinator("127.0.0.1")
     tries = []
@@ -431,7 +431,7 @@ def test_ranks_above_0_wait_until_the_coordinator_listens(monkeypatch):
 
 
 def test_a_coordinator_that_never_listens_is_left_to_jax_to_report():
-    from jaxtrain import worker
+    from jaxtrain.worker import entry as worker
 
     held, address = worker._reserve_coordinator("127.0.0.1")
     try:

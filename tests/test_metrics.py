@@ -17,7 +17,8 @@ import pytest
 
 from conftest import wait_for
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, UserCallback, goodput
-from jaxtrain.metrics import MetricsServer, endpoint, exposition
+from jaxtrain.driver.metrics import MetricsServer, exposition
+from jaxtrain.driver.options import metrics_endpoint as endpoint
 
 SNAPSHOT = {
     "state": "RUNNING", "attempt": 1, "world_size": 2, "ranks_up": 2, "reports": 40,

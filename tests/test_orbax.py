@@ -65,7 +65,7 @@ def _train_sharded(config):
         if step == config["fail_at"] and ctx.get_attempt() == 0:
             # The last round's checkpoint is committed before rank 1 fails: the restart restores
             # it (every rank's report of it has gone, however long staging took).
-            session._require("report").wait_checkpoints_settled()
+            session.require("report").wait_checkpoints_settled()
             multihost_utils.sync_global_devices("before rank 1 fails")
             if ctx.get_world_rank() == 1:
                 if config.get("kill"):

@@ -358,7 +358,7 @@ def test_a_deleted_worker_pod_is_a_notice_and_the_group_restarts_from_its_checkp
 
 
 def test_termination_grace_follows_preemption_grace_unless_the_template_names_one():
-    from jaxtrain import kubernetes
+    from jaxtrain.kubernetes import launch as kubernetes
 
     assert kubernetes.with_termination_grace(None, 30.0) == {
         "spec": {"terminationGracePeriodSeconds": 45}}

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import pytest
 from metadata_server import QUIET, put, serving
 
-from jaxtrain import Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig, gce_metadata
+from jaxtrain import Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+from jaxtrain.worker import gce_metadata
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshHosts

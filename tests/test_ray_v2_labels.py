@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import run_command
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core, hosts, kubernetes, trainer
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core
+from jaxtrain.driver import trainer
+from jaxtrain.hosts import join as hosts
+from jaxtrain.kubernetes import launch as kubernetes
 
 # ssh_hosts and ssh_shared_dir (the real run only; under flock /tmp/jaxtrain-clusters.lock)
 pytest_plugins = ["ssh_fixtures"]

@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_command, run_driver
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, hosts, validation
-from jaxtrain.validation import Placement, ValidationConfig, place
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+from jaxtrain.driver import validator
+from jaxtrain.driver.validator import Placement, place
+from jaxtrain.hosts import join as hosts
+from jaxtrain.validation import ValidationConfig
 
 # ssh_hosts and ssh_shared_dir (the real run only; under flock /tmp/jaxtrain-clusters.lock)
 pytest_plugins = ["ssh_fixtures"]
@@ -89,7 +92,7 @@ def _refused_at_fit(config: ValidationConfig, storage: str, message: str) -> Non
 
 def test_more_cpus_or_gpus_than_the_drivers_host_has_are_refused_before_anything_starts(
         no_hosts, storage):
-    has = validation.this_host()
+    has = validator.this_host()
     for key, value, what in (("num_cpus", has["cpus"] + 1, "CPUs"),
                              ("num_gpus", has["gpus"] + 1, "GPUs")):
         _refused_at_fit(ValidationConfig(_validate, ray_remote_kwargs={key: value}), storage,
@@ -120,7 +123,7 @@ def test_a_host_that_cannot_see_the_run_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"the validation on host2 reads the checkpoints in the "
                                          r"run directory, which that host cannot see: .*"
                                          r"JAXTRAIN_SHARED_STORAGE"):
-        validation.Validator(ValidationConfig(_validate), str(tmp_path), Placement("host2"))
+        validator.Validator(ValidationConfig(_validate), str(tmp_path), Placement("host2"))
 
 
 def test_a_label_selector_picks_the_first_matching_host_of_the_whole_hostfile(no_hosts,

@@ -27,6 +27,7 @@ from jaxtrain import (
     TrainingFailedError,
     storage,
 )
+from jaxtrain.driver.run_dir import private_files
 
 # the fixtures s3_endpoint and bucket; gcs_endpoint, gcs_bucket and store_bucket (s3:// and gs://)
 pytest_plugins = ["s3_server", "gcs_server"]
@@ -375,7 +376,7 @@ def test_a_private_run_on_s3_keeps_its_staging_copy_private(bucket, tmp_path, um
         assert mode(path) == 0o600, path
     assert mode(local / "checkpoint_000001" / "run-0.sh") == 0o700
     # Downloads in private mode are private too: the umask applies to the recorded modes.
-    with storage.private_files(True):
+    with private_files(True):
         copy = Path(result.checkpoint.to_directory(tmp_path / "copy"))
     assert mode(copy / "run-1.sh") == 0o700 and mode(copy / "secret-1.key") == 0o600
 

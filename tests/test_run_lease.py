@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 from test_checkpoint_memory import _hold
 
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core, checkpoint_memory, storage
-from jaxtrain.checkpoint_memory import HostMemory
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core
+from jaxtrain.driver import run_dir
+from jaxtrain.driver.run_dir import LEASE_STALE_AFTER_S, lock_free_mount
+from jaxtrain.worker import checkpoint_memory
+from jaxtrain.worker.checkpoint_memory import HostMemory
 
 
 def _lease(run_dir: Path, age_s: float, host: str = "other-host", pid: int = 4242) -> None:
@@ -46,7 +49,7 @@ def test_a_fresh_lease_from_another_host_refuses_a_second_driver(tmp_path):
 
 
 def test_a_stale_lease_does_not_block_and_is_gone_when_the_run_ends(tmp_path):
-    _lease(tmp_path / "leased", age_s=storage.LEASE_STALE_AFTER_S + 5)
+    _lease(tmp_path / "leased", age_s=LEASE_STALE_AFTER_S + 5)
     assert _core.run_lock_holder(str(tmp_path / "leased")) is None
     assert _fit(tmp_path).metrics == {"done": 1}
     assert not (tmp_path / "leased" / "LEASE").exists()
@@ -56,7 +59,7 @@ def test_the_sweep_keeps_a_store_whose_run_has_a_fresh_lease(tmp_path, monkeypat
     monkeypatch.setenv("JAXTRAIN_MEMORY_DIR", str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
     roots = {}
-    for name, age in (("elsewhere", 1), ("stale", storage.LEASE_STALE_AFTER_S + 5)):
+    for name, age in (("elsewhere", 1), ("stale", LEASE_STALE_AFTER_S + 5)):
         run_dir = tmp_path / name
         _lease(run_dir, age)
         (run_dir / "run.json").write_text(json.dumps({"status": "RUNNING"}))
@@ -83,7 +86,7 @@ def test_mounts_whose_locks_stay_on_one_host_are_recognised(tmp_path):
     mounts.write_text(MOUNTS)
 
     def kind(path):
-        return storage.lock_free_mount(path, str(mounts))
+        return lock_free_mount(path, str(mounts))
 
     assert kind("/mnt/gcs/runs/exp") == "fuse.gcsfuse at /mnt/gcs"
     assert kind("/mnt/nfs-nolock/runs") == "nfs at /mnt/nfs-nolock"
@@ -96,7 +99,7 @@ def test_mounts_whose_locks_stay_on_one_host_are_recognised(tmp_path):
 
 
 def test_fit_warns_when_the_run_directory_is_on_such_a_mount(tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(storage, "lock_free_mount",
+    monkeypatch.setattr(run_dir, "lock_free_mount",
                         lambda path, mounts="/proc/mounts": "fuse.gcsfuse at /mnt/gcs")
     _fit(tmp_path, "warned")
     err = capfd.readouterr().err

@@ -1,6 +1,7 @@
 """The runtime env's working_dir as shipped to hosts that do not share it
-(python/jaxtrain/runtime_env.py): what is packed, the cap, links, and what an archive may hold
-before a worker unpacks it. The end-to-end run on other hosts is in tests/test_ssh.py."""
+(python/jaxtrain/driver/runtime_env.py, worker/runtime_env.py): what is packed, the cap, links,
+and what an archive may hold before a worker unpacks it. The end-to-end run on other hosts is in
+tests/test_ssh.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import RunConfig, runtime_env
+from jaxtrain import RunConfig
+from jaxtrain.driver import options, runtime_env
+from jaxtrain.worker import runtime_env as unpacking
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +29,8 @@ def host_local(tmp_path, monkeypatch):
     tmp = tmp_path / "host-tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.delenv(runtime_env.MAX_MIB_ENV, raising=False)
-    monkeypatch.delenv(runtime_env.GITIGNORE_ENV, raising=False)
+    monkeypatch.delenv(options.WORKING_DIR_MAX_MIB_ENV, raising=False)
+    monkeypatch.delenv(options.WORKING_DIR_GITIGNORE_ENV, raising=False)
     return tmp
 
 
@@ -87,9 +90,9 @@ def test_the_same_directory_packs_to_the_same_bytes(tmp_path):
 
 def test_gitignore_files_can_be_left_out_of_the_rules(tmp_path, monkeypatch):
     root = project(tmp_path)
-    monkeypatch.setenv(runtime_env.GITIGNORE_ENV, "0")
+    monkeypatch.setenv(options.WORKING_DIR_GITIGNORE_ENV, "0")
     assert "notes/a.log" in names(runtime_env.pack(str(root)).archive)
-    monkeypatch.setenv(runtime_env.GITIGNORE_ENV, "no")
+    monkeypatch.setenv(options.WORKING_DIR_GITIGNORE_ENV, "no")
     with pytest.raises(ValueError, match="JAXTRAIN_WORKING_DIR_GITIGNORE='no' is not allowed"):
         runtime_env.pack(str(root))
 
@@ -121,7 +124,7 @@ def test_file_modes_are_kept_and_links_inside_stay_links(tmp_path):
     (root / "model" / "same.py").symlink_to(root / "model" / "__init__.py")  # absolute, inside
     (root / "dangling").symlink_to("not-there-yet")
 
-    path = Path(runtime_env.unpack(runtime_env.pack(str(root)).archive))
+    path = Path(unpacking.unpack(runtime_env.pack(str(root)).archive))
 
     assert stat.S_IMODE((path / "run.sh").stat().st_mode) == 0o755
     assert os.readlink(path / "latest") == "model"
@@ -156,7 +159,7 @@ def test_a_link_out_that_is_excluded_is_not_refused(tmp_path):
 def test_over_the_cap_is_refused_saying_what_is_big_and_what_to_do(tmp_path, monkeypatch):
     root = project(tmp_path)
     write(root, {"data/big.bin": os.urandom(3 * 2**20)})
-    monkeypatch.setenv(runtime_env.MAX_MIB_ENV, "1")
+    monkeypatch.setenv(options.WORKING_DIR_MAX_MIB_ENV, "1")
 
     with pytest.raises(ValueError) as e:
         runtime_env.pack(str(root))
@@ -176,7 +179,7 @@ def test_over_the_cap_is_refused_saying_what_is_big_and_what_to_do(tmp_path, mon
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5"])
 def test_a_cap_that_is_not_a_whole_number_of_mib_is_refused(tmp_path, monkeypatch, value):
-    monkeypatch.setenv(runtime_env.MAX_MIB_ENV, value)
+    monkeypatch.setenv(options.WORKING_DIR_MAX_MIB_ENV, value)
     with pytest.raises(ValueError, match=f"JAXTRAIN_WORKING_DIR_MAX_MIB={value!r} is not allowed;"
                                          " use a whole number of MiB above 0"):
         runtime_env.pack(str(project(tmp_path)))
@@ -261,7 +264,7 @@ def test_an_archive_that_would_write_outside_is_refused_and_leaves_nothing(tmp_p
     before = sorted(p.name for p in tmp_path.iterdir())
 
     with pytest.raises(ValueError) as e:
-        runtime_env.unpack(archive)
+        unpacking.unpack(archive)
 
     assert says in str(e.value)
     assert "the archive is refused, nothing of it is used" in str(e.value) or "leads out" in \
@@ -278,7 +281,7 @@ def test_ranks_of_one_host_unpacking_at_once_share_one_copy(tmp_path):
 
     def rank():
         go.wait()
-        paths.append(runtime_env.unpack(archive))
+        paths.append(unpacking.unpack(archive))
 
     threads = [threading.Thread(target=rank) for _ in range(4)]
     for t in threads:
@@ -292,14 +295,14 @@ def test_ranks_of_one_host_unpacking_at_once_share_one_copy(tmp_path):
 
 
 def test_a_partial_copy_left_by_a_killed_worker_is_removed_once_stale(tmp_path):
-    root = Path(runtime_env.unpack(crafted(("x", "file", "1")))).parent
+    root = Path(unpacking.unpack(crafted(("x", "file", "1")))).parent
     stale, fresh = root / ".0123456789abcdef-stale", root / ".0123456789abcdef-fresh"
     for partial in (stale, fresh):
         (partial / "sub").mkdir(parents=True)
-    old = time.time() - runtime_env.PARTIAL_STALE_S - 60
+    old = time.time() - unpacking.PARTIAL_STALE_S - 60
     os.utime(stale, (old, old))
 
-    runtime_env.unpack(crafted(("y", "file", "2")))
+    unpacking.unpack(crafted(("y", "file", "2")))
 
     assert not stale.exists() and fresh.exists()
 
@@ -309,13 +312,13 @@ def test_a_host_directory_that_others_may_write_to_is_refused(host_local):
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(PermissionError, match="only it may write to"):
-        runtime_env.unpack(crafted(("x", "file", "1")))
+        unpacking.unpack(crafted(("x", "file", "1")))
 
 
 def test_the_payload_carries_the_task_and_the_shipped_directory(tmp_path):
     packed = runtime_env.pack(str(project(tmp_path)))
-    assert runtime_env.unwrap(runtime_env.wrap(b"task", None)) == (b"task", None)
-    assert runtime_env.unwrap(runtime_env.wrap(b"task", packed)) == (
+    assert unpacking.unwrap(runtime_env.wrap(b"task", None)) == (b"task", None)
+    assert unpacking.unwrap(runtime_env.wrap(b"task", packed)) == (
         b"task", {"archive": packed.archive, "source": packed.source})
 
 
@@ -325,7 +328,7 @@ def test_a_worker_enters_its_copy_in_place_of_the_drivers_directory(tmp_path):
     shipped = {"archive": runtime_env.pack(str(root)).archive, "source": str(root)}
     code = (
         "import os, sys\n"
-        "from jaxtrain import runtime_env\n"
+        "from jaxtrain.worker import runtime_env\n"
         f"path = runtime_env.enter({shipped!r})\n"
         "import model, pkg_in_src\n"
         "print(path, os.getcwd(), model.__file__, pkg_in_src.WHERE, sys.path[0],\n"

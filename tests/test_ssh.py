@@ -578,7 +578,7 @@ def test_a_host_without_a_join_secret_is_refused_before_it_joins(tmp_path):
 
 def test_joined_tpu_hosts_that_do_not_name_their_slice_are_planned_as_one_slice():
     from jaxtrain import ScalingConfig, _core
-    from jaxtrain.hosts import host_entry
+    from jaxtrain.hosts.join import host_entry
 
     has = {"name": "x", "gpus": 0, "tpu_chips": 4, "tpu_slice": "", "tpu_worker_id": 0,
            "tpu_accelerator_type": "v4-16", "tpu_topology": ""}

@@ -196,7 +196,7 @@ def test_a_filesystem_object_reaches_the_workers_with_the_payload(bucket, s3_end
     (ConnectionError("Connection reset by peer"), "UNAVAILABLE", None),
 ])
 def test_a_failure_of_the_store_is_classified_and_named(error, code, hint):
-    from jaxtrain import checkpoint_store
+    from jaxtrain.worker import checkpoint_store
 
     assert checkpoint_store.status_code(error) == code
     text = checkpoint_store._failure("uploading", "s3://b/run/checkpoint_000001/w.bin", error)

@@ -381,7 +381,7 @@ def _helper_that_imports():
 
 
 def test_the_modules_a_function_imports_are_found_in_its_code():
-    from jaxtrain.worker import _imported_modules
+    from jaxtrain.worker.entry import _imported_modules
 
     def train(config):
         import os.path  # noqa: F401

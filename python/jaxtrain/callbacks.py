@@ -15,13 +15,13 @@ and ``fit()`` raises a ControllerError whose ``controller_failure`` is the hook'
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaxtrain import records
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.errors import ControllerError
 
@@ -115,7 +115,7 @@ class Dispatcher:
 
     callbacks: list[UserCallback]
     context: RunContext
-    _jsonl_offset: int = 0
+    _rounds: records.RoundTail | None = None  # result.jsonl from where the run starts
     _attempts_seen: int = 0  # entries of run.json's attempts already handled
     _stragglers_seen: int = 0  # straggler changes of attempts[_attempts_seen] already handled
     _state_stamp: tuple = ()
@@ -132,9 +132,9 @@ class Dispatcher:
                              run_config=trainer.run_config, scaling_config=trainer.scaling_config,
                              train_loop_config=trainer.train_loop_config)
         d = cls(list(trainer.run_config.callbacks), context)
-        d._jsonl_offset = _complete_length(os.path.join(run_dir, "result.jsonl"))
-        state = _read_json(os.path.join(run_dir, "run.json")) or {}
-        d._attempts_seen = len(state.get("attempts", []))
+        d._rounds = records.RoundTail(run_dir, from_end=True)
+        state = records.read_state_or_none(run_dir) or {}
+        d._attempts_seen = len(records.attempts(state))
         d.context.attempt = d._started = d._attempts_seen
         d._call("on_run_start", context)
         return d
@@ -166,21 +166,10 @@ class Dispatcher:
                 controller_failure=self.fatal.error) from self.fatal.error
 
     def _new_rounds(self) -> list[tuple]:
-        path = os.path.join(self.context.path, "result.jsonl")
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._jsonl_offset)
-                data = f.read()
-        except FileNotFoundError:
+        if self._rounds is None:
             return []
-        end = data.rfind(b"\n") + 1  # only whole lines; the rest is still being written
-        self._jsonl_offset += end
         events = []
-        for line in data[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for row in self._rounds.new():
             name = row.get("checkpoint")
             checkpoint = Checkpoint(os.path.join(self.context.path, name)) if name else None
             events.append((row.get("time", 0.0), 0, "after_report", int(row.get("round", 0)),
@@ -188,7 +177,7 @@ class Dispatcher:
         return events
 
     def _new_attempt_events(self) -> list[tuple]:
-        path = os.path.join(self.context.path, "run.json")
+        path = os.path.join(self.context.path, records.RUN_FILE)
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -196,12 +185,12 @@ class Dispatcher:
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         if stamp == self._state_stamp:
             return []
-        state = _read_json(path)
+        state = records.read_state_or_none(self.context.path)
         if state is None:
             return []  # rewritten atomically, so a race with the rename; read it next time
         self._state_stamp = stamp
         events = []
-        for a in state.get("attempts", [])[self._attempts_seen:]:
+        for a in records.attempts(state)[self._attempts_seen:]:
             number = a.get("attempt", 0)
             if number > self._started:
                 self._started = number
@@ -251,22 +240,3 @@ class Dispatcher:
         f = self.fatal
         assert f is not None
         return f"callback {type(f.callback).__name__}.{f.hook} raised {f.error!r}"
-
-
-def _complete_length(path: str) -> int:
-    """The length of the whole lines at the start of the file (0 when it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return 0
-    return data.rfind(b"\n") + 1
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return value if isinstance(value, dict) else None

@@ -19,7 +19,7 @@ import pickle
 from typing import TypeVar
 
 from jaxtrain import _core
-from jaxtrain.session import _require
+from jaxtrain.session import require
 
 __all__ = ["barrier", "broadcast_from_rank_zero"]
 
@@ -43,7 +43,7 @@ def broadcast_from_rank_zero(data: T) -> T:
         pickle.PicklingError, TypeError: on rank 0, when the data cannot be pickled.
         RuntimeError: outside the training function that ``JaxTrainer.fit()`` runs.
     """
-    session = _require("collective.broadcast_from_rank_zero")
+    session = require("collective.broadcast_from_rank_zero")
     payload = b""
     if session.context.world_rank == 0 and session.client is not None:
         import cloudpickle
@@ -64,4 +64,4 @@ def barrier() -> None:
     Raises:
         RuntimeError: outside the training function that ``JaxTrainer.fit()`` runs.
     """
-    _require("collective.barrier").collective(broadcast=False, payload=b"")
+    require("collective.barrier").collective(broadcast=False, payload=b"")

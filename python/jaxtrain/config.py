@@ -545,7 +545,7 @@ def _runtime_env(env: Mapping[str, Any] | None) -> dict[str, Any] | None:
                              "zip files are not supported")
         out["working_dir"] = working_dir
     if env.get("excludes") is not None:
-        from jaxtrain import runtime_env
+        from jaxtrain.driver import runtime_env
 
         if "working_dir" not in out:
             raise ValueError(f"{owner}['excludes'] is given without a working_dir; it names what "

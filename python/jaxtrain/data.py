@@ -48,8 +48,9 @@ def process_index_and_count() -> tuple[int, int]:
     size inside a jaxtrain worker, else ``jax.process_index()`` and ``jax.process_count()``."""
     from jaxtrain import session
 
-    if session._session is not None:
-        ctx = session._session.context
+    current = session.current()
+    if current is not None:
+        ctx = current.context
         return ctx.world_rank, ctx.world_size
     import jax
 
@@ -396,10 +397,11 @@ def _registry() -> _Registry | None:
     global _current
     from jaxtrain import session
 
-    if session._session is None:
+    active = session.current()
+    if active is None:
         return None
-    if _current is None or _current.session is not session._session:
-        _current = _Registry(session._session)
+    if _current is None or _current.session is not active:
+        _current = _Registry(active)
     return _current
 
 

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from jaxtrain import records
+
 # The parts, in the order a run goes through them, with the names the line and the table use.
 PARTS: dict[str, str] = {
     "queue": "queue",
@@ -140,7 +142,7 @@ def compute(state: dict, rounds: list[dict], now: float | None = None) -> Goodpu
     None ends it at its last recorded time. Pure: reads nothing else."""
     status = str(state.get("status", ""))
     live = status == "RUNNING"
-    attempts = [a for a in state.get("attempts") or [] if isinstance(a, dict)]
+    attempts = records.attempts(state)
     reported = sorted((float(r["time"]), r.get("checkpoint")) for r in rounds
                       if isinstance(r, dict) and _number(r.get("time")) is not None)
     driver_start = _number(state.get("start_time"))
@@ -265,23 +267,12 @@ def from_run_dir(path_or_url: str | os.PathLike, now: float | None = None,
                 return fs.cat_file(posixpath.join(root, name))
             except FileNotFoundError:
                 return None
-    text = read("run.json")
+    text = read(records.RUN_FILE)
     if text is None:
         raise FileNotFoundError(f"'{path}' is not a jaxtrain run directory: it has no run.json")
     state = json.loads(text)
-    return compute(state, parse_rounds(read("result.jsonl") or b""),
+    return compute(state, records.parse_rounds(read(records.ROUNDS_FILE) or b""),
                    now=time.time() if now is None else now)
-
-
-def parse_rounds(text: bytes | str) -> list[dict]:
-    """result.jsonl's rounds; a line torn by a crash ends them."""
-    rows = []
-    for line in (text.decode("utf-8", "replace") if isinstance(text, bytes) else text).splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
 
 
 def _number(value: Any) -> float | None:

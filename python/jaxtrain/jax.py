@@ -1,5 +1,5 @@
 """``jaxtrain.jax.JaxTrainer``, where Ray users find ``ray.train.v2.jax.JaxTrainer``."""
 
-from jaxtrain.trainer import JaxTrainer
+from jaxtrain.driver.trainer import JaxTrainer
 
 __all__ = ["JaxTrainer"]

@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxtrain import session, storage
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.checkpoint_store import Store, StoreError
+from jaxtrain.worker.checkpoint_store import Store, StoreError, status_code
 
 ITEM = "state"
 _PROCESS_DIR = re.compile(r"ocdbt\.process_(\d+)$")
@@ -65,7 +65,7 @@ def save(state: Any, metrics: dict, *, checkpoint_dir_name: str | None = None,
     """Saves ``state`` with Orbax from every rank and reports it with ``metrics`` as this round's
     checkpoint (``<checkpoint>/<item>``). Every rank must call it, as with ``report``."""
     ocp = _ocp()
-    s = session._require("orbax.save")
+    s = session.require("orbax.save")
     ctx = s.context
     _check_item(item)
     if s.store is not None:
@@ -104,7 +104,7 @@ def save_on_preemption(state_fn: Callable[[], Any] | None, *, item: str = ITEM) 
     the restart. ``state_fn`` returns the current state (e.g. ``lambda: state`` inside the
     training function, which sees each new value of ``state``). Every rank must register it
     (Orbax saves from every process); ``None`` takes the registration back."""
-    s = session._require("orbax.save_on_preemption")
+    s = session.require("orbax.save_on_preemption")
     _check_item(item)
     if state_fn is None:
         s.preemption_save = None
@@ -182,9 +182,9 @@ def _save_to_store(ocp: Any, s: Any, state: Any, metrics: dict,
         if s.fail_storage is None:
             raise
         s.fail_storage(f"jaxtrain.orbax.save() on rank {rank}: the checkpoint of round "
-                       f"{s.round + 1}: {e}", session._status_code(e.__cause__))
+                       f"{s.round + 1}: {e}", status_code(e.__cause__))
     if files:
-        session._report_in_store(metrics, dir_name, files)
+        session.report_in_store(metrics, dir_name, files)
     else:  # a process that owns no shard (all replicated) has nothing to hand over
         session.report(metrics)
 

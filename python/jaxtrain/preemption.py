@@ -65,7 +65,7 @@ def get_preemption_info() -> PreemptionInfo | None:
     """
     from jaxtrain import session
 
-    s = session._require("get_preemption_info")
+    s = session.require("get_preemption_info")
     if s.client is None:  # the function runs in the driver's process: no group to preempt
         return None
     agreed = s.client.preemption_call()
@@ -94,7 +94,7 @@ def on_preemption(save_fn: Callable[[str], None] | None) -> None:
     """
     from jaxtrain import session
 
-    s = session._require("on_preemption")
+    s = session.require("on_preemption")
     if save_fn is None:
         s.preemption_save = None
         return

@@ -9,9 +9,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxtrain import records
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.errors import ControllerError, WorkerGroupError
-from jaxtrain.goodput import Goodput, compute, parse_rounds
+from jaxtrain.goodput import Goodput, compute
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Result:
         ``pip install 'jaxtrain[plot]'``) and returns its path, ``<run>/metrics.png`` by
         default. ``metrics``: the metric names to draw (nested keys joined with '/'); default
         every numeric metric."""
-        from jaxtrain.plot import plot_metrics
+        from jaxtrain.driver.plot import plot_metrics
 
         if path is None:
             if self.filesystem is not None:
@@ -119,21 +120,17 @@ class Result:
         """The run's report rounds as result.jsonl records them: one ``{"round", "time",
         "metrics"}`` dict per round (rank 0's metrics), oldest first."""
         if self._rounds is None:
-            self._rounds = _read_rounds(self.path)
+            self._rounds = records.read_rounds(self.path)
         return self._rounds
 
 
 def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
-    state_path = os.path.join(path, "run.json")
-    if not os.path.exists(state_path):
+    if not records.is_run_dir(path):
         raise FileNotFoundError(f"'{path}' is not a jaxtrain run directory: it has no run.json")
-    with open(state_path, encoding="utf-8") as f:
-        state = json.load(f)
+    state = records.read_state(path)
     error = None
     if state.get("status") == "ERRORED":
-        # CRASHED: an attempt of an earlier driver of this run, which ended without a record.
-        failed = [a for a in state.get("attempts", [])
-                  if a.get("failure") and a.get("status") != "CRASHED"]
+        failed = records.failed_attempts(state)
         if failed:
             f = failed[0]["failure"]
             logs = remote[1] if remote else path
@@ -147,28 +144,16 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
                 status_code=f.get("status_code"),
                 log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
             )
-    return _load(path, state.get("config", {}).get("checkpoint_config"), error, remote,
+    return load(path, state.get("config", {}).get("checkpoint_config"), error, remote,
                  finished=state.get("status") == "FINISHED")
 
 
-def _read_rounds(path: str) -> list[dict]:
-    try:
-        with open(os.path.join(path, "result.jsonl"), "rb") as f:
-            return parse_rounds(f.read())
-    except FileNotFoundError:
-        return []
-
-
-# Rank 0's pickled return value in the run directory, written by the controller.
-RETURN_VALUE_FILE = "return_value.pkl"
-
-
 def _read_return_value(path: str) -> Any:
-    """What RETURN_VALUE_FILE in the run directory `path` holds, unpickled; None without one.
-    Raises ValueError when this Python cannot unpickle it."""
+    """Rank 0's return value in the run directory `path` (records.RETURN_VALUE_FILE), unpickled;
+    None without one. Raises ValueError when this Python cannot unpickle it."""
     import cloudpickle
 
-    file = os.path.join(path, RETURN_VALUE_FILE)
+    file = os.path.join(path, records.RETURN_VALUE_FILE)
     try:
         with open(file, "rb") as f:
             data = f.read()
@@ -183,7 +168,7 @@ def _read_return_value(path: str) -> Any:
             "its type comes from") from e
 
 
-def _load(path: str, checkpoint_config: dict | None, error: BaseException | None,
+def load(path: str, checkpoint_config: dict | None, error: BaseException | None,
           remote: tuple[Any, str] | None = None, finished: bool = False) -> Result:
     """The Result of the run directory `path`; with `remote` (filesystem, run directory), `path`
     is a local copy of that remote run directory, and the Result names the remote one.
@@ -191,7 +176,7 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
     from jaxtrain import _core
 
     return_value = _read_return_value(path) if finished and error is None else None
-    rounds = _read_rounds(path)
+    rounds = records.read_rounds(path)
     goodput = _goodput(path, rounds)
     cc = checkpoint_config or {}
     ranked = _core.ranked_checkpoints(
@@ -200,10 +185,9 @@ def _load(path: str, checkpoint_config: dict | None, error: BaseException | None
     # The core ranks best first; Ray's checkpoint manager keeps the best last.
     best = [(Checkpoint(os.path.join(path, name)), json.loads(m)) for name, m in reversed(ranked)]
     latest = None
-    index = os.path.join(path, "checkpoints.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            name = json.load(f).get("latest")
+    index = records.read_index(path)
+    if index is not None:
+        name = index.get("latest")
         # The index is rewritten atomically before any deletion; trust only what still exists.
         if name and any(c.path == os.path.join(path, name) for c, _ in best):
             latest = Checkpoint(os.path.join(path, name))
@@ -235,8 +219,7 @@ def _goodput(path: str, rounds: list[dict]) -> Goodput | None:
     import time
 
     try:
-        with open(os.path.join(path, "run.json"), encoding="utf-8") as f:
-            state = json.load(f)
+        state = records.read_state(path)
     except (OSError, json.JSONDecodeError):
         return None
     return compute(state, rounds, now=time.time())

@@ -7,24 +7,18 @@ these functions raise a RuntimeError that says so.
 
 from __future__ import annotations
 
-import collections
 import enum
 import json
 import os
-import shutil
 import stat
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.checkpoint_memory import HostMemory
-from jaxtrain.checkpoint_peers import Peers
-from jaxtrain.checkpoint_store import Store, StoreError, round_dir_name, status_code
 from jaxtrain.validation import (
     CheckpointConsistencyMode,
     ReportedCheckpoint,
@@ -34,6 +28,10 @@ from jaxtrain.validation import (
     wait_validated,
     write_request,
 )
+from jaxtrain.worker import stager
+from jaxtrain.worker.checkpoint_memory import HostMemory
+from jaxtrain.worker.checkpoint_peers import Peers
+from jaxtrain.worker.checkpoint_store import Store, round_dir_name
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,7 @@ def snapshot_budget_bytes(local_world_size: int) -> int:
     """How many bytes of checkpoint files ``report(checkpoint=)`` may hold in memory per rank:
     JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB (MiB; 0 turns snapshots off), by default a quarter of this
     host's memory shared by its ranks. The driver has checked the variable
-    (check_snapshot_budget)."""
+    (jaxtrain.driver.options)."""
     value = os.environ.get(SNAPSHOT_BUDGET_ENV)
     if value:
         return int(value) << 20
@@ -134,188 +132,7 @@ def snapshot_budget_bytes(local_world_size: int) -> int:
     return memory // 4 // max(local_world_size, 1)
 
 
-def check_snapshot_budget() -> str | None:
-    """JAXTRAIN_CHECKPOINT_SNAPSHOT_MIB as the driver passes it on (None: unset, the default);
-    anything but a whole number of MiB >= 0 is refused with a ValueError naming it."""
-    value = os.environ.get(SNAPSHOT_BUDGET_ENV)
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(
-            f"{SNAPSHOT_BUDGET_ENV}={value!r} is not allowed; use a whole number of MiB >= 0 (the "
-            "memory each rank may hold a checkpoint in while report(checkpoint=) stages it in the "
-            "background; 0 copies every checkpoint before report() returns), or leave it unset "
-            "(a quarter of the host's memory, shared by its ranks)")
-    return str(int(value))
-
-
-class _Stager:
-    """This rank's background stager: one thread that writes checkpoint snapshots into their
-    staging directories (checksums on the way, in C++ without the GIL) and then sends their
-    reports, and sends the metrics-only reports queued behind them, in the order of the rounds.
-
-    Reports go to the controller in round order: a metrics-only report is sent at once when
-    nothing is queued, and queued behind the pending checkpoint otherwise. A failure to stage
-    (a full disk, a permission) ends the worker as a raising training function does, with the
-    rank and the path in the message: a checkpoint is never lost silently. ``fail(message)``
-    is the worker's: it reports the exception being handled with ``message`` and exits."""
-
-    def __init__(self, client: Any, rank: int, fail: Callable[[str], NoReturn],
-                 memory: HostMemory | None = None, peers: Peers | None = None,
-                 attempt: int = 0, store: Store | None = None,
-                 fail_storage: Callable[[str, str], NoReturn] | None = None) -> None:
-        self._client = client
-        self._store = store  # the rank's host uploads its files to object storage itself
-        self._fail_storage = fail_storage
-        self._rank = rank
-        self._attempt = attempt  # names the copies kept in memory
-        self._fail = fail
-        self._memory = memory  # JAXTRAIN_CHECKPOINT_IN_MEMORY=1: where copies are kept
-        self._peers = peers  # and, across hosts, who keeps a second one
-        self._cv = threading.Condition()
-        self._queue: collections.deque[tuple] = collections.deque()
-        self._busy = False  # an item is taken off the queue and not yet sent
-        self._closed = False  # close(): the thread ends once the queue is empty
-        self._thread: threading.Thread | None = None
-
-    @property
-    def holds_copies(self) -> bool:
-        return self._memory is not None
-
-    def report(self, round_: int, text: str) -> None:
-        with self._cv:
-            if not self._queue and not self._busy:
-                self._client.report(round_, text)
-                return
-            self._queue.append((round_, text, None))
-
-    def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict,
-                   prepare: Callable[[dict], None] | None = None,
-                   delete: str | None = None) -> None:
-        """Queues the checkpoint of a round: `snapshot` written into description["staging"], or,
-        without one, `prepare(description)` run on this thread to fill in description["files"]
-        (checkpoint_upload_mode=ASYNC); then the part uploaded (a store run), `delete` (the
-        user's directory) removed, and the report sent."""
-        with self._cv:
-            self._queue.append((round_, text, (snapshot, description, prepare, delete)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jaxtrain-stager",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def drain(self) -> None:
-        """Returns once everything queued has been sent."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._queue and not self._busy)
-
-    def close(self) -> None:
-        """Ends the thread once everything queued has been sent (a worker's process ends with
-        it; local mode's driver goes on)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: bool(self._queue) or self._closed)
-                if not self._queue:
-                    return
-                round_, text, work = self._queue.popleft()
-                self._busy = True
-            try:
-                if work is None:
-                    self._client.report(round_, text)
-                else:
-                    snapshot, description, prepare, delete = work
-                    staging = description["staging"]
-                    try:
-                        if prepare is not None:
-                            prepare(description)
-                        else:
-                            # A part with a copy in memory is staged with each file's SHA-256,
-                            # which the manifest then vouches for the copies with
-                            # (docs/checkpoint-memory.md); one uploaded to object storage gets
-                            # its SHA-256s while it is uploaded.
-                            description["files"] = snapshot.write(
-                                staging, release=self._memory is None,
-                                sha256=self._memory is not None)
-                    except Exception as e:
-                        self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
-                                   f"checkpoint of round {round_} into '{staging}' "
-                                   f"in the background failed: {type(e).__name__}: {e}")
-                    if self._store is not None:
-                        upload(self._store, description, round_, self._fail_storage)
-                    if delete is not None:
-                        _delete_local(delete, self._rank)
-                    if self._memory is not None and snapshot is not None:
-                        # Before the report, which names the copy: every part of a committed
-                        # checkpoint then has its copy, unless keeping it failed (said in the
-                        # log, and then the report names none).
-                        copy_id = uuid.uuid4().hex
-                        if self._hold(round_, snapshot, copy_id):
-                            description["copy_id"] = copy_id
-                    del snapshot, work, prepare
-                    self._client.report_checkpoint(round_, json.dumps(description), text)
-            except Exception as e:
-                self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
-                           f"in the background failed: {type(e).__name__}: {e}")
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
-
-    def _hold(self, round_: int, snapshot: Any, copy_id: str) -> bool:
-        """Keeps a copy of the snapshot just staged in this host's memory, and sends that copy to
-        this rank's peer (checkpoint_peers.py) when there is one; whether the copy was kept. A
-        copy that cannot be kept (a full memory filesystem, one above the memory budget, a store
-        that is not this user's) is said on stderr in one line and not sent, so the restores of
-        its checkpoint read storage; one that cannot be sent is said once, and only this host
-        holds it."""
-        assert self._memory is not None
-        written = None
-        try:
-            written = self._memory.prepare(self._attempt, round_, snapshot.bytes)
-            self._memory.keep(written, self._attempt, round_,
-                              snapshot.write(written, sha256=True), copy_id)
-        except Exception as e:
-            if written is not None:
-                shutil.rmtree(written, ignore_errors=True)
-            sys.stderr.write(f"jaxtrain worker: rank {self._rank}: keeping the checkpoint of "
-                             f"round {round_} in host memory failed ({type(e).__name__}: {e}); "
-                             "a restart restores it from storage\n")
-            sys.stderr.flush()
-            return False
-        if self._peers is None:
-            return True
-        try:
-            self._peers.replicate(copy_id)
-        except Exception as e:  # PeerError, OSError, a peer of another version: never fatal
-            self._peers.say_once("replicate", f"sending the checkpoint of round {round_} to its "
-                                 f"peer, rank {self._peers.peer}, failed ({e}); where this "
-                                 "host's copy is lost, a restart reads storage (said once)")
-        return True
-
-
-def upload(store: Store, description: dict, round_: int,
-           fail_storage: Callable[[str, str], NoReturn] | None) -> None:
-    """Uploads the part staged at description["staging"] to the store, then makes `description`
-    the store's kind (no staging directory). An upload that fails ends the worker with the
-    cause "storage" (fail_storage), or raises StoreError without it."""
-    staging = description.pop("staging")
-    try:
-        store.upload(staging, description["files"], description["dir_name"])
-    except StoreError as e:
-        if fail_storage is None:
-            raise
-        fail_storage(f"report(checkpoint=...) on rank {store.rank}: the checkpoint of round "
-                     f"{round_}: {e}", status_code(e.__cause__))
-    description["store"] = True
-
-
-class _Session:
+class Session:
     def __init__(self, client: Any, context: TrainContext, checkpoint: Checkpoint | None,
                  fail: Callable[[str], NoReturn], memory: HostMemory | None = None,
                  peers: Peers | None = None, store: Store | None = None,
@@ -331,8 +148,8 @@ class _Session:
         self.lock = threading.Lock()
         self.store = store
         self.fail_storage = fail_storage
-        self.stager = _Stager(client, context.world_rank, fail, memory, peers, context.attempt,
-                              store, fail_storage)
+        self.stager = stager.Stager(client, context.world_rank, fail, memory, peers,
+                                    context.attempt, store, fail_storage)
         self.snapshot_budget = snapshot_budget_bytes(context.local_world_size)
         self.said_over_budget = False
         self.preempted = False  # get_preemption_info() returned a notice (preemption.py)
@@ -366,15 +183,22 @@ class _Session:
         self.stager.drain()
 
 
-_session: _Session | None = None
+_session: Session | None = None
 
 
-def _install(session: _Session | None) -> None:
+def install(session: Session | None) -> None:
+    """Makes `session` this process's (the worker's, or local mode's driver), or None for none."""
     global _session
     _session = session
 
 
-def _require(what: str) -> _Session:
+def current() -> Session | None:
+    """This process's session; None outside a training function's process."""
+    return _session
+
+
+def require(what: str) -> Session:
+    """This process's session, or a RuntimeError that says `what` works only in a worker."""
     if _session is None:
         raise RuntimeError(
             f"jaxtrain.{what}() works only inside the training function that "
@@ -383,7 +207,8 @@ def _require(what: str) -> _Session:
     return _session
 
 
-def _to_json(value: Any) -> Any:
+def to_json(value: Any) -> Any:
+    """json.dumps' default for reported metrics."""
     # numpy and JAX scalars and arrays, which training code reports all the time.
     if hasattr(value, "item") and getattr(value, "size", 2) == 1:
         return value.item()
@@ -439,7 +264,7 @@ def report(
     ``Checkpoint`` that jaxtrain then commits: one it put at the round's place in the run's
     storage, which is committed where it lies, or any other local directory, which is copied.
     """
-    session = _require("report")
+    session = require("report")
     text = _metrics_text(metrics)
     check_validation_arg(validation, session.validation)
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
@@ -498,7 +323,7 @@ def report(
         if checkpoint_upload_fn is not None:
             source = _call_upload_fn(session, checkpoint_upload_fn, checkpoint, dir_name)
             if delete and not _same_directory(source, checkpoint):
-                _delete_local(checkpoint.path, ctx.world_rank)
+                stager.delete_local(checkpoint.path, ctx.world_rank)
             delete = False  # the upload function's result is committed, never deleted
         if mode is CheckpointUploadMode.NO_UPLOAD or _in_place(session, source, dir_name):
             try:
@@ -517,17 +342,17 @@ def report(
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
         if delete:  # the files are in memory or staged: the directory is no longer needed
-            _delete_local(source.path, ctx.world_rank)
+            stager.delete_local(source.path, ctx.world_rank)
         if snapshot is None:  # copied: nothing is queued (drained above), so it goes now
             if store is not None:
-                upload(store, description, session.round, session.fail_storage)
+                stager.upload(store, description, session.round, session.fail_storage)
             session.client.report_checkpoint(session.round, json.dumps(description), text)
         else:
             session.stager.checkpoint(session.round, text, snapshot, description)
         _settle_if_preempted(session)
 
 
-def _settle_if_preempted(session: _Session) -> None:
+def _settle_if_preempted(session: Session) -> None:
     """After a checkpoint report that follows a preemption notice (a just-in-time checkpoint):
     waits for its commit, which stops the group, so that nothing is done past it that the
     restart would do again (the controller sends no settle for it; docs/preemption.md)."""
@@ -563,13 +388,13 @@ def _upload_options(mode: Any, delete: Any, upload_fn: Any) -> tuple[CheckpointU
     return mode, delete
 
 
-def _round_dir_name(session: _Session, asked: str | None) -> str:
+def _round_dir_name(session: Session, asked: str | None) -> str:
     """The name of this report's checkpoint in a run directory the ranks share: `asked`, or
     ``checkpoint_<round>`` as the controller names it."""
     return round_dir_name(session.first_round + session.round, asked)
 
 
-def _no_upload_dir_name(session: _Session, checkpoint: Checkpoint, asked: str | None) -> str:
+def _no_upload_dir_name(session: Session, checkpoint: Checkpoint, asked: str | None) -> str:
     """The checkpoint name of a NO_UPLOAD report: its directory's, which must be one directly
     in the run directory; a ValueError naming the path and the place otherwise."""
     ctx = session.context
@@ -598,7 +423,7 @@ def _no_upload_dir_name(session: _Session, checkpoint: Checkpoint, asked: str | 
     return _round_dir_name(session, name)
 
 
-def _in_place(session: _Session, checkpoint: Checkpoint, dir_name: str | None) -> bool:
+def _in_place(session: Session, checkpoint: Checkpoint, dir_name: str | None) -> bool:
     """Whether `checkpoint` is the directory of `dir_name` in a run directory the ranks
     share (where a NO_UPLOAD report or an upload function put it)."""
     return (session.store is None and checkpoint.filesystem is None and dir_name is not None
@@ -619,7 +444,7 @@ def _local_path(checkpoint: Checkpoint, what: str) -> str:
     return checkpoint.path
 
 
-def _call_upload_fn(session: _Session, upload_fn: Callable, checkpoint: Checkpoint,
+def _call_upload_fn(session: Session, upload_fn: Callable, checkpoint: Checkpoint,
                     dir_name: str | None) -> Checkpoint:
     """The checkpoint that `upload_fn(checkpoint, dir_name)` returns, which must be a
     Checkpoint (a ValueError naming what it returned otherwise, as Ray raises)."""
@@ -632,7 +457,7 @@ def _call_upload_fn(session: _Session, upload_fn: Callable, checkpoint: Checkpoi
     return result
 
 
-def _stage_async(session: _Session, checkpoint: Checkpoint, description: dict,
+def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
                  upload_fn: Callable | None) -> None:
     """An ASYNC report's part, on the stager's thread: the upload function's result (or the
     user's directory) claimed where it lies in the run directory, or copied into staging."""
@@ -688,26 +513,14 @@ def _claim(src: str, staging: str) -> list[dict]:
     return files
 
 
-def _delete_local(path: str, rank: int) -> None:
-    """Deletes a reported directory once its files are in the run's storage; a failure is said
-    on stderr, never fatal (the checkpoint is safe)."""
-    try:
-        shutil.rmtree(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        sys.stderr.write(f"jaxtrain worker: rank {rank}: deleting the reported checkpoint "
-                         f"directory '{path}' after its upload failed ({e})\n")
-        sys.stderr.flush()
 
-
-def _report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:
+def report_in_store(metrics: dict, dir_name: str, files: list[dict]) -> None:
     """``report(metrics)`` with this rank's part of a checkpoint that is already in place on the
     store (jaxtrain.orbax): `files` (as Store.describe gives them) in ``<run>/<dir_name>/``, the
     name session.store.dir_name gave for this report. Nothing is staged or uploaded; the round
     counts, waits for the previous checkpoint and goes after the queued reports as with
     ``report(checkpoint=)``."""
-    session = _require("report")
+    session = require("report")
     text = _metrics_text(metrics)
     description = {"store": True, "dir_name": dir_name, "files": files}
     with session.lock:
@@ -720,10 +533,10 @@ def _metrics_text(metrics: Any) -> str:
     """The metrics of a report as the controller takes them: a dict, as JSON."""
     if not isinstance(metrics, dict):
         raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
-    return json.dumps(metrics, default=_to_json)
+    return json.dumps(metrics, default=to_json)
 
 
-def _say_over_budget(session: _Session, path: str) -> None:
+def _say_over_budget(session: Session, path: str) -> None:
     if session.said_over_budget:
         return
     session.said_over_budget = True
@@ -741,7 +554,7 @@ def get_checkpoint() -> Checkpoint | None:
     restart, or when a run is resumed by name), or None. With JAXTRAIN_CHECKPOINT_IN_MEMORY=1, after
     a restart: a view of it in this host's memory, under another path but with the same files
     (docs/checkpoint-memory.md)."""
-    return _require("get_checkpoint").checkpoint
+    return require("get_checkpoint").checkpoint
 
 
 def get_all_reported_checkpoints(
@@ -753,7 +566,7 @@ def get_all_reported_checkpoints(
     commits have ended; with ``CheckpointConsistencyMode.VALIDATED`` (the default, as in Ray)
     also until the validations of those checkpoints have ended. Returns [] when no checkpoint
     was committed. Every rank that calls it after the same report gets the same checkpoints."""
-    session = _require("get_all_reported_checkpoints")
+    session = require("get_all_reported_checkpoints")
     if not isinstance(consistency_mode, CheckpointConsistencyMode):
         raise ValueError(
             f"get_all_reported_checkpoints(consistency_mode={consistency_mode!r}) is not "
@@ -797,4 +610,4 @@ def _wait_recorded(run_dir: str, round_: int) -> None:
 
 def get_context() -> TrainContext:
     """This worker's ranks, world size and experiment name."""
-    return _require("get_context").context
+    return require("get_context").context

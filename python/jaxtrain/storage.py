@@ -46,18 +46,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxtrain import _core
+from jaxtrain.records import INDEX_FILE, RECORD_FILES, RUN_FILE
 
 # The file in each committed checkpoint directory that lists its files, sizes and checksums
 # (written by the engine's CommitCheckpoint).
 MANIFEST_NAME = ".jaxtrain_manifest.json"
 
-INDEX_NAME = "checkpoints.json"
-_RECORDS = ("run.json", "result.jsonl", "return_value.pkl")  # the last: Result.return_value
+INDEX_NAME = INDEX_FILE
 _CHUNK = 8 << 20
 _BLOCK = 8 << 20
 _PROGRESS_AFTER_S = 3.0
@@ -236,7 +235,7 @@ class Mirror:
         self._remote = list(records)
         # Only for a run the storage still has: a run deleted there starts afresh.
         if (self._newest_round(self._local_index()) > self._newest_round(index)
-                and self.fs.exists(posixpath.join(self.root, "run.json"))):
+                and self.fs.exists(posixpath.join(self.root, RUN_FILE))):
             print(f"jaxtrain: {self.local} holds checkpoints that {self.url} lacks (an upload "
                   "that did not finish); uploading them first", file=sys.stderr)
             self.push(with_logs=True)
@@ -336,7 +335,7 @@ class Mirror:
     def _download_records(self, index: dict) -> None:
         """The records, the logs, and `index` (the remote index as _remote_index() read it: only
         its valid records)."""
-        for name in _RECORDS:
+        for name in RECORD_FILES:
             self._get(posixpath.join(self.root, name), [name])
         if index:
             with os.fdopen(_create_inside(self.local, [INDEX_NAME]), "w", encoding="utf-8") as f:
@@ -444,7 +443,7 @@ class Mirror:
                 if self._upload_checkpoint(r, progress):
                     self._uploaded[r["dir_name"]] = r["round"]
         progress.finish()
-        for name in _RECORDS:
+        for name in RECORD_FILES:
             self._put_if_changed(name)
         if with_logs:
             logs = os.path.join(self.local, "logs")
@@ -527,7 +526,7 @@ def local_view(fs: Any, root: str) -> str:
     view = tempfile.mkdtemp(prefix="jaxtrain-run-")
     mirror = Mirror(fs, root, view)
     fs.invalidate_cache()
-    if not fs.exists(posixpath.join(root, "run.json")):
+    if not fs.exists(posixpath.join(root, RUN_FILE)):
         shutil.rmtree(view)
         raise FileNotFoundError(f"{url(fs, root)!r} is not a jaxtrain run directory: it has no "
                                 "run.json")
@@ -763,84 +762,6 @@ def _chmod_inside(target: str, parts: list[str], mode: int, directory: bool) -> 
             os.fchmod(fd, mode)
     finally:
         os.close(fd)
-
-
-# The run's lease (src/storage/run_store.h): renewed every 10 s, another driver's counts for 60 s.
-LEASE_PERIOD_S = 10
-LEASE_STALE_AFTER_S = 60
-
-
-def lock_free_mount(path: str, mounts: str = "/proc/mounts") -> str | None:
-    """The mount that holds `path` ("<type> at <mount point>") when file locks taken there do not
-    reach other hosts: a FUSE mount (GCS FUSE, s3fs, ...), NFS mounted with ``nolock`` or
-    ``local_lock``, Lustre with ``localflock``; None otherwise, and when `mounts` cannot be
-    read."""
-    try:
-        with open(mounts, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    target = os.path.realpath(path)
-    best: tuple[str, str, set[str]] | None = None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 4:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):
-            best = (point, fields[2], set(fields[3].split(",")))
-    if best is None:
-        return None
-    point, kind, options = best
-    local_lock = {o for o in options if o.startswith("local_lock=") and o != "local_lock=none"}
-    if (kind.startswith("fuse") or (kind.startswith("nfs") and ("nolock" in options or local_lock))
-            or (kind == "lustre" and "localflock" in options)):
-        return f"{kind} at {point}"
-    return None
-
-
-def warn_if_locks_stay_local(run_dir: str) -> None:
-    """Says on stderr when the run directory is on a mount whose locks do not cross hosts: there
-    only the run's lease keeps a second driver on another host out."""
-    mount = lock_free_mount(run_dir)
-    if mount is not None:
-        print(f"jaxtrain: warning: the run directory {run_dir} is on {mount}, where a file lock "
-              "does not reach other hosts; a second driver of this run on another host is kept "
-              f"out only by the run's lease (LEASE, renewed every {LEASE_PERIOD_S} s, another "
-              f"driver's counted as live for {LEASE_STALE_AFTER_S} s), so keep the hosts' clocks "
-              "in sync (NTP)", file=sys.stderr)
-
-
-def private_requested() -> bool:
-    """Whether the run is private: JAXTRAIN_PRIVATE set to anything but "" and "0"; unset, when
-    checkpoints are also held in host memory (JAXTRAIN_CHECKPOINT_IN_MEMORY=1), whose copies are
-    restored into the run's workers as its checkpoints are (docs/security.md)."""
-    value = os.environ.get("JAXTRAIN_PRIVATE")
-    if value is None:
-        return os.environ.get("JAXTRAIN_CHECKPOINT_IN_MEMORY") == "1"
-    return value not in ("", "0")
-
-
-@contextlib.contextmanager
-def private_files(private: bool) -> Iterator[None]:
-    """With `private`, the umask gains 077 while the run lasts, so that every directory the run
-    creates is 0700 and every file 0600 (worker processes inherit it); restored afterwards."""
-    if not private:
-        yield
-        return
-    old = os.umask(0o077)
-    os.umask(old | 0o077)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
-def make_private(run_dir: str) -> None:
-    """Makes the run directory 0700, also when an earlier, non-private run created it."""
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    os.chmod(run_dir, 0o700)
 
 
 def _download(fs: Any, remote: str, base: str, parts: list[str],

@@ -130,9 +130,9 @@ nb::dict FailureToDict(const controller::RankFailure& f) {
   return d;
 }
 
-// What fit() gives the controller (python/jaxtrain/trainer.py), by name: Controller(**options),
-// each option a field of ControllerOptions. A new option is a field here, its line in the
-// binding of ControllerOptions, and where PyController hands it on.
+// What fit() gives the controller (python/jaxtrain/driver/trainer.py), by name:
+// Controller(**options), each option a field of ControllerOptions. A new option is a field here,
+// its line in the binding of ControllerOptions, and where PyController hands it on.
 struct PyControllerOptions {
   std::string run_dir;
   std::string experiment_name;

@@ -120,8 +120,8 @@ struct ControllerOptions {
   storage::RetentionPolicy retention;
   bool verify_checksums = true;  // on restore: CRC-32C of every file; false: sizes only
   // Where every rank runs on this host and keeps copies of its checkpoints in this host's memory
-  // (python/jaxtrain/checkpoint_memory.py): the store. A restart within the run then checks a
-  // checkpoint whose every part has its copy there by sizes only (storage/memory_copies.h): its
+  // (python/jaxtrain/worker/checkpoint_memory.py): the store. A restart within the run then checks
+  // a checkpoint whose every part has its copy there by sizes only (storage/memory_copies.h): its
   // ranks restore from the copies and need not wait for the whole checkpoint to be read from
   // storage first. "" = every restart checks checksums (verify_checksums).
   std::string memory_store;

@@ -1,8 +1,9 @@
-// RunMetrics: what a running controller shows to a metrics endpoint (python/jaxtrain/metrics.py,
-// docs/observability.md): the run's state, its attempts by cause, how long worker groups took to
-// start and restart, checkpoint commits, reports, and each rank's step time and stragglers
-// (stragglers.h). The controller's loop publishes a copy at each change that matters (a round,
-// a registration, a commit, a phase change); Controller::metrics() returns the latest copy.
+// RunMetrics: what a running controller shows to a metrics endpoint
+// (python/jaxtrain/driver/metrics.py, docs/observability.md): the run's state, its attempts by
+// cause, how long worker groups took to start and restart, checkpoint commits, reports, and each
+// rank's step time and stragglers (stragglers.h). The controller's loop publishes a copy at each
+// change that matters (a round, a registration, a commit, a phase change); Controller::metrics()
+// returns the latest copy.
 #pragma once
 
 #include <cstdint>

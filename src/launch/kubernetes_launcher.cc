@@ -33,7 +33,8 @@ constexpr char kJobIndexLabel[] = "jobset.sigs.k8s.io/job-index";
 constexpr char kDefaultMegascalePort[] = "8081";
 constexpr char kKueueQueueLabel[] = "kueue.x-k8s.io/queue-name";
 constexpr char kKueuePriorityLabel[] = "kueue.x-k8s.io/priority-class";
-// The supervisor's lines while its JobSet waits for Kueue (python/jaxtrain/kubernetes.py).
+// The supervisor's lines while its JobSet waits for Kueue
+// (python/jaxtrain/kubernetes/supervisor.py).
 constexpr std::string_view kSupervisorPrefix = "jaxtrain kubernetes: ";
 constexpr std::string_view kAdmittedLine = "jaxtrain kubernetes: admitted";
 
@@ -541,7 +542,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
     if (!kSecretEnv.count(k)) env_strings.push_back(k + "=" + v);
   }
   // The supervisor ends the run's objects when this process is gone
-  // (python/jaxtrain/kubernetes.py).
+  // (python/jaxtrain/kubernetes/supervisor.py).
   env_strings.push_back("JAXTRAIN_DRIVER_PID=" + std::to_string(getpid()));
   auto spawned = SpawnWithOutputPipe(
       {.argv = argv, .env = &env_strings, .process_group = 0, .search_path = true});

@@ -1,9 +1,9 @@
 // KubernetesLauncher: the worker group as one JobSet. Launch() writes the attempt's JobSet (and
 // the Secret holding the run's key) into a request file and starts one supervisor process,
-// `python -m jaxtrain.kubernetes supervise FILE` (python/jaxtrain/kubernetes.py), which talks to
-// the API server with the official Kubernetes client: it creates the objects, watches the pods,
-// streams their logs labelled "<rank>: " (not for a single rank), says how each rank ended in a
-// line ParseTaskEnd() reads, and deletes the JobSet — waiting until its pods are gone — when a
+// `python -m jaxtrain.kubernetes supervise FILE` (python/jaxtrain/kubernetes/supervisor.py), which
+// talks to the API server with the official Kubernetes client: it creates the objects, watches the
+// pods, streams their logs labelled "<rank>: " (not for a single rank), says how each rank ended in
+// a line ParseTaskEnd() reads, and deletes the JobSet — waiting until its pods are gone — when a
 // pod fails, when every pod has succeeded, or when it is signalled. The one LaunchedProcess
 // carries every rank, as a Slurm step does; its exit is the group's end.
 //
@@ -11,7 +11,7 @@
 // replicatedJob whose Jobs are the TPU slices (replicas = slices, pods per Job = hosts per slice)
 // or one Job for GPU and CPU workers; Indexed Jobs, backoffLimit 0, restartPolicy Never and
 // JobSet's maxRestarts 0 (jaxtrain restarts the group itself, from its checkpoint). Each pod
-// derives its rank from its Job's index and its completion index (python/jaxtrain/worker.py).
+// derives its rank from its Job's index and its completion index (python/jaxtrain/worker/entry.py).
 // TPU: google.com/tpu limits of a host's chips, the GKE node selectors for the accelerator and
 // the topology, and JobSet's exclusive-topology annotation so that a slice is placed whole on one
 // node pool or not at all; several slices also get the MEGASCALE variables. GPU: nvidia.com/gpu
@@ -56,7 +56,8 @@
 
 namespace jaxtrain::launch {
 
-// What the Python layer decides for a Kubernetes run (python/jaxtrain/kubernetes.py), as JSON.
+// What the Python layer decides for a Kubernetes run (python/jaxtrain/kubernetes/launch.py), as
+// JSON.
 struct KubernetesOptions {
   std::string namespace_name;
   std::string name;  // the run's objects are "<name>-<n>" for the n-th attempt of this driver

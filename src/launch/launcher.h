@@ -145,7 +145,7 @@ struct UniformGroup {
 
 // The variable that carries, in a group's shared environment, what the placement gives each rank
 // of its own (MergeUniform's `passed`): a JSON object from rank to {name: value}. The worker sets
-// its rank's entry once it knows its rank (python/jaxtrain/worker.py).
+// its rank's entry once it knows its rank (python/jaxtrain/worker/entry.py).
 inline constexpr char kRankEnvVariable[] = "JAXTRAIN_RANK_ENV";
 
 // Merges `specs` into one command. `per_rank` names the variables each rank derives itself from

@@ -8,7 +8,7 @@
 // The worker environment: what every ProcessSpec shares is exported to the tasks (--export=ALL,
 // so secrets never appear on a command line); the per-rank placement variables (JAXTRAIN_RANK,
 // _LOCAL_RANK, _LOCAL_WORLD_SIZE, _NODE_RANK) are left out, and each task derives them from
-// Slurm's (python/jaxtrain/worker.py). Any other per-rank difference is refused.
+// Slurm's (python/jaxtrain/worker/entry.py). Any other per-rank difference is refused.
 //
 // Where the allocation comes from (SlurmAllocation): the one the driver runs inside
 // (SLURM_JOB_ID: an sbatch script, salloc), or one requested with `salloc --no-shell` and

@@ -303,7 +303,8 @@ TEST(AddressTowardsTest, IsTheSourceAddressOfTheRoute) {
 }
 
 // srun's behaviour that the launcher and the controller rely on, for tests: --ntasks copies of
-// the command with SLURM_PROCID (and, as python/jaxtrain/worker.py derives them, JAXTRAIN_RANK
+// the command with SLURM_PROCID (and, as python/jaxtrain/worker/entry.py derives them,
+// JAXTRAIN_RANK
 // ...), each line labelled "<task>: " with --label, all of its stdin given to every task
 // (--input=all); every task that fails is reported as srun reports it, and the first one's failure
 // kills the others (--kill-on-bad-exit); a SIGTERM, which the tasks get as well, does not stop it

@@ -303,7 +303,7 @@ StatusOr<std::vector<SshHost>> ParseSshHosts(std::string_view text, const std::s
                                         "' is not allowed; slots must be a whole number >= 1");
           }
         } else if (w.rfind("max_slots=", 0) != 0 &&  // MPI's cap: more than slots never run
-                   w.rfind("labels=", 0) != 0) {     // what label_selector picks by (hosts.py)
+                   w.rfind("labels=", 0) != 0) {     // what label_selector picks by (hosts/join.py)
           return InvalidArgumentError(where + ": '" + w +
                                       "' is not allowed; a line is 'host' or 'host slots=N', with "
                                       "labels=key=value,... optionally");

@@ -67,8 +67,8 @@ inline constexpr std::string_view kForwardedPrefixes[] = {"JAX_", "XLA_", "LIBTP
                                                           "TF_CPP_"};
 
 // ssh options that make it fit to run a worker (and the driver's validations on a host,
-// python/jaxtrain/hosts.py, through _core.SSH_OPTIONS): never prompt, no terminal, notice a dead
-// connection within about 15 s. The user's own options (JAXTRAIN_SSH_COMMAND, ~/.ssh/config)
+// python/jaxtrain/hosts/join.py, through _core.SSH_OPTIONS): never prompt, no terminal, notice a
+// dead connection within about 15 s. The user's own options (JAXTRAIN_SSH_COMMAND, ~/.ssh/config)
 // are read first, and ssh keeps the first value it reads for an option.
 inline const std::vector<std::string> kSshOptions = {"-T",
                                                      "-o",

@@ -52,7 +52,7 @@ TEST(ParseSshHostsTest, ReadsHostListsWithAndWithoutSlots) {
 TEST(ParseSshHostsTest, ReadsHostfilesAsMpiAndDeepSpeedWriteThem) {
   auto hosts = ParseSshHosts(
       "# workers\nworker-0 slots=4\n\nworker-1 slots=2 max_slots=8  # gpu\n"
-      "worker-2 labels=zone=b,gpu=h100\n",  // for ScalingConfig.label_selector (hosts.py)
+      "worker-2 labels=zone=b,gpu=h100\n",  // for ScalingConfig.label_selector (hosts/join.py)
       "JAXTRAIN_HOSTFILE=hf", true);
   ASSERT_TRUE(hosts.ok()) << hosts.status().ToString();
   ASSERT_EQ(hosts->size(), 3u);

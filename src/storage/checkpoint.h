@@ -149,11 +149,11 @@ struct RankCheckpoint {
   std::string staging_dir;
   std::vector<FileEntry> files;
   // A token the rank chose for this part, naming its copies kept elsewhere (host memory:
-  // python/jaxtrain/checkpoint_memory.py); recorded in the manifest's "copies". "" = none.
+  // python/jaxtrain/worker/checkpoint_memory.py); recorded in the manifest's "copies". "" = none.
   std::string copy_id;
   // The part's files are already in place in the run directory on object storage, uploaded
-  // there by the rank's own host (python/jaxtrain/checkpoint_store.py); nothing is staged here
-  // (staging_dir is ""), and the commit writes only the manifest, which names them.
+  // there by the rank's own host (python/jaxtrain/worker/checkpoint_store.py); nothing is staged
+  // here (staging_dir is ""), and the commit writes only the manifest, which names them.
   bool in_store = false;
 };
 
@@ -256,11 +256,12 @@ std::vector<std::string> SelectForDeletion(const std::vector<CheckpointRecord>& 
                                            const RetentionPolicy& policy,
                                            const std::set<std::string>& pending = {});
 
-// Asynchronous validation (python/jaxtrain/validation.py, docs/checkpoints.md). Rank 0 of a
-// report(checkpoint=..., validation=...) writes <run>/validation-requests/<round>.json before it
-// sends the report; the driver runs the validation once the round's checkpoint has committed and
-// records its outcome in <run>/validation.json: {"checkpoints": {dir_name: {"round", "status"
-// ("validated" or "failed"), "metrics", "error"}}}.
+// Asynchronous validation (python/jaxtrain/validation.py and driver/validator.py,
+// docs/checkpoints.md). Rank 0 of a report(checkpoint=..., validation=...) writes
+// <run>/validation-requests/<round>.json before it sends the report; the driver runs the
+// validation once the round's checkpoint has committed and records its outcome in
+// <run>/validation.json: {"checkpoints": {dir_name: {"round", "status" ("validated" or
+// "failed"), "metrics", "error"}}}.
 inline constexpr char kValidationName[] = "validation.json";
 inline constexpr char kValidationRequestsDir[] = "validation-requests";
 

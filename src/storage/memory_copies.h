@@ -1,5 +1,5 @@
 // The host's copies of checkpoint parts in memory, as the controller sees them: the store that
-// python/jaxtrain/checkpoint_memory.py keeps on a memory filesystem when ranks hold their
+// python/jaxtrain/worker/checkpoint_memory.py keeps on a memory filesystem when ranks hold their
 // checkpoints in host memory (JAXTRAIN_CHECKPOINT_IN_MEMORY=1; docs/checkpoint-memory.md).
 //
 // Layout read here: <store>/rank<r>/<name>.json, one per copy, written last, holding the copy's

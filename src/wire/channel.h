@@ -1,9 +1,9 @@
 // The secure channel: how every jaxtrain connection other than the control port's is made — the
-// hosts' joins and relay sessions of a run started on every host (python/jaxtrain/hosts.py) and
-// the peer copies of checkpoints (python/jaxtrain/checkpoint_peers.py). Two ends that hold the
-// same secret prove it to each other, bound to what the connection is for and to both ends'
-// names, derive session keys from the handshake, and then exchange records that are encrypted and
-// authenticated in order. docs/security.md says what it protects; docs/wire.md draws it.
+// hosts' joins and relay sessions of a run started on every host (python/jaxtrain/hosts/join.py)
+// and the peer copies of checkpoints (python/jaxtrain/worker/checkpoint_peers.py). Two ends that
+// hold the same secret prove it to each other, bound to what the connection is for and to both
+// ends' names, derive session keys from the handshake, and then exchange records that are encrypted
+// and authenticated in order. docs/security.md says what it protects; docs/wire.md draws it.
 //
 // Every message on the wire is a u32 big-endian length followed by that many bytes.
 //

@@ -2,7 +2,7 @@
 // 8, 9, 10, 13 and 16), decoded into typed structs at the edge: the controller's loop switches over
 // a WorkerMessage and parses no JSON itself; and the one the worker decodes during training
 // (type 14, the release of a collective call). The Python worker writes the same JSON
-// (python/jaxtrain/worker.py, session.py); the encoder here is the C++ side's (tests, the
+// (python/jaxtrain/worker/entry.py, session.py); the encoder here is the C++ side's (tests, the
 // fuzzer), and DecodeWorkerMessage(EncodeWorkerMessage(m)) == m for every m it decoded.
 //
 // Decoding is strict about kinds and lenient about presence: a field of the wrong kind (a number
@@ -80,7 +80,7 @@ struct WorkerError {
 
 // The largest pickled return value a rank 0 may send with its kDone (the frame carries it as hex,
 // twice as long, within kMaxWorkerFrameBody). The Python worker refuses a larger one first, naming
-// this limit (python/jaxtrain/worker.py).
+// this limit (python/jaxtrain/worker/entry.py).
 constexpr size_t kMaxReturnValueSize = size_t{4} << 20;
 
 // kDone: the training function returned. JSON {"return_value"}: what it returned, pickled

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from jaxtrain.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError, say, table
-from jaxtrain.script_runner import run_script
+from jaxtrain.worker.script_runner import run_script
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -42,7 +42,7 @@ def parse_resources(text: str) -> dict[str, float]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from jaxtrain.config import CheckpointConfig, FailureConfig, RunConfig
-    from jaxtrain.trainer import JaxTrainer
+    from jaxtrain.driver.trainer import JaxTrainer
 
     if args.target is None:
         raise UsageError("give the script to run: jaxtrain run [options] script.py [args ...] "
@@ -81,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.environ["JAXTRAIN_HOSTFILE"] = os.path.abspath(args.hostfile)
     if args.coordinator is None:
         return _fit(trainer, args, run_dir)
-    from jaxtrain.hosts import SameCommand
+    from jaxtrain.hosts.join import SameCommand
 
     try:
         same = SameCommand.from_args(args.coordinator, args.host_rank, args.num_hosts,
@@ -127,12 +127,12 @@ def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
 
 def _shown_run_dir(run_config: Any) -> str:
     """The run directory as users name it: a path, or a URL on remote storage."""
-    from jaxtrain.trainer import _run_dir
+    from jaxtrain.driver.trainer import local_run_dir
 
     path = run_config.storage_path
     if "://" in path and not path.startswith("file://"):
         return f"{path.rstrip('/')}/{run_config.name}"
-    return _run_dir(run_config)
+    return local_run_dir(run_config)
 
 
 def scaling_config(args: argparse.Namespace) -> Any:
@@ -185,7 +185,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_kubernetes(args: argparse.Namespace) -> int:
     """The JobSet of attempt 1, as the Kubernetes launcher would create it; no cluster asked."""
-    from jaxtrain import _core, kubernetes
+    from jaxtrain import _core
+    from jaxtrain.kubernetes.api import load_pod_template
+    from jaxtrain.kubernetes.launch import kueue_settings
 
     try:
         scaling = scaling_config(args)._core
@@ -200,10 +202,10 @@ def _plan_kubernetes(args: argparse.Namespace) -> int:
             "worker_command": [os.environ.get("JAXTRAIN_K8S_PYTHON", "python"), "-m",
                                "jaxtrain.worker"],
             "supervisor_argv": ["unused"],
-            "pod_template": kubernetes.load_pod_template(
+            "pod_template": load_pod_template(
                 os.environ.get("JAXTRAIN_K8S_POD_TEMPLATE")),
         }
-        options["queue_name"], options["priority_class"] = kubernetes.kueue_settings(os.environ)
+        options["queue_name"], options["priority_class"] = kueue_settings(os.environ)
         env = dict(plan.to_dict()["workers"][0]["env"])
         env["JAXTRAIN_WORLD_SIZE"] = str(args.num_workers)
         jobset = _core.kubernetes_jobset(scaling, json.dumps(options), options["name"] + "-1", env)
@@ -256,7 +258,7 @@ def _run_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from jaxtrain import kubernetes
+    from jaxtrain.kubernetes import submit as kubernetes
 
     if args.target is None:
         raise UsageError("give the script to run: jaxtrain submit --kubernetes --image IMAGE "
@@ -282,7 +284,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from jaxtrain import kubernetes
+    from jaxtrain.kubernetes import submit as kubernetes
 
     try:
         rows = kubernetes.status(args.namespace, args.name)

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from jaxtrain import records
 from jaxtrain.cli.common import EXIT_FAILED, EXIT_OK, UsageError, say, table
 from jaxtrain.result import flatten
 
@@ -78,11 +79,11 @@ def _resolve_run(run: str, storage_path: str | None) -> str:
         candidates.append(os.path.join(storage, run))
     candidates.append(_local_path(run))
     for candidate in candidates:
-        if os.path.isfile(os.path.join(candidate, "run.json")):
+        if records.is_run_dir(candidate):
             return candidate
     for candidate in candidates:
         if os.path.isdir(candidate) and any(
-            os.path.isfile(os.path.join(e.path, "run.json")) for e in os.scandir(candidate)
+            records.is_run_dir(e.path) for e in os.scandir(candidate)
         ):
             raise UsageError(f"{candidate} is a storage path, not a run; list its runs with: "
                               f"jaxtrain ls {candidate}")
@@ -94,38 +95,11 @@ def _resolve_run(run: str, storage_path: str | None) -> str:
 
 def _read_state(run_dir: str) -> dict:
     try:
-        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
-            return json.load(f)
+        return records.read_state(run_dir)
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"cannot read {run_dir}/run.json: {e}") from None
 
 
-def _status(run_dir: str, state: dict, lock_known: bool = True) -> tuple[str, str | None]:
-    """run.json's status and, for a RUNNING one, its driver ("host H, pid P, since T"). A RUNNING
-    run whose lock no live driver holds is CRASHED: its driver was killed, or its machine went
-    down, before it could record how the run ended. A copy of a remote run has no lock to ask
-    (`lock_known` False): its status is run.json's."""
-    status = str(state.get("status", "?"))
-    if status != "RUNNING" or not lock_known:
-        return status, None
-    from jaxtrain import _core
-
-    try:
-        holder = _core.run_lock_holder(run_dir)
-    except OSError:
-        return status, None
-    return ("RUNNING", holder) if holder is not None else ("CRASHED", None)
-
-
-def _round_count(run_dir: str, state: dict) -> int:
-    """run.json counts rounds when an attempt ends; while it runs, result.jsonl has them."""
-    if state.get("status") != "RUNNING":
-        return int(state.get("rounds", 0))
-    try:
-        with open(os.path.join(run_dir, "result.jsonl"), "rb") as f:
-            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    except FileNotFoundError:
-        return 0
 
 
 def _when(t: float | None) -> str:
@@ -168,7 +142,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise UsageError(f"the storage path {storage} does not exist (no run has used it)")
     rows = []
     for entry in os.scandir(storage):
-        if not os.path.isfile(os.path.join(entry.path, "run.json")):
+        if not records.is_run_dir(entry.path):
             continue
         try:
             state = _read_state(entry.path)
@@ -178,10 +152,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         start = state.get("start_time")
         rows.append((start or 0.0, [
             entry.name,
-            _status(entry.path, state, not getattr(args, "remote_copy", False))[0],
-            str(len(state.get("attempts", []))),
+            records.run_status(entry.path, state, not getattr(args, "remote_copy", False))[0],
+            str(len(records.attempts(state))),
             str(state.get("world_size", "?")),
-            str(_round_count(entry.path, state)),
+            str(records.count_rounds(entry.path, state)),
             _when(start),
             _duration(start, state.get("end_time")),
         ]))
@@ -208,11 +182,11 @@ def _ls_remote(fs: Any, base: str) -> int:
         entries = []
     for entry in entries:
         run = entry["name"].rstrip("/")
-        if entry["type"] != "directory" or not fs.exists(f"{run}/run.json"):
+        if entry["type"] != "directory" or not fs.exists(f"{run}/{records.RUN_FILE}"):
             continue
         local = os.path.join(view, run.rsplit("/", 1)[-1])
         os.makedirs(local)
-        for name in ("run.json", "result.jsonl"):
+        for name in (records.RUN_FILE, records.ROUNDS_FILE):
             if fs.exists(f"{run}/{name}"):
                 fs.get_file(f"{run}/{name}", os.path.join(local, name))
     return cmd_ls(argparse.Namespace(storage_path=view, remote_copy=True))
@@ -235,13 +209,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     field("run", state.get("name", os.path.basename(run_dir)))
     field("path", _REMOTE_VIEWS.get(run_dir, run_dir))
-    status, holder = _status(run_dir, state, run_dir not in _REMOTE_VIEWS)
+    status, holder = records.run_status(run_dir, state, run_dir not in _REMOTE_VIEWS)
     if holder:
         status += f" (driver: {holder})"
     elif status == "CRASHED":
         status += (" (its driver ended without recording how the run ended: it was killed, or "
                    "its machine went down; run it again to resume it)")
-    attempts = state.get("attempts", [])
+    attempts = records.attempts(state)
     if status.startswith("RUNNING") and attempts and attempts[-1].get("phase") == "queued":
         # Its launch waits in a queue (Kueue's admission): the driver's loop waits with it.
         status += f"; queued: attempt {attempts[-1].get('attempt', '?')} waits to be admitted"
@@ -250,7 +224,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     field("duration", _duration(state.get("start_time"), state.get("end_time")))
     workers = f"{state.get('world_size', '?')} ({state.get('platform', '?')}"
     field("workers", workers + (", simulated)" if state.get("simulated") else ")"))
-    field("rounds", _round_count(run_dir, state))
+    field("rounds", records.count_rounds(run_dir, state))
 
     out.append("config")
     for key in ("scaling_config", "run_config", "failure_config", "checkpoint_config"):
@@ -291,12 +265,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     if result.error is not None:
         out.append(f"error      {str(result.error).splitlines()[0]}")
-        try:
-            with open(os.path.join(run_dir, "error.txt"), encoding="utf-8",
-                      errors="replace") as f:
-                out += [f"  {line}".rstrip() for line in f.read().rstrip().splitlines()]
-        except FileNotFoundError:
-            pass
+        text = records.read_error(run_dir)
+        if text is not None:
+            out += [f"  {line}".rstrip() for line in text.rstrip().splitlines()]
         out.append(f"  logs: jaxtrain logs {run_dir} --rank {result.error.rank}")
     if args.plot is not None:
         out.append(f"plot       {_plot(run_dir, result, args.plot)}")
@@ -316,7 +287,7 @@ def _goodput_lines(state: dict, rounds: list[dict], status: str) -> list[str]:
 
 
 def _plot(run_dir: str, result: Any, path: str) -> str:
-    from jaxtrain.plot import plot_metrics
+    from jaxtrain.driver.plot import plot_metrics
 
     if not path:  # beside the run's files; a remote run's view is temporary, so here instead
         name = os.path.basename(run_dir.rstrip("/"))
@@ -333,9 +304,9 @@ def _checkpoint_lines(run_dir: str, result: Any, checkpoint_config: dict) -> lis
         return ["checkpoints  none"]
     rounds: dict[str, Any] = {}
     try:
-        with open(os.path.join(run_dir, "checkpoints.json"), encoding="utf-8") as f:
-            rounds = {c["dir_name"]: c.get("round") for c in json.load(f).get("checkpoints", [])}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        rounds = {c["dir_name"]: c.get("round")
+                  for c in (records.read_index(run_dir) or {}).get("checkpoints", [])}
+    except (KeyError, TypeError):
         pass
     attribute = checkpoint_config.get("checkpoint_score_attribute")
     order = checkpoint_config.get("checkpoint_score_order", "max")
@@ -375,7 +346,7 @@ def _log_files(run_dir: str, state: dict, rank: int | None) -> list[tuple[bytes,
 
 def cmd_logs(args: argparse.Namespace) -> int:
     if args.kubernetes:
-        from jaxtrain import kubernetes
+        from jaxtrain.kubernetes import submit as kubernetes
 
         try:
             return kubernetes.logs(args.namespace, args.run, args.follow, say)
@@ -393,8 +364,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         # The status is read before the logs: output written before the run ended is then
         # always printed by the last pass.
         state = _read_state(run_dir)
-        running = args.follow and _status(run_dir, state, run_dir not in _REMOTE_VIEWS)[0] == (
-            "RUNNING")
+        lock_known = run_dir not in _REMOTE_VIEWS
+        running = args.follow and records.run_status(run_dir, state, lock_known)[0] == "RUNNING"
         for prefix, path in files:
             try:
                 with open(path, "rb") as f:

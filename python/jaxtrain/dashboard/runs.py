@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from jaxtrain import records
 from jaxtrain.result import flatten
 
 # The metric names of progress: rank 0 reports its position as `step` (from 0) and the run's
@@ -58,7 +59,7 @@ class LocalSource:
         except OSError as e:
             raise SourceError(f"cannot list the storage path {self.base}: {e.strerror}") from None
         return sorted(e.name for e in entries
-                      if e.is_dir() and os.path.isfile(os.path.join(e.path, "run.json")))
+                      if e.is_dir() and records.is_run_dir(e.path))
 
     def run_dir(self, name: str) -> str | None:
         """The directory of the run `name`, None when there is no such run here."""
@@ -99,7 +100,7 @@ class RemoteSource:
         names = sorted(
             entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries
             if entry["type"] == "directory"
-            and self.fs.exists(f"{entry['name'].rstrip('/')}/run.json"))
+            and self.fs.exists(f"{entry['name'].rstrip('/')}/{records.RUN_FILE}"))
         with self._lock:
             self._names = (time.monotonic(), names)
         return names
@@ -142,18 +143,18 @@ def open_source(target: str | None) -> LocalSource | RemoteSource:
         except ValueError as e:
             raise SourceError(str(e)) from None
         base = base.rstrip("/")
-        if fs.exists(f"{base}/run.json"):
+        if fs.exists(f"{base}/{records.RUN_FILE}"):
             parent, _, name = base.rpartition("/")
             return RemoteSource(fs, parent, name)
         return RemoteSource(fs, base)
     path = os.path.abspath(os.path.expanduser((target or default).removeprefix("file://")))
-    if os.path.isfile(os.path.join(path, "run.json")):
+    if records.is_run_dir(path):
         return LocalSource(os.path.dirname(path), os.path.basename(path))
     if os.path.isdir(path):
         return LocalSource(path)
     if target and os.sep not in target:
         named = os.path.join(os.path.expanduser(default), target)
-        if os.path.isfile(os.path.join(named, "run.json")):
+        if records.is_run_dir(named):
             return LocalSource(os.path.dirname(named), target)
     if os.path.exists(path):
         raise SourceError(f"{path} is neither a storage path (a directory of runs) nor a run "
@@ -168,8 +169,7 @@ def open_source(target: str | None) -> LocalSource | RemoteSource:
 def read_state(run_dir: str) -> dict:
     """run.json; a run whose run.json cannot be read is shown as UNREADABLE."""
     try:
-        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
-            state = json.load(f)
+        state = records.read_state(run_dir)
     except (OSError, json.JSONDecodeError) as e:
         return {"status": "UNREADABLE", "error": f"cannot read run.json: {e}"}
     return state if isinstance(state, dict) else {"status": "UNREADABLE",
@@ -179,9 +179,7 @@ def read_state(run_dir: str) -> dict:
 def status(run_dir: str, state: dict, remote: bool) -> tuple[str, str | None]:
     """As `jaxtrain ls`: run.json's status, CRASHED for a RUNNING run no live driver holds (a
     remote copy has no lock to ask), and the driver of a RUNNING one."""
-    from jaxtrain.cli.runs import _status
-
-    return _status(run_dir, state, lock_known=not remote)
+    return records.run_status(run_dir, state, lock_known=not remote)
 
 
 class RoundReader:
@@ -190,38 +188,22 @@ class RoundReader:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._files: dict[str, tuple[int, int, list[dict]]] = {}  # path -> (inode, offset, rows)
+        # run directory -> (its result.jsonl read so far, the rounds read)
+        self._files: dict[str, tuple[records.RoundTail, list[dict]]] = {}
 
     def rounds(self, run_dir: str) -> list[dict]:
-        path = os.path.join(run_dir, "result.jsonl")
         with self._lock:
-            try:
-                with open(path, "rb") as f:
-                    inode = os.fstat(f.fileno()).st_ino
-                    known, offset, rows = self._files.get(path, (inode, 0, []))
-                    if known != inode:  # rewritten (a remote copy refreshed): read it whole
-                        offset, rows = 0, []
-                    f.seek(offset)
-                    data = f.read()
-            except FileNotFoundError:
-                self._files.pop(path, None)
+            tail, rows = self._files.get(run_dir) or (records.RoundTail(run_dir), [])
+            inode = tail.inode
+            new = tail.new()
+            if tail.inode is None:  # no file (yet)
+                self._files.pop(run_dir, None)
                 return []
-            end = data.rfind(b"\n") + 1  # a line still being written is read next time
-            rows = rows + _parse_rounds(data[:end])
-            self._files[path] = (inode, offset + end, rows)
+            if tail.inode != inode:  # rewritten (a remote copy refreshed): read whole
+                rows = []
+            rows = rows + new
+            self._files[run_dir] = (tail, rows)
             return rows
-
-
-def _parse_rounds(data: bytes) -> list[dict]:
-    rows = []
-    for line in data.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def progress(rounds: list[dict], attempts: list[dict], now: float) -> dict:
@@ -261,7 +243,7 @@ def summary(name: str, run_dir: str, rounds: list[dict], remote: bool, now: floa
     """What the list of runs shows of one run (`state`: its run.json, if already read)."""
     state = read_state(run_dir) if state is None else state
     shown, driver = status(run_dir, state, remote)
-    attempts = [a for a in state.get("attempts", []) if isinstance(a, dict)]
+    attempts = records.attempts(state)
     position = progress(rounds, attempts, now)
     if shown != "RUNNING":
         position["eta_s"] = None  # nothing is left to wait for
@@ -287,7 +269,7 @@ def detail(name: str, run_dir: str, rounds: list[dict], remote: bool, now: float
     above it are sent)."""
     state = read_state(run_dir)
     out = summary(name, run_dir, rounds, remote, now, state)
-    attempts = [a for a in state.get("attempts", []) if isinstance(a, dict)]
+    attempts = records.attempts(state)
     out.update({
         "now": now,
         "config": state.get("config", {}),
@@ -353,7 +335,7 @@ def straggler_periods(a: dict) -> list[dict]:
 def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float) -> list[dict]:
     """Each rank of the latest attempt: its host, its state, how long ago the last report round
     completed (every rank had reported by then) and how long ago it last printed."""
-    attempts = [a for a in state.get("attempts", []) if isinstance(a, dict)]
+    attempts = records.attempts(state)
     world_size = state.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
         return []
@@ -395,12 +377,8 @@ def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float)
 def checkpoints(run_dir: str, state: dict) -> list[dict]:
     """The committed checkpoints, oldest first, with the best (by the run's CheckpointConfig
     score, when it has one) and the latest marked."""
-    try:
-        with open(os.path.join(run_dir, "checkpoints.json"), encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return []
-    if not isinstance(index, dict):
+    index = records.read_index(run_dir)
+    if index is None:
         return []
     cc = (state.get("config") or {}).get("checkpoint_config") or {}
     attribute = cc.get("checkpoint_score_attribute")

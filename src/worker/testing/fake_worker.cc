@@ -1,5 +1,5 @@
 // fake_worker: a worker process without JAX or Python, for tests and benchmarks of the controller.
-// It follows the message sequence of python/jaxtrain/worker.py through the real WorkerClient.
+// It follows the message sequence of python/jaxtrain/worker/entry.py through the real WorkerClient.
 //
 //   fake_worker <mode> [rounds]
 //

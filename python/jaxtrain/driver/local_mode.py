@@ -66,7 +66,7 @@ class Driver:
     @property
     def env(self) -> dict[str, str]:
         """What the relay's environment needs."""
-        from jaxtrain.worker import LOCAL_MODE_SOCKET_ENV
+        from jaxtrain.worker.entry import LOCAL_MODE_SOCKET_ENV
 
         return {LOCAL_MODE_SOCKET_ENV: self._listener.getsockname()}
 
@@ -126,7 +126,7 @@ class Driver:
 
     def _train(self, controller: Any, events: Any, client: Any, start: dict,
                fn: Callable[..., Any], config: dict | None, takes_config: bool) -> None:
-        from jaxtrain.worker import done_message
+        from jaxtrain.worker.entry import done_message
 
         def fail(message: str) -> None:
             """The stager thread's failure (a checkpoint that cannot be staged): the rank's error
@@ -134,7 +134,7 @@ class Driver:
             self._send_error(client, message)
             raise SystemExit(_EXIT_RAISED)
 
-        rank = session._Session(
+        rank = session.Session(
             client,
             session.TrainContext(world_rank=0, world_size=1, local_rank=0, local_world_size=1,
                                  node_rank=0, experiment_name=start["experiment_name"],
@@ -142,24 +142,24 @@ class Driver:
             Checkpoint(start["checkpoint"]) if start.get("checkpoint") else None,
             fail=fail,
         )
-        session._install(rank)
+        session.install(rank)
         follower = _Follower(controller, events)
         try:
             with follower:
                 value = fn(dict(config or {})) if takes_config else fn()
-                session._require("report").flush()
+                session.require("report").flush()
                 done = done_message(value)
         except BaseException as e:
             if follower.interrupted:
                 return  # the run ended under the function; its outcome says how
             if not isinstance(e, Exception):
                 raise  # Ctrl-C, SIGTERM, sys.exit(): the caller stops the run
-            session._require("report").flush()
+            session.require("report").flush()
             self.exception = e
             self._send_error(client, None)
             return
         finally:
-            session._install(None)
+            session.install(None)
             rank.stager.close()
         try:
             client.send_done(done)

@@ -44,8 +44,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxtrain import channel
-from jaxtrain.channel import Connection
+from jaxtrain.hosts import channel
+from jaxtrain.hosts.channel import Connection
 
 SECRET_ENV = "JAXTRAIN_JOIN_SECRET"
 # target -> [address, agent port, host rank] of every host of the run; set on host 0 for its relays.
@@ -799,7 +799,8 @@ class _Refusals:
         _say(f"refused {self._what} from {peer[0]}:{peer[1]}: {why} (said once per address)")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """``python -m jaxtrain.hosts``."""
     if sys.argv[1:2] == ["relay"]:
         status = relay(sys.argv[2:])
         sys.stdout.flush()

@@ -21,7 +21,7 @@ class StartFrom:
     def __call__(self, *args: Any) -> Any:
         from jaxtrain import session
 
-        current = session._require("get_checkpoint")
+        current = session.require("get_checkpoint")
         if current.checkpoint is None:
             current.checkpoint = self.checkpoint
         return self.fn(*args)

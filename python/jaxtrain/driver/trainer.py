@@ -25,24 +25,16 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import (
-    _core,
-    callbacks,
-    checkpoint_memory,
-    gce_metadata,
-    local_mode,
-    metrics,
-    ray_args,
-    runtime_env,
-    session,
-    storage,
-    validation,
-)
+from jaxtrain import _core, callbacks, session, storage, validation
 from jaxtrain.checkpoint import Checkpoint
-from jaxtrain.checkpoint_store import STORE_ENV
 from jaxtrain.config import RunConfig, ScalingConfig
+from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
+from jaxtrain.driver.options import COMPILATION_CACHE_ENV, EngineOptions
+from jaxtrain.driver.run_dir import make_private, private_files, warn_if_locks_stay_local
 from jaxtrain.errors import TrainingFailedError
-from jaxtrain.result import Result, _load
+from jaxtrain.result import Result, load
+from jaxtrain.worker import checkpoint_memory, gce_metadata
+from jaxtrain.worker.checkpoint_store import STORE_ENV
 
 # Seconds a worker gets between SIGTERM and SIGKILL when the group is stopped.
 _TERMINATE_GRACE_S = 5.0
@@ -74,7 +66,8 @@ def _takes_config(fn: Callable) -> bool:
 class JaxTrainer:
     """Runs ``train_loop_per_worker`` SPMD on ``scaling_config.num_workers`` processes, each with
     ``jax.distributed`` initialised before the function starts; with ``num_workers=0`` (local
-    mode) in the driver's own process instead, without ``jax.distributed`` (jaxtrain/local_mode.py).
+    mode) in the driver's own process instead, without ``jax.distributed``
+    (jaxtrain/driver/local_mode.py).
 
     The function takes no argument, or one dict (``train_loop_config``).
     ``resume_from_checkpoint``: the checkpoint that ``get_checkpoint()`` returns in the first
@@ -153,37 +146,32 @@ class JaxTrainer:
         private: its directory is 0700 and what the run writes is 0700/0600 (the umask gains 077
         meanwhile).
         """
-        private = storage.private_requested()
+        options = EngineOptions.read(os.environ, self.run_config.metrics_port)  # before anything
         # Chosen among every host listed, before label_selector narrows them to the workers'.
-        placement = validation.Placement() if self.validation_config is None else \
-            validation.place(self.validation_config, "local" if
+        placement = validator.Placement() if self.validation_config is None else \
+            validator.place(self.validation_config, "local" if
                              self.scaling_config.num_workers == 0 else _core.choose_launcher())
-        with storage.private_files(private), _select_nodes_by_labels(self.scaling_config):
-            return self._fit(private, placement)
+        with private_files(options.private), _select_nodes_by_labels(self.scaling_config):
+            return self._fit(options, placement)
 
-    def _fit(self, private: bool, placement: validation.Placement) -> Result:
+    def _fit(self, options: EngineOptions, placement: validator.Placement) -> Result:
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
         # Local mode: the function runs in this process, the controller's one process is a relay.
         local = local_mode.Driver() if self.scaling_config.num_workers == 0 else None
         try:
-            return self._fit_with(private, fn, local, placement)
+            return self._fit_with(options, fn, local, placement)
         finally:
             if local is not None:
                 local.close()
 
-    def _fit_with(self, private: bool, fn: Callable[..., Any], local: local_mode.Driver | None,
-                  placement: validation.Placement) -> Result:
-        compilation_cache = _compilation_cache()  # refused before anything starts
-        preload = _preload_setting()  # likewise
-        snapshot_budget = session.check_snapshot_budget()  # likewise
-        in_memory = checkpoint_memory.check_switch()  # likewise
-        gce_metadata_watch = gce_metadata.setting()  # likewise
-        metrics_at = metrics.endpoint(self.run_config.metrics_port, os.environ)  # likewise
+    def _fit_with(self, options: EngineOptions, fn: Callable[..., Any],
+                  local: local_mode.Driver | None, placement: validator.Placement) -> Result:
+        in_memory = options.checkpoint_in_memory
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
-        run_dir = mirror.local if mirror is not None else _run_dir(self.run_config)
-        storage.warn_if_locks_stay_local(run_dir)
+        run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
+        warn_if_locks_stay_local(run_dir)
         # Local mode runs on this host whatever JAXTRAIN_LAUNCHER says.
         launcher = "local" if local is not None else _core.choose_launcher()
         launcher_options = ""
@@ -199,16 +187,16 @@ class JaxTrainer:
             spans_hosts = False
         elif launcher == "slurm":
             spans_hosts = _slurm_spans_hosts()
-            store = _store_direct(self.run_config, mirror, spans_hosts)
+            store = _store_direct(self.run_config, mirror, spans_hosts, options)
             if spans_hosts and store is None:
                 # Refused before Slurm is asked for anything: other hosts could not see it.
                 _check_shared(run_dir, mirror)
             plan = _core.plan_slurm(self.scaling_config._core)
         elif launcher == "kubernetes":
-            from jaxtrain import kubernetes
+            from jaxtrain.kubernetes import launch as kubernetes
 
             spans_hosts = True  # pods never share the driver's directories
-            store = _store_direct(self.run_config, mirror, spans_hosts)
+            store = _store_direct(self.run_config, mirror, spans_hosts, options)
             plan = _core.plan_kubernetes(self.scaling_config._core)
             # Refused before the cluster is asked for anything (docs/kubernetes.md).
             launcher_options = json.dumps(kubernetes.launch_options(
@@ -218,14 +206,14 @@ class JaxTrainer:
         elif launcher == "ssh":
             plan = _core.plan_ssh(self.scaling_config._core)
             spans_hosts = _plan_spans_hosts(plan)
-            store = _store_direct(self.run_config, mirror, spans_hosts)
+            store = _store_direct(self.run_config, mirror, spans_hosts, options)
             if spans_hosts and store is None:
                 _check_shared(run_dir, mirror)  # before any host is contacted
         else:
             _core.check_local_workers(self.scaling_config._core)  # before planning them all
             plan = _core.plan_local(self.scaling_config._core)
             spans_hosts = False
-            store = _store_direct(self.run_config, mirror, spans_hosts)
+            store = _store_direct(self.run_config, mirror, spans_hosts, options)
         if self.validation_config is not None and mirror is not None:
             raise ValueError(
                 f"JaxTrainer(validation_config=...) with RunConfig.storage_path="
@@ -235,42 +223,44 @@ class JaxTrainer:
         payload = b"" if local is not None else _pickle_task(
             fn, self.train_loop_config, self._takes_config, store,
             self.validation_config is not None)
-        shipped = _ship_working_dir(self.run_config, spans_hosts)  # refused before any start
+        shipped = _ship_working_dir(self.run_config, spans_hosts, options)  # before any start
         if mirror is not None:
             # pull() rebuilds the staging copy, which a live driver of this run is writing; the
             # controller takes the run's lock only later (RunStore::Open).
             _refuse_live_run(run_dir)
             mirror.pull(store_direct=store is not None)
-        if private:
-            storage.make_private(run_dir)
+        if options.private:
+            make_private(run_dir)
         worker_env = _worker_env(self.run_config, plan)
-        worker_env["JAXTRAIN_COMPILATION_CACHE"] = compilation_cache  # every launcher passes it
+        # Every launcher passes it on.
+        worker_env[COMPILATION_CACHE_ENV] = options.compilation_cache
         if store is not None:
             worker_env[STORE_ENV] = "1"
-        if snapshot_budget is not None:
-            worker_env[session.SNAPSHOT_BUDGET_ENV] = snapshot_budget
-        if gce_metadata_watch:
-            worker_env[gce_metadata.ENV] = gce_metadata_watch
+        if options.snapshot_budget_mib is not None:
+            worker_env[session.SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
+        if options.gce_metadata:
+            worker_env[gce_metadata.ENV] = options.gce_metadata
         if in_memory is not None:
             worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
             # Absolute: workers may run in another working directory.
-            worker_env[checkpoint_memory.MEMORY_DIR_ENV] = checkpoint_memory.memory_dir()
-            if os.environ.get(checkpoint_memory.BUDGET_ENV):
-                worker_env[checkpoint_memory.BUDGET_ENV] = os.environ[checkpoint_memory.BUDGET_ENV]
+            worker_env[checkpoint_memory.MEMORY_DIR_ENV] = options.memory_dir
+            if options.memory_budget_mib:
+                worker_env[checkpoint_memory.BUDGET_ENV] = options.memory_budget_mib
         if launcher == "kubernetes":
             worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
         if local is not None:
             worker_env.update(local.env)
         preload_file = None
-        if preload and launcher in ("local", "ssh", "slurm") and local is None and shipped is None:
+        if (options.preload_task and launcher in ("local", "ssh", "slurm") and local is None
+                and shipped is None):
             # Standbys unpickle the task ahead of a restart (docs/warm-workers.md).
             preload_file = _write_preload(payload)
             worker_env[PRELOAD_FILE_ENV] = preload_file
         sys.stdout.flush()
         sys.stderr.flush()
         # Bound before anything starts: a port in use is refused with nothing to stop.
-        metrics_server = None if metrics_at is None else \
-            metrics.MetricsServer(*metrics_at, self.run_config.name)
+        metrics_server = None if options.metrics_endpoint is None else \
+            metrics.MetricsServer(*options.metrics_endpoint, self.run_config.name)
         console_fd = _console_fd()
         controller = _core.Controller(
             run_dir=run_dir,
@@ -298,7 +288,7 @@ class JaxTrainer:
             failure_config=local_mode.failure_config() if local is not None
             else self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
-            verify_checksums=os.environ.get("JAXTRAIN_VERIFY_CHECKSUMS", "1") != "0",
+            verify_checksums=options.verify_checksums,
             console_fd=console_fd,
             launcher=launcher,
             scaling_config=self.scaling_config._core,
@@ -375,10 +365,10 @@ class JaxTrainer:
 
 
 def _validator(config: validation.ValidationConfig | None, run_dir: str,
-               placement: validation.Placement) -> validation.Validator | None:
+               placement: validator.Placement) -> validator.Validator | None:
     """The driver's Validator of a run with a validation_config; a function that cannot be
     pickled, or a host that cannot see the run directory, is refused before anything starts."""
-    return None if config is None else validation.Validator(config, run_dir, placement)
+    return None if config is None else validator.Validator(config, run_dir, placement)
 
 
 def _retain(run_dir: str, checkpoint_config) -> None:
@@ -460,11 +450,8 @@ def _pickle_task(fn: Callable, config: dict | None, takes_config: bool,
         raise ValueError(_why_unpicklable(fn, config, e)) from e
 
 
-STORE_DIRECT_ENV = "JAXTRAIN_STORE_DIRECT"
-
-
 def _store_direct(run_config: RunConfig, mirror: storage.Mirror | None,
-                  spans_hosts: bool) -> dict | None:
+                  spans_hosts: bool, options: EngineOptions) -> dict | None:
     """Whether the workers of a run on object storage upload their checkpoints to it themselves
     (checkpoint_store.py), as {"url" or "fs", "root"} for the payload, or None: the URL, which
     each host opens itself, unless the user passed a filesystem object, which is pickled.
@@ -473,14 +460,8 @@ def _store_direct(run_config: RunConfig, mirror: storage.Mirror | None,
     when they are all on this host. JAXTRAIN_STORE_DIRECT=1 or 0 overrides."""
     if mirror is None:
         return None
-    value = os.environ.get(STORE_DIRECT_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(
-            f"{STORE_DIRECT_ENV}={value!r} is not allowed; use 1 (the workers upload their "
-            "checkpoints to the object store themselves), 0 (they stage them in the driver's "
-            "staging copy, which every host must then share), or leave it unset (1 when the "
-            "workers are on other hosts and JAXTRAIN_STAGING_DIR is unset)")
-    direct = value == "1" if value else spans_hosts and not os.environ.get("JAXTRAIN_STAGING_DIR")
+    value = options.store_direct
+    direct = value == "1" if value else spans_hosts and not options.staging_dir
     if not direct:
         return None
     if run_config.storage_filesystem is None:
@@ -551,7 +532,7 @@ HOSTFILE_ENV = "JAXTRAIN_HOSTFILE"
 @contextlib.contextmanager
 def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
     """Applies ScalingConfig.label_selector for the launcher that will start the workers, for
-    the length of a fit(): on Kubernetes the pod template gets it (kubernetes.launch_options);
+    the length of a fit(): on Kubernetes the pod template gets it (jaxtrain.kubernetes.launch);
     on Slurm it becomes the allocation's and steps' --constraint (JAXTRAIN_SLURM_CONSTRAINT,
     ANDed with the user's own); on ssh hosts of a hostfile, only the hosts whose labels match
     are used (JAXTRAIN_HOSTFILE then names a copy holding those). Refused with a ValueError
@@ -581,7 +562,7 @@ def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"{HOSTFILE_ENV}='{path}' cannot be read: {e.strerror}") from None
-        from jaxtrain import hosts
+        from jaxtrain.hosts import join as hosts
 
         selected = hosts.select_hosts(text, f"{HOSTFILE_ENV}={path}", node_labels,
                                       scaling_config.max_workers)
@@ -638,7 +619,8 @@ def _plan_spans_hosts(plan) -> bool:
                for w in plan.to_dict()["workers"])
 
 
-def _run_dir(run_config: RunConfig) -> str:
+def local_run_dir(run_config: RunConfig) -> str:
+    """The run directory of `run_config` on the local filesystem (a path or ``file://`` URL)."""
     path = run_config.storage_path.removeprefix("file://")
     return os.path.abspath(os.path.join(path, run_config.name))
 
@@ -672,40 +654,17 @@ def _working_dir(run_config: RunConfig) -> str | None:
     return (run_config.worker_runtime_env or {}).get("working_dir")
 
 
-def _ship_working_dir(run_config: RunConfig, spans_hosts: bool) -> runtime_env.Packed | None:
+def _ship_working_dir(run_config: RunConfig, spans_hosts: bool,
+                      options: EngineOptions) -> runtime_env.Packed | None:
     """The working_dir, packed, for workers on other hosts (docs/hosts.md); None where every
     worker is on this host and works in the directory itself."""
     working_dir = _working_dir(run_config)
     if working_dir is None or not spans_hosts:
         return None
-    return runtime_env.pack(working_dir, run_config.worker_runtime_env.get("excludes", ()))
+    return runtime_env.pack(working_dir, run_config.worker_runtime_env.get("excludes", ()),
+                            cap=options.working_dir_max_bytes,
+                            gitignore=options.working_dir_gitignore)
 
-
-def _switch(name: str, on: str, off: str) -> str:
-    """The value of the switch variable `name`: "1" (the default; unset or empty too) or "0";
-    any other value is refused, naming the variable, the value and what each allowed one does."""
-    value = os.environ.get(name) or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r} is not allowed; use 1 (the default: {on}) or 0 "
-                         f"({off})")
-    return value
-
-
-def _compilation_cache() -> str:
-    """JAXTRAIN_COMPILATION_CACHE: "1" (the default) lets every worker keep JAX's persistent
-    compilation cache in the run directory, "0" leaves JAX's cache as the user has it."""
-    return _switch("JAXTRAIN_COMPILATION_CACHE",
-                   "the workers cache compiled programs in <run dir>/compilation-cache",
-                   "no cache from jaxtrain")
-
-
-def _preload_setting() -> bool:
-    """JAXTRAIN_PRELOAD_TASK: "1" (the default) lets standby workers unpickle the training
-    function and import its modules ahead of a restart, "0" leaves both to the activation."""
-    return _switch("JAXTRAIN_PRELOAD_TASK",
-                   "standby workers unpickle the training function and import its modules "
-                   "before a restart, docs/warm-workers.md",
-                   "they do both at activation") == "1"
 
 
 # Names the file _write_preload writes (worker.PRELOAD_FILE_ENV; jaxtrain.worker is not imported
@@ -775,5 +734,5 @@ def _result(outcome: dict, run_dir: str, checkpoint_config,
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    return _load(run_dir, checkpoint_config._as_dict(), error, remote,
+    return load(run_dir, checkpoint_config._as_dict(), error, remote,
                  finished=outcome["state"] == "FINISHED")

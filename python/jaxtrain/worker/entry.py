@@ -11,8 +11,8 @@ Exit codes: 0 done; 1 the training function raised; 3 start-up failed; 4 the con
 
 Rank 0 sends what the training function returned with its done message (``Result.return_value``).
 In local mode (``ScalingConfig(num_workers=0)``) the process the controller starts is only a relay:
-it hands the run's secret to the driver, whose own process is the rank (jaxtrain/local_mode.py),
-and exits with the code the driver gives it.
+it hands the run's secret to the driver, whose own process is the rank
+(jaxtrain/driver/local_mode.py), and exits with the code the driver gives it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ EXIT_CONTROLLER_LOST = 4
 
 # The largest pickled return value rank 0 may send (kMaxReturnValueSize, src/wire/messages.h).
 RETURN_VALUE_LIMIT = 4 << 20
-# Local mode: the driver's socket that the relay hands the run's secret to (jaxtrain/local_mode.py).
+# Local mode: the driver's socket that the relay hands the run's secret to
+# (jaxtrain/driver/local_mode.py).
 LOCAL_MODE_SOCKET_ENV = "JAXTRAIN_LOCAL_MODE_SOCKET"
 
 # jax.distributed timeouts, in seconds.
@@ -154,7 +155,7 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return None
     path = os.path.join(run_dir, COMPILATION_CACHE_DIR)
-    from jaxtrain.checkpoint_store import STORE_ENV, host_cache_dir
+    from jaxtrain.worker.checkpoint_store import STORE_ENV, host_cache_dir
 
     if os.environ.get(STORE_ENV) == "1":  # the run directory is not on this host: its own cache
         path = host_cache_dir(COMPILATION_CACHE_DIR, os.path.basename(run_dir))
@@ -626,7 +627,7 @@ def _start_peers(memory, secret: str, rank: int, world_size: int):
     """This rank's peer copies (checkpoint_peers.py) in a run across hosts, or None: on one host,
     or where this jax has no coordination service to publish the peer server's address in. The
     server listens on this host's address towards the controller, which the other hosts reach."""
-    from jaxtrain import checkpoint_peers
+    from jaxtrain.worker import checkpoint_peers
 
     local_world_size = _env_int("JAXTRAIN_LOCAL_WORLD_SIZE")
     if checkpoint_peers.peer_of(rank, world_size, local_world_size) is None:
@@ -672,7 +673,7 @@ def _open_store(client, task: dict, start: dict, rank: int, attempt: int):
     spec = task.get("store")
     if spec is None:
         return None
-    from jaxtrain import checkpoint_store
+    from jaxtrain.worker import checkpoint_store
 
     try:
         fs = spec["fs"] if "fs" in spec else checkpoint_store.open_url(spec["url"])
@@ -701,7 +702,7 @@ def _restore_point(path: str | None, memory, rank: int, attempt: int,
                    checksums_skipped: bool = False, peers=None):
     """The Checkpoint that get_checkpoint() returns: the committed checkpoint at ``path`` (None:
     none), or with JAXTRAIN_CHECKPOINT_IN_MEMORY=1 this rank's view of it in host memory when this
-    host holds copies of its files (jaxtrain/checkpoint_memory.py); said in the rank's log.
+    host holds copies of its files (jaxtrain/worker/checkpoint_memory.py); said in the rank's log.
 
     ``checksums_skipped``: the controller checked the checkpoint by sizes only, because every part
     of it has its copy here. A rank that reads any of it from storage after all (a view that
@@ -757,7 +758,8 @@ def main() -> None:
         sys.exit(2)
     if relay:
         _relay_to_driver(secret)
-    from jaxtrain import _core, checkpoint_memory, session
+    from jaxtrain import _core, session
+    from jaxtrain.worker import checkpoint_memory
 
     _place_from_slurm()
     _place_from_kubernetes()
@@ -806,7 +808,7 @@ def main() -> None:
     metadata_watcher = None
 
     try:
-        from jaxtrain.checkpoint_store import STORE_ENV
+        from jaxtrain.worker.checkpoint_store import STORE_ENV
 
         store_run = os.environ.get(STORE_ENV) == "1"
         if _use_compilation_cache(jax, start["run_dir"]) and world_size > 1 and (
@@ -844,12 +846,12 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGUSR1)
         # On GCE and TPU VMs, one rank per host also watches the metadata server's notices.
         if _env_int("JAXTRAIN_LOCAL_RANK") == 0:
-            from jaxtrain import gce_metadata
+            from jaxtrain.worker import gce_metadata
 
             metadata_watcher = gce_metadata.start(rank, client.send_preemption_notice)
         import cloudpickle
 
-        from jaxtrain import runtime_env
+        from jaxtrain.worker import runtime_env
 
         task_bytes, shipped = runtime_env.unwrap(payload)
         if shipped is not None:  # before the task: its function may live in the working_dir
@@ -880,8 +882,8 @@ def main() -> None:
               f"start-up failed: the checkpoint '{start.get('checkpoint')}' failed its check "
               f"before rank {rank} read it from storage: {e}; a new fit() of the run checks "
               "every checkpoint and restores the newest whole one")
-    session._install(
-        session._Session(
+    session.install(
+        session.Session(
             client,
             session.TrainContext(
                 world_rank=rank,
@@ -911,10 +913,10 @@ def main() -> None:
     except BaseException:
         # What report() accepted before the function raised still reaches the controller (a
         # checkpoint whose round every rank reported is committed before the restart).
-        session._require("report").flush()
+        session.require("report").flush()
         _fail(client, "training", EXIT_RAISED)
 
-    session._require("report").flush()  # queued reports go before done
+    session.require("report").flush()  # queued reports go before done
     if metadata_watcher is not None:
         metadata_watcher.stop()
     sys.stdout.flush()
@@ -937,6 +939,3 @@ def main() -> None:
     # finished worker alive.
     os._exit(0)
 
-
-if __name__ == "__main__":
-    main()

@@ -42,9 +42,10 @@ import sys
 import threading
 import time
 
-from jaxtrain import _core, channel
-from jaxtrain.channel import Connection
-from jaxtrain.checkpoint_memory import HostMemory, copy_name
+from jaxtrain import _core
+from jaxtrain.hosts import channel
+from jaxtrain.hosts.channel import Connection
+from jaxtrain.worker.checkpoint_memory import HostMemory, copy_name
 
 _MAX_CONNECTIONS = 8  # served at once; more are closed unanswered (a flood costs only fallbacks)
 _TIMEOUT_S = 60.0

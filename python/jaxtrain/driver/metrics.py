@@ -23,10 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxtrain import goodput
+from jaxtrain.driver.options import METRICS_PORT_ENV
 
-PORT_ENV = "JAXTRAIN_METRICS_PORT"
-HOST_ENV = "JAXTRAIN_METRICS_HOST"
-DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # The controller's states (RunMetrics::state), each a series of jaxtrain_run_state.
@@ -35,24 +33,6 @@ STATES = ("QUEUED", "STARTING", "RUNNING", "STOPPING", "RESTARTING", "FINISHED",
 
 # The goodput gauges are computed from run.json and result.jsonl at most this often (seconds).
 GOODPUT_EVERY_S = 5.0
-
-_PORT_RULE = "it must be a port number, 0 to 65535 (0: any free port)"
-
-
-def endpoint(metrics_port: int | None, environ: dict[str, str]) -> tuple[str, int] | None:
-    """Where to serve: RunConfig's ``metrics_port``, else ``JAXTRAIN_METRICS_PORT``; None when
-    neither asks for an endpoint. Raises ValueError for a port that is not one."""
-    port = metrics_port
-    if port is None:
-        text = environ.get(PORT_ENV, "").strip()
-        if not text:
-            return None
-        port = int(text) if text.isdigit() else -1
-        if not 0 <= port <= 65535:
-            raise ValueError(f"{PORT_ENV}={text!r} is not allowed; {_PORT_RULE}; unset it for "
-                             "no metrics endpoint")
-    return environ.get(HOST_ENV, "").strip() or DEFAULT_HOST, port
-
 
 def _label(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
@@ -183,7 +163,8 @@ class MetricsServer:
         except OSError as e:
             raise ValueError(
                 f"cannot serve the run's metrics at {host}:{port}: {e.strerror or e}; choose "
-                f"another {PORT_ENV} (or RunConfig.metrics_port), or 0 for any free port") from e
+                f"another {METRICS_PORT_ENV} (or RunConfig.metrics_port), or 0 for any free "
+                "port") from e
         self._thread: threading.Thread | None = None
 
     @property

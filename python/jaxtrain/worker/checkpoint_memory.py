@@ -68,33 +68,6 @@ _OWNER = "owner.json"
 _HELD = re.compile(r"a(\d+)-r(\d+)")
 
 
-def check_switch() -> str | None:
-    """JAXTRAIN_CHECKPOINT_IN_MEMORY as the driver passes it on: None (unset or empty), "0" or
-    "1"; anything else is refused with a ValueError naming the variable, the value and what is
-    allowed. With "1", JAXTRAIN_MEMORY_DIR (when set) must be an existing directory, and
-    JAXTRAIN_MEMORY_BUDGET_MIB (when set) a whole number of MiB."""
-    value = os.environ.get(IN_MEMORY_ENV)
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"{IN_MEMORY_ENV}={value!r} is not allowed; use 1 (each rank keeps its latest "
-            "checkpoints in its host's memory, so a restarted group restores from there) or 0 "
-            "(the default: restores read the storage)")
-    memory_dir = os.environ.get(MEMORY_DIR_ENV)
-    if value == "1" and memory_dir and not os.path.isdir(memory_dir):
-        raise ValueError(
-            f"{MEMORY_DIR_ENV}={memory_dir!r} is not a directory; name a directory on a memory "
-            f"filesystem (tmpfs) that exists on every host, or unset it ({DEFAULT_MEMORY_DIR})")
-    budget = os.environ.get(BUDGET_ENV)
-    if value == "1" and budget and not budget.isdigit():
-        raise ValueError(
-            f"{BUDGET_ENV}={budget!r} is not allowed; use a whole number of MiB (the most this "
-            "run's copies may take of each host's memory filesystem), or unset it (a copy is kept "
-            "when it takes at most half the filesystem's free space)")
-    return value
-
-
 def enabled() -> bool:
     return os.environ.get(IN_MEMORY_ENV) == "1"
 
@@ -202,12 +175,11 @@ def _running(run_dir: str) -> bool:
     live driver holds its lock or, where locks do not cross hosts (FUSE, NFS ``nolock``), renews
     its lease (run_lock_holder says either; a driver killed by SIGKILL leaves RUNNING behind, but
     neither a lock nor a fresh lease); True when that cannot be told from here."""
-    from jaxtrain import _core
+    from jaxtrain import _core, records
 
     try:
-        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
-            if json.load(f).get("status") != "RUNNING":
-                return False
+        if records.read_state(run_dir).get("status") != "RUNNING":
+            return False
         return _core.run_lock_holder(run_dir) is not None
     except FileNotFoundError:
         return os.path.isdir(run_dir)  # a run directory without run.json yet: starting

@@ -1,0 +1,615 @@
+"""The Kubernetes supervisor of one attempt: ``python -m jaxtrain.kubernetes supervise REQUEST``,
+started by the C++ Kubernetes launcher (src/launch/kubernetes_launcher.h). It creates the attempt's
+Secret and JobSet, watches its pods, streams their logs as ``<rank>: `` lines, says how each rank
+ended, and deletes the JobSet — waiting until its pods are gone — when a pod fails, when all have
+succeeded, or when it is told to stop (SIGTERM: with the pods' grace period; SIGUSR1: at once). It
+dies with the driver. docs/kubernetes.md has the user's view.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from jaxtrain.kubernetes.api import (
+    DEFAULT_PENDING_TIMEOUT_S,
+    IMAGE_ERRORS,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    Api,
+    error_reason,
+)
+
+_JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+_TEARDOWN_TIMEOUT_S = 60.0
+_KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+# How often the supervisor of a queued JobSet asks whether Kueue admitted (or evicted) it.
+_JOBSET_POLL_S = 1.0
+# GKE's taint on a node about to be reclaimed (a spot or preemptible VM's preemption, a host
+# maintenance that terminates it), put by its node termination handler with effect NoSchedule; a
+# spot or preemptible VM goes 30 s after the notice (k8s-node-termination-handler's
+# preemptibleNodeTerminationDuration, GCE's preemption notice).
+GKE_TERMINATION_TAINT = "cloud.google.com/impending-node-termination"
+_GKE_SPOT_LABELS = ("cloud.google.com/gke-spot", "cloud.google.com/gke-preemptible")
+_GKE_SPOT_NOTICE_S = 30.0
+# The longest line the supervisor buffers, as the controller's (RankOutput::kLineCap): a longer
+# one is passed on in pieces.
+_LINE_CAP = 64 << 10
+
+
+# ---- the supervisor -------------------------------------------------------------------------
+
+
+class _Lines:
+    r"""A log stream cut into whole lines, as the controller cuts a worker's output
+    (src/controller/rank_output.h): a line ends at ``\n``, at ``\r`` (a progress bar redraws its
+    line after one; ``\r\n`` ends one line), or after ``_LINE_CAP`` bytes without an end, so that
+    output without newlines never grows a buffer without bound. A ``\r`` at the end of a chunk
+    waits for the next one, which may hold its ``\n``."""
+
+    _END = re.compile(rb"\r\n|\r(?!\Z)|\n")
+
+    def __init__(self, cap: int = _LINE_CAP) -> None:
+        self._cap = cap
+        self._partial = b""
+
+    def take(self, chunk: bytes) -> list[bytes]:
+        r"""The lines that ``chunk`` ends, each with its end (a line cut at the cap: ``\n``)."""
+        data = self._partial + chunk
+        lines = []
+        start = 0
+        for end in self._END.finditer(data):
+            lines.append(data[start:end.end()])
+            start = end.end()
+        while len(data) - start >= self._cap:
+            lines.append(data[start:start + self._cap] + b"\n")
+            start += self._cap
+        self._partial = data[start:]
+        return lines
+
+    def close(self) -> list[bytes]:
+        """The rest, an unended line, taken as ended."""
+        return self.take(b"\n") if self._partial else []
+
+
+class _Output:
+    """Whole lines to stdout from several threads; ``<rank>: `` labels when there are several."""
+
+    def __init__(self, labelled: bool) -> None:
+        self._lock = threading.Lock()
+        self._labelled = labelled
+
+    def rank_lines(self, rank: int, lines: list[bytes]) -> None:
+        r"""Writes `lines` (_Lines's) of `rank`. Labelled, a line that a lone ``\r`` ended ends in
+        ``\n`` instead: the controller splits labelled output at ``\n`` only."""
+        if self._labelled:
+            label = f"{rank}: ".encode()
+            lines = [label + (line[:-1] + b"\n" if line.endswith(b"\r") else line)
+                     for line in lines if line != b"\r"]
+        if lines:
+            self._write(b"".join(lines))
+
+    def say(self, line: str) -> None:
+        self._write(f"jaxtrain kubernetes: {line}\n".encode())
+
+    def _write(self, data: bytes) -> None:
+        with self._lock:
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(1, view)
+                except InterruptedError:
+                    continue
+                view = view[n:]
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the driver dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    # The driver may already be gone (and this process re-parented) before prctl took effect. The
+    # driver may itself be PID 1 (jaxtrain submit's pod), so compare with its pid, not with 1.
+    if os.getppid() != int(os.environ.get("JAXTRAIN_DRIVER_PID", os.getppid())):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ObjectExists(Exception):
+    """An object the supervisor was to create is already there: another's, left as it is."""
+
+    def __init__(self, kind: str, namespace: str, name: str) -> None:
+        super().__init__(
+            f"cannot create {kind} {namespace}/{name}: one of that name already exists and is "
+            "not this run's, so it was left as it is; this attempt created nothing that is left "
+            "(if the object is a leftover of an earlier run, delete it)")
+
+
+class _Pod:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.uid = ""
+        self.node = "?"
+        self.deleted_for_taint = False
+        self.logs: threading.Thread | None = None
+        self.ended = False
+        self.pending_since: float | None = None
+        self.pending_message = ""
+
+
+class Supervisor:
+    def __init__(self, api: Api, request: dict, out: _Output) -> None:
+        self.api = api
+        self.namespace = request["namespace"]
+        self.jobset = request["jobset"]
+        self.name = self.jobset["metadata"]["name"]
+        self.secret = request["secret"]
+        self.ranks = int(request["ranks"])
+        self.pending_timeout = float(request.get("pending_timeout_s", DEFAULT_PENDING_TIMEOUT_S))
+        job = self.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+        self.pods_per_job = int(job["parallelism"])
+        self.container = job["template"]["spec"]["containers"][0]["name"]
+        self.out = out
+        self.events: queue.Queue = queue.Queue()
+        self.pods: dict[str, _Pod] = {}
+        self.succeeded: set[int] = set()
+        self.stop_requested: str | None = None  # "grace" or "now"
+        self.secret_uid: str | None = None  # what this supervisor created
+        self.jobset_uid: str | None = None
+        # Kueue: the LocalQueue of a queued JobSet; admitted once Kueue has unsuspended it.
+        self.queue_name = request.get("queue_name") or ""
+        self.admitted = not self.queue_name
+        self.queued_since = time.monotonic()
+        self.queue_reason = ""
+        self.evicted = False
+        # GKE's impending-termination taint: the nodes of the pods, watched; those that have it
+        # (node -> (when it was seen, a spot or preemptible node)).
+        self.watched_nodes: set[str] = set()
+        self.tainted: dict[str, tuple[float, bool]] = {}
+        self.cannot_watch_nodes = False
+
+    # -- objects --
+
+    def create(self) -> None:
+        """Creates the attempt's Secret, then its JobSet, keeping the uid of each. An object of
+        the same name that is already there is not this run's (names end in a random suffix): it
+        is left as it is, and ObjectExists names it."""
+        client = self.api.client
+        meta = self.jobset["metadata"]
+        secret = client.V1Secret(
+            metadata=client.V1ObjectMeta(
+                name=self.secret["name"], namespace=self.namespace, labels=meta.get("labels"),
+                owner_references=meta.get("ownerReferences")),
+            string_data={**(self.secret.get("env") or {}), "secret": self.secret["key"]},
+            type="Opaque")
+        try:
+            made = self.api.core.create_namespaced_secret(self.namespace, secret)
+        except client.ApiException as e:
+            if e.status == 409:
+                raise ObjectExists("Secret", self.namespace, self.secret["name"]) from None
+            raise
+        self.secret_uid = made.metadata.uid
+        try:
+            created = self.api.custom.create_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.jobset)
+        except client.ApiException as e:
+            if e.status == 409:
+                raise ObjectExists("JobSet", self.namespace, self.name) from None
+            raise
+        self.jobset_uid = created["metadata"]["uid"]
+        # The Secret now goes with the JobSet. Its uid in the patch: only this Secret is changed.
+        owner = {"apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}", "kind": "JobSet",
+                 "name": self.name, "uid": self.jobset_uid}
+        self.api.core.patch_namespaced_secret(
+            self.secret["name"], self.namespace,
+            {"metadata": {"uid": self.secret_uid,
+                          "ownerReferences": [owner, *(meta.get("ownerReferences") or [])]}})
+
+    def _delete_options(self, uid: str, **kw: Any) -> Any:
+        """Deletion of the object whose uid is `uid` only (a precondition the server checks)."""
+        client = self.api.client
+        return client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid), **kw)
+
+    def delete(self, grace: bool) -> None:
+        """Deletes what this supervisor created — the JobSet and its Secret, each by its uid, so
+        that an object of the same name made by another is never touched; returns once no pod of
+        the JobSet is left."""
+        client = self.api.client
+        if self.jobset_uid is not None:
+            body = self._delete_options(self.jobset_uid, propagation_policy="Foreground",
+                                        grace_period_seconds=None if grace else 0)
+            try:
+                self.api.custom.delete_namespaced_custom_object(
+                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name,
+                    body=body)
+            except client.ApiException as e:
+                if e.status not in (404, 409):  # 409: the uid differs, ours is gone
+                    self.out.say(f"error: cannot delete JobSet {self.namespace}/{self.name}: "
+                                 f"{error_reason(e)}")
+        if self.secret_uid is not None:
+            try:
+                self.api.core.delete_namespaced_secret(
+                    self.secret["name"], self.namespace,
+                    body=self._delete_options(self.secret_uid))
+            except client.ApiException:
+                pass
+        if self.jobset_uid is None:
+            return
+        deadline = time.monotonic() + _TEARDOWN_TIMEOUT_S
+        forced = not grace
+        while time.monotonic() < deadline:
+            try:
+                left = self.api.core.list_namespaced_pod(
+                    self.namespace, label_selector=f"{_JOBSET_NAME_LABEL}={self.name}").items
+            except Exception as e:
+                self.out.say(f"error: cannot list the pods of {self.name}: {error_reason(e)}")
+                left = [None]
+            if not left and self._jobset_gone():
+                return
+            if not forced and self.stop_requested == "now":
+                forced = True
+                for pod in left:
+                    if pod is not None:
+                        self._delete_pod_now(pod)
+            time.sleep(0.2)
+        self.out.say(f"error: pods of JobSet {self.namespace}/{self.name} were still there "
+                     f"{_TEARDOWN_TIMEOUT_S:.0f} s after it was deleted")
+
+    def _jobset_gone(self) -> bool:
+        try:
+            jobset = self.api.custom.get_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
+        except self.api.client.ApiException as e:
+            return e.status == 404
+        except Exception:
+            return False
+        return jobset["metadata"]["uid"] != self.jobset_uid
+
+    def _delete_pod_now(self, pod: Any) -> None:
+        try:
+            self.api.core.delete_namespaced_pod(
+                pod.metadata.name, self.namespace,
+                body=self._delete_options(pod.metadata.uid, grace_period_seconds=0))
+        except Exception:
+            pass
+
+    # -- pods --
+
+    def _rank_of(self, pod: Any) -> int | None:
+        try:
+            job = int(pod.metadata.labels[_JOB_INDEX_LABEL])
+            index = int(pod.metadata.annotations[_COMPLETION_INDEX])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return job * self.pods_per_job + index
+
+    def _follow_logs(self, name: str, state: _Pod) -> None:
+        for _ in range(3):
+            try:
+                stream = self.api.core.read_namespaced_pod_log(
+                    name, self.namespace, container=self.container, follow=True,
+                    _preload_content=False)
+                lines = _Lines()
+                for chunk in stream.stream(65536):
+                    self.out.rank_lines(state.rank, lines.take(chunk))
+                self.out.rank_lines(state.rank, lines.close())
+                return
+            except Exception:
+                time.sleep(0.5)  # the container may not have started yet
+
+    def _watch(self) -> None:
+        from kubernetes import watch
+
+        version = None
+        while True:
+            try:
+                stream = watch.Watch().stream(
+                    self.api.core.list_namespaced_pod, self.namespace,
+                    label_selector=f"{_JOBSET_NAME_LABEL}={self.name}", resource_version=version,
+                    timeout_seconds=300)
+                for event in stream:
+                    version = event["object"].metadata.resource_version
+                    self.events.put(event)
+            except Exception as e:
+                if getattr(e, "status", None) == 410:
+                    version = None
+                self.events.put({"type": "WATCH-ERROR", "error": error_reason(e)})
+                time.sleep(1.0)
+
+    def _handle(self, event: dict) -> tuple[int, str] | None:
+        """An event's consequence: (exit status, why) when the group must end, else None."""
+        if event["type"] == "WATCH-ERROR":
+            return None
+        pod = event["object"]
+        rank = self._rank_of(pod)
+        if rank is None:
+            return None
+        state = self.pods.setdefault(pod.metadata.name, _Pod(rank))
+        state.node = pod.spec.node_name or state.node
+        state.uid = pod.metadata.uid or state.uid
+        if state.ended:
+            return None
+        if pod.spec.node_name and pod.spec.node_name not in self.watched_nodes:
+            self.watched_nodes.add(pod.spec.node_name)
+            threading.Thread(target=self._watch_node, args=(pod.spec.node_name,),
+                             daemon=True).start()
+        if state.node in self.tainted and event["type"] != "DELETED":
+            self._leave_tainted_node(state.node)
+        if (pod.metadata.deletion_timestamp and self.queue_name and self.admitted
+                and not self.evicted and self._suspended()):
+            self._say_evicted()  # at once: the group may be stopped before the next poll
+        statuses = pod.status.container_statuses or []
+        main = next((s for s in statuses if s.name == self.container), None)
+        if event["type"] == "DELETED":
+            state.ended = True
+            why = pod.status.reason or "its pod was deleted or its node was lost"
+            self.out.say(f"rank {rank} on {state.node}: deleted ({why})")
+            return 137, "deleted"
+        if pod.status.phase == "Failed" and (main is None or main.state.terminated is None):
+            state.ended = True
+            self.out.say(f"rank {rank} on {state.node}: {pod.status.reason or 'failed'} "
+                         f"({pod.status.message or 'its pod failed'})")
+            return 137, "failed"
+        if main is not None and main.state.waiting and main.state.waiting.reason in IMAGE_ERRORS:
+            state.ended = True
+            image = self.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+                "spec"]["containers"][0].get("image")
+            self.out.say(f"error: rank {rank}'s pod {pod.metadata.name} cannot start its "
+                         f"container ({main.state.waiting.reason}: "
+                         f"{main.state.waiting.message or ''}); image '{image}'")
+            return 3, "image"
+        if main is not None and (main.state.running or main.state.terminated) and not state.logs:
+            state.logs = threading.Thread(target=self._follow_logs, args=(pod.metadata.name,
+                                                                          state), daemon=True)
+            state.logs.start()
+        if main is not None and main.state.terminated:
+            t = main.state.terminated
+            state.ended = True
+            if t.exit_code == 0:
+                self.succeeded.add(rank)
+                return (0, "succeeded") if len(self.succeeded) == self.ranks else None
+            if t.reason == "OOMKilled":
+                how = "killed by signal 9 (OOMKilled)"
+            elif t.signal:
+                how = f"killed by signal {t.signal}"
+            elif t.exit_code > 128:
+                how = f"killed by signal {t.exit_code - 128}"
+            else:
+                how = f"exited with status {t.exit_code}"
+            self.out.say(f"rank {rank} on {state.node}: {how}")
+            return t.exit_code, "failed"
+        if pod.status.phase == "Pending" and not pod.spec.node_name:
+            unschedulable = next((c for c in pod.status.conditions or []
+                                  if c.type == "PodScheduled" and c.status == "False"), None)
+            if unschedulable is not None and state.pending_since is None:
+                state.pending_since = time.monotonic()
+                state.pending_message = unschedulable.message
+        else:
+            state.pending_since = None
+        return None
+
+    # -- Kueue --
+
+    def _poll_jobset(self) -> None:
+        """Puts a JOBSET event whenever the JobSet's suspension changes: Kueue admitting it
+        (unsuspended) or evicting it (suspended again)."""
+        suspended = True
+        while True:
+            try:
+                jobset = self.api.custom.get_namespaced_custom_object(
+                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, self.name)
+            except Exception as e:
+                if getattr(e, "status", None) == 404:
+                    return
+                time.sleep(_JOBSET_POLL_S)
+                continue
+            if jobset["metadata"].get("uid") != self.jobset_uid:
+                return
+            now = bool(jobset.get("spec", {}).get("suspend"))
+            if now != suspended:
+                suspended = now
+                self.events.put({"type": "JOBSET", "suspended": now})
+            elif now and not self.admitted:
+                reason = self._workload_condition("QuotaReserved", "False")
+                if reason and reason != self.queue_reason:
+                    self.events.put({"type": "QUEUED", "reason": reason})
+            time.sleep(_JOBSET_POLL_S)
+
+    def _workload_condition(self, kind: str, status: str = "True") -> str:
+        """The message of the JobSet's Kueue Workload's condition `kind` when its status is
+        `status` ("" if none can be read: an identity may not read Workloads)."""
+        try:
+            workloads = self.api.custom.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, self.namespace, "workloads",
+                label_selector=f"{_KUEUE_JOB_UID_LABEL}={self.jobset_uid}")["items"]
+        except Exception:
+            return ""
+        for workload in workloads:
+            for c in workload.get("status", {}).get("conditions") or []:
+                if c.get("type") == kind and c.get("status") == status:
+                    return c.get("message") or c.get("reason") or ""
+        return ""
+
+    def _on_jobset(self, event: dict) -> None:
+        if event["type"] == "QUEUED":
+            self.queue_reason = event["reason"]
+            self.out.say(f"queued: {event['reason']}")
+        elif not event["suspended"] and not self.admitted:
+            self.admitted = True
+            self.out.say(f"admitted by Kueue from LocalQueue '{self.queue_name}' after "
+                         f"{time.monotonic() - self.queued_since:.0f} s queued")
+        elif event["suspended"] and self.admitted:
+            self._say_evicted()
+
+    def _say_evicted(self) -> None:
+        if self.evicted:
+            return
+        self.evicted = True
+        why = self._workload_condition("Evicted") or "suspended by Kueue"
+        self.out.say(f"evicted by Kueue ({why}): the pods of JobSet {self.namespace}/"
+                     f"{self.name} are deleted, and their SIGTERM is the workers' preemption "
+                     "notice; the next attempt is queued again")
+
+    def _suspended(self) -> bool:
+        try:
+            return bool(self.api.custom.get_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL,
+                self.name).get("spec", {}).get("suspend"))
+        except Exception:
+            return False
+
+    # -- GKE's impending node termination --
+
+    def _watch_node(self, node: str) -> None:
+        """Puts a TAINT event when `node` gets GKE's impending-termination taint."""
+        from kubernetes import watch
+
+        version = None
+        while node not in self.tainted:
+            try:
+                stream = watch.Watch().stream(
+                    self.api.core.list_node, field_selector=f"metadata.name={node}",
+                    resource_version=version, timeout_seconds=300)
+                for event in stream:
+                    obj = event["object"]
+                    version = obj.metadata.resource_version
+                    if any(t.key == GKE_TERMINATION_TAINT for t in obj.spec.taints or []):
+                        labels = obj.metadata.labels or {}
+                        spot = any(labels.get(k) == "true" for k in _GKE_SPOT_LABELS)
+                        self.events.put({"type": "TAINT", "node": node, "spot": spot})
+                        return
+            except Exception as e:
+                status = getattr(e, "status", None)
+                if status in (401, 403):
+                    if not self.cannot_watch_nodes:
+                        self.cannot_watch_nodes = True
+                        self.out.say(f"cannot watch node {node} ({error_reason(e)}): GKE's "
+                                     f"{GKE_TERMINATION_TAINT} taint is not seen in this attempt "
+                                     "(a ClusterRole with get, list and watch of nodes lets it "
+                                     "be; docs/kubernetes.md)")
+                    return
+                if status == 410:
+                    version = None
+                time.sleep(1.0)
+
+    def _leave_tainted_node(self, node: str) -> None:
+        """Deletes the pods on `node`, which GKE is about to reclaim: their workers' SIGTERM is
+        a preemption notice, and a spot node's pods get the grace period its 30 s notice leaves
+        (others, their own terminationGracePeriodSeconds)."""
+        seen, spot = self.tainted[node]
+        grace = max(1, int(_GKE_SPOT_NOTICE_S - (time.monotonic() - seen))) if spot else None
+        leaving = [(name, state) for name, state in self.pods.items()
+                   if state.node == node and not state.ended and not state.deleted_for_taint]
+        if not leaving:
+            return
+        ranks = ", ".join(str(state.rank) for _, state in sorted(leaving, key=lambda p: p[1].rank))
+        self.out.say(f"node {node} has GKE's {GKE_TERMINATION_TAINT} taint: deleting its pods "
+                     f"(rank{'s' if len(leaving) > 1 else ''} {ranks}) with "
+                     + (f"a grace period of {grace} s" if grace else "their grace period")
+                     + "; their SIGTERM is the workers' preemption notice")
+        for name, state in leaving:
+            state.deleted_for_taint = True
+            try:
+                self.api.core.delete_namespaced_pod(
+                    name, self.namespace,
+                    body=self._delete_options(state.uid, grace_period_seconds=grace))
+            except Exception as e:
+                self.out.say(f"cannot delete pod {name} on {node}: {error_reason(e)}")
+
+    def _pending_too_long(self) -> tuple[int, str] | None:
+        if not self.admitted:
+            return None  # queued in Kueue: a wait for quota, not a pod that cannot be scheduled
+        now = time.monotonic()
+        for name, state in self.pods.items():
+            if state.pending_since is not None and now - state.pending_since > self.pending_timeout:
+                self.out.say(
+                    f"error: rank {state.rank}'s pod {name} could not be scheduled for "
+                    f"{self.pending_timeout:.0f} s (JAXTRAIN_K8S_PENDING_TIMEOUT_S): "
+                    f"{state.pending_message or 'Pending'}")
+                return 3, "pending"
+        return None
+
+    def run(self) -> int:
+        def on_signal(signum, frame):
+            self.stop_requested = "now" if signum == signal.SIGUSR1 else (
+                self.stop_requested or "grace")
+            self.events.put({"type": "STOP"})
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGUSR1, on_signal)
+        try:
+            self.create()
+        except ObjectExists as e:
+            self.out.say(f"error: {e}")
+            self.delete(grace=False)
+            return 3
+        except Exception as e:
+            self.out.say(f"error: cannot create JobSet {self.namespace}/{self.name}: "
+                         f"{error_reason(e)}")
+            self.delete(grace=False)
+            return 3
+        if self.queue_name:
+            # Created suspended: Launch() waits for the "admitted" line (kubernetes_launcher.h).
+            self.out.say(f"queued: JobSet {self.namespace}/{self.name} waits for Kueue to admit "
+                         f"it from LocalQueue '{self.queue_name}'")
+            threading.Thread(target=self._poll_jobset, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+        ended: tuple[int, str] | None = None
+        while ended is None and self.stop_requested is None:
+            try:
+                event = self.events.get(timeout=1.0)
+            except queue.Empty:
+                ended = self._pending_too_long()
+                continue
+            if event["type"] in ("JOBSET", "QUEUED"):
+                self._on_jobset(event)
+            elif event["type"] == "TAINT":
+                self.tainted.setdefault(event["node"], (time.monotonic(), event["spot"]))
+                self._leave_tainted_node(event["node"])
+            elif event["type"] != "STOP":
+                ended = self._handle(event)
+        self.delete(grace=self.stop_requested != "now")
+        for state in self.pods.values():
+            if state.logs is not None:
+                state.logs.join(timeout=5.0)
+        if self.stop_requested is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM if self.stop_requested == "grace"
+                    else signal.SIGKILL)
+        return ended[0] if ended else 0
+
+
+def supervise(request_path: str) -> int:
+    _die_with_parent()
+    with open(request_path) as f:
+        request = json.load(f)
+    os.unlink(request_path)  # it holds the run's key
+    out = _Output(labelled=int(request["ranks"]) > 1)
+    try:
+        api = Api()
+    except Exception as e:
+        out.say(f"error: {e}")
+        return 3
+    return Supervisor(api, request, out).run()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "supervise":
+        return supervise(argv[1])
+    sys.stderr.write("python -m jaxtrain.kubernetes is started by jaxtrain's Kubernetes "
+                     "launcher; it is not run by hand\n")
+    return 2
