@@ -486,6 +486,9 @@ constexpr char kTellingWorker[] =
     "fd = int(os.environ['JAXTRAIN_RUN_SECRET_FD'])\n"
     "if standby and os.environ.get('DIE_AS_STANDBY') == os.environ['JAXTRAIN_RANK']:\n"
     "    sys.exit(3)\n"
+    "if standby and os.environ.get('MARK_DIR'):\n"
+    "    open(os.path.join(os.environ['MARK_DIR'], 'standby-' + os.environ['JAXTRAIN_RANK']),\n"
+    "         'w').close()\n"
     "data = b''\n"
     "while chunk := os.read(fd, 65536):\n"
     "    data += chunk\n"
@@ -593,16 +596,22 @@ TEST_F(WarmSshTest, AHostThatDidNotAnswerTheRestartsProbeGetsAFreshWorker) {
   options.first_retry = std::chrono::milliseconds(100);
   options.max_retry = std::chrono::milliseconds(200);
   SshLauncher launcher(options);
-  auto first = launcher.Launch(Specs(0, "s0"));
+  const std::map<std::string, std::string> mark = {{"MARK_DIR", dir_.string()}};
+  auto first = launcher.Launch(Specs(0, "s0", mark));
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   RunAll(*first);
-  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "s0")).ok());
+  ASSERT_TRUE(launcher.PrepareNext(Specs(0, "s0", mark)).ok());
+  // Cut off only once its standby runs there (its ssh connected).
+  for (int i = 0; i < 600 && !std::filesystem::exists(dir_ / "standby-1"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(std::filesystem::exists(dir_ / "standby-1"));
   std::filesystem::remove(dir_ / "back");
   std::thread comes_back([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     std::ofstream(dir_ / "back");
   });
-  auto restart = launcher.Launch(Specs(1, "s1"));
+  auto restart = launcher.Launch(Specs(1, "s1", mark));
   comes_back.join();
   ASSERT_TRUE(restart.ok()) << restart.status().ToString();
   std::vector<std::string> out = RunAll(*restart);
