@@ -19,7 +19,6 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "base/fd_io.h"
@@ -741,12 +740,7 @@ std::optional<LaunchedProcess> SlurmLauncher::ActivateStandby(const Step& step) 
     standby.process.pid = 0;
   }
   if (why.empty()) {
-    nlohmann::json overrides = nlohmann::json::object();
-    for (const char* name : kActivationEnv) {
-      if (auto it = step.env.find(name); it != step.env.end()) overrides[name] = it->second;
-    }
-    const std::string activation =
-        nlohmann::json{{"secret", step.secret}, {"env", overrides}}.dump();
+    const std::string activation = ActivationMessage(step.secret, step.env);
     int err = 0;
     Status written = WriteAll(standby.input, activation, "write", &err);
     close(standby.input);

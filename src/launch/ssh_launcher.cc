@@ -225,6 +225,16 @@ nlohmann::json ForwardedEnvironment() {
   return forwarded;
 }
 
+// The environment an agent starts `spec`'s worker with: `forwarded`, less spec.unset_env, plus
+// spec.Env(), less kPreloadFileEnv (a path of this host: a standby gets the file's bytes).
+nlohmann::json AgentEnvironment(const ProcessSpec& spec, const nlohmann::json& forwarded) {
+  nlohmann::json env = forwarded;
+  for (const auto& name : spec.unset_env) env.erase(name);
+  for (const auto& [k, v] : spec.Env()) env[k] = v;
+  env.erase(kPreloadFileEnv);
+  return env;
+}
+
 std::string Remote(const std::vector<std::string>& words) {
   std::string out;
   for (const auto& w : words) out += (out.empty() ? "" : " ") + ShellQuote(w);
@@ -715,14 +725,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     if (warm[i]) {
       Standby standby = std::move(*warm[i]);
       warm[i].reset();
-      nlohmann::json overrides = nlohmann::json::object();
-      for (const auto& [k, v] : spec.Env()) {
-        for (const char* name : kActivationEnv) {
-          if (k == name) overrides[k] = v;
-        }
-      }
-      const std::string activation =
-          nlohmann::json{{"secret", spec.secret}, {"env", overrides}}.dump() + "\n";
+      const std::string activation = ActivationMessage(spec.secret, spec.Env()) + "\n";
       if (pgid_ == 0) pgid_ = standby_pgid_;
       launched.push_back(standby.process);
       inputs_.push_back(standby.input);
@@ -736,10 +739,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
       warm_ranks.insert(warm_ranks.end(), spec.ranks.begin(), spec.ranks.end());
       continue;
     }
-    nlohmann::json env = forwarded;
-    for (const auto& name : spec.unset_env) env.erase(name);
-    for (const auto& [k, v] : spec.Env()) env[k] = v;
-    env.erase(kPreloadFileEnv);  // a path of this host, for standbys only
+    const nlohmann::json env = AgentEnvironment(spec, forwarded);
     const std::string header = nlohmann::json{{"argv", spec.argv},
                                               {"env", env},
                                               {"unset", spec.unset_env},
@@ -809,12 +809,9 @@ Status SshLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
   if (!options_.warm || !standbys_.empty() || Interrupted()) return OkStatus();
   // Read once for every spec: they name one file.
   std::optional<std::string> preload;
-  std::string preload_path;
-  for (const auto& [k, v] : specs.front().Env()) {
-    if (k == kPreloadFileEnv) preload_path = v;
-  }
-  if (!preload_path.empty()) {
-    auto bytes = ReadPreloadFile(preload_path, kMaxPreloadBytes);
+  const std::map<std::string, std::string> first_env = specs.front().Env();
+  if (auto path = first_env.find(kPreloadFileEnv); path != first_env.end()) {
+    auto bytes = ReadPreloadFile(path->second, kMaxPreloadBytes);
     if (bytes.ok()) {
       preload = Base64(*bytes);
     } else {
@@ -830,11 +827,8 @@ Status SshLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
       return InvalidArgumentError("the ssh launcher starts one process per rank");
     }
     const std::string& target = options_.targets[spec.ranks.front()];
-    nlohmann::json env = forwarded;
-    for (const auto& name : spec.unset_env) env.erase(name);
-    for (const auto& [k, v] : spec.Env()) env[k] = v;
-    for (const char* name : kActivationEnv) env.erase(name);
-    env.erase(kPreloadFileEnv);
+    nlohmann::json env = AgentEnvironment(spec, forwarded);
+    for (const char* name : kActivationEnv) env.erase(name);  // they come with the activation
     nlohmann::json header = {{"argv", spec.argv},
                              {"env", env},
                              {"unset", spec.unset_env},

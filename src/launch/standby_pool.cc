@@ -145,13 +145,17 @@ StatusOr<LaunchedProcess> StartLocalProcess(const ProcessSpec& spec,
   return LaunchedProcess{spec.ranks, spawned.pid, pidfd, spawned.output_fd};
 }
 
-Status Activate(Standby& standby, const ProcessSpec& spec) {
-  const std::map<std::string, std::string> env = LocalEnvironment(spec);
+std::string ActivationMessage(const std::string& secret,
+                              const std::map<std::string, std::string>& env) {
   nlohmann::json overrides = nlohmann::json::object();
   for (const char* name : kActivationEnv) {
     if (auto it = env.find(name); it != env.end()) overrides[name] = it->second;
   }
-  const std::string activation = nlohmann::json{{"secret", spec.secret}, {"env", overrides}}.dump();
+  return nlohmann::json{{"secret", secret}, {"env", overrides}}.dump();
+}
+
+Status Activate(Standby& standby, const ProcessSpec& spec) {
+  const std::string activation = ActivationMessage(spec.secret, LocalEnvironment(spec));
   int err = 0;
   Status written = WriteAll(standby.activation_fd, activation, "write", &err);
   close(standby.activation_fd);

@@ -109,6 +109,11 @@ class StandbyPool {
   std::vector<Set> sets_ GUARDED_BY(mu_);
 };
 
+// A standby's activation (python/jaxtrain/worker/entry.py): one JSON object with the run's
+// secret and the kActivationEnv variables `env` sets. The local, ssh and Slurm launchers send it.
+std::string ActivationMessage(const std::string& secret,
+                              const std::map<std::string, std::string>& env);
+
 // Activates `standby` for `spec`: writes its activation and closes the pipe.
 // Errors: kUnavailable when the pipe cannot be written (the standby has exited).
 Status Activate(Standby& standby, const ProcessSpec& spec);
