@@ -20,7 +20,7 @@ import pytest
 
 from conftest import run_command, start_driver
 from jaxtrain import TrainingFailedError
-from jaxtrain.cli import main
+from jaxtrain.cli import launch, main
 from jaxtrain.cli.common import UsageError
 from jaxtrain.cli.launch import failed_run_status, parse_resources
 
@@ -402,6 +402,9 @@ def test_unknown_run_is_named_with_where_it_was_looked_for(tmp_path):
 
 @pytest.mark.parametrize("option, message", [
     (["-n", "-1"], "ScalingConfig.num_workers=-1 is not allowed"),
+    (["-n", "4:2"], "ScalingConfig.num_workers=(4, 2) is not allowed"),
+    (["-n", "2:4", "--resize-interval", "0"],
+     "ScalingConfig.elastic_resize_monitor_interval_s=0"),
     (["--placement-strategy", "RANDOM"], "ScalingConfig.placement_strategy='RANDOM'"),
     (["--resources-per-worker", "TPU=four"], "'TPU=four' is not NAME=AMOUNT"),
     (["--max-failures", "-2"], "FailureConfig.max_failures=-2 is not allowed"),
@@ -411,6 +414,14 @@ def test_bad_run_options_exit_2_with_the_config_validation_message(option, messa
     assert proc.returncode == 2
     assert proc.stderr.startswith("jaxtrain run: error: ") and message in proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing started
+
+
+def test_a_worker_count_that_is_not_n_or_min_max_exits_2_saying_what_is_allowed(tmp_path):
+    proc = jaxtrain("run", "-n", "two", "--storage-path", tmp_path, PLAIN_SCRIPT)
+    assert proc.returncode == 2
+    assert ("jaxtrain run: error: argument -n/--num-workers: 'two' is not allowed; give a number "
+            "of workers N, or MIN:MAX") in proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_script_and_missing_storage_path_exit_2(tmp_path):
@@ -468,6 +479,9 @@ def test_script_arguments_are_not_taken_for_jaxtrain_options():
 
     args = build_parser().parse_args(["run", "-n", "2", "train.py", "-n", "5", "--help"])
     assert (args.num_workers, args.target, args.args) == (2, "train.py", ["-n", "5", "--help"])
+    args = build_parser().parse_args(["run", "-n", "2:4", "train.py"])
+    assert args.num_workers == (2, 4)  # torchrun's --nnodes MIN:MAX, as ScalingConfig takes it
+    assert launch._run_argv(args)[:2] == ["--num-workers", "2:4"]  # passed on by submit
     args = build_parser().parse_args(["run", "-m", "pkg.train", "--lr", "3"])
     assert (args.module, args.target, args.args) == (True, "pkg.train", ["--lr", "3"])
 

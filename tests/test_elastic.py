@@ -85,6 +85,26 @@ def rounds(run: Path) -> list[dict]:
     return [json.loads(line)["metrics"] for line in path.read_text().splitlines() if line]
 
 
+def check_every_epoch_seen_once(run: Path, worlds: dict[int, set]) -> None:
+    """ELASTIC_RUN's rounds in `run`: each attempt saw the world it was given (`worlds`: attempt
+    -> {(world_size, process_count, local_rows)}), in jaxtrain and in JAX alike, each process
+    reading its share of the same global batches; no step is lost (those after the checkpoint an
+    attempt restored from are reported again by the next, with the same rows); and each epoch's
+    rows were seen once."""
+    seen = rounds(run)
+    by_attempt = {}
+    for r in seen:
+        by_attempt.setdefault(r["attempt"], set()).add(
+            (r["world_size"], r["process_count"], r["local_rows"]))
+    assert by_attempt == worlds, by_attempt
+    assert {r["step"] for r in seen} == set(range(48))
+    batches = {}
+    for r in seen:
+        assert batches.setdefault(r["step"], r["batch_sum"]) == r["batch_sum"], r
+    for epoch in range(6):
+        assert sum(batches[s] for s in range(8 * epoch, 8 * epoch + 8)) == 2016.0
+
+
 def cut_and_restore_host2(hosts: SshHosts, cwd: Path, program: str, run: Path, full: int,
                           fewer: int) -> tuple[str, str, int]:
     """`program` driven on host1 and host2; host2's link cut once it has trained a while, and
@@ -126,22 +146,7 @@ def test_a_host_lost_shrinks_the_run_and_its_return_grows_it_back(ssh_hosts, ssh
     assert attempts[1]["resize"]["from"] == 4 and attempts[1]["resize"]["to"] == 2
     assert attempts[2]["resize"]["from"] == 2 and attempts[2]["resize"]["to"] == 4
     assert "failure" not in attempts[1] and state["resizes"] == 2
-    # Each attempt saw the world it was given, in jaxtrain and in JAX alike, and each process
-    # read its share of the same global batches.
-    seen = rounds(run)
-    by_attempt = {}
-    for r in seen:
-        by_attempt.setdefault(r["attempt"], set()).add(
-            (r["world_size"], r["process_count"], r["local_rows"]))
-    assert by_attempt == {0: {(4, 4, 2)}, 1: {(2, 2, 4)}, 2: {(4, 4, 2)}}, by_attempt
-    # No step is lost: every step of the 6 epochs was reported, those after the checkpoint an
-    # attempt restored from again by the next, with the same batch (the same rows) each time.
-    assert {r["step"] for r in seen} == set(range(48))
-    batches = {}
-    for r in seen:
-        assert batches.setdefault(r["step"], r["batch_sum"]) == r["batch_sum"], r
-    for epoch in range(6):
-        assert sum(batches[s] for s in range(8 * epoch, 8 * epoch + 8)) == 2016.0
+    check_every_epoch_seen_once(run, {0: {(4, 4, 2)}, 1: {(2, 2, 4)}, 2: {(4, 4, 2)}})
     assert workers_left(ssh_hosts, "host1") == []
 
 

@@ -499,7 +499,7 @@ def test_gkes_impending_termination_taint_is_a_notice_for_the_ranks_on_its_node(
     failure = _check_preempted_run(workdir, "tainted", out, undisturbed, 2, "SIGTERM")
     # Both ranks ran on the tainted node: the notice names their hosts and nothing else.
     ranks = failure["preemption"]["preempted_node_to_ranks"]
-    assert sorted(r for rs in ranks.values() for r in rs) <= [0, 1] and ranks, ranks
+    assert {r for rs in ranks.values() for r in rs} <= {0, 1} and ranks, ranks
     said = _supervisor_said(workdir, "tainted", out, err)
     assert f"node node1 has GKE's {taint} taint: deleting its pods (ranks 0, 1) with a " \
            "grace period of" in said, said[-3000:]

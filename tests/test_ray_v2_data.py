@@ -250,11 +250,65 @@ def test_positions_are_read_from_the_rank_or_else_the_lowest_rank_on_any_filesys
         write(fs, root, 1, {"#0": data._encode(b"grain state of 1")})
         write(fs, root, 3, {"#0": data._encode({"next_index": 3})})
         checkpoint = Checkpoint(root, filesystem=remote)
-        positions, rank = data._read_positions(checkpoint, 3)
+        positions, rank, _ = data._read_positions(checkpoint, 3)
         assert rank == 3 and data._decode(positions["#0"]) == {"next_index": 3}
-        positions, rank = data._read_positions(checkpoint, 0)  # none of its own: rank 1's
+        positions, rank, _ = data._read_positions(checkpoint, 0)  # none of its own: rank 1's
         assert rank == 1 and data._decode(positions["#0"]) == b"grain state of 1"
-    assert data._read_positions(Checkpoint(str(tmp_path)), 0) == ({}, None)
+    assert data._read_positions(Checkpoint(str(tmp_path)), 0) == ({}, None, None)
+
+
+class _Position:
+    """An iterator with a position, as a Grain one has: get_state / set_state."""
+
+    def __init__(self, state=None):
+        self.state = state
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise StopIteration
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state):
+        self.state = state
+
+
+def test_a_shards_position_saved_at_another_world_size_is_refused_after_a_resize(tmp_path):
+    import types
+
+    import numpy as np
+
+    from jaxtrain import Checkpoint, data
+
+    def registry(rank, world_size, checkpoint=None):
+        context = types.SimpleNamespace(world_rank=rank, world_size=world_size)
+        return data._Registry(types.SimpleNamespace(context=context, checkpoint=checkpoint))
+
+    saved = tmp_path / "c"
+    for rank in range(4):  # a checkpoint of 4 processes, each with its shard's position
+        writer = registry(rank, 4)
+        writer.tracked = {"#0": _Position({"shard": rank, "next": 7}),
+                          "loader": data.DataLoader(np.arange(16), 8, index=rank, count=4)}
+        writer.save(str(tmp_path / f"staged-{rank}"))  # each rank's part, then committed
+        (saved / ".jaxtrain_data").mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"staged-{rank}/.jaxtrain_data/rank-{rank}.json").rename(
+            saved / f".jaxtrain_data/rank-{rank}.json")
+    assert json.loads((saved / ".jaxtrain_data/rank-1.json").read_text())["world_size"] == 4
+    checkpoint = Checkpoint(str(saved))
+    same = registry(1, 4, checkpoint)
+    restored = _Position()
+    same.restore("#0", restored)
+    assert restored.state == {"shard": 1, "next": 7}
+    resized = registry(1, 2, checkpoint)  # the run shrank to 2 processes
+    loader = data.DataLoader(np.arange(16), 8, index=1, count=2)
+    resized.restore("loader", loader)  # a DataLoader's position is the same at any count
+    with pytest.raises(RuntimeError, match=r"iterator '#0' .* is that of rank 1's shard of 4 "
+                                           r"processes, and this attempt has 2 \(the run was "
+                                           r"resized"):
+        resized.restore("#0", _Position())
 
 
 def test_a_data_loader_resumes_its_epoch_and_refuses_a_position_of_other_data():

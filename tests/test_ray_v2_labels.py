@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_command
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, _core, launch
 from jaxtrain.driver import trainer
 from jaxtrain.hosts import join as hosts
 from jaxtrain.kubernetes import launch as kubernetes
+from jaxtrain.launch import slurm
 
 # ssh_hosts and ssh_shared_dir (the real run only; under flock /tmp/jaxtrain-clusters.lock)
 pytest_plugins = ["ssh_fixtures"]
@@ -116,24 +117,24 @@ def test_a_selector_that_contradicts_the_pod_templates_node_selector_is_refused(
 def test_slurm_gets_the_label_values_as_node_features():
     labels = ScalingConfig(num_workers=2, label_selector={
         "gpu": "h100", "net": "in(ib,roce)"}).node_labels()
-    assert trainer.slurm_constraint(labels) == "h100&(ib|roce)"
+    assert slurm.constraint(labels) == "h100&(ib|roce)"
     with pytest.raises(ValueError, match=r"ScalingConfig.label_selector\['spot'\] excludes true, "
                                          r"which a Slurm --constraint cannot say"):
-        trainer.slurm_constraint({"spot": ("notin", ("true",))})
+        slurm.constraint({"spot": ("notin", ("true",))})
 
 
 def test_a_slurm_run_passes_the_constraint_anded_with_the_users_for_the_fit_only(monkeypatch):
     monkeypatch.setenv("JAXTRAIN_LAUNCHER", "slurm")
-    monkeypatch.setenv(trainer.SLURM_CONSTRAINT_ENV, "bigmem")
+    monkeypatch.setenv(slurm.CONSTRAINT_ENV, "bigmem")
     config = ScalingConfig(num_workers=2, label_selector={"gpu": "h100"})
-    with trainer._select_nodes_by_labels(config):
-        assert os.environ[trainer.SLURM_CONSTRAINT_ENV] == "(bigmem)&h100"
+    with trainer._select_nodes_by_labels(config, launch.choose()):
+        assert os.environ[slurm.CONSTRAINT_ENV] == "(bigmem)&h100"
         # What the Slurm launcher then asks for (src/launch/slurm_launcher.cc, its own tests).
-    assert os.environ[trainer.SLURM_CONSTRAINT_ENV] == "bigmem"
-    monkeypatch.delenv(trainer.SLURM_CONSTRAINT_ENV)
-    with trainer._select_nodes_by_labels(config):
-        assert os.environ[trainer.SLURM_CONSTRAINT_ENV] == "h100"
-    assert trainer.SLURM_CONSTRAINT_ENV not in os.environ
+    assert os.environ[slurm.CONSTRAINT_ENV] == "bigmem"
+    monkeypatch.delenv(slurm.CONSTRAINT_ENV)
+    with trainer._select_nodes_by_labels(config, launch.choose()):
+        assert os.environ[slurm.CONSTRAINT_ENV] == "h100"
+    assert slurm.CONSTRAINT_ENV not in os.environ
 
 
 # --- hosts of a hostfile ----------------------------------------------------------------------
@@ -175,7 +176,7 @@ def test_hosts_listed_without_labels_are_refused_naming_the_field(monkeypatch):
     config = ScalingConfig(num_workers=2, label_selector={"zone": "b"})
     with pytest.raises(ValueError, match=r"ScalingConfig.label_selector=\{'zone': 'b'\}: the "
                                          r"hosts of this run .* have no labels to select by"):
-        with trainer._select_nodes_by_labels(config):
+        with trainer._select_nodes_by_labels(config, launch.choose()):
             pass
 
 

@@ -139,10 +139,12 @@ class Dispatcher:
         d._call("on_run_start", context)
         return d
 
-    def poll(self) -> bool:
+    def poll(self, state: dict | None = None) -> bool:
         """Delivers what the run directory gained since the last call, in the order it
-        happened; True when a ``raise_on_error`` callback failed and the run must be stopped."""
-        events = self._new_rounds() + self._new_attempt_events()
+        happened; True when a ``raise_on_error`` callback failed and the run must be stopped.
+        `state`: run.json as the run left it (the controller's outcome carries it); None: read
+        from the run directory when it changed."""
+        events = self._new_rounds() + self._new_attempt_events(state)
         events.sort(key=lambda e: (e[0], e[1]))  # by the controller's clock; rounds first
         for _, _, hook, attempt_or_round, args in events:
             if self.fatal is not None:
@@ -154,10 +156,10 @@ class Dispatcher:
             self._call(hook, self.context, *args)
         return self.fatal is not None
 
-    def finish(self, result: Result) -> None:
-        """Delivers the rest, then ``on_run_end``. Raises ControllerError when a callback with
-        ``raise_on_error`` failed."""
-        self.poll()
+    def finish(self, result: Result, state: dict | None = None) -> None:
+        """Delivers the rest, then ``on_run_end``; `state`: the run's last run.json, as poll()
+        takes it. Raises ControllerError when a callback with ``raise_on_error`` failed."""
+        self.poll(state)
         if self.fatal is None:
             self._call("on_run_end", self.context, result)
         if self.fatal is not None:
@@ -176,19 +178,11 @@ class Dispatcher:
                            ([row.get("metrics", {})], checkpoint)))
         return events
 
-    def _new_attempt_events(self) -> list[tuple]:
-        path = os.path.join(self.context.path, records.RUN_FILE)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return []
-        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if stamp == self._state_stamp:
-            return []
-        state = records.read_state_or_none(self.context.path)
+    def _new_attempt_events(self, state: dict | None = None) -> list[tuple]:
         if state is None:
-            return []  # rewritten atomically, so a race with the rename; read it next time
-        self._state_stamp = stamp
+            state = self._changed_state()
+        if state is None:
+            return []
         events = []
         for a in records.attempts(state)[self._attempts_seen:]:
             number = a.get("attempt", 0)
@@ -216,6 +210,23 @@ class Dispatcher:
                 events.append((a.get("end_time", 0.0), 1, "after_exception", number,
                                ({rank: error},)))
         return events
+
+    def _changed_state(self) -> dict | None:
+        """run.json when it changed since it was last read; None when it did not (or cannot be
+        read yet)."""
+        path = os.path.join(self.context.path, records.RUN_FILE)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._state_stamp:
+            return None
+        state = records.read_state_or_none(self.context.path)
+        if state is None:
+            return None  # rewritten atomically, so a race with the rename; read it next time
+        self._state_stamp = stamp
+        return state
 
     def _call(self, hook: str, *args: Any) -> None:
         for i, callback in enumerate(self.callbacks):

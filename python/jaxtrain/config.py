@@ -4,13 +4,11 @@ only checks Python types so that a wrong type gets the same kind of message as a
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxtrain import _core, storage
+from jaxtrain import _core, labels, storage
 
 
 def _expect(owner: str, field: str, value: Any, types: tuple, allowed: str) -> None:
@@ -137,7 +135,7 @@ class ScalingConfig:
         self.accelerator_type = accelerator_type
         self.resources_per_worker = dict(resources_per_worker) if resources_per_worker else None
         self.placement_strategy = placement_strategy
-        self.label_selector = _check_label_selector(label_selector, max_workers)
+        self.label_selector = labels.check_selector(label_selector, max_workers)
         self.elastic_resize_monitor_interval_s = elastic_resize_monitor_interval_s
         self.node_labels()  # refuses per-worker selectors that differ, now
 
@@ -164,14 +162,14 @@ class ScalingConfig:
         host list)."""
         selector = self.label_selector
         if isinstance(selector, list):
-            distinct = {_json_key(s) for s in selector}
+            distinct = {labels.json_key(s) for s in selector}
             if len(distinct) > 1:
                 raise ValueError(
                     f"ScalingConfig.label_selector={selector!r} gives the workers different "
                     "selectors, which no launcher of jaxtrain can place apart (one JobSet pod "
                     "template, one Slurm constraint, one host list); give one dict for all")
             selector = selector[0] if selector else {}
-        return {key: _label_requirement(value) for key, value in (selector or {}).items()}
+        return {key: labels.requirement(value) for key, value in (selector or {}).items()}
 
     @property
     def num_slices(self) -> int:
@@ -199,77 +197,6 @@ class ScalingConfig:
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self._as_dict().items())
         return f"ScalingConfig({fields})"
-
-
-# Ray's label selector syntax (and Kubernetes' rules for label keys and values): a value is
-# "v" (equal), "!v" (not equal), "in(a,b)" or "!in(a,b)".
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-_LABEL_SET = re.compile(r"(!?)in\((.*)\)$")
-
-
-def _json_key(selector: Mapping[str, str]) -> str:
-    return json.dumps(dict(selector), sort_keys=True)
-
-
-def _label_requirement(value: str) -> tuple[str, tuple[str, ...]]:
-    """A checked selector value as ("in" or "notin", values)."""
-    found = _LABEL_SET.match(value)
-    if found:
-        values = tuple(v.strip() for v in found.group(2).split(","))
-        return ("notin" if found.group(1) else "in", values)
-    if value.startswith("!"):
-        return "notin", (value[1:],)
-    return "in", (value,)
-
-
-def _check_label_selector(selector: Any, num_workers: int) -> Any:
-    """ScalingConfig.label_selector checked (Ray's type: a dict of label -> value for every
-    worker, or a list of such dicts, one per worker), as a plain dict or list of dicts."""
-    field = "ScalingConfig.label_selector"
-    allowed = ("it must be a dict of label -> value such as {'accelerator': 'h100'}, a list of "
-               "such dicts (one per worker), or None")
-    if selector is None:
-        return None
-    if isinstance(selector, Mapping):
-        return _check_one_selector(field, selector, allowed)
-    if isinstance(selector, Sequence) and not isinstance(selector, (str, bytes)):
-        if len(selector) != num_workers:
-            raise ValueError(f"{field}={list(selector)!r} is not allowed; a list gives one "
-                             f"selector per worker: {num_workers} (num_workers), not "
-                             f"{len(selector)}")
-        return [_check_one_selector(f"{field}[{i}]", s, allowed) for i, s in enumerate(selector)]
-    raise ValueError(f"{field}={selector!r} is not allowed; {allowed}")
-
-
-def _check_one_selector(field: str, selector: Any, allowed: str) -> dict[str, str]:
-    if not isinstance(selector, Mapping):
-        raise ValueError(f"{field}={selector!r} is not allowed; {allowed}")
-    for key, value in selector.items():
-        if not isinstance(key, str) or not _valid_label_key(key):
-            raise ValueError(
-                f"{field} label {key!r} is not allowed; a label is a name of up to 63 letters, "
-                "digits, '-', '_' or '.' (beginning and ending with a letter or digit), "
-                "optionally after a DNS prefix and '/', as in Kubernetes")
-        values = None
-        if isinstance(value, str):
-            found = _LABEL_SET.match(value)
-            if found:
-                values = [v.strip() for v in found.group(2).split(",")]
-            else:
-                values = [value[1:] if value.startswith("!") else value]
-        if values is None or not all(_LABEL_NAME.match(v) for v in values):
-            raise ValueError(
-                f"{field}[{key!r}]={value!r} is not allowed; a value is a label value (up to 63 "
-                "letters, digits, '-', '_' or '.'), '!value' (not equal), 'in(a,b)' or "
-                "'!in(a,b)'")
-    return dict(selector)
-
-
-def _valid_label_key(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    return bool(_LABEL_NAME.match(name)) and (not prefix or bool(_LABEL_PREFIX.match(prefix)))
-
 
 
 @_config

@@ -342,22 +342,37 @@ class _Registry:
     def __init__(self, session: Any) -> None:
         self.session = session
         self.rank = session.context.world_rank
+        self.world_size = session.context.world_size
         self.tracked: dict[str, Any] = {}
         self._saved: dict[str, dict] | None = None  # read from the checkpoint on first use
         self._from_rank: int | None = None
+        self._from_world: int | None = None  # the world size the positions were saved in
 
     def restore(self, key: str, iterator: Any) -> None:
         checkpoint = self.session.checkpoint
         if checkpoint is None:
             return
         if self._saved is None:
-            self._saved, self._from_rank = _read_positions(checkpoint, self.rank)
+            self._saved, self._from_rank, self._from_world = _read_positions(checkpoint,
+                                                                             self.rank)
         entry = self._saved.get(key)
         if entry is None:
             _say(f"rank {self.rank}: the checkpoint {checkpoint.path} holds no data position "
                      f"of iterator {key!r}; it starts from the beginning")
             return
-        if self._from_rank != self.rank and not isinstance(iterator, DataLoader):
+        if isinstance(iterator, DataLoader):
+            iterator.set_state(_decode(entry))  # the same on every rank, at any world size
+            return
+        if self._from_world is not None and self._from_world != self.world_size:
+            raise RuntimeError(
+                f"data.track: the position of iterator {key!r} in the checkpoint "
+                f"{checkpoint.path} is that of rank {self._from_rank}'s shard of "
+                f"{self._from_world} processes, and this attempt has {self.world_size} (the "
+                "run was resized, docs/elastic.md): a shard's position means nothing for another "
+                "count. Use jaxtrain.data.DataLoader, whose position is the same at any process "
+                "count, or make the sampler's shards from the new world and position it "
+                "yourself from the global step")
+        if self._from_rank != self.rank:
             raise RuntimeError(
                 f"data.track: rank {self.rank} passed no part of the checkpoint "
                 f"{checkpoint.path} in its round, so the position of its iterator {key!r} is not "
@@ -386,7 +401,8 @@ class _Registry:
                                 f"tracked iterator {key!r} cannot be saved: {e}") from None
         os.makedirs(where, exist_ok=True)
         with open(os.path.join(where, f"rank-{self.rank}.json"), "w", encoding="utf-8") as f:
-            json.dump({"version": 1, "rank": self.rank, "positions": positions}, f)
+            json.dump({"version": 1, "rank": self.rank, "world_size": self.world_size,
+                       "positions": positions}, f)
 
 
 _current: _Registry | None = None
@@ -417,9 +433,11 @@ def _save_positions(directory: str) -> None:
                           f"position into '{directory}' failed: {e}") from None
 
 
-def _read_positions(checkpoint: Any, rank: int) -> tuple[dict[str, dict], int | None]:
+def _read_positions(checkpoint: Any, rank: int
+                    ) -> tuple[dict[str, dict], int | None, int | None]:
     """The positions that `rank` saved in `checkpoint`, or when it saved none, those of the
-    lowest rank that did; and which rank's they are (None: no rank saved any)."""
+    lowest rank that did; which rank's they are (None: no rank saved any); and the world size
+    they were saved in (None where the file does not say)."""
     fs = checkpoint.filesystem
     where = posixpath.join(checkpoint.path, POSITIONS_DIR) if fs is not None else os.path.join(
         checkpoint.path, POSITIONS_DIR)
@@ -429,11 +447,11 @@ def _read_positions(checkpoint: Any, rank: int) -> tuple[dict[str, dict], int | 
         else:
             names = os.listdir(where)
     except FileNotFoundError:
-        return {}, None
+        return {}, None, None
     ranks = sorted(int(n[5:-5]) for n in names
                    if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit())
     if not ranks:
-        return {}, None
+        return {}, None, None
     chosen = rank if rank in ranks else ranks[0]
     path = f"{where}/rank-{chosen}.json"
     if fs is not None:
@@ -441,7 +459,8 @@ def _read_positions(checkpoint: Any, rank: int) -> tuple[dict[str, dict], int | 
     else:
         with open(path, "rb") as f:
             text = f.read()
-    return json.loads(text)["positions"], chosen
+    saved = json.loads(text)
+    return saved["positions"], chosen, saved.get("world_size")
 
 
 def _encode(state: Any) -> dict:

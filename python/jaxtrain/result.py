@@ -1,4 +1,5 @@
-"""Result: what a run produced, read from its run directory."""
+"""Result: what a run produced, from its records: those the controller's outcome carries (fit()) or
+those of its run directory (Result.from_path)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import posixpath
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,40 +146,53 @@ def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:
                 status_code=f.get("status_code"),
                 log_path=os.path.join(logs, "logs", f"rank-{f['rank']}.log"),
             )
-    return load(path, state.get("config", {}).get("checkpoint_config"), error, remote,
-                 finished=state.get("status") == "FINISHED")
+    finished = state.get("status") == "FINISHED"
+    return load(path, state, state.get("config", {}).get("checkpoint_config"), error,
+                _read_pickled(path) if finished and error is None else None, remote,
+                finished=finished)
 
 
-def _read_return_value(path: str) -> Any:
-    """Rank 0's return value in the run directory `path` (records.RETURN_VALUE_FILE), unpickled;
-    None without one. Raises ValueError when this Python cannot unpickle it."""
-    import cloudpickle
-
-    file = os.path.join(path, records.RETURN_VALUE_FILE)
+def _read_pickled(path: str) -> bytes | None:
+    """Rank 0's pickled return value in the run directory `path` (records.RETURN_VALUE_FILE);
+    None without one."""
     try:
-        with open(file, "rb") as f:
-            data = f.read()
+        with open(os.path.join(path, records.RETURN_VALUE_FILE), "rb") as f:
+            return f.read()
     except FileNotFoundError:
         return None
+
+
+def _unpickle(data: bytes, path: str) -> Any:
+    """Rank 0's return value `data` of the run directory `path`, unpickled. Raises ValueError
+    when this Python cannot unpickle it."""
+    import cloudpickle
+
     try:
         return cloudpickle.loads(data)
     except Exception as e:
+        file = os.path.join(path, records.RETURN_VALUE_FILE)
         raise ValueError(
             f"Result.return_value: the training function's return value in '{file}' cannot be "
             f"unpickled in this Python ({type(e).__name__}: {e}); the driver needs the modules "
             "its type comes from") from e
 
 
-def load(path: str, checkpoint_config: dict | None, error: BaseException | None,
-          remote: tuple[Any, str] | None = None, finished: bool = False) -> Result:
-    """The Result of the run directory `path`; with `remote` (filesystem, run directory), `path`
-    is a local copy of that remote run directory, and the Result names the remote one.
-    `finished`: the run ended FINISHED, so its return value is the Result's."""
+def load(path: str, state: dict | None, checkpoint_config: dict | None,
+         error: BaseException | None, pickled: bytes | None = None,
+         remote: tuple[Any, str] | None = None, finished: bool = False) -> Result:
+    """The Result of the run directory `path`, from its records: `state` is its run.json (None:
+    none could be read, so no goodput) and `pickled` rank 0's pickled return value (None: none),
+    as the controller's outcome carries them (fit()) or as read from `path`
+    (Result.from_path); the rounds and checkpoints are read from `path`. With `remote`
+    (filesystem, run directory), `path` is a local copy of that remote run directory, and the
+    Result names the remote one. `finished`: the run ended FINISHED, so its return value is the
+    Result's."""
     from jaxtrain import _core
 
-    return_value = _read_return_value(path) if finished and error is None else None
+    return_value = (_unpickle(pickled, path)
+                    if finished and error is None and pickled is not None else None)
     rounds = records.read_rounds(path)
-    goodput = _goodput(path, rounds)
+    goodput = compute(state, rounds, now=time.time()) if state is not None else None
     cc = checkpoint_config or {}
     ranked = _core.ranked_checkpoints(
         path, cc.get("checkpoint_score_attribute"), cc.get("checkpoint_score_order", "max") == "max"
@@ -212,17 +227,6 @@ def load(path: str, checkpoint_config: dict | None, error: BaseException | None,
         goodput=goodput,
         _rounds=rounds,
     )
-
-
-def _goodput(path: str, rounds: list[dict]) -> Goodput | None:
-    """The run's goodput from its run.json and rounds; None without a readable run.json."""
-    import time
-
-    try:
-        state = records.read_state(path)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return compute(state, rounds, now=time.time())
 
 
 def flatten(metrics: Any, prefix: str = "") -> dict[str, Any]:

@@ -161,9 +161,9 @@ def _check_remote_kwargs(kwargs: Any) -> None:
                 raise ValueError(f"{where} is not allowed; use a whole number of GPUs >= 0 (a "
                                  "validation gets whole GPUs through CUDA_VISIBLE_DEVICES)")
         elif key == "label_selector":
-            from jaxtrain.config import _check_one_selector
+            from jaxtrain.labels import check_one_selector
 
-            _check_one_selector("ValidationConfig.ray_remote_kwargs['label_selector']", value,
+            check_one_selector("ValidationConfig.ray_remote_kwargs['label_selector']", value,
                                 "it must be a dict of label -> value such as {'role': 'eval'}")
         elif key == "resources" and value in ({}, None):
             continue

@@ -17,10 +17,12 @@
 #include "config/run_config.h"
 #include "config/scaling_config.h"
 #include "controller/controller.h"
+#include "launch/choose.h"
 #include "launch/kubernetes_launcher.h"
 #include "launch/local_launcher.h"
 #include "launch/slurm_launcher.h"
 #include "launch/ssh_launcher.h"
+#include "placement/elastic.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
 #include "storage/crc32c.h"
@@ -164,7 +166,7 @@ constexpr const char* kRequiredControllerOptions[] = {
 class PyController {
  public:
   explicit PyController(PyControllerOptions a)
-      : launcher_(std::move(a.launcher)),
+      : kind_(Unwrap(launch::ParseLauncherKind(a.launcher, "Controller() option 'launcher'"))),
         scaling_config_(std::move(a.scaling_config)),
         host_wait_(Seconds(a.failure_config->unreachable_host_timeout_s())) {
     controller::ControllerOptions& o = options_;
@@ -192,14 +194,19 @@ class PyController {
     o.memory_store = std::move(a.memory_store);
     o.status_line = a.status_line;
     o.console_fd = a.console_fd;
-    if (launcher_ == "local") {
+    if (kind_ != launch::LauncherKind::kLocal && !scaling_config_) {
+      PyErr_Format(PyExc_ValueError, "the %s launcher needs the option 'scaling_config'",
+                   std::string(launch::LauncherKindName(kind_)).c_str());
+      throw nb::python_error();
+    }
+    if (kind_ == launch::LauncherKind::kLocal) {
       // Warm workers (docs/warm-workers.md) unless JAXTRAIN_WARM_WORKERS=0; refused here, before
       // anything starts, when it is neither.
       const bool warm = Unwrap(launch::WarmWorkersRequested());
       controller_ = std::make_unique<controller::Controller>(
           std::move(o),
           std::make_unique<launch::LocalLauncher>(warm ? &launch::StandbyPool::Driver() : nullptr));
-    } else if (launcher_ == "kubernetes" && scaling_config_) {
+    } else if (kind_ == launch::LauncherKind::kKubernetes) {
       // The workers run in pods: the command of the image, the listen address the Python layer
       // chose (one the pods reach), no working directory of this host.
       auto json = nlohmann::json::parse(a.launcher_options_json, nullptr, false);
@@ -212,12 +219,7 @@ class PyController {
       controller_ = std::make_unique<controller::Controller>(
           std::move(o),
           std::make_unique<launch::KubernetesLauncher>(std::move(k), *scaling_config_, a.plan));
-    } else if ((launcher_ != "slurm" && launcher_ != "ssh") || !scaling_config_) {
-      PyErr_SetString(PyExc_ValueError,
-                      "launcher must be 'local', or 'slurm', 'ssh' or 'kubernetes' with "
-                      "scaling_config");
-      throw nb::python_error();
-    }
+    }  // ssh and Slurm: made by Start(), which waits for hosts or an allocation
   }
 
   // Controller(**options): each keyword sets the field of ControllerOptions of its name, with
@@ -263,9 +265,9 @@ class PyController {
   }
 
   void Start() {
-    if (!controller_ && launcher_ == "ssh") {
+    if (!controller_ && kind_ == launch::LauncherKind::kSsh) {
       StartOnSsh();
-    } else if (!controller_) {
+    } else if (!controller_ && kind_ == launch::LauncherKind::kSlurm) {
       StartOnSlurm();
     }
     Status s;
@@ -322,6 +324,14 @@ class PyController {
     d["last_metrics_json"] = o.last_metrics_json;
     d["warnings"] = o.warnings;
     d["abort_reason"] = o.abort_reason;
+    // The run directory's records as the run left them (python/jaxtrain/result.py reads no file
+    // for them): run.json as JSON text, and rank 0's pickled return value.
+    const std::string run_state = o.run_state.is_null() ? "" : o.run_state.dump();
+    d["run_state"] =
+        run_state.empty() ? nb::none() : nb::object(nb::str(run_state.data(), run_state.size()));
+    d["return_value"] = o.return_value
+                            ? nb::object(nb::bytes(o.return_value->data(), o.return_value->size()))
+                            : nb::none();
     return d;
   }
 
@@ -342,6 +352,17 @@ class PyController {
     if (PyErr_Occurred()) throw nb::python_error();
     launch::SlurmStart start = Unwrap(std::move(started));
     options_.listen_host = std::move(start.listen_host);
+    if (scaling_config_->elastic()) {
+      // Whole nodes of the allocation (docs/elastic.md): the full plan on its nodes, and each
+      // attempt's on those usable, with the deadline of an ssh run's unreachable host.
+      options_.plan = Unwrap(launch::PlanForSlurmNodes(*scaling_config_, options_.plan, start.nodes,
+                                                       start.shape, start.job_id));
+      options_.elastic =
+          Elastic([full = options_.plan](const std::vector<std::string>& hosts, int workers) {
+            return placement::PlanPerHost(full, hosts, full.workers.front().local_world_size,
+                                          workers, full.hosts_source);
+          });
+    }
     // Asking for the allocation and waiting in Slurm's queue: goodput's queue part.
     options_.queue_wait_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
@@ -364,45 +385,35 @@ class PyController {
       StatusOr<std::string> chosen = UnavailableError("");
       {
         nb::gil_scoped_release release;
-        chosen = [&]() -> StatusOr<std::string> {
-          std::string address;
-          std::set<std::string> tried;
-          for (const auto& target : lo.targets) {
-            if (!tried.insert(target).second) continue;
-            JT_ASSIGN_OR_RETURN(std::string name, launch::SshHostName(lo.ssh, target));
-            JT_ASSIGN_OR_RETURN(address, launch::AddressTowards(name));
-            if (address.rfind("127.", 0) != 0 && address != "::1") break;  // not this host
-          }
-          return address;
-        }();
+        chosen = launch::ListenHostForSsh(lo.ssh, lo.targets);
       }
-      if (!chosen.ok()) {
-        Raise(UnavailableError("cannot choose the address the hosts reach this driver at: " +
-                               chosen.status().message() + "; set " + launch::kListenHostEnv));
-      }
-      host = *chosen;
+      host = Unwrap(std::move(chosen));
     }
     options_.listen_host = host;
     if (scaling_config_->elastic()) {
-      // A host lost is waited for as long as growing back would take at most (docs/elastic.md).
-      const Duration interval = Seconds(scaling_config_->resize_monitor_interval_s());
-      options_.elastic = controller::ElasticOptions{
-          .min_workers = scaling_config_->min_workers(),
-          .monitor_interval = interval,
-          .host_wait = std::min(host_wait_, interval),
-          .plan_on = [config = *scaling_config_](const std::vector<std::string>& hosts,
-                                                 int workers) {
+      options_.elastic =
+          Elastic([config = *scaling_config_](const std::vector<std::string>& hosts, int workers) {
             return launch::PlanForSshOn(config, accelerators::RealHost(),
                                         launch::ElasticShare{.hosts = hosts, .workers = workers});
-          }};
+          });
     }
     controller_ = std::make_unique<controller::Controller>(
         std::move(options_), std::make_unique<launch::SshLauncher>(std::move(lo)));
   }
 
-  std::string launcher_;
+  // An elastic run's options (docs/elastic.md), the same on every launcher but for `plan_on`: a
+  // host lost is waited for as long as growing back would take at most.
+  controller::ElasticOptions Elastic(decltype(controller::ElasticOptions::plan_on) plan_on) const {
+    const Duration interval = Seconds(scaling_config_->resize_monitor_interval_s());
+    return {.min_workers = scaling_config_->min_workers(),
+            .monitor_interval = interval,
+            .host_wait = std::min(host_wait_, interval),
+            .plan_on = std::move(plan_on)};
+  }
+
+  launch::LauncherKind kind_;
   std::optional<config::ScalingConfig> scaling_config_;
-  Duration host_wait_;  // FailureConfig.unreachable_host_timeout_s, for the ssh launcher
+  Duration host_wait_;  // FailureConfig.unreachable_host_timeout_s: ssh hosts, Slurm nodes
   controller::ControllerOptions options_;  // until the controller is made
   std::unique_ptr<controller::Controller> controller_;
 };
@@ -778,7 +789,11 @@ NB_MODULE(_core, m) {
       "nothing of this machine.");
 
   m.def(
-      "choose_launcher", [] { return Unwrap(launch::ChooseLauncher(accelerators::RealHost())); },
+      "choose_launcher",
+      [] {
+        return std::string(
+            launch::LauncherKindName(Unwrap(launch::ChooseLauncher(accelerators::RealHost()))));
+      },
       "'local', 'slurm', 'ssh' or 'kubernetes': JAXTRAIN_LAUNCHER, or by default ssh when hosts "
       "are listed, slurm inside a Slurm allocation.");
 

@@ -4,40 +4,36 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <set>
 #include <utility>
 
 #include "base/fd_io.h"
 #include "base/open_files.h"
 #include "base/strings.h"
 #include "controller/attempt.h"
-#include "controller/capacity_monitor.h"
 #include "controller/checkpoint_committer.h"
 #include "controller/collective.h"
 #include "controller/console.h"
 #include "controller/control_port.h"
 #include "controller/failure_policy.h"
 #include "controller/preemption.h"
-#include "controller/rank_logs.h"
 #include "controller/rank_output.h"
 #include "controller/report_collector.h"
 #include "controller/restore_verifier.h"
 #include "controller/round_recorder.h"
+#include "controller/run_output.h"
+#include "controller/run_placement.h"
 #include "controller/run_record.h"
 #include "controller/status_line.h"
 #include "controller/stragglers.h"
 #include "controller/watchdog.h"
 #include "controller/worker_group.h"
-#include "controller/worker_specs.h"
 #include "launch/process.h"
-#include "placement/elastic.h"
 #include "storage/files.h"
 #include "storage/run_store.h"
 #include "wire/frame.h"
@@ -55,15 +51,6 @@ constexpr Duration kStepTimesRefresh = std::chrono::seconds(10);
 constexpr Duration kConsoleFlushTimeout = std::chrono::seconds(10);
 constexpr uint64_t kSpareFiles = 256;  // descriptors left for the driver's own files
 constexpr uint64_t kMinOpenLogs = 16;  // logs held open however low the limit is
-// Rank 0's pickled return value in the run directory (Result.return_value reads it).
-constexpr char kReturnValueFile[] = "return_value.pkl";
-// The columns of the terminal on `fd`, or 100 when it is not a terminal.
-size_t TerminalWidth(int fd) {
-  winsize ws{};
-  if (ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
-  return 100;
-}
-
 }  // namespace
 
 std::string_view OutcomeStateName(Outcome::State state) {
@@ -86,18 +73,20 @@ struct Controller::Loop : ControlPort::Delegate,
                           Attempt::Delegate {
   Loop(Controller& c, storage::RunStore s, std::unique_ptr<CheckpointCommitter> committer)
       : ctl(c),
-        opts(c.options_),
         store(std::move(s)),
         record(store, c.options_, c.clock_),
         recorder(store, std::move(committer), c.clock_, *this),
         policy(c.options_.max_failures, c.options_.max_start_failures,
                FailurePolicy::kMaxStorageFailures, c.options_.max_preemptions),
-        logs([this](int r) { return store.LogPath(r); }, c.options_.plan.workers.size()) {}
+        placement(c.options_, *c.launcher_, [this](const std::string& line) { Say(line); }),
+        output(
+            c.options_.console_fd, c.options_.status_line,
+            [this](int r) { return store.LogPath(r); },
+            static_cast<int>(c.options_.plan.workers.size())) {}
 
   Controller& ctl;
-  const ControllerOptions& opts;
   storage::RunStore store;
-  RunRecord record;  // run.json and error.txt (run_record.h)
+  RunRecord record;  // run.json, error.txt and return_value.pkl (run_record.h)
   // Records completed rounds in order, committing their checkpoints off this thread, one at a
   // time (round_recorder.h).
   RoundRecorder recorder;
@@ -108,113 +97,59 @@ struct Controller::Loop : ControlPort::Delegate,
   std::unique_ptr<ControlPort> port;
   std::unique_ptr<WorkerGroup> group;
   std::unique_ptr<Attempt> attempt;  // the attempt in progress, or the last one
-  // The placement of the attempt in progress (or of the next one): the options' plan, or an
-  // elastic run's plan for the hosts at hand (ChoosePlan); `workers` are its processes, made
-  // with `command`.
-  std::shared_ptr<const placement::Plan> plan;
-  WorkerCommand command;
-  WorkerSpecs workers;  // the processes each attempt starts
-  // Elastic runs: watches the hosts the run lacks while it trains below max (set by Start());
-  // the resize the next attempt starts with (Attempt::Setup::resize), and the resizes so far.
-  std::unique_ptr<CapacityMonitor> monitor;
-  nlohmann::json next_resize;
-  int resizes = 0;
-  RunMetrics metrics;  // what Publish() copies to the Controller (run_metrics.h)
-  std::optional<TimePoint> failure_noticed;  // the first failure since training last ran
-  int first_attempt = 0;                     // attempts of earlier runs of this run directory
-  std::vector<RankFailure> failures;
-  std::vector<std::string> warnings;
-  RankLogs logs;  // created on each rank's first output (rank_logs.h)
-  bool log_failed = false;
-  // Rank output, jaxtrain's own lines (stderr) and the status line, in order, written by a thread
-  // of its own: a console that does not read never blocks the loop.
-  Console console;
-  std::string status;                       // the status line on the console now; "" = none
+  // The plan of the attempt in progress (or of the next one) and its processes; an elastic
+  // run's choice of hosts and its resizes (run_placement.h).
+  RunPlacement placement;
+  MetricsBook metrics;    // what Publish() copies to the Controller (run_metrics.h)
+  int first_attempt = 0;  // attempts of earlier runs of this run directory
+  RunOutput output;       // the console, its status line and the ranks' logs (run_output.h)
   std::optional<std::string> abort_reason;  // set once Abort() counts: the run is aborted
-  uint64_t rounds = 0;                      // the last round recorded
-  std::string last_metrics;                 // rank 0's metrics of that round
+  // The run's outcome so far: its failures (one per failed attempt) and warnings, the last round
+  // recorded and rank 0's metrics of it; Finish() completes it.
+  Outcome outcome;
 
   TimePoint Now() const { return ctl.clock_.Now(); }
-  double SecondsSince(TimePoint t) const {
-    return std::chrono::duration<double>(Now() - t).count();
-  }
 
   // --- the console and its status line -------------------------------------------------------
 
-  void Say(const std::string& line) override {
-    std::string text = "jaxtrain: " + line + "\n";
-    if (!status.empty()) console.Write(opts.console_fd, kEraseLine);
-    console.Write(2, std::move(text));
-    if (!status.empty()) console.Write(opts.console_fd, status);
-  }
-
-  // Writes rank output to the console, under the status line when there is one.
-  void ToConsole(std::string text) {
-    if (opts.console_fd < 0 || text.empty()) return;
-    if (!status.empty()) text = kEraseLine + text + status;
-    console.Write(opts.console_fd, std::move(text));
-  }
+  void Say(const std::string& line) override { output.Say(line); }
 
   void RefreshStatus() override {
-    if (!opts.status_line || opts.console_fd < 0 || attempt->phase() == Attempt::Phase::kDraining) {
-      return;
-    }
-    StatusView view{.attempt = attempt->number(),
-                    .ranks_up = attempt->registered(),
-                    .world_size = attempt->world_size(),
-                    .round = rounds,
-                    .metrics_json = last_metrics,
-                    .rounds_per_s = attempt->RoundsPerSecond(),
-                    .stragglers = attempt->stragglers().Stragglers()};
-    std::string line = FormatStatus(view, TerminalWidth(opts.console_fd) - 1);
-    if (line == status) return;
-    status = line;
-    console.Write(opts.console_fd, kEraseLine + status);
+    if (attempt->phase() == Attempt::Phase::kDraining) return;
+    output.ShowStatus({.attempt = attempt->number(),
+                       .ranks_up = attempt->registered(),
+                       .world_size = attempt->world_size(),
+                       .round = outcome.rounds,
+                       .metrics_json = outcome.last_metrics_json,
+                       .rounds_per_s = attempt->RoundsPerSecond(),
+                       .stragglers = attempt->stragglers().Stragglers()});
   }
 
-  void ClearStatus() {
-    if (status.empty()) return;
-    console.Write(opts.console_fd, kEraseLine);
-    status.clear();
-  }
-
-  // Rank output to its log. A log that cannot be written is said once, not fatal: the output
-  // still reaches the console, and the metrics and checkpoints are recorded elsewhere.
-  void WriteLog(int rank, std::string_view text) { WarnLogs(logs.Write(rank, text)); }
-  void WarnLogs(const Status& s) {
-    if (s.ok() || log_failed) return;
-    log_failed = true;
-    Say("warning: " + s.message() + "; rank output is missing from the logs from here on");
-    warnings.push_back(s.message());
+  // Rank output to its log; a log that cannot be written is a warning of the run's, once.
+  void WriteLog(int rank, std::string_view text) { Warn(output.WriteLog(rank, text)); }
+  void Warn(std::string warning) {
+    if (!warning.empty()) outcome.warnings.push_back(std::move(warning));
   }
 
   // --- the run's metrics (run_metrics.h) ------------------------------------------------------
 
-  // Copies the run's metrics where Controller::metrics() reads them.
+  // Copies the run's metrics where Controller::metrics() reads them, in the attempt's phase.
   void Publish() override {
     switch (attempt->phase()) {
       case Attempt::Phase::kStarting:
-        metrics.state = attempt->number() > first_attempt ? "RESTARTING" : "STARTING";
-        break;
-      case Attempt::Phase::kRunning: metrics.state = "RUNNING"; break;
+        return PublishAs(attempt->number() > first_attempt ? "RESTARTING" : "STARTING");
+      case Attempt::Phase::kRunning: return PublishAs("RUNNING");
       case Attempt::Phase::kStopping:
-      case Attempt::Phase::kDraining: metrics.state = "STOPPING"; break;
+      case Attempt::Phase::kDraining: return PublishAs("STOPPING");
     }
-    PublishAs(metrics.state);
   }
 
   void PublishAs(std::string state) {
-    metrics.state = std::move(state);
-    metrics.attempt = attempt->number();
-    metrics.world_size = attempt->world_size();
-    metrics.ranks_up = attempt->registered();
-    metrics.rank_step_s.resize(static_cast<size_t>(attempt->world_size()));
-    for (size_t r = 0; r < metrics.rank_step_s.size(); ++r) {
-      metrics.rank_step_s[r] = attempt->stragglers().StepSeconds(static_cast<int>(r));
-    }
-    metrics.stragglers = attempt->stragglers().Stragglers();
+    const RunMetrics& now =
+        metrics.Update(std::move(state), attempt->number(), attempt->world_size(),
+                       attempt->registered(), attempt->stragglers());
     MutexLock lock(ctl.metrics_mu_);
-    ctl.metrics_ = metrics;
+    ctl.metrics_ = now;
   }
 
   // --- the attempt's events --------------------------------------------------------------------
@@ -223,13 +158,13 @@ struct Controller::Loop : ControlPort::Delegate,
   void OnBadFrame(int rank, const std::string& what) override { attempt->OnBadFrame(rank, what); }
   void OnFrame(int rank, const wire::FrameView& f) override { attempt->OnFrame(rank, f); }
   void OnExit(const std::vector<int>& proc_ranks, const launch::ExitStatus& exit,
-              const RankOutput& output) override {
-    attempt->OnExit(proc_ranks, exit, output);
+              const RankOutput& split) override {
+    attempt->OnExit(proc_ranks, exit, split);
   }
   void OnLog(int rank, std::string_view text) override { WriteLog(rank, text); }
-  void OnConsole(std::string text) override { ToConsole(std::move(text)); }
+  void OnConsole(std::string text) override { output.ToConsole(std::move(text)); }
 
-  void CountReport() override { ++metrics.reports; }
+  void CountReport() override { metrics.CountReport(); }
   void AddRound(Round round) override { recorder.Add(std::move(round)); }
   void RecordRunning(bool if_stale) override {
     if (if_stale && record.SinceWritten() < kStepTimesRefresh) return;
@@ -237,15 +172,8 @@ struct Controller::Loop : ControlPort::Delegate,
     if (!written.ok()) Say("cannot write run.json: " + written.message());
   }
 
-  // Rank 0's return value as the run directory's file, replacing an earlier attempt's or run's;
-  // none removes it.
   Status RecordReturnValue(const std::optional<std::string>& value) override {
-    const std::string path = storage::JoinPath(store.dir(), kReturnValueFile);
-    if (value) return storage::WriteFileAtomically(path, *value);
-    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return storage::PathError("cannot remove", path, errno);
-    }
-    return OkStatus();
+    return record.WriteReturnValue(value);
   }
 
   nlohmann::json CommittedNames() const override {
@@ -255,12 +183,11 @@ struct Controller::Loop : ControlPort::Delegate,
   }
 
   void OnTrainingStarted() override {
-    metrics.group_start.Add(SecondsSince(attempt->started()));
-    if (failure_noticed) metrics.restart.Add(SecondsSince(*failure_noticed));
-    failure_noticed.reset();
+    const TimePoint now = Now();
+    metrics.TrainingStarted(now - attempt->started(), now);
     // The group is ready: the next attempt's processes can start ahead (standby workers), at
     // low priority, so that a restart or a later fit() finds them past import jax.
-    Status prepared = ctl.launcher_->PrepareNext(workers.specs);
+    Status prepared = ctl.launcher_->PrepareNext(placement.workers().specs);
     if (!prepared.ok()) Say("warning: " + prepared.message() + "; a restart starts afresh");
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
   }
@@ -268,16 +195,12 @@ struct Controller::Loop : ControlPort::Delegate,
   // --- rounds (round_recorder.h) ---------------------------------------------------------
 
   void OnRecorded(const Round& round, const std::string& committed) override {
-    rounds = round.round;
-    last_metrics = round.metrics_json;
+    outcome.rounds = round.round;
+    outcome.last_metrics_json = round.metrics_json;
     attempt->OnRecorded(round.round, committed);
-    ++metrics.rounds;
-    metrics.last_round = round.round;
+    metrics.CountRound(round.round);
     if (!committed.empty()) {
-      const RoundRecorder::CommitStats& commit = recorder.last_commit();
-      metrics.checkpoint_commit.Add(std::chrono::duration<double>(commit.took).count());
-      metrics.checkpoint_bytes += commit.bytes;
-      metrics.last_checkpoint_bytes = commit.bytes;
+      metrics.CountCommit(recorder.last_commit().took, recorder.last_commit().bytes);
     }
     RefreshStatus();
     Publish();
@@ -308,7 +231,7 @@ struct Controller::Loop : ControlPort::Delegate,
     return true;
   }
 
-  // Resets the wake-up eventfd once poll() has found it readable.
+  // Resets the wake-up eventfd (non-blocking: nothing happens when it was not readable).
   void DrainWake() {
     uint64_t v;
     [[maybe_unused]] ssize_t n = read(ctl.wake_fd_, &v, sizeof(v));
@@ -327,13 +250,10 @@ struct Controller::Loop : ControlPort::Delegate,
     // connections can push its connection out (Accept()). Connections before processes: a
     // worker's last frames are handled before its exit.
     // A descriptor of -1 (a port without a listener, a clock that moves by itself) is ignored.
-    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},
-                    {port->ready_fd(), POLLIN, 0},
-                    {recorder.ready_fd(), POLLIN, 0},
-                    {port->listen_fd(), POLLIN, 0},
-                    {group->ready_fd(), POLLIN, 0},
-                    {ctl.clock_.wake_fd(), POLLIN, 0},
-                    {monitor ? monitor->ready_fd() : -1, POLLIN, 0}};
+    pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0},        {port->ready_fd(), POLLIN, 0},
+                    {recorder.ready_fd(), POLLIN, 0}, {port->listen_fd(), POLLIN, 0},
+                    {group->ready_fd(), POLLIN, 0},   {ctl.clock_.wake_fd(), POLLIN, 0},
+                    {placement.ready_fd(), POLLIN, 0}};
     std::optional<TimePoint> next = attempt->NextDeadline(recorder.busy());
     if (auto t = port->NextDeadline()) next = next ? std::min(*next, *t) : *t;
     if (poll(fds, std::size(fds), PollTimeoutMs(ctl.clock_, next)) > 0) {
@@ -343,7 +263,7 @@ struct Controller::Loop : ControlPort::Delegate,
       if (fds[3].revents != 0) port->Accept();
       if (fds[4].revents != 0) group->OnReady();
       if (fds[5].revents != 0) ClearWake(ctl.clock_);
-      if (fds[6].revents != 0) OnCapacityBack();
+      if (fds[6].revents != 0) OnCapacityChange();
     }
     port->ExpireHandshakes();
     attempt->CheckTimers();
@@ -356,7 +276,8 @@ struct Controller::Loop : ControlPort::Delegate,
   // The checkpoint the first attempt restores from (RestoreVerifier), chosen on the thread that
   // calls Start(), before the loop runs.
   RestoreVerifier::Result CheckpointToRestore() {
-    return Chosen(RestoreVerifier::Choose(store.dir(), recorder.records(), opts.verify_checksums));
+    return Chosen(
+        RestoreVerifier::Choose(store.dir(), recorder.records(), ctl.options_.verify_checksums));
   }
 
   // `chosen`, its warnings said.
@@ -369,52 +290,49 @@ struct Controller::Loop : ControlPort::Delegate,
   // keeps honouring Abort() (no worker is alive and no commit in flight by then); nullopt when
   // the run was aborted meanwhile, the verification cancelled.
   std::optional<RestoreVerifier::Result> CheckpointToRestoreServingAbort() {
-    Status started =
-        verifier->Start(store.dir(), recorder.records(), opts.verify_checksums, opts.memory_store);
+    Status started = verifier->Start(store.dir(), recorder.records(), ctl.options_.verify_checksums,
+                                     ctl.options_.memory_store);
     if (!started.ok()) return CheckpointToRestore();
-    for (;;) {
-      pollfd fds[] = {{ctl.wake_fd_, POLLIN, 0}, {verifier->ready_fd(), POLLIN, 0}};
-      if (poll(fds, std::size(fds), -1) > 0 && fds[0].revents != 0) DrainWake();
-      if (TakeAbortRequest(/*counts=*/true)) verifier->Cancel();
-      if (std::optional<RestoreVerifier::Result> chosen = verifier->TakeResult()) {
-        if (chosen->cancelled) return std::nullopt;
-        return Chosen(std::move(*chosen));
-      }
-    }
+    RestoreVerifier::Result chosen = verifier->Wait(ctl.wake_fd_, [this] {
+      DrainWake();
+      return TakeAbortRequest(/*counts=*/true);
+    });
+    if (chosen.cancelled) return std::nullopt;
+    return Chosen(std::move(chosen));
   }
 
   // Starts attempt `number`, a fresh Attempt, restoring from `restore` (its dir "" for none), on
   // `plan`; `resized`: the attempt before it ended RESIZED (its cause in the metrics).
   // Errors: as Launcher::Launch().
   Status StartAttempt(int number, const RestoreVerifier::Result& restore, bool resized = false) {
-    ++metrics.attempts_by_cause[resized ? "resize"
-                                : number == first_attempt || failures.empty()
-                                    ? "start"
-                                    : std::string(FailureCauseName(failures.back().cause))];
+    metrics.CountAttempt(resized ? "resize"
+                         : number == first_attempt || outcome.failures.empty()
+                             ? "start"
+                             : std::string(FailureCauseName(outcome.failures.back().cause)));
     const uint64_t first_round = attempt ? attempt->next_round() : store.LastRound() + 1;
     // options_ outlives the loop: the payload is shared without a copy (an owner-less alias).
     // Its size was checked by Start(): its header always encodes.
     attempt = std::make_unique<Attempt>(
-        Attempt::Setup{
-            .number = number,
-            .first_round = first_round,
-            .restore_from = restore.dir,
-            .restore_checksums_skipped = restore.checksums_skipped,
-            .run_dir = store.dir(),
-            .log_path = [this](int r) { return store.LogPath(r); },
-            .payload_header =
-                *wire::EncodeFrameHeader(wire::MessageType::kPayload, opts.payload.size()),
-            .payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(), &opts.payload),
-            .plan = plan,
-            .resize = std::exchange(next_resize, nlohmann::json())},
-        opts, *port, *group, ctl.clock_, *this);
+        Attempt::Setup{.number = number,
+                       .first_round = first_round,
+                       .restore_from = restore.dir,
+                       .restore_checksums_skipped = restore.checksums_skipped,
+                       .run_dir = store.dir(),
+                       .log_path = [this](int r) { return store.LogPath(r); },
+                       .payload_header = *wire::EncodeFrameHeader(wire::MessageType::kPayload,
+                                                                  ctl.options_.payload.size()),
+                       .payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(),
+                                                                     &ctl.options_.payload),
+                       .plan = placement.plan(),
+                       .resize = placement.TakeResize()},
+        ctl.options_, *port, *group, ctl.clock_, *this);
     JT_RETURN_IF_ERROR(SweepStaging());
     if (number > first_attempt) {
       Say("restarting the worker group: attempt " + std::to_string(number) +
           (restore.dir.empty() ? ", from the start" : ", from checkpoint " + restore.dir));
     }
-    logs.BeginAttempt(number);  // each log gets the attempt's header before its first output
-    (*workers.shared_env)["JAXTRAIN_ATTEMPT"] = std::to_string(number);
+    output.BeginAttempt(number);  // each log gets the attempt's header before its first output
+    (*placement.workers().shared_env)["JAXTRAIN_ATTEMPT"] = std::to_string(number);
     // An attempt that run.json does not show must not run: its rounds would be lost with it.
     // One whose launch may wait in a queue (Kueue) shows as queued until the launch returns:
     // the loop is blocked meanwhile, so `jaxtrain show` says it, not the status line.
@@ -422,7 +340,7 @@ struct Controller::Loop : ControlPort::Delegate,
     attempt->SetQueued(may_queue);
     JT_RETURN_IF_ERROR(WriteRunState("RUNNING"));
     PublishAs(may_queue ? "QUEUED" : number > first_attempt ? "RESTARTING" : "STARTING");
-    Status started = attempt->Start(workers.specs);
+    Status started = attempt->Start(placement.workers().specs);
     attempt->SetQueued(false);
     attempt->SetQueueWait(ctl.launcher_->QueueWait());
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
@@ -436,124 +354,32 @@ struct Controller::Loop : ControlPort::Delegate,
     getrlimit(RLIMIT_NOFILE, &files);
     const uint64_t taken =
         static_cast<uint64_t>(attempt->world_size()) + 2 * group->size() + kSpareFiles;
-    logs.set_max_open(files.rlim_cur > taken + kMinOpenLogs ? files.rlim_cur - taken
-                                                            : kMinOpenLogs);
+    output.set_max_open_logs(files.rlim_cur > taken + kMinOpenLogs ? files.rlim_cur - taken
+                                                                   : kMinOpenLogs);
     RefreshStatus();
-    WatchMissingHosts();
+    placement.WatchMissingHosts();
     return OkStatus();
   }
 
-  // --- elastic runs (docs/elastic.md) ----------------------------------------------------------
-
-  // The hosts of `p`, in rank order.
-  static std::vector<std::string> HostsOf(const placement::Plan& p) {
-    std::vector<std::string> hosts;
-    for (const placement::ResizeUnit& u : placement::ResizeUnits(p)) {
-      hosts.insert(hosts.end(), u.hosts.begin(), u.hosts.end());
-    }
-    return hosts;
-  }
-
-  // Makes `next` the plan of the attempts from now on: its processes, and the launcher's hosts.
-  // Errors: those of Launcher::UsePlan.
-  Status UsePlan(placement::Plan next) {
-    plan = std::make_shared<const placement::Plan>(std::move(next));
-    workers = BuildWorkerSpecs(*plan, command);
-    return ctl.launcher_->UsePlan(*plan);
-  }
-
-  // Elastic runs: the plan of the next attempt, on the units (hosts, TPU slices) of the full
-  // plan that the launcher can reach now; at a restart (`restart`) a host that cannot be reached
-  // is waited for up to host_wait first. Fewer than min_workers reachable: the full plan, whose
-  // launch waits for the hosts and fails naming them, as a fixed-size run's does.
-  // Errors: kCancelled when the run is being stopped meanwhile; those of plan_on and UsePlan.
+  // Elastic runs: the next attempt's plan (RunPlacement::Choose), its resizes recorded.
   Status ChoosePlan(bool restart) {
-    const ElasticOptions& e = *opts.elastic;
-    const placement::Plan& full = opts.plan;
-    // One probe of every host, probing those down again with backoff up to the wait: the
-    // probe of a host cut off takes ssh's connect timeout, so it is not made twice.
-    const Duration wait = restart ? e.host_wait : Duration::zero();
-    JT_ASSIGN_OR_RETURN(std::vector<std::string> down,
-                        ctl.launcher_->UnreachableHosts(HostsOf(full), wait, -1));
-    const std::set<std::string> unreachable(down.begin(), down.end());
-    const std::vector<std::string> before = HostsOf(*plan);
-    if (!down.empty() && restart) {
-      Say("host " + JoinNames(down) + " cannot be reached after waiting up to " +
-          FormatNumber(std::chrono::duration<double>(wait).count()) +
-          " s for it (elastic: min(FailureConfig.unreachable_host_timeout_s, "
-          "ScalingConfig.elastic_resize_monitor_interval_s))");
-    }
-    StatusOr<placement::HostChoice> choice =
-        placement::ChooseHosts(full, unreachable, e.min_workers);
-    placement::Plan next;
-    if (!choice.ok()) {
-      Say("warning: " + choice.status().message() +
-          "; starting on every host, as a fixed-size "
-          "run does");
-      next = full;
-    } else if (static_cast<size_t>(choice->workers) == full.workers.size()) {
-      next = full;
-    } else {
-      JT_ASSIGN_OR_RETURN(next, e.plan_on(choice->hosts, choice->workers));
-    }
-    const size_t from = plan->workers.size();
-    const size_t to = next.workers.size();
-    if (to != from) {
-      ++resizes;
-      record.set_resizes(resizes);
-      const std::vector<std::string> now = HostsOf(next);
-      std::vector<std::string> gone, added;
-      for (const auto& h : before) {
-        if (std::find(now.begin(), now.end(), h) == now.end()) gone.push_back(h);
-      }
-      for (const auto& h : now) {
-        if (std::find(before.begin(), before.end(), h) == before.end()) added.push_back(h);
-      }
-      const std::string reason = to < from ? "host " + JoinNames(gone) + " cannot be reached"
-                                           : "host " + JoinNames(added) + " can be reached again";
-      next_resize = {
-          {"from", from},
-          {"to", to},
-          {"reason", reason},
-          {"hosts_left_out", choice.ok() ? choice->left_out : std::vector<std::string>{}}};
-      Say("resizing the run from " + std::to_string(from) + " to " + std::to_string(to) +
-          " workers (" + reason + "; ScalingConfig.num_workers=(" + std::to_string(e.min_workers) +
-          ", " + std::to_string(full.workers.size()) + ")): hosts " + JoinNames(now));
-    }
-    return UsePlan(std::move(next));
+    Status chosen = placement.Choose(restart);
+    record.set_resizes(placement.resizes());
+    return chosen;
   }
 
-  static std::string JoinNames(const std::vector<std::string>& names) {
-    std::string out;
-    for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
-    return out;
-  }
-
-  // Elastic runs below max: the hosts the attempt lacks are watched (CapacityMonitor).
-  void WatchMissingHosts() {
-    if (!monitor) return;
-    const std::vector<std::string> now = HostsOf(*plan);
-    std::vector<std::string> missing;
-    for (const auto& h : HostsOf(opts.plan)) {
-      if (std::find(now.begin(), now.end(), h) == now.end()) missing.push_back(h);
+  // The run lacks hosts that answer again, or hosts are leaving it: it resizes at its next
+  // committed checkpoint.
+  void OnCapacityChange() {
+    if (std::optional<std::string> why = placement.TakeCapacityChange()) {
+      attempt->RequestResize(*why);
     }
-    if (missing.empty()) return monitor->Stop();
-    monitor->Start(std::move(missing));
-  }
-
-  // The monitor found hosts the run lacks: it grows at its next committed checkpoint.
-  void OnCapacityBack() {
-    std::optional<std::vector<std::string>> back = monitor->TakeFound();
-    if (!back) return;
-    const std::string why = "host " + JoinNames(*back) + " can be reached again";
-    Say(why + "; the run grows at its next committed checkpoint");
-    attempt->RequestResize(why);
   }
 
   // Ends the attempt whose processes are all reaped; true when a new attempt has started.
   bool EndAttempt() {
     group->CloseOutputs();
-    if (monitor) monitor->Stop();
+    placement.StopWatching();
     std::optional<RankFailure>& failure = attempt->failure();
     const bool aborted = abort_reason.has_value();
     // Stopped on purpose to grow (Attempt::RequestResize): a planned restart, not a failure.
@@ -567,7 +393,7 @@ struct Controller::Loop : ControlPort::Delegate,
       std::string mismatch = attempt->CountMismatchWarning();
       if (!mismatch.empty()) {
         Say("warning: " + mismatch);
-        warnings.push_back(mismatch);
+        outcome.warnings.push_back(mismatch);
       }
     }
     std::string_view status = failure   ? "ERRORED"
@@ -580,7 +406,7 @@ struct Controller::Loop : ControlPort::Delegate,
       failure->decision = std::move(d.reason);
     }
     record.AddAttempt(attempt->Record(status));
-    if (!failure_noticed) failure_noticed = attempt->failed_at();
+    metrics.NoticeFailure(attempt->failed_at());
     if (resized) {
       std::optional<RestoreVerifier::Result> restore = CheckpointToRestoreServingAbort();
       return restore && Restart(*restore, /*resized=*/true);
@@ -591,7 +417,7 @@ struct Controller::Loop : ControlPort::Delegate,
         (failure->rank >= 0 ? "rank " + std::to_string(failure->rank) : "the driver") + " (host " +
         (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
-    failures.push_back(*failure);
+    outcome.failures.push_back(*failure);
     if (!failure->retried) {
       Say("not restarting: " + failure->decision);
       return false;
@@ -603,7 +429,8 @@ struct Controller::Loop : ControlPort::Delegate,
   // Starts the next attempt from `restore`, on the hosts an elastic run chooses again; true when
   // it started. An abort meanwhile ends the run aborted; an attempt that cannot start, failed.
   bool Restart(const RestoreVerifier::Result& restore, bool resized) {
-    Status s = opts.elastic ? ChoosePlan(/*restart=*/true) : OkStatus();
+    // A planned resize waits for no host: the monitor has just asked about them.
+    Status s = ctl.options_.elastic ? ChoosePlan(/*restart=*/!resized) : OkStatus();
     // Whether the next attempt was made (StartAttempt makes it first): until then `attempt` is
     // the one that ended, already recorded.
     const bool made = s.ok();
@@ -616,10 +443,11 @@ struct Controller::Loop : ControlPort::Delegate,
     }
     if (!s.ok()) {
       Say("cannot restart the worker group: " + s.message());
-      failures.push_back({.rank = -1,
-                          .attempt = attempt->number() + (made ? 0 : 1),
-                          .cause = FailureCause::kStartUp,
-                          .message = "the worker group could not be started: " + s.message()});
+      outcome.failures.push_back(
+          {.rank = -1,
+           .attempt = attempt->number() + (made ? 0 : 1),
+           .cause = FailureCause::kStartUp,
+           .message = "the worker group could not be started: " + s.message()});
       if (made) record.AddAttempt(attempt->Record("ERRORED"));
       return false;
     }
@@ -633,34 +461,29 @@ struct Controller::Loop : ControlPort::Delegate,
   }
 
   Outcome Finish() {
-    if (monitor) monitor->Stop();
+    placement.StopWatching();
     // Standby workers serve a later fit() of the same processes, but not past an abort.
     ctl.launcher_->EndRun(/*keep=*/!abort_reason);
     // What the last stop could not do (a Slurm step it could not cancel), said before the end.
     for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
-    WarnLogs(logs.HeadAll());  // every log numbers every attempt (rank_logs.h)
-    logs.CloseAll();
-    port.reset();  // every connection closed, and the listener
+    Warn(output.CloseLogs());  // every log numbers every attempt (rank_logs.h)
+    port.reset();              // every connection closed, and the listener
 
-    Outcome out;
+    Outcome& out = outcome;
     out.attempts = attempt->number() - first_attempt + 1;
-    out.failures = failures;
-    out.warnings = warnings;
     if (abort_reason) {
       out.state = Outcome::State::kAborted;
       out.abort_reason = *abort_reason;
-    } else if (!failures.empty() && (attempt->failure() || failures.back().rank < 0)) {
+    } else if (!out.failures.empty() && (attempt->failure() || out.failures.back().rank < 0)) {
       out.state = Outcome::State::kFailed;
-      out.failure = failures.front();
-      Status s = record.WriteError(failures);
+      out.failure = out.failures.front();
+      Status s = record.WriteError(out.failures);
       if (!s.ok()) Say("cannot write error.txt: " + s.message());
     } else {
       out.state = Outcome::State::kSucceeded;
     }
-    out.rounds = rounds;
-    out.last_metrics_json = last_metrics;
     Status written = WriteRunState(OutcomeStateName(out.state));
     if (!written.ok()) {
       // The run's record says RUNNING, not how it ended: never report that as a success.
@@ -677,14 +500,16 @@ struct Controller::Loop : ControlPort::Delegate,
         out.state = Outcome::State::kFailed;
       }
     }
+    out.run_state = record.state();
+    out.return_value = record.return_value();
     PublishAs(std::string(OutcomeStateName(out.state)));
-    store.Unlock();  // the run is over: another driver may resume it
-    return out;
+    store.Unlock();         // the run is over: another driver may resume it
+    return std::move(out);  // the loop ends with it
   }
 
   // run.json as `status`, with the attempt in progress while the run is RUNNING.
   Status WriteRunState(std::string_view status) {
-    return record.Write(status, rounds,
+    return record.Write(status, outcome.rounds,
                         status == "RUNNING" ? attempt->Record(status) : nlohmann::json());
   }
 };
@@ -750,26 +575,19 @@ Status Controller::Start() {
   if (!reindexed.ok())
     loop->Say("warning: cannot rewrite checkpoints.json: " + reindexed.message());
   loop->first_attempt = loop->record.Resume();
-  loop->rounds = loop->store.LastRound();
+  loop->outcome.rounds = loop->store.LastRound();
   const std::string secret = wire::GenerateSecret();  // the port checks hellos against it
   JT_ASSIGN_OR_RETURN(loop->port, seams_.open_port(secret, *loop, &port_));
 
-  loop->command = {.argv = options_.worker_argv,
-                   .cwd = options_.worker_cwd,
-                   .env = options_.worker_env,
-                   .controller_address = wire::HostPort{options_.listen_host, port_}.ToString(),
-                   .run_dir = loop->store.dir(),
-                   .experiment_name = options_.experiment_name,
-                   .secret_hex = wire::ToHex(secret)};
-  loop->plan = std::make_shared<const placement::Plan>(options_.plan);
-  loop->workers = BuildWorkerSpecs(*loop->plan, loop->command);
-  if (options_.elastic) {
-    // The run starts as soon as min workers can be placed: on the hosts that answer now.
-    JT_ASSIGN_OR_RETURN(loop->monitor,
-                        CapacityMonitor::Create(*launcher_, options_.elastic->monitor_interval));
-    loop->record.set_resizes(0);
-    JT_RETURN_IF_ERROR(loop->ChoosePlan(/*restart=*/false));
-  }
+  JT_RETURN_IF_ERROR(loop->placement.Start(
+      {.argv = options_.worker_argv,
+       .cwd = options_.worker_cwd,
+       .env = options_.worker_env,
+       .controller_address = wire::HostPort{options_.listen_host, port_}.ToString(),
+       .run_dir = loop->store.dir(),
+       .experiment_name = options_.experiment_name,
+       .secret_hex = wire::ToHex(secret)}));
+  if (options_.elastic) loop->record.set_resizes(loop->placement.resizes());
   Status started = loop->StartAttempt(loop->first_attempt, loop->CheckpointToRestore());
   if (!started.ok()) {
     // run.json may already say RUNNING; it must say how the run ended instead.
@@ -793,10 +611,10 @@ void Controller::RunLoop() {
     while (!loop_->Step()) {
     }
   } while (loop_->EndAttempt());
-  loop_->ClearStatus();
+  loop_->output.ClearStatus();
   Outcome out = loop_->Finish();
   // What the workers printed is shown before fit() returns, unless the console stopped reading.
-  if (!loop_->console.Flush(kConsoleFlushTimeout)) {
+  if (!loop_->output.Flush(kConsoleFlushTimeout)) {
     (void)WriteAll(2,
                    "jaxtrain: the console stopped reading; the rest of the workers' output is "
                    "in their log files\n");

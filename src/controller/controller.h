@@ -6,9 +6,12 @@
 // pidfd, and its output pipe), and the run directory. Other threads only call Abort(), Wait() and
 // outcome().
 //
-// The run and its attempts: the run (Controller::Loop, controller.cc) keeps what spans attempts
-// (the run directory and its records, the rounds recorded, the failures so far and the policy, the
-// port and the group, the console, the metrics); each attempt is a fresh Attempt (attempt.h),
+// The run and its attempts: the run (Controller::Loop, controller.cc) keeps what spans attempts,
+// each concern an object of its own: the run directory's records (RunRecord, run_record.h), the
+// rounds recorded (RoundRecorder), the failure budgets (FailurePolicy), the port and the group,
+// where each attempt trains (RunPlacement, run_placement.h), the console, status line and logs
+// (RunOutput, run_output.h), the metrics (MetricsBook, run_metrics.h) and the outcome so far;
+// each attempt is a fresh Attempt (attempt.h),
 // which owns that attempt's state, from the start of its group to its last process reaped, and
 // draws its phases (kStarting, kRunning, kStopping, kDraining). The run's state machine:
 //
@@ -19,12 +22,12 @@
 //   attempt number + 1, the latest committed checkpoint), or raise, kFailed.
 //
 // Elastic runs (ControllerOptions::elastic, docs/elastic.md): before each attempt the run
-// chooses its hosts (ChoosePlan): the units of the full plan the launcher can reach, at a restart
-// a host that cannot be reached waited for up to host_wait first; min_workers at least, else the
-// full plan (its launch then waits and fails as a fixed-size run's). A run below max watches the
-// hosts it lacks (CapacityMonitor); once one answers, the attempt stops on purpose at its next
-// committed checkpoint (Attempt::RequestResize) and ends RESIZED: a planned restart, not a
-// failure, counted apart (run.json's "resizes"), on the hosts chosen again.
+// chooses its hosts (RunPlacement::Choose): the units of the full plan the launcher can reach, at a
+// restart a host that cannot be reached waited for up to host_wait first; min_workers at least,
+// else the full plan (its launch then waits and fails as a fixed-size run's). A run below max
+// watches the hosts it lacks (CapacityMonitor, through RunPlacement); once one answers, the attempt
+// stops on purpose at its next committed checkpoint (Attempt::RequestResize) and ends RESIZED: a
+// planned restart, not a failure, counted apart (run.json's "resizes"), on the hosts chosen again.
 //
 // Report rounds: a round is complete when every rank has reported it (ReportCollector); rank 0's
 // metrics are recorded, and the ranks' checkpoints, if any, are committed as one checkpoint
@@ -178,6 +181,12 @@ struct Outcome {
   std::string last_metrics_json;       // rank 0's metrics of the last round, "" if none
   std::vector<std::string> warnings;
   std::string abort_reason;
+  // The run directory's records as the run left them, for fit()'s Result
+  // (python/jaxtrain/result.py), which need not read them back: run.json as last written (null
+  // if it never was), and rank 0's pickled return value as return_value.pkl holds it (none when
+  // the last attempt's rank 0 returned nothing to keep).
+  nlohmann::json run_state;
+  std::optional<std::string> return_value;
 };
 
 std::string_view OutcomeStateName(Outcome::State state);

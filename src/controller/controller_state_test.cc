@@ -11,6 +11,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -20,9 +21,11 @@
 #include "controller/testing/cpu_plan.h"
 #include "controller/testing/fake_control_port.h"
 #include "controller/testing/fake_worker_group.h"
+#include "controller/testing/hosts_launcher.h"
 #include "storage/checkpoint.h"
 #include "storage/files.h"
 #include "wire/frame.h"
+#include "wire/handshake.h"
 #include "wire/messages.h"
 
 namespace jaxtrain::controller {
@@ -63,46 +66,8 @@ class QueuingLauncher : public UnusedLauncher {
   double wait_;
 };
 
-// An elastic run's launcher: the hosts it cannot reach are the test's to say; it notes the world
-// size of every plan it is handed. UnreachableHosts is called from the capacity monitor's thread.
-class ElasticLauncher : public UnusedLauncher {
- public:
-  using UnusedLauncher::UnusedLauncher;
-  StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
-                                                      Duration, int) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::string> down;
-    for (const auto& h : hosts) {
-      if (down_.count(h)) down.push_back(h);
-    }
-    return down;
-  }
-  Status UsePlan(const placement::Plan& plan) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    sizes_.push_back(plan.workers.size());
-    return OkStatus();
-  }
-  void SetDown(std::set<std::string> down) {
-    std::lock_guard<std::mutex> lock(mu_);
-    down_ = std::move(down);
-  }
-  std::vector<size_t> sizes() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return sizes_;
-  }
-
- private:
-  std::mutex mu_;
-  std::set<std::string> down_;
-  std::vector<size_t> sizes_;
-};
-
-// `workers` CPU workers, 2 on each of `hosts` in order.
-placement::Plan TwoPerHost(int workers, const std::vector<std::string>& hosts) {
-  placement::Plan plan = CpuPlan(workers);
-  for (auto& w : plan.workers) w.host = hosts[static_cast<size_t>(w.rank / 2)];
-  return plan;
-}
+// An elastic run's launcher (testing/hosts_launcher.h).
+using ElasticLauncher = HostsLauncher;
 
 class ControllerStateTest : public testing::Test {
  protected:
@@ -134,6 +99,40 @@ class ControllerStateTest : public testing::Test {
     Status s = controller->Start();
     EXPECT_TRUE(s.ok()) << s.ToString();
     return controller;
+  }
+
+  // An elastic run of (2, 4) on host1 and host2, 2 workers each (docs/elastic.md).
+  ControllerOptions ElasticOnTwoHosts(Duration host_wait) {
+    ControllerOptions options = Options(4);
+    options.plan = TwoPerHost(4, {"host1", "host2"});
+    options.elastic =
+        ElasticOptions{.min_workers = 2,
+                       .monitor_interval = 1ms,
+                       .host_wait = host_wait,
+                       .plan_on = [](const std::vector<std::string>& hosts, int workers) {
+                         return StatusOr<placement::Plan>(TwoPerHost(workers, hosts));
+                       }};
+    return options;
+  }
+
+  // Rounds with checkpoints by `ranks` of `attempt` until the group is stopped to resize (the
+  // ranks of the round at which it stops are not told to go on); the last round.
+  uint64_t CheckpointUntilStopped(int attempt, const std::vector<int>& ranks) {
+    const int terms = processes_.signals(SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + kNoHang;
+    uint64_t round = 0;
+    while (processes_.signals(SIGTERM) == terms) {
+      EXPECT_LT(std::chrono::steady_clock::now(), deadline) << "the run never resized";
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      ++round;
+      for (int rank : ranks) ReportCheckpoint(attempt, rank, round);
+      while (processes_.signals(SIGTERM) == terms &&
+             !ranks_.WaitForSent(ranks.back(), 0, MessageType::kCheckpointSettled, 0s, round)) {
+        if (std::chrono::steady_clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    return round;
   }
 
   // A controller of `workers` ranks with a 30 s progress watchdog, every rank registered.
@@ -371,6 +370,24 @@ TEST_F(ControllerStateTest, RunJsonRecordsWhenEachAttemptWasReadyAndWhenItFailed
   std::string line;
   ASSERT_TRUE(std::getline(rounds, line));
   EXPECT_DOUBLE_EQ(json::parse(line).value("time", 0.0), t0 + 5);
+}
+
+// The outcome carries run.json and rank 0's return value as the run directory has them at the end:
+// fit() builds its Result from them without reading them back.
+TEST_F(ControllerStateTest, TheOutcomeCarriesRunJsonAndTheReturnValueAsTheRunDirectoryHasThem) {
+  auto controller = Start(Options(2));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  ranks_.Deliver(0, MessageType::kDone, json{{"return_value", wire::ToHex("pickled")}}.dump());
+  processes_.Exit(0, 0);
+  Finish(1);
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_EQ(out.run_state, RunState());
+  EXPECT_EQ(out.run_state["status"], "FINISHED");
+  EXPECT_EQ(out.return_value, "pickled");
+  std::ifstream file(RunDir() + "/return_value.pkl");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(file), {}), "pickled");
 }
 
 // The checkpoint a restart names when the latest one's contents no longer match its checksums
@@ -644,6 +661,8 @@ TEST_F(ControllerStateTest, ASlowRankIsRecordedAsAStragglerAndEveryRanksStepTime
   WaitForStart(1);
   clock_.Advance(2s);  // the group takes 2 s to register
   RegisterAll(/*attempt=*/0, 3);
+  // The start is sent before the group start is timed: the clock moves on only after it.
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
   // Ranks 0 and 1 run ahead, a report every 100 ms; rank 2 reports every 400 ms, and each of its
   // reports completes a round.
   for (uint64_t round = 1; round <= 10; ++round) {
@@ -908,16 +927,8 @@ TEST_F(ControllerStateTest, RanksMakingDifferentCollectiveCallsFailTheAttemptNam
 // checkpoint; once host2 answers again it stops at its next committed checkpoint, a resize and no
 // failure, and goes on with all 4.
 TEST_F(ControllerStateTest, AnElasticRunShrinksToTheHostsLeftAndGrowsBackAtACheckpoint) {
-  ControllerOptions options = Options(4);
-  options.plan = TwoPerHost(4, {"host1", "host2"});
+  ControllerOptions options = ElasticOnTwoHosts(0s);
   options.max_failures = 1;
-  options.elastic =
-      ElasticOptions{.min_workers = 2,
-                     .monitor_interval = 1ms,
-                     .host_wait = 0s,
-                     .plan_on = [](const std::vector<std::string>& hosts, int workers) {
-                       return StatusOr<placement::Plan>(TwoPerHost(workers, hosts));
-                     }};
   auto owned = std::make_unique<ElasticLauncher>(interrupts_);
   ElasticLauncher& launcher = *owned;
   auto controller = Start(std::move(options), std::move(owned));
@@ -931,21 +942,7 @@ TEST_F(ControllerStateTest, AnElasticRunShrinksToTheHostsLeftAndGrowsBackAtAChec
   EXPECT_EQ(shrunk[0]["world_size"], 2);
   launcher.SetDown({});  // host2 answers again: the monitor finds it
 
-  // Rounds with checkpoints until the group is stopped to grow (the ranks of the round at which
-  // it stops are not told to go on).
-  const int terms = processes_.signals(SIGTERM);
-  const auto deadline = std::chrono::steady_clock::now() + kNoHang;
-  uint64_t round = 0;
-  while (processes_.signals(SIGTERM) == terms) {
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the run never grew";
-    ++round;
-    for (int rank : {0, 1}) ReportCheckpoint(/*attempt=*/1, rank, round);
-    while (processes_.signals(SIGTERM) == terms &&
-           !ranks_.WaitForSent(1, 0, MessageType::kCheckpointSettled, 0s, round)) {
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "round " << round;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
+  const uint64_t round = CheckpointUntilStopped(/*attempt=*/1, {0, 1});  // to grow
   WaitForStart(3);
   std::vector<json> grown = RegisterAll(/*attempt=*/2, 4);
   EXPECT_EQ(grown[3]["world_size"], 4);
@@ -970,6 +967,39 @@ TEST_F(ControllerStateTest, AnElasticRunShrinksToTheHostsLeftAndGrowsBackAtAChec
   EXPECT_EQ(state["attempts"][1]["resize"]["reason"], "host host2 cannot be reached");
   EXPECT_EQ(state["attempts"][2]["resize"]["reason"], "host host2 can be reached again");
   EXPECT_EQ(state["attempts"][2]["world_size"], 4);
+}
+
+// A host the cluster takes from a group that trains on it (a Slurm node drained) is left at the
+// next committed checkpoint: a planned resize, no failure, and the restart waits for no host.
+TEST_F(ControllerStateTest, AnElasticRunLeavesAHostTakenFromItAtACheckpoint) {
+  ControllerOptions options = ElasticOnTwoHosts(24h);
+  auto owned = std::make_unique<ElasticLauncher>(interrupts_);
+  ElasticLauncher& launcher = *owned;
+  auto controller = Start(std::move(options), std::move(owned));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 4);
+  launcher.SetDown({"host2"});  // drained: not usable, and leaving the group
+  launcher.SetLeaving({"host2"});
+
+  CheckpointUntilStopped(/*attempt=*/0, {0, 1, 2, 3});  // to shrink
+  WaitForStart(2);
+  std::vector<json> shrunk = RegisterAll(/*attempt=*/1, 2);
+  EXPECT_EQ(shrunk[1]["world_size"], 2);
+  for (int rank = 0; rank < 2; ++rank) Finish(rank);
+
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  EXPECT_TRUE(out.failures.empty()) << "a resize is no failure";
+  EXPECT_EQ(launcher.sizes(), (std::vector<size_t>{4, 2}));
+  EXPECT_EQ(controller->metrics().attempts_by_cause,
+            (std::map<std::string, uint64_t>{{"start", 1}, {"resize", 1}}));
+  json state = RunState();
+  EXPECT_EQ(state["resizes"], 1);
+  ASSERT_EQ(state["attempts"].size(), 2u);
+  EXPECT_EQ(state["attempts"][0]["status"], "RESIZED");
+  EXPECT_EQ(state["attempts"][1]["resize"]["reason"], "host host2 is being taken from the run");
+  EXPECT_EQ(state["attempts"][1]["resize"]["hosts_left_out"], json::array({"host2"}));
+  EXPECT_EQ(state["attempts"][1]["world_size"], 2);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "controller/restore_verifier.h"
 
+#include <poll.h>
+
 #include <iterator>
 
 #include "storage/files.h"
@@ -67,6 +69,15 @@ std::optional<RestoreVerifier::Result> RestoreVerifier::TakeResult() {
   std::optional<Result> out = results_->Take();
   if (out) busy_ = false;
   return out;
+}
+
+RestoreVerifier::Result RestoreVerifier::Wait(int wake_fd, const std::function<bool()>& cancel) {
+  for (;;) {
+    pollfd fds[] = {{wake_fd, POLLIN, 0}, {ready_fd(), POLLIN, 0}};
+    poll(fds, std::size(fds), -1);
+    if (cancel()) Cancel();
+    if (std::optional<Result> result = TakeResult()) return std::move(*result);
+  }
 }
 
 }  // namespace jaxtrain::controller

@@ -11,11 +11,16 @@
 //   idle ──Start()──> verifying ──ends, or Cancel() (ready_fd readable)──> done ──TakeResult()──>
 //   idle
 //
+// Wait() is that loop for a caller with nothing else to do meanwhile but watch its own wake-up
+// descriptor (the controller between attempts: no worker alive, no commit in flight, only
+// Abort() to honour).
+//
 // Cancel() stops a verification soon (between files and between a file's 4 MiB chunks); the
 // destructor cancels the one in flight and waits for its thread.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +74,11 @@ class RestoreVerifier {
   // The result of the verification that ended, once; nullopt while it runs or when none was
   // started.
   std::optional<Result> TakeResult();
+
+  // Waits for the result of the verification in flight (Start()), watching `wake_fd` meanwhile:
+  // each time poll() returns, `cancel` is asked, and true cancels the verification (the result
+  // then says cancelled). `cancel` resets `wake_fd` itself.
+  Result Wait(int wake_fd, const std::function<bool()>& cancel);
 
  private:
   explicit RestoreVerifier(std::unique_ptr<Mailbox<Result>> results)

@@ -1,5 +1,6 @@
 #include "controller/restore_verifier.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <unistd.h>
@@ -110,6 +111,36 @@ TEST_F(RestoreVerifierTest, CancelStopsAVerificationOfALargeCheckpointMidFile) {
   ASSERT_TRUE(result.has_value());
   EXPECT_TRUE(result->cancelled);
   EXPECT_EQ(result->dir, "");
+}
+
+TEST_F(RestoreVerifierTest, WaitReturnsTheResultAskingWhetherToCancelAtEachWakeUp) {
+  std::vector<storage::CheckpointRecord> records = {Commit("c1", 1)};
+  auto verifier = RestoreVerifier::Create();
+  ASSERT_TRUE(verifier.ok());
+  int wake[2];
+  ASSERT_EQ(pipe2(wake, O_NONBLOCK), 0);  // as the eventfd the controller passes
+  ASSERT_TRUE((*verifier)->Start(run_, records, true).ok());
+  int asked = 0;
+  RestoreVerifier::Result result = (*verifier)->Wait(wake[0], [&] {
+    ++asked;
+    return false;
+  });
+  EXPECT_EQ(result.dir, Dir("c1"));
+  EXPECT_FALSE(result.cancelled);
+  EXPECT_GE(asked, 1);
+
+  // A large checkpoint, and a wake-up that cancels it.
+  Grow("c1", uint64_t{1} << 40);
+  ASSERT_TRUE((*verifier)->Start(run_, records, true).ok());
+  ASSERT_EQ(write(wake[1], "x", 1), 1);
+  result = (*verifier)->Wait(wake[0], [&] {
+    char c;
+    return read(wake[0], &c, 1) == 1;  // woken: cancel
+  });
+  EXPECT_TRUE(result.cancelled);
+  EXPECT_EQ(result.dir, "");
+  close(wake[0]);
+  close(wake[1]);
 }
 
 TEST_F(RestoreVerifierTest, DestroyingItStopsAVerificationInFlight) {

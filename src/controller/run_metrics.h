@@ -4,6 +4,10 @@
 // rank's step time and stragglers (stragglers.h). The controller's loop publishes a copy at each
 // change that matters (a round, a registration, a commit, a phase change); Controller::metrics()
 // returns the latest copy.
+//
+// MetricsBook keeps them as the run goes, on the loop's thread: it counts attempts, reports,
+// rounds and commits, times group starts and restarts (a failure noticed until the next group
+// has registered), and makes the copy the loop publishes (Update()).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +15,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "base/clock.h"
 
 namespace jaxtrain::controller {
 
@@ -47,6 +53,32 @@ struct RunMetrics {
   uint64_t last_checkpoint_bytes = 0;
   std::vector<std::optional<double>> rank_step_s;  // by rank: its step time (stragglers.h)
   std::vector<int> stragglers;                     // ascending
+};
+
+class StragglerDetector;
+
+class MetricsBook {
+ public:
+  // An attempt starts; `cause`: "start", "resize", or the cause of the failure before it.
+  void CountAttempt(const std::string& cause) { ++m_.attempts_by_cause[cause]; }
+  void CountReport() { ++m_.reports; }
+  // Round `round` was recorded.
+  void CountRound(uint64_t round);
+  // A checkpoint was committed: its commit took `took`, and it has `bytes`.
+  void CountCommit(Duration took, uint64_t bytes);
+  // A failure was noticed at `at` (none: no failure); the first since training last ran counts.
+  void NoticeFailure(std::optional<TimePoint> at);
+  // Every rank of the group has registered, `group_start` after the group started, at `now`: the
+  // group start is timed, and so is the restart since the failure noticed, if any.
+  void TrainingStarted(Duration group_start, TimePoint now);
+  // The metrics now: in `state`, the attempt `attempt` of `world_size` ranks, `ranks_up` of them
+  // registered, with their step times and stragglers.
+  const RunMetrics& Update(std::string state, int attempt, int world_size, int ranks_up,
+                           const StragglerDetector& stragglers);
+
+ private:
+  RunMetrics m_;
+  std::optional<TimePoint> failure_noticed_;  // the first failure since training last ran
 };
 
 // As one JSON object, for the Python binding.

@@ -2,7 +2,17 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+
+#include "storage/files.h"
+
 namespace jaxtrain::controller {
+namespace {
+
+// Rank 0's pickled return value in the run directory (Result.return_value reads it).
+constexpr char kReturnValueFile[] = "return_value.pkl";
+
+}  // namespace
 
 std::string HostName() {
   char host[256] = {};
@@ -71,7 +81,20 @@ Status RunRecord::Write(std::string_view status, uint64_t rounds, const nlohmann
                           {"config", opts_.run_config}};
   if (status != "RUNNING") state["end_time"] = clock_.UnixSeconds();
   if (resizes_) state["resizes"] = *resizes_;
-  return store_.WriteRunState(state);
+  JT_RETURN_IF_ERROR(store_.WriteRunState(state));
+  state_ = std::move(state);
+  return OkStatus();
+}
+
+Status RunRecord::WriteReturnValue(const std::optional<std::string>& value) {
+  const std::string path = storage::JoinPath(store_.dir(), kReturnValueFile);
+  if (value) {
+    JT_RETURN_IF_ERROR(storage::WriteFileAtomically(path, *value));
+  } else if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return storage::PathError("cannot remove", path, errno);
+  }
+  return_value_ = value;
+  return OkStatus();
 }
 
 Status RunRecord::WriteError(const std::vector<RankFailure>& failures) {

@@ -1,6 +1,9 @@
 // RunRecord: the one writer of the run's own records in its directory — run.json (the run's
-// state, its rounds and its attempts, earlier runs' of the same directory too) and error.txt (the
-// failures of a run that failed) — and the one shape of a failure in them (FailureJson()).
+// state, its rounds and its attempts, earlier runs' of the same directory too), error.txt (the
+// failures of a run that failed) and return_value.pkl (rank 0's return value) — and the one shape
+// of a failure in them (FailureJson()). It keeps what it last wrote of run.json and the return
+// value, which the run's Outcome carries to fit() (python/jaxtrain/result.py), so that the
+// driver does not read them back.
 // docs/architecture.md ("The run directory") describes both files; python/jaxtrain reads them.
 //
 // run.json is rewritten whole, atomically (storage::RunStore::WriteRunState), each time: when an
@@ -57,6 +60,16 @@ class RunRecord {
   // calls it writes none.
   void set_resizes(int resizes) { resizes_ = resizes; }
 
+  // run.json as last written; null before it was.
+  const nlohmann::json& state() const { return state_; }
+
+  // Rank 0's return value (pickled) as return_value.pkl, replacing an earlier attempt's or run's;
+  // none removes it. Errors: as storage::WriteFileAtomically, and storage::PathError's when the
+  // file cannot be removed.
+  Status WriteReturnValue(const std::optional<std::string>& value);
+  // The return value return_value.pkl holds as last written; none when removed or not written.
+  const std::optional<std::string>& return_value() const { return return_value_; }
+
   // How long ago run.json was last written.
   Duration SinceWritten() const { return clock_.Now() - written_; }
 
@@ -72,6 +85,8 @@ class RunRecord {
   nlohmann::json attempts_ = nlohmann::json::array();  // earlier runs' too
   TimePoint written_;
   std::optional<int> resizes_;
+  nlohmann::json state_;                     // run.json as last written
+  std::optional<std::string> return_value_;  // return_value.pkl as last written
 };
 
 }  // namespace jaxtrain::controller

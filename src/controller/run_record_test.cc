@@ -1,5 +1,6 @@
 // RunRecord against a real run directory: run.json's attempts (an earlier driver's that never
-// ended marked CRASHED, the attempt in progress shown as RUNNING) and error.txt's text.
+// ended marked CRASHED, the attempt in progress shown as RUNNING), error.txt's text and
+// return_value.pkl, and what it keeps of them for the run's outcome.
 #include "controller/run_record.h"
 
 #include <gtest/gtest.h>
@@ -37,6 +38,11 @@ class RunRecordTest : public testing::Test {
     return text.ok() ? json::parse(*text) : json();
   }
 
+  static std::string ReadOr(const std::string& path) {
+    auto text = storage::ReadFile(path);
+    return text.ok() ? *text : "<missing>";
+  }
+
   std::string dir_;
   ControllerOptions opts_;
   FakeClock clock_;
@@ -66,6 +72,36 @@ TEST_F(RunRecordTest, WritesTheAttemptInProgressAndThoseThatEnded) {
   EXPECT_EQ(run["status"], "FINISHED");
   EXPECT_EQ(run["attempts"].size(), 1u);
   EXPECT_TRUE(run.contains("end_time"));
+  EXPECT_EQ(record.state(), run) << "the outcome carries run.json as written";
+}
+
+TEST_F(RunRecordTest, KeepsRunJsonOnlyAsLastWrittenSuccessfully) {
+  storage::RunStore store = Open();
+  RunRecord record(store, opts_, clock_);
+  EXPECT_TRUE(record.state().is_null());
+  ASSERT_TRUE(record.Write("RUNNING", 1, json()).ok());
+  const json written = RunJson();
+  // A directory in run.json's place: it cannot be replaced.
+  std::filesystem::remove(dir_ + "/run/run.json");
+  std::filesystem::create_directories(dir_ + "/run/run.json/in-the-way");
+  EXPECT_FALSE(record.Write("FINISHED", 2, json()).ok());
+  EXPECT_EQ(record.state(), written);
+}
+
+TEST_F(RunRecordTest, TheReturnValueIsWrittenReplacedAndRemoved) {
+  storage::RunStore store = Open();
+  RunRecord record(store, opts_, clock_);
+  const std::string path = dir_ + "/run/return_value.pkl";
+  EXPECT_EQ(record.return_value(), std::nullopt);
+  ASSERT_TRUE(record.WriteReturnValue(std::string("one")).ok());
+  EXPECT_EQ(ReadOr(path), "one");
+  ASSERT_TRUE(record.WriteReturnValue(std::string("two")).ok());
+  EXPECT_EQ(ReadOr(path), "two");
+  EXPECT_EQ(record.return_value(), "two");
+  ASSERT_TRUE(record.WriteReturnValue(std::nullopt).ok());
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_EQ(record.return_value(), std::nullopt);
+  ASSERT_TRUE(record.WriteReturnValue(std::nullopt).ok()) << "none to remove is no error";
 }
 
 // A driver that ended without recording how its attempt ended: the next one marks it CRASHED.

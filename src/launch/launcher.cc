@@ -1,5 +1,12 @@
 #include "launch/launcher.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "base/fd_io.h"
@@ -69,6 +76,42 @@ StatusOr<UniformGroup> MergeUniform(const std::vector<ProcessSpec>& specs,
   group.unset_env.insert(differing.begin(), differing.end());
   if (!differing.empty()) group.env[kRankEnvVariable] = rank_env.dump();
   return group;
+}
+
+StatusOr<std::string> AddressTowards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  int rc = getaddrinfo(host.c_str(), "9", &hints, &found);
+  if (rc != 0) {
+    return UnavailableError("cannot resolve '" + host + "': " + gai_strerror(rc));
+  }
+  std::string error = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    // connect() on a UDP socket only picks the route and the source address.
+    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) {
+      error = std::strerror(errno);
+      close(fd);
+      continue;
+    }
+    close(fd);
+    char text[INET6_ADDRSTRLEN] = "";
+    const void* addr =
+        local.ss_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+    inet_ntop(local.ss_family, addr, text, sizeof(text));
+    freeaddrinfo(found);
+    return std::string(text);
+  }
+  freeaddrinfo(found);
+  return UnavailableError("no route from this host to '" + host + "': " + error);
 }
 
 }  // namespace jaxtrain::launch

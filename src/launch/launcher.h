@@ -118,6 +118,16 @@ class Launcher {
     return std::vector<std::string>{};
   }
 
+  // Which of `hosts`, where the group trains now, the cluster is taking away from the run while
+  // it trains (a Slurm node an administrator drains, or one that stops responding): an elastic
+  // run leaves them at its next committed checkpoint, a planned resize. Asked by the capacity
+  // monitor every interval, from its thread. Empty for a launcher that cannot tell (the default,
+  // which asks nothing). Thread-safe. Errors: kCancelled as UnreachableHosts.
+  virtual StatusOr<std::vector<std::string>> LeavingHosts(const std::vector<std::string>& hosts,
+                                                          int cancel_fd) {
+    return std::vector<std::string>{};
+  }
+
   // The next Launch() starts the ranks of `plan`, an elastic run's new world (re-planned on the
   // hosts at hand): the launcher forgets where ranks ran before. Called between attempts only.
   // Errors: kFailedPrecondition for a launcher that cannot resize a run (the default).
@@ -147,6 +157,14 @@ struct UniformGroup {
 // of its own (MergeUniform's `passed`): a JSON object from rank to {name: value}. The worker sets
 // its rank's entry once it knows its rank (python/jaxtrain/worker/entry.py).
 inline constexpr char kRankEnvVariable[] = "JAXTRAIN_RANK_ENV";
+
+// The address the workers reach the controller at, when the driver's environment sets it.
+inline constexpr char kListenHostEnv[] = "JAXTRAIN_LISTEN_HOST";
+
+// The address of this host on the interface that routes to `host` (an address or a name): what
+// `host` and its neighbours can reach this host at. No packet is sent.
+// Errors: kUnavailable when `host` cannot be resolved or there is no route to it.
+StatusOr<std::string> AddressTowards(const std::string& host);
 
 // Merges `specs` into one command. `per_rank` names the variables each rank derives itself from
 // the engine's (they may differ and are left out); `passed` those that may differ between ranks

@@ -427,6 +427,26 @@ std::vector<std::string> SshCommand(const accelerators::HostView& env) {
   return out;
 }
 
+StatusOr<std::string> ListenHostForSsh(const std::vector<std::string>& ssh,
+                                       const std::vector<std::string>& targets) {
+  auto chosen = [&]() -> StatusOr<std::string> {
+    std::string address;
+    std::set<std::string> tried;
+    for (const auto& target : targets) {
+      if (!tried.insert(target).second) continue;
+      JT_ASSIGN_OR_RETURN(std::string name, SshHostName(ssh, target));
+      JT_ASSIGN_OR_RETURN(address, AddressTowards(name));
+      if (address.rfind("127.", 0) != 0 && address != "::1") break;  // not this host
+    }
+    return address;
+  }();
+  if (!chosen.ok()) {
+    return UnavailableError("cannot choose the address the hosts reach this driver at: " +
+                            chosen.status().message() + "; set " + kListenHostEnv);
+  }
+  return chosen;
+}
+
 StatusOr<std::string> SshHostName(const std::vector<std::string>& ssh, const std::string& target) {
   std::vector<std::string> argv = ssh;
   argv.insert(argv.end(), {"-G", "--", target});

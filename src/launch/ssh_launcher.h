@@ -68,8 +68,9 @@ inline constexpr std::string_view kForwardedPrefixes[] = {"JAX_", "XLA_", "LIBTP
 
 // ssh options that make it fit to run a worker (and the driver's validations on a host,
 // python/jaxtrain/hosts/join.py, through _core.SSH_OPTIONS): never prompt, no terminal, notice a
-// dead connection within about 15 s. The user's own options (JAXTRAIN_SSH_COMMAND, ~/.ssh/config)
-// are read first, and ssh keeps the first value it reads for an option.
+// dead connection within about 15 s. The options of JAXTRAIN_SSH_COMMAND come before these on
+// the command line, and ssh keeps the first value it reads for an option, so they override them;
+// ~/.ssh/config is read after the command line and does not (docs/failure-detection.md).
 inline const std::vector<std::string> kSshOptions = {"-T",
                                                      "-o",
                                                      "BatchMode=yes",
@@ -140,6 +141,13 @@ std::vector<std::string> SshCommand(const accelerators::HostView& env);
 // The host name ssh connects to for `target` after ~/.ssh/config (`ssh -G target`): what to find
 // a route to. Errors: kUnavailable when ssh cannot be run or says nothing.
 StatusOr<std::string> SshHostName(const std::vector<std::string>& ssh, const std::string& target);
+
+// The address the hosts of `targets` reach this driver at: this host's address on the route to
+// the first target that is not this host, as `ssh -G` names it (kListenHostEnv overrides it; the
+// caller checks that first). Blocks for one `ssh -G` per target until such a host is found.
+// Errors: kUnavailable, saying why and to set kListenHostEnv.
+StatusOr<std::string> ListenHostForSsh(const std::vector<std::string>& ssh,
+                                       const std::vector<std::string>& targets);
 
 // `s` as one word of a shell command line (POSIX sh or csh): single-quoted.
 std::string ShellQuote(std::string_view s);

@@ -156,17 +156,6 @@ TEST(PlanForSshTest, NoHostsSaysHowToGiveThem) {
   EXPECT_EQ(PlanForSsh(Config({.num_workers = 2}), env).status().code(), StatusCode::kNotFound);
 }
 
-TEST(ChooseLauncherTest, ListedHostsChooseSsh) {
-  accelerators::FakeHost env;
-  env.env[kSshHostsEnv] = "h1";
-  EXPECT_EQ(*ChooseLauncher(env), "ssh");
-  env.env[kLauncherEnv] = "local";
-  EXPECT_EQ(*ChooseLauncher(env), "local");
-  env.env.clear();
-  env.env[kLauncherEnv] = "ssh";
-  EXPECT_EQ(*ChooseLauncher(env), "ssh");
-}
-
 TEST(ShellQuoteTest, QuotesEverythingAsOneWord) {
   EXPECT_EQ(ShellQuote("a b"), "'a b'");
   EXPECT_EQ(ShellQuote("it's"), "'it'\\''s'");

@@ -38,8 +38,12 @@ exit status:
 
 def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
     scaling = parser.add_argument_group("scaling (ScalingConfig)")
-    scaling.add_argument("-n", "--num-workers", type=int, default=1, metavar="N",
-                         help="worker processes (default 1)")
+    scaling.add_argument("-n", "--num-workers", type=_num_workers, default=1, metavar="N",
+                         help="worker processes (default 1); MIN:MAX for an elastic run that "
+                         "trains on MIN to MAX workers as hosts come and go (docs/elastic.md)")
+    scaling.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
+                         help="an elastic run below MAX looks for the hosts it lacks this often "
+                         "(ScalingConfig.elastic_resize_monitor_interval_s; default 60)")
     scaling.add_argument("--use-tpu", action="store_true", help="run on TPUs")
     scaling.add_argument("--use-gpu", action="store_true", help="run on GPUs")
     scaling.add_argument("--topology", help="TPU slice topology, e.g. 4x4")
@@ -48,6 +52,17 @@ def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
                          help="e.g. TPU=4,CPU=1 or '{\"TPU\": 4}'")
     scaling.add_argument("--placement-strategy", default="PACK",
                          help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD")
+
+
+def _num_workers(text: str) -> int | tuple[int, int]:
+    """-n N, or -n MIN:MAX (torchrun's --nnodes form) for ScalingConfig(num_workers=(MIN, MAX));
+    ScalingConfig checks the numbers themselves."""
+    low, sep, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if sep else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not allowed; give a number of workers N, or MIN:MAX") from None
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:

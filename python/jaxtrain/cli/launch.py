@@ -105,7 +105,7 @@ def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
     from jaxtrain.errors import TrainingFailedError
 
     name = trainer.run_config.name
-    say(f"run '{name}' on {args.num_workers} worker(s); run directory {run_dir}")
+    say(f"run '{name}' on {_workers(args.num_workers)}; run directory {run_dir}")
     try:
         result = trainer.fit()
     except KeyboardInterrupt:
@@ -135,6 +135,12 @@ def _shown_run_dir(run_config: Any) -> str:
     return local_run_dir(run_config)
 
 
+def _workers(num_workers: int | tuple[int, int]) -> str:
+    if isinstance(num_workers, tuple):
+        return f"{num_workers[0]} to {num_workers[1]} workers"
+    return f"{num_workers} worker(s)"
+
+
 def scaling_config(args: argparse.Namespace) -> Any:
     """The ScalingConfig of the scaling options; its own validation reports bad values."""
     from jaxtrain.config import ScalingConfig
@@ -142,8 +148,11 @@ def scaling_config(args: argparse.Namespace) -> Any:
     resources = (
         parse_resources(args.resources_per_worker) if args.resources_per_worker else None
     )
+    elastic = {} if args.resize_interval is None else {
+        "elastic_resize_monitor_interval_s": args.resize_interval}
     return ScalingConfig(
         num_workers=args.num_workers,
+        **elastic,
         use_tpu=args.use_tpu,
         use_gpu=args.use_gpu,
         topology=args.topology,
@@ -160,7 +169,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_kubernetes(args)
     try:
         config = scaling_config(args)._core
-        ssh = _core.choose_launcher() == "ssh"  # listed hosts (docs/hosts.md)
+        from jaxtrain import launch
+
+        ssh = isinstance(launch.choose(), launch.ssh.Ssh)  # listed hosts (docs/hosts.md)
         plan = (_core.plan_ssh(config) if ssh else _core.plan_local(config)).to_dict()
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -207,7 +218,8 @@ def _plan_kubernetes(args: argparse.Namespace) -> int:
         }
         options["queue_name"], options["priority_class"] = kueue_settings(os.environ)
         env = dict(plan.to_dict()["workers"][0]["env"])
-        env["JAXTRAIN_WORLD_SIZE"] = str(args.num_workers)
+        workers = args.num_workers
+        env["JAXTRAIN_WORLD_SIZE"] = str(workers[1] if isinstance(workers, tuple) else workers)
         jobset = _core.kubernetes_jobset(scaling, json.dumps(options), options["name"] + "-1", env)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -243,16 +255,19 @@ def failed_run_status(error: Any) -> int:
 
 
 # `jaxtrain run` options a submitted run passes on to the driver pod's `jaxtrain run`.
-_RUN_VALUE_OPTIONS = ("num_workers", "topology", "accelerator_type", "resources_per_worker",
-                      "placement_strategy", "name", "storage_path", "max_failures",
-                      "num_to_keep", "checkpoint_score_attribute", "checkpoint_score_order")
+_RUN_VALUE_OPTIONS = ("num_workers", "resize_interval", "topology", "accelerator_type",
+                      "resources_per_worker", "placement_strategy", "name", "storage_path",
+                      "max_failures", "num_to_keep", "checkpoint_score_attribute",
+                      "checkpoint_score_order")
 
 
 def _run_argv(args: argparse.Namespace) -> list[str]:
     argv = [f"--{flag}" for flag in ("use_tpu", "use_gpu") if getattr(args, flag)]
     for dest in _RUN_VALUE_OPTIONS:
         value = getattr(args, dest)
-        if value is not None:
+        if isinstance(value, tuple):
+            argv += [f"--{dest}", ":".join(map(str, value))]  # -n MIN:MAX
+        elif value is not None:
             argv += [f"--{dest}", str(value)]
     return [a.replace("_", "-") if a.startswith("--") else a for a in argv]
 

@@ -16,7 +16,6 @@ import os
 import posixpath
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -25,7 +24,7 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, session, storage, validation
+from jaxtrain import _core, callbacks, launch, session, storage, validation
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
@@ -147,73 +146,57 @@ class JaxTrainer:
         meanwhile).
         """
         options = EngineOptions.read(os.environ, self.run_config.metrics_port)  # before anything
+        # Chosen once (local mode runs on this host whatever JAXTRAIN_LAUNCHER says).
+        launcher = launch.by_name("local") if self.scaling_config.num_workers == 0 else \
+            launch.choose()
         # Chosen among every host listed, before label_selector narrows them to the workers'.
         placement = validator.Placement() if self.validation_config is None else \
-            validator.place(self.validation_config, "local" if
-                             self.scaling_config.num_workers == 0 else _core.choose_launcher())
-        with private_files(options.private), _select_nodes_by_labels(self.scaling_config):
-            return self._fit(options, placement)
+            validator.place(self.validation_config, launcher.name)
+        with private_files(options.private), _select_nodes_by_labels(self.scaling_config,
+                                                                     launcher):
+            return self._fit(options, launcher, placement)
 
-    def _fit(self, options: EngineOptions, placement: validator.Placement) -> Result:
+    def _fit(self, options: EngineOptions, launcher: launch.Launcher,
+             placement: validator.Placement) -> Result:
         fn = self.train_loop_per_worker
         if self.resume_from_checkpoint is not None:
             fn = ray_args.StartFrom(fn, self.resume_from_checkpoint)
         # Local mode: the function runs in this process, the controller's one process is a relay.
         local = local_mode.Driver() if self.scaling_config.num_workers == 0 else None
         try:
-            return self._fit_with(options, fn, local, placement)
+            return self._fit_with(options, launcher, fn, local, placement)
         finally:
             if local is not None:
                 local.close()
 
-    def _fit_with(self, options: EngineOptions, fn: Callable[..., Any],
-                  local: local_mode.Driver | None, placement: validator.Placement) -> Result:
+    def _fit_with(self, options: EngineOptions, launcher: launch.Launcher,
+                  fn: Callable[..., Any], local: local_mode.Driver | None,
+                  placement: validator.Placement) -> Result:
         in_memory = options.checkpoint_in_memory
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
         warn_if_locks_stay_local(run_dir)
-        # Local mode runs on this host whatever JAXTRAIN_LAUNCHER says.
-        launcher = "local" if local is not None else _core.choose_launcher()
         launcher_options = ""
-        if self.scaling_config.elastic and launcher != "ssh":
+        if self.scaling_config.elastic and not launcher.resizes:
             sys.stderr.write(
                 f"jaxtrain: ScalingConfig.num_workers={self.scaling_config.num_workers!r}: the "
-                f"{launcher} launcher does not resize a run (docs/elastic.md); it trains on "
+                f"{launcher.name} launcher does not resize a run (docs/elastic.md); it trains on "
                 f"{self.scaling_config.max_workers} workers, as a fixed-size run\n")
         store = None  # the hosts upload their checkpoints to object storage themselves
         if local is not None:
             in_memory = None  # the driver's process keeps no copies in host memory
             plan = local_mode.relay_plan()
             spans_hosts = False
-        elif launcher == "slurm":
-            spans_hosts = _slurm_spans_hosts()
-            store = _store_direct(self.run_config, mirror, spans_hosts, options)
-            if spans_hosts and store is None:
-                # Refused before Slurm is asked for anything: other hosts could not see it.
-                _check_shared(run_dir, mirror)
-            plan = _core.plan_slurm(self.scaling_config._core)
-        elif launcher == "kubernetes":
-            from jaxtrain.kubernetes import launch as kubernetes
-
-            spans_hosts = True  # pods never share the driver's directories
-            store = _store_direct(self.run_config, mirror, spans_hosts, options)
-            plan = _core.plan_kubernetes(self.scaling_config._core)
-            # Refused before the cluster is asked for anything (docs/kubernetes.md).
-            launcher_options = json.dumps(kubernetes.launch_options(
-                self.run_config.name, run_dir, needs_run_dir=store is None,
-                node_labels=self.scaling_config.node_labels(),
-                preemption_grace_s=self.run_config.failure_config.preemption_grace_s))
-        elif launcher == "ssh":
-            plan = _core.plan_ssh(self.scaling_config._core)
-            spans_hosts = _plan_spans_hosts(plan)
-            store = _store_direct(self.run_config, mirror, spans_hosts, options)
-            if spans_hosts and store is None:
-                _check_shared(run_dir, mirror)  # before any host is contacted
         else:
-            _core.check_local_workers(self.scaling_config._core)  # before planning them all
-            plan = _core.plan_local(self.scaling_config._core)
-            spans_hosts = False
+            plan = launcher.plan(self.scaling_config)
+            spans_hosts = launcher.spans_hosts(plan)
             store = _store_direct(self.run_config, mirror, spans_hosts, options)
+            if spans_hosts and store is None and launcher.needs_shared_run_dir:
+                # Refused before any host is contacted: other hosts could not see it.
+                _check_shared(run_dir, mirror)
+            launcher_options = launcher.options_json(
+                self.run_config.name, run_dir, self.scaling_config,
+                self.run_config.failure_config, store)
         if self.validation_config is not None and mirror is not None:
             raise ValueError(
                 f"JaxTrainer(validation_config=...) with RunConfig.storage_path="
@@ -246,13 +229,11 @@ class JaxTrainer:
             worker_env[checkpoint_memory.MEMORY_DIR_ENV] = options.memory_dir
             if options.memory_budget_mib:
                 worker_env[checkpoint_memory.BUDGET_ENV] = options.memory_budget_mib
-        if launcher == "kubernetes":
-            worker_env.pop("PYTHONPATH")  # the driver's paths mean nothing in the image
+        launcher.adjust_worker_env(worker_env)
         if local is not None:
             worker_env.update(local.env)
         preload_file = None
-        if (options.preload_task and launcher in ("local", "ssh", "slurm") and local is None
-                and shipped is None):
+        if options.preload_task and launcher.preloads_task and local is None and shipped is None:
             # Standbys unpickle the task ahead of a restart (docs/warm-workers.md).
             preload_file = _write_preload(payload)
             worker_env[PRELOAD_FILE_ENV] = preload_file
@@ -290,14 +271,14 @@ class JaxTrainer:
             checkpoint_config=self.run_config.checkpoint_config._core,
             verify_checksums=options.verify_checksums,
             console_fd=console_fd,
-            launcher=launcher,
+            launcher=launcher.name,
             scaling_config=self.scaling_config._core,
             status_line=self.status_line and console_fd >= 0 and os.isatty(console_fd),
             launcher_options_json=launcher_options,
             # A local run's restarts restore from this host's memory: a checkpoint held there
             # whole is checked by sizes only (docs/checkpoint-memory.md).
             memory_store=checkpoint_memory.store_path(run_dir)
-            if in_memory == "1" and launcher == "local" else "",
+            if in_memory == "1" and launcher.restores_from_this_host else "",
         )
         validator = _validator(self.validation_config, run_dir, placement)
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
@@ -350,11 +331,14 @@ class JaxTrainer:
             validator.finish()
             _retain(run_dir, self.run_config.checkpoint_config)
         remote = (mirror.fs, mirror.root) if mirror is not None else None
-        result = _result(outcome, run_dir, self.run_config.checkpoint_config, remote)
+        # run.json as the run left it: the outcome carries it, so it is not read back.
+        state = json.loads(outcome["run_state"]) if outcome["run_state"] is not None else None
+        result = _result(outcome, state, run_dir, self.run_config.checkpoint_config, remote)
         if result.goodput is not None:
             sys.stderr.write(f"jaxtrain: {result.goodput.line()}\n")
         if events is not None:
-            events.finish(result)  # raises ControllerError if a raise_on_error callback failed
+            # Raises ControllerError if a raise_on_error callback failed.
+            events.finish(result, state)
         if result.error is not None and local is not None and local.exception is not None:
             # Local mode: the function's own exception, for a debugger's post-mortem.
             raise result.error from local.exception
@@ -525,98 +509,29 @@ def _why_unpicklable(fn: Callable, config: dict | None, error: Exception) -> str
             "picklable values through train_loop_config")
 
 
-SLURM_CONSTRAINT_ENV = "JAXTRAIN_SLURM_CONSTRAINT"
-HOSTFILE_ENV = "JAXTRAIN_HOSTFILE"
-
-
 @contextlib.contextmanager
-def _select_nodes_by_labels(scaling_config: ScalingConfig) -> Iterator[None]:
+def _select_nodes_by_labels(scaling_config: ScalingConfig,
+                            launcher: launch.Launcher) -> Iterator[None]:
     """Applies ScalingConfig.label_selector for the launcher that will start the workers, for
-    the length of a fit(): on Kubernetes the pod template gets it (jaxtrain.kubernetes.launch);
-    on Slurm it becomes the allocation's and steps' --constraint (JAXTRAIN_SLURM_CONSTRAINT,
-    ANDed with the user's own); on ssh hosts of a hostfile, only the hosts whose labels match
-    are used (JAXTRAIN_HOSTFILE then names a copy holding those). Refused with a ValueError
-    naming the field where no launcher can select: the local launcher, hosts listed without
-    labels. An empty selector is no selector."""
-    node_labels = scaling_config.node_labels()
-    if not node_labels:
+    the length of a fit() (launch.Launcher.select_nodes): on Kubernetes the pod template gets
+    it; on Slurm it becomes the allocation's and steps' --constraint; on ssh hosts of a
+    hostfile, only the hosts whose labels match are used. Refused with a ValueError naming the
+    field where no launcher can select: the local launcher, hosts listed without labels. An
+    empty selector is no selector."""
+    if not scaling_config.node_labels():
         yield
         return
-    field = f"ScalingConfig.label_selector={scaling_config.label_selector!r}"
-    launcher = _core.choose_launcher()
-    overrides: dict[str, str] = {}
-    chosen = None
-    if launcher == "slurm":
-        constraint = slurm_constraint(node_labels)
-        own = os.environ.get(SLURM_CONSTRAINT_ENV)
-        overrides[SLURM_CONSTRAINT_ENV] = f"({own})&{constraint}" if own else constraint
-    elif launcher == "ssh":
-        path = os.environ.get(HOSTFILE_ENV)
-        if not path:
-            raise ValueError(
-                f"{field}: the hosts of this run (JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTS) have no "
-                "labels to select by; list them in a hostfile (JAXTRAIN_HOSTFILE) with "
-                "labels=key=value words (docs/hosts.md), or leave label_selector out")
+    with launcher.select_nodes(scaling_config) as overrides:
+        saved = {k: os.environ.get(k) for k in overrides}
+        os.environ.update(overrides)
         try:
-            with open(os.path.expanduser(path)) as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"{HOSTFILE_ENV}='{path}' cannot be read: {e.strerror}") from None
-        from jaxtrain.hosts import join as hosts
-
-        selected = hosts.select_hosts(text, f"{HOSTFILE_ENV}={path}", node_labels,
-                                      scaling_config.max_workers)
-        fd, chosen = tempfile.mkstemp(prefix="jaxtrain-hostfile-", suffix=".txt")
-        with os.fdopen(fd, "w") as f:
-            f.write(selected)
-        overrides[HOSTFILE_ENV] = chosen
-    elif launcher != "kubernetes":
-        raise ValueError(
-            f"{field}: this run starts its workers on this machine ({launcher} launcher), "
-            "which has no node labels to select by; labels select Kubernetes nodes, Slurm node "
-            "features (--constraint) and hosts of a hostfile (docs/hosts.md), so run there, "
-            "or leave label_selector out")
-    saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if chosen is not None:
-            os.unlink(chosen)
-
-
-def slurm_constraint(node_labels: dict[str, tuple[str, tuple[str, ...]]]) -> str:
-    """A label selector (ScalingConfig.node_labels()) as Slurm's --constraint: Slurm's node
-    features are plain names, so a label's value is the feature its nodes must have (the key
-    only says what it means): {"gpu": "h100", "net": "in(ib,roce)"} -> "h100&(ib|roce)". Slurm
-    cannot exclude a feature, so '!v' and '!in(...)' are refused with a ValueError naming
-    the label."""
-    terms = []
-    for key, (op, values) in node_labels.items():
-        if op == "notin":
-            raise ValueError(
-                f"ScalingConfig.label_selector[{key!r}] excludes {'|'.join(values)}, which a "
-                "Slurm --constraint cannot say (it asks for node features, it does not exclude "
-                "them); select the nodes by the features they have")
-        terms.append(values[0] if len(values) == 1 else f"({'|'.join(values)})")
-    return "&".join(terms)
-
-
-def _slurm_spans_hosts() -> bool:
-    """A Slurm run's workers are on other hosts unless its allocation is this one host."""
-    return os.environ.get("SLURM_JOB_NODELIST", "") != socket.gethostname().split(".")[0]
-
-
-def _plan_spans_hosts(plan) -> bool:
-    """A plan's workers are on other hosts unless every one is on this host, by name or address."""
-    here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
-    return any(w["address"] not in here and w["host"] not in here
-               for w in plan.to_dict()["workers"])
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def local_run_dir(run_config: RunConfig) -> str:
@@ -727,12 +642,15 @@ def _describe(config: dict | None) -> Any:
         return repr(config)
 
 
-def _result(outcome: dict, run_dir: str, checkpoint_config,
+def _result(outcome: dict, state: dict | None, run_dir: str, checkpoint_config,
             remote: tuple[Any, str] | None) -> Result:
+    """The Result of the run that ended with `outcome`, whose run.json is `state`: the failure,
+    run.json and the return value as the outcome carries them; the rounds and checkpoints read
+    from `run_dir`."""
     error: BaseException | None = None
     if outcome["state"] == "ERRORED":
         error = TrainingFailedError.from_failure(outcome["failure"], outcome["failures"])
     elif outcome["state"] == "ABORTED":
         error = TrainingFailedError(f"The run was stopped: {outcome['abort_reason']}")
-    return load(run_dir, checkpoint_config._as_dict(), error, remote,
-                 finished=outcome["state"] == "FINISHED")
+    return load(run_dir, state, checkpoint_config._as_dict(), error, outcome["return_value"],
+                remote, finished=outcome["state"] == "FINISHED")

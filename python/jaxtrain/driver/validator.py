@@ -62,8 +62,8 @@ def place(config: ValidationConfig | None, launcher: str) -> Placement:
     if config.host is None and not selector:
         check_needs(needs, this_host(), "the driver's host")
         return Placement(None, needs)
-    from jaxtrain.config import _label_requirement
     from jaxtrain.hosts import join as hosts
+    from jaxtrain.labels import requirement
 
     field_ = (f"ValidationConfig.host={config.host!r}" if config.host is not None else
               f"ValidationConfig.ray_remote_kwargs['label_selector']={selector!r}")
@@ -80,7 +80,7 @@ def place(config: ValidationConfig | None, launcher: str) -> Placement:
             raise ValueError(f"{field_} is not one of the run's hosts ({source}: "
                              f"{', '.join(h.target for h in listed)}); name one of them")
     else:
-        node_labels = {k: _label_requirement(v) for k, v in selector.items()}
+        node_labels = {k: requirement(v) for k, v in selector.items()}
         found = [h for h in listed if hosts.matches(h.labels, node_labels)]
         if not found:
             described = "; ".join(f"{h.target}: {h.labels or 'no labels'}" for h in listed)

@@ -420,7 +420,7 @@ def hostfile_labels(text: str, source: str) -> list[tuple[str, str, dict[str, st
     word, the host, {label: value}) for each host line. A line's labels are one word,
     ``labels=key=value[,key=value...]``; a label or value that Kubernetes would not take is
     refused with a ValueError naming the file, the line and the word."""
-    from jaxtrain.config import _LABEL_NAME, _valid_label_key
+    from jaxtrain.labels import LABEL_NAME, valid_key
 
     hosts = []
     for number, raw in enumerate(text.splitlines(), 1):
@@ -435,7 +435,7 @@ def hostfile_labels(text: str, source: str) -> list[tuple[str, str, dict[str, st
                 continue
             for item in word[len(LABELS_WORD):].split(","):
                 key, eq, value = item.partition("=")
-                if not eq or not _valid_label_key(key) or not _LABEL_NAME.match(value):
+                if not eq or not valid_key(key) or not LABEL_NAME.match(value):
                     raise ValueError(
                         f"{source} line {number}: {word!r} is not allowed; labels are "
                         "'labels=key=value,key2=value2', each key a label name (optionally "

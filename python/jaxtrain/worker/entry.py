@@ -96,35 +96,6 @@ def _address_towards(address: str) -> str:
         return s.getsockname()[0]
 
 
-def _place_from_slurm() -> None:
-    """Under the Slurm launcher one srun step runs every rank: task r is rank r, and its place
-    comes from Slurm's task variables (SLURM_STEP_TASKS_PER_NODE reads like "2(x3),1")."""
-    if "JAXTRAIN_RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    node = int(os.environ["SLURM_NODEID"])
-    per_node: list[int] = []
-    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","):
-        count, _, repeat = part.partition("(x")
-        per_node += [int(count)] * int(repeat.rstrip(")") or 1)
-    os.environ["JAXTRAIN_RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["JAXTRAIN_LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
-    os.environ["JAXTRAIN_NODE_RANK"] = str(node)
-    os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = str(per_node[node])
-
-
-def _place_from_kubernetes() -> None:
-    """Under the Kubernetes launcher each pod is one rank of a JobSet: its Job's index (a TPU
-    slice) times the pods per Job, plus its completion index; one rank per pod and host."""
-    if "JAXTRAIN_RANK" in os.environ or "JAXTRAIN_K8S_PODS_PER_JOB" not in os.environ:
-        return
-    rank = _env_int("JAXTRAIN_K8S_JOB_INDEX") * _env_int("JAXTRAIN_K8S_PODS_PER_JOB") + _env_int(
-        "JOB_COMPLETION_INDEX")
-    os.environ["JAXTRAIN_RANK"] = str(rank)
-    os.environ["JAXTRAIN_LOCAL_RANK"] = "0"
-    os.environ["JAXTRAIN_NODE_RANK"] = str(rank)
-    os.environ["JAXTRAIN_LOCAL_WORLD_SIZE"] = "1"
-
-
 def _take_rank_env() -> None:
     """Sets this rank's own entry of JAXTRAIN_RANK_ENV: what the placement gives each rank (a
     simulated TPU worker's TPU_WORKER_ID, ...) where one command starts every rank (Slurm,
@@ -759,10 +730,11 @@ def main() -> None:
     if relay:
         _relay_to_driver(secret)
     from jaxtrain import _core, session
+    from jaxtrain.launch import kubernetes, slurm
     from jaxtrain.worker import checkpoint_memory
 
-    _place_from_slurm()
-    _place_from_kubernetes()
+    slurm.place_worker()
+    kubernetes.place_worker()
     _take_rank_env()
     rank = _env_int("JAXTRAIN_RANK")
     attempt = _env_int("JAXTRAIN_ATTEMPT")

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include "accelerators/discovery.h"
 #include "config/scaling_config.h"
 #include "placement/plan.h"
@@ -16,6 +19,13 @@ inline placement::Plan CpuPlan(int workers) {
   auto plan = placement::PlanLocal(*config, host);
   EXPECT_TRUE(plan.ok()) << plan.status().ToString();
   return plan.ok() ? *plan : placement::Plan{};
+}
+
+// `workers` CPU workers, 2 on each of `hosts` in order.
+inline placement::Plan TwoPerHost(int workers, const std::vector<std::string>& hosts) {
+  placement::Plan plan = CpuPlan(workers);
+  for (auto& w : plan.workers) w.host = hosts[static_cast<size_t>(w.rank / 2)];
+  return plan;
 }
 
 }  // namespace jaxtrain::controller
