@@ -1,7 +1,8 @@
 """Benchmark: an elastic run on the ssh test hosts losing a host and getting it back, against the
-same run's cold start.
+same run's cold start; with ``--launcher slurm``, on the Slurm test cluster, a node drained and
+resumed.
 
-    .venv/bin/python bench/elastic.py [--interval 5] [--host-timeout 5]
+    .venv/bin/python bench/elastic.py [--interval 5] [--host-timeout 5] [--launcher ssh|slurm]
 
 The hosts are the tests' (tests/ssh_fixtures.py, scripts/ssh_hosts.sh): they use fixed
 machine-wide names, so the benchmark takes ``/tmp/jaxtrain-clusters.lock`` itself (do not run it
@@ -26,13 +27,21 @@ Figures (each printed as a ratio to the cold start):
   request, at most one interval plus a probe), drain (-> attempt 1's end: its next committed
   checkpoint, then the stop), relaunch (-> every rank registered), first round.
 
-Results are printed and written to bench/results/elastic.json (with the load average before and
-after: the machine is shared).
+``--launcher slurm``: the same run in an allocation of jaxtrain's own on the Slurm test cluster
+(tests/slurm_fixtures.py, scripts/slurm_cluster.sh; ``--nodes=1-2 --ntasks-per-node=2``), node2
+drained (``scontrol update state=drain``) where host2 is cut and resumed where it is restored.
+Slurm lets a drained node's tasks go on, so the shrink is a planned resize (docs/elastic.md):
+shrink's parts are notice and drain (-> attempt 0's end at its next committed checkpoint), probe
+(-> attempt 1's start), relaunch, first round; the cold start includes Slurm's grant.
+
+Results are printed and written to bench/results/elastic.json, or elastic-slurm.json (with the
+load average before and after: the machine is shared).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fcntl
 import json
@@ -45,7 +54,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/jaxtrain-clusters.lock"
-RESULTS = REPO / "bench" / "results" / "elastic.json"
+RESULTS = {"ssh": REPO / "bench" / "results" / "elastic.json",
+           "slurm": REPO / "bench" / "results" / "elastic-slurm.json"}
 ROUNDS_BEFORE_CUT = 10
 ROUNDS_AFTER_GROW = 10
 
@@ -121,18 +131,37 @@ def first_round(out: Path, world: int, attempt_min: int = 0) -> dict | None:
     return None
 
 
+@contextlib.contextmanager
+def drained(cluster, node: str):
+    """`node` drained for the block, resumed after it."""
+    cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=bench")
+    try:
+        yield
+    finally:
+        cluster.run("scontrol", "update", f"nodename={node}", "state=resume")
+
+
 def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
-    from ssh_fixtures import SCRIPT, STATE, SshHosts
+    if args.launcher == "slurm":
+        from slurm_fixtures import SCRIPT, STATE, SlurmCluster
 
-    print("ssh hosts: starting", flush=True)
+        cluster = SlurmCluster(conf=str(STATE / "etc" / "slurm.conf"), shared=STATE / "shared")
+        shared, lose = cluster.shared, lambda: drained(cluster, "node2")
+    else:
+        from ssh_fixtures import SCRIPT, STATE, SshHosts
+
+        cluster = SshHosts(ssh_command=f"ssh -F {STATE / 'ssh_config'}", shared=STATE / "shared",
+                           state=STATE)
+        shared, lose = cluster.shared, lambda: cluster.cut("host2")
+    print(f"{args.launcher} cluster: starting", flush=True)
     subprocess.run([str(SCRIPT), "start"], check=True, stdout=subprocess.DEVNULL, timeout=600)
     try:
-        hosts = SshHosts(ssh_command=f"ssh -F {STATE / 'ssh_config'}", shared=STATE / "shared",
-                         state=STATE)
-        out = Path(tempfile.mkdtemp(prefix="bench-elastic-", dir=hosts.shared))
+        out = Path(tempfile.mkdtemp(prefix="bench-elastic-", dir=shared))
         (out / "driver.py").write_text(DRIVER)
-        env = hosts.env(HOME=str(out), JAXTRAIN_SSH_HOSTS="host1,host2")
+        env = cluster.env(HOME=str(out), JAXTRAIN_SSH_HOSTS="host1,host2") \
+            if args.launcher == "ssh" else \
+            cluster.env(HOME=str(out), JAXTRAIN_LAUNCHER="slurm", JAXTRAIN_SLURM_TASKS_PER_NODE="2")
         with open(out / "driver.log", "w") as log:
             driver = subprocess.Popen(
                 [sys.executable, "driver.py", str(args.interval), str(args.host_timeout),
@@ -140,9 +169,9 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 wait_for("attempt 0's rounds", lambda: len(rounds(out)) >= ROUNDS_BEFORE_CUT,
                          driver)
-                with hosts.cut("host2"):
+                with lose():
                     t_cut = time.time()
-                    print("host2 cut", flush=True)
+                    print("host2 lost", flush=True)
                     wait_for("a round on 2 workers", lambda: first_round(out, 2) is not None,
                              driver)
                 t_back = time.time()
@@ -155,18 +184,19 @@ def run(args: argparse.Namespace) -> dict:
         if driver.returncode != 0:
             raise RuntimeError(f"the driver failed; {out}/driver.log:\n"
                                + (out / "driver.log").read_text()[-4000:])
-        return figures(out, t_cut, t_back)
+        return figures(out, t_cut, t_back, planned=args.launcher == "slurm")
     finally:
         subprocess.run([str(SCRIPT), "stop"], capture_output=True, check=False, timeout=300)
-        print("ssh hosts: stopped", flush=True)
+        print(f"{args.launcher} cluster: stopped", flush=True)
 
 
-def figures(out: Path, t_cut: float, t_back: float) -> dict:
+def figures(out: Path, t_cut: float, t_back: float, planned: bool) -> dict:
+    """`planned`: the shrink is a planned resize (a Slurm node drained), not a failure."""
     state = json.loads((out / "run" / "run.json").read_text())
     attempts = state["attempts"]
-    if [(a["status"], a["world_size"]) for a in attempts] != [
-            ("ERRORED", 4), ("RESIZED", 2), ("FINISHED", 4)]:
-        raise RuntimeError(f"expected a failure, a shrink and a grow: {attempts}")
+    expected = [("RESIZED" if planned else "ERRORED", 4), ("RESIZED", 2), ("FINISHED", 4)]
+    if [(a["status"], a["world_size"]) for a in attempts] != expected:
+        raise RuntimeError(f"expected a shrink and a grow ({expected}): {attempts}")
     a0, a1, a2 = attempts
     t_fit = json.loads((out / "fit.json").read_text())["time"]
     cold = first_round(out, 4)["time"] - t_fit
@@ -188,6 +218,8 @@ def figures(out: Path, t_cut: float, t_back: float) -> dict:
         "grow_s": grown - t_back,
         "grow_ratio": (grown - t_back) / cold,
         "shrink_parts_s": parts(t_cut, [
+            ("notice and drain", a0["end_time"]), ("probe", a1["start_time"]),
+            ("relaunch", a1["ready_time"]), ("first round", shrunk)]) if planned else parts(t_cut, [
             ("detect", a0["failure"]["time"]), ("stop", a0["end_time"]),
             ("wait and probe", a1["start_time"]), ("relaunch", a1["ready_time"]),
             ("first round", shrunk)]),
@@ -204,6 +236,9 @@ def main() -> None:
                         help="ScalingConfig.elastic_resize_monitor_interval_s (default 5)")
     parser.add_argument("--host-timeout", type=float, default=5,
                         help="FailureConfig.unreachable_host_timeout_s (default 5)")
+    parser.add_argument("--launcher", choices=("ssh", "slurm"), default="ssh",
+                        help="ssh: the ssh test hosts, host2 cut (default); slurm: the Slurm test "
+                        "cluster, node2 drained")
     args = parser.parse_args()
     with open(LOCK, "w") as lock:
         print(f"waiting for {LOCK}", flush=True)
@@ -211,12 +246,14 @@ def main() -> None:
         before = loadavg()
         f = run(args)
         f.update(load_before=before, load_after=loadavg(), interval_s=args.interval,
+                 launcher=args.launcher,
                  host_timeout_s=args.host_timeout, machine=platform.node(),
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    print(f"\nssh hosts, (2, 4) workers, interval {args.interval} s, unreachable_host_timeout_s "
+    where = "ssh hosts" if args.launcher == "ssh" else "Slurm, node2 drained"
+    print(f"\n{where}, (2, 4) workers, interval {args.interval} s, unreachable_host_timeout_s "
           f"{args.host_timeout} s; load average {f['load_before']} before, {f['load_after']} after")
     print(f"  cold start (fit() -> first round on 4)  {f['cold_start_s']:8.2f} s")
-    print(f"  shrink (host2 cut -> first round on 2)  {f['shrink_s']:8.2f} s   "
+    print(f"  shrink (host2 lost -> first round on 2) {f['shrink_s']:8.2f} s   "
           f"{f['shrink_ratio']:.2f} x the cold start")
     for name, s in f["shrink_parts_s"].items():
         print(f"    {name:<17}{s:8.2f} s")
@@ -224,9 +261,10 @@ def main() -> None:
           f"{f['grow_ratio']:.2f} x the cold start")
     for name, s in f["grow_parts_s"].items():
         print(f"    {name:<17}{s:8.2f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(f, indent=2) + "\n")
-    print(f"written to {RESULTS.relative_to(REPO)}")
+    results = RESULTS[args.launcher]
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(f, indent=2) + "\n")
+    print(f"written to {results.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from netns_hosts import link_cut, namespace_hosts
+from netns_hosts import link_cut, link_slowed, namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
@@ -55,6 +55,11 @@ class SlurmCluster:
     def cut(self, node: str) -> contextlib.AbstractContextManager[None]:
         """`node`'s network link down for the block (as a cable pulled), up again after it."""
         return link_cut(self.veth(node))
+
+    def slow(self, node: str, delay_ms: float,
+             loss: float) -> contextlib.AbstractContextManager[None]:
+        """`node`'s link slow and lossy for the block (netns_hosts.link_slowed)."""
+        return link_slowed(self.namespace(node), delay_ms, loss, "JAXTRAIN_REQUIRE_SLURM")
 
     def run_on(self, node: str, command: str, *,
                timeout: float = 60) -> subprocess.CompletedProcess:

@@ -9,9 +9,11 @@ nodes and reach the driver's controller over the bridge.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -306,6 +308,46 @@ def check_a_run_on_a_bucket(proc: subprocess.CompletedProcess, cwd: Path, fs, ro
         (f"rank-{r}.json", r) for r in range(4)]
 
 
+def connect_seconds(address: str, port: int) -> float:
+    """How long a TCP connect to `address`:`port` takes: one round trip (SYN, SYN-ACK), more
+    where one is lost."""
+    began = time.monotonic()
+    with socket.create_connection((address, port), timeout=30):
+        return time.monotonic() - began
+
+
+def check_a_run_on_a_slow_link(proc: subprocess.CompletedProcess, cwd: Path) -> None:
+    """What a run of tests/test_ssh.py's SLOW_LINK_RUN program (40 steps of 4 ranks, in `cwd`)
+    must have done: finished in its one attempt, nothing failed, every step reported and every
+    rank's checkpoint committed. Prints its steps' durations."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed" not in proc.stderr, proc.stderr[-3000:]
+    final = json.loads(proc.stdout.split("final ", 1)[1])
+    assert (final["step"], final["value"]) == (39, 400.0)
+    state = json.loads((cwd / "slow" / "run.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["FINISHED"], state["attempts"]
+    assert state["attempts"][0].get("failure") is None
+    rounds = [json.loads(line)["metrics"] for line in (cwd / "slow" / "result.jsonl").open()]
+    assert [r["step"] for r in rounds] == list(range(40))
+    print("steps' seconds on the slow link:", [round(r["seconds"], 3) for r in rounds])
+    last = sorted((cwd / "slow").glob("checkpoint_*"))[-1]
+    assert sorted(p.name for p in last.glob("rank-*.json")) == [f"rank-{r}.json" for r in range(4)]
+
+
+def test_a_slow_lossy_link_to_node2_slows_the_run_but_fails_nothing(slurm_cluster, shared_dir):
+    """tests/test_ssh.py's test of a slow link on a Slurm node: node2's link 200 ms slower on
+    every round trip and losing 2 % of the packets each way for the whole run, Slurm's own traffic
+    (slurmctld's pings, the step's launch) included: one attempt, nothing failed."""
+    from test_ssh import SLOW_LINK_RUN  # test_ssh imports from this module: taken once both are
+
+    with slurm_cluster.slow("node2", delay_ms=200, loss=0.02):
+        assert min(connect_seconds("198.18.0.12", 6818) for _ in range(3)) >= 0.2  # slurmd
+        proc = drive(slurm_cluster, shared_dir, SLOW_LINK_RUN, allocation=["-N2", "-n4"],
+                     timeout=400)
+
+    check_a_run_on_a_slow_link(proc, shared_dir)
+
+
 def test_a_run_on_a_bucket_across_the_nodes_shares_no_directory(slurm_cluster, shared_dir, bucket,
                                                                 s3_endpoint, tmp_path):
     from test_ssh import ON_A_BUCKET  # test_ssh imports from this module: taken once both are
@@ -559,3 +601,133 @@ def test_a_lost_node_fails_the_attempt_and_the_run_says_that_slurm_ended_the_job
     # attempt started while Slurm was still ending the job fails before the run gives up.
     assert "this run's allocation, is no longer running" in err, err[-3000:]
     assert len(state["attempts"]) in (2, 3)
+
+
+class ElasticDriver:
+    """An elastic run's driver in `cwd`, in an allocation of jaxtrain's own of 2 tasks per node,
+    once it has written `ready`. close() resumes node2 whatever happened, so that the node serves
+    the next test."""
+
+    def __init__(self, cluster: SlurmCluster, cwd: Path, program: str) -> None:
+        self.cluster, self.said = cluster, []
+        (cwd / "driver.py").write_text(program)
+        self.driver = start_driver([sys.executable, "driver.py"], cwd=cwd,
+                                   env=cluster.env(HOME=str(cwd), JAXTRAIN_LAUNCHER="slurm",
+                                                   JAXTRAIN_SLURM_TASKS_PER_NODE="2"),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (cwd / "ready").exists() and self.driver.poll() is None:
+            assert time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.1)
+
+    def said_until(self, words: str) -> None:
+        for line in self.driver.stderr:
+            self.said.append(line)
+            if words in line:
+                return
+        raise AssertionError("".join(self.said)[-3000:])
+
+    def node2(self, state: str, *reason: str) -> None:
+        self.cluster.run("scontrol", "update", "nodename=node2", f"state={state}", *reason)
+
+    def finish(self) -> tuple[str, str]:
+        """stdout, and all of stderr, once the driver ends."""
+        out, err = self.driver.communicate(timeout=180)
+        return out, "".join(self.said) + err
+
+    def close(self) -> None:
+        if self.driver.poll() is None:
+            self.driver.kill()
+            self.driver.communicate()
+        # Resuming a node that is not drained is an error of scontrol's: not checked.
+        subprocess.run(["scontrol", "update", "nodename=node2", "state=resume"],
+                       env=self.cluster.env(), capture_output=True, check=False)
+
+
+def test_a_drained_node_shrinks_the_run_and_its_resume_grows_it_back(slurm_cluster, shared_dir):
+    """ScalingConfig(num_workers=(2, 4)) in an allocation of jaxtrain's own (a node range of
+    2 tasks per node): node2 drained while the run trains on it is left at the next committed
+    checkpoint, the run going on with node1's 2 workers; resumed, it is taken back at the next
+    one, and the run finishes on 4 (docs/elastic.md). Each epoch's rows are seen once."""
+    from test_elastic import ELASTIC_RUN, check_every_epoch_seen_once, rounds
+
+    run = shared_dir / "elastic"
+    with contextlib.closing(ElasticDriver(slurm_cluster, shared_dir, ELASTIC_RUN)) as elastic:
+        elastic.node2("drain", "reason=jaxtrain-test")
+        elastic.said_until("resizing the run from 4 to 2 workers")
+        deadline = time.monotonic() + 120
+        while not any(r["world_size"] == 2 for r in rounds(run)) and \
+                elastic.driver.poll() is None:
+            assert time.monotonic() < deadline, "".join(elastic.said)[-3000:]
+            time.sleep(0.2)
+        elastic.node2("resume")
+        out, err = elastic.finish()
+    driver = elastic.driver
+
+    assert driver.returncode == 0, err[-3000:]
+    assert "asking Slurm for an allocation: 2 to 4 tasks on 1 to 2 nodes, 2 per node" in err, err
+    assert re.search(r"jaxtrain: Slurm node node2 is \S*DRAIN\S* \(reason: jaxtrain-test\)", err), \
+        err[-3000:]
+    assert ("jaxtrain: host node2 is being taken from the run; the run shrinks at its next "
+            "committed checkpoint") in err, err[-3000:]
+    assert ("jaxtrain: resizing the run from 4 to 2 workers (host node2 is being taken from the "
+            "run; ScalingConfig.num_workers=(2, 4)): hosts node1") in err, err[-3000:]
+    assert "jaxtrain: Slurm node node2 is usable again" in err, err[-3000:]
+    assert "jaxtrain: resizing the run from 2 to 4 workers (host node2 can be reached again" \
+        in err, err[-3000:]
+    final = json.loads(out.split("final ", 1)[1])
+    assert (final["step"], final["value"], final["world_size"]) == (47, 12096.0, 4)
+
+    state = json.loads((run / "run.json").read_text())
+    attempts = state["attempts"]
+    # Planned restarts both: no failure is counted.
+    assert [a["status"] for a in attempts] == ["RESIZED", "RESIZED", "FINISHED"], attempts
+    assert not any("failure" in a for a in attempts) and state["resizes"] == 2
+    assert [a["world_size"] for a in attempts] == [4, 2, 4]
+    assert attempts[0]["hosts"] == attempts[2]["hosts"] == ["node1", "node1", "node2", "node2"]
+    assert attempts[1]["hosts"] == ["node1", "node1"]
+    assert attempts[1]["resize"] == {"from": 4, "to": 2,
+                                     "reason": "host node2 is being taken from the run",
+                                     "hosts_left_out": ["node2"]}
+    assert (attempts[2]["resize"]["from"], attempts[2]["resize"]["to"]) == (2, 4)
+    check_every_epoch_seen_once(run, {0: {(4, 4, 2)}, 1: {(2, 2, 4)}, 2: {(4, 4, 2)}})
+
+# ELASTIC_RUN whose ranks on node2 (2 and 3) kill themselves in attempt 0 once `drained` exists,
+# with a monitor interval of a minute: no planned resize comes first.
+KILLED_WHEN_DRAINED = '''
+            if ctx.get_attempt() == 0 and rank >= 2 and Path("drained").exists():
+                os.kill(os.getpid(), 9)
+'''
+
+
+def test_a_node_drained_and_lost_fails_the_attempt_and_the_run_goes_on_without_it(
+        slurm_cluster, shared_dir):
+    """node2 drained, then its tasks killed before the monitor sees it: the attempt fails, the
+    restart waits min(unreachable_host_timeout_s, interval) = 5 s for node2 to be usable, and goes
+    on from the latest checkpoint with node1's 2 workers, to the end."""
+    from test_elastic import ELASTIC_RUN, check_every_epoch_seen_once
+
+    ready = 'Path("ready").write_text("")\n'
+    assert ready in ELASTIC_RUN
+    program = ELASTIC_RUN.replace(
+        "elastic_resize_monitor_interval_s=2", "elastic_resize_monitor_interval_s=60").replace(
+        ready, ready + KILLED_WHEN_DRAINED.lstrip("\n"))
+    with contextlib.closing(ElasticDriver(slurm_cluster, shared_dir, program)) as elastic:
+        elastic.node2("drain", "reason=jaxtrain-test")
+        (shared_dir / "drained").write_text("")
+        out, err = elastic.finish()
+
+    assert elastic.driver.returncode == 0, err[-3000:]
+    assert "jaxtrain: attempt 0 failed: rank" in err, err[-3000:]
+    assert ("jaxtrain: host node2 cannot be reached after waiting up to 5 s for it (elastic: "
+            "min(FailureConfig.unreachable_host_timeout_s, "
+            "ScalingConfig.elastic_resize_monitor_interval_s))") in err, err[-3000:]
+    assert ("jaxtrain: resizing the run from 4 to 2 workers (host node2 cannot be reached; "
+            "ScalingConfig.num_workers=(2, 4)): hosts node1") in err, err[-3000:]
+    final = json.loads(out.split("final ", 1)[1])
+    assert (final["step"], final["value"], final["world_size"]) == (47, 12096.0, 2)
+    state = json.loads((shared_dir / "elastic" / "run.json").read_text())
+    attempts = state["attempts"]
+    assert [(a["status"], a["world_size"]) for a in attempts] == [("ERRORED", 4), ("FINISHED", 2)]
+    assert attempts[1]["hosts"] == ["node1", "node1"] and state["resizes"] == 1
+    check_every_epoch_seen_once(shared_dir / "elastic", {0: {(4, 4, 2)}, 1: {(2, 2, 4)}})

@@ -22,7 +22,7 @@ std::vector<std::string> HostsBack(const std::vector<std::string>& watched,
 
 StatusOr<std::unique_ptr<CapacityMonitor>> CapacityMonitor::Create(launch::Launcher& launcher,
                                                                    Duration interval) {
-  JT_ASSIGN_OR_RETURN(auto found, Mailbox<std::vector<std::string>>::Create("capacity monitor"));
+  JT_ASSIGN_OR_RETURN(auto found, Mailbox<CapacityChange>::Create("capacity monitor"));
   const int cancel_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (cancel_fd < 0) return ErrnoError("cannot create the capacity monitor's eventfd", errno);
   return std::unique_ptr<CapacityMonitor>(
@@ -34,9 +34,13 @@ CapacityMonitor::~CapacityMonitor() {
   close(cancel_fd_);
 }
 
-void CapacityMonitor::Start(std::vector<std::string> hosts) {
+void CapacityMonitor::Start(std::vector<std::string> missing, std::vector<std::string> present) {
   Stop();
-  thread_ = std::thread([this, hosts = std::move(hosts)]() mutable { Watch(std::move(hosts)); });
+  if (missing.empty() && present.empty()) return;
+  thread_ =
+      std::thread([this, missing = std::move(missing), present = std::move(present)]() mutable {
+        Watch(std::move(missing), std::move(present));
+      });
 }
 
 void CapacityMonitor::Stop() {
@@ -50,17 +54,25 @@ void CapacityMonitor::Stop() {
   found_->Take();
 }
 
-void CapacityMonitor::Watch(std::vector<std::string> hosts) {
+void CapacityMonitor::Watch(std::vector<std::string> missing, std::vector<std::string> present) {
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(interval_).count();
   for (;;) {
     pollfd p{cancel_fd_, POLLIN, 0};
     if (poll(&p, 1, static_cast<int>(ms)) != 0) return;  // Stop(), or poll failed
-    StatusOr<std::vector<std::string>> unreachable =
-        launcher_.UnreachableHosts(hosts, Duration::zero(), cancel_fd_);
-    if (!unreachable.ok()) return;  // cancelled: Stop() or the run's Interrupt()
-    std::vector<std::string> back = HostsBack(hosts, *unreachable);
-    if (!back.empty()) {
-      found_->Post(std::move(back));
+    CapacityChange change;
+    if (!present.empty()) {
+      StatusOr<std::vector<std::string>> leaving = launcher_.LeavingHosts(present, cancel_fd_);
+      if (!leaving.ok()) return;  // cancelled: Stop() or the run's Interrupt()
+      change.leaving = std::move(*leaving);
+    }
+    if (!missing.empty()) {
+      StatusOr<std::vector<std::string>> unreachable =
+          launcher_.UnreachableHosts(missing, Duration::zero(), cancel_fd_);
+      if (!unreachable.ok()) return;
+      change.back = HostsBack(missing, *unreachable);
+    }
+    if (!change.back.empty() || !change.leaving.empty()) {
+      found_->Post(std::move(change));
       return;
     }
   }

@@ -48,10 +48,46 @@ TEST(CapacityMonitorTest, ReportsTheHostsThatAnswerAgainOnce) {
   ASSERT_TRUE(Readable((*monitor)->ready_fd(), 10'000));
   auto found = (*monitor)->TakeFound();
   ASSERT_TRUE(found.has_value());
-  EXPECT_EQ(*found, std::vector<std::string>{"host2"});
+  EXPECT_EQ(found->back, std::vector<std::string>{"host2"});
+  EXPECT_TRUE(found->leaving.empty());
   EXPECT_EQ(launcher.probes_, 3);
   EXPECT_FALSE(Readable((*monitor)->ready_fd(), 0));
   EXPECT_FALSE((*monitor)->TakeFound().has_value());
+}
+
+// A launcher that says host1, where the group trains, is taken away (a Slurm node drained).
+class DrainedHost : public ReturningHosts {
+ public:
+  DrainedHost() : ReturningHosts(1'000'000'000) {}
+  StatusOr<std::vector<std::string>> LeavingHosts(const std::vector<std::string>& hosts,
+                                                  int) override {
+    ++leaving_asked_;
+    return std::vector<std::string>{"host1"};
+  }
+  std::atomic<int> leaving_asked_{0};
+};
+
+TEST(CapacityMonitorTest, ReportsAHostOfTheGroupThatLeaves) {
+  DrainedHost launcher;
+  auto monitor = CapacityMonitor::Create(launcher, 1ms);
+  ASSERT_TRUE(monitor.ok());
+  (*monitor)->Start({"host3"}, {"host1", "host2"});
+  ASSERT_TRUE(Readable((*monitor)->ready_fd(), 10'000));
+  auto found = (*monitor)->TakeFound();
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->leaving, std::vector<std::string>{"host1"});
+  EXPECT_TRUE(found->back.empty());
+  EXPECT_EQ(launcher.leaving_asked_, 1);
+}
+
+TEST(CapacityMonitorTest, WatchesTheGroupAtMaxForHostsThatLeave) {
+  DrainedHost launcher;
+  auto monitor = CapacityMonitor::Create(launcher, 1ms);
+  ASSERT_TRUE(monitor.ok());
+  (*monitor)->Start({}, {"host1"});  // nothing missing
+  ASSERT_TRUE(Readable((*monitor)->ready_fd(), 10'000));
+  EXPECT_EQ((*monitor)->TakeFound()->leaving, std::vector<std::string>{"host1"});
+  EXPECT_EQ(launcher.probes_, 0);
 }
 
 TEST(CapacityMonitorTest, StopEndsAWatchOfHostsThatNeverAnswer) {

@@ -25,6 +25,7 @@
 #include "base/strings.h"
 #include "launch/ssh_launcher.h"
 #include "launch/standby_pool.h"
+#include "placement/elastic.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -85,8 +86,9 @@ StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
 // unreachable slurmctld for MessageTimeout, 10 s by default, several times; the loop that asks
 // must never wait for one without bound). Errors: kUnavailable with its output when it cannot be
 // started or exits non-zero; kDeadlineExceeded naming it when it outlives `timeout`.
+// With `cancel_fd` (>= 0): killed as soon as it becomes readable, kCancelled.
 StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
-                                 Duration timeout = kSlurmCommandTimeout) {
+                                 Duration timeout = kSlurmCommandTimeout, int cancel_fd = -1) {
   JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, nullptr, true));
   std::string out;
   char buf[4096];
@@ -96,9 +98,15 @@ StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                     deadline - std::chrono::steady_clock::now())
                     .count();
-    pollfd ready{p.output_fd, POLLIN, 0};
-    int r = left > 0 ? poll(&ready, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30))) : 0;
+    pollfd ready[] = {{p.output_fd, POLLIN, 0}, {cancel_fd, POLLIN, 0}};  // -1 is ignored
+    int r = left > 0 ? poll(ready, 2, static_cast<int>(std::min<int64_t>(left, 1 << 30))) : 0;
     if (r < 0 && errno == EINTR) continue;
+    if (r > 0 && ready[1].revents != 0) {
+      killpg(p.pid, SIGKILL);
+      close(p.output_fd);
+      WaitForExit(p.pid);
+      return CancelledError("'" + argv[0] + "' was stopped: the run is being stopped");
+    }
     if (r == 0) {
       timed_out = true;
       killpg(p.pid, SIGKILL);
@@ -196,24 +204,44 @@ bool Simulated(const accelerators::HostView& env) {
   return v && !v->empty() && *v != "0";
 }
 
-}  // namespace
-
-StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env) {
-  std::string kind = env.GetEnv(kLauncherEnv).value_or("");
-  if (kind == "local" || kind == "slurm" || kind == "ssh" || kind == "kubernetes") return kind;
-  if (!kind.empty() && kind != "auto") {
-    return InvalidArgumentError(std::string(kLauncherEnv) + "='" + kind +
-                                "' is not allowed; use local, slurm, ssh, kubernetes or auto (the "
-                                "default: ssh when hosts are listed, slurm inside a Slurm "
-                                "allocation, local elsewhere)");
+// An elastic config's allocation: whole nodes of w tasks when w is known (the tasks per node, or
+// max / JAXTRAIN_SLURM_NODES), asked for as a node range; --no-kill in any case.
+Status ElasticShape(const config::ScalingConfig& config, SlurmShape* shape) {
+  const int min = config.min_workers();
+  const int max = config.num_workers();
+  const std::string range =
+      "ScalingConfig.num_workers=(" + std::to_string(min) + ", " + std::to_string(max) + ")";
+  if (config.use_tpu()) {
+    return InvalidArgumentError(range +
+                                " with use_tpu=True is not allowed on Slurm: an elastic "
+                                "run resizes TPU slices on ssh hosts only (docs/elastic.md); "
+                                "give num_workers one number");
   }
-  for (const char* hosts : {kSshHostsEnv, kHostfileEnv}) {
-    auto listed = env.GetEnv(hosts);
-    if (listed && !listed->empty()) return std::string("ssh");
+  shape->no_kill = true;
+  std::optional<int> per_node = shape->tasks_per_node;
+  if (!per_node && shape->nodes) {
+    if (max % *shape->nodes != 0) {
+      return InvalidArgumentError(range + " is not allowed with " + kSlurmNodesEnv + "=" +
+                                  std::to_string(*shape->nodes) +
+                                  ": an elastic run on Slurm runs the same number of workers on "
+                                  "each node; allowed: a max that is a multiple of the nodes");
+    }
+    per_node = max / *shape->nodes;
   }
-  auto job = env.GetEnv("SLURM_JOB_ID");
-  return std::string(job && !job->empty() ? "slurm" : "local");
+  if (!per_node) return OkStatus();  // max tasks; the nodes Slurm gives set the unit
+  if (min % *per_node != 0 || max % *per_node != 0) {
+    return InvalidArgumentError(range + " is not allowed with " + std::to_string(*per_node) +
+                                " task(s) per node: an elastic run on Slurm grows and shrinks by "
+                                "whole nodes; allowed: min and max multiples of " +
+                                std::to_string(*per_node));
+  }
+  shape->tasks_per_node = per_node;
+  shape->nodes = max / *per_node;
+  shape->min_nodes = min / *per_node;
+  return OkStatus();
 }
+
+}  // namespace
 
 std::vector<std::string> SlurmShape::SrunArgs() const {
   std::vector<std::string> args = {"--ntasks=" + std::to_string(tasks),
@@ -223,6 +251,7 @@ std::vector<std::string> SlurmShape::SrunArgs() const {
   if (gpus_per_task > 0) args.push_back("--gpus-per-task=" + std::to_string(gpus_per_task));
   if (exclusive) args.push_back("--exclusive");
   if (!constraint.empty()) args.push_back("--constraint=" + constraint);
+  if (!nodelist.empty()) args.push_back("--nodelist=" + Join(nodelist, ","));
   if (spread) args.push_back("--distribution=cyclic");  // last: SallocArgs replaces it
   return args;
 }
@@ -230,13 +259,29 @@ std::vector<std::string> SlurmShape::SrunArgs() const {
 std::vector<std::string> SlurmShape::SallocArgs() const {
   std::vector<std::string> args = SrunArgs();
   if (spread) args.back() = "--spread-job";
+  if (min_nodes && nodes && *min_nodes < *nodes) {
+    // A node range: as many nodes as Slurm can give, of tasks_per_node tasks each.
+    args.erase(args.begin());  // --ntasks
+    for (auto& a : args) {
+      if (a.rfind("--nodes=", 0) == 0) {
+        a = "--nodes=" + std::to_string(*min_nodes) + "-" + std::to_string(*nodes);
+      }
+    }
+  }
+  if (no_kill) args.push_back("--no-kill");
   if (signal_s > 0) args.push_back("--signal=USR1@" + std::to_string(signal_s));
   return args;
 }
 
 std::string SlurmShape::Describe() const {
-  std::string out = std::to_string(tasks) + (tasks == 1 ? " task" : " tasks");
-  if (nodes) out += " on " + std::to_string(*nodes) + (*nodes == 1 ? " node" : " nodes");
+  std::string out;
+  if (min_nodes && nodes && tasks_per_node && *min_nodes < *nodes) {  // a node range
+    out = std::to_string(*min_nodes * *tasks_per_node) + " to " + std::to_string(tasks) +
+          " tasks on " + std::to_string(*min_nodes) + " to " + std::to_string(*nodes) + " nodes";
+  } else {
+    out = std::to_string(tasks) + (tasks == 1 ? " task" : " tasks");
+    if (nodes) out += " on " + std::to_string(*nodes) + (*nodes == 1 ? " node" : " nodes");
+  }
   if (tasks_per_node) out += ", " + std::to_string(*tasks_per_node) + " per node";
   out += ", " + std::to_string(cpus_per_task) + (cpus_per_task == 1 ? " CPU" : " CPUs");
   if (gpus_per_task > 0) {
@@ -322,12 +367,94 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
         " tasks per node, which is not ScalingConfig.num_workers=" + std::to_string(n) +
         "; change " + kSlurmNodesEnv + " or " + kSlurmTasksPerNodeEnv);
   }
+  if (config.elastic()) JT_RETURN_IF_ERROR(ElasticShape(config, &shape));
   return shape;
 }
 
 StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
                                        const accelerators::HostView& env) {
   return placement::PlanForScheduler(config, env);
+}
+
+StatusOr<placement::Plan> PlanForSlurmNodes(const config::ScalingConfig& config,
+                                            const placement::Plan& uniform,
+                                            const std::vector<std::string>& nodes,
+                                            const SlurmShape& shape, const std::string& job_id) {
+  const int min = config.min_workers();
+  const int max = config.num_workers();
+  const std::string range =
+      "ScalingConfig.num_workers=(" + std::to_string(min) + ", " + std::to_string(max) + ")";
+  const std::string job = "Slurm job " + job_id + " (nodes " + Join(nodes, ",") + ")";
+  if (nodes.empty()) return InvalidArgumentError("Slurm job " + job_id + " has no nodes");
+  int per_node = shape.tasks_per_node.value_or(0);
+  if (per_node == 0) {
+    if (max % static_cast<int>(nodes.size()) != 0) {
+      return InvalidArgumentError(range + " is not allowed in " + job +
+                                  ": an elastic run on Slurm runs the same number "
+                                  "of workers on each node, and " +
+                                  std::to_string(nodes.size()) + " nodes do not divide " +
+                                  std::to_string(max) + "; set " + kSlurmTasksPerNodeEnv +
+                                  ", or allocate a number of "
+                                  "nodes that divides max");
+    }
+    per_node = max / static_cast<int>(nodes.size());
+  }
+  const int held = std::min(static_cast<int>(nodes.size()), max / per_node);
+  if (held * per_node < min) {
+    return InvalidArgumentError(range + " is not allowed in " + job + ": its " +
+                                std::to_string(held) + " node(s) of " + std::to_string(per_node) +
+                                " worker(s) hold fewer than min");
+  }
+  const std::vector<std::string> used(nodes.begin(), nodes.begin() + held);
+  JT_ASSIGN_OR_RETURN(
+      placement::Plan full,
+      placement::PlanPerHost(uniform, used, per_node, held * per_node,
+                             "Slurm job " + job_id + "'s nodes " + Join(used, ",")));
+  JT_RETURN_IF_ERROR(placement::CheckElasticHosts(config, full));
+  return full;
+}
+
+std::map<std::string, SlurmNodeState> ParseSlurmNodes(std::string_view text) {
+  std::map<std::string, SlurmNodeState> out;
+  auto field = [](const std::string& line, std::string_view name) -> std::string {
+    const std::string key = " " + std::string(name) + "=";
+    size_t at = (" " + line).find(key);
+    if (at == std::string::npos) return "";
+    size_t end = line.find(' ', at + key.size() - 1);
+    return line.substr(at + key.size() - 1,
+                       end == std::string::npos ? std::string::npos : end - at - key.size() + 1);
+  };
+  for (const std::string& line : SplitLines(text)) {
+    std::string name = field(line, "NodeName");
+    if (name.empty()) continue;
+    SlurmNodeState node{.state = field(line, "State")};
+    // Reason=<text, spaces allowed> [user@time]
+    if (size_t at = (" " + line).find(" Reason="); at != std::string::npos) {
+      std::string reason = line.substr(at + 7);
+      size_t mark = reason.find(" [");
+      node.reason = Trim(reason.substr(0, mark));
+    }
+    out[name] = std::move(node);
+  }
+  return out;
+}
+
+bool SlurmNodeUsable(std::string_view state) {
+  if (state.empty() || state.find('*') != std::string_view::npos) return false;
+  while (!state.empty()) {
+    size_t plus = state.find('+');
+    std::string_view part = state.substr(0, plus);
+    // Leaving, gone or not to be trusted: drained or draining, down, failing, powering down or
+    // powered down, rebooting, registered wrongly, or not yet (FUTURE) or no longer known.
+    for (std::string_view bad :
+         {"DRAIN", "DRAINING", "DRAINED", "DOWN", "NOT_RESPONDING", "FAIL", "FAILING",
+          "POWERING_DOWN", "POWER_DOWN", "POWERED_DOWN", "REBOOT_ISSUED", "REBOOT_REQUESTED",
+          "INVALID_REG", "FUTURE", "UNKNOWN"}) {
+      if (part == bad) return false;
+    }
+    state = plus == std::string_view::npos ? std::string_view() : state.substr(plus + 1);
+  }
+  return true;
 }
 
 std::optional<TaskEnd> ParseSrunTaskEnd(std::string_view line) {
@@ -412,42 +539,6 @@ Status CheckSharedStorage(const std::string& path, const accelerators::HostView&
       "seen: use shared storage (an NFS or other network filesystem mounted on every node, "
       "s3://, gs://). If this directory is in fact shared with every node, list it in " +
       kSharedStorageEnv);
-}
-
-StatusOr<std::string> AddressTowards(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  int rc = getaddrinfo(host.c_str(), "9", &hints, &found);
-  if (rc != 0) {
-    return UnavailableError("cannot resolve '" + host + "': " + gai_strerror(rc));
-  }
-  std::string error = "no address";
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    sockaddr_storage local{};
-    socklen_t len = sizeof(local);
-    // connect() on a UDP socket only picks the route and the source address.
-    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0 ||
-        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) {
-      error = std::strerror(errno);
-      close(fd);
-      continue;
-    }
-    close(fd);
-    char text[INET6_ADDRSTRLEN] = "";
-    const void* addr =
-        local.ss_family == AF_INET
-            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-    inet_ntop(local.ss_family, addr, text, sizeof(text));
-    freeaddrinfo(found);
-    return std::string(text);
-  }
-  freeaddrinfo(found);
-  return UnavailableError("no route from this host to '" + host + "': " + error);
 }
 
 std::optional<int64_t> ParseSlurmTimeLeft(std::string_view raw) {
@@ -608,7 +699,7 @@ StatusOr<SlurmLauncher::Step> SlurmLauncher::StepFor(const std::vector<ProcessSp
   for (const auto& [k, v] : group.env) step.env[k] = v;
   // The tasks take SIGUSR1 as the time limit's notice, due in this many seconds.
   step.env[kSlurmSignalEnv] = std::to_string(options_.shape.signal_s);
-  for (auto& a : options_.shape.SrunArgs()) step.args.push_back(a);
+  for (auto& a : StepShape().SrunArgs()) step.args.push_back(a);
   // The secret (or a standby's activation) goes to srun's stdin, which srun hands to every task
   // (--input=all) as their stdin: never in an environment (/proc/PID/environ) or a command line.
   step.args.insert(step.args.end(), {"--kill-on-bad-exit=1", "--export=ALL", "--input=all"});
@@ -822,6 +913,108 @@ Status SlurmLauncher::RenewAtTimeLimit() {
   }
   allocation_ = std::move(*renewed);
   options_.job_id = allocation_->job_id();
+  if (step_shape_ && !step_shape_->nodelist.empty()) {
+    // An elastic run's nodes were the old allocation's: its steps now run on any of the new one.
+    step_shape_->nodelist.clear();
+    notes_.push_back("the new allocation has nodes of its own: the steps run on " +
+                     std::to_string(step_shape_->nodes.value_or(0)) + " of them, chosen by Slurm");
+  }
+  return OkStatus();
+}
+
+// --- elastic runs -------------------------------------------------------------------------------
+
+StatusOr<std::vector<std::string>> SlurmLauncher::UnusableNodes(
+    const std::vector<std::string>& hosts, int cancel_fd, bool if_unknown) {
+  if (interrupted_.load()) return CancelledError("the run is being stopped");
+  if (hosts.empty()) return std::vector<std::string>{};
+  auto text = RunCommand({options_.scontrol, "--oneliner", "show", "node", Join(hosts, ",")},
+                         options_.command_timeout, cancel_fd);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kCancelled) return text.status();
+    return if_unknown ? hosts : std::vector<std::string>{};
+  }
+  const std::map<std::string, SlurmNodeState> states = ParseSlurmNodes(*text);
+  std::vector<std::string> unusable;
+  MutexLock lock(states_mu_);
+  for (const std::string& host : hosts) {
+    auto it = states.find(host);
+    const std::string state = it == states.end() ? "not known to Slurm" : it->second.state;
+    const bool usable = it != states.end() && SlurmNodeUsable(state);
+    if (!usable) unusable.push_back(host);
+    // Said when it changes: a node drained, down or back.
+    if (said_states_[host] == state) continue;
+    const bool was_usable = said_states_[host].empty() || SlurmNodeUsable(said_states_[host]);
+    said_states_[host] = state;
+    if (!usable) {
+      Say("Slurm node " + host + " is " + state +
+          (it != states.end() && !it->second.reason.empty() ? " (reason: " + it->second.reason + ")"
+                                                            : "") +
+          ": the run's steps leave it out until it is usable again");
+    } else if (!was_usable) {
+      Say("Slurm node " + host + " is usable again (" + state + ")");
+    }
+  }
+  return unusable;
+}
+
+StatusOr<std::vector<std::string>> SlurmLauncher::UnreachableHosts(
+    const std::vector<std::string>& hosts, Duration wait, int cancel_fd) {
+  const auto give_up = std::chrono::steady_clock::now() + wait;
+  Duration retry = std::chrono::seconds(1);
+  for (;;) {
+    JT_ASSIGN_OR_RETURN(std::vector<std::string> down,
+                        UnusableNodes(hosts, cancel_fd, /*if_unknown=*/true));
+    auto now = std::chrono::steady_clock::now();
+    if (down.empty() || now >= give_up) return down;
+    // Waits in short slices: Interrupt() sets a flag, not a descriptor.
+    const auto until = now + std::min<Duration>(retry, give_up - now);
+    while ((now = std::chrono::steady_clock::now()) < until) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
+      pollfd cancel{cancel_fd, POLLIN, 0};
+      if (poll(&cancel, 1, static_cast<int>(std::min<int64_t>(ms, 200))) > 0 ||
+          interrupted_.load()) {
+        return CancelledError(
+            "the run is being stopped: the nodes were not asked about to the end");
+      }
+    }
+    retry = std::min<Duration>(retry * 2, std::chrono::seconds(10));
+  }
+}
+
+StatusOr<std::vector<std::string>> SlurmLauncher::LeavingHosts(
+    const std::vector<std::string>& hosts, int cancel_fd) {
+  return UnusableNodes(hosts, cancel_fd, /*if_unknown=*/false);
+}
+
+Status SlurmLauncher::UsePlan(const placement::Plan& plan) {
+  std::vector<std::string> nodes;
+  std::map<std::string, int> ranks;
+  for (const placement::WorkerPlacement& w : plan.workers) {
+    if (w.host.empty()) {
+      return InvalidArgumentError("rank " + std::to_string(w.rank) +
+                                  " of the plan is on no Slurm node");
+    }
+    if (ranks[w.host]++ == 0) nodes.push_back(w.host);
+  }
+  if (nodes.empty()) return InvalidArgumentError("the plan has no rank");
+  const int per_node = ranks[nodes.front()];
+  for (const auto& node : nodes) {
+    if (ranks[node] != per_node) {
+      return InvalidArgumentError("the plan puts " + std::to_string(ranks[node]) +
+                                  " rank(s) on Slurm node " + node + " and " +
+                                  std::to_string(per_node) + " on " + nodes.front() +
+                                  "; a step runs the same number on each node");
+    }
+  }
+  SlurmShape step = options_.shape;
+  step.tasks = static_cast<int>(plan.workers.size());
+  step.nodes = static_cast<int>(nodes.size());
+  step.tasks_per_node = per_node;
+  step.min_nodes.reset();
+  step.nodelist = std::move(nodes);
+  step.spread = false;  // ranks in blocks per node, as the plan numbers them
+  step_shape_ = std::move(step);
   return OkStatus();
 }
 
@@ -876,13 +1069,19 @@ StatusOr<SlurmStart> StartSlurm(const config::ScalingConfig& config,
     host = *chosen;
   }
   std::string job_id = allocation->job_id();
+  std::vector<std::string> nodes;
+  if (config.elastic()) {
+    JT_ASSIGN_OR_RETURN(nodes, allocation->Nodes());
+  }
   JT_ASSIGN_OR_RETURN(const bool warm, WarmWorkersRequested());
-  return SlurmStart{
-      .launcher = std::make_unique<SlurmLauncher>(
-          SlurmLauncherOptions{
-              .job_id = std::move(job_id), .shape = shape, .step_name = step_name, .warm = warm},
-          std::move(allocation)),
-      .listen_host = std::move(host)};
+  return SlurmStart{.launcher = std::make_unique<SlurmLauncher>(
+                        SlurmLauncherOptions{
+                            .job_id = job_id, .shape = shape, .step_name = step_name, .warm = warm},
+                        std::move(allocation)),
+                    .listen_host = std::move(host),
+                    .nodes = std::move(nodes),
+                    .job_id = job_id,
+                    .shape = shape};
 }
 
 }  // namespace jaxtrain::launch

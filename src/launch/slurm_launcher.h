@@ -19,8 +19,15 @@
 //
 // The mapping from ScalingConfig to Slurm options (SlurmShapeFor) is documented in docs/slurm.md.
 //
-// Thread-safety: SlurmLauncher is used by the controller's event loop only. The free functions
-// are thread-safe. SignalGroup(SIGKILL) blocks for the time of one squeue and one scancel.
+// Elastic runs (ScalingConfig(num_workers=(min, max)), docs/elastic.md) resize by whole nodes of
+// the allocation: the full plan puts the same number of ranks on each node (PlanForSlurmNodes),
+// each attempt's step runs on the nodes of its plan (UsePlan: --nodelist, --nodes,
+// --ntasks-per-node), and a node `scontrol show node` says is drained or down is left out
+// (UnreachableHosts at a restart, LeavingHosts while the group trains on it).
+//
+// Thread-safety: SlurmLauncher is used by the controller's event loop only, but for
+// UnreachableHosts, LeavingHosts and Interrupt. The free functions are thread-safe.
+// SignalGroup(SIGKILL) blocks for the time of one squeue and one scancel.
 #pragma once
 
 #include <atomic>
@@ -36,6 +43,7 @@
 
 #include "accelerators/discovery.h"
 #include "base/clock.h"
+#include "base/mutex.h"
 #include "base/status.h"
 #include "config/scaling_config.h"
 #include "launch/launcher.h"
@@ -50,8 +58,6 @@ inline constexpr Duration kSlurmCommandTimeout = std::chrono::seconds(30);
 inline constexpr int kSlurmSignalSlackS = 60;
 
 // Environment settings (docs/slurm.md).
-inline constexpr char kLauncherEnv[] = "JAXTRAIN_LAUNCHER";       // local|slurm|ssh|kubernetes|auto
-inline constexpr char kListenHostEnv[] = "JAXTRAIN_LISTEN_HOST";  // the controller's address
 inline constexpr char kSharedStorageEnv[] =
     "JAXTRAIN_SHARED_STORAGE";  // shared dirs, ':'-separated
 inline constexpr char kSlurmNodesEnv[] = "JAXTRAIN_SLURM_NODES";
@@ -66,13 +72,6 @@ inline constexpr char kSlurmConstraintEnv[] = "JAXTRAIN_SLURM_CONSTRAINT";
 inline constexpr char kSlurmSignalEnv[] = "JAXTRAIN_SLURM_SIGNAL_S";
 inline constexpr int kDefaultSlurmSignalS = 90;
 
-// "local", "slurm", "ssh" or "kubernetes": JAXTRAIN_LAUNCHER when set to one of them; otherwise
-// ("auto" or unset) "ssh" when JAXTRAIN_SSH_HOSTS or JAXTRAIN_HOSTFILE lists hosts
-// (ssh_launcher.h), "slurm" inside a Slurm allocation (SLURM_JOB_ID set) and "local" elsewhere.
-// Kubernetes is never chosen by itself: a driver pod may well run its workers locally.
-// Errors: kInvalidArgument for any other value of JAXTRAIN_LAUNCHER.
-StatusOr<std::string> ChooseLauncher(const accelerators::HostView& env);
-
 // The shape of the worker group in Slurm's terms.
 struct SlurmShape {
   int tasks = 1;                      // --ntasks: one task per worker
@@ -84,6 +83,11 @@ struct SlurmShape {
   std::string constraint;             // --constraint: node features (empty: not passed)
   bool spread = false;                // steps: --distribution=cyclic; allocations: --spread-job
   int signal_s = 0;                   // allocations: --signal=USR1@<signal_s> (0: not passed)
+  // Elastic runs. Allocations: --nodes=<min_nodes>-<nodes> in place of --ntasks when below
+  // nodes, and --no-kill (a node that fails leaves the allocation running). Steps: the nodes.
+  std::optional<int> min_nodes;
+  bool no_kill = false;
+  std::vector<std::string> nodelist;  // steps: --nodelist (empty: not passed)
 
   std::vector<std::string> SrunArgs() const;
   std::vector<std::string> SallocArgs() const;
@@ -93,9 +97,12 @@ struct SlurmShape {
 // ScalingConfig -> SlurmShape, with JAXTRAIN_SLURM_NODES, _TASKS_PER_NODE and _EXCLUSIVE from
 // `env` overriding what the ScalingConfig implies, JAXTRAIN_SLURM_CONSTRAINT's features and
 // JAXTRAIN_SLURM_SIGNAL_S (default kDefaultSlurmSignalS).
+// An elastic config whose tasks per node are known (JAXTRAIN_SLURM_TASKS_PER_NODE or _NODES,
+// STRICT_SPREAD) asks for a node range, min/w to max/w nodes of w tasks; any elastic config asks
+// for --no-kill.
 // Errors: kInvalidArgument naming the field or setting: a fractional GPU count, a setting that is
 // not a whole number >= 1 (JAXTRAIN_SLURM_SIGNAL_S: 0 to 65535), nodes x tasks per node !=
-// num_workers.
+// num_workers; an elastic range that is not whole nodes of those tasks; an elastic TPU config.
 StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
                                    const accelerators::HostView& env);
 
@@ -104,6 +111,30 @@ StatusOr<SlurmShape> SlurmShapeFor(const config::ScalingConfig& config,
 // simulate switch runs any ScalingConfig as CPU processes, as for local runs.
 StatusOr<placement::Plan> PlanForSlurm(const config::ScalingConfig& config,
                                        const accelerators::HostView& env);
+
+// An elastic run's full plan on the allocation's `nodes` (in Slurm's order): the ranks of
+// `uniform` (PlanForSlurm), the same number w on each node, rank blocks in node order as srun
+// numbers its tasks. w is the shape's tasks per node, else max / the nodes; an allocation granted
+// fewer nodes than max needs (a node range) holds that many nodes' workers at most.
+// Errors: kInvalidArgument when max is not whole nodes of w workers, or the nodes hold fewer
+// than min workers; those of placement::CheckElasticHosts.
+StatusOr<placement::Plan> PlanForSlurmNodes(const config::ScalingConfig& config,
+                                            const placement::Plan& uniform,
+                                            const std::vector<std::string>& nodes,
+                                            const SlurmShape& shape, const std::string& job_id);
+
+// A node's state as `scontrol --oneliner show node` gives it.
+struct SlurmNodeState {
+  std::string state;   // State=, e.g. "IDLE", "MIXED+DRAIN", "DOWN+NOT_RESPONDING"
+  std::string reason;  // Reason=, without its "[user@time]"; empty without one
+};
+// NodeName -> its state, for each line of `scontrol --oneliner show node` output.
+std::map<std::string, SlurmNodeState> ParseSlurmNodes(std::string_view text);
+// Whether steps can run on a node in `state`: not DRAIN (draining or drained), DOWN,
+// NOT_RESPONDING, FAIL or FAILING, nor leaving or unknown (POWERING_DOWN, POWER_DOWN,
+// POWERED_DOWN, REBOOT_ISSUED, REBOOT_REQUESTED, INVALID_REG, FUTURE, UNKNOWN), in any of its
+// '+'-joined parts, nor '*'-marked.
+bool SlurmNodeUsable(std::string_view state);
 
 // A job's time left as squeue's %L gives it ("[days-][hours:]minutes:seconds"), in seconds;
 // nullopt for anything else ("UNLIMITED", "NOT_SET", "INVALID", empty).
@@ -118,11 +149,6 @@ std::optional<TaskEnd> ParseSrunTaskEnd(std::string_view line);
 // directories of JAXTRAIN_SHARED_STORAGE in `env`.
 // Errors: kInvalidArgument naming the path and its filesystem, saying to use shared storage.
 Status CheckSharedStorage(const std::string& path, const accelerators::HostView& env);
-
-// The address of this host on the interface that routes to `host` (an address or a name): what
-// `host` and its neighbours can reach this host at. No packet is sent.
-// Errors: kUnavailable when `host` cannot be resolved or there is no route to it.
-StatusOr<std::string> AddressTowards(const std::string& host);
 
 // A Slurm job allocation that the worker group's steps run in.
 class SlurmAllocation {
@@ -165,6 +191,7 @@ struct SlurmLauncherOptions {
   std::string srun = "srun";  // found through PATH unless absolute; tests pass a fake
   std::string scancel = "scancel";
   std::string squeue = "squeue";
+  std::string scontrol = "scontrol";
   // squeue and scancel are killed after this long (their error then names them).
   Duration command_timeout = kSlurmCommandTimeout;
   bool warm = false;  // a standby step for a restart (JAXTRAIN_WARM_WORKERS)
@@ -216,6 +243,19 @@ class SlurmLauncher : public Launcher {
   void EndRun(bool keep) override;  // ends the standby step
   std::vector<std::string> TakeNotes() override;
 
+  // Elastic runs. The nodes of `hosts` that are not usable now (SlurmNodeUsable after
+  // `scontrol show node`; a node Slurm does not show, or every node when scontrol fails), asked
+  // again with backoff up to `wait`. A node's change of state is said on stderr once.
+  StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
+                                                      Duration wait, int cancel_fd) override;
+  // The nodes of `hosts` that are not usable now; none when scontrol fails.
+  StatusOr<std::vector<std::string>> LeavingHosts(const std::vector<std::string>& hosts,
+                                                  int cancel_fd) override;
+  // The next steps run the plan's ranks on its nodes: --nodelist, --nodes and
+  // --ntasks-per-node of the plan. Errors: kInvalidArgument for a plan without nodes, or with
+  // another number of ranks on some node.
+  Status UsePlan(const placement::Plan& plan) override;
+
   // The most of a pickled training function (kPreloadFileEnv) a standby step gets on its stdin
   // to preload; a larger one is unpickled at activation.
   static constexpr size_t kMaxPreloadBytes = 1 << 20;
@@ -249,6 +289,10 @@ class SlurmLauncher : public Launcher {
   // signal_s + kSlurmSignalSlackS) is released and requested again. Errors: as Request(), with
   // kCancelled for a withdrawn request.
   Status RenewAtTimeLimit();
+  // The nodes of `hosts` that are not usable; `if_unknown` when scontrol cannot say.
+  StatusOr<std::vector<std::string>> UnusableNodes(const std::vector<std::string>& hosts,
+                                                   int cancel_fd, bool if_unknown);
+  const SlurmShape& StepShape() const { return step_shape_ ? *step_shape_ : options_.shape; }
 
   SlurmLauncherOptions options_;
   std::unique_ptr<SlurmAllocation> allocation_;
@@ -258,13 +302,20 @@ class SlurmLauncher : public Launcher {
   double queue_wait_s_ = 0;  // of the last Launch()
   std::atomic<bool> interrupted_{false};
   std::optional<StandbyStep> standby_;
-  std::vector<std::string> notes_;  // for TakeNotes()
+  std::vector<std::string> notes_;        // for TakeNotes()
+  std::optional<SlurmShape> step_shape_;  // UsePlan()'s
+  Mutex states_mu_;
+  std::map<std::string, std::string> said_states_ GUARDED_BY(states_mu_);  // node -> State=
 };
 
 // What a Slurm run starts with: its launcher and the address the nodes reach the controller at.
 struct SlurmStart {
   std::unique_ptr<SlurmLauncher> launcher;
   std::string listen_host;
+  // An elastic config's: the allocation's nodes, its job and the shape asked for.
+  std::vector<std::string> nodes;
+  std::string job_id;
+  SlurmShape shape;
 };
 
 // Readies a Slurm run of `config`: in the allocation the driver runs inside (SLURM_JOB_ID in

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "controller/controller.h"
 
@@ -37,22 +38,6 @@ config::ScalingConfig Config(config::ScalingConfigInput input) {
   auto c = config::ScalingConfig::Create(std::move(input));
   EXPECT_TRUE(c.ok()) << c.status().ToString();
   return *c;
-}
-
-TEST(ChooseLauncherTest, SlurmInsideAnAllocationLocalElsewhereUnlessSetExplicitly) {
-  accelerators::FakeHost host;
-  EXPECT_EQ(*ChooseLauncher(host), "local");
-  host.env["SLURM_JOB_ID"] = "12";
-  EXPECT_EQ(*ChooseLauncher(host), "slurm");
-  host.env[kLauncherEnv] = "local";
-  EXPECT_EQ(*ChooseLauncher(host), "local");
-  host.env.erase("SLURM_JOB_ID");
-  host.env[kLauncherEnv] = "slurm";
-  EXPECT_EQ(*ChooseLauncher(host), "slurm");
-  host.env[kLauncherEnv] = "k8s";
-  auto bad = ChooseLauncher(host);
-  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Contains(bad.status().message(), "JAXTRAIN_LAUNCHER='k8s'"));
 }
 
 TEST(SlurmShapeTest, CpuWorkersAreTasksOfOneCpuEach) {
@@ -219,6 +204,100 @@ TEST(PlanForSlurmTest, OneEnvironmentForEveryRankAndNoDevices) {
   EXPECT_EQ(gpu->workers[1].env, (std::map<std::string, std::string>{{"JAX_PLATFORMS", "cuda"}}));
   host.env[placement::kSimulateEnv] = "1";
   EXPECT_EQ(PlanForSlurm(Config({.num_workers = 2, .use_gpu = true}), host)->platform, "cpu");
+}
+
+// Elastic runs (docs/elastic.md): whole nodes of a known number of tasks are asked for as a node
+// range; every elastic allocation survives a node's failure (--no-kill).
+TEST(SlurmShapeTest, AnElasticRangeAsksForANodeRangeAndNoKill) {
+  accelerators::FakeHost host;
+  host.env[kSlurmTasksPerNodeEnv] = "2";
+  auto shape = SlurmShapeFor(Config({.num_workers = 4, .min_workers = 2}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SallocArgs(), (Strings{"--cpus-per-task=1", "--nodes=1-2", "--ntasks-per-node=2",
+                                          "--no-kill", "--signal=USR1@90"}));
+  EXPECT_EQ(shape->Describe(), "2 to 4 tasks on 1 to 2 nodes, 2 per node, 1 CPU each");
+
+  host.env.erase(kSlurmTasksPerNodeEnv);  // max tasks, and the nodes Slurm gives set the unit
+  shape = SlurmShapeFor(Config({.num_workers = 4, .min_workers = 2}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->SallocArgs(),
+            (Strings{"--ntasks=4", "--cpus-per-task=1", "--no-kill", "--signal=USR1@90"}));
+
+  host.env[kSlurmNodesEnv] = "2";
+  shape = SlurmShapeFor(Config({.num_workers = 4, .min_workers = 4}), host);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  EXPECT_EQ(shape->tasks_per_node, 2);
+  EXPECT_EQ(shape->min_nodes, 2);
+  EXPECT_EQ(shape->SallocArgs()[0], "--ntasks=4") << "min = max: no range";
+}
+
+TEST(SlurmShapeTest, AnElasticRangeOfPartNodesOrTpusIsRefused) {
+  accelerators::FakeHost host;
+  host.env[kSlurmTasksPerNodeEnv] = "2";
+  auto shape = SlurmShapeFor(Config({.num_workers = 4, .min_workers = 3}), host);
+  EXPECT_EQ(shape.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(shape.status().message(),
+            "ScalingConfig.num_workers=(3, 4) is not allowed with 2 task(s) per node: an elastic "
+            "run on Slurm grows and shrinks by whole nodes; allowed: min and max multiples of 2");
+  host.env.erase(kSlurmTasksPerNodeEnv);
+  host.env[kSlurmNodesEnv] = "3";
+  shape = SlurmShapeFor(Config({.num_workers = 4, .min_workers = 2}), host);
+  EXPECT_TRUE(Contains(shape.status().message(), "JAXTRAIN_SLURM_NODES=3"))
+      << shape.status().ToString();
+}
+
+TEST(PlanForSlurmNodesTest, PutsTheSameNumberOfRanksOnEachNodeInBlocks) {
+  accelerators::FakeHost host;
+  const config::ScalingConfig config = Config({.num_workers = 4, .min_workers = 2});
+  auto uniform = PlanForSlurm(config, host);
+  ASSERT_TRUE(uniform.ok());
+  auto full = PlanForSlurmNodes(config, *uniform, {"node1", "node2"}, {}, "42");
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  ASSERT_EQ(full->workers.size(), 4u);
+  EXPECT_EQ(full->hosts_source, "Slurm job 42's nodes node1,node2");
+  for (const auto& w : full->workers) {
+    EXPECT_EQ(w.host, w.rank < 2 ? "node1" : "node2");
+    EXPECT_EQ(w.local_rank, w.rank % 2);
+    EXPECT_EQ(w.local_world_size, 2);
+    EXPECT_EQ(w.env, uniform->workers[0].env);
+  }
+  // A node range granted one node: the run holds its workers, min at least.
+  auto one = PlanForSlurmNodes(config, *uniform, {"node1"}, {.tasks_per_node = 2}, "42");
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(one->workers.size(), 2u);
+  auto uneven = PlanForSlurmNodes(config, *uniform, {"n1", "n2", "n3"}, {}, "42");
+  EXPECT_EQ(uneven.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(uneven.status().message(),
+                       "3 nodes do not divide 4; set "
+                       "JAXTRAIN_SLURM_TASKS_PER_NODE"));
+  auto odd = PlanForSlurmNodes(Config({.num_workers = 4, .min_workers = 1}), *uniform,
+                               {"node1", "node2"}, {}, "42");
+  EXPECT_TRUE(Contains(odd.status().message(), "each host takes 2 worker(s)"))
+      << odd.status().ToString();
+}
+
+TEST(SlurmNodesTest, ReadsScontrolsStatesAndReasons) {
+  auto nodes = ParseSlurmNodes(
+      "NodeName=node1 Arch=x86_64 CoresPerSocket=1 State=MIXED ThreadsPerCore=1\n"
+      "NodeName=node2 Arch=x86_64 State=MIXED+DRAIN Weight=1 Reason=disk is bad "
+      "[root@2026-12-06T11:00:00]\n"
+      "NodeName=node3 State=DOWN+NOT_RESPONDING Reason=Not responding [slurm@2026-12-06]\n");
+  ASSERT_EQ(nodes.size(), 3u);
+  EXPECT_EQ(nodes["node1"].state, "MIXED");
+  EXPECT_EQ(nodes["node1"].reason, "");
+  EXPECT_EQ(nodes["node2"].state, "MIXED+DRAIN");
+  EXPECT_EQ(nodes["node2"].reason, "disk is bad");
+  EXPECT_EQ(nodes["node3"].reason, "Not responding");
+  for (const char* usable : {"IDLE", "MIXED", "ALLOCATED", "ALLOCATED+COMPLETING", "IDLE+CLOUD"}) {
+    EXPECT_TRUE(SlurmNodeUsable(usable)) << usable;
+  }
+  for (const char* not_usable :
+       {"IDLE+DRAIN", "MIXED+DRAIN", "DRAINED", "DRAINING", "DOWN", "DOWN+NOT_RESPONDING",
+        "IDLE+FAIL", "ALLOCATED+FAILING", "IDLE*", "", "MIXED+POWERING_DOWN", "IDLE+POWERED_DOWN",
+        "ALLOCATED+REBOOT_REQUESTED", "MIXED+REBOOT_ISSUED", "IDLE+INVALID_REG", "FUTURE",
+        "UNKNOWN"}) {
+    EXPECT_FALSE(SlurmNodeUsable(not_usable)) << not_usable;
+  }
 }
 
 TEST(ParseSrunTaskEndTest, ReadsSignalsExitCodesAndTaskRanges) {
@@ -820,6 +899,67 @@ TEST_F(ControllerOnSlurmTest, ATaskKilledIsBlamedWhenSrunReportsTheKillItCausedF
   std::string console = ReadFile(console_path_);
   ASSERT_NE(console.find("task 1: Killed"), std::string::npos) << console;
   EXPECT_LT(console.find("task 0: Killed"), console.find("task 1: Killed")) << console;
+}
+
+TEST_F(SlurmLauncherTest, ANodeDrainedOrDownIsUnreachableAndLeaving) {
+  SlurmLauncherOptions options = Options();
+  options.scontrol = Script("scontrol", "#!/bin/sh\necho \"$@\" >> " + dir_ +
+                                            "/scontrol-args\nexec cat " + dir_ + "/nodes\n");
+  SlurmLauncher launcher(options);
+  std::ofstream(dir_ + "/nodes") << "NodeName=node1 State=ALLOCATED Reason=\n"
+                                    "NodeName=node2 State=MIXED+DRAIN Reason=test [root@now]\n"
+                                    "NodeName=node3 State=DOWN+NOT_RESPONDING\n";
+  const Strings all = {"node1", "node2", "node3"};
+  EXPECT_EQ(*launcher.UnreachableHosts(all, Duration::zero(), -1), (Strings{"node2", "node3"}));
+  EXPECT_EQ(*launcher.LeavingHosts({"node1", "node2"}, -1), (Strings{"node2"}));
+  EXPECT_EQ(ReadFile(dir_ + "/scontrol-args"),
+            "--oneliner show node node1,node2,node3\n--oneliner show node node1,node2\n");
+  // Slurm cannot say: no node is taken as usable, and none as leaving.
+  std::filesystem::remove(dir_ + "/nodes");
+  EXPECT_EQ(*launcher.UnreachableHosts(all, Duration::zero(), -1), all);
+  EXPECT_TRUE(launcher.LeavingHosts(all, -1)->empty());
+  // A wait ends once the node is resumed.
+  std::ofstream(dir_ + "/nodes") << "NodeName=node1 State=IDLE\nNodeName=node2 State=IDLE+DRAIN\n";
+  std::thread resume([&] {
+    usleep(300 * 1000);
+    std::ofstream(dir_ + "/nodes.new") << "NodeName=node1 State=IDLE\nNodeName=node2 State=IDLE\n";
+    std::filesystem::rename(dir_ + "/nodes.new", dir_ + "/nodes");
+  });
+  auto down = launcher.UnreachableHosts({"node1", "node2"}, std::chrono::seconds(60), -1);
+  resume.join();
+  ASSERT_TRUE(down.ok()) << down.status().ToString();
+  EXPECT_TRUE(down->empty());
+  launcher.Interrupt();
+  EXPECT_EQ(launcher.UnreachableHosts(all, Duration::zero(), -1).status().code(),
+            StatusCode::kCancelled);
+}
+
+TEST_F(SlurmLauncherTest, AfterUsePlanTheStepsRunOnThePlansNodes) {
+  SlurmLauncherOptions options = Options();
+  options.shape = {.tasks = 4, .spread = true};
+  options.warm = true;
+  SlurmLauncher launcher(options);
+  placement::Plan plan;
+  for (int r = 0; r < 2; ++r) plan.workers.push_back({.rank = r, .host = "node1"});
+  // A standby step started for the run's 4 ranks is not the shrunk attempt's: it is ended.
+  ASSERT_TRUE(launcher.PrepareNext(TellingSpecs(dir_, 0, "s0")).ok());
+  ASSERT_TRUE(launcher.UsePlan(plan).ok());
+  auto launched = launcher.Launch(TellingSpecs(dir_, 1, "s1"));
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  EXPECT_TRUE(Contains(RunStep(launched->front()), "1: rank 1 s1 1 fresh"));
+  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()),
+                       "the standby step jaxtrain-test-1 was started for another placement"));
+  const std::string args = ReadFile(dir_ + "/srun-args");
+  for (const char* arg : {"--ntasks=2", "--nodes=1", "--ntasks-per-node=2", "--nodelist=node1"}) {
+    EXPECT_TRUE(Contains(args, std::string(arg) + "\n")) << args;
+  }
+  EXPECT_FALSE(Contains(args, "--distribution")) << "ranks in blocks, as the plan numbers them";
+
+  placement::Plan uneven = plan;
+  uneven.workers.push_back({.rank = 2, .host = "node2"});
+  EXPECT_EQ(launcher.UsePlan(uneven).message(),
+            "the plan puts 1 rank(s) on Slurm node node2 and 2 on node1; a step runs the same "
+            "number on each node");
 }
 
 }  // namespace

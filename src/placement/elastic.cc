@@ -72,6 +72,27 @@ StatusOr<HostChoice> ChooseHosts(const Plan& full, const std::set<std::string>& 
                           std::to_string(min_workers) + ")");
 }
 
+StatusOr<Plan> PlanPerHost(const Plan& uniform, const std::vector<std::string>& hosts, int per_host,
+                           int workers, const std::string& source) {
+  if (per_host < 1 || workers != per_host * static_cast<int>(hosts.size()) ||
+      workers > static_cast<int>(uniform.workers.size())) {
+    return InvalidArgumentError("cannot place " + std::to_string(workers) + " worker(s), " +
+                                std::to_string(per_host) + " on each of the hosts " + Join(hosts) +
+                                " (" + source + "), in a plan of " +
+                                std::to_string(uniform.workers.size()));
+  }
+  Plan plan = uniform;
+  plan.hosts_source = source;
+  plan.workers.resize(static_cast<size_t>(workers));
+  for (WorkerPlacement& w : plan.workers) {
+    w.node_rank = w.rank / per_host;
+    w.local_rank = w.rank % per_host;
+    w.local_world_size = per_host;
+    w.host = hosts[static_cast<size_t>(w.node_rank)];
+  }
+  return plan;
+}
+
 HostDescription OnlyHosts(const HostDescription& hosts, const std::set<std::string>& keep) {
   std::set<std::string> broken_slices;
   for (const Host& h : hosts.hosts) {

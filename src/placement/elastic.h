@@ -44,6 +44,14 @@ struct HostChoice {
 StatusOr<HostChoice> ChooseHosts(const Plan& full, const std::set<std::string>& unreachable,
                                  int min_workers);
 
+// For an engine that places the ranks itself (placement::PlanForScheduler, whose ranks share
+// one environment): `workers` ranks of `uniform` put on `hosts`, `per_host` on each in rank order
+// (ranks 0..per_host-1 on the first host, as Slurm's block distribution numbers its tasks), with
+// the host, local and node ranks set; `source` names the hosts (Plan::hosts_source).
+// Errors: kInvalidArgument when `workers` is not per_host x the hosts, or exceeds uniform's.
+StatusOr<Plan> PlanPerHost(const Plan& uniform, const std::vector<std::string>& hosts, int per_host,
+                           int workers, const std::string& source);
+
 // `hosts` without the hosts not in `keep`, and without the TPU slices of which a host is not kept.
 HostDescription OnlyHosts(const HostDescription& hosts, const std::set<std::string>& keep);
 

@@ -163,5 +163,26 @@ TEST(ElasticTest, OnlyHostsDropsASliceWithAHostLeftOut) {
   EXPECT_EQ(kept.hosts[1].name, "c");
 }
 
+TEST(ElasticTest, PlanPerHostPutsRankBlocksOnTheHostsOfAnEngine) {
+  Plan uniform{.platform = "cpu"};
+  for (int r = 0; r < 4; ++r) uniform.workers.push_back({.rank = r, .env = {{"A", "1"}}});
+  auto shrunk = PlanPerHost(uniform, {"node1"}, 2, 2, "Slurm job 7's nodes node1,node2");
+  ASSERT_TRUE(shrunk.ok()) << shrunk.status().ToString();
+  ASSERT_EQ(shrunk->workers.size(), 2u);
+  for (const WorkerPlacement& w : shrunk->workers) {
+    EXPECT_EQ(w.host, "node1");
+    EXPECT_EQ(w.local_rank, w.rank);
+    EXPECT_EQ(w.local_world_size, 2);
+    EXPECT_EQ(w.node_rank, 0);
+    EXPECT_EQ(w.env.at("A"), "1");
+  }
+  EXPECT_EQ(ResizeUnits(*shrunk).size(), 1u);
+  EXPECT_EQ(PlanPerHost(uniform, {"node1", "node2"}, 2, 3, "x").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanPerHost(uniform, {"n1", "n2", "n3"}, 2, 6, "x").status().code(),
+            StatusCode::kInvalidArgument)
+      << "more ranks than the plan has";
+}
+
 }  // namespace
 }  // namespace jaxtrain::placement
