@@ -36,8 +36,8 @@ Figures, each on the last rank to get there:
   (-> the training function's first line: ``import jax``, ``jax.distributed.initialize``, the
   function unpickled),
   imports (flax, optax), model (-> restore begins: the model and optimiser state initialised by
-  jit, programs under 1 s of compilation that the cache does not keep), restore (reading the
-  checkpoint onto the devices), first step, first report.
+  jit, their programs loaded from the cache), restore (reading the checkpoint onto the devices
+  with ``jax.make_array_from_callback``), first step, first report.
 
 Results are printed and written to bench/results/cluster_restart.json (one entry per launcher,
 with the load average before and after it: the machine is shared).
@@ -126,7 +126,11 @@ def train_func(config: dict) -> None:
     checkpoint = get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d, np.load(os.path.join(d, "params.npz")) as saved:
-            leaves = [jax.device_put(saved[f"p{i}"], replicated) for i in range(len(leaves))]
+            # Not jax.device_put: onto a sharding across processes it costs ~35 ms a leaf here
+            # (JAX 0.10), a second for this model; docs/checkpoints.md says so.
+            leaves = [jax.make_array_from_callback(
+                saved[f"p{i}"].shape, replicated, lambda index, a=saved[f"p{i}"]: a[index])
+                for i in range(len(leaves))]
         params = jax.tree_util.tree_unflatten(treedef, leaves)
     elif attempt > 0:
         raise RuntimeError(f"attempt {attempt} started without the checkpoint of attempt 0")

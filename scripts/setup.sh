@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # prometheus: the metrics endpoint scraped for real (tests/test_metrics.py); chromium,
-# chromium-driver: the dashboard's browser test (tests/test_dashboard.py).
+# chromium-driver: the dashboard's browser test (tests/test_dashboard.py); iptables: a test host's
+# slow, lossy link (tests/link_impair.py, for tests/test_ssh.py and tests/test_slurm.py).
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config git libgtest-dev nlohmann-json3-dev
-              libsodium-dev clang-format tcsh prometheus chromium chromium-driver)
+              libsodium-dev clang-format tcsh prometheus chromium chromium-driver iptables)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

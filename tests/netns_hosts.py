@@ -19,6 +19,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import link_impair
 import pytest
 
 # The directories each host has of its own (scripts/lib/netns.sh), "~" the home of the user that
@@ -40,6 +41,20 @@ def link_cut(veth: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+
+@contextlib.contextmanager
+def link_slowed(namespace: str, delay_ms: float, loss: float, require: str) -> Iterator[None]:
+    """The host's link slow and lossy for the block (tests/link_impair.py, on its "eth0"):
+    `delay_ms` on every packet it sends, so on every round trip through it; `loss` on every
+    packet each way. Where that cannot be done here the test is skipped with the reason, unless
+    the environment variable `require` is 1: then it fails."""
+    if why := link_impair.why_not():
+        if os.environ.get(require) == "1":
+            pytest.fail(f"{require}=1, but {why}")
+        pytest.skip(why)
+    with link_impair.impaired(namespace, "eth0", delay_ms, loss):
+        yield
 
 
 @contextlib.contextmanager

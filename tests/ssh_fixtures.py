@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from netns_hosts import link_cut, namespace_frozen, namespace_hosts
+from netns_hosts import link_cut, link_slowed, namespace_frozen, namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "ssh_hosts.sh"
@@ -53,6 +53,11 @@ class SshHosts:
     def cut(self, host: str) -> contextlib.AbstractContextManager[None]:
         """`host`'s network link down for the block (as a cable pulled), up again after it."""
         return link_cut(self.veth(host))
+
+    def slow(self, host: str, delay_ms: float,
+             loss: float) -> contextlib.AbstractContextManager[None]:
+        """`host`'s link slow and lossy for the block (netns_hosts.link_slowed)."""
+        return link_slowed(self.namespace(host), delay_ms, loss, "JAXTRAIN_REQUIRE_SSH")
 
     def freeze(self, host: str) -> contextlib.AbstractContextManager[list[int]]:
         """Every process of `host` stopped (SIGSTOP) for the block, as a host that hangs; they

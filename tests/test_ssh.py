@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from test_slurm import check_a_run_on_a_bucket, seed_program, seen
+from test_slurm import (
+    check_a_run_on_a_bucket,
+    check_a_run_on_a_slow_link,
+    connect_seconds,
+    seed_program,
+    seen,
+)
 
 import peer_copies
 from conftest import run_command, start_driver
@@ -410,6 +416,59 @@ def test_a_frozen_host_is_blamed_by_the_watchdog_and_its_stale_rank_stays_out_of
     assert left == []
     assert not Path(f"/proc/{stale}").exists() or b"python" not in Path(
         f"/proc/{stale}/cmdline").read_bytes()
+
+
+# 2 hosts x 2 workers: 40 steps, each a collective over every rank and a checkpoint of every
+# rank's state; each step's duration in its metrics.
+SLOW_LINK_RUN = '''
+import json, os, tempfile, time
+from pathlib import Path
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
+                      get_checkpoint, get_context, report)
+
+
+def train():
+    rank = get_context().get_world_rank()
+    mesh = Mesh(np.array(jax.devices()), ("w",))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    value = 0.0
+    for s in range(40):
+        began = time.monotonic()
+        local = np.array([rank + 1.0])
+        value += float(total(jax.make_array_from_process_local_data(NamedSharding(mesh, P("w")),
+                                                                    local)))
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, f"rank-{rank}.json").write_text(json.dumps({"step": s, "value": value}))
+            report({"step": s, "value": value, "seconds": time.monotonic() - began},
+                   checkpoint=Checkpoint.from_directory(d))
+
+
+result = JaxTrainer(train, scaling_config=ScalingConfig(num_workers=4),
+                    run_config=RunConfig(name="slow", storage_path=os.getcwd(),
+                                         failure_config=FailureConfig(max_failures=1,
+                                                                      progress_timeout_s=10))
+                    ).fit()
+print("final", json.dumps(result.metrics))
+'''
+
+
+def test_a_slow_lossy_link_to_host2_slows_the_run_but_fails_nothing(ssh_hosts, shared_dir):
+    """host2's link 200 ms slower on every round trip (its packets out delayed) and losing 2 % of
+    the packets each way, for the whole run, watchdog on (10 s): the run starts, trains,
+    checkpoints and finishes in one attempt; no detector mistakes the slow link for a fault
+    (docs/failure-detection.md "On a slow or lossy link")."""
+    with ssh_hosts.slow("host2", delay_ms=200, loss=0.02):
+        # The link is impaired: a round trip to host2 (its sshd's SYN-ACK) takes 200 ms more.
+        assert min(connect_seconds("198.19.13.12", 22) for _ in range(3)) >= 0.2
+        proc = drive(ssh_hosts, shared_dir, SLOW_LINK_RUN, timeout=400,
+                     JAXTRAIN_SSH_HOSTS="host1,host2")
+
+    check_a_run_on_a_slow_link(proc, shared_dir)
+    for host in ("host1", "host2"):
+        assert not workers_left_after(ssh_hosts, host, 10), host
 
 
 @pytest.mark.parametrize(("host", "says"), [
