@@ -143,6 +143,10 @@ os._exit(rc)
 constexpr int kSshFailed = 255;
 constexpr int kProbeNoPython = 97;
 constexpr int kProbeNoCwd = 98;
+// The least time an elastic run's probe gives a host to answer, however near its deadline: an ssh
+// login to a healthy host (the key exchange, the remote shell) takes a second or two on a busy
+// machine.
+constexpr Duration kShortestProbe = std::chrono::seconds(5);
 
 std::vector<std::string> Split(std::string_view text, char sep) {
   std::vector<std::string> out;
@@ -518,7 +522,8 @@ std::map<std::string, SshLauncher::HostCheck> SshLauncher::ChecksOf(
 }
 
 Status SshLauncher::Probe(const std::map<std::string, HostCheck>& hosts, int cancel_fd,
-                          bool* reachable_later, std::vector<std::string>* unreachable) const {
+                          bool* reachable_later, std::vector<std::string>* unreachable,
+                          Duration timeout) const {
   *reachable_later = false;
   if (unreachable) unreachable->clear();
   bool only_unreachable = true;
@@ -555,7 +560,7 @@ Status SshLauncher::Probe(const std::map<std::string, HostCheck>& hosts, int can
     fcntl(spawned->output_fd, F_SETFL, fcntl(spawned->output_fd, F_GETFL) | O_NONBLOCK);
     probes.push_back({target, *spawned});
   }
-  const auto deadline = std::chrono::steady_clock::now() + options_.probe_timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool interrupted = false;
   for (;;) {
     std::vector<pollfd> fds;
@@ -634,8 +639,7 @@ Status SshLauncher::Probe(const std::map<std::string, HostCheck>& hosts, int can
     for (const auto& t : late) names += (names.empty() ? "" : ", ") + t;
     return DeadlineExceededError(
         "no answer over ssh within " +
-        std::to_string(
-            std::chrono::duration_cast<std::chrono::seconds>(options_.probe_timeout).count()) +
+        std::to_string(std::chrono::duration_cast<std::chrono::seconds>(timeout).count()) +
         " s from host " + names + "; check that it is up and reachable from this host");
   }
   return OkStatus();
@@ -932,7 +936,14 @@ StatusOr<std::vector<std::string>> SshLauncher::UnreachableHosts(
   std::vector<std::string> down;
   for (;;) {
     bool reachable_later = false;
-    Status probed = Probe(checks, cancel_fd, &reachable_later, &down);
+    // A silent host costs what is left of `wait`, not ssh's ConnectTimeout; once (`wait` zero:
+    // the capacity monitor, off the loop) it gets the whole probe_timeout.
+    const Duration left = give_up - std::chrono::steady_clock::now();
+    const Duration timeout =
+        wait <= Duration::zero()
+            ? options_.probe_timeout
+            : std::min<Duration>(options_.probe_timeout, std::max<Duration>(left, kShortestProbe));
+    Status probed = Probe(checks, cancel_fd, &reachable_later, &down, timeout);
     if (probed.code() == StatusCode::kCancelled) return probed;
     const auto now = std::chrono::steady_clock::now();
     if (down.empty() || now >= give_up) return down;

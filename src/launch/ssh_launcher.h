@@ -211,8 +211,10 @@ class SshLauncher : public Launcher {
 
   // Elastic runs: the hosts that ssh cannot connect to (only that ssh connects is probed; the
   // Python and directory checks are Launch()'s), probed again after first_retry, doubled up to
-  // max_retry, until `wait` has passed. Thread-safe: reads only the options that UsePlan() leaves
-  // alone.
+  // max_retry, until `wait` has passed. With a `wait`, a probe lasts no longer than what is left of
+  // it, nor less than 5 s (a healthy host's login on a busy machine), so a silent host costs about
+  // `wait`, not ssh's ConnectTimeout of 10 s. Thread-safe: reads only the options that UsePlan()
+  // leaves alone.
   StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
                                                       Duration wait, int cancel_fd) override;
   // The ranks' hosts from now on are `plan`'s.
@@ -243,9 +245,13 @@ class SshLauncher : public Launcher {
   // `reachable_later` is set when the probe failed only because hosts could not be reached
   // (no answer, connection timed out or refused, no route): what waiting may mend; those hosts
   // are listed in `unreachable` when it is given. `cancel_fd` (-1: none) cuts it short as
-  // Interrupt() does.
+  // Interrupt() does. A host that has not answered within `timeout` counts as unreachable.
   Status Probe(const std::map<std::string, HostCheck>& hosts, int cancel_fd, bool* reachable_later,
-               std::vector<std::string>* unreachable) const;
+               std::vector<std::string>* unreachable, Duration timeout) const;
+  Status Probe(const std::map<std::string, HostCheck>& hosts, int cancel_fd, bool* reachable_later,
+               std::vector<std::string>* unreachable) const {
+    return Probe(hosts, cancel_fd, reachable_later, unreachable, options_.probe_timeout);
+  }
   // Probes again with backoff while `failed` is of a host that may come back, up to host_wait.
   Status WaitForHosts(const std::map<std::string, HostCheck>& hosts, Status failed);
   void CloseInputs();

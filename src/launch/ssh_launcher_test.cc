@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -442,6 +443,26 @@ TEST_F(FakeSshTest, AnInterruptCutsAProbeShortAndLeavesNoSshBehind) {
   EXPECT_TRUE(state.empty()) << "the probe's ssh is still there: " << state;
   // And from then on, nothing is started.
   EXPECT_EQ(launcher.Launch({Python(0, "pass")}).status().code(), StatusCode::kCancelled);
+}
+
+TEST_F(FakeSshTest, AnElasticProbeOfASilentHostEndsWithItsWait) {
+  // An elastic restart's probe waits for what is left of its deadline, not for ssh to give up
+  // (here the fake ssh of "silent" would hang for 300 s; the probe_timeout is as long).
+  SshLauncher launcher(
+      {.ssh = {ssh_}, .targets = {"h1", "silent"}, .probe_timeout = std::chrono::seconds(300)});
+  auto probing = std::async(std::launch::async, [&] {
+    return launcher.UnreachableHosts({"h1", "silent"}, std::chrono::seconds(1), -1);
+  });
+  ASSERT_EQ(probing.wait_for(std::chrono::seconds(120)), std::future_status::ready)
+      << "the probe of a silent host outlasted its wait by minutes";
+  auto down = probing.get();
+  ASSERT_TRUE(down.ok()) << down.status().ToString();
+  EXPECT_EQ(*down, std::vector<std::string>{"silent"});
+  std::ifstream said(dir_ / "silent");
+  int pid = 0;
+  ASSERT_TRUE(said >> pid) << "the silent host was not probed";
+  const std::string state = testing::SettledState(pid);
+  EXPECT_TRUE(state.empty()) << "the probe's ssh is still there: " << state;
 }
 
 TEST_F(FakeSshTest, WhenTheLauncherGoesItsWorkersAndTheirChildrenGoToo) {
