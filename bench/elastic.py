@@ -21,7 +21,7 @@ Figures (each printed as a ratio to the cold start):
 * cold start: ``fit()`` -> the first round of attempt 0 (4 workers).
 * shrink: the cut -> the first round on 2 workers. Its parts from run.json: detect (-> attempt
   0's failure), stop (-> its end), wait and probe (-> attempt 1's start: the elastic deadline,
-  min(unreachable_host_timeout_s, interval), and ssh's connect timeout of the probes), relaunch
+  min(unreachable_host_timeout_s, interval), which also bounds each probe, at least 5 s), relaunch
   (-> every rank registered), first round.
 * grow: the link restored -> the first round on 4 workers. Its parts: notice (-> the resize
   request, at most one interval plus a probe), drain (-> attempt 1's end: its next committed
