@@ -38,23 +38,8 @@ using namespace std::chrono_literals;
 
 constexpr auto kNoHang = 30s;  // bounds every wait, so that a bug fails a test instead of hanging
 
-// The processes are FakeProcesses': this launcher is never asked to start any. It counts the
-// controller's interrupts (Abort()).
-class UnusedLauncher : public launch::Launcher {
- public:
-  explicit UnusedLauncher(std::atomic<int>& interrupts) : interrupts_(interrupts) {}
-  StatusOr<std::vector<launch::LaunchedProcess>> Launch(
-      const std::vector<launch::ProcessSpec>&) override {
-    return InternalError("the fake worker group launches nothing");
-  }
-  Status SignalGroup(int) override { return InternalError("the fake worker group signals"); }
-  void Interrupt() override { ++interrupts_; }
-
- private:
-  std::atomic<int>& interrupts_;
-};
-
-// A launcher whose Launch() waits in a queue (Kueue): what it says it waited.
+// The processes are FakeProcesses': the launchers start none (testing/hosts_launcher.h). This one's
+// Launch() waits in a queue (Kueue): what it says it waited.
 class QueuingLauncher : public UnusedLauncher {
  public:
   QueuingLauncher(std::atomic<int>& interrupts, double wait)
@@ -65,9 +50,6 @@ class QueuingLauncher : public UnusedLauncher {
  private:
   double wait_;
 };
-
-// An elastic run's launcher (testing/hosts_launcher.h).
-using ElasticLauncher = HostsLauncher;
 
 class ControllerStateTest : public testing::Test {
  protected:
@@ -929,8 +911,8 @@ TEST_F(ControllerStateTest, RanksMakingDifferentCollectiveCallsFailTheAttemptNam
 TEST_F(ControllerStateTest, AnElasticRunShrinksToTheHostsLeftAndGrowsBackAtACheckpoint) {
   ControllerOptions options = ElasticOnTwoHosts(0s);
   options.max_failures = 1;
-  auto owned = std::make_unique<ElasticLauncher>(interrupts_);
-  ElasticLauncher& launcher = *owned;
+  auto owned = std::make_unique<HostsLauncher>(interrupts_);
+  HostsLauncher& launcher = *owned;
   auto controller = Start(std::move(options), std::move(owned));
   WaitForStart(1);
   EXPECT_EQ(RegisterAll(/*attempt=*/0, 4)[3]["world_size"], 4);
@@ -973,8 +955,8 @@ TEST_F(ControllerStateTest, AnElasticRunShrinksToTheHostsLeftAndGrowsBackAtAChec
 // next committed checkpoint: a planned resize, no failure, and the restart waits for no host.
 TEST_F(ControllerStateTest, AnElasticRunLeavesAHostTakenFromItAtACheckpoint) {
   ControllerOptions options = ElasticOnTwoHosts(24h);
-  auto owned = std::make_unique<ElasticLauncher>(interrupts_);
-  ElasticLauncher& launcher = *owned;
+  auto owned = std::make_unique<HostsLauncher>(interrupts_);
+  HostsLauncher& launcher = *owned;
   auto controller = Start(std::move(options), std::move(owned));
   WaitForStart(1);
   RegisterAll(/*attempt=*/0, 4);

@@ -1,7 +1,8 @@
-// HostsLauncher: an elastic run's launcher for the controller's tests. The hosts it cannot reach
-// are the test's to say; it notes the world size of every plan it is handed and counts the
-// controller's interrupts (Abort()). It launches no process: the tests' workers are fakes.
-// UnreachableHosts and LeavingHosts are called from the capacity monitor's thread.
+// Launchers for the controller's tests, which start no process (their workers are fakes).
+// UnusedLauncher launches nothing and counts the controller's interrupts (Abort()). HostsLauncher,
+// an elastic run's: the hosts it cannot reach and those leaving are the test's to say, and it
+// notes the world size of every plan it is handed; UnreachableHosts and LeavingHosts are called
+// from the capacity monitor's thread.
 #pragma once
 
 #include <atomic>
@@ -14,32 +15,30 @@
 
 namespace jaxtrain::controller {
 
-class HostsLauncher : public launch::Launcher {
+class UnusedLauncher : public launch::Launcher {
  public:
-  explicit HostsLauncher(std::atomic<int>& interrupts) : interrupts_(interrupts) {}
+  explicit UnusedLauncher(std::atomic<int>& interrupts) : interrupts_(interrupts) {}
   StatusOr<std::vector<launch::LaunchedProcess>> Launch(
       const std::vector<launch::ProcessSpec>&) override {
     return InternalError("the fake worker group launches nothing");
   }
   Status SignalGroup(int) override { return InternalError("the fake worker group signals"); }
   void Interrupt() override { ++interrupts_; }
+
+ private:
+  std::atomic<int>& interrupts_;
+};
+
+class HostsLauncher : public UnusedLauncher {
+ public:
+  using UnusedLauncher::UnusedLauncher;
   StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
                                                       Duration, int) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::string> down;
-    for (const auto& h : hosts) {
-      if (down_.count(h)) down.push_back(h);
-    }
-    return down;
+    return Among(hosts, down_);
   }
   StatusOr<std::vector<std::string>> LeavingHosts(const std::vector<std::string>& hosts,
                                                   int) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::string> leaving;
-    for (const auto& h : hosts) {
-      if (leaving_.count(h)) leaving.push_back(h);
-    }
-    return leaving;
+    return Among(hosts, leaving_);
   }
   Status UsePlan(const placement::Plan& plan) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -61,7 +60,17 @@ class HostsLauncher : public launch::Launcher {
   }
 
  private:
-  std::atomic<int>& interrupts_;
+  // `hosts` that are in `set`, in their order.
+  std::vector<std::string> Among(const std::vector<std::string>& hosts,
+                                 const std::set<std::string>& set) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> found;
+    for (const auto& h : hosts) {
+      if (set.count(h)) found.push_back(h);
+    }
+    return found;
+  }
+
   std::mutex mu_;
   std::set<std::string> down_;
   std::set<std::string> leaving_;
