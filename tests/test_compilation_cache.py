@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
@@ -19,8 +20,8 @@ _THRESHOLD = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 def _step_once(config):
     """One data-parallel step over every rank's device; notes, per rank and attempt, the cache
-    directory JAX uses, the entries there before the step, and the cache hits of the step.
-    Rank 1 fails after attempt 0's step."""
+    directory JAX uses, the entries there before the step, the cache hits of the step and the
+    compilations it ran itself. Rank 1 fails after attempt 0's step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -32,20 +33,30 @@ def _step_once(config):
 
     ctx = get_context()
     rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
-    hits = []
+    hits, compiled = [], []
     monitoring.register_event_listener(
         lambda event, **_: hits.append(event) if event.endswith("/cache_hits") else None)
+    from jax._src import compiler  # XLA's compilation itself, which a cache hit or a program
+    compile_and_load = compiler.backend_compile_and_load  # loaded from rank 0 does not call
+
+    def counted(*args, **kwargs):
+        compiled.append(args)
+        return compile_and_load(*args, **kwargs)
+
+    compiler.backend_compile_and_load = counted
     cache_dir = jax.config.jax_compilation_cache_dir
     before = sorted(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else []
 
     sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
     x = jax.make_array_from_process_local_data(sharding, np.ones((8, 16), np.float32))
     hits.clear()  # only the step's own compilation counts
+    compiled.clear()
     step = jax.jit(lambda x: jnp.tanh(2 * x).sum(), in_shardings=sharding)
     loss = float(step(x))
     note = Path(config["out"], f"a{attempt}-r{rank}.json")
     Path(f"{note}.tmp").write_text(json.dumps(
-        {"cache_dir": cache_dir, "entries_before": before, "step_hits": len(hits)}))
+        {"cache_dir": cache_dir, "entries_before": before, "step_hits": len(hits),
+         "step_compiled": len(compiled), "loss": loss}))
     os.replace(f"{note}.tmp", note)  # whole or absent, as a killed rank leaves it
     if attempt == 0 and rank == 1 and config.get("fail"):
         # Rank 0's note is written after its step, which may end after this rank's; the
@@ -87,6 +98,22 @@ def test_a_restarted_group_loads_what_the_first_attempt_compiled(storage, tmp_pa
         assert any(e.startswith("jit__lambda") for e in second["entries_before"]), second
         assert second["step_hits"] >= 1, f"rank {rank} compiled the step again: {second}"
     assert sorted(os.listdir(cache)) == _notes(tmp_path, 1, 1)["entries_before"]
+
+
+def test_a_cpu_group_on_one_host_compiles_each_program_once(storage, tmp_path):
+    # Rank 0 compiles the step and rank 1 loads its executable instead of compiling the same
+    # program on the same cores; both compute the same loss, and the cache holds one entry for
+    # the step, which a restarted group loads on every rank.
+    result = _fit(storage, tmp_path, "shared", fail=True)
+    first = [_notes(tmp_path, 0, rank) for rank in (0, 1)]
+    assert [n["step_compiled"] for n in first] == [1, 0], first
+    assert first[0]["loss"] == first[1]["loss"] == pytest.approx(2 * 8 * 16 * float(np.tanh(2.0)))
+    steps = [e for e in os.listdir(Path(result.path, "compilation-cache"))
+             if e.startswith("jit__lambda")]
+    assert len(steps) == 1, steps
+    for rank in (0, 1):
+        again = _notes(tmp_path, 1, rank)
+        assert again["step_hits"] >= 1 and again["step_compiled"] == 0, again
 
 
 def test_a_threshold_the_user_set_is_kept(storage, tmp_path):

@@ -187,6 +187,68 @@ def _cache_every_cpu_rank(every_host: bool = False) -> None:
     compiler._cache_write = cache_write
 
 
+def _share_cpu_programs(jax) -> bool:
+    """One compilation per program for a CPU group on one host: rank 0 compiles each
+    multi-process program and the other ranks load its executable (JAX's
+    jax_share_binary_between_hosts, through the coordination service's key-value store) instead of
+    compiling the same program at once on the same cores. True when it is set up.
+
+    JAX shares a program only between processes whose cache keys agree, and on CPU the key holds a
+    fingerprint of the topology as each process sees it (which devices are its own), so ranks
+    never agree; here a CPU program's key holds every device's id and process instead, and this
+    machine's CPU model and features (an entry is never loaded by another kind of CPU). Other
+    platforms keep JAX's key. A restarted group then finds one entry per program for every rank.
+
+    Only where every rank reads one cache directory on one host (the caller checks): JAX's share
+    waits for the program from rank 0 when a rank misses the cache, and rank 0 publishes it only
+    when rank 0 misses too; ranks that could see different caches could wait for nothing. For
+    the same reason not with a bounded cache (JAX_COMPILATION_CACHE_MAX_SIZE), whose entries rank
+    0's writes may evict between rank 0's read and another rank's.
+    Where a jax version's key or share is not the one expected, nothing is changed (False)."""
+    if getattr(jax.config, "jax_compilation_cache_max_size", -1) != -1:
+        return False
+    try:
+        from jax._src import cache_key, compiler, config
+        hash_config = cache_key._hash_accelerator_config
+        expected = (list(inspect.signature(hash_config).parameters) == ["hash_obj", "accelerators"]
+                    and hasattr(compiler, "_compile_and_share_module")
+                    and hasattr(config, "share_binary_between_hosts"))
+    except (ImportError, AttributeError):
+        expected = False
+    if not expected:
+        return False
+    machine = _cpu_model().encode()
+
+    def hash_devices(hash_obj, accelerators) -> None:
+        devices = list(accelerators.flat)
+        if not devices or any(d.platform != "cpu" for d in devices):
+            return hash_config(hash_obj, accelerators)
+        hash_obj.update(machine)
+        hash_obj.update(repr([(d.id, d.process_index) for d in devices]).encode())
+
+    cache_key._hash_accelerator_config = hash_devices
+    jax.config.update("jax_share_binary_between_hosts", True)
+    return True
+
+
+def _cpu_model() -> str:
+    """This machine's architecture, CPU model and feature flags (/proc/cpuinfo's first CPU)."""
+    import platform
+
+    lines = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part"):
+                    lines.append(line.strip())
+                if not line.strip() and len(lines) > 1:  # the first CPU's block ended
+                    break
+    except OSError:
+        pass
+    return "\n".join(lines)
+
+
 def _local_device_ids(platform: str) -> list[int] | None:
     """The ``local_device_ids`` for ``jax.distributed.initialize`` (placement set the variables).
 
@@ -783,9 +845,12 @@ def main() -> None:
         from jaxtrain.worker.checkpoint_store import STORE_ENV
 
         store_run = os.environ.get(STORE_ENV) == "1"
-        if _use_compilation_cache(jax, start["run_dir"]) and world_size > 1 and (
-                platform == "cpu" or store_run):
-            _cache_every_cpu_rank(every_host=store_run)
+        if _use_compilation_cache(jax, start["run_dir"]) and world_size > 1:
+            one_host = _env_int("JAXTRAIN_LOCAL_WORLD_SIZE") == world_size
+            shared = (platform == "cpu" and one_host and not store_run
+                      and _share_cpu_programs(jax))
+            if not shared and (platform == "cpu" or store_run):
+                _cache_every_cpu_rank(every_host=store_run)
         bind_host = start["coordinator"].rsplit(":", 1)[0]
         # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
         # newest jax for Python 3.10 (0.6.2) has neither and keeps its own defaults.
