@@ -21,7 +21,9 @@ _THRESHOLD = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 def _step_once(config):
     """One data-parallel step over every rank's device; notes, per rank and attempt, the cache
     directory JAX uses, the entries there before the step, the cache hits of the step and the
-    compilations it ran itself. Rank 1 fails after attempt 0's step."""
+    compilations it ran itself. Each rank's rows are its rank + 1; with `by_rank` the step adds
+    the rank (a constant of it) to the loss, so that each rank's program differs. Rank 1 fails
+    after attempt 0's step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -48,10 +50,11 @@ def _step_once(config):
     before = sorted(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else []
 
     sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
-    x = jax.make_array_from_process_local_data(sharding, np.ones((8, 16), np.float32))
+    x = jax.make_array_from_process_local_data(sharding, np.full((8, 16), rank + 1, np.float32))
     hits.clear()  # only the step's own compilation counts
     compiled.clear()
-    step = jax.jit(lambda x: jnp.tanh(2 * x).sum(), in_shardings=sharding)
+    own = rank if config.get("by_rank") else 0
+    step = jax.jit(lambda x: jnp.tanh(2 * x).sum() + own, in_shardings=sharding)
     loss = float(step(x))
     note = Path(config["out"], f"a{attempt}-r{rank}.json")
     Path(f"{note}.tmp").write_text(json.dumps(
@@ -69,10 +72,10 @@ def _step_once(config):
     report({"loss": loss})
 
 
-def _fit(storage, tmp_path, name, *, fail=False, env_vars=None):
+def _fit(storage, tmp_path, name, *, fail=False, env_vars=None, by_rank=False):
     return JaxTrainer(
         _step_once,
-        train_loop_config={"out": str(tmp_path), "fail": fail},
+        train_loop_config={"out": str(tmp_path), "fail": fail, "by_rank": by_rank},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(
             name=name, storage_path=storage, failure_config=FailureConfig(max_failures=1),
@@ -100,20 +103,42 @@ def test_a_restarted_group_loads_what_the_first_attempt_compiled(storage, tmp_pa
     assert sorted(os.listdir(cache)) == _notes(tmp_path, 1, 1)["entries_before"]
 
 
+# The step's loss on 2 ranks whose 8 x 16 rows are 1 and 2.
+_LOSS = 8 * 16 * float(np.tanh(2.0) + np.tanh(4.0))
+
+
 def test_a_cpu_group_on_one_host_compiles_each_program_once(storage, tmp_path):
     # Rank 0 compiles the step and rank 1 loads its executable instead of compiling the same
-    # program on the same cores; both compute the same loss, and the cache holds one entry for
-    # the step, which a restarted group loads on every rank.
+    # program on the same cores; both compute the loss of every rank's rows, and the cache holds
+    # one entry for the step, which a restarted group loads on every rank.
     result = _fit(storage, tmp_path, "shared", fail=True)
     first = [_notes(tmp_path, 0, rank) for rank in (0, 1)]
     assert [n["step_compiled"] for n in first] == [1, 0], first
-    assert first[0]["loss"] == first[1]["loss"] == pytest.approx(2 * 8 * 16 * float(np.tanh(2.0)))
     steps = [e for e in os.listdir(Path(result.path, "compilation-cache"))
              if e.startswith("jit__lambda")]
     assert len(steps) == 1, steps
     for rank in (0, 1):
         again = _notes(tmp_path, 1, rank)
         assert again["step_hits"] >= 1 and again["step_compiled"] == 0, again
+        assert first[rank]["loss"] == again["loss"] == pytest.approx(_LOSS, rel=1e-6)
+
+
+def test_jax_share_binary_between_hosts_false_turns_the_sharing_off(storage, tmp_path):
+    _fit(storage, tmp_path, "unshared", env_vars={"JAX_SHARE_BINARY_BETWEEN_HOSTS": "false"})
+    assert [_notes(tmp_path, 0, rank)["step_compiled"] for rank in (0, 1)] == [1, 1]
+
+
+def test_a_program_that_differs_by_rank_is_compiled_by_each_rank(storage, tmp_path):
+    # Rank 1 waits a bounded time for a program rank 0 never compiles (rank 0's differs), then
+    # compiles its own; a restarted group loads each rank's own entry.
+    result = _fit(storage, tmp_path, "by-rank", fail=True, by_rank=True)
+    for rank in (0, 1):
+        first, again = _notes(tmp_path, 0, rank), _notes(tmp_path, 1, rank)
+        assert first["step_compiled"] == 1 and first["loss"] == pytest.approx(_LOSS + rank)
+        assert again["step_compiled"] == 0 and again["step_hits"] >= 1, again
+    steps = [e for e in os.listdir(Path(result.path, "compilation-cache"))
+             if e.startswith("jit__lambda")]
+    assert len(steps) == 2, steps
 
 
 def test_a_threshold_the_user_set_is_kept(storage, tmp_path):

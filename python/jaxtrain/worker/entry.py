@@ -120,7 +120,7 @@ def _use_compilation_cache(jax, run_dir: str) -> str | None:
     workers' environment sets JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS), by process 0 only, so
     that other hosts hit the cache only where the run directory is shared (as Slurm and Kubernetes
     runs across hosts already require). JAX caches the CPU backend's programs too, but see
-    _cache_every_cpu_rank."""
+    _cache_every_cpu_rank and _share_cpu_programs."""
     if os.environ.get("JAXTRAIN_COMPILATION_CACHE", "1") == "0":
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
@@ -147,7 +147,9 @@ def _cache_every_cpu_rank(every_host: bool = False) -> None:
     On CPU, JAX's cache key includes a fingerprint of the topology as this process sees it (which
     of the devices are local), so each rank's key for the same SPMD program differs, while JAX
     writes entries from process 0 only: without this, ranks 1..N-1 compile again after every
-    restart and the group's first step waits for them. JAX has no setting for this, so its
+    restart and the group's first step waits for them (where _share_cpu_programs makes the keys of
+    programs that span the processes agree, this still keeps the programs of a rank's own devices,
+    and those a rank compiled itself). JAX has no setting for this, so its
     internal writer is wrapped, for the CPU backend only; where a jax version's writer is not the
     one expected, the cache serves rank 0 alone (said once on stderr)."""
     try:
@@ -187,6 +189,12 @@ def _cache_every_cpu_rank(every_host: bool = False) -> None:
     compiler._cache_write = cache_write
 
 
+# How long a rank other than 0 waits for rank 0 to say it compiles a program that spans the
+# processes before compiling the program itself (a program that differs by rank, or one rank 0
+# found in its cache, is never sent).
+SHARE_ANNOUNCE_WAIT_S = 10
+
+
 def _share_cpu_programs(jax) -> bool:
     """One compilation per program for a CPU group on one host: rank 0 compiles each
     multi-process program and the other ranks load its executable (JAX's
@@ -199,54 +207,97 @@ def _share_cpu_programs(jax) -> bool:
     machine's CPU model and features (an entry is never loaded by another kind of CPU). Other
     platforms keep JAX's key. A restarted group then finds one entry per program for every rank.
 
-    Only where every rank reads one cache directory on one host (the caller checks): JAX's share
-    waits for the program from rank 0 when a rank misses the cache, and rank 0 publishes it only
-    when rank 0 misses too; ranks that could see different caches could wait for nothing. For
-    the same reason not with a bounded cache (JAX_COMPILATION_CACHE_MAX_SIZE), whose entries rank
-    0's writes may evict between rank 0's read and another rank's.
-    Where a jax version's key or share is not the one expected, nothing is changed (False)."""
+    JAX's share makes a rank that missed the cache wait (20 minutes) for the program from rank 0,
+    which sends it only when it compiles that very program: not when rank 0 found it in its cache,
+    and never for a program that differs by rank (a constant of the rank, a host callback on one
+    rank only). So rank 0 first says which program it compiles, and a rank that hears nothing of
+    its own program within SHARE_ANNOUNCE_WAIT_S compiles it itself, as without sharing. The
+    caller sets this up only where every rank reads one cache directory on one host; not with a
+    bounded cache (JAX_COMPILATION_CACHE_MAX_SIZE, whose entries rank 0's writes may evict between
+    rank 0's read and another rank's), nor when the workers' environment turns
+    JAX_SHARE_BINARY_BETWEEN_HOSTS off. Where a jax version's internals are not the ones
+    expected, or this machine's CPU cannot be named, nothing is changed (False)."""
+    if os.environ.get("JAX_SHARE_BINARY_BETWEEN_HOSTS", "").strip().lower() in (
+            "0", "false", "f", "n", "no", "off"):  # turned off by the user
+        return False
     if getattr(jax.config, "jax_compilation_cache_max_size", -1) != -1:
         return False
     try:
-        from jax._src import cache_key, compiler, config
+        from jax._src import cache_key, compiler, config, distributed
         hash_config = cache_key._hash_accelerator_config
-        expected = (list(inspect.signature(hash_config).parameters) == ["hash_obj", "accelerators"]
-                    and hasattr(compiler, "_compile_and_share_module")
-                    and hasattr(config, "share_binary_between_hosts"))
-    except (ImportError, AttributeError):
+        share = compiler._compile_and_share_module
+        compile_here = compiler._compile_and_write_cache
+        expected = (
+            list(inspect.signature(hash_config).parameters) == ["hash_obj", "accelerators"]
+            and list(inspect.signature(share).parameters) == [
+                "backend", "computation", "executable_devices", "compile_options",
+                "host_callbacks", "global_client", "module_name", "cache_key",
+                "first_process_id"]
+            and list(inspect.signature(compile_here).parameters) == [
+                "backend", "computation", "executable_devices", "compile_options",
+                "host_callbacks", "module_name", "cache_key"]
+            and isinstance(getattr(share, "modules_cache", None), dict)
+            and hasattr(config, "share_binary_between_hosts"))
+    except (ImportError, AttributeError, TypeError, ValueError):
         expected = False
-    if not expected:
+    machine = _cpu_model()
+    if not expected or machine is None:
         return False
-    machine = _cpu_model().encode()
 
     def hash_devices(hash_obj, accelerators) -> None:
         devices = list(accelerators.flat)
         if not devices or any(d.platform != "cpu" for d in devices):
             return hash_config(hash_obj, accelerators)
-        hash_obj.update(machine)
+        hash_obj.update(machine.encode())
         hash_obj.update(repr([(d.id, d.process_index) for d in devices]).encode())
 
+    announced: set[str] = set()
+
+    def share_or_compile(backend, computation, executable_devices, compile_options,
+                         host_callbacks, global_client, module_name, cache_key,
+                         first_process_id):
+        started = f"jaxtrain/compiling/{cache_key}"
+        if distributed.global_state.process_id == first_process_id:
+            if started not in announced:  # once: the store refuses a key set twice
+                announced.add(started)
+                try:
+                    global_client.key_value_set(started, "1")
+                except Exception:  # unsaid, the others compile it themselves after their wait
+                    pass
+        else:
+            try:
+                global_client.blocking_key_value_get(started, SHARE_ANNOUNCE_WAIT_S * 1000)
+            except Exception:  # not this program: compiled here, as without sharing
+                return compile_here(backend, computation, executable_devices, compile_options,
+                                    host_callbacks, module_name, cache_key)
+        return share(backend, computation, executable_devices, compile_options, host_callbacks,
+                     global_client, module_name, cache_key, first_process_id)
+
+    # JAX's function finds its in-process cache through its module's name for it, now this one.
+    share_or_compile.modules_cache = share.modules_cache
     cache_key._hash_accelerator_config = hash_devices
+    compiler._compile_and_share_module = share_or_compile
     jax.config.update("jax_share_binary_between_hosts", True)
     return True
 
 
-def _cpu_model() -> str:
-    """This machine's architecture, CPU model and feature flags (/proc/cpuinfo's first CPU)."""
+def _cpu_model() -> str | None:
+    """This machine's architecture, CPU model and feature flags (/proc/cpuinfo's first CPU), or
+    None where they cannot be read."""
     import platform
 
-    lines = [platform.machine()]
+    lines = []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key = line.split(":", 1)[0].strip()
                 if key in ("model name", "flags", "Features", "CPU part"):
                     lines.append(line.strip())
-                if not line.strip() and len(lines) > 1:  # the first CPU's block ended
+                if not line.strip() and lines:  # the first CPU's block ended
                     break
     except OSError:
-        pass
-    return "\n".join(lines)
+        return None
+    return "\n".join([platform.machine(), *lines]) if lines else None
 
 
 def _local_device_ids(platform: str) -> list[int] | None:
@@ -847,9 +898,9 @@ def main() -> None:
         store_run = os.environ.get(STORE_ENV) == "1"
         if _use_compilation_cache(jax, start["run_dir"]) and world_size > 1:
             one_host = _env_int("JAXTRAIN_LOCAL_WORLD_SIZE") == world_size
-            shared = (platform == "cpu" and one_host and not store_run
-                      and _share_cpu_programs(jax))
-            if not shared and (platform == "cpu" or store_run):
+            if platform == "cpu" and one_host and not store_run:
+                _share_cpu_programs(jax)
+            if platform == "cpu" or store_run:
                 _cache_every_cpu_rank(every_host=store_run)
         bind_host = start["coordinator"].rsplit(":", 1)[0]
         # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
