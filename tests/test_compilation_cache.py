@@ -103,6 +103,12 @@ def test_a_restarted_group_loads_what_the_first_attempt_compiled(storage, tmp_pa
     assert sorted(os.listdir(cache)) == _notes(tmp_path, 1, 1)["entries_before"]
 
 
+def _step_entries(result):
+    """The cache's entries for the step (jit of a lambda)."""
+    return [e for e in os.listdir(Path(result.path, "compilation-cache"))
+            if e.startswith("jit__lambda")]
+
+
 # The step's loss on 2 ranks whose 8 x 16 rows are 1 and 2.
 _LOSS = 8 * 16 * float(np.tanh(2.0) + np.tanh(4.0))
 
@@ -114,8 +120,7 @@ def test_a_cpu_group_on_one_host_compiles_each_program_once(storage, tmp_path):
     result = _fit(storage, tmp_path, "shared", fail=True)
     first = [_notes(tmp_path, 0, rank) for rank in (0, 1)]
     assert [n["step_compiled"] for n in first] == [1, 0], first
-    steps = [e for e in os.listdir(Path(result.path, "compilation-cache"))
-             if e.startswith("jit__lambda")]
+    steps = _step_entries(result)
     assert len(steps) == 1, steps
     for rank in (0, 1):
         again = _notes(tmp_path, 1, rank)
@@ -136,8 +141,7 @@ def test_a_program_that_differs_by_rank_is_compiled_by_each_rank(storage, tmp_pa
         first, again = _notes(tmp_path, 0, rank), _notes(tmp_path, 1, rank)
         assert first["step_compiled"] == 1 and first["loss"] == pytest.approx(_LOSS + rank)
         assert again["step_compiled"] == 0 and again["step_hits"] >= 1, again
-    steps = [e for e in os.listdir(Path(result.path, "compilation-cache"))
-             if e.startswith("jit__lambda")]
+    steps = _step_entries(result)
     assert len(steps) == 2, steps
 
 
