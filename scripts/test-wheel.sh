@@ -30,7 +30,10 @@ module=$(scripts/wheels/check-module-name "$python" "$wheel") || fail "its modul
 mkdir "$work/bin" "$work/home" "$work/run"
 for tool in bash sh env; do ln -s "$(command -v "$tool")" "$work/bin/$tool"; done
 user_path=$work/venv/bin:$work/bin
-user() { env -u PYTHONPATH -u VIRTUAL_ENV -u CC -u CXX PATH="$user_path" "$@"; }
+# A step that hangs fails the test after 10 minutes (exit status 124), not the whole build.
+user() {
+  timeout --kill-after=10 600 env -u PYTHONPATH -u VIRTUAL_ENV -u CC -u CXX PATH="$user_path" "$@"
+}
 for compiler in cc c++ gcc g++ clang clang++ zig cmake; do
   if (PATH=$user_path && command -v "$compiler" >/dev/null); then
     fail "$compiler is on the test's PATH"

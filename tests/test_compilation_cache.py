@@ -133,6 +133,23 @@ def test_jax_share_binary_between_hosts_false_turns_the_sharing_off(storage, tmp
     assert [_notes(tmp_path, 0, rank)["step_compiled"] for rank in (0, 1)] == [1, 1]
 
 
+@pytest.mark.parametrize("version", [(0, 12, 1), (0, 13, 0), (0, 5, 3)])
+def test_a_jaxlib_whose_loaded_programs_are_not_checked_shares_nothing(version, monkeypatch):
+    # On jaxlib 0.12.1 a CPU program loaded from rank 0 hangs in its first collective: a version
+    # outside the checked ones keeps JAX's compilation on every rank, untouched.
+    import jax
+    from jax._src import cache_key, compiler, lib
+
+    from jaxtrain.worker import entry
+
+    monkeypatch.setattr(lib, "version", version)
+    share, hash_config = compiler._compile_and_share_module, cache_key._hash_accelerator_config
+    assert entry._share_cpu_programs(jax) is False
+    assert compiler._compile_and_share_module is share
+    assert cache_key._hash_accelerator_config is hash_config
+    assert not jax.config.jax_share_binary_between_hosts
+
+
 def test_a_program_that_differs_by_rank_is_compiled_by_each_rank(storage, tmp_path):
     # Rank 1 waits a bounded time for a program rank 0 never compiles (rank 0's differs), then
     # compiles its own; a restarted group loads each rank's own entry.

@@ -157,11 +157,15 @@ def _cache_every_cpu_rank(every_host: bool = False) -> None:
         write = compiler._cache_write
         put = compilation_cache.put_executable_and_time
         min_compile_time = config.persistent_cache_min_compile_time_secs
-        expected = (list(inspect.signature(write).parameters) == [
-            "cache_key", "compile_time_secs", "module_name", "backend", "executable",
-            "host_callbacks"] and list(inspect.signature(put).parameters) == [
+        params = list(inspect.signature(write).parameters)
+        # jax 0.11 dropped the writer's host_callbacks (callbacks are serialised now).
+        with_callbacks = params[5:] == ["host_callbacks"]
+        expected = (params[:5] == [
+            "cache_key", "compile_time_secs", "module_name", "backend", "executable"]
+            and len(params) == 5 + with_callbacks
+            and list(inspect.signature(put).parameters) == [
             "cache_key", "module_name", "executable", "backend", "compile_time"])
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, TypeError, ValueError):
         expected = False
     if not expected:
         if _env_int("JAXTRAIN_RANK") == 1:
@@ -172,12 +176,12 @@ def _cache_every_cpu_rank(every_host: bool = False) -> None:
     local_rank = _env_int("JAXTRAIN_LOCAL_RANK")
 
     def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
-                    host_callbacks):
+                    *host_callbacks):
         ours = backend.platform == "cpu" or (every_host and local_rank == 0)
         if (distributed.global_state.process_id == 0 or not ours
-                or host_callbacks or compile_time_secs < min_compile_time.value):
+                or any(host_callbacks) or compile_time_secs < min_compile_time.value):
             return write(cache_key, compile_time_secs, module_name, backend, executable,
-                         host_callbacks)
+                         *host_callbacks)
         try:
             put(cache_key, module_name, executable, backend, int(compile_time_secs))
         except Exception as e:  # as JAX does: a cache that cannot be written is not fatal
@@ -193,6 +197,12 @@ def _cache_every_cpu_rank(every_host: bool = False) -> None:
 # processes before compiling the program itself (a program that differs by rank, or one rank 0
 # found in its cache, is never sent).
 SHARE_ANNOUNCE_WAIT_S = 10
+
+# The jaxlib versions whose CPU executables, compiled by rank 0, run on the other ranks of the
+# group: checked with a psum across processes on 0.6.2, 0.10.2, 0.11.2 and 0.12.0. On 0.12.1 a
+# loaded program hangs in its first collective on every rank, so newer versions compile on every
+# rank until checked (the psum test of scripts/test-wheel.sh runs the newest jax).
+SHARE_JAXLIB_VERIFIED = ((0, 6, 0), (0, 12, 0))
 
 
 def _share_cpu_programs(jax) -> bool:
@@ -215,15 +225,19 @@ def _share_cpu_programs(jax) -> bool:
     caller sets this up only where every rank reads one cache directory on one host; not with a
     bounded cache (JAX_COMPILATION_CACHE_MAX_SIZE, whose entries rank 0's writes may evict between
     rank 0's read and another rank's), nor when the workers' environment turns
-    JAX_SHARE_BINARY_BETWEEN_HOSTS off. Where a jax version's internals are not the ones
-    expected, or this machine's CPU cannot be named, nothing is changed (False)."""
+    JAX_SHARE_BINARY_BETWEEN_HOSTS off. Where the jaxlib is not one of SHARE_JAXLIB_VERIFIED, a
+    jax version's internals are not the ones expected, or this machine's CPU cannot be named,
+    nothing is changed (False)."""
     if os.environ.get("JAX_SHARE_BINARY_BETWEEN_HOSTS", "").strip().lower() in (
             "0", "false", "f", "n", "no", "off"):  # turned off by the user
         return False
     if getattr(jax.config, "jax_compilation_cache_max_size", -1) != -1:
         return False
     try:
-        from jax._src import cache_key, compiler, config, distributed
+        from jax._src import cache_key, compiler, config, distributed, lib
+        low, high = SHARE_JAXLIB_VERIFIED
+        if not low <= tuple(lib.version)[:3] <= high:
+            return False
         hash_config = cache_key._hash_accelerator_config
         share = compiler._compile_and_share_module
         compile_here = compiler._compile_and_write_cache
