@@ -315,7 +315,10 @@ def test_twenty_restarts_in_a_row_do_not_grow_the_controllers_fds_or_memory(tmp_
     print(f"controller (driver) fds at attempts 0-19: {fds}")
     print(f"controller (driver) RSS kB at attempts 0-19: {rss}")
     # Attempt 0 is the reference only from attempt 1 on: the first attempt warms lazy state up.
-    assert fds[-1] <= fds[1] and max(fds[1:]) - min(fds[1:]) <= 2, fds
+    # A sample may fall while the next attempt's standbys are being started (their pipes open, or
+    # not yet), so one sample moves by a few descriptors either way (22-25 in one run on a busy
+    # machine); a leak of one per restart would put every one of the last five 15 above the first.
+    assert min(fds[-5:]) <= max(fds[1:6]) and max(fds[1:]) - min(fds[1:]) <= 6, fds
     assert rss[-1] - rss[1] <= 16 * 1024, rss
 
 

@@ -140,14 +140,56 @@ def test_a_jaxlib_whose_loaded_programs_are_not_checked_shares_nothing(version, 
     import jax
     from jax._src import cache_key, compiler, lib
 
-    from jaxtrain.worker import entry
+    from jaxtrain.worker import compilation_cache
 
     monkeypatch.setattr(lib, "version", version)
     share, hash_config = compiler._compile_and_share_module, cache_key._hash_accelerator_config
-    assert entry._share_cpu_programs(jax) is False
+    assert compilation_cache.share_cpu_programs(jax) is False
     assert compiler._compile_and_share_module is share
     assert cache_key._hash_accelerator_config is hash_config
     assert not jax.config.jax_share_binary_between_hosts
+
+
+_PUT_ENTRY = """
+import resource, signal, sys
+from jax._src import lru_cache
+from jaxtrain.worker import compilation_cache
+directory, whole, limit = sys.argv[1], sys.argv[2] == "whole", int(sys.argv[3])
+if whole:
+    compilation_cache._write_entries_whole()
+if limit:  # Python ignores SIGXFSZ; a process that does not is killed by it
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+lru_cache.LRUCache(directory, max_size=-1).put("step", b"x" * (4 << 20))
+"""
+
+
+def _put_entry(directory: Path, whole: bool, limit: int = 0) -> int:
+    """Writes a 4 MiB entry in a new process, which the kernel kills (SIGXFSZ) once it has
+    written `limit` bytes to one file: a rank killed while writing; its exit status."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _PUT_ENTRY, str(directory),
+                           "whole" if whole else "jax", str(limit)], timeout=120).returncode
+
+
+def test_a_cache_entry_is_written_whole_or_not_at_all(tmp_path):
+    import signal
+
+    from jax._src import lru_cache
+
+    # JAX's own writer: a rank killed half-way leaves a truncated entry, which a later attempt
+    # reads (and fails to load) and which is never written again.
+    jax_dir, dir_ = tmp_path / "jax", tmp_path / "jaxtrain"
+    assert _put_entry(jax_dir, whole=False, limit=1 << 20) == -signal.SIGXFSZ
+    assert len(lru_cache.LRUCache(str(jax_dir), max_size=-1).get("step")) == 1 << 20
+    # jaxtrain's: no entry at all, and the next attempt writes it whole.
+    assert _put_entry(dir_, whole=True, limit=1 << 20) == -signal.SIGXFSZ
+    assert lru_cache.LRUCache(str(dir_), max_size=-1).get("step") is None
+    assert _put_entry(dir_, whole=True) == 0
+    assert lru_cache.LRUCache(str(dir_), max_size=-1).get("step") == b"x" * (4 << 20)
+    assert sorted(p.name for p in dir_.iterdir() if not p.name.startswith(".")) == ["step-cache"]
 
 
 def test_a_program_that_differs_by_rank_is_compiled_by_each_rank(storage, tmp_path):
