@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import secrets
 import sys
 
 
@@ -275,9 +276,13 @@ def _write_entries_whole() -> None:
         entry = os.path.join(directory, f"{key}{suffix}")
         if os.path.exists(entry):
             return None
-        partial = os.path.join(directory, f".{key}{suffix}.{os.getpid()}.partial")
+        # A new name each time (ranks on other hosts of a shared directory, or in other pods, may
+        # have this process id), made here and nowhere else (O_EXCL: never a file or link that
+        # is there already); the mode is JAX's, as the umask leaves it.
+        partial = os.path.join(directory, f".{key}{suffix}.{secrets.token_hex(8)}.partial")
         try:
-            with open(partial, "wb") as f:
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            with open(fd, "wb") as f:
                 f.write(value)
             os.replace(partial, entry)
         finally:
