@@ -154,24 +154,24 @@ _PUT_ENTRY = """
 import resource, signal, sys
 from jax._src import lru_cache
 from jaxtrain.worker import compilation_cache
-directory, whole, limit = sys.argv[1], sys.argv[2] == "whole", int(sys.argv[3])
+directory, whole, limit, key = sys.argv[1], sys.argv[2] == "whole", int(sys.argv[3]), sys.argv[4]
 if whole:
     compilation_cache._write_entries_whole()
 if limit:  # Python ignores SIGXFSZ; a process that does not is killed by it
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-lru_cache.LRUCache(directory, max_size=-1).put("step", b"x" * (4 << 20))
+lru_cache.LRUCache(directory, max_size=-1).put(key, b"x" * (4 << 20))
 """
 
 
-def _put_entry(directory: Path, whole: bool, limit: int = 0) -> int:
+def _put_entry(directory: Path, whole: bool, limit: int = 0, key: str = "step") -> int:
     """Writes a 4 MiB entry in a new process, which the kernel kills (SIGXFSZ) once it has
     written `limit` bytes to one file: a rank killed while writing; its exit status."""
     import subprocess
     import sys
 
     return subprocess.run([sys.executable, "-c", _PUT_ENTRY, str(directory),
-                           "whole" if whole else "jax", str(limit)], timeout=120).returncode
+                           "whole" if whole else "jax", str(limit), key], timeout=120).returncode
 
 
 def test_a_cache_entry_is_written_whole_or_not_at_all(tmp_path):
@@ -189,7 +189,15 @@ def test_a_cache_entry_is_written_whole_or_not_at_all(tmp_path):
     assert lru_cache.LRUCache(str(dir_), max_size=-1).get("step") is None
     assert _put_entry(dir_, whole=True) == 0
     assert lru_cache.LRUCache(str(dir_), max_size=-1).get("step") == b"x" * (4 << 20)
-    assert sorted(p.name for p in dir_.iterdir() if not p.name.startswith(".")) == ["step-cache"]
+    # What the killed write left is a hidden partial file, which nothing reads.
+    left = sorted(p.name for p in dir_.iterdir())
+    assert left[1:] == ["step-cache"] and left[0].endswith(".partial"), left
+    # JAX's key is the program's whole name and its hash: an entry whose file name is near the
+    # longest a file system allows (255) is written as JAX would write it.
+    key = "jit_" + "g" * 170 + "-" + "0123456789abcdef" * 4
+    assert _put_entry(dir_, whole=True, key=key) == 0
+    assert lru_cache.LRUCache(str(dir_), max_size=-1).get(key) == b"x" * (4 << 20)
+    assert sorted(p.name for p in dir_.iterdir()) == sorted([*left, f"{key}-cache"])
 
 
 def test_a_program_that_differs_by_rank_is_compiled_by_each_rank(storage, tmp_path):

@@ -135,7 +135,8 @@ SHARE_ANNOUNCE_WAIT_S = 10
 # The jaxlib versions whose CPU executables, compiled by rank 0, run on the other ranks of the
 # group: checked with a psum across processes on 0.6.2, 0.10.2, 0.11.2 and 0.12.0. On 0.12.1 a
 # loaded program hangs in its first collective on every rank, so newer versions compile on every
-# rank until checked (the psum test of scripts/test-wheel.sh runs the newest jax).
+# rank until checked: widen the range only after running scripts/test-wheel.sh's psum script on
+# the new version with the range widened (jax 0.5, which 0.6.2's range leaves out, never shares).
 SHARE_JAXLIB_VERIFIED = ((0, 6, 0), (0, 12, 0))
 
 
@@ -278,16 +279,23 @@ def _write_entries_whole() -> None:
             return None
         # A new name each time (ranks on other hosts of a shared directory, or in other pods, may
         # have this process id), made here and nowhere else (O_EXCL: never a file or link that
-        # is there already); the mode is JAX's, as the umask leaves it.
-        partial = os.path.join(directory, f".{key}{suffix}.{secrets.token_hex(8)}.partial")
+        # is there already), no longer than the entry's own (the key's last 64 characters are its
+        # hash); the mode is JAX's, as the umask leaves it. Synced before the rename, so that a
+        # host that goes down leaves the entry whole or absent too.
+        partial = os.path.join(directory, f".{key[-64:]}.{secrets.token_hex(8)}.partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             with open(fd, "wb") as f:
                 f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(partial, entry)
-        finally:
-            if os.path.exists(partial):
+        except BaseException:
+            try:
                 os.unlink(partial)
+            except OSError:
+                pass
+            raise
         return None
 
     put_whole.jaxtrain_whole = True
