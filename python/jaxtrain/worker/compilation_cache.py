@@ -13,36 +13,31 @@ import os
 import secrets
 import sys
 
-
-def _env_int(name: str) -> int:
-    return int(os.environ.get(name, "0"))
+COMPILATION_CACHE_DIR = "compilation-cache"
 
 
-def set_up(jax, run_dir: str, platform: str, world_size: int) -> str | None:
+def set_up(jax, run_dir: str, *, platform: str, rank: int, world_size: int, local_rank: int,
+           local_world_size: int) -> str | None:
     """Turns the cache on for this worker (see _use); with several processes, lets every rank
     write its own entries on CPU and in store runs (cache_every_cpu_rank), and shares each
     program's compilation when every CPU rank reads one cache on one host (share_cpu_programs).
     The cache directory, or None when the cache is left off or to the user."""
     from jaxtrain.worker.checkpoint_store import STORE_ENV
 
-    path = _use(jax, run_dir)
+    store_run = os.environ.get(STORE_ENV) == "1"
+    path = _use(jax, run_dir, store_run)
     if path is None:
         return None
     _write_entries_whole()
     if world_size > 1:
-        store_run = os.environ.get(STORE_ENV) == "1"
-        one_host = _env_int("JAXTRAIN_LOCAL_WORLD_SIZE") == world_size
-        if platform == "cpu" and one_host and not store_run:
+        if platform == "cpu" and local_world_size == world_size and not store_run:
             share_cpu_programs(jax)
         if platform == "cpu" or store_run:
-            cache_every_cpu_rank(every_host=store_run)
+            cache_every_cpu_rank(rank, local_rank, every_host=store_run)
     return path
 
 
-COMPILATION_CACHE_DIR = "compilation-cache"
-
-
-def _use(jax, run_dir: str) -> str | None:
+def _use(jax, run_dir: str, store_run: bool) -> str | None:
     """Points JAX's persistent compilation cache at ``<run_dir>/compilation-cache``, shared by
     every rank and attempt of the run, so that a restarted group loads its programs instead of
     compiling them again; the directory it set, or None.
@@ -60,9 +55,9 @@ def _use(jax, run_dir: str) -> str | None:
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return None
     path = os.path.join(run_dir, COMPILATION_CACHE_DIR)
-    from jaxtrain.worker.checkpoint_store import STORE_ENV, host_cache_dir
+    if store_run:  # the run directory is not on this host: its own cache
+        from jaxtrain.worker.checkpoint_store import host_cache_dir
 
-    if os.environ.get(STORE_ENV) == "1":  # the run directory is not on this host: its own cache
         path = host_cache_dir(COMPILATION_CACHE_DIR, os.path.basename(run_dir))
     jax.config.update("jax_compilation_cache_dir", path)
     # Every program, however quick to compile (JAX's threshold is 1 s), so that a restarted group
@@ -73,7 +68,7 @@ def _use(jax, run_dir: str) -> str | None:
     return path
 
 
-def cache_every_cpu_rank(every_host: bool = False) -> None:
+def cache_every_cpu_rank(rank: int, local_rank: int, every_host: bool = False) -> None:
     """Lets every rank of a multi-process CPU run write its own cache entries; with `every_host`
     (a store run, whose cache is per host) also the first rank of each host on other platforms,
     whose entries the other hosts' caches would otherwise never get.
@@ -102,12 +97,10 @@ def cache_every_cpu_rank(every_host: bool = False) -> None:
     except (ImportError, AttributeError, TypeError, ValueError):
         expected = False
     if not expected:
-        if _env_int("JAXTRAIN_RANK") == 1:
+        if rank == 1:
             sys.stderr.write("jaxtrain worker: this jax's compilation cache is written by rank 0 "
                              "only; on CPU the other ranks compile again after a restart\n")
         return
-
-    local_rank = _env_int("JAXTRAIN_LOCAL_RANK")
 
     def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
                     *host_callbacks):
@@ -271,8 +264,7 @@ def _write_entries_whole() -> None:
 
     def put_whole(self, key, value) -> None:
         directory = str(getattr(self, "path", ""))
-        if (not key or getattr(self, "eviction_enabled", True)
-                or "://" in directory or not os.path.isdir(directory)):
+        if not key or getattr(self, "eviction_enabled", True) or not os.path.isdir(directory):
             return put(self, key, value)
         entry = os.path.join(directory, f"{key}{suffix}")
         if os.path.exists(entry):

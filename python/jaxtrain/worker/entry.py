@@ -700,7 +700,10 @@ def main() -> None:
     try:
         from jaxtrain.worker import compilation_cache
 
-        compilation_cache.set_up(jax, start["run_dir"], platform, world_size)
+        compilation_cache.set_up(
+            jax, start["run_dir"], platform=platform, rank=rank, world_size=world_size,
+            local_rank=_env_int("JAXTRAIN_LOCAL_RANK"),
+            local_world_size=_env_int("JAXTRAIN_LOCAL_WORLD_SIZE"))
         bind_host = start["coordinator"].rsplit(":", 1)[0]
         # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
         # newest jax for Python 3.10 (0.6.2) has neither and keeps its own defaults.
