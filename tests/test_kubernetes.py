@@ -211,20 +211,25 @@ def test_a_simulated_tpu_pod_sees_the_tpu_environment_of_a_local_simulated_worke
     assert k.objects(ns) == []
 
 
-def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster, workdir):
-    k = kubernetes_cluster
-    ns = k.namespace()
+def _killable_until_marked(k: KubernetesCluster, ns: str,
+                           workdir: Path) -> tuple[dict, subprocess.Popen]:
+    """KILLABLE's final metrics undisturbed (local workers: the same math), and its driver on the
+    cluster, started and waited for until its rank 0 is ready to be disturbed."""
     (workdir / "train.py").write_text(KILLABLE)
-    # The undisturbed run, for the final metrics to compare with (local workers: the same math).
     local = run_command([PY, "train.py", "keep", "undisturbed"], cwd=workdir,
                         capture_output=True, text=True, timeout=300,
                         env={**k.driver_env(ns, workdir), "JAXTRAIN_LAUNCHER": "local"})
     assert local.returncode == 0, local.stderr[-3000:]
-    expected = json.loads(local.stdout.split("FINAL ", 1)[1])
-
     driver = k.popen([PY, "train.py", "kill", "disturbed"], k.driver_env(ns, workdir), workdir,
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for("the marker", lambda: (workdir / "marker").exists(), timeout=240)
+    return json.loads(local.stdout.split("FINAL ", 1)[1]), driver
+
+
+def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster, workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    expected, driver = _killable_until_marked(k, ns, workdir)
     pod = next(p for p in k.get("pods", "-n", ns)["items"]
                if p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == "1")
     k.kubectl("delete", "pod", "-n", ns, pod["metadata"]["name"], "--grace-period=0", "--force")
@@ -237,6 +242,59 @@ def test_a_deleted_pod_restarts_the_group_from_its_checkpoint(kubernetes_cluster
     assert run["attempts"][0]["failure"]["rank"] == 1
     assert run["attempts"][1]["restored_from"] is not None
     assert "rank 1 on node1: " in out + err  # the supervisor said how rank 1 ended
+    assert k.objects(ns) == []
+
+
+def _worker_pid(pod_uid: str) -> int:
+    """The pid, as this host sees it, of the running worker (not the holder, not the standby) in
+    the pod of uid `pod_uid` (its cgroup names it): the cluster's containers share this host's
+    process namespace."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cgroup = Path(f"/proc/{entry}/cgroup").read_text()
+        except OSError:
+            continue
+        if (argv[1:3] == [b"-m", b"jaxtrain.worker"] and b"JAXTRAIN_STANDBY=1" not in environ
+                and (pod_uid in cgroup or pod_uid.replace("-", "_") in cgroup)):
+            return int(entry)
+    raise AssertionError(f"no worker process in pod {pod_uid}")
+
+
+def test_a_killed_worker_restarts_in_place_in_the_same_pods_from_their_standbys(
+        kubernetes_cluster, workdir):
+    k = kubernetes_cluster
+    ns = k.namespace()
+    expected, driver = _killable_until_marked(k, ns, workdir)
+    pods = k.get("pods", "-n", ns)["items"]
+    uids = {p["metadata"]["uid"] for p in pods}
+    seen: set[str] = set()
+
+    def watch_pods() -> None:  # every pod the run has until it ends
+        while driver.poll() is None:
+            seen.update(p["metadata"]["uid"] for p in k.get("pods", "-n", ns)["items"])
+
+    watcher = threading.Thread(target=watch_pods, daemon=True)
+    watcher.start()
+    index = "batch.kubernetes.io/job-completion-index"
+    victim = next(p for p in pods if p["metadata"]["annotations"][index] == "1")
+    os.kill(_worker_pid(victim["metadata"]["uid"]), 9)  # as an OOM kill would
+    out, err = driver.communicate(timeout=300)
+    watcher.join(timeout=30)
+
+    assert driver.returncode == 0, out[-2000:] + err[-3000:]
+    assert json.loads(out.split("FINAL ", 1)[1]) == expected
+    run = json.loads((workdir / "disturbed" / "run.json").read_text())
+    assert [a["status"] for a in run["attempts"]] == ["ERRORED", "FINISHED"]
+    assert run["attempts"][0]["failure"]["rank"] == 1
+    assert "killed by signal 9" in run["attempts"][0]["failure"]["message"]
+    assert run["attempts"][1]["restored_from"] is not None
+    # The second attempt ran in the first one's pods, from the standbys they held.
+    assert "2 pods kept, 2 of their workers warm" in out + err, out[-2000:] + err[-3000:]
+    assert len(uids) == 2 and seen <= uids, (uids, seen)
     assert k.objects(ns) == []
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiException
 
-from jaxtrain.kubernetes import api, launch, submit, supervisor
+from jaxtrain.kubernetes import api, launch, pod, submit, supervisor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,7 +165,7 @@ def _roles() -> dict[str, set[tuple[str, str, str, str]]]:
 
 def test_the_documented_roles_grant_exactly_what_the_code_uses():
     roles = _roles()
-    assert roles["jaxtrain"] == set(api._NEEDED)
+    assert roles["jaxtrain"] == set(api._NEEDED + api._NEEDED_IN_PLACE)
     assert roles["jaxtrain-submit"] == set(api._NEEDED_TO_SUBMIT)
     for granted in roles.values():
         assert not {g for g in granted if g[2] == "secrets" and g[0] in ("get", "list", "watch")}
@@ -344,3 +344,59 @@ def test_fit_checks_the_kueue_queue_and_priority_class(fake, queue, priority, me
     else:
         with pytest.raises(ValueError, match=re.escape(message)):
             api.Api.check_kueue(cluster, "ml", queue, priority)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAXTRAIN_K8S_IN_PLACE": "yes"}, "JAXTRAIN_K8S_IN_PLACE='yes' is not allowed; it must be 1"),
+    ({"JAXTRAIN_WARM_WORKERS": "on"}, "JAXTRAIN_WARM_WORKERS='on' is not allowed: use 1"),
+])
+def test_restart_settings_are_refused_with_the_setting_and_value(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        launch.in_place_setting(env)
+        launch.warm_setting(env)
+
+
+def test_the_worker_container_runs_the_holder_when_restarts_are_in_place():
+    assert launch.in_place_setting({}) and launch.warm_setting({})
+    held = launch.worker_command("python3", True)
+    assert held == ["python3", "-m", "jaxtrain.kubernetes", "hold", "--", "python3", "-m",
+                    "jaxtrain.worker"]
+    assert pod.holds(held)
+    assert launch.worker_command("python3", True, warm=False)[4] == "--no-standby"
+    assert pod.holds(launch.worker_command("python3", True, warm=False))
+    plain = launch.worker_command("python3", False)
+    assert plain == ["python3", "-m", "jaxtrain.worker"] and not pod.holds(plain)
+
+
+def test_an_attempts_lines_are_cut_from_a_kept_pods_log_at_its_holders_lines():
+    log = [b"old output\n", b"jaxtrain pod: attempt 0: worker started (first)\n",
+           b"attempt 0 trains\n", b"jaxtrain pod: attempt 0: worker exited with status 3\n",
+           b"jaxtrain pod: attempt 1: worker started (warm)\n", b"attempt 1 trains\n",
+           b"jaxtrain pod: attempt 1: worker killed by signal 9\n", b"later\n"]
+    marker = "jaxtrain pod: attempt 1: worker "
+    lines, started, end = supervisor.Supervisor._this_attempts(log[:3], False, marker)
+    assert (lines, started, end) == ([], False, None)
+    lines, started, end = supervisor.Supervisor._this_attempts(log[3:], False, marker)
+    assert lines == log[4:6] and started and end == "killed by signal 9"
+
+
+def test_a_kept_jobset_is_taken_over_only_by_an_attempt_of_the_same_pods():
+    proc = _plan("-n", "2")
+    jobset = json.loads(proc.stdout)
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]
+
+    def attempt(n: int, **changes: str) -> dict:
+        text = json.dumps(jobset).replace(jobset["metadata"]["name"], f"run-x-{n}")
+        made = json.loads(text)
+        env = made["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+            "containers"][0].setdefault("env", [])
+        env.append({"name": "JAXTRAIN_ATTEMPT", "value": str(n)})
+        env.extend({"name": k, "value": v} for k, v in changes.items())
+        return made
+
+    assert container  # the plan has a worker container
+    shape = supervisor.Supervisor._shape
+    one, two = attempt(1), attempt(2)
+    assert shape(one, "run-x-1") == shape(two, "run-x-2")
+    assert shape(one, "run-x-1") != shape(attempt(2, FOO="bar"), "run-x-2")

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -37,6 +38,9 @@ constexpr char kKueuePriorityLabel[] = "kueue.x-k8s.io/priority-class";
 // (python/jaxtrain/kubernetes/supervisor.py).
 constexpr std::string_view kSupervisorPrefix = "jaxtrain kubernetes: ";
 constexpr std::string_view kAdmittedLine = "jaxtrain kubernetes: admitted";
+// Where a supervisor leaves the JobSet it kept for the next attempt (restarts in place;
+// python/jaxtrain/kubernetes/supervisor.py, KEPT_FILE).
+constexpr char kKeptFile[] = "kept.json";
 
 // Ranks per Job and Jobs of the group: a TPU slice per Job, or one Job for every worker.
 struct Shape {
@@ -489,9 +493,63 @@ KubernetesLauncher::KubernetesLauncher(KubernetesOptions options, config::Scalin
                                        placement::Plan plan)
     : options_(std::move(options)), config_(std::move(config)), plan_(std::move(plan)) {}
 
-KubernetesLauncher::~KubernetesLauncher() { RemoveRequests(); }
+KubernetesLauncher::~KubernetesLauncher() {
+  ReleaseKept();
+  RemoveRequests();
+}
 
-void KubernetesLauncher::EndRun(bool keep) { RemoveRequests(); }
+void KubernetesLauncher::EndRun(bool keep) {
+  ReleaseKept();
+  RemoveRequests();
+}
+
+std::vector<std::string> KubernetesLauncher::SupervisorEnvironment() const {
+  std::vector<std::string> env_strings;
+  for (const auto& [k, v] : CurrentEnvironment()) {
+    if (!kSecretEnv.count(k)) env_strings.push_back(k + "=" + v);
+  }
+  // The supervisor ends the run's objects when this process is gone
+  // (python/jaxtrain/kubernetes/supervisor.py).
+  env_strings.push_back("JAXTRAIN_DRIVER_PID=" + std::to_string(getpid()));
+  return env_strings;
+}
+
+void KubernetesLauncher::ReleaseKept() {
+  if (request_dir_.empty()) return;
+  const std::string kept = request_dir_ + "/" + kKeptFile;
+  if (access(kept.c_str(), F_OK) != 0) return;
+  std::vector<std::string> argv = options_.supervisor_argv;
+  argv.push_back("--release");
+  argv.push_back(kept);
+  const std::vector<std::string> env_strings = SupervisorEnvironment();
+  auto spawned = SpawnWithOutputPipe({.argv = argv, .env = &env_strings, .search_path = true});
+  if (!spawned.ok()) {
+    Say("kubernetes: cannot delete the JobSet kept for a next attempt (" + kept +
+        "): " + spawned.status().message());
+  } else {
+    // Its lines (errors only) go to the driver's stderr, as the queue's do.
+    std::string output;
+    char buffer[4096];
+    for (;;) {
+      ssize_t n = read(spawned->output_fd, buffer, sizeof buffer);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      output.append(buffer, static_cast<size_t>(n));
+    }
+    close(spawned->output_fd);
+    WaitForExit(spawned->pid);
+    std::string_view rest = output;
+    while (!rest.empty()) {
+      std::string_view line = rest.substr(0, rest.find('\n'));
+      rest.remove_prefix(std::min(rest.size(), line.size() + 1));
+      if (line.substr(0, kSupervisorPrefix.size()) == kSupervisorPrefix) {
+        line.remove_prefix(kSupervisorPrefix.size());
+      }
+      if (!line.empty()) Say("kubernetes: " + std::string(line));
+    }
+  }
+  unlink(kept.c_str());
+}
 
 void KubernetesLauncher::RemoveRequest() {
   if (!request_path_.empty()) unlink(request_path_.c_str());
@@ -537,13 +595,7 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
 
   std::vector<std::string> argv = options_.supervisor_argv;
   argv.push_back(path);
-  std::vector<std::string> env_strings;
-  for (const auto& [k, v] : CurrentEnvironment()) {
-    if (!kSecretEnv.count(k)) env_strings.push_back(k + "=" + v);
-  }
-  // The supervisor ends the run's objects when this process is gone
-  // (python/jaxtrain/kubernetes/supervisor.py).
-  env_strings.push_back("JAXTRAIN_DRIVER_PID=" + std::to_string(getpid()));
+  const std::vector<std::string> env_strings = SupervisorEnvironment();
   auto spawned = SpawnWithOutputPipe(
       {.argv = argv, .env = &env_strings, .process_group = 0, .search_path = true});
   if (!spawned.ok()) {

@@ -21,6 +21,14 @@
 // of the same Secret, which the pod spec names but does not hold. Worker pods get no service
 // account token unless the template asks for one (automountServiceAccountToken).
 //
+// Restarts in place (docs/kubernetes.md): when the worker command is the pod holder's
+// (`python -m jaxtrain.kubernetes hold -- ...`, python/jaxtrain/kubernetes/pod.py), a supervisor
+// whose attempt failed or was stopped with every pod still there stops the workers through their
+// holders instead of deleting the JobSet, and leaves it in its request directory's kept.json; the
+// next Launch()'s supervisor takes it over and starts that attempt's workers in the same pods (from
+// their standbys), or deletes it and makes a new JobSet when it cannot. EndRun() deletes a JobSet
+// still kept. The launcher itself only passes the directory: what is kept is the supervisors'.
+//
 // Request files: Launch() makes one 0700 directory under KubernetesOptions::request_dir
 // (mkdtemp) and one 0600 file in it per attempt, which the supervisor deletes once read. A file
 // its supervisor never read is deleted at the next Launch(); the file and the directory at
@@ -155,7 +163,8 @@ class KubernetesLauncher : public Launcher {
     return ParseKubernetesTaskEnd(line);
   }
 
-  // Deletes the request directory and any request left in it.
+  // Deletes the JobSet the last attempt kept for a next one (restarts in place), waiting for its
+  // pods to be gone, then the request directory and any request left in it.
   void EndRun(bool keep) override;
 
   // A Launch() waiting for Kueue's admission ends with kCancelled, its JobSet deleted.
@@ -169,6 +178,11 @@ class KubernetesLauncher : public Launcher {
  private:
   void RemoveRequest();   // the last Launch()'s request file, if still there
   void RemoveRequests();  // and the directory
+  // Deletes the JobSet a supervisor kept (kept.json in the request directory), through
+  // `supervisor_argv --release FILE`, and waits for it; says any error on the driver's stderr.
+  void ReleaseKept();
+  // The supervisor's environment: the driver's without the run's secret, and the driver's pid.
+  std::vector<std::string> SupervisorEnvironment() const;
   // Reads the supervisor's output, a byte at a time (nothing past it is taken from the
   // controller), until it says its JobSet is admitted or its output ends, saying each line.
   // Errors: kCancelled after Interrupt(), the supervisor told to delete the JobSet and reaped.

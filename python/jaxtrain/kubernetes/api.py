@@ -34,6 +34,9 @@ _NEEDED = [("create", JOBSET_GROUP, "jobsets", ""), ("delete", JOBSET_GROUP, "jo
            ("create", "", "secrets", ""), ("patch", "", "secrets", ""),
            ("delete", "", "secrets", ""), ("get", "", "pods", ""), ("list", "", "pods", ""),
            ("watch", "", "pods", ""), ("delete", "", "pods", ""), ("get", "", "pods", "log")]
+# And to restart in place (JAXTRAIN_K8S_IN_PLACE): a new attempt's worker is started in a kept pod
+# through exec, which the API server authorizes as `create` (as `get` too before websockets).
+_NEEDED_IN_PLACE = [("create", "", "pods", "exec"), ("get", "", "pods", "exec")]
 # What `jaxtrain submit`, `status` and `logs` do (the Role "jaxtrain-submit").
 _NEEDED_TO_SUBMIT = [("create", "", "configmaps", ""), ("patch", "", "configmaps", ""),
                      ("create", "", "secrets", ""), ("patch", "", "secrets", ""),
@@ -81,6 +84,23 @@ class Api:
         self.version = client.VersionApi()
         self.client = client
 
+    def exec(self, namespace: str, pod: str, container: str, command: list[str],
+             timeout_s: float = 60.0) -> tuple[int | None, str, str]:
+        """Runs `command` in `pod`'s `container` through the API server (``pods/exec``): its
+        exit status (None when unknown), stdout and stderr. A client of its own: the stream
+        replaces its client's request method while it runs, which other threads share."""
+        from kubernetes.stream import stream
+
+        core = self.client.CoreV1Api(api_client=self.client.ApiClient())
+        resp = stream(core.connect_get_namespaced_pod_exec, pod, namespace, container=container,
+                      command=command, stdin=False, stdout=True, stderr=True, tty=False,
+                      _preload_content=False)
+        try:
+            resp.run_forever(timeout=timeout_s)
+            return resp.returncode, resp.read_stdout() or "", resp.read_stderr() or ""
+        finally:
+            resp.close()
+
     def namespace(self) -> str:
         chosen = os.environ.get("JAXTRAIN_K8S_NAMESPACE")
         if chosen:
@@ -101,9 +121,9 @@ class Api:
                 f"cannot reach the Kubernetes API server at {self.host}: {error_reason(e)}"
             ) from None
 
-    def check_access(self, namespace: str) -> None:
+    def check_access(self, namespace: str, in_place: bool = False) -> None:
         denied = []
-        for verb, group, resource, sub in _NEEDED:
+        for verb, group, resource, sub in _NEEDED + (_NEEDED_IN_PLACE if in_place else []):
             review = self.client.V1SelfSubjectAccessReview(
                 spec=self.client.V1SelfSubjectAccessReviewSpec(
                     resource_attributes=self.client.V1ResourceAttributes(

@@ -134,10 +134,11 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
     (ScalingConfig.node_labels()) select the nodes of the worker pods (with_node_labels);
     `preemption_grace_s` (FailureConfig's) sets their terminationGracePeriodSeconds
     (with_termination_grace)."""
+    in_place = in_place_setting(os.environ)
     api = Api()
     api.check_reachable()
     namespace = api.namespace()
-    api.check_access(namespace)
+    api.check_access(namespace, in_place)
     api.check_jobset_installed(namespace)
     pod = api.own_pod(namespace)
     image = os.environ.get("JAXTRAIN_K8S_IMAGE") or (
@@ -184,8 +185,8 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
         "image": image,
         "image_pull_policy": os.environ.get("JAXTRAIN_K8S_IMAGE_PULL_POLICY", ""),
         "service_account": os.environ.get("JAXTRAIN_K8S_SERVICE_ACCOUNT", ""),
-        "worker_command": [os.environ.get("JAXTRAIN_K8S_PYTHON", "python"), "-m",
-                           "jaxtrain.worker"],
+        "worker_command": worker_command(os.environ.get("JAXTRAIN_K8S_PYTHON", "python"),
+                                         in_place, warm_setting(os.environ)),
         "supervisor_argv": [sys.executable, "-m", "jaxtrain.kubernetes", "supervise"],
         # The launcher makes its own 0700 directory there, and removes it when the run ends.
         "request_dir": tempfile.gettempdir(),
@@ -218,3 +219,33 @@ def kueue_settings(environ: dict[str, str] | Any = os.environ) -> tuple[str, str
             "only a queued JobSet has: set JAXTRAIN_K8S_QUEUE_NAME to the LocalQueue too (a pod "
             "PriorityClass goes in the pod template's spec.priorityClassName)")
     return names[0], names[1]
+
+
+def in_place_setting(environ: dict[str, str] | Any = os.environ) -> bool:
+    """JAXTRAIN_K8S_IN_PLACE: whether a failed attempt's pods are kept and the next attempt's
+    workers started in them (docs/kubernetes.md, "Restarts in place")."""
+    value = environ.get("JAXTRAIN_K8S_IN_PLACE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXTRAIN_K8S_IN_PLACE='{value}' is not allowed; it must be 1 (keep a "
+                         "failed attempt's pods and restart the workers in them) or 0 (a new "
+                         "JobSet for every attempt)")
+    return value == "1"
+
+
+def warm_setting(environ: dict[str, str] | Any = os.environ) -> bool:
+    """JAXTRAIN_WARM_WORKERS (docs/warm-workers.md): whether each pod's holder keeps a standby."""
+    value = environ.get("JAXTRAIN_WARM_WORKERS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXTRAIN_WARM_WORKERS='{value}' is not allowed: use 1 (standby "
+                         "workers, the default) or 0 (none)")
+    return value == "1"
+
+
+def worker_command(python: str, in_place: bool, warm: bool = True) -> list[str]:
+    """The worker container's command: the worker, or in place the holder that runs it
+    (jaxtrain.kubernetes.pod), with a standby worker unless not `warm`."""
+    worker = [python, "-m", "jaxtrain.worker"]
+    if not in_place:
+        return worker
+    return [python, "-m", "jaxtrain.kubernetes", "hold", *([] if warm else ["--no-standby"]),
+            "--", *worker]

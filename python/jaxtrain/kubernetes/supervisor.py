@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from jaxtrain.kubernetes import pod as holder
 from jaxtrain.kubernetes.api import (
     DEFAULT_PENDING_TIMEOUT_S,
     IMAGE_ERRORS,
@@ -34,6 +35,9 @@ _JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 _JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 _COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 _TEARDOWN_TIMEOUT_S = 60.0
+# Where, in the launcher's request directory, an attempt's supervisor leaves the JobSet it kept
+# for the next attempt (restarts in place; src/launch/kubernetes_launcher.h deletes it at the end).
+KEPT_FILE = "kept.json"
 _KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 # How often the supervisor of a queued JobSet asks whether Kueue admitted (or evicted) it.
 _JOBSET_POLL_S = 1.0
@@ -144,6 +148,7 @@ class _Pod:
         self.rank = rank
         self.uid = ""
         self.node = "?"
+        self.lost = False  # deleted, failed, or its container ended: not kept for the next attempt
         self.deleted_for_taint = False
         self.logs: threading.Thread | None = None
         self.ended = False
@@ -152,7 +157,7 @@ class _Pod:
 
 
 class Supervisor:
-    def __init__(self, api: Api, request: dict, out: _Output) -> None:
+    def __init__(self, api: Api, request: dict, out: _Output, kept_path: str = "") -> None:
         self.api = api
         self.namespace = request["namespace"]
         self.jobset = request["jobset"]
@@ -162,7 +167,18 @@ class Supervisor:
         self.pending_timeout = float(request.get("pending_timeout_s", DEFAULT_PENDING_TIMEOUT_S))
         job = self.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
         self.pods_per_job = int(job["parallelism"])
-        self.container = job["template"]["spec"]["containers"][0]["name"]
+        container = job["template"]["spec"]["containers"][0]
+        self.container = container["name"]
+        # Restarts in place (jaxtrain.kubernetes.pod): the pods' first process is the holder,
+        # which outlives a failed worker; a stopped attempt's JobSet is kept in `kept_path` for
+        # the next attempt's supervisor to take over.
+        self.in_place = holder.holds(container.get("command") or [])
+        self.python = (container.get("command") or ["python"])[0]
+        plain = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+        self.attempt = plain.get("JAXTRAIN_ATTEMPT", "0")
+        self.activation_env = {k: plain[k] for k in holder.ACTIVATION_ENV if k in plain}
+        self.kept_path = kept_path
+        self.log_since_s: int | None = None  # the log window of the pods taken over
         self.out = out
         self.events: queue.Queue = queue.Queue()
         self.pods: dict[str, _Pod] = {}
@@ -298,18 +314,49 @@ class Supervisor:
         return job * self.pods_per_job + index
 
     def _follow_logs(self, name: str, state: _Pod) -> None:
+        # In place, a pod's log holds every attempt's output: this attempt's begins at its
+        # holder's "worker started" line and ends at its "worker exited" line, which is how the
+        # rank ended (a WORKER-END event).
+        started = not self.in_place
+        marker = f"{holder.PREFIX}attempt {self.attempt}: worker "
         for _ in range(3):
             try:
                 stream = self.api.core.read_namespaced_pod_log(
                     name, self.namespace, container=self.container, follow=True,
-                    _preload_content=False)
+                    since_seconds=self.log_since_s, _preload_content=False)
                 lines = _Lines()
                 for chunk in stream.stream(65536):
-                    self.out.rank_lines(state.rank, lines.take(chunk))
-                self.out.rank_lines(state.rank, lines.close())
+                    taken = lines.take(chunk)
+                    if self.in_place:
+                        taken, started, end = self._this_attempts(taken, started, marker)
+                        self.out.rank_lines(state.rank, taken)
+                        if end is not None:
+                            stream.close()
+                            self.events.put({"type": "WORKER-END", "pod": name, "how": end})
+                            return
+                    else:
+                        self.out.rank_lines(state.rank, taken)
+                self.out.rank_lines(state.rank, lines.close() if started else [])
                 return
             except Exception:
                 time.sleep(0.5)  # the container may not have started yet
+
+    @staticmethod
+    def _this_attempts(lines: list[bytes], started: bool,
+                       marker: str) -> tuple[list[bytes], bool, str | None]:
+        """Of a pod's log `lines`, this attempt's; whether it has started; how its worker ended
+        (the rest of the holder's line) once it has."""
+        kept = []
+        for line in lines:
+            if line.startswith(marker.encode()):
+                said = line[len(marker):].decode(errors="replace").strip()
+                if said.startswith("started"):
+                    started = True
+                elif started:
+                    return kept, started, said
+            if started:
+                kept.append(line)
+        return kept, started, None
 
     def _watch(self) -> None:
         from kubernetes import watch
@@ -354,17 +401,23 @@ class Supervisor:
             self._say_evicted()  # at once: the group may be stopped before the next poll
         statuses = pod.status.container_statuses or []
         main = next((s for s in statuses if s.name == self.container), None)
+        if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
+            state.lost = True
         if event["type"] == "DELETED":
             state.ended = True
             why = pod.status.reason or "its pod was deleted or its node was lost"
             self.out.say(f"rank {rank} on {state.node}: deleted ({why})")
             return 137, "deleted"
+        if main is not None and main.state.terminated:
+            state.lost = True  # in place: the holder ended, so the pod cannot be kept
         if pod.status.phase == "Failed" and (main is None or main.state.terminated is None):
+            state.lost = True
             state.ended = True
             self.out.say(f"rank {rank} on {state.node}: {pod.status.reason or 'failed'} "
                          f"({pod.status.message or 'its pod failed'})")
             return 137, "failed"
         if main is not None and main.state.waiting and main.state.waiting.reason in IMAGE_ERRORS:
+            state.lost = True
             state.ended = True
             image = self.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
                 "spec"]["containers"][0].get("image")
@@ -543,6 +596,189 @@ class Supervisor:
                 return 3, "pending"
         return None
 
+
+    # -- restarts in place --
+
+    def _worker_end(self, event: dict) -> tuple[int, str] | None:
+        """A WORKER-END event (the holder's line): the rank ended as _handle's terminated
+        container would say."""
+        state = self.pods.get(event["pod"])
+        if state is None or state.ended:
+            return None
+        state.ended = True
+        said = event["how"]
+        match = re.fullmatch(r"(exited with status|killed by signal) (\d+)", said)
+        code = 1 if match is None else int(match.group(2)) + (
+            128 if match.group(1).startswith("killed") else 0)
+        if code == 0:
+            self.succeeded.add(state.rank)
+            return (0, "succeeded") if len(self.succeeded) == self.ranks else None
+        self.out.say(f"rank {state.rank} on {state.node}: {said}")
+        return code, "failed"
+
+    @staticmethod
+    def _shape(jobset: dict, name: str) -> str:
+        """What must not change for an attempt to run in the kept pods: the JobSet's spec with
+        its name (which the Secret's references carry) and the activation's variables left out."""
+        spec = json.loads(json.dumps(jobset["spec"]).replace(json.dumps(name)[1:-1], "{name}"))
+        pod = spec["replicatedJobs"][0]["template"]["spec"]["template"]
+        for c in pod["spec"]["containers"][:1]:
+            c["env"] = [e for e in c.get("env") or [] if e.get("name") not in holder.ACTIVATION_ENV]
+        return json.dumps(spec, sort_keys=True)
+
+    def _tell(self, name: str, message: dict) -> dict:
+        """Sends `message` to the holder of pod `name` (jaxtrain.kubernetes.pod) through the API
+        server's exec; its answer, or {"error": ...}."""
+        command = [self.python, "-m", "jaxtrain.kubernetes", "activate", json.dumps(message)]
+        try:
+            code, out, err = self.api.exec(self.namespace, name, self.container, command)
+        except Exception as e:
+            return {"error": f"cannot exec in pod {name}: {error_reason(e)}"}
+        try:
+            answer = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            answer = {"error": f"exit status {code}: {(err or out).strip()[-300:]}"}
+        return answer
+
+    def _tell_all(self, names: list[str], message: dict) -> dict[str, dict]:
+        answers: dict[str, dict] = {}
+
+        def tell(name: str) -> None:
+            answers[name] = self._tell(name, message)
+
+        threads = [threading.Thread(target=tell, args=(n,), daemon=True) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return answers
+
+    def adopt(self) -> bool:
+        """Takes over the JobSet an earlier attempt kept (self.kept_path) and starts this
+        attempt's worker in each of its pods. False, having deleted what was kept, when that
+        cannot be done: a pod gone or not running, the pods' spec changed, a holder that does not
+        answer; the attempt then makes a new JobSet, as without restarts in place."""
+        with open(self.kept_path) as f:
+            kept = json.load(f)
+        name = kept["jobset"]["metadata"]["name"]
+        why = ""
+        if kept["shape"] != self._shape(self.jobset, self.name):
+            why = "the pods' spec changed"
+        pods: dict[str, Any] = {}
+        if not why:
+            try:
+                for p in self.api.core.list_namespaced_pod(
+                        self.namespace, label_selector=f"{_JOBSET_NAME_LABEL}={name}").items:
+                    pods[p.metadata.name] = p
+            except Exception as e:
+                why = f"its pods cannot be listed ({error_reason(e)})"
+        if not why and len(kept["pods"]) != self.ranks:
+            why = "its last attempt did not end with every pod kept"
+        for pod_name, uid in sorted(kept["pods"].items()) if not why else []:
+            p = pods.get(pod_name)
+            if p is None or p.metadata.uid != uid:
+                why = f"pod {pod_name} is gone"
+            elif p.metadata.deletion_timestamp:
+                why = f"pod {pod_name} is terminating"
+            elif p.status.phase != "Running":
+                why = f"pod {pod_name} is {p.status.phase}"
+            if why:
+                break
+        if not why and len(pods) != len(kept["pods"]):
+            why = f"the JobSet has {len(pods)} pods, not {len(kept['pods'])}"
+        if not why:
+            self.log_since_s = int(time.time() - kept["written"]) + 60
+            answers = self._tell_all(sorted(kept["pods"]), {
+                "start": {"attempt": self.attempt, "env": self.activation_env}})
+            failed = sorted((n, a) for n, a in answers.items() if not a.get("ok"))
+            if failed:
+                why = f"pod {failed[0][0]} did not start its worker ({failed[0][1].get('error')})"
+        if why:
+            self.out.say(f"attempt {self.attempt} cannot restart in place in JobSet "
+                         f"{self.namespace}/{name} ({why}): it is deleted and a new one made")
+            self._release(kept)
+            self.log_since_s = None
+            return False
+        self.name = name
+        self.jobset = kept["jobset"]
+        self.jobset_uid, self.secret_uid = kept["jobset_uid"], kept["secret_uid"]
+        self.secret = {"name": kept["secret"]}
+        # The record stays, this attempt's now: deleted or written again at its end; a supervisor
+        # killed before then leaves it to the next attempt's or to the run's end to delete.
+        warm = sum(1 for a in answers.values() if a.get("warm"))
+        self.out.say(f"attempt {self.attempt} restarted in place in JobSet {self.namespace}/"
+                     f"{name}: {len(answers)} pods kept, {warm} of their workers warm")
+        return True
+
+    def _release(self, kept: dict) -> None:
+        """Deletes a kept JobSet and its Secret (by uid) and waits for its pods to be gone."""
+        other = Supervisor(self.api, {"namespace": kept["namespace"], "jobset": kept["jobset"],
+                                      "secret": {"name": kept["secret"]}, "ranks": kept["ranks"]},
+                           self.out)
+        other.jobset_uid, other.secret_uid = kept["jobset_uid"], kept["secret_uid"]
+        other.delete(grace=True)
+        self._forget_kept()
+
+    def _forget_kept(self) -> None:
+        try:
+            os.unlink(self.kept_path)
+        except FileNotFoundError:
+            pass
+
+    def _stop_in_place(self) -> bool:
+        """Stops the workers still running (TERM through their holders, KILL once told to stop
+        at once) and waits for each to end. True when every pod is left running its holder, to
+        be kept for the next attempt."""
+        told = ""
+        deadline = time.monotonic() + _TEARDOWN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if any(state.lost for state in self.pods.values()):
+                return False
+            running = sorted(n for n, state in self.pods.items() if not state.ended)
+            if not running:
+                return True
+            signal_name = "KILL" if self.stop_requested == "now" else "TERM"
+            if told != signal_name:
+                told = signal_name
+                for answer in self._tell_all(running, {"signal": signal_name}).values():
+                    if not answer.get("ok"):
+                        self.out.say(f"error: {answer.get('error')}")
+                        return False
+            try:
+                event = self.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if event["type"] == "WORKER-END":
+                self._worker_end(event)
+            elif event["type"] not in ("JOBSET", "QUEUED", "TAINT", "STOP"):
+                self._handle(event)
+        return False
+
+    def _keep(self, stopped: bool = True) -> None:
+        """Records the attempt's JobSet in self.kept_path: once created (so that a supervisor
+        killed before it could delete it leaves it to the next one, or to the run's end, to
+        delete), and when `stopped` with every pod kept for the next attempt."""
+        kept = {"namespace": self.namespace, "jobset": self.jobset, "ranks": self.ranks,
+                "jobset_uid": self.jobset_uid, "secret": self.secret["name"],
+                "secret_uid": self.secret_uid, "shape": self._shape(self.jobset, self.name),
+                "pods": {n: state.uid for n, state in self.pods.items()}, "written": time.time()}
+        fd = os.open(self.kept_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(kept, f)
+        if stopped:
+                self.out.say(f"JobSet {self.namespace}/{self.name} kept for the next attempt: its "
+                         f"{len(self.pods)} pods wait for it")
+
+    def _keepable(self, ended: tuple[int, str] | None) -> bool:
+        """Whether the stopped attempt's pods may be kept for the next one: restarts in place,
+        a failure or a stop (not the run's end, nor a pod that cannot start), every rank's pod
+        there and not going, and the driver still there to restart."""
+        driver = int(os.environ.get("JAXTRAIN_DRIVER_PID", os.getppid()))
+        return (self.in_place and bool(self.kept_path) and self.admitted and not self.evicted
+                and (ended is None or ended[1] == "failed") and os.getppid() == driver
+                and len(self.pods) == self.ranks
+                and not any(state.lost for state in self.pods.values()))
+
     def run(self) -> int:
         def on_signal(signum, frame):
             self.stop_requested = "now" if signum == signal.SIGUSR1 else (
@@ -551,8 +787,13 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGUSR1, on_signal)
+        adopted = False
         try:
-            self.create()
+            adopted = (self.in_place and os.path.exists(self.kept_path) and self.adopt())
+            if not adopted:
+                self.create()
+                if self.in_place:
+                    self._keep(stopped=False)
         except ObjectExists as e:
             self.out.say(f"error: {e}")
             self.delete(grace=False)
@@ -562,7 +803,11 @@ class Supervisor:
                          f"{error_reason(e)}")
             self.delete(grace=False)
             return 3
-        if self.queue_name:
+        if self.queue_name and adopted:
+            self.out.say(f"admitted by Kueue from LocalQueue '{self.queue_name}' for an earlier "
+                         "attempt, whose JobSet this one runs in")
+            threading.Thread(target=self._poll_jobset, daemon=True).start()
+        elif self.queue_name:
             # Created suspended: Launch() waits for the "admitted" line (kubernetes_launcher.h).
             self.out.say(f"queued: JobSet {self.namespace}/{self.name} waits for Kueue to admit "
                          f"it from LocalQueue '{self.queue_name}'")
@@ -580,9 +825,16 @@ class Supervisor:
             elif event["type"] == "TAINT":
                 self.tainted.setdefault(event["node"], (time.monotonic(), event["spot"]))
                 self._leave_tainted_node(event["node"])
+            elif event["type"] == "WORKER-END":
+                ended = self._worker_end(event)
             elif event["type"] != "STOP":
                 ended = self._handle(event)
-        self.delete(grace=self.stop_requested != "now")
+        if self._keepable(ended) and self._stop_in_place():
+            self._keep()
+        else:
+            self.delete(grace=self.stop_requested != "now")
+            if self.in_place:
+                self._forget_kept()
         for state in self.pods.values():
             if state.logs is not None:
                 state.logs.join(timeout=5.0)
@@ -604,12 +856,33 @@ def supervise(request_path: str) -> int:
     except Exception as e:
         out.say(f"error: {e}")
         return 3
-    return Supervisor(api, request, out).run()
+    kept_path = os.path.join(os.path.dirname(os.path.abspath(request_path)), KEPT_FILE)
+    return Supervisor(api, request, out, kept_path).run()
+
+
+def release(kept_path: str) -> int:
+    """Deletes the JobSet the run's last attempt kept (at the run's end): `supervise --release`."""
+    out = _Output(labelled=False)
+    try:
+        with open(kept_path) as f:
+            kept = json.load(f)
+        api = Api()
+    except FileNotFoundError:
+        return 0
+    except Exception as e:
+        out.say(f"error: cannot delete the kept JobSet of {kept_path}: {error_reason(e)}")
+        return 3
+    request = {"namespace": kept["namespace"], "jobset": kept["jobset"],
+               "secret": {"name": kept["secret"]}, "ranks": kept["ranks"]}
+    Supervisor(api, request, out, kept_path)._release(kept)
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "supervise":
         return supervise(argv[1])
+    if len(argv) == 3 and argv[:2] == ["supervise", "--release"]:
+        return release(argv[2])
     sys.stderr.write("python -m jaxtrain.kubernetes is started by jaxtrain's Kubernetes "
                      "launcher; it is not run by hand\n")
     return 2

@@ -1,0 +1,322 @@
+"""A worker pod's first process when its group restarts in place (docs/kubernetes.md, "Restarts
+in place"): ``python -m jaxtrain.kubernetes hold [--no-standby] -- COMMAND...``; and the
+supervisor's way in, ``python -m jaxtrain.kubernetes activate MESSAGE``, run in the pod through the
+API server's exec.
+
+The holder runs the worker COMMAND as its child, in a session of its own, and outlives it when it
+fails, so that the next attempt starts in the same pod: no pod, container or image to make again.
+Beside the running worker it keeps a standby worker (``JAXTRAIN_STANDBY``, as a local standby:
+jax imported, no device touched; docs/warm-workers.md), which the next attempt's activation
+starts (none with ``--no-standby``: the driver's ``JAXTRAIN_WARM_WORKERS=0``). For the
+supervisor, which reads the pod's log, it says when an attempt's worker starts and how it ended,
+each on a line of its own:
+
+    jaxtrain pod: attempt 2: worker started (warm)
+    jaxtrain pod: attempt 2: worker exited with status 3
+
+A worker that exits 0 ends the holder with 0: the run is over for this pod. A SIGTERM (the pod
+deleted, drained or evicted: the workers' preemption notice) is passed to the worker, and the
+holder then ends with the worker's status, as the worker would have as the pod's first process. A
+pod whose worker failed waits for the next attempt's activation for up to ``HOLD_S``; without one
+the holder ends with the worker's status (128 + n for signal n). As PID 1 it reaps every orphan.
+
+The activation socket is a Unix socket in a 0700 directory under the container's ``$TMPDIR``:
+only the container's own processes (the exec'd ``activate``) reach it. One JSON line in, one out:
+``{"start": {"attempt": "2", "env": {...}}}`` starts the attempt's worker (its variables set over
+the pod's: kActivationEnv of src/launch/standby_pool.h), ``{"signal": "TERM"}`` (or ``"KILL"``)
+signals the running worker's process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+import sys
+import tempfile
+import time
+
+# How long a pod whose worker failed waits for the next attempt before its holder ends.
+HOLD_S = 300.0
+# The variables an activation sets (src/launch/standby_pool.h, kActivationEnv); a standby's
+# environment has none of them.
+ACTIVATION_ENV = ("JAXTRAIN_ATTEMPT", "JAXTRAIN_CONTROLLER_ADDR", "JAXTRAIN_RUN_DIR",
+                  "JAXTRAIN_EXPERIMENT_NAME")
+PREFIX = "jaxtrain pod: "
+_SIGNALS = {"TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
+
+
+def holds(command: list[str]) -> bool:
+    """Whether a worker container's `command` starts the holder."""
+    return command[1:4] == ["-m", "jaxtrain.kubernetes", "hold"]
+
+
+def socket_path() -> str:
+    return os.path.join(tempfile.gettempdir(), "jaxtrain-holder", "socket")
+
+
+def how(status: int) -> str:
+    """A wait status, said as the supervisor says a rank's end."""
+    code = os.waitstatus_to_exitcode(status)
+    return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell reports it: 128 + n for signal n."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def end_line(attempt: str, status: int) -> str:
+    return f"{PREFIX}attempt {attempt}: worker {how(status)}"
+
+
+def _say(line: str) -> None:
+    os.write(1, f"{PREFIX}{line}\n".encode())
+
+
+class Holder:
+    def __init__(self, command: list[str], standby: bool = True) -> None:
+        self.command = command
+        self.worker = 0  # the running worker's pid, 0 when none
+        self.attempt = os.environ.get("JAXTRAIN_ATTEMPT", "0")
+        self.last_status: int | None = None
+        self.standby = 0  # pid of the standby, 0 when none
+        self.standby_fd = -1  # the write end of its activation pipe
+        self.terminating = False
+        self.warm = standby
+
+    # -- processes --
+
+    def _spawn(self, env: dict[str, str], fds: tuple[int, ...] = ()) -> int:
+        """Starts the command in a session of its own with SIGTERM ignored until the worker
+        takes it with its own handler (docs/preemption.md), as it was when the worker was the
+        pod's first process: a notice that comes while it starts waits for the next one, or for
+        the kubelet's SIGKILL. SIGTERM is held meanwhile here, so none is lost."""
+        for fd in fds:
+            os.set_inheritable(fd, True)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            return os.posix_spawnp(self.command[0], self.command, env, setsid=True,
+                                   setsigmask=())
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for fd in fds:
+                os.close(fd)
+
+    def _start_standby(self) -> None:
+        if not self.warm or self.standby or self.terminating:
+            return
+        env = {k: v for k, v in os.environ.items()
+               if k not in ACTIVATION_ENV and k != "JAXTRAIN_RUN_SECRET_FILE"}
+        r, w = os.pipe()
+        env.update(JAXTRAIN_STANDBY="1", JAXTRAIN_RUN_SECRET_FD=str(r))
+        try:
+            self.standby = self._spawn(env, (r,))
+            self.standby_fd = w
+        except OSError as e:
+            os.close(w)
+            _say(f"no standby worker: {e}")
+
+    def _end_standby(self) -> None:
+        if self.standby_fd >= 0:
+            os.close(self.standby_fd)  # it reads EOF and exits 0
+            self.standby_fd = -1
+        self.standby = 0
+
+    def start(self, attempt: str, env: dict[str, str]) -> dict:
+        if self.worker:
+            return {"error": f"attempt {self.attempt}'s worker (pid {self.worker}) is running"}
+        if self.terminating:
+            return {"error": "the pod is terminating"}
+        for name, value in env.items():
+            if name not in ACTIVATION_ENV:
+                return {"error": f"{name} is not set by an activation"}
+            os.environ[name] = value
+        self.attempt = attempt
+        warm, why = False, "no standby" if self.warm else "standbys are off"
+        if self.standby:
+            try:
+                with open(os.environ["JAXTRAIN_RUN_SECRET_FILE"], encoding="ascii") as f:
+                    secret = f.read().strip()
+                message = json.dumps({"secret": secret, "env": dict(env)}).encode()
+                if os.write(self.standby_fd, message) == len(message):
+                    self.worker, warm = self.standby, True
+            except (OSError, KeyError) as e:
+                why = f"the standby could not be activated ({e})"
+            os.close(self.standby_fd)  # an unactivated standby reads EOF and exits
+            self.standby_fd, self.standby = -1, 0
+        if not warm:
+            self.worker = self._spawn(dict(os.environ))
+        _say(f"attempt {attempt}: worker started ({'warm' if warm else 'cold: ' + why})")
+        self._start_standby()
+        return {"ok": True, "pid": self.worker, "warm": warm}
+
+    def signal(self, name: str) -> dict:
+        if name not in _SIGNALS:
+            return {"error": f"signal '{name}' is not one of {sorted(_SIGNALS)}"}
+        if not self.worker:
+            return {"ok": True, "running": False}
+        try:
+            os.killpg(self.worker, _SIGNALS[name])
+        except ProcessLookupError:
+            pass
+        return {"ok": True, "running": True}
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.worker:
+                self.worker = 0
+                self.last_status = status
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # what it left in its session
+                except OSError:
+                    pass
+                os.write(1, (end_line(self.attempt, status) + "\n").encode())
+            elif pid == self.standby:
+                self._end_standby()
+
+    # -- the loop --
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        try:
+            data = b""
+            while not data.endswith(b"\n") and len(data) < 1 << 16:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            try:
+                request = json.loads(data)
+                if "start" in request:
+                    reply = self.start(str(request["start"]["attempt"]),
+                                       dict(request["start"].get("env") or {}))
+                elif "signal" in request:
+                    reply = self.signal(str(request["signal"]))
+                else:
+                    reply = {"error": "neither start nor signal"}
+            except (ValueError, TypeError, KeyError) as e:
+                reply = {"error": f"not an activation: {e}"}
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _listen(self) -> socket.socket:
+        path = socket_path()
+        directory = os.path.dirname(path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise OSError(f"{directory} is not a directory of uid {os.getuid()}")
+        os.chmod(directory, 0o700)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(8)
+        server.setblocking(False)
+        return server
+
+    def run(self) -> int:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+
+        def on_term(signum, frame):
+            self.terminating = True
+            self._end_standby()
+            if self.worker:
+                try:
+                    os.killpg(self.worker, signum)
+                except ProcessLookupError:
+                    pass
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_term)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        try:
+            server = self._listen()
+        except OSError as e:
+            _say(f"no activation socket ({e}): this pod's worker cannot be restarted in place")
+            server = None
+        if self.terminating:
+            return 128 + signal.SIGTERM
+        self.worker = self._spawn(dict(os.environ))
+        _say(f"attempt {self.attempt}: worker started (first)")
+        self._start_standby()
+        selector = selectors.DefaultSelector()
+        selector.register(wake_r, selectors.EVENT_READ)
+        if server is not None:
+            selector.register(server, selectors.EVENT_READ)
+        idle_since: float | None = None
+        while True:
+            self._reap()
+            if not self.worker and self.last_status is not None:
+                code = exit_code(self.last_status)
+                if code == 0 or self.terminating or server is None:
+                    self._end_standby()
+                    return code
+                if idle_since is None:
+                    idle_since = time.monotonic()
+                if time.monotonic() - idle_since > HOLD_S:
+                    _say(f"no next attempt came within {HOLD_S:.0f} s: the pod ends")
+                    self._end_standby()
+                    return code
+            else:
+                idle_since = None
+            for key, _ in selector.select(timeout=1.0):
+                if key.fileobj == wake_r:
+                    os.read(wake_r, 512)
+                else:
+                    try:
+                        conn, _ = server.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(True)
+                    self._answer(conn)
+
+
+def hold(argv: list[str]) -> int:
+    standby = argv[:1] != ["--no-standby"]
+    if not standby:
+        argv = argv[1:]
+    if argv[:1] != ["--"] or len(argv) < 2:
+        sys.stderr.write("usage: python -m jaxtrain.kubernetes hold [--no-standby] -- "
+                         "COMMAND...\n")
+        return 2
+    return Holder(argv[1:], standby).run()
+
+
+def activate(argv: list[str]) -> int:
+    """Sends one message to the holder and prints its answer; 0 when it was taken."""
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m jaxtrain.kubernetes activate MESSAGE\n")
+        return 2
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10.0)
+            s.connect(socket_path())
+            s.sendall(argv[0].encode() + b"\n")
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+    except OSError as e:
+        answer = json.dumps({"error": f"no holder answers at {socket_path()}: {e}"}).encode()
+    sys.stdout.write(answer.decode().strip() + "\n")
+    return 0 if b'"ok"' in answer else 1
