@@ -135,7 +135,8 @@ def test_signals_reach_the_running_worker_and_a_pods_sigterm_ends_the_holder(hol
     wait_for("the worker's handler", lambda: h.saw("READY"))
     assert h.tell({"signal": "TERM"}) == {"ok": True, "running": True}
     wait_for("its end", lambda: h.saw("attempt 0: worker exited with status 143"))
-    assert h.tell({"signal": "TERM"}) == {"ok": True, "running": False}
+    assert h.tell({"signal": "TERM"}) == {"ok": True, "running": False, "attempt": "0",
+                                          "ended": "exited with status 143"}
 
     # Refused: a variable an activation does not set, a signal it does not send, a second
     # worker while one runs.
@@ -164,3 +165,24 @@ def test_workers_start_with_sigterm_ignored_and_kill_ends_them(holders):
     assert h.proc.poll() is None
     h.proc.send_signal(signal.SIGTERM)
     assert h.end() == 137  # idle when the pod went: the last worker's status, as a shell says it
+
+
+def test_no_request_ends_the_holder(holders):
+    h = holders(FAKE_MODE="wait", standby=False)
+    wait_for("the worker", lambda: h.saw("READY"))
+    for bad in ("[" * 60000, "not json", '{"start": 3}', '{"start": {"env": 1}}', "{}"):
+        out = subprocess.run([sys.executable, "-m", "jaxtrain.kubernetes", "activate", bad],
+                             env=h.env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1 and "error" in json.loads(out.stdout), (bad[:20], out)
+    assert h.proc.poll() is None
+    assert h.tell({"signal": "KILL"})["running"]
+    wait_for("its end", lambda: h.saw("attempt 0: worker killed by signal 9"))
+
+
+def test_a_command_that_cannot_run_is_named(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "jaxtrain.kubernetes", "hold", "--",
+                          "/nonexistent/python"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 127
+    assert "attempt 0: cannot run /nonexistent/python: FileNotFoundError" in out.stdout

@@ -89,15 +89,24 @@ class Api:
         """Runs `command` in `pod`'s `container` through the API server (``pods/exec``): its
         exit status (None when unknown), stdout and stderr. A client of its own: the stream
         replaces its client's request method while it runs, which other threads share."""
+        import websocket
         from kubernetes.stream import stream
 
+        websocket.setdefaulttimeout(timeout_s)  # the connection's own reads and writes
         core = self.client.CoreV1Api(api_client=self.client.ApiClient())
         resp = stream(core.connect_get_namespaced_pod_exec, pod, namespace, container=container,
                       command=command, stdin=False, stdout=True, stderr=True, tty=False,
-                      _preload_content=False)
+                      _preload_content=False, _request_timeout=timeout_s)
         try:
             resp.run_forever(timeout=timeout_s)
-            return resp.returncode, resp.read_stdout() or "", resp.read_stderr() or ""
+            if resp.is_open():
+                return None, "", f"no answer within {timeout_s:.0f} s"
+            out, err = resp.read_stdout(timeout=0) or "", resp.read_stderr(timeout=0) or ""
+            try:
+                code = resp.returncode
+            except Exception:
+                code = None
+            return code, out, err
         finally:
             resp.close()
 
@@ -121,9 +130,10 @@ class Api:
                 f"cannot reach the Kubernetes API server at {self.host}: {error_reason(e)}"
             ) from None
 
-    def check_access(self, namespace: str, in_place: bool = False) -> None:
+    def denied(self, namespace: str, needed: list[tuple[str, str, str, str]]) -> list[str]:
+        """Which of `needed` this identity may not do in `namespace`, as "verb resource"."""
         denied = []
-        for verb, group, resource, sub in _NEEDED + (_NEEDED_IN_PLACE if in_place else []):
+        for verb, group, resource, sub in needed:
             review = self.client.V1SelfSubjectAccessReview(
                 spec=self.client.V1SelfSubjectAccessReviewSpec(
                     resource_attributes=self.client.V1ResourceAttributes(
@@ -133,6 +143,14 @@ class Api:
             if not status.allowed:
                 what = f"{resource}/{sub}" if sub else resource
                 denied.append(f"{verb} {what}{'.' + group if group else ''}")
+        return denied
+
+    def may_restart_in_place(self, namespace: str) -> list[str]:
+        """What of restarting in place (exec into the pods) this identity may not do."""
+        return self.denied(namespace, _NEEDED_IN_PLACE)
+
+    def check_access(self, namespace: str, in_place: bool = False) -> None:
+        denied = self.denied(namespace, _NEEDED + (_NEEDED_IN_PLACE if in_place else []))
         if denied:
             raise PermissionError(
                 f"Kubernetes RBAC: {self.identity()} may not {', '.join(denied)} in namespace "

@@ -138,6 +138,16 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
     api = Api()
     api.check_reachable()
     namespace = api.namespace()
+    if in_place and "JAXTRAIN_K8S_IN_PLACE" not in os.environ:
+        # On by default: an identity that may not exec into its pods restarts with new JobSets.
+        lacking = api.may_restart_in_place(namespace)
+        if lacking:
+            in_place = False
+            sys.stderr.write(
+                f"jaxtrain: kubernetes: restarts in place are off: {api.identity()} may not "
+                f"{', '.join(lacking)} in namespace '{namespace}' (docs/kubernetes-rbac.yaml), so "
+                "each attempt after a failure is a new JobSet; set JAXTRAIN_K8S_IN_PLACE=0 to "
+                "choose that and not be told\n")
     api.check_access(namespace, in_place)
     api.check_jobset_installed(namespace)
     pod = api.own_pod(namespace)

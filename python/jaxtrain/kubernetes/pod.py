@@ -95,19 +95,40 @@ class Holder:
         """Starts the command in a session of its own with SIGTERM ignored until the worker
         takes it with its own handler (docs/preemption.md), as it was when the worker was the
         pod's first process: a notice that comes while it starts waits for the next one, or for
-        the kubelet's SIGKILL. SIGTERM is held meanwhile here, so none is lost."""
-        for fd in fds:
-            os.set_inheritable(fd, True)
+        the kubelet's SIGKILL. The holder has no thread, so it forks; SIGTERM is blocked across
+        the fork, so that the holder's own handler takes any that comes meanwhile.
+        Errors: OSError when the command cannot be run (the child's reason)."""
+        err_r, err_w = os.pipe()  # close-on-exec: empty at EOF when the exec succeeded
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            return os.posix_spawnp(self.command[0], self.command, env, setsid=True,
-                                   setsigmask=())
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(err_r)
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    for signum in (signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE,
+                                   signal.SIGXFSZ):
+                        signal.signal(signum, signal.SIG_DFL)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+                    os.setsid()
+                    for fd in fds:
+                        os.set_inheritable(fd, True)
+                    os.execvpe(self.command[0], self.command, env)
+                except BaseException as e:
+                    os.write(err_w, f"{type(e).__name__}: {e}".encode()[:1000])
+                os._exit(127)
         finally:
-            signal.signal(signal.SIGTERM, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.close(err_w)
             for fd in fds:
                 os.close(fd)
+        with os.fdopen(err_r, "rb") as f:
+            error = f.read()
+        if error:
+            os.waitpid(pid, 0)
+            raise OSError(f"cannot run {self.command[0]}: {error.decode(errors='replace')}")
+        return pid
 
     def _start_standby(self) -> None:
         if not self.warm or self.standby or self.terminating:
@@ -152,7 +173,10 @@ class Holder:
             os.close(self.standby_fd)  # an unactivated standby reads EOF and exits
             self.standby_fd, self.standby = -1, 0
         if not warm:
-            self.worker = self._spawn(dict(os.environ))
+            try:
+                self.worker = self._spawn(dict(os.environ))
+            except OSError as e:
+                return {"error": str(e)}
         _say(f"attempt {attempt}: worker started ({'warm' if warm else 'cold: ' + why})")
         self._start_standby()
         return {"ok": True, "pid": self.worker, "warm": warm}
@@ -161,7 +185,8 @@ class Holder:
         if name not in _SIGNALS:
             return {"error": f"signal '{name}' is not one of {sorted(_SIGNALS)}"}
         if not self.worker:
-            return {"ok": True, "running": False}
+            ended = "" if self.last_status is None else how(self.last_status)
+            return {"ok": True, "running": False, "attempt": self.attempt, "ended": ended}
         try:
             os.killpg(self.worker, _SIGNALS[name])
         except ProcessLookupError:
@@ -190,10 +215,16 @@ class Holder:
     # -- the loop --
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
+        """Reads one request (at most 64 KiB, within 5 s in all) and answers it. Nothing a
+        client sends ends the holder: a request it cannot read is answered with an error."""
+        deadline = time.monotonic() + 5.0
         try:
             data = b""
             while not data.endswith(b"\n") and len(data) < 1 << 16:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no whole request within 5 s")
+                conn.settimeout(left)
                 chunk = conn.recv(4096)
                 if not chunk:
                     break
@@ -207,8 +238,9 @@ class Holder:
                     reply = self.signal(str(request["signal"]))
                 else:
                     reply = {"error": "neither start nor signal"}
-            except (ValueError, TypeError, KeyError) as e:
-                reply = {"error": f"not an activation: {e}"}
+            except Exception as e:  # a malformed request, however deep
+                reply = {"error": f"not an activation: {type(e).__name__}: {e}"[:500]}
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
             conn.sendall(json.dumps(reply).encode() + b"\n")
         except OSError:
             pass
@@ -251,14 +283,20 @@ class Holder:
             signal.signal(signum, on_term)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         try:
-            server = self._listen()
+            server, no_server = self._listen(), ""
         except OSError as e:
-            _say(f"no activation socket ({e}): this pod's worker cannot be restarted in place")
-            server = None
+            server, no_server = None, str(e)
         if self.terminating:
             return 128 + signal.SIGTERM
-        self.worker = self._spawn(dict(os.environ))
+        try:
+            self.worker = self._spawn(dict(os.environ))
+        except OSError as e:
+            _say(f"attempt {self.attempt}: {e}")
+            return 127
         _say(f"attempt {self.attempt}: worker started (first)")
+        if no_server:
+            _say(f"no activation socket ({no_server}): this pod's worker cannot be restarted "
+                 "in place")
         self._start_standby()
         selector = selectors.DefaultSelector()
         selector.register(wake_r, selectors.EVENT_READ)

@@ -38,6 +38,8 @@ _TEARDOWN_TIMEOUT_S = 60.0
 # Where, in the launcher's request directory, an attempt's supervisor leaves the JobSet it kept
 # for the next attempt (restarts in place; src/launch/kubernetes_launcher.h deletes it at the end).
 KEPT_FILE = "kept.json"
+# How long the supervisor waits for one exec into a pod (the holder answers at once).
+_EXEC_TIMEOUT_S = 30.0
 _KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 # How often the supervisor of a queued JobSet asks whether Kueue admitted (or evicted) it.
 _JOBSET_POLL_S = 1.0
@@ -348,8 +350,13 @@ class Supervisor:
         (the rest of the holder's line) once it has."""
         kept = []
         for line in lines:
-            if line.startswith(marker.encode()):
-                said = line[len(marker):].decode(errors="replace").strip()
+            # The holder writes its line whole, but it may follow a part of a line that the
+            # worker left unended when it died: that part is the worker's.
+            at = line.find(marker.encode())
+            if at >= 0:
+                if started and at > 0:
+                    kept.append(line[:at] + b"\n")
+                said = line[at + len(marker):].decode(errors="replace").strip()
                 if said.startswith("started"):
                     started = True
                 elif started:
@@ -388,6 +395,14 @@ class Supervisor:
         state = self.pods.setdefault(pod.metadata.name, _Pod(rank))
         state.node = pod.spec.node_name or state.node
         state.uid = pod.metadata.uid or state.uid
+        statuses = pod.status.container_statuses or []
+        main = next((s for s in statuses if s.name == self.container), None)
+        # In place, a pod is kept for the next attempt only while it stays: not going, not
+        # failed, its first process (the holder) still there. Its rank may have ended already.
+        if (event["type"] == "DELETED" or pod.metadata.deletion_timestamp
+                or pod.status.phase in ("Failed", "Succeeded")
+                or (main is not None and main.state.terminated)):
+            state.lost = True
         if state.ended:
             return None
         if pod.spec.node_name and pod.spec.node_name not in self.watched_nodes:
@@ -399,19 +414,12 @@ class Supervisor:
         if (pod.metadata.deletion_timestamp and self.queue_name and self.admitted
                 and not self.evicted and self._suspended()):
             self._say_evicted()  # at once: the group may be stopped before the next poll
-        statuses = pod.status.container_statuses or []
-        main = next((s for s in statuses if s.name == self.container), None)
-        if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
-            state.lost = True
         if event["type"] == "DELETED":
             state.ended = True
             why = pod.status.reason or "its pod was deleted or its node was lost"
             self.out.say(f"rank {rank} on {state.node}: deleted ({why})")
             return 137, "deleted"
-        if main is not None and main.state.terminated:
-            state.lost = True  # in place: the holder ended, so the pod cannot be kept
         if pod.status.phase == "Failed" and (main is None or main.state.terminated is None):
-            state.lost = True
             state.ended = True
             self.out.say(f"rank {rank} on {state.node}: {pod.status.reason or 'failed'} "
                          f"({pod.status.message or 'its pod failed'})")
@@ -631,7 +639,8 @@ class Supervisor:
         server's exec; its answer, or {"error": ...}."""
         command = [self.python, "-m", "jaxtrain.kubernetes", "activate", json.dumps(message)]
         try:
-            code, out, err = self.api.exec(self.namespace, name, self.container, command)
+            code, out, err = self.api.exec(self.namespace, name, self.container, command,
+                                           _EXEC_TIMEOUT_S)
         except Exception as e:
             return {"error": f"cannot exec in pod {name}: {error_reason(e)}"}
         try:
@@ -649,9 +658,10 @@ class Supervisor:
         threads = [threading.Thread(target=tell, args=(n,), daemon=True) for n in names]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + _EXEC_TIMEOUT_S + 10
         for t in threads:
-            t.join()
-        return answers
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return {n: answers.get(n) or {"error": f"no answer from pod {n}"} for n in names}
 
     def adopt(self) -> bool:
         """Takes over the JobSet an earlier attempt kept (self.kept_path) and starts this
@@ -693,16 +703,20 @@ class Supervisor:
             failed = sorted((n, a) for n, a in answers.items() if not a.get("ok"))
             if failed:
                 why = f"pod {failed[0][0]} did not start its worker ({failed[0][1].get('error')})"
+                # The workers that did start would wait for the others in vain: ended at once.
+                self._tell_all([n for n, a in answers.items() if a.get("ok")],
+                               {"signal": "KILL"})
         if why:
             self.out.say(f"attempt {self.attempt} cannot restart in place in JobSet "
                          f"{self.namespace}/{name} ({why}): it is deleted and a new one made")
-            self._release(kept)
+            self._release(kept, grace=False)
             self.log_since_s = None
             return False
         self.name = name
         self.jobset = kept["jobset"]
         self.jobset_uid, self.secret_uid = kept["jobset_uid"], kept["secret_uid"]
         self.secret = {"name": kept["secret"]}
+        self.admitted = True  # by Kueue, for the attempt that made the JobSet
         # The record stays, this attempt's now: deleted or written again at its end; a supervisor
         # killed before then leaves it to the next attempt's or to the run's end to delete.
         warm = sum(1 for a in answers.values() if a.get("warm"))
@@ -710,14 +724,31 @@ class Supervisor:
                      f"{name}: {len(answers)} pods kept, {warm} of their workers warm")
         return True
 
-    def _release(self, kept: dict) -> None:
+    def _release(self, kept: dict, grace: bool = True) -> None:
         """Deletes a kept JobSet and its Secret (by uid) and waits for its pods to be gone."""
         other = Supervisor(self.api, {"namespace": kept["namespace"], "jobset": kept["jobset"],
                                       "secret": {"name": kept["secret"]}, "ranks": kept["ranks"]},
                            self.out)
         other.jobset_uid, other.secret_uid = kept["jobset_uid"], kept["secret_uid"]
-        other.delete(grace=True)
-        self._forget_kept()
+        try:
+            other.delete(grace=grace)
+        finally:
+            self._forget_kept()
+
+    def _adopt_or_release(self) -> bool:
+        """adopt(), and on any error there, the kept JobSet deleted (when the record can be read)
+        and the record removed: each attempt after it would fail the same way."""
+        try:
+            return self.adopt()
+        except Exception as e:
+            self.out.say(f"attempt {self.attempt} cannot restart in place ({error_reason(e)}): a "
+                         "new JobSet is made")
+            try:
+                with open(self.kept_path) as f:
+                    self._release(json.load(f), grace=False)
+            except Exception:
+                self._forget_kept()
+            return False
 
     def _forget_kept(self) -> None:
         try:
@@ -732,7 +763,7 @@ class Supervisor:
         told = ""
         deadline = time.monotonic() + _TEARDOWN_TIMEOUT_S
         while time.monotonic() < deadline:
-            if any(state.lost for state in self.pods.values()):
+            if any(state.lost for state in self.pods.values()) or not self._driver_alive():
                 return False
             running = sorted(n for n, state in self.pods.items() if not state.ended)
             if not running:
@@ -740,21 +771,27 @@ class Supervisor:
             signal_name = "KILL" if self.stop_requested == "now" else "TERM"
             if told != signal_name:
                 told = signal_name
-                for answer in self._tell_all(running, {"signal": signal_name}).values():
+                for name, answer in self._tell_all(running, {"signal": signal_name}).items():
                     if not answer.get("ok"):
                         self.out.say(f"error: {answer.get('error')}")
                         return False
+                    if (not answer.get("running") and answer.get("ended")
+                            and answer.get("attempt") == self.attempt):
+                        # Its end line was not read from the log: the holder's word stands.
+                        self._worker_end({"pod": name, "how": answer["ended"]})
             try:
                 event = self.events.get(timeout=0.5)
             except queue.Empty:
                 continue
             if event["type"] == "WORKER-END":
                 self._worker_end(event)
-            elif event["type"] not in ("JOBSET", "QUEUED", "TAINT", "STOP"):
+            elif event["type"] == "TAINT":
+                return False  # a node about to be reclaimed: its pods are not kept
+            elif event["type"] not in ("JOBSET", "QUEUED", "STOP"):
                 self._handle(event)
         return False
 
-    def _keep(self, stopped: bool = True) -> None:
+    def _keep(self, stopped: bool = True) -> bool:
         """Records the attempt's JobSet in self.kept_path: once created (so that a supervisor
         killed before it could delete it leaves it to the next one, or to the run's end, to
         delete), and when `stopped` with every pod kept for the next attempt."""
@@ -762,20 +799,32 @@ class Supervisor:
                 "jobset_uid": self.jobset_uid, "secret": self.secret["name"],
                 "secret_uid": self.secret_uid, "shape": self._shape(self.jobset, self.name),
                 "pods": {n: state.uid for n, state in self.pods.items()}, "written": time.time()}
-        fd = os.open(self.kept_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(kept, f)
+        partial = f"{self.kept_path}.partial"
+        try:
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(kept, f)
+            os.replace(partial, self.kept_path)  # whole, or the last record stays
+        except OSError as e:
+            self.out.say(f"error: cannot record JobSet {self.namespace}/{self.name} in "
+                         f"{self.kept_path}: {e}")
+            return False
         if stopped:
                 self.out.say(f"JobSet {self.namespace}/{self.name} kept for the next attempt: its "
                          f"{len(self.pods)} pods wait for it")
+        return True
+
+    @staticmethod
+    def _driver_alive() -> bool:
+        return os.getppid() == int(os.environ.get("JAXTRAIN_DRIVER_PID", os.getppid()))
 
     def _keepable(self, ended: tuple[int, str] | None) -> bool:
         """Whether the stopped attempt's pods may be kept for the next one: restarts in place,
         a failure or a stop (not the run's end, nor a pod that cannot start), every rank's pod
         there and not going, and the driver still there to restart."""
-        driver = int(os.environ.get("JAXTRAIN_DRIVER_PID", os.getppid()))
         return (self.in_place and bool(self.kept_path) and self.admitted and not self.evicted
-                and (ended is None or ended[1] == "failed") and os.getppid() == driver
+                and not self.tainted and (ended is None or ended[1] == "failed")
+                and self._driver_alive()
                 and len(self.pods) == self.ranks
                 and not any(state.lost for state in self.pods.values()))
 
@@ -789,7 +838,8 @@ class Supervisor:
         signal.signal(signal.SIGUSR1, on_signal)
         adopted = False
         try:
-            adopted = (self.in_place and os.path.exists(self.kept_path) and self.adopt())
+            adopted = (self.in_place and os.path.exists(self.kept_path)
+                       and self._adopt_or_release())
             if not adopted:
                 self.create()
                 if self.in_place:
@@ -829,8 +879,9 @@ class Supervisor:
                 ended = self._worker_end(event)
             elif event["type"] != "STOP":
                 ended = self._handle(event)
-        if self._keepable(ended) and self._stop_in_place():
-            self._keep()
+        if self._keepable(ended) and self._stop_in_place() and self._driver_alive() \
+                and self._keep():
+            pass
         else:
             self.delete(grace=self.stop_requested != "now")
             if self.in_place:
