@@ -134,6 +134,7 @@ void ProcessGroup::Reap(Proc& p) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p.launched.pidfd, nullptr);
   close(p.launched.pidfd);
   p.launched.pidfd = -1;
+  launcher_.Exited(p.launched.pid, *status);
   delegate_.OnExit(p.launched.ranks, *status, *p.output);
 }
 

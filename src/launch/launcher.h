@@ -79,6 +79,10 @@ class Launcher {
   // attempt ends only once every process is reaped.
   virtual Status SignalGroup(int signal) = 0;
 
+  // A process of the last Launch() has exited with `status`: the controller reaped it, so its pid
+  // is no longer the launcher's to signal. The default does nothing.
+  virtual void Exited(pid_t pid, const ExitStatus& status) {}
+
   // Reads one unlabelled line of a multi-rank process's output: how some ranks ended, when the
   // line says so; nullopt for any other line.
   virtual std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const { return std::nullopt; }

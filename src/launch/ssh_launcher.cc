@@ -683,6 +683,8 @@ Status SshLauncher::WaitForHosts(const std::map<std::string, HostCheck>& hosts, 
 
 StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<ProcessSpec>& specs) {
   CloseInputs();
+  running_.clear();
+  cut_off_.clear();
   pgid_ = 0;
   if (Interrupted()) return CancelledError("the run is being stopped: no workers are started");
   if (specs.empty()) return InvalidArgumentError("no processes to launch");
@@ -739,6 +741,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
       close(l.output_fd);
     }
     CloseInputs();
+    running_.clear();
     pgid_ = 0;
     return s;
   };
@@ -752,6 +755,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
       const std::string activation = ActivationMessage(spec.secret, spec.Env()) + "\n";
       if (pgid_ == 0) pgid_ = standby_pgid_;
       launched.push_back(standby.process);
+      running_[standby.process.pid] = target;
       inputs_.push_back(standby.input);
       // The agent reads its activation as soon as it is written (a few hundred bytes, far less
       // than the pipe holds); one that is gone meanwhile fails its rank's start, as a worker
@@ -776,6 +780,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     if (!started.ok()) return fail(started.status());
     if (pgid_ == 0) pgid_ = started->pid;
     launched.push_back(*started);
+    running_[started->pid] = target;
     inputs_.push_back(input);
   }
   if (!warm_ranks.empty()) {
@@ -989,7 +994,26 @@ Status SshLauncher::SignalGroup(int signal) {
     }
   }
   if (signal == SIGKILL && pgid_ > 0) return SignalProcessGroup(pgid_, SIGKILL);
+  for (auto it = running_.begin(); it != running_.end();) {
+    if (!cut_off_.count(it->second)) {
+      ++it;
+      continue;
+    }
+    kill(it->first, SIGKILL);  // not reaped yet, so still this launcher's child
+    notes_.push_back("the ssh of pid " + std::to_string(it->first) + " to " + it->second +
+                     " was ended at once: another ssh to that host exited with status 255 (it is "
+                     "cut off), so its worker cannot hear " +
+                     SignalName(signal));
+    it = running_.erase(it);
+  }
   return OkStatus();
+}
+
+void SshLauncher::Exited(pid_t pid, const ExitStatus& status) {
+  auto it = running_.find(pid);
+  if (it == running_.end()) return;
+  if (status.exit_code == 255) cut_off_.insert(it->second);
+  running_.erase(it);
 }
 
 }  // namespace jaxtrain::launch

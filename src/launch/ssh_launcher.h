@@ -189,8 +189,13 @@ class SshLauncher : public Launcher {
 
   // Sends `signal` to every worker's process group through its agent. SIGKILL also kills the
   // local ssh processes, so the group ends even when a host cannot be reached; the agents then
-  // see their stdin end and kill their workers.
+  // see their stdin end and kill their workers. A rank whose host is cut off (another ssh to it
+  // exited with status 255, ssh's own failure) cannot hear any other signal either: its local
+  // ssh is killed at once instead of after the controller's grace period.
   Status SignalGroup(int signal) override;
+
+  // Notes the host of an ssh that exited with status 255 as cut off (SignalGroup).
+  void Exited(pid_t pid, const ExitStatus& status) override;
 
   // Cuts a probe in progress short (its ssh processes are killed and reaped): Launch() returns
   // kCancelled, now and from then on. Thread-safe.
@@ -264,6 +269,10 @@ class SshLauncher : public Launcher {
   pid_t pgid_ = 0;
   bool launched_ = false;    // a Launch() has started the group: the next one is a restart
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
+  // The last Launch()'s ssh processes not reaped yet (pid -> host), and the hosts of those that
+  // exited with status 255.
+  std::map<pid_t, std::string> running_;
+  std::set<std::string> cut_off_;
   std::vector<Standby> standbys_;
   pid_t standby_pgid_ = 0;
   std::vector<std::string> notes_;

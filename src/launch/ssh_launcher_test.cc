@@ -409,6 +409,45 @@ TEST_F(FakeSshTest, SigtermReachesTheWorkerThroughItsAgent) {
   EXPECT_EQ(Finish(p).exit_code, 3);
 }
 
+TEST_F(FakeSshTest, TheOtherSshOfACutOffHostIsEndedAtOnceInsteadOfWaitingForTheGrace) {
+  SshLauncher launcher(Options({"h1", "h2", "h2"}));
+  const std::string pid_file = (dir_ / "rank2.pid").string();
+  auto launched = launcher.Launch({Python(0,
+                                          "import signal, sys, time\n"
+                                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
+                                          "print('ready', flush=True)\n"
+                                          "while True: time.sleep(1)\n"),
+                                   // Exits as an ssh whose connection dropped does.
+                                   Python(1, "import sys; sys.exit(255)"),
+                                   // Cannot hear the stop, as a worker behind a cut link cannot.
+                                   Python(2,
+                                          "import os, signal, time\n"
+                                          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                          "open('" +
+                                              pid_file +
+                                              "', 'w').write(str(os.getpid()))\n"
+                                              "print('ready', flush=True)\n"
+                                              "time.sleep(120)\n")});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const auto& ps = *launched;
+  ReadOutput(ps[0], "ready");
+  ReadOutput(ps[2], "ready");
+  const ExitStatus lost = Finish(ps[1]);
+  ASSERT_EQ(lost.exit_code, 255);
+  launcher.Exited(ps[1].pid, lost);
+
+  ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
+  EXPECT_EQ(Finish(ps[0]).exit_code, 3);     // its host is there: it heard SIGTERM
+  EXPECT_EQ(Finish(ps[2]).signal, SIGKILL);  // its host is cut off: its ssh ended at once
+  bool said = false;
+  for (const auto& note : launcher.TakeNotes()) said = said || Contains(note, "to h2 was ended");
+  EXPECT_TRUE(said);
+  std::ifstream pid_in(pid_file);
+  pid_t orphan = 0;
+  pid_in >> orphan;  // the fake host's worker, which a real agent would end once sshd noticed
+  if (orphan > 0) kill(orphan, SIGKILL);
+}
+
 TEST_F(FakeSshTest, AWorkerKilledBySignalIsReportedAs128PlusTheSignal) {
   SshLauncher launcher(Options({"h1"}));
   auto launched = launcher.Launch({Python(0, "import os, signal; os.kill(os.getpid(), 9)")});
