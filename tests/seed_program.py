@@ -35,6 +35,7 @@ def train_func():
         "process_count": jax.process_count(), "psum": float(total),
         "job": os.environ.get("SLURM_JOB_ID"),
         "pod_index": os.environ.get("JOB_COMPLETION_INDEX"),
+        "pid": os.getpid(), "ppid": os.getppid(),
     }
     with open(f"seen-rank-{ctx.get_world_rank()}.json", "w") as f:
         json.dump(seen, f)

@@ -46,12 +46,14 @@ def workdir(tmp_path):
     return d
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_the_seed_program_runs_on_cpu_pods_as_one_jax_job(kubernetes_cluster, workdir, workers):
+@pytest.mark.parametrize("workers, in_place", [(2, "1"), (4, "1"), (2, "0")])
+def test_the_seed_program_runs_on_cpu_pods_as_one_jax_job(kubernetes_cluster, workdir, workers,
+                                                           in_place):
     k = kubernetes_cluster
     ns = k.namespace()
     (workdir / "driver.py").write_text(with_psum_first(workers))
-    proc = k.run([PY, "driver.py"], k.driver_env(ns, workdir), workdir)
+    proc = k.run([PY, "driver.py"], k.driver_env(ns, workdir, JAXTRAIN_K8S_IN_PLACE=in_place),
+                 workdir)
 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"Training finished\. Final loss: \d+\.\d{4}", proc.stdout), proc.stdout
@@ -65,6 +67,10 @@ def test_the_seed_program_runs_on_cpu_pods_as_one_jax_job(kubernetes_cluster, wo
         (r, 0, 1) for r in range(workers)]
     for r in range(workers):
         assert f"(rank={r}) " in proc.stdout
+    # In place, each worker is the child of its pod's first process, the holder; else it is it.
+    assert [(r["pid"] == 1, r["ppid"] == 1) for r in seen] == [
+        (in_place == "0", in_place == "1")] * workers
+    assert "jaxtrain pod:" not in proc.stdout + proc.stderr  # the holder's lines stay in the log
     assert k.objects(ns) == [], "the run's objects outlived it"
 
 

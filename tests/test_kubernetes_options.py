@@ -377,11 +377,11 @@ def test_an_attempts_lines_are_cut_from_a_kept_pods_log_at_its_holders_lines():
     lines, started, end = supervisor.Supervisor._this_attempts(log[:3], False, marker)
     assert (lines, started, end) == ([], False, None)
     lines, started, end = supervisor.Supervisor._this_attempts(log[3:], False, marker)
-    assert lines == log[4:6] and started and end == "killed by signal 9"
+    assert lines == [b"attempt 1 trains\n"] and started and end == "killed by signal 9"
     # A worker that died in the middle of a line: the holder's line follows that part.
     cut = [log[4], b"half a line" + log[6]]
     lines, started, end = supervisor.Supervisor._this_attempts(cut, False, marker)
-    assert lines == [log[4], b"half a line\n"] and end == "killed by signal 9"
+    assert lines == [b"half a line\n"] and end == "killed by signal 9"
 
 
 def test_a_kept_jobset_is_taken_over_only_by_an_attempt_of_the_same_pods():

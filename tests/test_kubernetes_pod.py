@@ -105,7 +105,7 @@ def test_a_failed_worker_leaves_the_pod_waiting_and_the_next_attempt_starts_in_i
     wait_for("attempt 0's end", lambda: h.saw("attempt 0: worker exited with status 3"))
     assert h.proc.poll() is None  # the pod stays for the next attempt
     answer = h.tell({"start": {"attempt": "1", "env": {"JAXTRAIN_ATTEMPT": "1"}}})
-    assert answer["ok"] and not answer["warm"], answer
+    assert answer["ok"] and not answer["warm"] and answer["why"] == "standbys are off", answer
 
     assert h.end() == 0  # attempt 1's worker succeeded: the run is over for this pod
     assert h.lines[0] == "jaxtrain pod: attempt 0: worker started (first)"

@@ -179,7 +179,7 @@ class Holder:
                 return {"error": str(e)}
         _say(f"attempt {attempt}: worker started ({'warm' if warm else 'cold: ' + why})")
         self._start_standby()
-        return {"ok": True, "pid": self.worker, "warm": warm}
+        return {"ok": True, "pid": self.worker, "warm": warm, **({} if warm else {"why": why})}
 
     def signal(self, name: str) -> dict:
         if name not in _SIGNALS:

@@ -361,6 +361,7 @@ class Supervisor:
                     started = True
                 elif started:
                     return kept, started, said
+                continue  # the holder's word to the supervisor, not the worker's output
             if started:
                 kept.append(line)
         return kept, started, None
@@ -720,8 +721,11 @@ class Supervisor:
         # The record stays, this attempt's now: deleted or written again at its end; a supervisor
         # killed before then leaves it to the next attempt's or to the run's end to delete.
         warm = sum(1 for a in answers.values() if a.get("warm"))
+        cold = "; ".join(f"{n}: {a.get('why', 'no standby')}"
+                         for n, a in sorted(answers.items()) if not a.get("warm"))
         self.out.say(f"attempt {self.attempt} restarted in place in JobSet {self.namespace}/"
-                     f"{name}: {len(answers)} pods kept, {warm} of their workers warm")
+                     f"{name}: {len(answers)} pods kept, {warm} of their workers warm"
+                     + (f" (started afresh: {cold})" if cold else ""))
         return True
 
     def _release(self, kept: dict, grace: bool = True) -> None:
