@@ -117,6 +117,8 @@ def test_a_failed_worker_leaves_the_pod_waiting_and_the_next_attempt_starts_in_i
 def test_the_next_attempt_starts_from_the_standby_with_the_key_and_its_variables(holders):
     h = holders()
     wait_for("attempt 0's end", lambda: h.saw("attempt 0: worker exited with status 3"))
+    assert len(h.workers()) == 1  # no standby before the attempt trains: none was asked for
+    assert h.tell({"prepare": {}}) == {"ok": True, "standby": True}
     answer = h.tell({"start": {"attempt": "1", "env": {"JAXTRAIN_ATTEMPT": "1"}}})
     assert answer["ok"] and answer["warm"], answer
 

@@ -635,6 +635,14 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
 
 void KubernetesLauncher::Interrupt() { interrupted_ = true; }
 
+Status KubernetesLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
+  if (pid_ > 0 && kill(pid_, SIGUSR2) != 0 && errno != ESRCH) {
+    return UnavailableError(std::string("cannot ask the Kubernetes supervisor for standbys: ") +
+                            std::strerror(errno));
+  }
+  return OkStatus();
+}
+
 Status KubernetesLauncher::AwaitAdmission(pid_t pid, int output_fd) {
   std::string line;
   bool told = false;

@@ -163,6 +163,10 @@ class KubernetesLauncher : public Launcher {
     return ParseKubernetesTaskEnd(line);
   }
 
+  // The attempt trains: the supervisor asks each pod's holder to start its standby worker (restarts
+  // in place; SIGUSR2, which a supervisor without holders ignores).
+  Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
+
   // Deletes the JobSet the last attempt kept for a next one (restarts in place), waiting for its
   // pods to be gone, then the request directory and any request left in it.
   void EndRun(bool keep) override;

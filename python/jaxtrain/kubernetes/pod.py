@@ -5,9 +5,10 @@ API server's exec.
 
 The holder runs the worker COMMAND as its child, in a session of its own, and outlives it when it
 fails, so that the next attempt starts in the same pod: no pod, container or image to make again.
-Beside the running worker it keeps a standby worker (``JAXTRAIN_STANDBY``, as a local standby:
-jax imported, no device touched; docs/warm-workers.md), which the next attempt's activation
-starts (none with ``--no-standby``: the driver's ``JAXTRAIN_WARM_WORKERS=0``). For the
+Once the attempt trains (the supervisor's ``{"prepare": {}}``, from the launcher's PrepareNext) it
+starts a standby worker beside the running one (``JAXTRAIN_STANDBY``, as a local standby: jax
+imported, no device touched; docs/warm-workers.md), which the next attempt's activation starts
+(none with ``--no-standby``: the driver's ``JAXTRAIN_WARM_WORKERS=0``). For the
 supervisor, which reads the pod's log, it says when an attempt's worker starts and how it ended,
 each on a line of its own:
 
@@ -24,7 +25,7 @@ The activation socket is a Unix socket in a 0700 directory under the container's
 only the container's own processes (the exec'd ``activate``) reach it. One JSON line in, one out:
 ``{"start": {"attempt": "2", "env": {...}}}`` starts the attempt's worker (its variables set over
 the pod's: kActivationEnv of src/launch/standby_pool.h), ``{"signal": "TERM"}`` (or ``"KILL"``)
-signals the running worker's process group.
+signals the running worker's process group, ``{"prepare": {}}`` starts the standby.
 """
 
 from __future__ import annotations
@@ -178,7 +179,6 @@ class Holder:
             except OSError as e:
                 return {"error": str(e)}
         _say(f"attempt {attempt}: worker started ({'warm' if warm else 'cold: ' + why})")
-        self._start_standby()
         return {"ok": True, "pid": self.worker, "warm": warm, **({} if warm else {"why": why})}
 
     def signal(self, name: str) -> dict:
@@ -236,8 +236,11 @@ class Holder:
                                        dict(request["start"].get("env") or {}))
                 elif "signal" in request:
                     reply = self.signal(str(request["signal"]))
+                elif "prepare" in request:
+                    self._start_standby()
+                    reply = {"ok": True, "standby": bool(self.standby)}
                 else:
-                    reply = {"error": "neither start nor signal"}
+                    reply = {"error": "neither start, signal nor prepare"}
             except Exception as e:  # a malformed request, however deep
                 reply = {"error": f"not an activation: {type(e).__name__}: {e}"[:500]}
             conn.settimeout(max(0.1, deadline - time.monotonic()))
@@ -297,7 +300,6 @@ class Holder:
         if no_server:
             _say(f"no activation socket ({no_server}): this pod's worker cannot be restarted "
                  "in place")
-        self._start_standby()
         selector = selectors.DefaultSelector()
         selector.register(wake_r, selectors.EVENT_READ)
         if server is not None:

@@ -840,6 +840,8 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGUSR1, on_signal)
+        # The attempt trains (the launcher's PrepareNext): the holders start their standbys.
+        signal.signal(signal.SIGUSR2, lambda signum, frame: self.events.put({"type": "PREPARE"}))
         adopted = False
         try:
             adopted = (self.in_place and os.path.exists(self.kept_path)
@@ -881,6 +883,11 @@ class Supervisor:
                 self._leave_tainted_node(event["node"])
             elif event["type"] == "WORKER-END":
                 ended = self._worker_end(event)
+            elif event["type"] == "PREPARE":
+                if self.in_place:
+                    running = sorted(n for n, state in self.pods.items() if not state.ended)
+                    threading.Thread(target=self._tell_all, args=(running, {"prepare": {}}),
+                                     daemon=True).start()
             elif event["type"] != "STOP":
                 ended = self._handle(event)
         if self._keepable(ended) and self._stop_in_place() and self._driver_alive() \
