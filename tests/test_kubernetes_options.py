@@ -17,6 +17,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiException
 
+from jaxtrain import _core
 from jaxtrain.kubernetes import api, launch, pod, submit, supervisor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -350,14 +351,17 @@ def test_fit_checks_the_kueue_queue_and_priority_class(fake, queue, priority, me
     ({"JAXTRAIN_K8S_IN_PLACE": "yes"}, "JAXTRAIN_K8S_IN_PLACE='yes' is not allowed; it must be 1"),
     ({"JAXTRAIN_WARM_WORKERS": "on"}, "JAXTRAIN_WARM_WORKERS='on' is not allowed: use 1"),
 ])
-def test_restart_settings_are_refused_with_the_setting_and_value(env, message):
+def test_restart_settings_are_refused_with_the_setting_and_value(env, message, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # JAXTRAIN_WARM_WORKERS is the engine's to read
     with pytest.raises(ValueError, match=re.escape(message)):
         launch.in_place_setting(env)
-        launch.warm_setting(env)
+        _core.warm_workers_requested()
 
 
-def test_the_worker_container_runs_the_holder_when_restarts_are_in_place():
-    assert launch.in_place_setting({}) and launch.warm_setting({})
+def test_the_worker_container_runs_the_holder_when_restarts_are_in_place(monkeypatch):
+    monkeypatch.delenv("JAXTRAIN_WARM_WORKERS", raising=False)
+    assert launch.in_place_setting({}) and _core.warm_workers_requested()
     held = launch.worker_command("python3", True)
     assert held == ["python3", "-m", "jaxtrain.kubernetes", "hold", "--", "python3", "-m",
                     "jaxtrain.worker"]

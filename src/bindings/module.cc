@@ -22,6 +22,7 @@
 #include "launch/local_launcher.h"
 #include "launch/slurm_launcher.h"
 #include "launch/ssh_launcher.h"
+#include "launch/standby_pool.h"
 #include "placement/elastic.h"
 #include "placement/plan.h"
 #include "storage/checkpoint.h"
@@ -813,6 +814,15 @@ NB_MODULE(_core, m) {
     m.attr("SSH_FORWARDED_ENV_PREFIXES") = nb::tuple(nb::cast(prefixes));
   }
   m.attr("MAX_BROADCAST_BYTES") = wire::kMaxCollectiveData;
+  {
+    std::vector<std::string> names(std::begin(launch::kActivationEnv),
+                                   std::end(launch::kActivationEnv));
+    m.attr("ACTIVATION_ENV") = nb::tuple(nb::cast(names));
+  }
+  m.def(
+      "warm_workers_requested", [] { return Unwrap(launch::WarmWorkersRequested()); },
+      "JAXTRAIN_WARM_WORKERS: whether standby workers are kept (docs/warm-workers.md); "
+      "ValueError naming the value when it is neither 1 nor 0.");
   m.def(
       "check_local_workers",
       [](const config::ScalingConfig& c) {

@@ -42,6 +42,14 @@ constexpr std::string_view kAdmittedLine = "jaxtrain kubernetes: admitted";
 // python/jaxtrain/kubernetes/supervisor.py, KEPT_FILE).
 constexpr char kKeptFile[] = "kept.json";
 
+// Says a line of the supervisor's on the driver's stderr, as "jaxtrain: kubernetes: ...".
+void SaySupervisorLine(std::string_view line) {
+  if (line.substr(0, kSupervisorPrefix.size()) == kSupervisorPrefix) {
+    line.remove_prefix(kSupervisorPrefix.size());
+  }
+  Say("kubernetes: " + std::string(line));
+}
+
 // Ranks per Job and Jobs of the group: a TPU slice per Job, or one Job for every worker.
 struct Shape {
   int pods_per_job = 1;
@@ -542,10 +550,7 @@ void KubernetesLauncher::ReleaseKept() {
     while (!rest.empty()) {
       std::string_view line = rest.substr(0, rest.find('\n'));
       rest.remove_prefix(std::min(rest.size(), line.size() + 1));
-      if (line.substr(0, kSupervisorPrefix.size()) == kSupervisorPrefix) {
-        line.remove_prefix(kSupervisorPrefix.size());
-      }
-      if (!line.empty()) Say("kubernetes: " + std::string(line));
+      if (!line.empty()) SaySupervisorLine(line);
     }
   }
   unlink(kept.c_str());
@@ -661,11 +666,7 @@ Status KubernetesLauncher::AwaitAdmission(pid_t pid, int output_fd) {
       line.push_back(c);
       continue;
     }
-    std::string_view said = line;
-    if (said.substr(0, kSupervisorPrefix.size()) == kSupervisorPrefix) {
-      said.remove_prefix(kSupervisorPrefix.size());
-    }
-    Say("kubernetes: " + std::string(said));
+    SaySupervisorLine(line);
     if (std::string_view(line).substr(0, kAdmittedLine.size()) == kAdmittedLine) break;
     line.clear();
   }

@@ -94,9 +94,9 @@ StatusOr<bool> WarmWorkersRequested() {
   if (value == nullptr || std::string_view(value) == "1") return true;
   if (std::string_view(value) == "0") return false;
   return InvalidArgumentError(std::string(kWarmWorkersEnv) + "='" + value +
-                              "' is not allowed: use 1 (the default: local workers are started "
-                              "ahead of their attempt, docs/warm-workers.md) or 0 (every "
-                              "attempt starts fresh processes)");
+                              "' is not allowed: use 1 (the default: workers are started ahead "
+                              "of their attempt, docs/warm-workers.md) or 0 (every attempt "
+                              "starts fresh processes)");
 }
 
 StatusOr<std::string> ReadPreloadFile(const std::string& path, size_t limit) {

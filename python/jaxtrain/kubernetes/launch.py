@@ -11,6 +11,7 @@ import re
 import sys
 from typing import Any
 
+from jaxtrain import _core
 from jaxtrain.kubernetes.api import (
     DEFAULT_PENDING_TIMEOUT_S,
     Api,
@@ -196,7 +197,7 @@ def launch_options(experiment_name: str, run_dir: str, needs_run_dir: bool = Tru
         "image_pull_policy": os.environ.get("JAXTRAIN_K8S_IMAGE_PULL_POLICY", ""),
         "service_account": os.environ.get("JAXTRAIN_K8S_SERVICE_ACCOUNT", ""),
         "worker_command": worker_command(os.environ.get("JAXTRAIN_K8S_PYTHON", "python"),
-                                         in_place, warm_setting(os.environ)),
+                                         in_place, _core.warm_workers_requested()),
         "supervisor_argv": [sys.executable, "-m", "jaxtrain.kubernetes", "supervise"],
         # The launcher makes its own 0700 directory there, and removes it when the run ends.
         "request_dir": tempfile.gettempdir(),
@@ -239,15 +240,6 @@ def in_place_setting(environ: dict[str, str] | Any = os.environ) -> bool:
         raise ValueError(f"JAXTRAIN_K8S_IN_PLACE='{value}' is not allowed; it must be 1 (keep a "
                          "failed attempt's pods and restart the workers in them) or 0 (a new "
                          "JobSet for every attempt)")
-    return value == "1"
-
-
-def warm_setting(environ: dict[str, str] | Any = os.environ) -> bool:
-    """JAXTRAIN_WARM_WORKERS (docs/warm-workers.md): whether each pod's holder keeps a standby."""
-    value = environ.get("JAXTRAIN_WARM_WORKERS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"JAXTRAIN_WARM_WORKERS='{value}' is not allowed: use 1 (standby "
-                         "workers, the default) or 0 (none)")
     return value == "1"
 
 

@@ -42,10 +42,6 @@ import time
 
 # How long a pod whose worker failed waits for the next attempt before its holder ends.
 HOLD_S = 300.0
-# The variables an activation sets (src/launch/standby_pool.h, kActivationEnv); a standby's
-# environment has none of them.
-ACTIVATION_ENV = ("JAXTRAIN_ATTEMPT", "JAXTRAIN_CONTROLLER_ADDR", "JAXTRAIN_RUN_DIR",
-                  "JAXTRAIN_EXPERIMENT_NAME")
 PREFIX = "jaxtrain pod: "
 _SIGNALS = {"TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
 
@@ -55,24 +51,32 @@ def holds(command: list[str]) -> bool:
     return command[1:4] == ["-m", "jaxtrain.kubernetes", "hold"]
 
 
+def activation_names() -> tuple[str, ...]:
+    """The variables an activation sets, which a standby's environment lacks (the engine's
+    kActivationEnv, src/launch/standby_pool.h). Imported when needed: ``activate`` runs without
+    the engine."""
+    from jaxtrain import _core
+
+    return _core.ACTIVATION_ENV
+
+
 def socket_path() -> str:
     return os.path.join(tempfile.gettempdir(), "jaxtrain-holder", "socket")
 
 
 def how(status: int) -> str:
-    """A wait status, said as the supervisor says a rank's end."""
+    """A wait status, said as the supervisor says a rank's end (and read back by exit_code)."""
     code = os.waitstatus_to_exitcode(status)
     return f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
-def exit_code(status: int) -> int:
-    """A wait status as a shell reports it: 128 + n for signal n."""
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
-
-
-def end_line(attempt: str, status: int) -> str:
-    return f"{PREFIX}attempt {attempt}: worker {how(status)}"
+def exit_code(said: str) -> int:
+    """What how() says, as a shell reports the status: 128 + n for signal n; 1 for anything
+    else."""
+    words, _, number = said.rpartition(" ")
+    if not number.isdigit() or words not in ("exited with status", "killed by signal"):
+        return 1
+    return int(number) + (128 if words == "killed by signal" else 0)
 
 
 def _say(line: str) -> None:
@@ -89,6 +93,7 @@ class Holder:
         self.standby_fd = -1  # the write end of its activation pipe
         self.terminating = False
         self.warm = standby
+        self.activation_names = activation_names()
 
     # -- processes --
 
@@ -135,7 +140,7 @@ class Holder:
         if not self.warm or self.standby or self.terminating:
             return
         env = {k: v for k, v in os.environ.items()
-               if k not in ACTIVATION_ENV and k != "JAXTRAIN_RUN_SECRET_FILE"}
+               if k not in self.activation_names and k != "JAXTRAIN_RUN_SECRET_FILE"}
         r, w = os.pipe()
         env.update(JAXTRAIN_STANDBY="1", JAXTRAIN_RUN_SECRET_FD=str(r))
         try:
@@ -157,7 +162,7 @@ class Holder:
         if self.terminating:
             return {"error": "the pod is terminating"}
         for name, value in env.items():
-            if name not in ACTIVATION_ENV:
+            if name not in self.activation_names:
                 return {"error": f"{name} is not set by an activation"}
             os.environ[name] = value
         self.attempt = attempt
@@ -208,7 +213,7 @@ class Holder:
                     os.killpg(pid, signal.SIGKILL)  # what it left in its session
                 except OSError:
                     pass
-                os.write(1, (end_line(self.attempt, status) + "\n").encode())
+                _say(f"attempt {self.attempt}: worker {how(status)}")
             elif pid == self.standby:
                 self._end_standby()
 
@@ -308,7 +313,7 @@ class Holder:
         while True:
             self._reap()
             if not self.worker and self.last_status is not None:
-                code = exit_code(self.last_status)
+                code = exit_code(how(self.last_status))
                 if code == 0 or self.terminating or server is None:
                     self._end_standby()
                     return code
@@ -359,4 +364,7 @@ def activate(argv: list[str]) -> int:
     except OSError as e:
         answer = json.dumps({"error": f"no holder answers at {socket_path()}: {e}"}).encode()
     sys.stdout.write(answer.decode().strip() + "\n")
-    return 0 if b'"ok"' in answer else 1
+    try:
+        return 0 if json.loads(answer).get("ok") else 1
+    except (ValueError, AttributeError):
+        return 1

@@ -178,7 +178,7 @@ class Supervisor:
         self.python = (container.get("command") or ["python"])[0]
         plain = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
         self.attempt = plain.get("JAXTRAIN_ATTEMPT", "0")
-        self.activation_env = {k: plain[k] for k in holder.ACTIVATION_ENV if k in plain}
+        self.activation_env = {k: plain[k] for k in holder.activation_names() if k in plain}
         self.kept_path = kept_path
         self.log_since_s: int | None = None  # the log window of the pods taken over
         self.out = out
@@ -605,7 +605,6 @@ class Supervisor:
                 return 3, "pending"
         return None
 
-
     # -- restarts in place --
 
     def _worker_end(self, event: dict) -> tuple[int, str] | None:
@@ -616,9 +615,7 @@ class Supervisor:
             return None
         state.ended = True
         said = event["how"]
-        match = re.fullmatch(r"(exited with status|killed by signal) (\d+)", said)
-        code = 1 if match is None else int(match.group(2)) + (
-            128 if match.group(1).startswith("killed") else 0)
+        code = holder.exit_code(said)
         if code == 0:
             self.succeeded.add(state.rank)
             return (0, "succeeded") if len(self.succeeded) == self.ranks else None
@@ -632,7 +629,8 @@ class Supervisor:
         spec = json.loads(json.dumps(jobset["spec"]).replace(json.dumps(name)[1:-1], "{name}"))
         pod = spec["replicatedJobs"][0]["template"]["spec"]["template"]
         for c in pod["spec"]["containers"][:1]:
-            c["env"] = [e for e in c.get("env") or [] if e.get("name") not in holder.ACTIVATION_ENV]
+            c["env"] = [e for e in c.get("env") or []
+                        if e.get("name") not in holder.activation_names()]
         return json.dumps(spec, sort_keys=True)
 
     def _tell(self, name: str, message: dict) -> dict:
@@ -728,14 +726,20 @@ class Supervisor:
                      + (f" (started afresh: {cold})" if cold else ""))
         return True
 
+    @classmethod
+    def of_kept(cls, api: Api, kept: dict, out: _Output, kept_path: str = "") -> Supervisor:
+        """A supervisor of the JobSet a record of _keep() names, as the one that created it."""
+        made = cls(api, {"namespace": kept["namespace"], "jobset": kept["jobset"],
+                         "secret": {"name": kept["secret"]}, "ranks": kept["ranks"]}, out,
+                   kept_path)
+        made.jobset_uid, made.secret_uid = kept["jobset_uid"], kept["secret_uid"]
+        return made
+
     def _release(self, kept: dict, grace: bool = True) -> None:
-        """Deletes a kept JobSet and its Secret (by uid) and waits for its pods to be gone."""
-        other = Supervisor(self.api, {"namespace": kept["namespace"], "jobset": kept["jobset"],
-                                      "secret": {"name": kept["secret"]}, "ranks": kept["ranks"]},
-                           self.out)
-        other.jobset_uid, other.secret_uid = kept["jobset_uid"], kept["secret_uid"]
+        """Deletes a kept JobSet and its Secret (by uid), waits for its pods to be gone, and
+        removes the record."""
         try:
-            other.delete(grace=grace)
+            Supervisor.of_kept(self.api, kept, self.out).delete(grace=grace)
         finally:
             self._forget_kept()
 
@@ -814,7 +818,7 @@ class Supervisor:
                          f"{self.kept_path}: {e}")
             return False
         if stopped:
-                self.out.say(f"JobSet {self.namespace}/{self.name} kept for the next attempt: its "
+            self.out.say(f"JobSet {self.namespace}/{self.name} kept for the next attempt: its "
                          f"{len(self.pods)} pods wait for it")
         return True
 
@@ -934,9 +938,7 @@ def release(kept_path: str) -> int:
     except Exception as e:
         out.say(f"error: cannot delete the kept JobSet of {kept_path}: {error_reason(e)}")
         return 3
-    request = {"namespace": kept["namespace"], "jobset": kept["jobset"],
-               "secret": {"name": kept["secret"]}, "ranks": kept["ranks"]}
-    Supervisor(api, request, out, kept_path)._release(kept)
+    Supervisor.of_kept(api, kept, out, kept_path)._release(kept)
     return 0
 
 
