@@ -114,6 +114,13 @@ SSH_FORWARDED_ENV_PREFIXES: tuple = ('JAX_', 'XLA_', 'LIBTPU_', 'NCCL_', 'TF_CPP
 
 MAX_BROADCAST_BYTES: int = 1048576
 
+ACTIVATION_ENV: tuple = ...
+
+def warm_workers_requested() -> bool:
+    """
+    JAXTRAIN_WARM_WORKERS: whether standby workers are kept (docs/warm-workers.md); ValueError naming the value when it is neither 1 nor 0.
+    """
+
 def check_local_workers(scaling_config: ScalingConfig) -> None:
     """
     Raises ValueError when a local run of `scaling_config` has more workers than this machine starts (config::LocalWorkerLimit).
