@@ -286,6 +286,11 @@ def test_a_network_cut_to_host2_fails_the_run_and_its_workers_there_end(ssh_host
 
     assert driver.returncode != 0
     assert re.search(r"jaxtrain: attempt 0 failed: rank [23] \(host host2\)", err), err[-3000:]
+    # The controller's keepalive (about 10 s) notices before ssh's (15 s), says so, and the stop
+    # ends host2's ssh processes at once rather than signalling workers that cannot hear it.
+    assert re.search(r"rank [23] \(host host2\): its control connection timed out: its host "
+                     r"stopped answering", err), err[-3000:]
+    assert "to host2 was ended at once" in err, err[-3000:]
     assert not [p for p in left if "python" in p], left
     assert workers_left(ssh_hosts, "host1") == []
 

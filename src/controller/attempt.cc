@@ -130,13 +130,23 @@ std::string Attempt::FloodNote() const {
          "flooding it?)";
 }
 
-void Attempt::OnClosed(int rank) {
-  ranks_[static_cast<size_t>(rank)].closed_turn = turn_;
-  if (!ranks_[static_cast<size_t>(rank)].done && !Stopping()) {
-    Fail({.rank = rank,
-          .cause = FailureCause::kConnection,
-          .message = "its control connection closed before its training function returned"});
+void Attempt::OnClosed(int rank, bool timed_out) {
+  RankState& r = ranks_[static_cast<size_t>(rank)];
+  r.closed_turn = turn_;
+  if (r.done) return;
+  // Told before the stop below signals the group: a launcher that cannot reach the rank's host
+  // ends its process at once instead of after the grace period (Launcher::Unreachable).
+  if (timed_out) {
+    group_.Unreachable(rank);
+    if (!r.host.empty()) silent_hosts_.insert(r.host);
   }
+  if (Stopping()) return;
+  Fail({.rank = rank,
+        .cause = FailureCause::kConnection,
+        .message = timed_out ? "its control connection timed out: its host stopped answering "
+                               "(cut off from the network, or frozen)"
+                             : "its control connection closed before its training function "
+                               "returned"});
 }
 
 void Attempt::OnBadFrame(int rank, const std::string& what) { ProtocolError(rank, what); }
@@ -442,8 +452,11 @@ void Attempt::OnExit(const std::vector<int>& proc_ranks, const launch::ExitStatu
     exit_failure.cause = FailureCause::kStartUp;
     exit_failure.message += FloodNote();
   }
+  // A SIGKILL on a host found silent is the stop's too: the launcher ends such processes at once
+  // (Launcher::Unreachable) instead of waiting for the controller's.
+  const bool stop_sigkill = sent_sigkill_ || (stopping && silent_hosts_.count(r.host) > 0);
   const bool our_signal =
-      (exit.signal == SIGTERM && sent_sigterm_) || (exit.signal == SIGKILL && sent_sigkill_);
+      (exit.signal == SIGTERM && sent_sigterm_) || (exit.signal == SIGKILL && stop_sigkill);
   // Not when the controller closed the connection itself: the exit (the worker's "controller
   // lost") is then the protocol error's consequence.
   if (failure_ && failure_->rank == rank && failure_->cause == FailureCause::kConnection &&
@@ -453,7 +466,7 @@ void Attempt::OnExit(const std::vector<int>& proc_ranks, const launch::ExitStatu
     failure_->signal = exit_failure.signal;
     failure_->message = exit_failure.message;
   }
-  if (failure_ && failure_->rank != rank && exit.signal == SIGKILL && !sent_sigkill_ &&
+  if (failure_ && failure_->rank != rank && exit.signal == SIGKILL && !stop_sigkill &&
       IsPeerNotice(failure_->cause)) {
     return Reblame(std::move(exit_failure));
   }

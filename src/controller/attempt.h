@@ -30,6 +30,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -109,7 +110,7 @@ class Attempt {
   Status Start(const std::vector<launch::ProcessSpec>& specs);
 
   // --- events, forwarded by the run ---------------------------------------------------------
-  void OnClosed(int rank);
+  void OnClosed(int rank, bool timed_out);
   void OnBadFrame(int rank, const std::string& what);
   // A body of the wrong shape from an authenticated worker fails that rank (a protocol error).
   void OnFrame(int rank, const wire::FrameView& frame);
@@ -244,6 +245,9 @@ class Attempt {
   std::optional<TimePoint> drain_deadline_;
   bool sent_sigterm_ = false;
   bool sent_sigkill_ = false;
+  // Hosts (as their ranks registered them) of which a rank's control connection timed out: the
+  // launcher may end their processes with SIGKILL at the stop (Launcher::Unreachable).
+  std::set<std::string> silent_hosts_;
   uint64_t oom_kills_before_ = 0;
   std::optional<RankFailure> failure_;
   double failure_time_ = 0;  // Unix seconds the first failure was noticed, whoever is blamed

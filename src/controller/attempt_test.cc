@@ -40,7 +40,7 @@ class FakeRun : public ControlPort::Delegate,
   // ControlPort::Delegate and WorkerGroup::Delegate.
   void OnFrame(int rank, const wire::FrameView& f) override { attempt->OnFrame(rank, f); }
   void OnBadFrame(int rank, const std::string& what) override { attempt->OnBadFrame(rank, what); }
-  void OnClosed(int rank) override { attempt->OnClosed(rank); }
+  void OnClosed(int rank, bool timed_out) override { attempt->OnClosed(rank, timed_out); }
   void OnLog(int, std::string_view) override {}
   void OnConsole(std::string) override {}
   void OnExit(const std::vector<int>& ranks, const launch::ExitStatus& exit,
@@ -212,6 +212,78 @@ TEST_F(AttemptTest, OurSigtermDoesNotExplainAClosedConnection) {
   EXPECT_EQ(f.rank, 1);
   EXPECT_EQ(f.cause, FailureCause::kConnection);
   EXPECT_EQ(f.signal, 0);
+}
+
+// A connection the kernel timed out (the rank's host went silent) is said so, and the group is
+// told which rank before the stop signals it, so that a launcher can end that host's process at
+// once (Launcher::Unreachable). A connection closed in the ordinary way tells it nothing.
+TEST_F(AttemptTest, ATimedOutConnectionIsBlamedOnItsHostBeforeTheStop) {
+  Start();
+  RegisterAll();
+  ranks_.Disconnect(1, /*timed_out=*/true);
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kConnection);
+  EXPECT_NE(f.message.find("timed out"), std::string::npos) << f.message;
+  EXPECT_NE(f.message.find("stopped answering"), std::string::npos) << f.message;
+  EXPECT_EQ(processes_.unreachable(), std::vector<int>{1});
+  EXPECT_EQ(processes_.signals_before_unreachable(), std::vector<size_t>{0});
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  // The other rank's connection times out during the stop: told too, blamed on nobody new.
+  ranks_.Disconnect(0, /*timed_out=*/true);
+  Turn();
+  EXPECT_EQ(processes_.unreachable(), (std::vector<int>{1, 0}));
+  EXPECT_EQ(Failure().rank, 1);
+}
+
+// The launcher ends a silent host's processes with SIGKILL at the stop, before the controller's
+// own SIGKILL: those exits are the stop's, not a new cause, on the silent rank and on its peers
+// of the same host.
+TEST_F(AttemptTest, TheLaunchersSigkillOfASilentHostKeepsTheTimeoutAsTheCause) {
+  Start();
+  for (int r = 0; r < kWorkers; ++r) {
+    json body = {{"host", "host-2"}, {"coordinator", r == 0 ? "127.0.0.1:8476" : ""}};
+    ranks_.Deliver(r, MessageType::kRegister, body.dump());
+  }
+  Turn();
+  ASSERT_EQ(attempt_->phase(), Attempt::Phase::kRunning);
+  processes_.IgnoreSigterm();  // as workers behind a cut link: they never hear it
+  ranks_.Disconnect(1, /*timed_out=*/true);
+  Turn();
+  ASSERT_EQ(processes_.signals(SIGTERM), 1);
+  processes_.Exit(0, launch::ExitStatus{.signal = SIGKILL});
+  processes_.Exit(1, launch::ExitStatus{.signal = SIGKILL});
+  Turn();
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.cause, FailureCause::kConnection);
+  EXPECT_NE(f.message.find("timed out"), std::string::npos) << f.message;
+  EXPECT_EQ(f.signal, 0);
+  EXPECT_TRUE(attempt_->Drained());
+}
+
+// A SIGKILL from outside on another host is still blamed over the silent rank's peers.
+TEST_F(AttemptTest, ASigkillOnAnotherHostThanTheSilentOneIsStillACause) {
+  Start();
+  RegisterAll();  // host-0 and host-1
+  processes_.IgnoreSigterm();
+  ranks_.Disconnect(1, /*timed_out=*/true);
+  Turn();
+  processes_.Exit(0, launch::ExitStatus{.signal = SIGKILL});
+  Turn();
+  EXPECT_EQ(Failure().rank, 0);
+  EXPECT_EQ(Failure().cause, FailureCause::kSignal);
+}
+
+TEST_F(AttemptTest, AClosedConnectionTellsTheGroupNothingOfItsHost) {
+  Start();
+  RegisterAll();
+  ranks_.Disconnect(1);
+  Turn();
+  EXPECT_EQ(Failure().cause, FailureCause::kConnection);
+  EXPECT_NE(Failure().message.find("closed before"), std::string::npos) << Failure().message;
+  EXPECT_TRUE(processes_.unreachable().empty());
 }
 
 // A SIGKILL the controller did not send is the cause, over the peer that noticed the loss first.

@@ -81,7 +81,8 @@ class TcpControlPort final : public ControlPort {
 
   void DropOldestUnproven();
   void Refuse(Conn& c, const std::string& why, bool tell = false);
-  void CloseConn(Conn& c);
+  // `timed_out`: why it closes (ControlPort::Delegate::OnClosed).
+  void CloseConn(Conn& c, bool timed_out = false);
   void Flush(Conn& c);
   void ReadConn(Conn& c);
   void DecoderError(Conn& c, const Status& s);
@@ -220,7 +221,7 @@ void TcpControlPort::Refuse(Conn& c, const std::string& why, bool tell) {
   CloseConn(c);
 }
 
-void TcpControlPort::CloseConn(Conn& c) {
+void TcpControlPort::CloseConn(Conn& c, bool timed_out) {
   if (c.closed) return;
   c.closed = true;
   any_closed_ = true;
@@ -232,7 +233,7 @@ void TcpControlPort::CloseConn(Conn& c) {
   close(c.fd);
   if (c.rank >= 0 && by_rank_[static_cast<size_t>(c.rank)] == &c) {
     by_rank_[static_cast<size_t>(c.rank)] = nullptr;
-    delegate_.OnClosed(c.rank);
+    delegate_.OnClosed(c.rank, timed_out);
   }
 }
 
@@ -270,7 +271,9 @@ void TcpControlPort::ReadConn(Conn& c) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n <= 0) {
-      CloseConn(c);
+      // The socket's pending error: ETIMEDOUT once the listener's keepalive probes (or a send's
+      // retransmissions) went unanswered; EHOSTUNREACH when the network said the host is gone.
+      CloseConn(c, n < 0 && (errno == ETIMEDOUT || errno == EHOSTUNREACH));
       return;
     }
     Status s = c.decoder.Feed(std::string_view(buf, static_cast<size_t>(n)));

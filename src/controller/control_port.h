@@ -54,7 +54,9 @@ class ControlPort {
     // the owner closes it.
     virtual void OnBadFrame(int rank, const std::string& what) = 0;
     // `rank`'s connection has closed: the peer closed it, a send failed, or Close(rank).
-    virtual void OnClosed(int rank) = 0;
+    // `timed_out`: the kernel gave up on the peer (its keepalive probes or retransmissions went
+    // unanswered, or its host became unreachable): the host may be cut off or frozen.
+    virtual void OnClosed(int rank, bool timed_out) = 0;
     // A line for the driver's log: refused connections (the first few), a flood being dropped.
     virtual void Say(const std::string& line) = 0;
   };

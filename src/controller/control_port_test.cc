@@ -24,7 +24,7 @@ struct Recorder : ControlPort::Delegate {
     frames.push_back({rank, std::string(f.body)});
   }
   void OnBadFrame(int rank, const std::string& what) override { bad.push_back({rank, what}); }
-  void OnClosed(int rank) override { closed.push_back(rank); }
+  void OnClosed(int rank, bool timed_out) override { closed.push_back(rank); }
   void Say(const std::string& line) override { said.push_back(line); }
   std::vector<std::pair<int, std::string>> frames;
   std::vector<std::pair<int, std::string>> bad;

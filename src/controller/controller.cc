@@ -154,7 +154,7 @@ struct Controller::Loop : ControlPort::Delegate,
 
   // --- the attempt's events --------------------------------------------------------------------
 
-  void OnClosed(int rank) override { attempt->OnClosed(rank); }
+  void OnClosed(int rank, bool timed_out) override { attempt->OnClosed(rank, timed_out); }
   void OnBadFrame(int rank, const std::string& what) override { attempt->OnBadFrame(rank, what); }
   void OnFrame(int rank, const wire::FrameView& f) override { attempt->OnFrame(rank, f); }
   void OnExit(const std::vector<int>& proc_ranks, const launch::ExitStatus& exit,

@@ -4,6 +4,7 @@
 #include <sys/epoll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -23,6 +24,7 @@ class ProcessGroup final : public WorkerGroup {
   int ready_fd() const override { return epoll_fd_; }
   void OnReady() override;
   Status Signal(int signal) override;
+  void Unreachable(int rank) override;
   size_t running() const override { return running_; }
   size_t outputs_open() const override { return outputs_open_; }
   size_t size() const override { return procs_.size(); }
@@ -162,6 +164,16 @@ void ProcessGroup::CloseOutput(Proc& p) {
 
 void ProcessGroup::CloseOutputs() {
   for (Proc& p : procs_) CloseOutput(p);
+}
+
+void ProcessGroup::Unreachable(int rank) {
+  for (const Proc& p : procs_) {
+    if (p.reaped) continue;
+    const std::vector<int>& ranks = p.launched.ranks;
+    if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) {
+      return launcher_.Unreachable(p.launched.pid);
+    }
+  }
 }
 
 Status ProcessGroup::Signal(int signal) {

@@ -74,6 +74,10 @@ class WorkerGroup {
   // Errors: those of Launcher::SignalGroup.
   virtual Status Signal(int signal) = 0;
 
+  // `rank`'s control connection timed out: tells the launcher which of its processes carries the
+  // rank (Launcher::Unreachable), unless that process is already reaped.
+  virtual void Unreachable(int rank) = 0;
+
   // Processes started and not yet reaped.
   virtual size_t running() const = 0;
   // Processes whose output is still open (it may outlast the process: a child holds the pipe).

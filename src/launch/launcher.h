@@ -83,6 +83,12 @@ class Launcher {
   // is no longer the launcher's to signal. The default does nothing.
   virtual void Exited(pid_t pid, const ExitStatus& status) {}
 
+  // A process of the last Launch() carries a rank whose control connection timed out: its host
+  // stopped answering the controller (cut off, or frozen), so it may not hear a signal sent
+  // through the network either. Called before the controller stops the group. The default does
+  // nothing.
+  virtual void Unreachable(pid_t pid) {}
+
   // Reads one unlabelled line of a multi-rank process's output: how some ranks ended, when the
   // line says so; nullopt for any other line.
   virtual std::optional<TaskEnd> ParseTaskEnd(std::string_view line) const { return std::nullopt; }

@@ -1001,18 +1001,26 @@ Status SshLauncher::SignalGroup(int signal) {
     }
     kill(it->first, SIGKILL);  // not reaped yet, so still this launcher's child
     notes_.push_back("the ssh of pid " + std::to_string(it->first) + " to " + it->second +
-                     " was ended at once: another ssh to that host exited with status 255 (it is "
-                     "cut off), so its worker cannot hear " +
-                     SignalName(signal));
+                     " was ended at once: " + cut_off_[it->second] +
+                     " (it is cut off), so its worker cannot hear " + SignalName(signal));
     it = running_.erase(it);
   }
   return OkStatus();
 }
 
+void SshLauncher::Unreachable(pid_t pid) {
+  auto it = running_.find(pid);
+  if (it != running_.end()) {
+    cut_off_.emplace(it->second, "a rank's control connection from that host timed out");
+  }
+}
+
 void SshLauncher::Exited(pid_t pid, const ExitStatus& status) {
   auto it = running_.find(pid);
   if (it == running_.end()) return;
-  if (status.exit_code == 255) cut_off_.insert(it->second);
+  if (status.exit_code == kSshFailed) {
+    cut_off_.emplace(it->second, "another ssh to that host exited with status 255");
+  }
   running_.erase(it);
 }
 

@@ -196,6 +196,9 @@ class SshLauncher : public Launcher {
 
   // Notes the host of an ssh that exited with status 255 as cut off (SignalGroup).
   void Exited(pid_t pid, const ExitStatus& status) override;
+  // Notes the host of that ssh as cut off too: the controller's keepalive found it silent
+  // (about 10 s) before ssh's own keepalive would end the ssh (15 s).
+  void Unreachable(pid_t pid) override;
 
   // Cuts a probe in progress short (its ssh processes are killed and reaped): Launch() returns
   // kCancelled, now and from then on. Thread-safe.
@@ -269,10 +272,10 @@ class SshLauncher : public Launcher {
   pid_t pgid_ = 0;
   bool launched_ = false;    // a Launch() has started the group: the next one is a restart
   std::vector<int> inputs_;  // write ends of the agents' stdin, of the last Launch()
-  // The last Launch()'s ssh processes not reaped yet (pid -> host), and the hosts of those that
-  // exited with status 255.
+  // The last Launch()'s ssh processes not reaped yet (pid -> host), and the hosts found cut off
+  // (host -> how: an ssh there exited with status 255, or the controller found a rank silent).
   std::map<pid_t, std::string> running_;
-  std::set<std::string> cut_off_;
+  std::map<std::string, std::string> cut_off_;
   std::vector<Standby> standbys_;
   pid_t standby_pgid_ = 0;
   std::vector<std::string> notes_;

@@ -448,6 +448,50 @@ TEST_F(FakeSshTest, TheOtherSshOfACutOffHostIsEndedAtOnceInsteadOfWaitingForTheG
   if (orphan > 0) kill(orphan, SIGKILL);
 }
 
+// The controller's keepalive notices a silent host (about 10 s) before ssh's own does (15 s): the
+// ssh processes to that host, none of which has exited yet, are ended at the stop at once.
+TEST_F(FakeSshTest, TheSshOfAHostTheControllerFoundSilentIsEndedAtOnce) {
+  SshLauncher launcher(Options({"h1", "h2", "h2"}));
+  const std::string pid_file = (dir_ / "silent").string();
+  const std::string deaf =
+      "import os, signal, time\n"
+      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+      "open('" +
+      pid_file +
+      "' + str(os.getpid()), 'w').close()\n"
+      "print('ready', flush=True)\n"
+      "time.sleep(120)\n";
+  auto launched = launcher.Launch({Python(0,
+                                          "import signal, sys, time\n"
+                                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
+                                          "print('ready', flush=True)\n"
+                                          "while True: time.sleep(1)\n"),
+                                   Python(1, deaf), Python(2, deaf)});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const auto& ps = *launched;
+  for (const auto& p : ps) ReadOutput(p, "ready");
+  launcher.Unreachable(ps[1].pid);  // rank 1's connection timed out; rank 2's has not yet
+
+  ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
+  EXPECT_EQ(Finish(ps[0]).exit_code, 3);     // h1 heard SIGTERM
+  EXPECT_EQ(Finish(ps[1]).signal, SIGKILL);  // h2 is silent: both its ssh ended at once
+  EXPECT_EQ(Finish(ps[2]).signal, SIGKILL);
+  int said = 0;
+  for (const auto& note : launcher.TakeNotes()) {
+    said += Contains(note,
+                     "to h2 was ended at once: a rank's control connection from that host "
+                     "timed out")
+                ? 1
+                : 0;
+  }
+  EXPECT_EQ(said, 2);
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("silent", 0) != 0 || name == "silent") continue;
+    kill(std::stoi(name.substr(6)), SIGKILL);  // the fake host's workers a real agent would end
+  }
+}
+
 TEST_F(FakeSshTest, AWorkerKilledBySignalIsReportedAs128PlusTheSignal) {
   SshLauncher launcher(Options({"h1"}));
   auto launched = launcher.Launch({Python(0, "import os, signal; os.kill(os.getpid(), 9)")});

@@ -55,7 +55,10 @@ class FakeConnections {
     Post({.rank = rank, .type = type, .body = std::move(body)});
   }
   // `rank`'s connection closes.
-  void Disconnect(int rank) EXCLUDES(mu_) { Post({.rank = rank, .close = true}); }
+  // `timed_out`: as the kernel's keepalive ending it (ControlPort::Delegate::OnClosed).
+  void Disconnect(int rank, bool timed_out = false) EXCLUDES(mu_) {
+    Post({.rank = rank, .close = true, .timed_out = timed_out});
+  }
 
   // Waits up to `timeout` until the controller has sent `type` to `rank` in `attempt` `nth`
   // times; the nth such frame, or nullopt.
@@ -91,6 +94,7 @@ class FakeConnections {
     wire::MessageType type{};
     std::string body;
     bool close = false;
+    bool timed_out = false;
   };
 
   void Post(Event e) EXCLUDES(mu_) {
@@ -181,19 +185,20 @@ class FakeControlPort final : public ControlPort {
     }
   }
   void Read(int rank) override { Handle(peers_.Take(rank)); }
-  void Close(int rank) override {
-    if (!connected(rank)) return;
-    connected_[static_cast<size_t>(rank)] = false;
-    delegate_.OnClosed(rank);
-  }
+  void Close(int rank) override { CloseWith(rank, /*timed_out=*/false); }
   int dropped() const override { return 0; }
 
  private:
+  void CloseWith(int rank, bool timed_out) {
+    if (!connected(rank)) return;
+    connected_[static_cast<size_t>(rank)] = false;
+    delegate_.OnClosed(rank, timed_out);
+  }
   void Handle(std::deque<FakeConnections::Event> events) {
     for (auto& e : events) {
       if (static_cast<size_t>(e.rank) < connected_.size()) {
         if (e.close) {
-          Close(e.rank);
+          CloseWith(e.rank, e.timed_out);
         } else {
           connected_[static_cast<size_t>(e.rank)] = true;  // its handshake is taken as done
           delegate_.OnFrame(e.rank, wire::FrameView{e.type, e.body});

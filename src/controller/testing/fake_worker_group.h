@@ -94,6 +94,16 @@ class FakeProcesses {
     MutexLock lock(mu_);
     return CountLocked(signal);
   }
+  // The ranks the group was told had timed out (WorkerGroup::Unreachable), in order, and how
+  // many signals the group had been sent before each.
+  std::vector<int> unreachable() const EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    return unreachable_;
+  }
+  std::vector<size_t> signals_before_unreachable() const EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    return signals_before_unreachable_;
+  }
   int starts() const EXCLUDES(mu_) {
     MutexLock lock(mu_);
     return starts_;
@@ -179,6 +189,8 @@ class FakeProcesses {
   int failing_starts_ GUARDED_BY(mu_) = 0;
   Status start_error_ GUARDED_BY(mu_);
   bool ignore_sigterm_ GUARDED_BY(mu_) = false;
+  std::vector<int> unreachable_ GUARDED_BY(mu_);
+  std::vector<size_t> signals_before_unreachable_ GUARDED_BY(mu_);
   std::function<Status()> next_start_ GUARDED_BY(mu_);
 };
 
@@ -209,6 +221,11 @@ class FakeWorkerGroup final : public WorkerGroup {
       p->running = false;
       delegate_.OnExit(p->ranks, e.exit, *p->output);
     }
+  }
+  void Unreachable(int rank) override {
+    MutexLock lock(processes_.mu_);
+    processes_.unreachable_.push_back(rank);
+    processes_.signals_before_unreachable_.push_back(processes_.signals_.size());
   }
   Status Signal(int signal) override {
     if (signal == SIGTERM) {
