@@ -133,14 +133,14 @@ std::string Attempt::FloodNote() const {
 void Attempt::OnClosed(int rank, bool timed_out) {
   RankState& r = ranks_[static_cast<size_t>(rank)];
   r.closed_turn = turn_;
-  if (r.done) return;
   // Told before the stop below signals the group: a launcher that cannot reach the rank's host
-  // ends its process at once instead of after the grace period (Launcher::Unreachable).
+  // ends its processes at once instead of after the grace period (Launcher::Unreachable), and
+  // at once too when the stop has begun. Keyed by the plan's host, the launcher's own name.
   if (timed_out) {
     group_.Unreachable(rank);
-    if (!r.host.empty()) silent_hosts_.insert(r.host);
+    silent_hosts_.insert(PlannedHost(static_cast<size_t>(rank)));
   }
-  if (Stopping()) return;
+  if (r.done || Stopping()) return;
   Fail({.rank = rank,
         .cause = FailureCause::kConnection,
         .message = timed_out ? "its control connection timed out: its host stopped answering "
@@ -454,7 +454,8 @@ void Attempt::OnExit(const std::vector<int>& proc_ranks, const launch::ExitStatu
   }
   // A SIGKILL on a host found silent is the stop's too: the launcher ends such processes at once
   // (Launcher::Unreachable) instead of waiting for the controller's.
-  const bool stop_sigkill = sent_sigkill_ || (stopping && silent_hosts_.count(r.host) > 0);
+  const bool stop_sigkill =
+      sent_sigkill_ || (stopping && silent_hosts_.count(PlannedHost(static_cast<size_t>(rank))));
   const bool our_signal =
       (exit.signal == SIGTERM && sent_sigterm_) || (exit.signal == SIGKILL && stop_sigkill);
   // Not when the controller closed the connection itself: the exit (the worker's "controller
@@ -546,6 +547,11 @@ void Attempt::OnStepExit(const std::vector<int>& proc_ranks, const launch::ExitS
 }
 
 // --- timers --------------------------------------------------------------------------------------
+
+// Where the plan put rank `rank` (the launcher's name for its host; "" for a rank beyond it).
+std::string Attempt::PlannedHost(size_t rank) const {
+  return rank < plan().workers.size() ? plan().workers[rank].host : std::string();
+}
 
 // Where rank `rank` runs: where it registered from, else where the plan put it.
 std::string Attempt::HostOf(size_t rank) const {

@@ -220,6 +220,7 @@ class Attempt {
   std::string FloodNote() const;
   std::string RanksOn(const std::vector<int>& rs) const;
   std::string HostOf(size_t rank) const;
+  std::string PlannedHost(size_t rank) const;
   void CheckProgress();
 
   const Setup setup_;
@@ -245,8 +246,8 @@ class Attempt {
   std::optional<TimePoint> drain_deadline_;
   bool sent_sigterm_ = false;
   bool sent_sigkill_ = false;
-  // Hosts (as their ranks registered them) of which a rank's control connection timed out: the
-  // launcher may end their processes with SIGKILL at the stop (Launcher::Unreachable).
+  // Hosts (the plan's) of which a rank's control connection timed out: the launcher may end
+  // their processes with SIGKILL at the stop (Launcher::Unreachable).
   std::set<std::string> silent_hosts_;
   uint64_t oom_kills_before_ = 0;
   std::optional<RankFailure> failure_;

@@ -241,6 +241,7 @@ TEST_F(AttemptTest, ATimedOutConnectionIsBlamedOnItsHostBeforeTheStop) {
 // own SIGKILL: those exits are the stop's, not a new cause, on the silent rank and on its peers
 // of the same host.
 TEST_F(AttemptTest, TheLaunchersSigkillOfASilentHostKeepsTheTimeoutAsTheCause) {
+  for (auto& w : opts_.plan.workers) w.host = "host-2";  // the launcher's name for both
   Start();
   for (int r = 0; r < kWorkers; ++r) {
     json body = {{"host", "host-2"}, {"coordinator", r == 0 ? "127.0.0.1:8476" : ""}};
@@ -265,8 +266,10 @@ TEST_F(AttemptTest, TheLaunchersSigkillOfASilentHostKeepsTheTimeoutAsTheCause) {
 
 // A SIGKILL from outside on another host is still blamed over the silent rank's peers.
 TEST_F(AttemptTest, ASigkillOnAnotherHostThanTheSilentOneIsStillACause) {
+  opts_.plan.workers[0].host = "host-a";
+  opts_.plan.workers[1].host = "host-b";
   Start();
-  RegisterAll();  // host-0 and host-1
+  RegisterAll();
   processes_.IgnoreSigterm();
   ranks_.Disconnect(1, /*timed_out=*/true);
   Turn();

@@ -221,6 +221,17 @@ void TcpControlPort::Refuse(Conn& c, const std::string& why, bool tell) {
   CloseConn(c);
 }
 
+namespace {
+
+// Whether a socket's error says its peer went silent: ETIMEDOUT once the listener's keepalive
+// probes (or a send's retransmissions) went unanswered; the others when the network said the
+// host or its network is gone (the keepalive reports the last such ICMP error instead).
+bool TimedOut(int error) {
+  return error == ETIMEDOUT || error == EHOSTUNREACH || error == ENETUNREACH || error == EHOSTDOWN;
+}
+
+}  // namespace
+
 void TcpControlPort::CloseConn(Conn& c, bool timed_out) {
   if (c.closed) return;
   c.closed = true;
@@ -244,7 +255,7 @@ void TcpControlPort::Flush(Conn& c) {
     // A rank that has gone may have sent its last frames (kDone) just before: they are read
     // before its connection closes, so a notice it never read does not turn into a failure.
     if (c.stage == Conn::Stage::kAuthed) ReadConn(c);
-    return CloseConn(c);
+    return CloseConn(c, TimedOut(c.out.send_errno()));
   }
   if (c.watching_out == c.out.empty()) {
     c.watching_out = !c.out.empty();
@@ -271,9 +282,7 @@ void TcpControlPort::ReadConn(Conn& c) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n <= 0) {
-      // The socket's pending error: ETIMEDOUT once the listener's keepalive probes (or a send's
-      // retransmissions) went unanswered; EHOSTUNREACH when the network said the host is gone.
-      CloseConn(c, n < 0 && (errno == ETIMEDOUT || errno == EHOSTUNREACH));
+      CloseConn(c, n < 0 && TimedOut(errno));
       return;
     }
     Status s = c.decoder.Feed(std::string_view(buf, static_cast<size_t>(n)));

@@ -685,6 +685,7 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
   CloseInputs();
   running_.clear();
   cut_off_.clear();
+  stop_signal_ = 0;
   pgid_ = 0;
   if (Interrupted()) return CancelledError("the run is being stopped: no workers are started");
   if (specs.empty()) return InvalidArgumentError("no processes to launch");
@@ -994,6 +995,14 @@ Status SshLauncher::SignalGroup(int signal) {
     }
   }
   if (signal == SIGKILL && pgid_ > 0) return SignalProcessGroup(pgid_, SIGKILL);
+  if (!stop_signal_) stop_signal_ = signal;
+  EndCutOff();
+  return OkStatus();
+}
+
+// Kills the ssh processes to the hosts found cut off, whose workers cannot hear the stop's signal:
+// the agents on the other side end them once they see their stdin close.
+void SshLauncher::EndCutOff() {
   for (auto it = running_.begin(); it != running_.end();) {
     if (!cut_off_.count(it->second)) {
       ++it;
@@ -1002,17 +1011,16 @@ Status SshLauncher::SignalGroup(int signal) {
     kill(it->first, SIGKILL);  // not reaped yet, so still this launcher's child
     notes_.push_back("the ssh of pid " + std::to_string(it->first) + " to " + it->second +
                      " was ended at once: " + cut_off_[it->second] +
-                     " (it is cut off), so its worker cannot hear " + SignalName(signal));
+                     " (it is cut off), so its worker cannot hear " + SignalName(stop_signal_));
     it = running_.erase(it);
   }
-  return OkStatus();
 }
 
 void SshLauncher::Unreachable(pid_t pid) {
   auto it = running_.find(pid);
-  if (it != running_.end()) {
-    cut_off_.emplace(it->second, "a rank's control connection from that host timed out");
-  }
+  if (it == running_.end()) return;
+  cut_off_.emplace(it->second, "a rank's control connection from that host timed out");
+  if (stop_signal_) EndCutOff();  // the stop has begun: not after its grace period
 }
 
 void SshLauncher::Exited(pid_t pid, const ExitStatus& status) {

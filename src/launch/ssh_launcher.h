@@ -197,7 +197,8 @@ class SshLauncher : public Launcher {
   // Notes the host of an ssh that exited with status 255 as cut off (SignalGroup).
   void Exited(pid_t pid, const ExitStatus& status) override;
   // Notes the host of that ssh as cut off too: the controller's keepalive found it silent
-  // (about 10 s) before ssh's own keepalive would end the ssh (15 s).
+  // (about 10 s) before ssh's own keepalive would end the ssh (15 s). Once the stop has begun,
+  // ends the host's ssh processes at once.
   void Unreachable(pid_t pid) override;
 
   // Cuts a probe in progress short (its ssh processes are killed and reaped): Launch() returns
@@ -264,6 +265,8 @@ class SshLauncher : public Launcher {
   Status WaitForHosts(const std::map<std::string, HostCheck>& hosts, Status failed);
   void CloseInputs();
   bool Interrupted() const;
+  // Kills the ssh processes to the hosts in cut_off_ (SignalGroup, Unreachable).
+  void EndCutOff();
 
   SshLauncherOptions options_;
   // Readable once Interrupt() was called (an eventfd; -1 when none could be made, and then a
@@ -276,6 +279,7 @@ class SshLauncher : public Launcher {
   // (host -> how: an ssh there exited with status 255, or the controller found a rank silent).
   std::map<pid_t, std::string> running_;
   std::map<std::string, std::string> cut_off_;
+  int stop_signal_ = 0;  // the first signal of the last Launch()'s stop; 0 before it
   std::vector<Standby> standbys_;
   pid_t standby_pgid_ = 0;
   std::vector<std::string> notes_;

@@ -460,7 +460,7 @@ TEST_F(FakeSshTest, TheSshOfAHostTheControllerFoundSilentIsEndedAtOnce) {
       pid_file +
       "' + str(os.getpid()), 'w').close()\n"
       "print('ready', flush=True)\n"
-      "time.sleep(120)\n";
+      "time.sleep(30)\n";
   auto launched = launcher.Launch({Python(0,
                                           "import signal, sys, time\n"
                                           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
@@ -490,6 +490,45 @@ TEST_F(FakeSshTest, TheSshOfAHostTheControllerFoundSilentIsEndedAtOnce) {
     if (name.rfind("silent", 0) != 0 || name == "silent") continue;
     kill(std::stoi(name.substr(6)), SIGKILL);  // the fake host's workers a real agent would end
   }
+}
+
+// A host found silent once the stop has begun (another rank failed first): its ssh is ended then,
+// not after the grace period.
+TEST_F(FakeSshTest, AHostFoundSilentDuringTheStopHasItsSshEndedThen) {
+  SshLauncher launcher(Options({"h1", "h2"}));
+  const std::string pid_file = (dir_ / "deaf.pid").string();
+  auto launched = launcher.Launch({Python(0,
+                                          "import signal, sys, time\n"
+                                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
+                                          "print('ready', flush=True)\n"
+                                          "while True: time.sleep(1)\n"),
+                                   Python(1,
+                                          "import os, signal, time\n"
+                                          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                          "open('" +
+                                              pid_file +
+                                              "', 'w').write(str(os.getpid()))\n"
+                                              "print('ready', flush=True)\n"
+                                              "time.sleep(30)\n")});
+  ASSERT_TRUE(launched.ok()) << launched.status().ToString();
+  const auto& ps = *launched;
+  for (const auto& p : ps) ReadOutput(p, "ready");
+  ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
+  EXPECT_EQ(Finish(ps[0]).exit_code, 3);
+  launcher.Unreachable(ps[1].pid);
+  EXPECT_EQ(Finish(ps[1]).signal, SIGKILL);
+  bool said = false;
+  for (const auto& note : launcher.TakeNotes()) {
+    said = said || Contains(note,
+                            "to h2 was ended at once: a rank's control connection from "
+                            "that host timed out (it is cut off), so its worker cannot "
+                            "hear SIGTERM");
+  }
+  EXPECT_TRUE(said);
+  std::ifstream pid_in(pid_file);
+  pid_t orphan = 0;
+  pid_in >> orphan;  // the fake host's worker, which a real agent would end
+  if (orphan > 0) kill(orphan, SIGKILL);
 }
 
 TEST_F(FakeSshTest, AWorkerKilledBySignalIsReportedAs128PlusTheSignal) {

@@ -70,8 +70,9 @@ Status OutQueue::Flush(int fd) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return OkStatus();
     if (n < 0) {
+      send_errno_ = errno;
       return UnavailableError(std::string("connection lost while sending: ") +
-                              std::strerror(errno));
+                              std::strerror(send_errno_));
     }
     Consume(static_cast<size_t>(n));
   }

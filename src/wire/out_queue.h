@@ -27,8 +27,11 @@ class OutQueue {
   size_t owned_bytes() const { return owned_bytes_; }
 
   // Writes as much as the socket takes now, without blocking. Errors: kUnavailable when the peer
-  // is gone (the queue is then left as it was).
+  // is gone (the queue is then left as it was; send_errno() says why).
   Status Flush(int fd);
+  // The errno of the last Flush() that failed (a socket's pending error, such as ETIMEDOUT, is
+  // taken by the send that meets it); 0 when none failed.
+  int send_errno() const { return send_errno_; }
 
  private:
   struct Chunk {
@@ -47,6 +50,7 @@ class OutQueue {
   // connections keep nothing (a std::deque allocates its first block even when empty).
   std::vector<Chunk> chunks_;
   size_t head_ = 0;
+  int send_errno_ = 0;
   size_t pending_bytes_ = 0;
   size_t owned_bytes_ = 0;
 };
