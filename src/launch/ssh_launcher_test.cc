@@ -181,7 +181,38 @@ class FakeSshTest : public ::testing::Test {
     ssh_ = (dir_ / "ssh").string();
     WriteFakeSsh(ssh_, "sh");
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void TearDown() override {
+    EndDeafWorkers();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // A worker that exits 3 on SIGTERM.
+  static ProcessSpec HearsTerm(int rank) {
+    return Python(rank,
+                  "import signal, sys, time\n"
+                  "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
+                  "print('ready', flush=True)\n"
+                  "while True: time.sleep(1)\n");
+  }
+  // A worker that cannot hear the stop, as one behind a cut link cannot. Its fake ssh ended, it
+  // would linger, so it notes its pid for EndDeafWorkers() (a real agent would end it).
+  ProcessSpec Deaf(int rank) const {
+    return Python(rank,
+                  "import os, signal, time\n"
+                  "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                  "open('" +
+                      (dir_ / "deaf-").string() +
+                      "' + str(os.getpid()), 'w').close()\n"
+                      "print('ready', flush=True)\n"
+                      "time.sleep(30)\n");
+  }
+  void EndDeafWorkers() {
+    std::error_code error;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_, error)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("deaf-", 0) == 0) kill(std::stoi(name.substr(5)), SIGKILL);
+    }
+  }
 
   // A fake ssh at `path` whose "login shell" on every host is `shell`: sshd runs the remote
   // command as `<shell> -c <command>`.
@@ -411,23 +442,9 @@ TEST_F(FakeSshTest, SigtermReachesTheWorkerThroughItsAgent) {
 
 TEST_F(FakeSshTest, TheOtherSshOfACutOffHostIsEndedAtOnceInsteadOfWaitingForTheGrace) {
   SshLauncher launcher(Options({"h1", "h2", "h2"}));
-  const std::string pid_file = (dir_ / "rank2.pid").string();
-  auto launched = launcher.Launch({Python(0,
-                                          "import signal, sys, time\n"
-                                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
-                                          "print('ready', flush=True)\n"
-                                          "while True: time.sleep(1)\n"),
+  auto launched = launcher.Launch({HearsTerm(0),
                                    // Exits as an ssh whose connection dropped does.
-                                   Python(1, "import sys; sys.exit(255)"),
-                                   // Cannot hear the stop, as a worker behind a cut link cannot.
-                                   Python(2,
-                                          "import os, signal, time\n"
-                                          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                                          "open('" +
-                                              pid_file +
-                                              "', 'w').write(str(os.getpid()))\n"
-                                              "print('ready', flush=True)\n"
-                                              "time.sleep(120)\n")});
+                                   Python(1, "import sys; sys.exit(255)"), Deaf(2)});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& ps = *launched;
   ReadOutput(ps[0], "ready");
@@ -442,31 +459,13 @@ TEST_F(FakeSshTest, TheOtherSshOfACutOffHostIsEndedAtOnceInsteadOfWaitingForTheG
   bool said = false;
   for (const auto& note : launcher.TakeNotes()) said = said || Contains(note, "to h2 was ended");
   EXPECT_TRUE(said);
-  std::ifstream pid_in(pid_file);
-  pid_t orphan = 0;
-  pid_in >> orphan;  // the fake host's worker, which a real agent would end once sshd noticed
-  if (orphan > 0) kill(orphan, SIGKILL);
 }
 
 // The controller's keepalive notices a silent host (about 10 s) before ssh's own does (15 s): the
 // ssh processes to that host, none of which has exited yet, are ended at the stop at once.
 TEST_F(FakeSshTest, TheSshOfAHostTheControllerFoundSilentIsEndedAtOnce) {
   SshLauncher launcher(Options({"h1", "h2", "h2"}));
-  const std::string pid_file = (dir_ / "silent").string();
-  const std::string deaf =
-      "import os, signal, time\n"
-      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-      "open('" +
-      pid_file +
-      "' + str(os.getpid()), 'w').close()\n"
-      "print('ready', flush=True)\n"
-      "time.sleep(30)\n";
-  auto launched = launcher.Launch({Python(0,
-                                          "import signal, sys, time\n"
-                                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
-                                          "print('ready', flush=True)\n"
-                                          "while True: time.sleep(1)\n"),
-                                   Python(1, deaf), Python(2, deaf)});
+  auto launched = launcher.Launch({HearsTerm(0), Deaf(1), Deaf(2)});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& ps = *launched;
   for (const auto& p : ps) ReadOutput(p, "ready");
@@ -485,31 +484,13 @@ TEST_F(FakeSshTest, TheSshOfAHostTheControllerFoundSilentIsEndedAtOnce) {
                 : 0;
   }
   EXPECT_EQ(said, 2);
-  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("silent", 0) != 0 || name == "silent") continue;
-    kill(std::stoi(name.substr(6)), SIGKILL);  // the fake host's workers a real agent would end
-  }
 }
 
 // A host found silent once the stop has begun (another rank failed first): its ssh is ended then,
 // not after the grace period.
 TEST_F(FakeSshTest, AHostFoundSilentDuringTheStopHasItsSshEndedThen) {
   SshLauncher launcher(Options({"h1", "h2"}));
-  const std::string pid_file = (dir_ / "deaf.pid").string();
-  auto launched = launcher.Launch({Python(0,
-                                          "import signal, sys, time\n"
-                                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))\n"
-                                          "print('ready', flush=True)\n"
-                                          "while True: time.sleep(1)\n"),
-                                   Python(1,
-                                          "import os, signal, time\n"
-                                          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                                          "open('" +
-                                              pid_file +
-                                              "', 'w').write(str(os.getpid()))\n"
-                                              "print('ready', flush=True)\n"
-                                              "time.sleep(30)\n")});
+  auto launched = launcher.Launch({HearsTerm(0), Deaf(1)});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& ps = *launched;
   for (const auto& p : ps) ReadOutput(p, "ready");
@@ -525,10 +506,6 @@ TEST_F(FakeSshTest, AHostFoundSilentDuringTheStopHasItsSshEndedThen) {
                             "hear SIGTERM");
   }
   EXPECT_TRUE(said);
-  std::ifstream pid_in(pid_file);
-  pid_t orphan = 0;
-  pid_in >> orphan;  // the fake host's worker, which a real agent would end
-  if (orphan > 0) kill(orphan, SIGKILL);
 }
 
 TEST_F(FakeSshTest, AWorkerKilledBySignalIsReportedAs128PlusTheSignal) {
