@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -398,3 +399,45 @@ def test_the_modules_a_function_imports_are_found_in_its_code():
     exec(relative, namespace)
     assert _imported_modules(train) == ["os.path", "collections", "email.parser", "json.decoder"]
     assert _imported_modules(namespace["f"]) == []
+
+
+def _watch_standby_session(tmp_path: Path, own_session: bool, watch_s: float) -> tuple[list, int]:
+    """Starts a standby worker (no preload) in a session of its own or in this one and notes the
+    autogroup nice values its session has while it imports jax: until it has been lowered and put
+    back, or for `watch_s`. Then ends it (EOF)."""
+    r, w = os.pipe()
+    env = {**os.environ, "JAXTRAIN_STANDBY": "1", "JAXTRAIN_RUN_SECRET_FD": str(r),
+           "JAXTRAIN_STANDBY_NO_PRELOAD": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtrain.worker"], env=env, pass_fds=(r,),
+                            start_new_session=own_session, cwd=tmp_path)
+    os.close(r)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + watch_s
+        while time.monotonic() < deadline and seen[-2:] != ["10", "0"]:
+            nice = Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1]
+            if not seen or seen[-1] != nice:
+                seen.append(nice)
+            time.sleep(0.005)
+    finally:
+        os.close(w)  # EOF: an unactivated standby exits 0
+        code = proc.wait(timeout=60)
+    return seen, code
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+def test_a_standby_in_a_session_of_its_own_imports_at_a_lower_session_priority(tmp_path):
+    """Linux shares the CPU between sessions before it looks at nice: a standby whose session is
+    its own (an ssh agent's, a pod holder's) lowers the session's priority while it imports and
+    puts it back once done, so that it takes little CPU from the group training beside it."""
+    seen, code = _watch_standby_session(tmp_path, own_session=True, watch_s=120)
+    assert code == 0
+    assert seen[0] in ("0", "10") and "10" in seen and seen[-1] == "0", seen
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+def test_a_standby_sharing_its_session_leaves_the_sessions_priority_alone(tmp_path):
+    own = Path("/proc/self/autogroup").read_text().split()[-1]
+    seen, code = _watch_standby_session(tmp_path, own_session=False, watch_s=8)
+    assert code == 0
+    assert seen == [own], seen

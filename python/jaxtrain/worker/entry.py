@@ -226,6 +226,43 @@ def _take_secret() -> str | None:
 # worker, keeps the priority it was started with.
 STANDBY_IMPORT_NICE = 10
 
+# Linux weighs the CPU between sessions first (autogroups, when the kernel has them on and the
+# process is in the root cgroup), and only then by nice within each: a standby in a session of its
+# own (an ssh agent's, a pod holder's) competes with each worker's session as an equal, whatever
+# its threads' nice. So such a standby also lowers its session's priority while it imports, and
+# puts it back once the import is done or it is activated (sched(7), "The autogroup feature").
+_AUTOGROUP = "/proc/self/autogroup"
+
+
+def _autogroup_nice() -> int | None:
+    """This session's autogroup nice value; None where there is none to change: no autogroup
+    file (another kernel, autogroups off) or not this process's own session (a standby that shares
+    its driver's session must not lower the running workers' priority with its own)."""
+    try:
+        if os.getsid(0) != os.getpid():
+            return None
+        with open(_AUTOGROUP, encoding="ascii") as f:
+            return int(f.read().split()[-1])  # "/autogroup-25 nice 0"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_autogroup_nice(nice: int, patience_s: float) -> bool:
+    """Sets this session's autogroup nice. The kernel takes one such change at a time from an
+    unprivileged process, about every 100 ms (EAGAIN meanwhile): tried again for `patience_s`."""
+    import errno
+
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            with open(_AUTOGROUP, "w", encoding="ascii") as f:
+                f.write(str(nice))
+            return True
+        except OSError as e:
+            if e.errno != errno.EAGAIN or time.monotonic() > deadline:
+                return False
+        time.sleep(0.01)
+
 
 # The file of the pickled task a standby unpickles ahead of its activation (set by fit() for local
 # workers; docs/warm-workers.md).
@@ -247,6 +284,31 @@ class _Standby:
         self.wake_r, self.wake_w = os.pipe()  # written when spoiled
         self.import_tid = 0  # the import thread's native id
         self.preload: bytes | None = None  # the pickled task, when it came on the pipe
+        # The session's autogroup nice before the import lowered it; None while not lowered.
+        self.autogroup_nice: int | None = None
+        self.autogroup_lock = threading.Lock()
+
+    def lower_session(self) -> None:
+        """Lowers the session's priority for the import (_AUTOGROUP), where it may be put back
+        without privileges (a nice of 0 or more)."""
+        own = _autogroup_nice()
+        if own is None or own < 0 or own >= STANDBY_IMPORT_NICE:
+            return
+        with self.autogroup_lock:
+            if _set_autogroup_nice(STANDBY_IMPORT_NICE, patience_s=1.0):
+                self.autogroup_nice = own
+
+    def restore_session(self, patience_s: float) -> None:
+        """Puts the session's priority back, once: the import is done, or the worker starts."""
+        with self.autogroup_lock:
+            if self.autogroup_nice is None:
+                return
+            if _set_autogroup_nice(self.autogroup_nice, patience_s):
+                self.autogroup_nice = None
+            else:
+                _say(f"could not put the session's CPU priority back to nice "
+                     f"{self.autogroup_nice} ({_AUTOGROUP}): the worker runs at nice "
+                     f"{STANDBY_IMPORT_NICE} against other sessions")
 
 
 _standby: _Standby | None = None
@@ -258,10 +320,19 @@ def _import_ahead(state: _Standby | None = None) -> None:
     reported, where the worker imports it itself."""
     if state is not None:
         state.import_tid = threading.get_native_id()
+        state.lower_session()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STANDBY_IMPORT_NICE)
     except OSError:  # not Linux, or not allowed: the import runs at normal priority
         pass
+    try:
+        _import_and_preload(state)
+    finally:
+        if state is not None:
+            state.restore_session(patience_s=10.0)
+
+
+def _import_and_preload(state: _Standby | None) -> None:
     try:
         import cloudpickle  # noqa: F401
         import jax  # noqa: F401
@@ -427,6 +498,8 @@ def _restart_standby(activation: bytes | None, fd: int, reason: str) -> None:
     that does not preload: given `activation`, on a new pipe that holds it, else on `fd`, the
     pool's pipe, still unread."""
     _say(f"{reason}; starting again without the preload (set JAXTRAIN_PRELOAD_TASK=0 to skip it)")
+    if _standby is not None:
+        _standby.restore_session(patience_s=2.0)  # the new process reads it as its own
     if activation is not None:
         r, w = os.pipe()
         os.write(w, activation)  # far less than a pipe holds
@@ -501,6 +574,7 @@ def _await_activation(import_ahead: bool = True) -> str:
             os.setpriority(os.PRIO_PROCESS, state.import_tid, own_nice)
         except OSError:
             pass
+        state.restore_session(patience_s=2.0)
     importer.join()
     if state.spoiled:
         _restart_standby(activation, fd, state.spoiled)
