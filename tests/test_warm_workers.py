@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_command, start_driver
+from conftest import run_command, start_driver, wait_for
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
 
 NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
@@ -401,21 +401,31 @@ def test_the_modules_a_function_imports_are_found_in_its_code():
     assert _imported_modules(namespace["f"]) == []
 
 
-def _watch_standby_session(tmp_path: Path, own_session: bool, watch_s: float) -> tuple[list, int]:
-    """Starts a standby worker (no preload) in a session of its own or in this one and notes the
-    autogroup nice values its session has while it imports jax: until it has been lowered and put
-    back, or for `watch_s`. Then ends it (EOF)."""
+def _watch_standby_session(tmp_path: Path, session: str, watch_s: float) -> tuple[list, int]:
+    """Starts a standby worker (no preload) and notes the autogroup nice values its session has
+    while it imports jax: until it has been lowered and put back, or for `watch_s`. Then ends it
+    (EOF). `session`: "own" (it leads a new one), "this" (the test's), or "step" (a new one that
+    a shell leads, the standby its child, as a Slurm step's slurmstepd and task)."""
     r, w = os.pipe()
     env = {**os.environ, "JAXTRAIN_STANDBY": "1", "JAXTRAIN_RUN_SECRET_FD": str(r),
            "JAXTRAIN_STANDBY_NO_PRELOAD": "1", "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxtrain.worker"], env=env, pass_fds=(r,),
-                            start_new_session=own_session, cwd=tmp_path)
+    argv = [sys.executable, "-m", "jaxtrain.worker"]
+    if session == "step":
+        env["JAXTRAIN_STANDBY_SESSION"] = "step"
+        argv = ["sh", "-c", '"$@"; exit $?', "sh", *argv]
+    proc = subprocess.Popen(argv, env=env, pass_fds=(r,), start_new_session=session != "this",
+                            cwd=tmp_path)
     os.close(r)
+    pid = proc.pid
+    if session == "step":
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        wait_for("the shell's child", lambda: children.read_text().split(), timeout=30)
+        pid = int(children.read_text().split()[0])
     seen: list[str] = []
     try:
         deadline = time.monotonic() + watch_s
         while time.monotonic() < deadline and seen[-2:] != ["10", "0"]:
-            nice = Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1]
+            nice = Path(f"/proc/{pid}/autogroup").read_text().split()[-1]
             if not seen or seen[-1] != nice:
                 seen.append(nice)
             time.sleep(0.005)
@@ -430,14 +440,21 @@ def test_a_standby_in_a_session_of_its_own_imports_at_a_lower_session_priority(t
     """Linux shares the CPU between sessions before it looks at nice: a standby whose session is
     its own (an ssh agent's, a pod holder's) lowers the session's priority while it imports and
     puts it back once done, so that it takes little CPU from the group training beside it."""
-    seen, code = _watch_standby_session(tmp_path, own_session=True, watch_s=120)
+    seen, code = _watch_standby_session(tmp_path, "own", watch_s=120)
     assert code == 0
     assert seen[0] in ("0", "10") and "10" in seen and seen[-1] == "0", seen
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+def test_a_standby_steps_task_lowers_its_steps_session_while_it_imports(tmp_path):
+    seen, code = _watch_standby_session(tmp_path, "step", watch_s=120)
+    assert code == 0
+    assert "10" in seen and seen[-1] == "0", seen
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
 def test_a_standby_sharing_its_session_leaves_the_sessions_priority_alone(tmp_path):
     own = Path("/proc/self/autogroup").read_text().split()[-1]
-    seen, code = _watch_standby_session(tmp_path, own_session=False, watch_s=8)
+    seen, code = _watch_standby_session(tmp_path, "this", watch_s=8)
     assert code == 0
     assert seen == [own], seen

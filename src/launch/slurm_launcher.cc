@@ -740,6 +740,9 @@ StatusOr<LaunchedProcess> SlurmLauncher::StartStep(Step step, bool standby, int*
   if (standby) {
     for (const char* name : kActivationEnv) step.env.erase(name);
     step.env["JAXTRAIN_STANDBY"] = "1";
+    // A step's tasks share its slurmstepd's session, which holds only this step: its standbys
+    // may lower the session's priority while they import (python/jaxtrain/worker/entry.py).
+    step.env["JAXTRAIN_STANDBY_SESSION"] = "step";
     step.env["JAXTRAIN_RUN_SECRET_FD"] = "0";
     if (!preload.empty()) step.env["JAXTRAIN_PRELOAD_ON_PIPE"] = "1";
     if (pipe2(in, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);

@@ -233,13 +233,24 @@ STANDBY_IMPORT_NICE = 10
 # puts it back once the import is done or it is activated (sched(7), "The autogroup feature").
 _AUTOGROUP = "/proc/self/autogroup"
 
+# "step": the standby's session holds only its standby step (a Slurm step's daemon and its
+# tasks, each task a standby), so it may lower it although it does not lead it. Set by the Slurm
+# launcher for its standby steps.
+STANDBY_SESSION_ENV = "JAXTRAIN_STANDBY_SESSION"
+
+
+def _own_session() -> bool:
+    """Whether this standby's session holds no worker but itself: it leads it (an ssh agent's
+    or pod holder's new session), or it is a standby step's (STANDBY_SESSION_ENV). A standby that
+    shares its driver's session must not lower the running workers' priority with its own."""
+    return os.getsid(0) == os.getpid() or os.environ.get(STANDBY_SESSION_ENV) == "step"
+
 
 def _autogroup_nice() -> int | None:
     """This session's autogroup nice value; None where there is none to change: no autogroup
-    file (another kernel, autogroups off) or not this process's own session (a standby that shares
-    its driver's session must not lower the running workers' priority with its own)."""
+    file (another kernel, autogroups off) or a session shared with workers (_own_session)."""
     try:
-        if os.getsid(0) != os.getpid():
+        if not _own_session():
             return None
         with open(_AUTOGROUP, encoding="ascii") as f:
             return int(f.read().split()[-1])  # "/autogroup-25 nice 0"
@@ -298,9 +309,15 @@ class _Standby:
             if _set_autogroup_nice(STANDBY_IMPORT_NICE, patience_s=1.0):
                 self.autogroup_nice = own
 
-    def restore_session(self, patience_s: float) -> None:
-        """Puts the session's priority back, once: the import is done, or the worker starts."""
+    def restore_session(self, patience_s: float, activated: bool = False) -> None:
+        """Puts the session's priority back, once: the import is done, or the worker starts.
+        `activated`: the worker starts, so the session holds workers from now on. In a standby
+        step's session another task may have lowered it (and may have died since): it is put
+        back to the nice every new session has."""
         with self.autogroup_lock:
+            if self.autogroup_nice is None and activated and _autogroup_nice() == \
+                    STANDBY_IMPORT_NICE and os.environ.get(STANDBY_SESSION_ENV) == "step":
+                self.autogroup_nice = 0
             if self.autogroup_nice is None:
                 return
             if _set_autogroup_nice(self.autogroup_nice, patience_s):
@@ -574,7 +591,8 @@ def _await_activation(import_ahead: bool = True) -> str:
             os.setpriority(os.PRIO_PROCESS, state.import_tid, own_nice)
         except OSError:
             pass
-        state.restore_session(patience_s=2.0)
+    state.restore_session(patience_s=2.0, activated=True)
+    os.environ.pop(STANDBY_SESSION_ENV, None)
     importer.join()
     if state.spoiled:
         _restart_standby(activation, fd, state.spoiled)
