@@ -29,6 +29,9 @@ Figures, each on the last rank to get there:
   attempt 0 (the baseline of the same run).
 * restart: the kill -> every rank's first report of attempt 1. Target <= 0.25 x the cold start.
 * first step: attempt 1's first step against attempt 0's (the compilation cache). Target <= 0.2 x.
+  Each is also printed in its stages (``jit``'s ahead-of-time API, the same work as the call:
+  trace, lower, compile or load from the cache, run), with what the cache cannot save: the
+  restarted step's tracing, lowering and run against the cold first step.
 * the restart's parts, from run.json's attempt times and the workers' timestamps: detect (kill ->
   attempt 0's ``failure.time``), stop (-> attempt 0's ``end_time``: every process reaped), relaunch
   (-> attempt 1's ``ready_time``: its processes started on the hosts, every rank registered; the
@@ -148,10 +151,20 @@ def train_func(config: dict) -> None:
 
     killing = attempt == 0
     steps = 1_000_000 if killing else STEPS_AFTER_RESTART
+    compiled = None
     for i in range(1, steps + 1):
         if i == 1:
+            # The same work as the first step(...) call, in its stages, each timed: tracing the
+            # Python function, lowering it to StableHLO, compiling (or loading from the cache),
+            # and running it (the first run, and the collective's wait for the other ranks).
             times["step_start"] = time.time()
-        params, opt_state, loss = step(params, opt_state, x, y)
+            traced = step.trace(params, opt_state, x, y)
+            times["traced"] = time.time()
+            lowered = traced.lower()
+            times["lowered"] = time.time()
+            compiled = lowered.compile()
+            times["compiled"] = time.time()
+        params, opt_state, loss = compiled(params, opt_state, x, y)
         loss.block_until_ready()
         if i == 1:
             times["step_end"] = time.time()
@@ -347,6 +360,11 @@ def figures(out: Path) -> dict:
     def step(attempt: int) -> float:  # the step ends in a collective: the slowest rank's
         return max(t["step_end"] - t["step_start"] for t in ranks[attempt])
 
+    def stages(attempt: int) -> dict:  # each stage of the first step: the slowest rank's
+        marks = [("trace", "step_start", "traced"), ("lower", "traced", "lowered"),
+                 ("compile or load", "lowered", "compiled"), ("run", "compiled", "step_end")]
+        return {name: max(t[b] - t[a] for t in ranks[attempt]) for name, a, b in marks}
+
     cold = last(0, "report") - t_fit
     restart = last(1, "report") - t_kill
     marks = [("detect", a0["failure"]["time"]), ("stop", a0["end_time"]),
@@ -365,6 +383,10 @@ def figures(out: Path) -> dict:
         "first_step_s": step(0),
         "restarted_first_step_s": step(1),
         "first_step_ratio": step(1) / step(0),
+        "first_step_stages_s": stages(0),
+        "restarted_first_step_stages_s": stages(1),
+        "first_step_floor_ratio": sum(v for k, v in stages(1).items()
+                                      if k != "compile or load") / step(0),
         "parts_s": parts,
         "between_attempts_s": a1["start_time"] - a0["end_time"],
         "cold_parts_s": {
@@ -395,6 +417,13 @@ def show(launcher: str, f: dict) -> None:
     print(f"  first step after the restart (cache)            {f['restarted_first_step_s']:8.2f} s"
           f"   {f['first_step_ratio']:.2f} x  target <= {FIRST_STEP_TARGET_RATIO} x: "
           f"{verdict(f['first_step_ratio'], FIRST_STEP_TARGET_RATIO)}")
+    cold, warm = f["first_step_stages_s"], f["restarted_first_step_stages_s"]
+    print("  the first step's stages (slowest rank), attempt 0 -> after the restart:")
+    for name in cold:
+        ratio = warm[name] / cold[name]
+        print(f"    {name:<16}{cold[name]:8.2f} s -> {warm[name]:6.2f} s  {ratio:5.2f} x")
+    print(f"    the restarted step's stages but its compile or load, against the cold first step: "
+          f"{f['first_step_floor_ratio']:.2f} x (what no cache can save)")
     print("  the restart's parts (last rank):")
     for name, s in f["parts_s"].items():
         print(f"    {name:<14}{s:8.2f} s  {s / f['restart_s']:5.0%}")
