@@ -401,6 +401,19 @@ def test_the_modules_a_function_imports_are_found_in_its_code():
     assert _imported_modules(namespace["f"]) == []
 
 
+def _autogroups_writable() -> bool:
+    """Whether a process in a new session here may set its autogroup's nice (a kernel with
+    autogroups, a /proc that takes the write)."""
+    if not Path("/proc/self/autogroup").exists():
+        return False
+    probe = subprocess.run([sys.executable, "-c", "open('/proc/self/autogroup', 'w').write('0')"],
+                           start_new_session=True, capture_output=True)
+    return probe.returncode == 0
+
+
+AUTOGROUPS = _autogroups_writable()
+
+
 def _watch_standby_session(tmp_path: Path, session: str, watch_s: float) -> tuple[list, int]:
     """Starts a standby worker (no preload) and notes the autogroup nice values its session has
     while it imports jax: until it has been lowered and put back, or for `watch_s`. Then ends it
@@ -435,7 +448,7 @@ def _watch_standby_session(tmp_path: Path, session: str, watch_s: float) -> tupl
     return seen, code
 
 
-@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+@pytest.mark.skipif(not AUTOGROUPS, reason="no autogroup to set here")
 def test_a_standby_in_a_session_of_its_own_imports_at_a_lower_session_priority(tmp_path):
     """Linux shares the CPU between sessions before it looks at nice: a standby whose session is
     its own (an ssh agent's, a pod holder's) lowers the session's priority while it imports and
@@ -445,14 +458,14 @@ def test_a_standby_in_a_session_of_its_own_imports_at_a_lower_session_priority(t
     assert seen[0] in ("0", "10") and "10" in seen and seen[-1] == "0", seen
 
 
-@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+@pytest.mark.skipif(not AUTOGROUPS, reason="no autogroup to set here")
 def test_a_standby_steps_task_lowers_its_steps_session_while_it_imports(tmp_path):
     seen, code = _watch_standby_session(tmp_path, "step", watch_s=120)
     assert code == 0
     assert "10" in seen and seen[-1] == "0", seen
 
 
-@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+@pytest.mark.skipif(not AUTOGROUPS, reason="no autogroup to set here")
 def test_a_standby_sharing_its_session_leaves_the_sessions_priority_alone(tmp_path):
     own = Path("/proc/self/autogroup").read_text().split()[-1]
     seen, code = _watch_standby_session(tmp_path, "this", watch_s=8)
