@@ -365,6 +365,7 @@ def figures(out: Path) -> dict:
                  ("compile or load", "lowered", "compiled"), ("run", "compiled", "step_end")]
         return {name: max(t[b] - t[a] for t in ranks[attempt]) for name, a, b in marks}
 
+    cold_stages, restarted_stages = stages(0), stages(1)
     cold = last(0, "report") - t_fit
     restart = last(1, "report") - t_kill
     marks = [("detect", a0["failure"]["time"]), ("stop", a0["end_time"]),
@@ -383,9 +384,9 @@ def figures(out: Path) -> dict:
         "first_step_s": step(0),
         "restarted_first_step_s": step(1),
         "first_step_ratio": step(1) / step(0),
-        "first_step_stages_s": stages(0),
-        "restarted_first_step_stages_s": stages(1),
-        "first_step_floor_ratio": sum(v for k, v in stages(1).items()
+        "first_step_stages_s": cold_stages,
+        "restarted_first_step_stages_s": restarted_stages,
+        "first_step_floor_ratio": sum(v for k, v in restarted_stages.items()
                                       if k != "compile or load") / step(0),
         "parts_s": parts,
         "between_attempts_s": a1["start_time"] - a0["end_time"],

@@ -555,8 +555,7 @@ std::string Attempt::PlannedHost(size_t rank) const {
 
 // Where rank `rank` runs: where it registered from, else where the plan put it.
 std::string Attempt::HostOf(size_t rank) const {
-  if (!ranks_[rank].host.empty()) return ranks_[rank].host;
-  return rank < plan().workers.size() ? plan().workers[rank].host : std::string();
+  return ranks_[rank].host.empty() ? PlannedHost(rank) : ranks_[rank].host;
 }
 
 // `rs` with their hosts, grouped by host in order: "0, 1 on host1; 2 on host2".

@@ -40,6 +40,13 @@ std::string PeerName(const sockaddr_storage& addr) {
   return wire::HostPort{host, port}.ToString();
 }
 
+// Whether a socket's error says its peer went silent: ETIMEDOUT once the listener's keepalive
+// probes (or a send's retransmissions) went unanswered; the others when the network said the
+// host or its network is gone (the keepalive reports the last such ICMP error instead).
+bool TimedOut(int error) {
+  return error == ETIMEDOUT || error == EHOSTUNREACH || error == ENETUNREACH || error == EHOSTDOWN;
+}
+
 // The port over TCP: one epoll set of every open connection.
 class TcpControlPort final : public ControlPort {
  public:
@@ -220,17 +227,6 @@ void TcpControlPort::Refuse(Conn& c, const std::string& why, bool tell) {
   }
   CloseConn(c);
 }
-
-namespace {
-
-// Whether a socket's error says its peer went silent: ETIMEDOUT once the listener's keepalive
-// probes (or a send's retransmissions) went unanswered; the others when the network said the
-// host or its network is gone (the keepalive reports the last such ICMP error instead).
-bool TimedOut(int error) {
-  return error == ETIMEDOUT || error == EHOSTUNREACH || error == ENETUNREACH || error == EHOSTDOWN;
-}
-
-}  // namespace
 
 void TcpControlPort::CloseConn(Conn& c, bool timed_out) {
   if (c.closed) return;

@@ -239,11 +239,15 @@ _AUTOGROUP = "/proc/self/autogroup"
 STANDBY_SESSION_ENV = "JAXTRAIN_STANDBY_SESSION"
 
 
+def _in_standby_step() -> bool:
+    return os.environ.get(STANDBY_SESSION_ENV) == "step"
+
+
 def _own_session() -> bool:
     """Whether this standby's session holds no worker but itself: it leads it (an ssh agent's
     or pod holder's new session), or it is a standby step's (STANDBY_SESSION_ENV). A standby that
     shares its driver's session must not lower the running workers' priority with its own."""
-    return os.getsid(0) == os.getpid() or os.environ.get(STANDBY_SESSION_ENV) == "step"
+    return os.getsid(0) == os.getpid() or _in_standby_step()
 
 
 def _autogroup_nice() -> int | None:
@@ -315,8 +319,9 @@ class _Standby:
         step's session another task may have lowered it (and may have died since): it is put
         back to the nice every new session has."""
         with self.autogroup_lock:
-            if self.autogroup_nice is None and activated and _autogroup_nice() == \
-                    STANDBY_IMPORT_NICE and os.environ.get(STANDBY_SESSION_ENV) == "step":
+            lowered_by_another = activated and _in_standby_step() and \
+                _autogroup_nice() == STANDBY_IMPORT_NICE
+            if self.autogroup_nice is None and lowered_by_another:
                 self.autogroup_nice = 0
             if self.autogroup_nice is None:
                 return

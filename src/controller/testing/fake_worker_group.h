@@ -149,6 +149,13 @@ class FakeProcesses {
     return OkStatus();
   }
 
+  // `rank` told unreachable, after as many signals as were sent so far.
+  void Unreachable(int rank) EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    unreachable_.push_back(rank);
+    signals_before_unreachable_.push_back(signals_.size());
+  }
+
   // `signal` sent to the group: the exits of the dead are posted, and those it causes among the
   // other `running` ranks.
   void Signal(int signal, const std::vector<int>& running) EXCLUDES(mu_) {
@@ -222,11 +229,7 @@ class FakeWorkerGroup final : public WorkerGroup {
       delegate_.OnExit(p->ranks, e.exit, *p->output);
     }
   }
-  void Unreachable(int rank) override {
-    MutexLock lock(processes_.mu_);
-    processes_.unreachable_.push_back(rank);
-    processes_.signals_before_unreachable_.push_back(processes_.signals_.size());
-  }
+  void Unreachable(int rank) override { processes_.Unreachable(rank); }
   Status Signal(int signal) override {
     if (signal == SIGTERM) {
       for (Proc& p : procs_) p.output->Stopping();
