@@ -414,6 +414,13 @@ def _autogroups_writable() -> bool:
 AUTOGROUPS = _autogroups_writable()
 
 
+def _session_nice(pid: int | str) -> str:
+    """The nice of `pid`'s session autogroup, or "none" where its session is still the one the
+    system started with (the kernel then shows nothing: no autogroup of its own)."""
+    words = Path(f"/proc/{pid}/autogroup").read_text().split()  # "/autogroup-25 nice 0"
+    return words[-1] if words else "none"
+
+
 def _watch_standby_session(tmp_path: Path, session: str, watch_s: float) -> tuple[list, int]:
     """Starts a standby worker (no preload) and notes the autogroup nice values its session has
     while it imports jax: until it has been lowered and put back, or for `watch_s`. Then ends it
@@ -438,7 +445,7 @@ def _watch_standby_session(tmp_path: Path, session: str, watch_s: float) -> tupl
     try:
         deadline = time.monotonic() + watch_s
         while time.monotonic() < deadline and seen[-2:] != ["10", "0"]:
-            nice = Path(f"/proc/{pid}/autogroup").read_text().split()[-1]
+            nice = _session_nice(pid)
             if not seen or seen[-1] != nice:
                 seen.append(nice)
             time.sleep(0.005)
@@ -467,7 +474,7 @@ def test_a_standby_steps_task_lowers_its_steps_session_while_it_imports(tmp_path
 
 @pytest.mark.skipif(not AUTOGROUPS, reason="no autogroup to set here")
 def test_a_standby_sharing_its_session_leaves_the_sessions_priority_alone(tmp_path):
-    own = Path("/proc/self/autogroup").read_text().split()[-1]
+    own = _session_nice("self")
     seen, code = _watch_standby_session(tmp_path, "this", watch_s=8)
     assert code == 0
     assert seen == [own], seen
