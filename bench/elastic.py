@@ -1,8 +1,10 @@
 """Benchmark: an elastic run on the ssh test hosts losing a host and getting it back, against the
 same run's cold start; with ``--launcher slurm``, on the Slurm test cluster, a node drained and
-resumed.
+resumed; with ``--launcher kubernetes``, on the two-node Kubernetes test cluster, a node cordoned
+with its pod deleted, then uncordoned.
 
-    .venv/bin/python bench/elastic.py [--interval 5] [--host-timeout 5] [--launcher ssh|slurm]
+    .venv/bin/python bench/elastic.py [--interval 5] [--host-timeout 5]
+                                      [--launcher ssh|slurm|kubernetes]
 
 The hosts are the tests' (tests/ssh_fixtures.py, scripts/ssh_hosts.sh): they use fixed
 machine-wide names, so the benchmark takes ``/tmp/jaxtrain-clusters.lock`` itself (do not run it
@@ -34,8 +36,15 @@ Slurm lets a drained node's tasks go on, so the shrink is a planned resize (docs
 shrink's parts are notice and drain (-> attempt 0's end at its next committed checkpoint), probe
 (-> attempt 1's start), relaunch, first round; the cold start includes Slurm's grant.
 
-Results are printed and written to bench/results/elastic.json, or elastic-slurm.json (with the
-load average before and after: the machine is shared).
+``--launcher kubernetes``: ``num_workers=(1, 2)`` with pods of 1.5 CPUs on the test cluster's two
+nodes of 2 (tests/kubernetes_fixtures.py, ``cluster.sh start`` and ``cluster.sh node2 start``), one
+pod on each; node2 cordoned and its pod deleted (``--grace-period=0 --force``) where host2 is cut,
+uncordoned where it is restored. The shrink is a failure (the pod deleted) or, when the monitor
+sees the cordon first, a planned resize; the figures say which. Each attempt is a new JobSet, so
+the cold start and each relaunch include the pods' creation and scheduling.
+
+Results are printed and written to bench/results/elastic.json, elastic-slurm.json or
+elastic-kubernetes.json (with the load average before and after: the machine is shared).
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/jaxtrain-clusters.lock"
 RESULTS = {"ssh": REPO / "bench" / "results" / "elastic.json",
-           "slurm": REPO / "bench" / "results" / "elastic-slurm.json"}
+           "slurm": REPO / "bench" / "results" / "elastic-slurm.json",
+           "kubernetes": REPO / "bench" / "results" / "elastic-kubernetes.json"}
 ROUNDS_BEFORE_CUT = 10
 ROUNDS_AFTER_GROW = 10
 
@@ -69,6 +79,7 @@ from jaxtrain import (Checkpoint, FailureConfig, JaxTrainer, RunConfig, ScalingC
                       get_checkpoint, get_context, report)
 
 INTERVAL, HOST_TIMEOUT, AFTER_GROW = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+LEAST, MOST, RESOURCES = int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6])
 
 
 def train():
@@ -81,7 +92,7 @@ def train():
         with checkpoint.as_directory() as d:
             step = json.loads(Path(d, "step.json").read_text())["step"] + 1
     done = 0
-    while not (world == 4 and ctx.get_attempt() > 0 and done >= AFTER_GROW):
+    while not (world == MOST and ctx.get_attempt() > 0 and done >= AFTER_GROW):
         total(jax.make_array_from_process_local_data(NamedSharding(mesh, P("workers")),
                                                      np.array([1.0]))).block_until_ready()
         with tempfile.TemporaryDirectory() as d:
@@ -94,7 +105,8 @@ def train():
 
 
 Path("fit.json").write_text(json.dumps({"time": time.time()}))
-JaxTrainer(train, scaling_config=ScalingConfig(num_workers=(2, 4),
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=(LEAST, MOST),
+                                               resources_per_worker=RESOURCES,
                                                elastic_resize_monitor_interval_s=INTERVAL),
            run_config=RunConfig(name="run", storage_path=os.getcwd(),
                                 failure_config=FailureConfig(
@@ -141,9 +153,30 @@ def drained(cluster, node: str):
         cluster.run("scontrol", "update", f"nodename={node}", "state=resume")
 
 
+@contextlib.contextmanager
+def cordoned(cluster, namespace: str, node: str):
+    """`node` cordoned and the run's pod on it deleted for the block, uncordoned after it."""
+    cluster.kubectl("cordon", node)
+    try:
+        pods = cluster.get("pods", "-n", namespace)["items"]
+        for pod in pods:
+            if pod["spec"].get("nodeName") == node:
+                cluster.kubectl("delete", "pod", "-n", namespace, pod["metadata"]["name"],
+                                "--grace-period=0", "--force")
+        yield
+    finally:
+        cluster.kubectl("uncordon", node, check=False)
+
+
 def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
-    if args.launcher == "slurm":
+    least, most, resources = (1, 2, {"CPU": 1.5}) if args.launcher == "kubernetes" else (2, 4, {})
+    if args.launcher == "kubernetes":
+        from kubernetes_fixtures import SCRIPT, STATE, KubernetesCluster
+
+        cluster = KubernetesCluster(kubeconfig=str(STATE / "pki" / "admin.kubeconfig"))
+        shared = Path(tempfile.gettempdir())
+    elif args.launcher == "slurm":
         from slurm_fixtures import SCRIPT, STATE, SlurmCluster
 
         cluster = SlurmCluster(conf=str(STATE / "etc" / "slurm.conf"), shared=STATE / "shared")
@@ -155,25 +188,36 @@ def run(args: argparse.Namespace) -> dict:
                            state=STATE)
         shared, lose = cluster.shared, lambda: cluster.cut("host2")
     print(f"{args.launcher} cluster: starting", flush=True)
-    subprocess.run([str(SCRIPT), "start"], check=True, stdout=subprocess.DEVNULL, timeout=600)
+    subprocess.run([str(SCRIPT), "start"], check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    if args.launcher == "kubernetes":
+        subprocess.run([str(SCRIPT), "node2", "start"], check=True, stdout=subprocess.DEVNULL,
+                       timeout=600)
     try:
         out = Path(tempfile.mkdtemp(prefix="bench-elastic-", dir=shared))
         (out / "driver.py").write_text(DRIVER)
-        env = cluster.env(HOME=str(out), JAXTRAIN_SSH_HOSTS="host1,host2") \
-            if args.launcher == "ssh" else \
-            cluster.env(HOME=str(out), JAXTRAIN_LAUNCHER="slurm", JAXTRAIN_SLURM_TASKS_PER_NODE="2")
+        argv = [sys.executable, "driver.py", str(args.interval), str(args.host_timeout),
+                str(ROUNDS_AFTER_GROW), str(least), str(most), json.dumps(resources)]
+        if args.launcher == "kubernetes":
+            namespace = cluster.namespace()
+            env = cluster.driver_env(namespace, out)
+            argv = [str(SCRIPT), "exec", *argv]
+            lose = lambda: cordoned(cluster, namespace, "node2")  # noqa: E731
+        elif args.launcher == "ssh":
+            env = cluster.env(HOME=str(out), JAXTRAIN_SSH_HOSTS="host1,host2")
+        else:
+            env = cluster.env(HOME=str(out), JAXTRAIN_LAUNCHER="slurm",
+                              JAXTRAIN_SLURM_TASKS_PER_NODE="2")
         with open(out / "driver.log", "w") as log:
-            driver = subprocess.Popen(
-                [sys.executable, "driver.py", str(args.interval), str(args.host_timeout),
-                 str(ROUNDS_AFTER_GROW)], cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+            driver = subprocess.Popen(argv, cwd=out, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
             try:
                 wait_for("attempt 0's rounds", lambda: len(rounds(out)) >= ROUNDS_BEFORE_CUT,
                          driver)
                 with lose():
                     t_cut = time.time()
                     print("host2 lost", flush=True)
-                    wait_for("a round on 2 workers", lambda: first_round(out, 2) is not None,
-                             driver)
+                    wait_for(f"a round on {least} workers",
+                             lambda: first_round(out, least) is not None, driver)
                 t_back = time.time()
                 print("host2 back", flush=True)
                 driver.wait(timeout=600)
@@ -184,24 +228,30 @@ def run(args: argparse.Namespace) -> dict:
         if driver.returncode != 0:
             raise RuntimeError(f"the driver failed; {out}/driver.log:\n"
                                + (out / "driver.log").read_text()[-4000:])
-        return figures(out, t_cut, t_back, planned=args.launcher == "slurm")
+        return figures(out, t_cut, t_back, least, most,
+                       planned={"slurm": True, "ssh": False}.get(args.launcher))
     finally:
         subprocess.run([str(SCRIPT), "stop"], capture_output=True, check=False, timeout=300)
         print(f"{args.launcher} cluster: stopped", flush=True)
 
 
-def figures(out: Path, t_cut: float, t_back: float, planned: bool) -> dict:
-    """`planned`: the shrink is a planned resize (a Slurm node drained), not a failure."""
+def figures(out: Path, t_cut: float, t_back: float, least: int, most: int,
+            planned: bool | None) -> dict:
+    """`planned`: the shrink is a planned resize (a Slurm node drained), not a failure; None:
+    either (a Kubernetes node cordoned with its pod deleted)."""
     state = json.loads((out / "run" / "run.json").read_text())
     attempts = state["attempts"]
-    expected = [("RESIZED" if planned else "ERRORED", 4), ("RESIZED", 2), ("FINISHED", 4)]
+    if planned is None and attempts:
+        planned = attempts[0]["status"] == "RESIZED"
+    expected = [("RESIZED" if planned else "ERRORED", most), ("RESIZED", least),
+                ("FINISHED", most)]
     if [(a["status"], a["world_size"]) for a in attempts] != expected:
         raise RuntimeError(f"expected a shrink and a grow ({expected}): {attempts}")
     a0, a1, a2 = attempts
     t_fit = json.loads((out / "fit.json").read_text())["time"]
-    cold = first_round(out, 4)["time"] - t_fit
-    shrunk = first_round(out, 2)["time"]
-    grown = first_round(out, 4, attempt_min=a2["attempt"])["time"]
+    cold = first_round(out, most)["time"] - t_fit
+    shrunk = first_round(out, least)["time"]
+    grown = first_round(out, most, attempt_min=a2["attempt"])["time"]
     log = (out / "driver.log").read_text()
 
     def parts(start: float, marks: list[tuple[str, float]]) -> dict:
@@ -212,6 +262,7 @@ def figures(out: Path, t_cut: float, t_back: float, planned: bool) -> dict:
         return split
 
     return {
+        "shrink_planned": planned,
         "cold_start_s": cold,
         "shrink_s": shrunk - t_cut,
         "shrink_ratio": (shrunk - t_cut) / cold,
@@ -236,9 +287,10 @@ def main() -> None:
                         help="ScalingConfig.elastic_resize_monitor_interval_s (default 5)")
     parser.add_argument("--host-timeout", type=float, default=5,
                         help="FailureConfig.unreachable_host_timeout_s (default 5)")
-    parser.add_argument("--launcher", choices=("ssh", "slurm"), default="ssh",
+    parser.add_argument("--launcher", choices=("ssh", "slurm", "kubernetes"), default="ssh",
                         help="ssh: the ssh test hosts, host2 cut (default); slurm: the Slurm test "
-                        "cluster, node2 drained")
+                        "cluster, node2 drained; kubernetes: the Kubernetes test cluster with a "
+                        "second node, node2 cordoned and its pod deleted")
     args = parser.parse_args()
     with open(LOCK, "w") as lock:
         print(f"waiting for {LOCK}", flush=True)
@@ -249,15 +301,19 @@ def main() -> None:
                  launcher=args.launcher,
                  host_timeout_s=args.host_timeout, machine=platform.node(),
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    where = "ssh hosts" if args.launcher == "ssh" else "Slurm, node2 drained"
-    print(f"\n{where}, (2, 4) workers, interval {args.interval} s, unreachable_host_timeout_s "
-          f"{args.host_timeout} s; load average {f['load_before']} before, {f['load_after']} after")
-    print(f"  cold start (fit() -> first round on 4)  {f['cold_start_s']:8.2f} s")
-    print(f"  shrink (host2 lost -> first round on 2) {f['shrink_s']:8.2f} s   "
-          f"{f['shrink_ratio']:.2f} x the cold start")
+    where, least, most = {
+        "ssh": ("ssh hosts", 2, 4), "slurm": ("Slurm, node2 drained", 2, 4),
+        "kubernetes": ("Kubernetes, node2 cordoned and its pod deleted", 1, 2)}[args.launcher]
+    print(f"\n{where}, ({least}, {most}) workers, interval {args.interval} s, "
+          f"unreachable_host_timeout_s {args.host_timeout} s; load average {f['load_before']} "
+          f"before, {f['load_after']} after")
+    print(f"  cold start (fit() -> first round on {most})  {f['cold_start_s']:8.2f} s")
+    print(f"  shrink (host2 lost -> first round on {least}) {f['shrink_s']:8.2f} s   "
+          f"{f['shrink_ratio']:.2f} x the cold start"
+          + (" (a planned resize)" if f["shrink_planned"] else ""))
     for name, s in f["shrink_parts_s"].items():
         print(f"    {name:<17}{s:8.2f} s")
-    print(f"  grow (host2 back -> first round on 4)   {f['grow_s']:8.2f} s   "
+    print(f"  grow (host2 back -> first round on {most})   {f['grow_s']:8.2f} s   "
           f"{f['grow_ratio']:.2f} x the cold start")
     for name, s in f["grow_parts_s"].items():
         print(f"    {name:<17}{s:8.2f} s")

@@ -269,6 +269,6 @@ def test_a_local_run_of_an_elastic_config_trains_on_max_and_says_so(tmp_path):
         """, tmp_path, env={"JAXTRAIN_SIMULATE": "0"})
 
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("jaxtrain: ScalingConfig.num_workers=(1, 2): the local launcher does not resize a run "
-            "(docs/elastic.md); it trains on 2 workers, as a fixed-size run") in proc.stderr
+    assert ("jaxtrain: ScalingConfig.num_workers=(1, 2): the local launcher does not resize this "
+            "run (docs/elastic.md); it trains on 2 workers, as a fixed-size run") in proc.stderr
     assert json.loads(proc.stdout.split("final ", 1)[1]) == {"world_size": 2, "process_count": 2}

@@ -168,6 +168,7 @@ def test_the_documented_roles_grant_exactly_what_the_code_uses():
     roles = _roles()
     assert roles["jaxtrain"] == set(api._NEEDED + api._NEEDED_IN_PLACE)
     assert roles["jaxtrain-submit"] == set(api._NEEDED_TO_SUBMIT)
+    assert roles["jaxtrain-cluster"] == set(api._NEEDED_CLUSTER)
     for granted in roles.values():
         assert not {g for g in granted if g[2] == "secrets" and g[0] in ("get", "list", "watch")}
 

@@ -13,9 +13,14 @@
 #   cluster.sh exec CMD...    run CMD in the cluster's network namespace (on the node's network)
 #   cluster.sh kubectl ARGS   kubectl as the cluster's admin
 #   cluster.sh image          (re)build and import the worker image from .venv
+#   cluster.sh node2 start    add a second node (node2) to the running cluster
+#   cluster.sh node2 stop     take it away again (its pods, its Node object)
 #
 # State: $JAXTRAIN_K8S_STATE (default /tmp/jaxtrain-k8s). The node's address is 10.250.0.2; pods
 # get 10.244.0.0/24; the API server is https://10.250.0.2:6443 inside the namespace.
+# node2 is a host of its own, as far as the cluster can tell: its own network namespace (10.250.0.3,
+# pods 10.244.1.0/24, a veth link to node1's namespace, which routes between them), its own
+# mount namespace, containerd, runc state, images, kubelet and pod cgroups (/node2).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -27,6 +32,8 @@ RUN=$S/run LOGS=$S/logs PKI=$S/pki ETC=$S/etc VAR=$S/var
 CTR_SOCK=$RUN/containerd/containerd.sock
 WORKER_IMAGE=docker.io/jaxtrain/worker:test
 NICE=(nice -n 10)
+# Kernel-wide values kubelet sets; inside the mount namespaces it sees files of $S/sysctl instead.
+SYSCTLS=(vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1)
 # Paths containerd, the CNI plugins and kubelet insist on; inside the namespace they are bind
 # mounts of directories under $S.
 # Kueue reads its metrics server's certificate from a fixed path, without a flag to change it.
@@ -235,7 +242,7 @@ namespaces() {
   # kubelet sets these kernel-wide values; inside the mount namespace it sees files instead.
   mkdir -p "$S/sysctl"
   local kv f
-  for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1; do
+  for kv in "${SYSCTLS[@]}"; do
     f=${kv%=*}; echo "${kv#*=}" >"$S/sysctl/${f//\//_}"
     in_ns mount --bind "$S/sysctl/${f//\//_}" "/proc/sys/$f"
   done
@@ -260,7 +267,122 @@ worker_image() {
   log "imported $WORKER_IMAGE"
 }
 
-node_ready() { kc get node node1 -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' | grep -q True; }
+# --- node2: a second node, added to a running cluster -----------------------------------------
+N2=$S/node2
+NODE2_IP=10.250.0.3
+NODE2_POD_CIDR=10.244.1.0/24
+CTR2_SOCK=$N2/run/containerd/containerd.sock
+node2_holder() { local p; p=$(cat "$N2/run/holder.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null && echo "$p"; }
+in_n2() { nsenter -t "$(node2_holder)" -m -n "$@"; }
+
+node2_configs() {
+  mkdir -p "$N2/run" "$N2/var" "$N2/etc/cni" "$N2/logs"
+  if [[ ! -f $PKI/kubelet2.crt ]]; then
+    (cd "$PKI" &&
+     openssl req -newkey rsa:2048 -nodes -keyout kubelet2.key -out kubelet2.csr -subj "/CN=system:node:node2/O=system:nodes" 2>/dev/null &&
+     printf '%s\n' basicConstraints=CA:FALSE keyUsage=digitalSignature,keyEncipherment \
+       extendedKeyUsage=serverAuth,clientAuth "subjectAltName=DNS:node2,DNS:localhost,IP:127.0.0.1,IP:$NODE2_IP" >kubelet2.ext &&
+     openssl x509 -req -in kubelet2.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out kubelet2.crt -days 3650 -extfile kubelet2.ext 2>/dev/null &&
+     rm -f kubelet2.csr kubelet2.ext)
+  fi
+  sed -e "s|$PKI/kubelet.crt|$PKI/kubelet2.crt|" -e "s|$PKI/kubelet.key|$PKI/kubelet2.key|" \
+      "$PKI/kubelet.kubeconfig" >"$N2/etc/kubelet.kubeconfig"
+  sed -e "s|$VAR/containerd|$N2/var/containerd|" -e "s|$RUN/containerd|$N2/run/containerd|" \
+      -e "s|$RUN/runc|$N2/run/runc|" -e "s|$ETC/cni|$N2/etc/cni|" "$ETC/containerd.toml" >"$N2/etc/containerd.toml"
+  sed -e "s|$POD_CIDR|$NODE2_POD_CIDR|" -e "s|10.244.0.1|10.244.1.1|" -e "s|$VAR/cni-ipam|$N2/var/cni-ipam|" \
+      "$ETC/cni/10-bridge.conflist" >"$N2/etc/cni/10-bridge.conflist"
+  # Its pods in cgroups of its own: a kubelet removes the pod cgroups it does not know under its
+  # root, which would be node1's under a shared one.
+  sed -e "s|address: $NODE_IP|address: $NODE2_IP|" -e "s|$PKI/kubelet.crt|$PKI/kubelet2.crt|" \
+      -e "s|$CTR_SOCK|$CTR2_SOCK|" \
+      -e "s|$PKI/kubelet.key|$PKI/kubelet2.key|" "$ETC/kubelet.yaml" >"$N2/etc/kubelet.yaml"
+  echo "cgroupRoot: /node2" >>"$N2/etc/kubelet.yaml"
+}
+
+node2_namespaces() {
+  node2_holder >/dev/null && return 0
+  unshare --mount --net --propagation private sleep infinity </dev/null >/dev/null 2>&1 &
+  echo $! >"$N2/run/holder.pid"
+  wait_for "node2's namespace holder" 10 test -e "/proc/$(cat "$N2/run/holder.pid")/ns/net"
+  local d
+  for d in "${NS_DIRS[@]}"; do
+    mkdir -p "$N2/root$d"
+    in_n2 mount --bind "$N2/root$d" "$d"
+  done
+  local f
+  for f in "${SYSCTLS[@]}"; do f=${f%=*}; in_n2 mount --bind "$S/sysctl/${f//\//_}" "/proc/sys/$f"; done
+  in_n2 ip link set lo up
+  # One link between the two nodes' namespaces; node1 routes node2's pods, node2 everything else.
+  ip link add to-node2 netns "$(holder)" type veth peer name eth0 netns "$(node2_holder)"
+  in_ns ip link set to-node2 up
+  in_ns ip route add "$NODE2_IP/32" dev to-node2
+  in_ns ip route add "$NODE2_POD_CIDR" via "$NODE2_IP"
+  in_n2 ip addr add "$NODE2_IP/32" dev eth0
+  in_n2 ip link set eth0 up
+  in_n2 ip route add "$NODE_IP/32" dev eth0
+  in_n2 ip route add default via "$NODE_IP" dev eth0
+  in_n2 sysctl -qw net.ipv4.ip_forward=1
+  local c
+  for c in /sys/fs/cgroup/*/; do [[ -d $c/node2 ]] || mkdir "$c/node2" 2>/dev/null || true; done
+  # cgroup v1's cpuset: a new cgroup has no CPUs or memory nodes until given its parent's.
+  if [[ -f /sys/fs/cgroup/cpuset/cpuset.cpus ]]; then
+    cat /sys/fs/cgroup/cpuset/cpuset.cpus >/sys/fs/cgroup/cpuset/node2/cpuset.cpus
+    cat /sys/fs/cgroup/cpuset/cpuset.mems >/sys/fs/cgroup/cpuset/node2/cpuset.mems
+  fi
+}
+
+node2_daemon() {  # name command...: started in node2's namespaces, its output in node2/logs/name.log
+  local name=$1; shift
+  local p; p=$(cat "$N2/run/$name.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null && return 0
+  nsenter -t "$(node2_holder)" -m -n "${NICE[@]}" "$@" >>"$N2/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$N2/run/$name.pid"
+}
+
+node2_start() {
+  holder >/dev/null || { log "the cluster is not running (cluster.sh start)"; return 1; }
+  local began=$SECONDS
+  node2_configs
+  node2_namespaces
+  node2_daemon containerd containerd --config "$N2/etc/containerd.toml"
+  wait_for "node2's containerd" 30 in_n2 ctr -a "$CTR2_SOCK" version
+  python3 "$here/image.py" pause "$BIN/pause" "$S/images/pause.tar"
+  in_n2 ctr -a "$CTR2_SOCK" -n k8s.io images import "$S/images/pause.tar" >/dev/null
+  "$repo/.venv/bin/python" "$here/image.py" worker "$repo/.venv" "$S/images/worker.tar" \
+    "${JAXTRAIN_K8S_CACHE:-$HOME/.cache/jaxtrain/kubernetes}/images"
+  in_n2 ctr -a "$CTR2_SOCK" -n k8s.io images import "$S/images/worker.tar" >/dev/null
+  rm -f "$S/images/worker.tar"
+  node2_daemon kubelet "$BIN/kubelet" --config="$N2/etc/kubelet.yaml" \
+    --kubeconfig="$N2/etc/kubelet.kubeconfig" --root-dir="$N2/var/kubelet" \
+    --hostname-override=node2 --node-ip=$NODE2_IP --v=1
+  wait_for "node2" 120 node_ready node2
+  # A new node is tainted not-ready until the node lifecycle controller has seen it Ready.
+  wait_for "node2 to take pods" 60 node_untainted node2
+  log "node2 up in $((SECONDS - began)) s"
+}
+
+node2_stop() {
+  stop_one kubelet 15 "$N2/run"
+  if node2_holder >/dev/null; then
+    local shims n
+    shims=$(end_tasks in_n2 "$CTR2_SOCK")
+    stop_one containerd 10 "$N2/run"
+    for n in $shims; do kill -9 "$n" 2>/dev/null || true; done
+    kill "$(node2_holder)" 2>/dev/null || true
+  fi
+  rm -f "$N2/run/holder.pid"
+  holder >/dev/null && kc delete node node2 --ignore-not-found --wait=false >/dev/null 2>&1 || true
+  local c
+  for c in /sys/fs/cgroup/*/node2; do
+    [[ -d $c ]] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+  done
+}
+
+node_untainted() { [[ -z $(kc get node "$1" -o 'jsonpath={.spec.taints}') ]]; }
+
+node_ready() {  # [name]
+  kc get node "${1:-node1}" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' | grep -q True
+}
+
 
 start() {
   local began=$SECONDS
@@ -295,7 +417,7 @@ start() {
   import_images
   daemon kubelet "$BIN/kubelet" --config="$ETC/kubelet.yaml" --kubeconfig="$PKI/kubelet.kubeconfig" \
     --root-dir="$VAR/kubelet" --hostname-override=node1 --node-ip=$NODE_IP --v=1
-  wait_for "the node" 120 node_ready
+  wait_for "the node" 120 node_ready node1
   in_ns sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
   daemon kube-proxy "$BIN/kube-proxy" --kubeconfig="$PKI/admin.kubeconfig" --hostname-override=node1 \
     --proxy-mode=iptables --cluster-cidr=$POD_CIDR --conntrack-max-per-core=0 \
@@ -322,8 +444,9 @@ start() {
   log "cluster up in $((SECONDS - began)) s; admin kubeconfig: $PKI/admin.kubeconfig (inside the namespace)"
 }
 
-stop_one() {  # name timeout: SIGTERM, then SIGKILL
-  local p; p=$(cat "$RUN/$1.pid" 2>/dev/null) || return 0
+stop_one() {  # name timeout [run directory]: SIGTERM, then SIGKILL
+  local dir=${3:-$RUN}
+  local p; p=$(cat "$dir/$1.pid" 2>/dev/null) || return 0
   if kill -0 "$p" 2>/dev/null; then
     kill "$p" 2>/dev/null || true
     local t=$SECONDS
@@ -332,20 +455,26 @@ stop_one() {  # name timeout: SIGTERM, then SIGKILL
       sleep 0.2
     done
   fi
-  rm -f "$RUN/$1.pid"
+  rm -f "$dir/$1.pid"
+}
+
+end_tasks() {  # in-namespace-command socket: SIGKILLs every container task; prints their shims
+  local id
+  for id in $("$1" ctr -a "$2" -n k8s.io tasks ls -q 2>/dev/null); do
+    "$1" ctr -a "$2" -n k8s.io tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true
+  done
+  pgrep -f -- "containerd-shim-runc-v2 -namespace k8s.io .*-address $2" || true
 }
 
 stop() {
+  node2_stop
   local n
   for n in kueue jobset coredns kube-proxy kubelet kube-controller-manager kube-scheduler; do stop_one $n 15; done
   stop_one kube-apiserver 20
   stop_one etcd 10
   if holder >/dev/null; then
-    local id shims
-    for id in $(in_ns ctr -a "$CTR_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-      in_ns ctr -a "$CTR_SOCK" -n k8s.io tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true
-    done
-    shims=$(pgrep -f -- "containerd-shim-runc-v2 -namespace k8s.io .*-address $CTR_SOCK" || true)
+    local shims
+    shims=$(end_tasks in_ns "$CTR_SOCK")
     stop_one containerd 10
     for n in $shims; do kill -9 "$n" 2>/dev/null || true; done
     kill "$(holder)" 2>/dev/null || true
@@ -369,5 +498,8 @@ case ${1:-} in
   exec) shift; nsenter -t "$(holder)" -n "$@" ;;
   kubectl) shift; BIN=$("$here/build.sh"); kc "$@" ;;
   image) BIN=$("$here/build.sh"); worker_image ;;
-  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  node2)
+    BIN=$("$here/build.sh")
+    case ${2:-} in start) node2_start ;; stop) node2_stop ;; *) echo "usage: $0 node2 start|stop" >&2; exit 2 ;; esac ;;
+  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -17,6 +17,8 @@
 #include <set>
 
 #include "base/fd_io.h"
+#include "base/strings.h"
+#include "placement/elastic.h"
 
 namespace jaxtrain::launch {
 namespace {
@@ -57,13 +59,13 @@ struct Shape {
   std::string replicated_job = "workers";
 };
 
-Shape ShapeOf(const config::ScalingConfig& config) {
+Shape ShapeOf(const config::ScalingConfig& config, const placement::Plan& plan) {
   if (config.use_tpu() && config.tpu_slice()) {
     return {.pods_per_job = config.workers_per_slice(),
             .jobs = config.num_slices(),
             .replicated_job = "slice"};
   }
-  return {.pods_per_job = config.num_workers()};
+  return {.pods_per_job = static_cast<int>(plan.workers.size())};  // an elastic run's: fewer
 }
 
 StatusOr<std::string> String(const json& j, const char* field, bool required) {
@@ -328,7 +330,7 @@ StatusOr<json> JobSetManifest(const config::ScalingConfig& config, const placeme
                               const KubernetesOptions& options, const std::string& jobset_name,
                               const std::map<std::string, std::string>& env) {
   JT_RETURN_IF_ERROR(CheckShape(config));
-  const Shape shape = ShapeOf(config);
+  const Shape shape = ShapeOf(config, plan);
 
   json labels = {{"app.kubernetes.io/managed-by", "jaxtrain"}, {"jaxtrain.dev/run", options.name}};
   for (const auto& [k, v] : options.labels) labels[k] = v;
@@ -497,9 +499,55 @@ std::optional<TaskEnd> ParseKubernetesTaskEnd(std::string_view line) {
   return end;
 }
 
+StatusOr<placement::Plan> PlanOnPodSlots(const placement::Plan& plan, int workers) {
+  std::vector<std::string> slots;
+  for (int r = 0; r < workers; ++r) slots.push_back(kPodSlotPrefix + std::to_string(r));
+  return placement::PlanPerHost(plan, slots, 1, workers, "Kubernetes pods");
+}
+
+StatusOr<json> CapacityShape(const config::ScalingConfig& config, const placement::Plan& plan,
+                             const KubernetesOptions& options) {
+  JT_ASSIGN_OR_RETURN(json jobset, JobSetManifest(config, plan, options, "capacity", {}));
+  const json& job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"];
+  return json{{"run", options.name},
+              {"pod", job["template"]["spec"]},
+              {"pods_per_job", job["parallelism"]}};
+}
+
+StatusOr<PodRoom> ParsePodRoom(std::string_view output) {
+  const json j = json::parse(output, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object() && j.contains("error") && j["error"].is_string()) {
+    return UnavailableError(j["error"].get<std::string>());
+  }
+  if (!j.is_object() || !j.contains("room") || !j["room"].is_number_integer() ||
+      !j.value("why", json()).is_object() || !j.value("leaving", json()).is_array()) {
+    return UnavailableError("the capacity query's answer is not what was expected: " +
+                            std::string(output.substr(0, 500)));
+  }
+  PodRoom room{.room = j["room"].get<int>()};
+  for (const auto& [node, why] : j["why"].items()) {
+    room.why += (room.why.empty() ? "" : "; ") + node + ": " +
+                (why.is_string() ? why.get<std::string>() : why.dump());
+  }
+  for (const json& l : j["leaving"]) {
+    if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() || !l[1].is_string()) {
+      return UnavailableError("the capacity query's answer has a malformed 'leaving': " +
+                              j["leaving"].dump());
+    }
+    room.leaving.emplace_back(l[0].get<int>(), l[1].get<std::string>());
+  }
+  return room;
+}
+
 KubernetesLauncher::KubernetesLauncher(KubernetesOptions options, config::ScalingConfig config,
                                        placement::Plan plan)
-    : options_(std::move(options)), config_(std::move(config)), plan_(std::move(plan)) {}
+    : options_(std::move(options)),
+      config_(std::move(config)),
+      plan_(std::move(plan)),
+      capacity_shape_(InternalError("not made")) {
+  StatusOr<json> shape = CapacityShape(config_, plan_, options_);
+  capacity_shape_ = shape.ok() ? StatusOr<std::string>(shape->dump()) : shape.status();
+}
 
 KubernetesLauncher::~KubernetesLauncher() {
   ReleaseKept();
@@ -639,6 +687,102 @@ StatusOr<std::vector<LaunchedProcess>> KubernetesLauncher::Launch(
 }
 
 void KubernetesLauncher::Interrupt() { interrupted_ = true; }
+
+// --- elastic runs -------------------------------------------------------------------------------
+
+namespace {
+
+// The rank of a pod slot ("pod-3": 3); -1 for a name that is none.
+int SlotRank(const std::string& host) {
+  const std::string_view prefix = kPodSlotPrefix;
+  if (host.compare(0, prefix.size(), prefix) != 0 || host.size() == prefix.size()) return -1;
+  int rank = 0;
+  for (char c : host.substr(prefix.size())) {
+    if (c < '0' || c > '9' || rank > 1'000'000) return -1;
+    rank = rank * 10 + (c - '0');
+  }
+  return rank;
+}
+
+}  // namespace
+
+StatusOr<PodRoom> KubernetesLauncher::AskRoom(int cancel_fd) {
+  if (interrupted_.load()) return CancelledError("the run is being stopped");
+  JT_ASSIGN_OR_RETURN(const std::string shape, capacity_shape_);
+  std::vector<std::string> argv = options_.supervisor_argv;
+  argv.push_back("--capacity");
+  argv.push_back(shape);
+  const std::vector<std::string> env = SupervisorEnvironment();
+  StatusOr<std::string> out = RunToEnd({.argv = argv, .env = &env, .search_path = true},
+                                       std::chrono::seconds(60), cancel_fd);
+  if (out.status().code() == StatusCode::kCancelled) return out.status();
+  StatusOr<PodRoom> room = out.ok() ? ParsePodRoom(Trim(*out)) : out.status();
+  const int wanted = config_.num_workers();
+  std::string said;
+  if (!room.ok()) {
+    said = "kubernetes: cannot tell how many of the run's pods the cluster has room for (" +
+           room.status().message() +
+           "); the run takes all of them as there (an elastic run needs to list nodes and pods: "
+           "the ClusterRole jaxtrain-cluster of docs/kubernetes-rbac.yaml)";
+  } else if (room->room < wanted) {
+    said = "kubernetes: the cluster has room for " + std::to_string(room->room) + " of the run's " +
+           std::to_string(wanted) + " worker pods" +
+           (room->why.empty() ? "" : " (" + room->why + ")");
+  } else {
+    said = "kubernetes: the cluster has room for all " + std::to_string(wanted) +
+           " of the run's worker pods";
+  }
+  {
+    MutexLock lock(room_mu_);
+    // Said when it changes; the first answer only when it is not all of them.
+    const bool first_and_full = said_room_.empty() && room.ok() && room->room >= wanted;
+    if (said != said_room_ && !first_and_full) Say(said);
+    said_room_ = said;
+  }
+  return room;
+}
+
+StatusOr<std::vector<std::string>> KubernetesLauncher::UnreachableHosts(
+    const std::vector<std::string>& hosts, Duration wait, int cancel_fd) {
+  auto probe = [&]() -> StatusOr<std::vector<std::string>> {
+    StatusOr<PodRoom> room = AskRoom(cancel_fd);
+    if (room.status().code() == StatusCode::kCancelled) return room.status();
+    std::vector<std::string> down;
+    if (!room.ok()) return down;  // said; every slot taken as there
+    for (const std::string& host : hosts) {
+      if (SlotRank(host) >= room->room) down.push_back(host);
+    }
+    return down;
+  };
+  return ProbeUntil(probe, wait, cancel_fd, interrupted_);
+}
+
+StatusOr<std::vector<std::string>> KubernetesLauncher::LeavingHosts(
+    const std::vector<std::string>& hosts, int cancel_fd) {
+  StatusOr<PodRoom> room = AskRoom(cancel_fd);
+  if (room.status().code() == StatusCode::kCancelled) return room.status();
+  if (!room.ok()) return std::vector<std::string>{};
+  // The pods are alike: as many slots leave as the run has pods on cordoned nodes, the last ones.
+  size_t leaving = 0;
+  for (const auto& [rank, node] : room->leaving) {
+    const std::string slot = kPodSlotPrefix + std::to_string(rank);
+    if (std::find(hosts.begin(), hosts.end(), slot) == hosts.end()) continue;
+    Say("kubernetes: node " + node + ", where rank " + std::to_string(rank) +
+        "'s pod trains, is cordoned");
+    ++leaving;
+  }
+  return std::vector<std::string>(
+      hosts.end() - static_cast<ptrdiff_t>(std::min(leaving, hosts.size())), hosts.end());
+}
+
+Status KubernetesLauncher::UsePlan(const placement::Plan& plan) {
+  if (config_.use_tpu()) {
+    return FailedPreconditionError("an elastic TPU run does not resize on Kubernetes");
+  }
+  if (plan.workers.empty()) return InvalidArgumentError("the plan has no rank");
+  plan_ = plan;
+  return OkStatus();
+}
 
 Status KubernetesLauncher::PrepareNext(const std::vector<ProcessSpec>& specs) {
   if (pid_ > 0 && kill(pid_, SIGUSR2) != 0 && errno != ESRCH) {

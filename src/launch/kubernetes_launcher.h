@@ -41,8 +41,16 @@
 // Kueue eviction suspends the JobSet, whose pods are deleted: their SIGTERM is the workers'
 // preemption notice (docs/preemption.md), and the next attempt's JobSet is queued again.
 //
-// Thread-safety: used by the controller's event loop only, except Interrupt(). JobSetManifest is a
-// pure function.
+// Elastic runs (docs/elastic.md): the units an elastic run resizes by are its pods, one rank each,
+// named kPodSlotPrefix + rank ("pod-0", "pod-1", ...) as its hosts. Which of them can be had is the
+// room the cluster has for the run's pods (`supervisor_argv --capacity SHAPE`,
+// python/jaxtrain/kubernetes/capacity.py): nodes Ready, not cordoned, matching the pods'
+// nodeSelector, without a taint they do not tolerate, and with the pods' requests free. A pod of
+// the run on a node being cordoned is a host the cluster takes from the run (LeavingHosts). Not for
+// TPU slices: an elastic TPU run on Kubernetes trains on max workers, as a fixed-size run.
+//
+// Thread-safety: used by the controller's event loop only, except Interrupt(), UnreachableHosts()
+// and LeavingHosts() (the capacity monitor's thread). JobSetManifest is a pure function.
 #pragma once
 
 #include <sys/types.h>
@@ -57,6 +65,7 @@
 
 #include "accelerators/discovery.h"
 #include "accelerators/tpu.h"
+#include "base/mutex.h"
 #include "base/status.h"
 #include "config/scaling_config.h"
 #include "launch/launcher.h"
@@ -142,6 +151,31 @@ StatusOr<nlohmann::json> JobSetRequest(const config::ScalingConfig& config,
 // SIGKILL). nullopt for any other line.
 std::optional<TaskEnd> ParseKubernetesTaskEnd(std::string_view line);
 
+// The host name of an elastic run's pod of rank `rank` ("pod-1").
+inline constexpr char kPodSlotPrefix[] = "pod-";
+
+// `plan` (PlanForKubernetes) cut to its first `workers` ranks, each on the pod slot of its rank:
+// an elastic run's plan on Kubernetes. Errors: kInvalidArgument as placement::PlanPerHost.
+StatusOr<placement::Plan> PlanOnPodSlots(const placement::Plan& plan, int workers);
+
+// What the capacity query is asked about (python/jaxtrain/kubernetes/capacity.py): the run's label
+// value ("run"), one worker pod's spec ("pod", as JobSetManifest makes it) and the pods per Job.
+// Errors: as JobSetManifest.
+StatusOr<nlohmann::json> CapacityShape(const config::ScalingConfig& config,
+                                       const placement::Plan& plan,
+                                       const KubernetesOptions& options);
+
+// The capacity query's answer.
+struct PodRoom {
+  int room = 0;                                      // pods of the run the cluster has room for
+  std::vector<std::pair<int, std::string>> leaving;  // (rank, node) of its pods on a cordoned node
+  std::string why;                                   // "node2: cordoned; ...": nodes with no room
+};
+
+// Parses the capacity query's JSON line. Errors: kUnavailable with the query's own error, or
+// naming what is malformed.
+StatusOr<PodRoom> ParsePodRoom(std::string_view output);
+
 class KubernetesLauncher : public Launcher {
  public:
   KubernetesLauncher(KubernetesOptions options, config::ScalingConfig config, placement::Plan plan);
@@ -174,6 +208,17 @@ class KubernetesLauncher : public Launcher {
   // A Launch() waiting for Kueue's admission ends with kCancelled, its JobSet deleted.
   void Interrupt() override;
 
+  // Elastic runs (hosts are pod slots, PlanOnPodSlots): the slots beyond the room the cluster has
+  // for the run's pods, asked again with backoff for up to `wait`; a query that cannot be made is
+  // said once and takes every slot as there.
+  StatusOr<std::vector<std::string>> UnreachableHosts(const std::vector<std::string>& hosts,
+                                                      Duration wait, int cancel_fd) override;
+  // The slots of `hosts` whose pods are on nodes being cordoned.
+  StatusOr<std::vector<std::string>> LeavingHosts(const std::vector<std::string>& hosts,
+                                                  int cancel_fd) override;
+  // The next JobSet has the plan's ranks. Errors: kFailedPrecondition for a TPU run.
+  Status UsePlan(const placement::Plan& plan) override;
+
   // The last Launch()'s wait for Kueue's admission: from the supervisor's start to its
   // "admitted" line (or its end); 0 without a queue.
   double QueueWait() const override { return queue_wait_s_; }
@@ -191,6 +236,9 @@ class KubernetesLauncher : public Launcher {
   // controller), until it says its JobSet is admitted or its output ends, saying each line.
   // Errors: kCancelled after Interrupt(), the supervisor told to delete the JobSet and reaped.
   Status AwaitAdmission(pid_t pid, int output_fd);
+  // Asks the cluster for the room it has for the run's pods (capacity.py); says on the driver's
+  // stderr when the answer changes. Errors: kCancelled; kUnavailable when it cannot be asked.
+  StatusOr<PodRoom> AskRoom(int cancel_fd);
 
   KubernetesOptions options_;
   config::ScalingConfig config_;
@@ -202,6 +250,10 @@ class KubernetesLauncher : public Launcher {
   std::atomic<bool> interrupted_{false};
   std::string request_dir_;   // made by the first Launch(); "" when none
   std::string request_path_;  // the last Launch()'s request file; "" when none
+  // The capacity query's shape (CapacityShape), made once; and what the last answers said.
+  StatusOr<std::string> capacity_shape_;
+  Mutex room_mu_;
+  std::string said_room_ GUARDED_BY(room_mu_);
 };
 
 }  // namespace jaxtrain::launch

@@ -498,5 +498,123 @@ TEST(ParseKubernetesTaskEndTest, ReadsTheSupervisorsLines) {
   }
 }
 
+// --- elastic runs ---------------------------------------------------------------------------
+
+TEST(PodSlotsTest, AnElasticRunsPodsAreItsHostsAndAFewerOnesJobSetHasFewerPods) {
+  auto c = Config({.num_workers = 4, .min_workers = 2});
+  accelerators::FakeHost host;
+  auto full = PlanForKubernetes(c, host);
+  ASSERT_TRUE(full.ok());
+  auto slots = PlanOnPodSlots(*full, 4);
+  ASSERT_TRUE(slots.ok()) << slots.status().message();
+  ASSERT_EQ(slots->workers.size(), 4u);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(slots->workers[r].host, "pod-" + std::to_string(r));
+  auto fewer = PlanOnPodSlots(*slots, 2);
+  ASSERT_TRUE(fewer.ok()) << fewer.status().message();
+  ASSERT_EQ(fewer->workers.size(), 2u);
+  auto m = JobSetManifest(c, *fewer, Options(), "run-abcde-2", {});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ((*m)["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"], 2);
+  EXPECT_EQ(Env(Pod(*m), "JAXTRAIN_K8S_PODS_PER_JOB").value()["value"], "2");
+}
+
+TEST(PodSlotsTest, TheCapacityQueryIsAskedAboutOnePodOfTheRun) {
+  auto c = Config({.num_workers = 2, .min_workers = 1, .resources_per_worker = {{"CPU", 1.5}}});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok());
+  auto shape = CapacityShape(c, *plan, Options());
+  ASSERT_TRUE(shape.ok()) << shape.status().message();
+  EXPECT_EQ((*shape)["run"], "run-abcde");
+  EXPECT_EQ((*shape)["pods_per_job"], 2);
+  EXPECT_EQ((*shape)["pod"]["containers"][0]["resources"]["requests"]["cpu"], "1.5");
+}
+
+TEST(ParsePodRoomTest, ReadsTheRoomTheNodesWithoutItAndThePodsLeaving) {
+  auto room = ParsePodRoom(
+      R"({"room": 1, "why": {"node2": "cordoned", "node3": "not Ready"}, "leaving": [[1, "node2"]]})");
+  ASSERT_TRUE(room.ok()) << room.status().message();
+  EXPECT_EQ(room->room, 1);
+  EXPECT_EQ(room->why, "node2: cordoned; node3: not Ready");
+  ASSERT_EQ(room->leaving.size(), 1u);
+  EXPECT_EQ(room->leaving[0], (std::pair<int, std::string>{1, "node2"}));
+
+  auto error = ParsePodRoom(R"({"error": "cannot list the cluster's nodes and pods: HTTP 403"})");
+  EXPECT_EQ(error.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(error.status().message(), "cannot list the cluster's nodes and pods: HTTP 403");
+  for (const char* bad : {"", "Traceback (most recent call last):", R"({"room": "2"})",
+                          R"({"room": 2, "why": {}, "leaving": [3]})"}) {
+    EXPECT_EQ(ParsePodRoom(bad).status().code(), StatusCode::kUnavailable) << bad;
+  }
+}
+
+// A launcher whose capacity query is a shell script printing `answer`.
+KubernetesLauncher RoomLauncher(const std::string& answer, const config::ScalingConfig& c) {
+  KubernetesOptions o = Options();
+  o.supervisor_argv = {"sh", "-c", "echo '" + answer + "'", "sh"};
+  accelerators::FakeHost host;
+  return KubernetesLauncher(o, c, *PlanForKubernetes(c, host));
+}
+
+TEST(KubernetesLauncherTest, ThePodSlotsBeyondTheClustersRoomAreUnreachable) {
+  auto c = Config({.num_workers = 3, .min_workers = 1});
+  const std::vector<std::string> slots = {"pod-0", "pod-1", "pod-2"};
+  KubernetesLauncher two =
+      RoomLauncher(R"({"room": 2, "why": {"n3": "cordoned"}, "leaving": []})", c);
+  auto down = two.UnreachableHosts(slots, Duration::zero(), -1);
+  ASSERT_TRUE(down.ok()) << down.status().message();
+  EXPECT_EQ(*down, std::vector<std::string>{"pod-2"});
+  // The monitor asks about the missing slots only.
+  EXPECT_EQ(*two.UnreachableHosts({"pod-2"}, Duration::zero(), -1),
+            std::vector<std::string>{"pod-2"});
+
+  // One pod on a cordoned node: the last slot of those the group trains on leaves.
+  KubernetesLauncher leaving =
+      RoomLauncher(R"({"room": 2, "why": {"n1": "cordoned"}, "leaving": [[0, "n1"]]})", c);
+  auto left = leaving.LeavingHosts(slots, -1);
+  ASSERT_TRUE(left.ok()) << left.status().message();
+  EXPECT_EQ(*left, std::vector<std::string>{"pod-2"});
+
+  // A query that cannot be made takes every slot as there.
+  KubernetesLauncher denied = RoomLauncher(R"({"error": "HTTP 403 Forbidden"})", c);
+  EXPECT_TRUE(denied.UnreachableHosts(slots, Duration::zero(), -1)->empty());
+  EXPECT_TRUE(denied.LeavingHosts(slots, -1)->empty());
+  denied.Interrupt();
+  EXPECT_EQ(denied.UnreachableHosts(slots, Duration::zero(), -1).status().code(),
+            StatusCode::kCancelled);
+}
+
+TEST(KubernetesLauncherTest, ARoomTooSmallIsAskedAgainUntilTheWaitEnds) {
+  char dir[] = "/tmp/kubernetes-room-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string count = std::string(dir) + "/asked";
+  auto c = Config({.num_workers = 2, .min_workers = 1});
+  // Room for 1 the first time it is asked, for 2 after.
+  KubernetesOptions o = Options();
+  o.supervisor_argv = {"sh", "-c",
+                       "if [ -e " + count +
+                           " ]; then echo '{\"room\": 2, \"why\": {}, "
+                           "\"leaving\": []}'; else touch " +
+                           count + "; echo '{\"room\": 1, \"why\": {}, \"leaving\": []}'; fi",
+                       "sh"};
+  accelerators::FakeHost host;
+  KubernetesLauncher launcher(o, c, *PlanForKubernetes(c, host));
+  auto down = launcher.UnreachableHosts({"pod-0", "pod-1"}, std::chrono::seconds(30), -1);
+  ASSERT_TRUE(down.ok()) << down.status().message();
+  EXPECT_TRUE(down->empty());
+  unlink(count.c_str());
+  rmdir(dir);
+}
+
+TEST(KubernetesLauncherTest, ATpuRunIsNotResized) {
+  auto c = Config(
+      {.num_workers = 4, .use_tpu = true, .topology = "2x2x2", .accelerator_type = "TPU-V4"});
+  accelerators::FakeHost host;
+  auto plan = PlanForKubernetes(c, host);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  KubernetesLauncher launcher(Options(), c, *plan);
+  EXPECT_EQ(launcher.UsePlan(*plan).code(), StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace jaxtrain::launch

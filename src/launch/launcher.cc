@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -112,6 +113,29 @@ StatusOr<std::string> AddressTowards(const std::string& host) {
   }
   freeaddrinfo(found);
   return UnavailableError("no route from this host to '" + host + "': " + error);
+}
+
+StatusOr<std::vector<std::string>> ProbeUntil(
+    const std::function<StatusOr<std::vector<std::string>>()>& probe, Duration wait, int cancel_fd,
+    const std::atomic<bool>& interrupted) {
+  const auto give_up = std::chrono::steady_clock::now() + wait;
+  Duration retry = std::chrono::seconds(1);
+  for (;;) {
+    JT_ASSIGN_OR_RETURN(std::vector<std::string> down, probe());
+    auto now = std::chrono::steady_clock::now();
+    if (down.empty() || now >= give_up) return down;
+    const auto until = now + std::min<Duration>(retry, give_up - now);
+    while ((now = std::chrono::steady_clock::now()) < until) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
+      pollfd cancel{cancel_fd, POLLIN, 0};
+      if (poll(&cancel, 1, static_cast<int>(std::min<int64_t>(ms, 200))) > 0 ||
+          interrupted.load()) {
+        return CancelledError(
+            "the run is being stopped: the hosts were not asked about to the end");
+      }
+    }
+    retry = std::min<Duration>(retry * 2, std::chrono::seconds(10));
+  }
 }
 
 }  // namespace jaxtrain::launch

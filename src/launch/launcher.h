@@ -9,6 +9,8 @@
 
 #include <sys/types.h>
 
+#include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -151,6 +153,14 @@ class Launcher {
   // the hosts, up to its timeout, and is cut short).
   virtual void Interrupt() {}
 };
+
+// Asks `probe` which hosts are down until none is or `wait` has passed, waiting 1, 2, 4, ... (at
+// most 10) s between asks: how a launcher's UnreachableHosts waits for its hosts.
+// Errors: what `probe` returns; kCancelled as soon as `cancel_fd` (>= 0) becomes readable or
+// `interrupted` is set while it waits (Interrupt() sets a flag: the waits are short slices).
+StatusOr<std::vector<std::string>> ProbeUntil(
+    const std::function<StatusOr<std::vector<std::string>>()>& probe, Duration wait, int cancel_fd,
+    const std::atomic<bool>& interrupted);
 
 // One command for a whole group (a launcher for a cluster engine starts every rank the same way):
 // the ranks in order, and what every spec shares.

@@ -1,6 +1,7 @@
 #include "launch/process.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <string.h>
@@ -9,6 +10,8 @@
 
 #include <cerrno>
 #include <cstring>
+
+#include "base/strings.h"
 
 extern char** environ;
 
@@ -169,6 +172,54 @@ StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options) {
                   std::strerror(rc));
   }
   return Spawned{pid, pipefd[0]};
+}
+
+StatusOr<std::string> RunToEnd(SpawnOptions options, Duration timeout, int cancel_fd) {
+  options.process_group = 0;
+  StatusOr<Spawned> spawned = SpawnWithOutputPipe(options);
+  if (!spawned.ok()) {
+    return Status(spawned.status().code(),
+                  "cannot start '" + options.argv[0] + "': " + spawned.status().message());
+  }
+  const Spawned p = *spawned;
+  std::string out;
+  char buf[4096];
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool timed_out = false;
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    deadline - std::chrono::steady_clock::now())
+                    .count();
+    pollfd ready[] = {{p.output_fd, POLLIN, 0}, {cancel_fd, POLLIN, 0}};  // -1 is ignored
+    int r = left > 0 ? poll(ready, 2, static_cast<int>(std::min<int64_t>(left, 1 << 30))) : 0;
+    if (r < 0 && errno == EINTR) continue;
+    if (r > 0 && ready[1].revents != 0) {
+      killpg(p.pid, SIGKILL);
+      close(p.output_fd);
+      WaitForExit(p.pid);
+      return CancelledError("'" + options.argv[0] + "' was stopped: the run is being stopped");
+    }
+    if (r == 0) {
+      timed_out = true;
+      killpg(p.pid, SIGKILL);
+      break;
+    }
+    ssize_t n = read(p.output_fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  close(p.output_fd);
+  ExitStatus exit = WaitForExit(p.pid);
+  const std::string command = Join(options.argv, " ");
+  if (timed_out) {
+    return DeadlineExceededError("'" + command + "' did not finish within " +
+                                 FormatNumber(std::chrono::duration<double>(timeout).count()) +
+                                 " s and was killed");
+  }
+  if (!exit.ok())
+    return UnavailableError("'" + command + "' " + exit.ToString() + ": " + Trim(out));
+  return out;
 }
 
 }  // namespace jaxtrain::launch

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/status.h"
 
 namespace jaxtrain::launch {
@@ -67,6 +68,14 @@ StatusOr<Spawned> SpawnWithOutputPipe(const SpawnOptions& options);
 // pipe's buffer (4 KiB at least; the run secret is 64 bytes), so writing it never blocks.
 // Errors: kInternal when the pipe cannot be made or written.
 StatusOr<int> PipeHolding(std::string_view data);
+
+// Runs a short command to its end (in a new process group, stdin from /dev/null), its stdout and
+// stderr collected: killed, with its group, after `timeout`, or as soon as `cancel_fd` (>= 0)
+// becomes readable.
+// Errors: kNotFound or kUnavailable ("cannot start 'X': ...") as SpawnWithOutputPipe;
+// kUnavailable with its output when it exits non-zero; kDeadlineExceeded naming it when it
+// outlives `timeout`; kCancelled when cancelled.
+StatusOr<std::string> RunToEnd(SpawnOptions options, Duration timeout, int cancel_fd = -1);
 
 // The same child started as /bin/sh, which changes to options.cwd and then execs options.argv.
 SpawnOptions ChdirThroughShell(const SpawnOptions& options);

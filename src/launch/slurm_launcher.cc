@@ -82,52 +82,23 @@ StatusOr<Spawned> Spawn(const std::vector<std::string>& argv,
   return *spawned;
 }
 
-// Runs a short Slurm command to its end, killing it after `timeout` (Slurm's clients retry an
-// unreachable slurmctld for MessageTimeout, 10 s by default, several times; the loop that asks
-// must never wait for one without bound). Errors: kUnavailable with its output when it cannot be
-// started or exits non-zero; kDeadlineExceeded naming it when it outlives `timeout`.
-// With `cancel_fd` (>= 0): killed as soon as it becomes readable, kCancelled.
+// Runs a short Slurm command to its end (RunToEnd), killing it after `timeout` (Slurm's clients
+// retry an unreachable slurmctld for MessageTimeout, 10 s by default, several times; the loop that
+// asks must never wait for one without bound). Errors: as RunToEnd, all but kCancelled and
+// kDeadlineExceeded as kUnavailable.
 StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
                                  Duration timeout = kSlurmCommandTimeout, int cancel_fd = -1) {
-  JT_ASSIGN_OR_RETURN(Spawned p, Spawn(argv, nullptr, true));
-  std::string out;
-  char buf[4096];
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  bool timed_out = false;
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                    deadline - std::chrono::steady_clock::now())
-                    .count();
-    pollfd ready[] = {{p.output_fd, POLLIN, 0}, {cancel_fd, POLLIN, 0}};  // -1 is ignored
-    int r = left > 0 ? poll(ready, 2, static_cast<int>(std::min<int64_t>(left, 1 << 30))) : 0;
-    if (r < 0 && errno == EINTR) continue;
-    if (r > 0 && ready[1].revents != 0) {
-      killpg(p.pid, SIGKILL);
-      close(p.output_fd);
-      WaitForExit(p.pid);
-      return CancelledError("'" + argv[0] + "' was stopped: the run is being stopped");
-    }
-    if (r == 0) {
-      timed_out = true;
-      killpg(p.pid, SIGKILL);
-      break;
-    }
-    ssize_t n = read(p.output_fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
+  StatusOr<std::string> out = RunToEnd({.argv = argv, .search_path = true}, timeout, cancel_fd);
+  switch (out.status().code()) {
+    case StatusCode::kNotFound:
+      return UnavailableError(out.status().message() +
+                              " (is Slurm's client installed and on PATH?)");
+    case StatusCode::kDeadlineExceeded:
+      return DeadlineExceededError(out.status().message() + " (is slurmctld reachable?)");
+    case StatusCode::kOk:
+    case StatusCode::kCancelled: return out;
+    default: return UnavailableError(out.status().message());
   }
-  close(p.output_fd);
-  ExitStatus exit = WaitForExit(p.pid);
-  const std::string command = Join(argv, " ");
-  if (timed_out) {
-    return DeadlineExceededError("'" + command + "' did not finish within " +
-                                 FormatNumber(std::chrono::duration<double>(timeout).count()) +
-                                 " s and was killed (is slurmctld reachable?)");
-  }
-  if (!exit.ok())
-    return UnavailableError("'" + command + "' " + exit.ToString() + ": " + Trim(out));
-  return out;
 }
 
 std::string FilesystemName(int64_t type) {
@@ -963,26 +934,8 @@ StatusOr<std::vector<std::string>> SlurmLauncher::UnusableNodes(
 
 StatusOr<std::vector<std::string>> SlurmLauncher::UnreachableHosts(
     const std::vector<std::string>& hosts, Duration wait, int cancel_fd) {
-  const auto give_up = std::chrono::steady_clock::now() + wait;
-  Duration retry = std::chrono::seconds(1);
-  for (;;) {
-    JT_ASSIGN_OR_RETURN(std::vector<std::string> down,
-                        UnusableNodes(hosts, cancel_fd, /*if_unknown=*/true));
-    auto now = std::chrono::steady_clock::now();
-    if (down.empty() || now >= give_up) return down;
-    // Waits in short slices: Interrupt() sets a flag, not a descriptor.
-    const auto until = now + std::min<Duration>(retry, give_up - now);
-    while ((now = std::chrono::steady_clock::now()) < until) {
-      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
-      pollfd cancel{cancel_fd, POLLIN, 0};
-      if (poll(&cancel, 1, static_cast<int>(std::min<int64_t>(ms, 200))) > 0 ||
-          interrupted_.load()) {
-        return CancelledError(
-            "the run is being stopped: the nodes were not asked about to the end");
-      }
-    }
-    retry = std::min<Duration>(retry * 2, std::chrono::seconds(10));
-  }
+  return ProbeUntil([&] { return UnusableNodes(hosts, cancel_fd, /*if_unknown=*/true); }, wait,
+                    cancel_fd, interrupted_);
 }
 
 StatusOr<std::vector<std::string>> SlurmLauncher::LeavingHosts(

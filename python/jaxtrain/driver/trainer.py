@@ -177,11 +177,11 @@ class JaxTrainer:
         run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
         warn_if_locks_stay_local(run_dir)
         launcher_options = ""
-        if self.scaling_config.elastic and not launcher.resizes:
+        if self.scaling_config.elastic and not launcher.resizes_run(self.scaling_config):
             sys.stderr.write(
                 f"jaxtrain: ScalingConfig.num_workers={self.scaling_config.num_workers!r}: the "
-                f"{launcher.name} launcher does not resize a run (docs/elastic.md); it trains on "
-                f"{self.scaling_config.max_workers} workers, as a fixed-size run\n")
+                f"{launcher.name} launcher does not resize this run (docs/elastic.md); it trains "
+                f"on {self.scaling_config.max_workers} workers, as a fixed-size run\n")
         store = None  # the hosts upload their checkpoints to object storage themselves
         if local is not None:
             in_memory = None  # the driver's process keeps no copies in host memory

@@ -37,6 +37,14 @@ _NEEDED = [("create", JOBSET_GROUP, "jobsets", ""), ("delete", JOBSET_GROUP, "jo
 # And to restart in place (JAXTRAIN_K8S_IN_PLACE): a new attempt's worker is started in a kept pod
 # through exec, which the API server authorizes as `create` (as `get` too before websockets).
 _NEEDED_IN_PLACE = [("create", "", "pods", "exec"), ("get", "", "pods", "exec")]
+# What a run reads beyond its namespace's Role where it may, saying so where it may not (the
+# ClusterRole "jaxtrain-cluster"): the nodes, watched for GKE's impending-termination taint; the
+# nodes and every namespace's pods, listed for an elastic run's room
+# (python/jaxtrain/kubernetes/capacity.py); Kueue's objects, for their reasons and checks.
+_NEEDED_CLUSTER = [("list", "", "nodes", ""), ("watch", "", "nodes", ""), ("list", "", "pods", ""),
+                   ("get", KUEUE_GROUP, "workloadpriorityclasses", ""),
+                   ("get", KUEUE_GROUP, "localqueues", ""), ("list", KUEUE_GROUP, "localqueues", ""),
+                   ("list", KUEUE_GROUP, "workloads", "")]
 # What `jaxtrain submit`, `status` and `logs` do (the Role "jaxtrain-submit").
 _NEEDED_TO_SUBMIT = [("create", "", "configmaps", ""), ("patch", "", "configmaps", ""),
                      ("create", "", "secrets", ""), ("patch", "", "secrets", ""),

@@ -561,8 +561,8 @@ class Supervisor:
                         self.cannot_watch_nodes = True
                         self.out.say(f"cannot watch node {node} ({error_reason(e)}): GKE's "
                                      f"{GKE_TERMINATION_TAINT} taint is not seen in this attempt "
-                                     "(a ClusterRole with get, list and watch of nodes lets it "
-                                     "be; docs/kubernetes.md)")
+                                     "(the ClusterRole jaxtrain-cluster of "
+                                     "docs/kubernetes-rbac.yaml lets it be)")
                     return
                 if status == 410:
                     version = None
@@ -947,6 +947,10 @@ def main(argv: list[str]) -> int:
         return supervise(argv[1])
     if len(argv) == 3 and argv[:2] == ["supervise", "--release"]:
         return release(argv[2])
+    if len(argv) == 3 and argv[:2] == ["supervise", "--capacity"]:
+        from jaxtrain.kubernetes.capacity import capacity
+
+        return capacity(argv[2])
     sys.stderr.write("python -m jaxtrain.kubernetes is started by jaxtrain's Kubernetes "
                      "launcher; it is not run by hand\n")
     return 2
