@@ -213,8 +213,8 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 wait_for("attempt 0's rounds", lambda: len(rounds(out)) >= ROUNDS_BEFORE_CUT,
                          driver)
+                t_cut = time.time()  # before: losing a host may take a while (kubectl)
                 with lose():
-                    t_cut = time.time()
                     print("host2 lost", flush=True)
                     wait_for(f"a round on {least} workers",
                              lambda: first_round(out, least) is not None, driver)

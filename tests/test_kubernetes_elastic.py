@@ -38,9 +38,9 @@ K8S_ELASTIC_RUN = ELASTIC_RUN.replace(
     "EPOCHS = 6\n", 'EPOCHS = 6\nREADY = os.path.abspath("ready")  # the pods\' cwd is not it\n')
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes(kubernetes_cluster: KubernetesCluster) -> Iterator[KubernetesCluster]:
-    """The cluster with node2 added for the test, and taken away after it."""
+    """The cluster with node2 added for these tests, and taken away after them."""
     started = subprocess.run([str(SCRIPT), "node2", "start"], capture_output=True, text=True,
                              timeout=600)
     try:

@@ -275,6 +275,12 @@ CTR2_SOCK=$N2/run/containerd/containerd.sock
 node2_holder() { local p; p=$(cat "$N2/run/holder.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null && echo "$p"; }
 in_n2() { nsenter -t "$(node2_holder)" -m -n "$@"; }
 
+# The roots of the cgroup hierarchies: one per controller (v1), or the unified one (v2).
+cgroup_roots() {
+  if [[ -f /sys/fs/cgroup/cgroup.controllers ]]; then echo /sys/fs/cgroup
+  else local c; for c in /sys/fs/cgroup/*/; do [[ -f $c/cgroup.procs ]] && echo "${c%/}"; done; fi
+}
+
 node2_configs() {
   mkdir -p "$N2/run" "$N2/var" "$N2/etc/cni" "$N2/logs"
   if [[ ! -f $PKI/kubelet2.crt ]]; then
@@ -323,9 +329,9 @@ node2_namespaces() {
   in_n2 ip route add default via "$NODE_IP" dev eth0
   in_n2 sysctl -qw net.ipv4.ip_forward=1
   local c
-  for c in /sys/fs/cgroup/*/; do [[ -d $c/node2 ]] || mkdir "$c/node2" 2>/dev/null || true; done
+  for c in $(cgroup_roots); do [[ -d $c/node2 ]] || mkdir "$c/node2" 2>/dev/null || true; done
   # cgroup v1's cpuset: a new cgroup has no CPUs or memory nodes until given its parent's.
-  if [[ -f /sys/fs/cgroup/cpuset/cpuset.cpus ]]; then
+  if [[ -f /sys/fs/cgroup/cpuset/cpuset.cpus && ! -s /sys/fs/cgroup/cpuset/node2/cpuset.cpus ]]; then
     cat /sys/fs/cgroup/cpuset/cpuset.cpus >/sys/fs/cgroup/cpuset/node2/cpuset.cpus
     cat /sys/fs/cgroup/cpuset/cpuset.mems >/sys/fs/cgroup/cpuset/node2/cpuset.mems
   fi
@@ -370,10 +376,14 @@ node2_stop() {
     kill "$(node2_holder)" 2>/dev/null || true
   fi
   rm -f "$N2/run/holder.pid"
-  holder >/dev/null && kc delete node node2 --ignore-not-found --wait=false >/dev/null 2>&1 || true
+  # Its Node object (kubectl is at hand only when the cluster's binaries are; start removes a stale
+  # one otherwise).
+  if [[ -n ${BIN:-} ]] && holder >/dev/null; then
+    kc delete node node2 --ignore-not-found --wait=false >/dev/null 2>&1 || true
+  fi
   local c
-  for c in /sys/fs/cgroup/*/node2; do
-    [[ -d $c ]] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+  for c in $(cgroup_roots); do
+    [[ -d $c/node2 ]] && find "$c/node2" -depth -type d -exec rmdir {} \; 2>/dev/null || true
   done
 }
 
@@ -418,6 +428,7 @@ start() {
   daemon kubelet "$BIN/kubelet" --config="$ETC/kubelet.yaml" --kubeconfig="$PKI/kubelet.kubeconfig" \
     --root-dir="$VAR/kubelet" --hostname-override=node1 --node-ip=$NODE_IP --v=1
   wait_for "the node" 120 node_ready node1
+  node2_holder >/dev/null || kc delete node node2 --ignore-not-found --wait=false >/dev/null
   in_ns sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
   daemon kube-proxy "$BIN/kube-proxy" --kubeconfig="$PKI/admin.kubeconfig" --hostname-override=node1 \
     --proxy-mode=iptables --cluster-cidr=$POD_CIDR --conntrack-max-per-core=0 \

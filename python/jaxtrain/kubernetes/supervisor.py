@@ -671,7 +671,9 @@ class Supervisor:
             kept = json.load(f)
         name = kept["jobset"]["metadata"]["name"]
         why = ""
-        if kept["shape"] != self._shape(self.jobset, self.name):
+        if int(kept.get("ranks", self.ranks)) != self.ranks:
+            why = f"the run resized from {kept['ranks']} to {self.ranks} pods"
+        elif kept["shape"] != self._shape(self.jobset, self.name):
             why = "the pods' spec changed"
         pods: dict[str, Any] = {}
         if not why:
