@@ -70,3 +70,21 @@ def test_the_runs_pods_on_cordoned_nodes_are_leaving_with_their_rank_and_node():
             pod("b", "1500m", run=RUN, rank=1, deleting=True), pod("b", "1")]
     answer = room(shape(), [node("a"), node("b", cordoned=True)], pods)
     assert answer == {"room": 1, "why": {"b": "cordoned"}, "leaving": [[1, "b"]]}
+
+
+def test_a_tpu_runs_room_is_whole_slices_one_per_node_pool():
+    def tpu_node(name: str, pool: str, **kw) -> dict:
+        n = node(name, labels={"cloud.google.com/gke-nodepool": pool}, **kw)
+        n["status"]["allocatable"]["google.com/tpu"] = "4"
+        return n
+
+    tpu = {"run": RUN, "pods_per_job": 2, "slice_pods": 2,
+           "slice_domain": "cloud.google.com/gke-nodepool",
+           "pod": {"containers": [{"resources": {"limits": {"google.com/tpu": "4"}}}]}}
+    pools = [tpu_node("a1", "a"), tpu_node("a2", "a"), tpu_node("b1", "b"), tpu_node("b2", "b")]
+    assert room(tpu, pools, [])["room"] == 4  # two slices of two hosts
+    # A pool with a host cordoned cannot hold a slice; JobSet puts one slice in a pool.
+    pools[3] = tpu_node("b2", "b", cordoned=True)
+    assert room(tpu, pools, [])["room"] == 2
+    assert room(tpu, [tpu_node("a1", "a"), tpu_node("a2", "a"), tpu_node("a3", "a"),
+                      tpu_node("a4", "a")], [])["room"] == 2

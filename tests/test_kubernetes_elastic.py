@@ -3,10 +3,15 @@ second node that `cluster.sh node2 start` adds; docs/elastic.md): ScalingConfig(
 with pods that each need most of a node's CPUs, so one pod runs on each node. node2 cordoned and its
 pod deleted, as a node taken for maintenance would be: the run goes on with one pod from its
 latest checkpoint; node2 uncordoned: it grows back to two pods at its next checkpoint and
-finishes, each epoch's rows seen once. Real JAX collectives between the pods."""
+finishes, each epoch's rows seen once. Real JAX collectives between the pods. The same with
+node2 only cordoned, for a TPU v6e 2x2 run of one or two slices simulated on CPU pods, each node
+labelled as a GKE TPU node pool of its own that offers one slice's 4 chips: the run leaves the
+slice at its next checkpoint and comes back to two slices, each attempt's MEGASCALE_NUM_SLICES
+made for its slices."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -34,8 +39,38 @@ K8S_ELASTIC_RUN = ELASTIC_RUN.replace(
     'ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1.5}, '
     "elastic_resize_monitor_interval_s=2)",
 ).replace("time.sleep(0.3)", "time.sleep(1.0)").replace(
+    '"attempt": ctx.get_attempt()}',
+    '"attempt": ctx.get_attempt(), "slices": os.environ.get("MEGASCALE_NUM_SLICES")}').replace(
     'Path("ready")', "Path(READY)").replace(
     "EPOCHS = 6\n", 'EPOCHS = 6\nREADY = os.path.abspath("ready")  # the pods\' cwd is not it\n')
+
+# The same as simulated TPU slices: one host of 4 chips each, one slice a node (a node pool).
+TPU_ELASTIC_RUN = K8S_ELASTIC_RUN.replace(
+    'resources_per_worker={"CPU": 1.5}',
+    'use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"')
+
+TPU_LABELS = ("cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology",
+              "cloud.google.com/gke-nodepool")
+
+
+@contextlib.contextmanager
+def tpu_node_pools(k: KubernetesCluster) -> Iterator[None]:
+    """node1 and node2 labelled as two GKE TPU v6e 2x2 node pools, each offering 4 chips."""
+    for node in ("node1", "node2"):
+        k.kubectl("label", "node", node, "--overwrite",
+                  "cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice",
+                  "cloud.google.com/gke-tpu-topology=2x2",
+                  f"cloud.google.com/gke-nodepool=tpu-{node}")
+        k.kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p", json.dumps(
+            [{"op": "add", "path": "/status/capacity/google.com~1tpu", "value": "4"}]))
+    try:
+        yield
+    finally:
+        for node in ("node1", "node2"):
+            k.kubectl("label", "node", node, *(f"{label}-" for label in TPU_LABELS), check=False)
+            k.kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p",
+                      json.dumps([{"op": "remove", "path": "/status/capacity/google.com~1tpu"}]),
+                      check=False)
 
 
 @pytest.fixture(scope="module")
@@ -56,27 +91,42 @@ def _node_of_pods(k: KubernetesCluster, ns: str) -> dict[str, str]:
             if not p["metadata"].get("deletionTimestamp")}
 
 
-@pytest.mark.parametrize("pod_deleted", [True, False], ids=["pod-deleted", "cordoned-only"])
+@pytest.mark.parametrize("pod_deleted", [True, False], ids=["pod-deleted", "cordoned-only-tpu"])
 def test_a_cordoned_node_shrinks_the_run_and_uncordoned_grows_it_back(two_nodes, tmp_path,
                                                                       pod_deleted):
     """Cordoned with its pod deleted, node2's pod fails its attempt, and the restart finds no
     room for it. Cordoned only (the first step of `kubectl drain`), the run leaves node2 at its
-    next committed checkpoint, a planned resize that loses no work and counts no failure."""
+    next committed checkpoint, a planned resize that loses no work and counts no failure; this
+    run is of TPU slices, which it leaves and gets back whole."""
     assert K8S_ELASTIC_RUN.count("num_workers=(1, 2)") == 1 and "sleep(1.0)" in K8S_ELASTIC_RUN \
-        and "Path(READY)" in K8S_ELASTIC_RUN and "READY = " in K8S_ELASTIC_RUN
+        and "Path(READY)" in K8S_ELASTIC_RUN and "READY = " in K8S_ELASTIC_RUN \
+        and '"slices": ' in K8S_ELASTIC_RUN and "use_tpu=True" in TPU_ELASTIC_RUN
     k = two_nodes
     ns = k.namespace()
     workdir = tmp_path / "runs"
     workdir.mkdir()
-    (workdir / "train.py").write_text(K8S_ELASTIC_RUN)
-    with open(tmp_path / "driver.err", "w") as err_file:
-        driver = k.popen([sys.executable, "train.py"], k.driver_env(ns, workdir), workdir,
+    (workdir / "train.py").write_text(K8S_ELASTIC_RUN if pod_deleted else TPU_ELASTIC_RUN)
+    env = k.driver_env(ns, workdir, **({} if pod_deleted else {"JAXTRAIN_SIMULATE": "1"}))
+    tpu = contextlib.nullcontext() if pod_deleted else tpu_node_pools(k)
+    with tpu, open(tmp_path / "driver.err", "w") as err_file:
+        driver = k.popen([sys.executable, "train.py"], env, workdir,
                          stdout=subprocess.PIPE, stderr=err_file, text=True)
+        out, err = _shrink_and_grow(k, ns, driver, workdir, tmp_path, pod_deleted)
+
+    assert driver.returncode == 0, out[-2000:] + err[-5000:]
+    _check_shrunk_and_grown(k, ns, workdir / "elastic", out, err, pod_deleted)
+
+
+def _shrink_and_grow(k: KubernetesCluster, ns: str, driver: subprocess.Popen, workdir: Path,
+                     tmp_path: Path, pod_deleted: bool) -> tuple[str, str]:
+    """node2 cordoned (and its pod deleted) once the run has trained a while, uncordoned once it
+    has recorded a round on one worker; the driver's stdout and stderr once it ends."""
     run = workdir / "elastic"
 
     def said() -> str:
         return (tmp_path / "driver.err").read_text()[-5000:]
 
+    out = ""
     try:
         wait_for("rank 0 past step 5", lambda: (workdir / "ready").exists() or
                  driver.poll() is not None, timeout=300)
@@ -99,9 +149,11 @@ def test_a_cordoned_node_shrinks_the_run_and_uncordoned_grows_it_back(two_nodes,
         if driver.poll() is None:
             driver.kill()
             driver.communicate()
-    err = (tmp_path / "driver.err").read_text()
+    return out, (tmp_path / "driver.err").read_text()
 
-    assert driver.returncode == 0, out[-2000:] + err[-5000:]
+
+def _check_shrunk_and_grown(k: KubernetesCluster, ns: str, run: Path, out: str, err: str,
+                            pod_deleted: bool) -> None:
     assert "jaxtrain: resizing the run from 2 to 1 workers" in err, err[-5000:]
     assert "jaxtrain: kubernetes: the cluster has room for 1 of the run's 2 worker pods " \
            "(node2: cordoned)" in err, err[-5000:]
@@ -125,4 +177,7 @@ def test_a_cordoned_node_shrinks_the_run_and_uncordoned_grows_it_back(two_nodes,
     check_every_epoch_seen_once(run, {a: w for a, w in worlds.items()
                                       if any(r["attempt"] == a for r in rounds(run))})
     assert json.loads(out.split("final ", 1)[1])["step"] == 47
+    if not pod_deleted:  # TPU slices: each attempt's MEGASCALE for its slices, none for one
+        slices = {(r["attempt"], r["slices"]) for r in rounds(run)}
+        assert slices == {(0, "2"), (1, None), (2, "2")}, slices
     assert k.objects(ns) == []

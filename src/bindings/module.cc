@@ -217,14 +217,16 @@ class PyController {
       }
       o.worker_argv = k.worker_command;
       o.worker_cwd.clear();
-      if (scaling_config_->elastic() && !scaling_config_->use_tpu()) {
-        // Pods, one rank each, as the hosts it resizes by (docs/elastic.md), with the deadline
-        // of an ssh run's unreachable host for a pod the cluster has no room for.
-        o.plan = Unwrap(launch::PlanOnPodSlots(a.plan, static_cast<int>(a.plan.workers.size())));
-        // The pods are alike: the slots chosen are always the first ones (the launcher names the
-        // last slots as those it has no room for, or that leave).
-        o.elastic = Elastic([full = o.plan](const std::vector<std::string>&, int workers) {
-          return launch::PlanOnPodSlots(full, workers);
+      if (scaling_config_->elastic()) {
+        // Pods, one rank each (TPU slices: whole Jobs of them), as the hosts it resizes by
+        // (docs/elastic.md), with the deadline of an ssh run's unreachable host for a pod the
+        // cluster has no room for. The pods are alike: the slots chosen are always the first
+        // ones (the launcher names the last slots as those it has no room for, or that leave).
+        const config::ScalingConfig config = *scaling_config_;
+        o.plan =
+            Unwrap(launch::PlanOnPodSlots(config, accelerators::RealHost(), config.num_workers()));
+        o.elastic = Elastic([config](const std::vector<std::string>&, int workers) {
+          return launch::PlanOnPodSlots(config, accelerators::RealHost(), workers);
         });
       }
       placement::Plan plan = o.plan;

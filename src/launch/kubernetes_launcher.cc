@@ -61,8 +61,9 @@ struct Shape {
 
 Shape ShapeOf(const config::ScalingConfig& config, const placement::Plan& plan) {
   if (config.use_tpu() && config.tpu_slice()) {
+    // An elastic run's plan may hold fewer slices than the config's max.
     return {.pods_per_job = config.workers_per_slice(),
-            .jobs = config.num_slices(),
+            .jobs = static_cast<int>(plan.workers.size()) / config.workers_per_slice(),
             .replicated_job = "slice"};
   }
   return {.pods_per_job = static_cast<int>(plan.workers.size())};  // an elastic run's: fewer
@@ -499,19 +500,36 @@ std::optional<TaskEnd> ParseKubernetesTaskEnd(std::string_view line) {
   return end;
 }
 
-StatusOr<placement::Plan> PlanOnPodSlots(const placement::Plan& plan, int workers) {
+StatusOr<placement::Plan> PlanOnPodSlots(const config::ScalingConfig& config,
+                                         const accelerators::HostView& env, int workers) {
+  config::ScalingConfigInput input = config.input();
+  input.num_workers = workers;
+  input.min_workers.reset();
+  JT_ASSIGN_OR_RETURN(config::ScalingConfig sized, config::ScalingConfig::Create(input));
+  JT_ASSIGN_OR_RETURN(placement::Plan plan, PlanForKubernetes(sized, env));
   std::vector<std::string> slots;
   for (int r = 0; r < workers; ++r) slots.push_back(kPodSlotPrefix + std::to_string(r));
-  return placement::PlanPerHost(plan, slots, 1, workers, "Kubernetes pods");
+  JT_ASSIGN_OR_RETURN(plan, placement::PlanPerHost(plan, slots, 1, workers, "Kubernetes pods"));
+  if (sized.use_tpu() && sized.tpu_slice()) {
+    for (placement::WorkerPlacement& w : plan.workers) {
+      w.slice = "slice-" + std::to_string(w.rank / sized.workers_per_slice());
+    }
+  }
+  return plan;
 }
 
 StatusOr<json> CapacityShape(const config::ScalingConfig& config, const placement::Plan& plan,
                              const KubernetesOptions& options) {
   JT_ASSIGN_OR_RETURN(json jobset, JobSetManifest(config, plan, options, "capacity", {}));
   const json& job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"];
-  return json{{"run", options.name},
-              {"pod", job["template"]["spec"]},
-              {"pods_per_job", job["parallelism"]}};
+  json shape = {{"run", options.name},
+                {"pod", job["template"]["spec"]},
+                {"pods_per_job", job["parallelism"]}};
+  if (config.use_tpu() && config.tpu_slice()) {
+    shape["slice_pods"] = config.workers_per_slice();
+    shape["slice_domain"] = "cloud.google.com/gke-nodepool";  // JobSet's exclusive topology
+  }
+  return shape;
 }
 
 StatusOr<PodRoom> ParsePodRoom(std::string_view output) {
@@ -776,10 +794,13 @@ StatusOr<std::vector<std::string>> KubernetesLauncher::LeavingHosts(
 }
 
 Status KubernetesLauncher::UsePlan(const placement::Plan& plan) {
-  if (config_.use_tpu()) {
-    return FailedPreconditionError("an elastic TPU run does not resize on Kubernetes");
-  }
   if (plan.workers.empty()) return InvalidArgumentError("the plan has no rank");
+  if (config_.use_tpu() && config_.tpu_slice() &&
+      plan.workers.size() % static_cast<size_t>(config_.workers_per_slice()) != 0) {
+    return InvalidArgumentError("the plan's " + std::to_string(plan.workers.size()) +
+                                " ranks are not whole TPU slices of " +
+                                std::to_string(config_.workers_per_slice()));
+  }
   plan_ = plan;
   return OkStatus();
 }

@@ -41,13 +41,14 @@
 // Kueue eviction suspends the JobSet, whose pods are deleted: their SIGTERM is the workers'
 // preemption notice (docs/preemption.md), and the next attempt's JobSet is queued again.
 //
-// Elastic runs (docs/elastic.md): the units an elastic run resizes by are its pods, one rank each,
-// named kPodSlotPrefix + rank ("pod-0", "pod-1", ...) as its hosts. Which of them can be had is the
-// room the cluster has for the run's pods (`supervisor_argv --capacity SHAPE`,
-// python/jaxtrain/kubernetes/capacity.py): nodes Ready, not cordoned, matching the pods'
-// nodeSelector, without a taint they do not tolerate, and with the pods' requests free. A pod of
-// the run on a node being cordoned is a host the cluster takes from the run (LeavingHosts). Not for
-// TPU slices: an elastic TPU run on Kubernetes trains on max workers, as a fixed-size run.
+// Elastic runs (docs/elastic.md): the hosts an elastic run resizes by are its pods, one rank each,
+// named kPodSlotPrefix + rank ("pod-0", "pod-1", ...), and for TPUs its slices (every pod of one:
+// one Job of the JobSet). Which of them can be had is the room the cluster has for the run's pods
+// (`supervisor_argv --capacity SHAPE`, python/jaxtrain/kubernetes/capacity.py): nodes Ready, not
+// cordoned, matching the pods' nodeSelector, without a taint they do not tolerate, and with the
+// pods' requests free; for TPU slices, whole slices, one per node pool (JobSet's exclusive
+// placement). A pod of the run on a node being cordoned is a host the cluster takes from the run
+// (LeavingHosts).
 //
 // Thread-safety: used by the controller's event loop only, except Interrupt(), UnreachableHosts()
 // and LeavingHosts() (the capacity monitor's thread). JobSetManifest is a pure function.
@@ -154,12 +155,18 @@ std::optional<TaskEnd> ParseKubernetesTaskEnd(std::string_view line);
 // The host name of an elastic run's pod of rank `rank` ("pod-1").
 inline constexpr char kPodSlotPrefix[] = "pod-";
 
-// `plan` (PlanForKubernetes) cut to its first `workers` ranks, each on the pod slot of its rank:
-// an elastic run's plan on Kubernetes. Errors: kInvalidArgument as placement::PlanPerHost.
-StatusOr<placement::Plan> PlanOnPodSlots(const placement::Plan& plan, int workers);
+// An elastic run's plan on Kubernetes for `workers` of `config`'s ranks: PlanForKubernetes of that
+// many workers (a simulated TPU's environment made for that many slices), each rank on the pod
+// slot of its rank and, for TPU slices, in the slice "slice-<n>" of its Job.
+// Errors: kInvalidArgument as PlanForKubernetes, or for a number of workers that is not whole
+// slices.
+StatusOr<placement::Plan> PlanOnPodSlots(const config::ScalingConfig& config,
+                                         const accelerators::HostView& env, int workers);
 
 // What the capacity query is asked about (python/jaxtrain/kubernetes/capacity.py): the run's label
-// value ("run"), one worker pod's spec ("pod", as JobSetManifest makes it) and the pods per Job.
+// value ("run"), one worker pod's spec ("pod", as JobSetManifest makes it), the pods per Job, and
+// for TPU slices the pods of a slice ("slice_pods") and the node label of its placement domain
+// ("slice_domain", the GKE node pool).
 // Errors: as JobSetManifest.
 StatusOr<nlohmann::json> CapacityShape(const config::ScalingConfig& config,
                                        const placement::Plan& plan,
@@ -216,7 +223,8 @@ class KubernetesLauncher : public Launcher {
   // The slots of `hosts` whose pods are on nodes being cordoned.
   StatusOr<std::vector<std::string>> LeavingHosts(const std::vector<std::string>& hosts,
                                                   int cancel_fd) override;
-  // The next JobSet has the plan's ranks. Errors: kFailedPrecondition for a TPU run.
+  // The next JobSet has the plan's ranks (PlanOnPodSlots; whole slices for TPUs).
+  // Errors: kInvalidArgument for a plan with no rank, or not of whole slices.
   Status UsePlan(const placement::Plan& plan) override;
 
   // The last Launch()'s wait for Kueue's admission: from the supervisor's start to its

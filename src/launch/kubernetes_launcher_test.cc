@@ -503,13 +503,14 @@ TEST(ParseKubernetesTaskEndTest, ReadsTheSupervisorsLines) {
 TEST(PodSlotsTest, AnElasticRunsPodsAreItsHostsAndAFewerOnesJobSetHasFewerPods) {
   auto c = Config({.num_workers = 4, .min_workers = 2});
   accelerators::FakeHost host;
-  auto full = PlanForKubernetes(c, host);
-  ASSERT_TRUE(full.ok());
-  auto slots = PlanOnPodSlots(*full, 4);
+  auto slots = PlanOnPodSlots(c, host, 4);
   ASSERT_TRUE(slots.ok()) << slots.status().message();
   ASSERT_EQ(slots->workers.size(), 4u);
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(slots->workers[r].host, "pod-" + std::to_string(r));
-  auto fewer = PlanOnPodSlots(*slots, 2);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(slots->workers[r].host, "pod-" + std::to_string(r));
+    EXPECT_EQ(slots->workers[r].slice, "");
+  }
+  auto fewer = PlanOnPodSlots(c, host, 2);
   ASSERT_TRUE(fewer.ok()) << fewer.status().message();
   ASSERT_EQ(fewer->workers.size(), 2u);
   auto m = JobSetManifest(c, *fewer, Options(), "run-abcde-2", {});
@@ -606,14 +607,54 @@ TEST(KubernetesLauncherTest, ARoomTooSmallIsAskedAgainUntilTheWaitEnds) {
   rmdir(dir);
 }
 
-TEST(KubernetesLauncherTest, ATpuRunIsNotResized) {
-  auto c = Config(
-      {.num_workers = 4, .use_tpu = true, .topology = "2x2x2", .accelerator_type = "TPU-V4"});
+TEST(PodSlotsTest, ATpuRunResizesByWholeSlicesEachAJobWithItsOwnMegascale) {
+  // v4 2x2x2: 2 hosts of 4 chips a slice; (2, 4) workers = 1 or 2 slices.
+  auto c = Config({.num_workers = 4,
+                   .min_workers = 2,
+                   .use_tpu = true,
+                   .topology = "2x2x2",
+                   .accelerator_type = "TPU-V4"});
   accelerators::FakeHost host;
-  auto plan = PlanForKubernetes(c, host);
-  ASSERT_TRUE(plan.ok()) << plan.status().message();
-  KubernetesLauncher launcher(Options(), c, *plan);
-  EXPECT_EQ(launcher.UsePlan(*plan).code(), StatusCode::kFailedPrecondition);
+  auto two = PlanOnPodSlots(c, host, 4);
+  ASSERT_TRUE(two.ok()) << two.status().message();
+  std::vector<std::string> slices;
+  for (const auto& w : two->workers) slices.push_back(w.slice);
+  EXPECT_EQ(slices, (std::vector<std::string>{"slice-0", "slice-0", "slice-1", "slice-1"}));
+  auto m = JobSetManifest(c, *two, Options(), "run-abcde-1", {});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ((*m)["spec"]["replicatedJobs"][0]["replicas"], 2);
+  EXPECT_EQ(Env(Pod(*m), "MEGASCALE_NUM_SLICES").value()["value"], "2");
+
+  auto one = PlanOnPodSlots(c, host, 2);
+  ASSERT_TRUE(one.ok()) << one.status().message();
+  m = JobSetManifest(c, *one, Options(), "run-abcde-2", {});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  const json& job = (*m)["spec"]["replicatedJobs"][0];
+  EXPECT_EQ(job["replicas"], 1);
+  EXPECT_EQ(job["template"]["spec"]["parallelism"], 2);
+  EXPECT_FALSE(Env(Pod(*m), "MEGASCALE_NUM_SLICES").has_value());  // one slice: none, not stale
+  EXPECT_EQ(PlanOnPodSlots(c, host, 3).status().code(), StatusCode::kInvalidArgument);
+
+  auto shape = CapacityShape(c, *two, Options());
+  ASSERT_TRUE(shape.ok()) << shape.status().message();
+  EXPECT_EQ((*shape)["slice_pods"], 2);
+  EXPECT_EQ((*shape)["slice_domain"], "cloud.google.com/gke-nodepool");
+
+  // Simulated on CPU pods, each rank's TPU environment is made for the slices of its plan.
+  accelerators::FakeHost simulated;
+  simulated.env["JAXTRAIN_SIMULATE"] = "1";
+  auto sim_two = PlanOnPodSlots(c, simulated, 4);
+  auto sim_one = PlanOnPodSlots(c, simulated, 2);
+  ASSERT_TRUE(sim_two.ok() && sim_one.ok());
+  EXPECT_EQ(sim_two->workers[3].env.at("MEGASCALE_NUM_SLICES"), "2");
+  EXPECT_EQ(sim_one->workers[1].env.count("MEGASCALE_NUM_SLICES"), 0u);
+  EXPECT_EQ(sim_one->workers[1].env.at("TPU_WORKER_ID"), "1");
+
+  KubernetesLauncher launcher(Options(), c, *two);
+  EXPECT_TRUE(launcher.UsePlan(*one).ok());
+  placement::Plan broken = *two;
+  broken.workers.pop_back();
+  EXPECT_EQ(launcher.UsePlan(broken).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -177,7 +177,7 @@ class JaxTrainer:
         run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
         warn_if_locks_stay_local(run_dir)
         launcher_options = ""
-        if self.scaling_config.elastic and not launcher.resizes_run(self.scaling_config):
+        if self.scaling_config.elastic and not launcher.resizes:
             sys.stderr.write(
                 f"jaxtrain: ScalingConfig.num_workers={self.scaling_config.num_workers!r}: the "
                 f"{launcher.name} launcher does not resize this run (docs/elastic.md); it trains "

@@ -43,7 +43,8 @@ _NEEDED_IN_PLACE = [("create", "", "pods", "exec"), ("get", "", "pods", "exec")]
 # (python/jaxtrain/kubernetes/capacity.py); Kueue's objects, for their reasons and checks.
 _NEEDED_CLUSTER = [("list", "", "nodes", ""), ("watch", "", "nodes", ""), ("list", "", "pods", ""),
                    ("get", KUEUE_GROUP, "workloadpriorityclasses", ""),
-                   ("get", KUEUE_GROUP, "localqueues", ""), ("list", KUEUE_GROUP, "localqueues", ""),
+                   ("get", KUEUE_GROUP, "localqueues", ""),
+                   ("list", KUEUE_GROUP, "localqueues", ""),
                    ("list", KUEUE_GROUP, "workloads", "")]
 # What `jaxtrain submit`, `status` and `logs` do (the Role "jaxtrain-submit").
 _NEEDED_TO_SUBMIT = [("create", "", "configmaps", ""), ("patch", "", "configmaps", ""),

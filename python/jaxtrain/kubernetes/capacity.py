@@ -12,7 +12,9 @@ A node has room for ``min`` over the pod's requests of (allocatable − what the
 on it request) // what one pod requests, counting only nodes that are Ready, not cordoned, whose
 labels match the pod's nodeSelector and whose NoSchedule and NoExecute taints the pod tolerates.
 The run's own pods are not counted against the room: the room is what the run's whole group can
-have (a kept JobSet's pods are replaced when the group resizes). Affinity rules are not weighed:
+have (a kept JobSet's pods are replaced when the group resizes). A TPU run's room is whole slices:
+JobSet places each slice in a node pool of its own (exclusive placement), so a pool with room for
+all of a slice's pods holds one slice. Affinity rules are not weighed:
 the scheduler has the last word, and a pod it cannot place fails its attempt after
 JAXTRAIN_K8S_PENDING_TIMEOUT_S as in a fixed-size run.
 """
@@ -99,8 +101,8 @@ def _rank(pod: dict, pods_per_job: int) -> int | None:
 
 def room(shape: dict, nodes: list[dict], pods: list[dict]) -> dict:
     """The room for the run's pods (`shape`: "run", the run's label value; "pod", one worker
-    pod's spec; "pods_per_job") among `nodes`, with `pods` running on them (API objects as
-    JSON)."""
+    pod's spec; "pods_per_job"; for TPU slices "slice_pods" and "slice_domain", the node label
+    of a slice's pool) among `nodes`, with `pods` running on them (API objects as JSON)."""
     spec = shape["pod"]
     one = pod_requests(spec)
     used: dict[str, Counter] = {}
@@ -114,6 +116,8 @@ def room(shape: dict, nodes: list[dict], pods: list[dict]) -> dict:
             continue
         used.setdefault(node, Counter()).update(pod_requests(pod.get("spec") or {}))
     total, why, away = 0, {}, set()
+    slice_pods, domain = int(shape.get("slice_pods") or 0), shape.get("slice_domain") or ""
+    per_domain: Counter = Counter()
     for node in nodes:
         name = node["metadata"]["name"]
         reason = _unusable(node, spec)
@@ -129,6 +133,10 @@ def room(shape: dict, nodes: list[dict], pods: list[dict]) -> dict:
             why[name] = (f"no room: {short} {_show(free[short])} free, "
                          f"a pod asks {_show(one[short])}")
         total += max(fits, 0)
+        labels = node["metadata"].get("labels") or {}
+        per_domain[labels.get(domain) or name] += max(fits, 0)
+    if slice_pods:
+        total = slice_pods * sum(1 for fits in per_domain.values() if fits >= slice_pods)
     leaving = []
     for pod in own:
         rank = _rank(pod, int(shape.get("pods_per_job", 1)))

@@ -23,10 +23,6 @@ class Launcher:
     #: Restarts may restore from this host's memory (docs/checkpoint-memory.md).
     restores_from_this_host = False
 
-    def resizes_run(self, scaling_config: Any) -> bool:
-        """Whether it resizes the elastic run of `scaling_config` (``resizes``, by default)."""
-        return self.resizes
-
     def plan(self, scaling_config: Any) -> Any:
         """The placement of every rank (jaxtrain._core.Plan); errors name the field."""
         raise NotImplementedError

@@ -17,10 +17,7 @@ class Kubernetes(Launcher):
     name = "kubernetes"
     preloads_task = False  # a new attempt's pods start afresh
     needs_shared_run_dir = False  # the pods mount the run directory, checked by options_json
-    resizes = True  # by pods, one rank each; not TPU slices (docs/elastic.md)
-
-    def resizes_run(self, scaling_config: Any) -> bool:
-        return not scaling_config.use_tpu
+    resizes = True  # by pods, one rank each, and TPU slices whole (docs/elastic.md)
 
     def plan(self, scaling_config: Any) -> Any:
         return _core.plan_kubernetes(scaling_config._core)
