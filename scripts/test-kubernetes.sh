@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/kubernetes/build.sh >/dev/null
-JAXTRAIN_REQUIRE_KUBERNETES=1 .venv/bin/python -m pytest tests/test_kubernetes.py "$@"
+JAXTRAIN_REQUIRE_KUBERNETES=1 .venv/bin/python -m pytest tests/test_kubernetes.py \
+    tests/test_kubernetes_elastic.py "$@"

@@ -1,6 +1,7 @@
 #include "controller/rank_logs.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,7 +25,8 @@ Status LogError(const std::string& what, int err) {
 RankLogs::RankLogs(std::function<std::string(int)> path, int world_size)
     : path_(std::move(path)),
       fds_(static_cast<size_t>(world_size), -1),
-      headed_(static_cast<size_t>(world_size), -1) {}
+      headed_(static_cast<size_t>(world_size), -1),
+      open_line_(static_cast<size_t>(world_size), 0) {}
 
 RankLogs::~RankLogs() { CloseAll(); }
 
@@ -51,17 +53,24 @@ Status RankLogs::Write(int rank, std::string_view text) {
     int fd;
     // Out of descriptors (the budget is a guess: other parts of the process hold some too):
     // close the log opened longest ago and try again, until this one is the only one left.
-    while ((fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0 &&
+    // Read-write to see its last byte (an earlier driver's, or before CloseOldest()).
+    while ((fd = open(path.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644)) < 0 &&
            (errno == EMFILE || errno == ENFILE) && !open_.empty()) {
       CloseOldest();
     }
     if (fd < 0) return LogError("cannot open " + path, errno);
     fds_[r] = fd;
     open_.push_back(rank);
+    struct stat st;
+    char last = '\n';
+    if (fstat(fd, &st) == 0 && st.st_size > 0 && pread(fd, &last, 1, st.st_size - 1) != 1) {
+      last = '\n';
+    }
+    open_line_[r] = last != '\n';
   }
   int err = 0;
   if (headed_[r] != attempt_) {
-    std::string headers;
+    std::string headers = open_line_[r] ? "\n" : "";
     for (int a = std::max(headed_[r] + 1, std::max(first_attempt_, 0)); a <= attempt_; ++a) {
       headers += "===== jaxtrain: attempt " + std::to_string(a) + " =====\n";
     }
@@ -69,10 +78,12 @@ Status RankLogs::Write(int rank, std::string_view text) {
       return LogError("cannot write " + path_(rank), err);
     }
     headed_[r] = attempt_;
+    open_line_[r] = 0;
   }
   if (!WriteAll(fds_[r], text, "write", &err).ok()) {
     return LogError("cannot write " + path_(rank), err);
   }
+  if (!text.empty()) open_line_[r] = text.back() != '\n';
   return OkStatus();
 }
 

@@ -9,7 +9,9 @@
 // while it runs, a rank's log numbers the attempts up to its latest text, and a rank that has
 // printed nothing has no log yet (readers skip a missing one). A restart therefore creates no
 // file for the ranks that were silent (at 16k ranks, creating them took 1-3 s of every restart).
-// Files are appended to (O_APPEND): a run resumed in the same directory continues its logs.
+// Files are appended to (O_APPEND): a run resumed in the same directory continues its logs. A
+// header always starts a line: a rank killed in the middle of one (Python writes a print's text
+// and its newline apart) leaves its last line open, and the header ends it first.
 //
 // Descriptors: at most `max_open` logs are held open (set_max_open()); opening one more closes
 // the one opened longest ago, which is opened again when next written to. So the controller's
@@ -70,10 +72,11 @@ class RankLogs {
 
   std::function<std::string(int)> path_;
   int attempt_ = 0;
-  int first_attempt_ = -1;   // the first BeginAttempt(); -1 before it
-  std::vector<int> fds_;     // by rank: its open log, or -1
-  std::vector<int> headed_;  // by rank: the attempt whose header its log has, or -1
-  std::deque<int> open_;     // ranks whose log is open, the oldest opened first
+  int first_attempt_ = -1;       // the first BeginAttempt(); -1 before it
+  std::vector<int> fds_;         // by rank: its open log, or -1
+  std::vector<int> headed_;      // by rank: the attempt whose header its log has, or -1
+  std::vector<char> open_line_;  // by rank: its log (open now) ends in the middle of a line
+  std::deque<int> open_;         // ranks whose log is open, the oldest opened first
   size_t max_open_ = 1024;
 };
 

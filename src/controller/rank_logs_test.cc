@@ -67,6 +67,28 @@ TEST_F(RankLogsTest, EachAttemptIsHeadedOnceBeforeItsFirstText) {
             "===== jaxtrain: attempt 5 =====\n");
 }
 
+TEST_F(RankLogsTest, AHeaderStartsALineAfterALastLineLeftOpen) {
+  {
+    RankLogs logs = Make(1);
+    logs.BeginAttempt(0);
+    ASSERT_TRUE(logs.Write(0, "step 1\nstep 2").ok());  // killed between a print and its newline
+    logs.BeginAttempt(1);
+    ASSERT_TRUE(logs.Write(0, "resumed\nhalf").ok());
+  }
+  // A later driver resuming the run, and a log closed and opened again, see the file's end.
+  RankLogs later = Make(1);
+  later.set_max_open(1);
+  later.BeginAttempt(2);
+  ASSERT_TRUE(later.Write(0, "again\n").ok());
+  later.CloseAll();
+  later.BeginAttempt(3);
+  ASSERT_TRUE(later.Write(0, "").ok());
+  EXPECT_EQ(Read(0),
+            "===== jaxtrain: attempt 0 =====\nstep 1\nstep 2\n===== jaxtrain: attempt 1 =====\n"
+            "resumed\nhalf\n===== jaxtrain: attempt 2 =====\nagain\n"
+            "===== jaxtrain: attempt 3 =====\n");
+}
+
 TEST_F(RankLogsTest, HeadAllGivesTheSilentRanksTheAttemptsHeader) {
   RankLogs logs = Make(3);
   logs.set_max_open(1);
