@@ -56,14 +56,20 @@ TPU_LABELS = ("cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-
 @contextlib.contextmanager
 def tpu_node_pools(k: KubernetesCluster) -> Iterator[None]:
     """node1 and node2 labelled as two GKE TPU v6e 2x2 node pools, each offering 4 chips."""
-    for node in ("node1", "node2"):
-        k.kubectl("label", "node", node, "--overwrite",
-                  "cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice",
-                  "cloud.google.com/gke-tpu-topology=2x2",
-                  f"cloud.google.com/gke-nodepool=tpu-{node}")
-        k.kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p", json.dumps(
-            [{"op": "add", "path": "/status/capacity/google.com~1tpu", "value": "4"}]))
     try:
+        for node in ("node1", "node2"):
+            k.kubectl("label", "node", node, "--overwrite",
+                      "cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice",
+                      "cloud.google.com/gke-tpu-topology=2x2",
+                      f"cloud.google.com/gke-nodepool=tpu-{node}")
+            k.kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p",
+                      json.dumps([{"op": "add", "path": "/status/capacity/google.com~1tpu",
+                                   "value": "4"}]))
+        # The kubelet makes the chips allocatable at its next status update (else the run would
+        # rightly start on one slice and grow).
+        for node in ("node1", "node2"):
+            wait_for(f"{node}'s chips allocatable", lambda node=node: k.get("node", node)[
+                "status"]["allocatable"].get("google.com/tpu") == "4", timeout=60)
         yield
     finally:
         for node in ("node1", "node2"):
