@@ -24,6 +24,10 @@ KUEUE_GROUP = "kueue.x-k8s.io"
 KUEUE_VERSION = "v1beta2"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+# How JobSet and Indexed Jobs number a run's pods: the Job's index in its replicatedJob, and the
+# pod's index in its Job (a rank is the first times the pods per Job plus the second).
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
                  "CreateContainerConfigError", "CreateContainerError")
 # What a run's driver and supervisors do in its namespace, all of it (docs/kubernetes-rbac.yaml's

@@ -26,8 +26,8 @@ from collections import Counter
 from decimal import Decimal
 from typing import Any
 
-_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
-_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+from jaxtrain.kubernetes.api import COMPLETION_INDEX, JOB_INDEX_LABEL
+
 _RUN_LABEL = "jaxtrain.dev/run"
 _BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
 
@@ -92,8 +92,8 @@ def _rank(pod: dict, pods_per_job: int) -> int | None:
     labels = (pod.get("metadata") or {}).get("labels") or {}
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     try:
-        job = int(labels[_JOB_INDEX_LABEL])
-        index = int(labels.get(_COMPLETION_INDEX, annotations.get(_COMPLETION_INDEX)))
+        job = int(labels[JOB_INDEX_LABEL])
+        index = int(labels.get(COMPLETION_INDEX, annotations.get(COMPLETION_INDEX)))
     except (KeyError, TypeError, ValueError):
         return None
     return job * pods_per_job + index

@@ -20,8 +20,10 @@ from typing import Any
 
 from jaxtrain.kubernetes import pod as holder
 from jaxtrain.kubernetes.api import (
+    COMPLETION_INDEX,
     DEFAULT_PENDING_TIMEOUT_S,
     IMAGE_ERRORS,
+    JOB_INDEX_LABEL,
     JOBSET_GROUP,
     JOBSET_PLURAL,
     JOBSET_VERSION,
@@ -32,8 +34,6 @@ from jaxtrain.kubernetes.api import (
 )
 
 _JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
-_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 _TEARDOWN_TIMEOUT_S = 60.0
 # Where, in the launcher's request directory, an attempt's supervisor leaves the JobSet it kept
 # for the next attempt (restarts in place; src/launch/kubernetes_launcher.h deletes it at the end).
@@ -309,8 +309,8 @@ class Supervisor:
 
     def _rank_of(self, pod: Any) -> int | None:
         try:
-            job = int(pod.metadata.labels[_JOB_INDEX_LABEL])
-            index = int(pod.metadata.annotations[_COMPLETION_INDEX])
+            job = int(pod.metadata.labels[JOB_INDEX_LABEL])
+            index = int(pod.metadata.annotations[COMPLETION_INDEX])
         except (KeyError, TypeError, ValueError):
             return None
         return job * self.pods_per_job + index
