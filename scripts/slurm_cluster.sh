@@ -29,6 +29,8 @@
 set -euo pipefail
 # shellcheck source=lib/netns.sh
 source "$(dirname "$0")/lib/netns.sh"
+# shellcheck source=lib/cluster_lock.sh
+source "$(dirname "$0")/lib/cluster_lock.sh"
 
 NODES=${JAXTRAIN_SLURM_TEST_NODES:-2}
 CPUS_PER_NODE=${JAXTRAIN_SLURM_TEST_CPUS:-2}
@@ -216,6 +218,9 @@ cmd_start() {
   say "up: $NODES nodes, SLURM_CONF=$CONF, shared directory $STATE/shared"
 }
 
+case "${1:-}" in
+  start | stop) cluster_lock_check "$STATE.lock" "the Slurm test cluster" ;;
+esac
 case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop ;;

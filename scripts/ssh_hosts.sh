@@ -28,6 +28,8 @@
 set -euo pipefail
 # shellcheck source=lib/netns.sh
 source "$(dirname "$0")/lib/netns.sh"
+# shellcheck source=lib/cluster_lock.sh
+source "$(dirname "$0")/lib/cluster_lock.sh"
 
 HOSTS=${JAXTRAIN_SSH_TEST_HOSTS:-3}
 SSHD_HOSTS=${JAXTRAIN_SSH_TEST_SSHD_HOSTS:-2}
@@ -194,6 +196,9 @@ cmd_start() {
 
 cmd_env() { echo "JAXTRAIN_SSH_COMMAND=ssh -F $STATE/ssh_config"; }
 
+case "${1:-}" in
+  start | stop) cluster_lock_check "$STATE.lock" "the ssh test hosts" ;;
+esac
 case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop ;;

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import cluster_lock
 import pytest
 
 from conftest import run_command, start_driver
@@ -40,6 +41,7 @@ IMAGE = "docker.io/jaxtrain/worker:test"
 @dataclass
 class KubernetesCluster:
     kubeconfig: str
+    lock: cluster_lock.ClusterLock  # this session's hold on the cluster
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
         proc = subprocess.run([str(SCRIPT), "kubectl", *args], capture_output=True, text=True,
@@ -124,15 +126,17 @@ def kubernetes_cluster():
         if os.environ.get("JAXTRAIN_REQUIRE_KUBERNETES") == "1":
             pytest.fail(why)
         pytest.skip(why)
-    start = subprocess.run([str(SCRIPT), "start"], stdout=subprocess.DEVNULL,
-                           stderr=sys.stderr, timeout=3600)
-    if start.returncode != 0:
-        subprocess.run([str(SCRIPT), "stop"], capture_output=True)
-        pytest.fail(f"the Kubernetes test cluster did not start; see {STATE}/logs")
-    try:
-        yield KubernetesCluster(kubeconfig=str(STATE / "pki" / "admin.kubeconfig"))
-    finally:
-        subprocess.run([str(SCRIPT), "stop"], capture_output=True, timeout=300)
+    with cluster_lock.held(str(STATE), "the Kubernetes test cluster") as lock:
+        start = lock.run([str(SCRIPT), "start"], stdout=subprocess.DEVNULL, stderr=sys.stderr,
+                         timeout=3600)
+        if start.returncode != 0:
+            lock.run([str(SCRIPT), "stop"], capture_output=True)
+            pytest.fail(f"the Kubernetes test cluster did not start; see {STATE}/logs")
+        try:
+            yield KubernetesCluster(kubeconfig=str(STATE / "pki" / "admin.kubeconfig"),
+                                    lock=lock)
+        finally:
+            lock.run([str(SCRIPT), "stop"], capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import cluster_lock
 import link_impair
 import pytest
 
@@ -114,21 +115,23 @@ def _why_not(what: str, root_for: str, installed: bool, not_installed: str) -> s
 
 
 @contextlib.contextmanager
-def namespace_hosts(script: Path, *, what: str, root_for: str, installed: bool,
-                    not_installed: str, require: str) -> Iterator[None]:
-    """Runs `script start`, and `script stop` when the block ends. Where the hosts cannot be made
-    (not root, no network namespaces, nothing to install the daemons with) the test is skipped
-    with the reason, unless the environment variable `require` is 1: then it fails."""
+def namespace_hosts(script: Path, *, state: Path, what: str, root_for: str, installed: bool,
+                    not_installed: str, require: str) -> Iterator[cluster_lock.ClusterLock]:
+    """Runs `script start`, and `script stop` when the block ends, holding the hosts' lock
+    (cluster_lock.py) all the while. Where the hosts cannot be made (not root, no network
+    namespaces, nothing to install the daemons with) the test is skipped with the reason, unless
+    the environment variable `require` is 1: then it fails."""
     why = _why_not(what, root_for, installed, not_installed)
     if why:
         if os.environ.get(require) == "1":
             pytest.fail(f"{require}=1, but {why}")
         pytest.skip(why)
-    started = subprocess.run([str(script), "start"], capture_output=True, text=True)
-    if started.returncode != 0:
-        pytest.fail(f"{script.relative_to(script.parent.parent)} start failed:\n"
-                    f"{started.stdout}{started.stderr}")
-    try:
-        yield
-    finally:
-        subprocess.run([str(script), "stop"], capture_output=True, text=True, check=False)
+    with cluster_lock.held(str(state), what) as lock:
+        started = lock.run([str(script), "start"], capture_output=True, text=True)
+        if started.returncode != 0:
+            pytest.fail(f"{script.relative_to(script.parent.parent)} start failed:\n"
+                        f"{started.stdout}{started.stderr}")
+        try:
+            yield lock
+        finally:
+            lock.run([str(script), "stop"], capture_output=True, text=True, check=False)

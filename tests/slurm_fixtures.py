@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cluster_lock import ClusterLock
 from netns_hosts import link_cut, link_slowed, namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +43,7 @@ NODES = int(os.environ.get("JAXTRAIN_SLURM_TEST_NODES", "2"))
 class SlurmCluster:
     conf: str  # SLURM_CONF for the clients
     shared: Path  # stands for an NFS mount seen by every node
+    lock: ClusterLock  # this session's hold on the cluster (cluster_lock.py)
     nodes: list[str] = field(default_factory=list)
 
     def namespace(self, node: str) -> str:
@@ -78,7 +80,7 @@ class SlurmCluster:
 
     def restore(self) -> None:
         """Brings back a cluster a test has damaged (a node killed): stopped and started anew."""
-        subprocess.run([str(SCRIPT), "start"], check=True, capture_output=True)
+        self.lock.run([str(SCRIPT), "start"], check=True, capture_output=True)
 
     def run(self, *argv: str) -> str:
         """A Slurm client command (squeue, scontrol, ...); its stdout."""
@@ -88,12 +90,13 @@ class SlurmCluster:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    with namespace_hosts(SCRIPT, what="the Slurm test cluster",
+    with namespace_hosts(SCRIPT, state=STATE, what="the Slurm test cluster",
                          root_for="network namespaces, slurmd",
                          installed=shutil.which("slurmctld") is not None,
                          not_installed="Slurm is not installed and there is no apt-get to install "
-                         "slurm-wlm and munge", require="JAXTRAIN_REQUIRE_SLURM"):
+                         "slurm-wlm and munge", require="JAXTRAIN_REQUIRE_SLURM") as lock:
         yield SlurmCluster(
+            lock=lock,
             conf=str(STATE / "etc" / "slurm.conf"),
             shared=STATE / "shared",
             nodes=[f"node{i}" for i in range(1, NODES + 1)],

@@ -99,7 +99,8 @@ class SshHosts:
 
 @pytest.fixture(scope="session")
 def ssh_hosts():
-    with namespace_hosts(SCRIPT, what="the ssh test hosts", root_for="network namespaces, sshd",
+    with namespace_hosts(SCRIPT, state=STATE, what="the ssh test hosts",
+                         root_for="network namespaces, sshd",
                          installed=Path("/usr/sbin/sshd").exists(),
                          not_installed="sshd is not installed and there is no apt-get to install "
                          "openssh-server", require="JAXTRAIN_REQUIRE_SSH"):

@@ -82,13 +82,14 @@ def tpu_node_pools(k: KubernetesCluster) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def two_nodes(kubernetes_cluster: KubernetesCluster) -> Iterator[KubernetesCluster]:
     """The cluster with node2 added for these tests, and taken away after them."""
-    started = subprocess.run([str(SCRIPT), "node2", "start"], capture_output=True, text=True,
-                             timeout=600)
+    started = kubernetes_cluster.lock.run([str(SCRIPT), "node2", "start"], capture_output=True,
+                                          text=True, timeout=600)
     try:
         assert started.returncode == 0, started.stderr[-3000:]
         yield kubernetes_cluster
     finally:
-        subprocess.run([str(SCRIPT), "node2", "stop"], capture_output=True, timeout=300)
+        kubernetes_cluster.lock.run([str(SCRIPT), "node2", "stop"], capture_output=True,
+                                    timeout=300)
 
 
 def _node_of_pods(k: KubernetesCluster, ns: str) -> dict[str, str]:

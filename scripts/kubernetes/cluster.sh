@@ -44,6 +44,8 @@ log() { echo "[kubernetes] $*" >&2; }
 holder() { local p; p=$(cat "$RUN/holder.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null && echo "$p"; }
 in_ns() { nsenter -t "$(holder)" -m -n "$@"; }
 alive() { local p; p=$(cat "$RUN/$1.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null; }
+# shellcheck source=../lib/cluster_lock.sh
+source "$here/../lib/cluster_lock.sh"
 kc() { in_ns "$BIN/kubectl" --kubeconfig "$PKI/admin.kubeconfig" "$@"; }
 
 daemon() {  # name command...: started in the namespace, its output in logs/name.log
@@ -502,6 +504,9 @@ stop() {
   fi
 }
 
+case ${1:-} in
+  start | stop | clean | node2) cluster_lock_check "$S.lock" "the Kubernetes test cluster" ;;
+esac
 case ${1:-} in
   start) start ;;
   stop) stop ;;
