@@ -254,7 +254,10 @@ class FakeSshTest : public ::testing::Test {
     return "python3";
   }
 
-  // Output of `p` until it ends, or until `until` appears when given.
+  // Output of `p` until it ends, or until `until` appears when given. Wait for a whole line
+  // ("ready\n"), not for its text: an unbuffered worker (PYTHONUNBUFFERED=1, as in many shells and
+  // CI runners) writes a print()'s text and its newline apart, and a test that closes the pipe
+  // between the two (Finish) fails that print with EPIPE, so the worker exits 1, not as it should.
   static std::string ReadOutput(const LaunchedProcess& p, const std::string& until = "") {
     std::string out;
     for (;;) {
@@ -434,7 +437,7 @@ TEST_F(FakeSshTest, SigtermReachesTheWorkerThroughItsAgent) {
                                           "while True: time.sleep(1)\n")});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& p = launched->front();
-  ReadOutput(p, "ready");
+  ReadOutput(p, "ready\n");
   ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
   EXPECT_TRUE(Contains(ReadOutput(p), "got TERM"));
   EXPECT_EQ(Finish(p).exit_code, 3);
@@ -447,8 +450,8 @@ TEST_F(FakeSshTest, TheOtherSshOfACutOffHostIsEndedAtOnceInsteadOfWaitingForTheG
                                    Python(1, "import sys; sys.exit(255)"), Deaf(2)});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& ps = *launched;
-  ReadOutput(ps[0], "ready");
-  ReadOutput(ps[2], "ready");
+  ReadOutput(ps[0], "ready\n");
+  ReadOutput(ps[2], "ready\n");
   const ExitStatus lost = Finish(ps[1]);
   ASSERT_EQ(lost.exit_code, 255);
   launcher.Exited(ps[1].pid, lost);
@@ -468,7 +471,7 @@ TEST_F(FakeSshTest, TheSshOfAHostTheControllerFoundSilentIsEndedAtOnce) {
   auto launched = launcher.Launch({HearsTerm(0), Deaf(1), Deaf(2)});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& ps = *launched;
-  for (const auto& p : ps) ReadOutput(p, "ready");
+  for (const auto& p : ps) ReadOutput(p, "ready\n");
   launcher.Unreachable(ps[1].pid);  // rank 1's connection timed out; rank 2's has not yet
 
   ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
@@ -493,7 +496,7 @@ TEST_F(FakeSshTest, AHostFoundSilentDuringTheStopHasItsSshEndedThen) {
   auto launched = launcher.Launch({HearsTerm(0), Deaf(1)});
   ASSERT_TRUE(launched.ok()) << launched.status().ToString();
   const auto& ps = *launched;
-  for (const auto& p : ps) ReadOutput(p, "ready");
+  for (const auto& p : ps) ReadOutput(p, "ready\n");
   ASSERT_TRUE(launcher.SignalGroup(SIGTERM).ok());
   EXPECT_EQ(Finish(ps[0]).exit_code, 3);
   launcher.Unreachable(ps[1].pid);
