@@ -19,8 +19,8 @@ if ! cmp -s bench/requirements-ray.txt "$stamp" 2>/dev/null; then
 fi
 
 if [[ " $* " != *" --skip-scale "* ]]; then
-  echo "compare_ray: building build/bench/scale_controller" >&2
-  cmake -S bench -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+  echo "compare_ray: building build/bench/bench/scale_controller" >&2
+  cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAXTRAIN_BUILD_BENCH=ON > /dev/null
   ninja -C build/bench scale_controller > /dev/null
 fi
 

@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 
 # prometheus: the metrics endpoint scraped for real (tests/test_metrics.py); chromium,
 # chromium-driver: the dashboard's browser test (tests/test_dashboard.py); iptables: a test host's
-# slow, lossy link (tests/link_impair.py, for tests/test_ssh.py and tests/test_slurm.py).
+# slow, lossy link (tests/link_impair.py, for tests/test_ssh.py and tests/test_slurm.py); ccache:
+# every C++ build (the module, the sanitizer builds of scripts/test.sh) compiles only what changed,
+# also in another checkout of the same sources.
 APT_PACKAGES=(build-essential cmake ninja-build pkg-config git libgtest-dev nlohmann-json3-dev
-              libsodium-dev clang-format tcsh prometheus chromium chromium-driver iptables)
+              libsodium-dev clang-format tcsh prometheus chromium chromium-driver iptables ccache)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -39,4 +41,6 @@ if [[ ! -f $stamp ]] || ! cmp -s requirements-dev.txt "$stamp"; then
 fi
 
 echo "setup: building and installing jaxtrain"
+# CMake takes the compiler launcher from the environment on a first configure.
+export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=true
 .venv/bin/pip install -q --no-build-isolation --no-deps .

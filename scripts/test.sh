@@ -1,55 +1,118 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs every test: lint, the C++ unit tests under AddressSanitizer and
-# UndefinedBehaviorSanitizer, then under ThreadSanitizer (CTest), a short fuzz run of the control
-# protocol (libFuzzer), and the Python and end-to-end tests with real JAX workers (pytest), on real Slurm and Kubernetes clusters
-# that the tests start on this machine.
-set -euo pipefail
+# Sets everything up, then runs the tests.
+#
+#   ./scripts/test.sh           every test (CI runs this): lint; the C++ unit tests under
+#                               AddressSanitizer and UndefinedBehaviorSanitizer, then under
+#                               ThreadSanitizer (CTest); a short fuzz run of the control protocol
+#                               (libFuzzer); every benchmark compiled and the cheap ones run briefly;
+#                               the Python and end-to-end tests with real JAX workers (pytest), on
+#                               real Slurm and Kubernetes clusters, ssh hosts, an S3 server and a
+#                               GCS emulator that the tests start on this machine
+#   ./scripts/test.sh --quick   the inner loop: lint, the C++ unit tests under ASan/UBSan, and the
+#                               Python tests that need no cluster, ssh host or GCS emulator
+#
+# Every stage runs even when one before it failed (a failed setup aside: nothing runs without
+# it); the summary gives each stage's result and time, and the exit status is 1 if any failed.
+# C++ objects are cached by ccache across builds and checkouts, so a sanitizer build after a
+# small change recompiles only what changed. The tests run on two pytest workers; the tests of
+# each cluster stay on one worker, which starts that cluster once (tests/conftest.py).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-# Each stage's time is printed when it ends, and all of them at the end: where a run's time goes.
-timings=() stage_name="" stage_start=$SECONDS
+
+quick=0
+case "${1:-}" in
+  "") ;;
+  --quick) quick=1 ;;
+  -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "test.sh: unknown option '$1' (allowed: --quick, --help)" >&2; exit 2 ;;
+esac
+
+summary=() failed=0
+# stage NAME COMMAND...: runs COMMAND, and records whether it passed and how long it took.
 stage() {
-  [[ -z $stage_name ]] || timings+=("$(printf '%6d s  %s' $((SECONDS - stage_start)) "$stage_name")")
-  stage_name=$1 stage_start=$SECONDS
-  [[ -z $1 ]] || echo "test: $1"
+  local name=$1 start=$SECONDS rc
+  shift
+  echo "test: $name"
+  "$@"
+  rc=$?
+  if ((rc == 0)); then
+    summary+=("$(printf '%6d s  passed  %s' $((SECONDS - start)) "$name")")
+  else
+    summary+=("$(printf '%6d s  FAILED  %s (exit status %d)' $((SECONDS - start)) "$name" "$rc")")
+    failed=1
+  fi
+  return "$rc"
 }
-stage "setup"
-./scripts/setup.sh
 
-stage "lint"
-clang-format --dry-run -Werror $(git ls-files 'src/*.cc' 'src/*.h')
-# examples/ hold the seed's programs verbatim (imports aside), so they are not linted.
-.venv/bin/ruff check python tests bench
+finish() {
+  echo
+  echo "test: seconds per stage:"
+  printf '%s\n' "${summary[@]}"
+  printf '%6d s  in all\n' "$SECONDS"
+  if ((failed)); then
+    echo "test: FAILED (the stages marked above)"
+    exit 1
+  fi
+  echo "test: every stage passed"
+  exit 0
+}
 
-stage "C++ unit tests (ASan + UBSan)"
-cmake -S . -B build/test-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug \
-  -DJAXTRAIN_BUILD_TESTS=ON -DJAXTRAIN_SANITIZE=ON >/dev/null
-ninja -C build/test-sanitize
-ctest --test-dir build/test-sanitize --output-on-failure -j2
+if command -v ccache >/dev/null; then
+  # A fresh checkout elsewhere (CI's clone) hits the objects of this one: paths are made relative
+  # to the checkout, and the working directory is left out of the debug builds' hashes.
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=true
+fi
 
-stage "C++ unit tests (TSan: any data race fails its test)"
-cmake -S . -B build/test-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug \
-  -DJAXTRAIN_BUILD_TESTS=ON -DJAXTRAIN_SANITIZE_THREAD=ON >/dev/null
-ninja -C build/test-tsan
-ctest --test-dir build/test-tsan --output-on-failure -j2
+lint() {
+  clang-format --dry-run -Werror $(git ls-files 'src/*.cc' 'src/*.h' 'bench/*.cc') &&
+    # examples/ hold the seed's programs verbatim (imports aside), so they are not linted.
+    .venv/bin/ruff check python tests bench
+}
 
-stage "fuzz the control protocol and the secure channel"
-echo "      (a short run; scripts/fuzz.sh 600 for a long one)"
-./scripts/fuzz.sh
+# unit_tests DIR CMAKE_OPTION: the C++ unit tests built in DIR with that sanitizer.
+unit_tests() {
+  cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DJAXTRAIN_BUILD_TESTS=ON "-D$2=ON" \
+    >/dev/null &&
+    ninja -C "$1" &&
+    ctest --test-dir "$1" --output-on-failure -j2
+}
 
-stage "the Kubernetes test cluster's binaries"
+# Every benchmark is compiled, so that none rots unseen; the cheap ones run for a few seconds.
+benchmarks() {
+  cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAXTRAIN_BUILD_BENCH=ON \
+    >/dev/null &&
+    ninja -C build/bench scale_controller &&
+    .venv/bin/python -m py_compile bench/*.py &&
+    build/bench/bench/scale_controller --ranks 256,512 --reports 20000 &&
+    .venv/bin/python bench/startup_and_report.py --workers 2 --repeats 1 --warmup 0 --reports 500
+}
+
+pytest_run() {
+  # --durations: the slowest tests, so that a suite growing past its time is seen where it grows.
+  .venv/bin/python -m pytest tests -n 2 --dist loadgroup --durations=25 "$@"
+}
+
+stage "setup" ./scripts/setup.sh || finish
+stage "lint" lint
+stage "C++ unit tests (ASan + UBSan)" unit_tests build/test-sanitize JAXTRAIN_SANITIZE
+
+if ((quick)); then
+  stage "Python and local end-to-end tests (no clusters)" pytest_run -m "not cluster"
+  finish
+fi
+
+stage "C++ unit tests (TSan: any data race fails its test)" \
+  unit_tests build/test-tsan JAXTRAIN_SANITIZE_THREAD
+echo "      (a short fuzz run; scripts/fuzz.sh 600 for a long one)"
+stage "fuzz the control protocol and the secure channel" ./scripts/fuzz.sh
+stage "benchmarks compiled, the cheap ones run" benchmarks
+
 echo "      (built from the Go module proxy once per version: about 20 minutes on a fresh 2-core machine, Kueue included, then cached; scripts/kubernetes/build.sh)"
-./scripts/kubernetes/build.sh >/dev/null
-
-stage "the GCS emulator of the gs:// tests"
+stage "the Kubernetes test cluster's binaries" bash -c './scripts/kubernetes/build.sh >/dev/null'
 echo "      (fake-gcs-server from the Go module proxy: about 2 minutes on a fresh 2-core machine, then cached; scripts/stores/fake-gcs-server.sh)"
-./scripts/stores/fake-gcs-server.sh >/dev/null
+stage "the GCS emulator of the gs:// tests" bash -c './scripts/stores/fake-gcs-server.sh >/dev/null'
 
-stage "Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)"
 export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1 JAXTRAIN_REQUIRE_GCS=1 JAXTRAIN_REQUIRE_SSH=1 \
        JAXTRAIN_REQUIRE_PROMETHEUS=1 JAXTRAIN_REQUIRE_BROWSER=1
-# --durations: the slowest tests, so that a suite growing past its time is seen where it grows.
-.venv/bin/python -m pytest tests --durations=25
-stage ""
-echo "test: every stage passed; seconds per stage:"
-printf '%s\n' "${timings[@]}"
-printf '%6d s  in all\n' "$SECONDS"
+stage "Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)" pytest_run
+finish

@@ -16,6 +16,33 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# What each test needs beyond this machine's processes. A test that uses a test cluster (the ssh
+# hosts, Slurm, Kubernetes) or the GCS emulator is marked `cluster` (`scripts/test.sh --quick`
+# leaves those out). The cluster tests share one xdist group: under `pytest -n 2 --dist
+# loadgroup` (scripts/test.sh) one worker runs them all, starting each cluster once, while the
+# other runs the local tests beside it. A cluster is one per machine (fixed namespaces, addresses
+# and state directories: tests/cluster_lock.py), so it must never be started by two workers.
+_CLUSTER_FIXTURES = {"ssh_hosts", "slurm_cluster", "kubernetes_cluster"}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "cluster: needs a test cluster (ssh hosts, Slurm, Kubernetes) or the GCS "
+        "emulator, which scripts/test.sh --quick does not build or start")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        used = set(item.fixturenames)
+        params = getattr(item, "callspec", None)
+        gcs = "gcs_endpoint" in used or (params and params.params.get("store_bucket") == "gs")
+        if used & _CLUSTER_FIXTURES:
+            item.add_marker(pytest.mark.cluster)
+            item.add_marker(pytest.mark.xdist_group("clusters"))
+        elif gcs:
+            item.add_marker(pytest.mark.cluster)
+
 
 @pytest.fixture
 def storage(tmp_path: Path) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import cluster_lock
@@ -37,8 +38,8 @@ def test_a_second_session_is_told_who_holds_the_cluster(tmp_path):
     state = str(tmp_path / "state")
     with cluster_lock.held(state, "the test cluster"):
         second = subprocess.run(
-            ["python3", "-c", "import cluster_lock; cluster_lock.held(%r, 'the hosts')"
-             ".__enter__()" % state],
+            [sys.executable, "-c",
+             f"import cluster_lock; cluster_lock.held({state!r}, 'the hosts').__enter__()"],
             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=60)
     assert second.returncode != 0
     assert f"the hosts are in use by the test run of pid {os.getpid()}" in second.stderr
