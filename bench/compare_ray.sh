@@ -21,7 +21,7 @@ fi
 if [[ " $* " != *" --skip-scale "* ]]; then
   echo "compare_ray: building build/bench/bench/scale_controller" >&2
   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAXTRAIN_BUILD_BENCH=ON > /dev/null
-  ninja -C build/bench scale_controller > /dev/null
+  ninja --quiet -C build/bench scale_controller  # the compiler's errors show, not its progress
 fi
 
 exec "$venv/bin/python" bench/compare_ray.py "$@"
