@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -46,7 +47,9 @@ from trial_runner import machine, spread
 BENCH = os.path.dirname(os.path.realpath(__file__))
 ROOT = os.path.dirname(BENCH)
 COMPARE = os.path.join(ROOT, "build", "compare")
-STAMP = ".jaxtrain-commit"  # in a build's .venv: the commit installed there, once it was
+# In a build's .venv once it is complete: the commit installed there and the packages the copy
+# had beside it; a build is reused only while both still match.
+STAMP = ".compare-build.json"
 
 # (key, program, title, format): the order of the table.
 FIGURES = [
@@ -115,7 +118,9 @@ def copy_venv(tree: str) -> None:
     partial = target + ".partial"  # a copy cut short is never taken for a venv
     shutil.rmtree(partial, ignore_errors=True)
     say(f"copying {source} to {target}")
-    subprocess.run(["cp", "-a", source, partial], check=True)
+    copied = subprocess.run(["cp", "-a", source, partial], capture_output=True, text=True)
+    if copied.returncode != 0:
+        raise Failed(f"cp -a {source} {partial} failed:\n{copied.stderr.strip()}")
     old, new = source.encode(), target.encode()
     for top, dirs, files in os.walk(partial):
         dirs[:] = [d for d in dirs if d != "site-packages"]
@@ -131,12 +136,19 @@ def copy_venv(tree: str) -> None:
     os.rename(partial, target)
 
 
-def read(path: str) -> str:
+def packages(venv: str) -> list[str]:
+    """The distributions installed in ``venv`` besides jaxtrain, as name-version."""
+    found = glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "*.dist-info"))
+    names = (os.path.basename(d).removesuffix(".dist-info") for d in found)
+    return sorted(n for n in names if not n.startswith("jaxtrain-"))
+
+
+def read_stamp(path: str) -> dict:
     try:
         with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def is_worktree_of(tree: str, sha: str) -> bool:
@@ -156,6 +168,8 @@ def build(sha: str) -> str:
     tree = os.path.join(COMPARE, name)
     python = os.path.join(tree, ".venv", "bin", "python")
     stamp = os.path.join(tree, ".venv", STAMP)
+    wanted = {"commit": sha, "packages": packages(os.path.join(ROOT, ".venv"))}
+    found = read_stamp(stamp)
     if os.path.isdir(tree) and not is_worktree_of(tree, sha):
         say(f"{tree} is not a worktree of {name}: removing it")
         git("worktree", "remove", "--force", tree, check=False)
@@ -163,10 +177,14 @@ def build(sha: str) -> str:
         git("worktree", "prune")
     if not os.path.isdir(tree):
         say(f"{name}: git worktree add --detach {tree}")
+        git("worktree", "prune")  # forgets a worktree whose folder was deleted by hand
         git("worktree", "add", "--detach", tree, sha)
-    elif read(stamp) == sha:
+    elif found == wanted:
         say(f"{name}: reusing the build in {tree}")
         return python
+    elif found:
+        say(f"{name}: the checkout's .venv has other packages than the build's copy: copying again")
+        shutil.rmtree(os.path.join(tree, ".venv"))
     if not os.path.exists(python):
         copy_venv(tree)
     log = os.path.join(tree, "build", "compare-install.log")
@@ -189,7 +207,7 @@ def build(sha: str) -> str:
             tail = f.read()[-3000:]
         raise Failed(f"the build of {name} failed ({code}); {log} ends:\n{tail}")
     with open(stamp, "w") as f:
-        f.write(sha + "\n")
+        json.dump(wanted, f)
     say(f"{name}: built and installed in {time.time() - begun:.0f} s")
     return python
 
@@ -248,14 +266,21 @@ def measure(args, pythons: dict, labels: dict, trial: str, tmp: str) -> dict:
 
 
 def verdict(ratios: list[float], threshold: float) -> str:
+    """One line: the median new/old against ``threshold`` (worse) and its inverse (better)."""
     med = statistics.median(ratios)
+
+    def pairs(count: int, side: str) -> str:
+        if len(ratios) == 1:
+            return "one pair, so no spread: --repeats 3 or more before believing it"
+        return f"{count} of {len(ratios)} pairs {side}"
+
     if med > threshold:
         above = sum(r > threshold for r in ratios)
-        return f"WORSE: {med:.2f} x > {threshold:.2f} x ({above} of {len(ratios)} pairs above)"
+        return f"WORSE: {med:.3f} x > {threshold:.3f} x ({pairs(above, 'above')})"
     if med < 1 / threshold:
         below = sum(r < 1 / threshold for r in ratios)
-        return f"better: {med:.2f} x < {1 / threshold:.2f} x ({below} of {len(ratios)} pairs below)"
-    return f"same: {med:.2f} x, within {1 / threshold:.2f}-{threshold:.2f} x"
+        return f"better: {med:.3f} x < {1 / threshold:.3f} x ({pairs(below, 'below')})"
+    return f"same: {med:.3f} x, within {1 / threshold:.3f}-{threshold:.3f} x"
 
 
 def summarise(runs: dict, args) -> dict:
