@@ -5,7 +5,8 @@
 (compare_ray.sh makes bench/.venv-ray with Ray from PyPI and builds the scale benchmark; this
 script runs under that environment.) For each worker count, each repeat runs the three sides in
 turn (ABCABC..., so that noise on the machine hits all three), every trial in a fresh process
-(bench/compare_trial.py, which describes the sides and the training function):
+(bench/compare_trial.py, which describes the sides and the training function; bench/trial_runner.py
+runs it and reads its figures, as for bench/compare_commits.py):
 
 1. ready: fit() (the floor: its first Popen; Ray: ray.init, which fit() would otherwise do) to
    the first line of the training function with ``jax.distributed`` initialised, on the last rank;
@@ -31,20 +32,17 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-import psutil
+import trial_runner
+from trial_runner import machine, spread
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-TRIAL = os.path.join(BENCH, "compare_trial.py")
 RESULTS = os.path.join(BENCH, "results")
 SCALE_BUILD = os.path.join(ROOT, "build", "bench", "bench")
 SIDES = ("jaxtrain", "ray", "floor")
@@ -58,104 +56,16 @@ TARGETS = {
 }
 
 
-class MemorySampler(threading.Thread):
-    """Peak PSS of a process tree, split into workers and everything else, every 0.2 s."""
-
-    def __init__(self, pid: int, is_worker) -> None:
-        super().__init__(daemon=True)
-        self.root, self.is_worker = pid, is_worker
-        self.peak = {"orchestrator": 0, "workers": 0}
-        self.stop = threading.Event()
-
-    @staticmethod
-    def pss(pid: int) -> int:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    def run(self) -> None:
-        while not self.stop.wait(0.2):
-            try:
-                root = psutil.Process(self.root)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-            total = {"orchestrator": 0, "workers": 0}
-            for p in procs:
-                try:
-                    kind = "workers" if self.is_worker(p.cmdline()) else "orchestrator"
-                except psutil.Error:
-                    continue
-                total[kind] += self.pss(p.pid)
-            for kind, value in total.items():
-                self.peak[kind] = max(self.peak[kind], value)
-
-
-def is_worker(side: str):
-    """Whether a command line is one of the side's worker processes (the rest orchestrate)."""
-    if side == "jaxtrain":
-        return lambda cmd: "jaxtrain.worker" in cmd
-    if side == "floor":
-        return lambda cmd: "floor-rank" in cmd
-    return lambda cmd: bool(cmd) and cmd[0].startswith("ray::RayTrainWorker")
-
-
 def run_trial(args, side: str, program: str, workers: int, tmp: str) -> dict:
-    out = tempfile.mkdtemp(prefix=f"{side}-{program}-{workers}-", dir=tmp)
     python = args.ray_python if side == "ray" else args.python
     reports = args.ray_reports if side == "ray" else args.reports
-    argv = [python, TRIAL, side, program, out, str(workers), "--reports", str(reports)]
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(args.ray_poll_s)}
-    with open(os.path.join(out, "console.log"), "wb") as log:
-        start = time.time()
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=out)
-        sampler = MemorySampler(proc.pid, is_worker(side))
-        if program == "step":
-            sampler.start()
-        code = proc.wait()
-        wall = time.time() - start
-        sampler.stop.set()
-    if code != 0:
-        with open(os.path.join(out, "console.log"), errors="replace") as f:
-            tail = f.read()[-3000:]
-        sys.exit(f"{side} {program}, {workers} workers, failed ({code}); output ends:\n{tail}")
-
-    def ranks(prefix: str, attempt: int) -> list[dict]:
-        found = []
-        for r in range(workers):
-            with open(os.path.join(out, f"{prefix}rank{r}-a{attempt}.json")) as f:
-                found.append(json.load(f))
-        return found
-
-    with open(os.path.join(out, "driver.json")) as f:
-        driver = json.load(f)
-    figures: dict = {"wall_s": wall}
-    if program == "step":
-        done = ranks("", 0)
-        samples = sorted(ns for r in done for ns in r["report_ns"])
-        figures |= {
-            "ready_s": max(r["t_ready"] for r in done) - driver["t0"],
-            "report_median_us": statistics.median(samples) / 1e3,
-            "report_p99_us": samples[min(len(samples) - 1, int(0.99 * len(samples)))] / 1e3,
-            "report_calls": len(samples),
-            "self_init": any(r["self_init"] for r in done),
-            "orchestrator_mb": sampler.peak["orchestrator"] / 2**20,
-            "workers_mb": sampler.peak["workers"] / 2**20,
-        }
-        if driver.get("t_fit"):
-            figures["ray_init_s"] = driver["t_fit"] - driver["t0"]
-    elif program == "failure":
-        with open(os.path.join(out, "kill.json")) as f:
-            t_kill = json.load(f)["time"]
-        figures["recovery_s"] = max(r["t_ready"] for r in ranks("ready-", 1)) - t_kill
-    if not args.keep:
-        shutil.rmtree(out, ignore_errors=True)
-    return figures
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(args.ray_poll_s)}
+    try:
+        return trial_runner.run_trial(
+            python, side, program, workers, tmp, reports, env=env, keep=args.keep
+        )
+    except trial_runner.TrialFailed as e:
+        sys.exit(str(e))
 
 
 def run_scale(args) -> list[dict]:
@@ -177,12 +87,6 @@ def run_scale(args) -> list[dict]:
         )
         rows.append(row)
     return rows
-
-
-def spread(values: list[float], fmt: str = ".2f") -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
 def summarise(runs: dict, figure: str, workers: int) -> dict:
@@ -207,22 +111,6 @@ FIGURES = [
 ]
 FORMATS = {"report_median_us": ".1f", "report_p99_us": ".1f", "orchestrator_mb": ".1f"}
 FORMATS["workers_mb"] = ".0f"
-
-
-def machine() -> dict:
-    model = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cores": os.cpu_count(),
-        "cpu": model,
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "load_average_at_start": os.getloadavg()[0],
-    }
 
 
 def plot(summary: dict, scale: list[dict], path: str) -> None:
