@@ -186,24 +186,47 @@ def test_a_checkpoint_directory_that_does_not_exist_fails_in_report_on_that_rank
     assert "'/nonexistent/ckpt-1' does not exist" in str(e.value)
 
 
-def _same_file_on_two_ranks():
-    from jaxtrain import Checkpoint, report
+def _same_file_on_two_ranks(config):
+    from jaxtrain import Checkpoint, get_context, report
 
+    rank = get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as d:
-        Path(d, "params.npy").write_bytes(b"x")
+        Path(d, "params.npy").write_bytes(config["params"][rank].encode())
+        Path(d, f"shard-{rank}").write_text(f"rank {rank}")
         report({"x": 1}, checkpoint=Checkpoint.from_directory(d))
 
 
-def test_two_ranks_writing_the_same_file_is_an_error_naming_both(storage):
+def _fit_same_file(storage, name, params):
+    return JaxTrainer(_same_file_on_two_ranks, train_loop_config={"params": params},
+                      scaling_config=ScalingConfig(num_workers=2),
+                      run_config=RunConfig(name=name, storage_path=storage,
+                                           failure_config=FailureConfig(max_failures=3))).fit()
+
+
+def test_two_ranks_writing_one_file_alike_commit_it_once(storage):
+    result = _fit_same_file(storage, "alike", ["same params", "same params"])
+    assert result.error is None
+    with result.checkpoint.as_directory() as d:
+        assert Path(d, "params.npy").read_text() == "same params"
+        assert Path(d, "shard-0").read_text() == "rank 0"
+        assert Path(d, "shard-1").read_text() == "rank 1"
+
+
+def test_two_ranks_writing_one_file_differently_is_an_error_naming_both(storage):
     with pytest.raises(TrainingFailedError) as e:
-        JaxTrainer(_same_file_on_two_ranks, scaling_config=ScalingConfig(num_workers=2),
-                   run_config=RunConfig(name="clash", storage_path=storage,
-                                        failure_config=FailureConfig(max_failures=3))).fit()
+        _fit_same_file(storage, "clash", ["rank 0's params", "rank 1's"])
     assert e.value.cause == "checkpoint"
-    assert "rank 0 and rank 1 both wrote 'params.npy'" in str(e.value)
+    message = str(e.value)
+    assert ("rank 0 and rank 1 both wrote 'params.npy' to the checkpoint of round 1 with "
+            "different contents (rank 0's: 15 bytes") in message, message
+    # Neither rank is blamed (nor its empty log shown): the commit of their parts failed.
+    assert e.value.rank == -1
+    assert message.startswith("Training failed: the checkpoint commit (host "), message
+    assert "log:" not in message
     # Retrying cannot help, so the budget was not spent on it.
     run = json.loads(Path(storage, "clash", "run.json").read_text())
     assert len(run["attempts"]) == 1
+    assert not Path(storage, "clash", "checkpoint_000001").exists()
 
 
 def test_checkpoint_round_trips_through_to_directory(tmp_path):
