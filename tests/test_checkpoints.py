@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import tempfile
 from pathlib import Path
@@ -108,6 +109,25 @@ def test_keeps_the_newest_two_and_indexes_them(storage, tmp_path):
     assert [x.get("checkpoint") for x in lines] == [
         "checkpoint_000001", None, "checkpoint_000003", None, "checkpoint_000005", None,
         "checkpoint_000007", None, "checkpoint_000009"]
+
+
+def test_running_again_by_name_says_it_resumes_and_counts_this_fit_apart(storage, tmp_path,
+                                                                          capfd):
+    _trainer(storage, tmp_path, "again", steps=4, every=1).fit()
+    first = capfd.readouterr().err
+    assert "resumes" not in first and "this fit()" not in first
+    assert re.search(r"^jaxtrain: goodput [0-9.]+ %", first, re.M), first
+    _trainer(storage, tmp_path, "again", steps=6, every=1).fit()
+    second = capfd.readouterr().err
+    said = ("jaxtrain: run 'again' exists (FINISHED after 4 report round(s) in 1 attempt(s)): "
+            "this fit() resumes it from its latest checkpoint, checkpoint_000004; choose another "
+            "RunConfig.name to start a new run\n")
+    assert second.count(said) == 1, second
+    assert re.search(r"^jaxtrain: this fit\(\): 2 report round\(s\) in 1 attempt\(s\), "
+                     r"goodput [0-9.]+ %", second, re.M), second
+    assert re.search(r"^jaxtrain: the whole run, with the fit\(\)s before it resumed: 6 report "
+                     r"round\(s\), goodput [0-9.]+ %", second, re.M), second
+    assert second.index(said) < second.index("this fit():")
 
 
 def test_best_checkpoints_are_ranked_by_score_and_the_latest_is_always_kept(storage, tmp_path):
