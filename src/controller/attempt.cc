@@ -693,13 +693,15 @@ void Attempt::CheckTimers() {
         missing.push_back(static_cast<int>(r));
       }
     }
-    delegate_.Say("stopping the group without round(s) " +
-                  std::to_string(setup_.first_round + collector_.complete()) + " to " +
-                  std::to_string(setup_.first_round + owed_->reports - 1) + ", which rank " +
-                  std::to_string(owed_->rank) + " reported before it failed: rank(s) " +
-                  RanksOn(missing) + " did not report them within " +
-                  FormatNumber(std::chrono::duration<double>(opts_.finish_rounds_timeout).count()) +
-                  " s");
+    const uint64_t first = setup_.first_round + collector_.complete();
+    const uint64_t last = setup_.first_round + owed_->reports - 1;
+    delegate_.Say(
+        "stopping the group without " +
+        (first == last ? "round " + std::to_string(first)
+                       : "rounds " + std::to_string(first) + " to " + std::to_string(last)) +
+        ", which rank " + std::to_string(owed_->rank) + " reported before it failed: rank(s) " +
+        RanksOn(missing) + " did not report " + (first == last ? "it" : "them") + " within " +
+        FormatNumber(std::chrono::duration<double>(opts_.finish_rounds_timeout).count()) + " s");
     Stop();
   }
   if (kill_deadline_ && now >= *kill_deadline_) {
