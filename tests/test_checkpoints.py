@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import tempfile
 from pathlib import Path
@@ -110,6 +111,25 @@ def test_keeps_the_newest_two_and_indexes_them(storage, tmp_path):
         "checkpoint_000007", None, "checkpoint_000009"]
 
 
+def test_running_again_by_name_says_it_resumes_and_counts_this_fit_apart(storage, tmp_path,
+                                                                          capfd):
+    _trainer(storage, tmp_path, "again", steps=4, every=1).fit()
+    first = capfd.readouterr().err
+    assert "resumes" not in first and "this fit()" not in first
+    assert re.search(r"^jaxtrain: goodput [0-9.]+ %", first, re.M), first
+    _trainer(storage, tmp_path, "again", steps=6, every=1).fit()
+    second = capfd.readouterr().err
+    said = ("jaxtrain: run 'again' exists (FINISHED after 4 report round(s) in 1 attempt(s)): "
+            "this fit() resumes it from its latest checkpoint, checkpoint_000004; choose another "
+            "RunConfig.name to start a new run\n")
+    assert second.count(said) == 1, second
+    assert re.search(r"^jaxtrain: this fit\(\): 2 report round\(s\) in 1 attempt\(s\), "
+                     r"goodput [0-9.]+ %", second, re.M), second
+    assert re.search(r"^jaxtrain: the whole run, with the fit\(\)s before it resumed: 6 report "
+                     r"round\(s\), goodput [0-9.]+ %", second, re.M), second
+    assert second.index(said) < second.index("this fit():")
+
+
 def test_best_checkpoints_are_ranked_by_score_and_the_latest_is_always_kept(storage, tmp_path):
     # Scores per step: the best (lowest) is at step 2; the last checkpoint (step 6) is worst.
     result = _trainer(storage, tmp_path, "best", steps=7, every=2, keep=2, score="score",
@@ -186,24 +206,47 @@ def test_a_checkpoint_directory_that_does_not_exist_fails_in_report_on_that_rank
     assert "'/nonexistent/ckpt-1' does not exist" in str(e.value)
 
 
-def _same_file_on_two_ranks():
-    from jaxtrain import Checkpoint, report
+def _same_file_on_two_ranks(config):
+    from jaxtrain import Checkpoint, get_context, report
 
+    rank = get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as d:
-        Path(d, "params.npy").write_bytes(b"x")
+        Path(d, "params.npy").write_bytes(config["params"][rank].encode())
+        Path(d, f"shard-{rank}").write_text(f"rank {rank}")
         report({"x": 1}, checkpoint=Checkpoint.from_directory(d))
 
 
-def test_two_ranks_writing_the_same_file_is_an_error_naming_both(storage):
+def _fit_same_file(storage, name, params):
+    return JaxTrainer(_same_file_on_two_ranks, train_loop_config={"params": params},
+                      scaling_config=ScalingConfig(num_workers=2),
+                      run_config=RunConfig(name=name, storage_path=storage,
+                                           failure_config=FailureConfig(max_failures=3))).fit()
+
+
+def test_two_ranks_writing_one_file_alike_commit_it_once(storage):
+    result = _fit_same_file(storage, "alike", ["same params", "same params"])
+    assert result.error is None
+    with result.checkpoint.as_directory() as d:
+        assert Path(d, "params.npy").read_text() == "same params"
+        assert Path(d, "shard-0").read_text() == "rank 0"
+        assert Path(d, "shard-1").read_text() == "rank 1"
+
+
+def test_two_ranks_writing_one_file_differently_is_an_error_naming_both(storage):
     with pytest.raises(TrainingFailedError) as e:
-        JaxTrainer(_same_file_on_two_ranks, scaling_config=ScalingConfig(num_workers=2),
-                   run_config=RunConfig(name="clash", storage_path=storage,
-                                        failure_config=FailureConfig(max_failures=3))).fit()
+        _fit_same_file(storage, "clash", ["rank 0's params", "rank 1's"])
     assert e.value.cause == "checkpoint"
-    assert "rank 0 and rank 1 both wrote 'params.npy'" in str(e.value)
+    message = str(e.value)
+    assert ("rank 0 and rank 1 both wrote 'params.npy' to the checkpoint of round 1 with "
+            "different contents (rank 0's: 15 bytes") in message, message
+    # Neither rank is blamed (nor its empty log shown): the commit of their parts failed.
+    assert e.value.rank == -1
+    assert message.startswith("Training failed: the checkpoint commit (host "), message
+    assert "log:" not in message
     # Retrying cannot help, so the budget was not spent on it.
     run = json.loads(Path(storage, "clash", "run.json").read_text())
     assert len(run["attempts"]) == 1
+    assert not Path(storage, "clash", "checkpoint_000001").exists()
 
 
 def test_checkpoint_round_trips_through_to_directory(tmp_path):

@@ -110,6 +110,50 @@ def test_the_group_restarts_from_the_latest_checkpoint_after(fault, cause, stora
     _assert_recovered(result, tmp_path, cause)
 
 
+def _fails_right_after_its_report(config):
+    """Four steps; rank 0 reports checkpoints at steps 0 and 1, rank 1 metrics only. On attempt 0
+    rank 1 raises right after its report of step 1, while rank 0's part of that round (and maybe
+    of step 0's) is still being staged: its report() has returned, the part is not yet sent."""
+    from jaxtrain import get_checkpoint, get_context, report
+
+    ctx = get_context()
+    rank, attempt = ctx.get_world_rank(), ctx.get_attempt()
+    start = 0
+    if get_checkpoint() is not None:
+        with get_checkpoint().as_directory() as d:
+            start = int(Path(d, "step").read_text()) + 1
+    for step in range(start, 4):
+        if rank == 0 and step < 2:
+            with tempfile.TemporaryDirectory() as d:
+                Path(d, "step").write_text(str(step))
+                Path(d, "weights").write_bytes(os.urandom(1 << 20))
+                report({"step": step, "attempt": attempt},
+                       checkpoint=Checkpoint.from_directory(d))
+        else:
+            report({"step": step, "attempt": attempt})
+        if rank == 1 and step == 1 and attempt == 0:
+            raise RuntimeError("injected failure right after the report of step 1")
+
+
+def test_a_round_every_rank_reported_is_committed_when_a_rank_fails_right_after(storage):
+    result = JaxTrainer(
+        _fails_right_after_its_report,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="right-after", storage_path=storage,
+                             failure_config=FailureConfig(max_failures=1)),
+    ).fit()
+    run = json.loads(Path(result.path, "run.json").read_text())
+    assert [a["status"] for a in run["attempts"]] == ["ERRORED", "FINISHED"]
+    assert run["attempts"][0]["failure"]["rank"] == 1
+    # Both rounds of attempt 0 were reported by every rank: recorded, committed, restored from.
+    lines = [json.loads(x) for x in Path(result.path, "result.jsonl").read_text().splitlines()]
+    assert [(x["metrics"]["step"], x["metrics"]["attempt"], x.get("checkpoint"))
+            for x in lines[:2]] == [(0, 0, "checkpoint_000001"), (1, 0, "checkpoint_000002")]
+    assert run["attempts"][1]["restored_from"].endswith("checkpoint_000002")
+    assert [x["metrics"]["step"] for x in lines[2:]] == [2, 3]
+    assert result.metrics == {"step": 3, "attempt": 1}
+
+
 def test_a_stopped_rank_is_caught_by_the_progress_watchdog(storage, tmp_path):
     result = _fit(storage, tmp_path, "stopped", "sigstop", max_failures=1,
                   progress_timeout_s=2.0)

@@ -86,6 +86,20 @@ def test_a_live_run_counts_to_now_and_from_run_dir_reads_the_records(tmp_path: P
         goodput.from_run_dir(str(tmp_path / "missing"))
 
 
+def test_this_drivers_part_of_a_resumed_run_leaves_the_earlier_drivers_attempts_out():
+    # A second driver started at 153 and resumed the run with attempt 1 (at 155): its fit() says
+    # its own part, attempt 0 being the first driver's.
+    state = json.loads(json.dumps(STATE))
+    state["start_time"] = 153.0
+    own = goodput.compute(state, ROUNDS, this_driver=True)
+    assert [a.attempt for a in own.attempts] == [1]
+    assert own.parts() == {"queue": 5, "startup": 2 + 2, "compile": 3, "training": 30,
+                           "checkpoint_blocked": 0, "restart": 0, "lost": 0, "shutdown": 8 + 2}
+    assert own.wall == 52
+    whole = goodput.compute(state, ROUNDS)
+    assert len(whole.attempts) == 2 and whole.wall == own.wall + 54
+
+
 def test_records_without_the_split_times_count_start_up_until_the_first_report():
     state = json.loads(json.dumps(STATE))
     for a in state["attempts"]:

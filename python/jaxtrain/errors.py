@@ -14,7 +14,8 @@ class TrainingFailedError(RuntimeError):
     ``worker_traceback``
     (the worker's Python traceback, when it raised), ``log_path`` and ``log_tail``. ``rank`` is
     -1 when no rank failed but the driver did: its run directory could not be written
-    ("storage"), or the group could not be started.
+    ("storage"), or the group could not be started; or when the ranks' parts of a checkpoint
+    disagree ("checkpoint": two ranks wrote one file name with different contents).
     """
 
     def __init__(
@@ -49,14 +50,14 @@ class TrainingFailedError(RuntimeError):
         """The error for the first failure `f`; `attempts` lists every failed attempt. It is a
         ControllerError when the failure that ended the run was a group that could not start,
         a WorkerGroupError otherwise."""
-        who = f"rank {f['rank']}" if f["rank"] >= 0 else "the driver"
+        who = _who(f)
         where = f"{who} (host {f['host'] or '?'}, attempt {f['attempt']})"
         lines = [f"Training failed: {where}: {f['message']}"]
         if attempts and len(attempts) > 1:
             lines += ["", f"Every failed attempt ({len(attempts)}; the restart budget is spent):"]
             lines += [
                 f"  attempt {a['attempt']}: "
-                f"{'rank ' + str(a['rank']) if a['rank'] >= 0 else 'the driver'}, "
+                f"{_who(a)}, "
                 f"{a['cause']}: {a['message']}"
                 for a in attempts
             ]
@@ -88,6 +89,14 @@ class TrainingFailedError(RuntimeError):
             log_tail=f["log_tail"],
             **extra,
         )
+
+
+def _who(failure: dict) -> str:
+    """Whom a failure blames: its rank, else the checkpoint commit (the ranks' parts of a
+    checkpoint disagree) or the driver."""
+    if failure["rank"] >= 0:
+        return f"rank {failure['rank']}"
+    return "the checkpoint commit" if failure.get("cause") == "checkpoint" else "the driver"
 
 
 class WorkerGroupError(TrainingFailedError):

@@ -136,10 +136,13 @@ class Goodput:
                 for r in rows]
 
 
-def compute(state: dict, rounds: list[dict], now: float | None = None) -> Goodput:
+def compute(state: dict, rounds: list[dict], now: float | None = None,
+            this_driver: bool = False) -> Goodput:
     """The Goodput of a run from its records: ``state`` is run.json, ``rounds`` result.jsonl's
     lines (``{"round", "time", "checkpoint"?, ...}``). ``now``: where a RUNNING run's time ends;
-    None ends it at its last recorded time. Pure: reads nothing else."""
+    None ends it at its last recorded time. ``this_driver``: only the last driver's part of a
+    resumed run (its own attempts, start-up and shutdown), as the end of its ``fit()`` says it.
+    Pure: reads nothing else."""
     status = str(state.get("status", ""))
     live = status == "RUNNING"
     attempts = records.attempts(state)
@@ -155,6 +158,10 @@ def compute(state: dict, rounds: list[dict], now: float | None = None) -> Goodpu
     for i, a in enumerate(attempts):
         following = attempts[i + 1] if i + 1 < len(attempts) else None
         per_attempt.append(_attempt(a, following, reported, end if live else None))
+    if this_driver and driver_start is not None:
+        kept = [(a, g) for a, g in zip(attempts, per_attempt, strict=True)
+                if (_number(a.get("start_time")) or 0.0) >= driver_start]
+        attempts, per_attempt = [a for a, _ in kept], [g for _, g in kept]
 
     run = dict.fromkeys(PARTS, 0.0)
     for g in per_attempt:

@@ -245,8 +245,9 @@ def report(
     ``checkpoint_<round>``, in the background (fsync, manifest, atomic rename) while training
     goes on. At most one checkpoint is in flight: a ``report`` with a checkpoint first waits until
     this rank's previous one is staged and its commit has ended. A failure to stage (a full disk,
-    a permission) fails the run, naming the rank and the path. Ranks must write different file
-    names into one checkpoint.
+    a permission) fails the run, naming the rank and the path. Several ranks may write a file of
+    the same name into one checkpoint only with the same contents (it is committed once); with
+    different contents the round fails, naming the file and both ranks.
 
     ``validation`` (True, or a ValidationTaskConfig whose ``fn_kwargs`` override the trainer's):
     once the round's checkpoint has committed, the driver runs the trainer's ValidationConfig

@@ -83,6 +83,9 @@ void Attempt::Fail(RankFailure f) {
     f.cause = FailureCause::kPreemption;
     f.preemption = nlohmann::json::parse(preemption_.Info(/*drain_timed_out=*/false));
   }
+  const bool first = !failed_at_;
+  const int rank = f.rank;
+  const FailureCause cause = f.cause;
   if (!failure_) {
     if (failure_time_ == 0) failure_time_ = clock_.UnixSeconds();  // kept by Reblame()
     f.attempt = setup_.number;
@@ -97,7 +100,48 @@ void Attempt::Fail(RankFailure f) {
     failure_ = std::move(f);
     if (!failed_at_) failed_at_ = Now();
   }
+  // While the failed rank's rounds are being completed, its own exit and closed connection are
+  // expected; any other rank's failure stops the group at once.
+  if (FinishingRounds() && rank == owed_->rank) return;
+  if (first && AwaitRoundsOf(rank, cause)) return;
   Stop();
+}
+
+// A round that every rank has reported is recorded, and its checkpoint committed, even when a
+// rank fails right after (DESIGN.md §6): its last reports may still be on their way from the
+// others, whose report() returns before its checkpoint is staged and sent (session.report), and
+// whose next report(checkpoint=) waits for the commit ahead of it. True when the group goes on
+// until the rounds the failed rank reported are complete (owed_); false when nothing is owed, or
+// when a rank that has not reported them can no longer do so (it returned, its connection is
+// gone), or when the failure leaves nothing to wait for (not a training failure, a stuck group).
+bool Attempt::AwaitRoundsOf(int failed, FailureCause cause) {
+  if (phase_ != Phase::kRunning || failed < 0 || !IsTrainingFailure(cause) ||
+      cause == FailureCause::kWatchdog) {
+    return false;
+  }
+  const uint64_t reports = collector_.reports(failed);
+  if (collector_.complete() >= reports) return false;
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const int other = static_cast<int>(r);
+    if (other == failed || collector_.reports(other) >= reports) continue;
+    if (ranks_[r].done || !port_.connected(other)) return false;
+  }
+  owed_ = OwedRounds{
+      .rank = failed, .reports = reports, .deadline = Now() + opts_.finish_rounds_timeout};
+  return true;
+}
+
+// The rounds owed are complete (their commits go on while the group stops: the attempt ends
+// only once they have ended), or can no longer be.
+void Attempt::StopIfRoundsFinished() {
+  if (!FinishingRounds()) return;
+  bool possible = true;
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (ranks_[r].done && collector_.reports(static_cast<int>(r)) < owed_->reports) {
+      possible = false;
+    }
+  }
+  if (collector_.complete() >= owed_->reports || !possible) Stop();
 }
 
 void Attempt::Stop() {
@@ -183,6 +227,7 @@ void Attempt::AddReport(int rank, std::string_view metrics_json,
     ApplyStragglerRule();
     delegate_.AddRound(std::move(done));
   }
+  StopIfRoundsFinished();
   if (phase_ == Phase::kRunning) delegate_.RecordRunning(/*if_stale=*/true);
 }
 
@@ -248,6 +293,7 @@ void Attempt::OnMessage(int rank, const wire::Done& m) {
     if (!s.ok()) Fail(StorageFailure(s, "rank 0's return value: " + s.message()));
   }
   watchdog_.Done(rank);
+  StopIfRoundsFinished();
   Status unmatched = collectives_.Done(rank);
   if (!unmatched.ok()) {
     return Fail({.rank = rank, .cause = FailureCause::kException, .message = unmatched.message()});
@@ -392,7 +438,7 @@ void Attempt::MaybeStartTraining() {
 // --- rounds (round_recorder.h) -------------------------------------------------------------------
 
 void Attempt::RequestResize(std::string why) {
-  if (resize_after_ || Stopping()) return;
+  if (resize_after_ || Stopping() || failure_) return;
   resize_after_ = collector_.next_round();
   resize_why_ = std::move(why);
 }
@@ -640,6 +686,24 @@ void Attempt::CheckTimers() {
         "its deadline passed before a checkpoint reported after the notice was committed",
         /*drain_timed_out=*/true);
   }
+  if (FinishingRounds() && now >= owed_->deadline) {
+    std::vector<int> missing;
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      if (collector_.reports(static_cast<int>(r)) < owed_->reports) {
+        missing.push_back(static_cast<int>(r));
+      }
+    }
+    const uint64_t first = setup_.first_round + collector_.complete();
+    const uint64_t last = setup_.first_round + owed_->reports - 1;
+    delegate_.Say(
+        "stopping the group without " +
+        (first == last ? "round " + std::to_string(first)
+                       : "rounds " + std::to_string(first) + " to " + std::to_string(last)) +
+        ", which rank " + std::to_string(owed_->rank) + " reported before it failed: rank(s) " +
+        RanksOn(missing) + " did not report " + (first == last ? "it" : "them") + " within " +
+        FormatNumber(std::chrono::duration<double>(opts_.finish_rounds_timeout).count()) + " s");
+    Stop();
+  }
   if (kill_deadline_ && now >= *kill_deadline_) {
     kill_deadline_.reset();
     if (group_.running() > 0) {
@@ -659,6 +723,7 @@ std::optional<TimePoint> Attempt::NextDeadline(bool commit_in_flight) const {
     if (watchdog_ping_) consider(watchdog_ping_->deadline);
     if (preemption_.open()) consider(preemption_.deadline());
     if (auto t = collectives_.NextWarning()) consider(*t);
+    if (owed_) consider(owed_->deadline);
   }
   if (kill_deadline_) consider(*kill_deadline_);
   // Past it, only a commit in flight holds the attempt open: its descriptor wakes the loop.

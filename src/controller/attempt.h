@@ -7,6 +7,11 @@
 //       └── a rank fails / Stop() / start-up timeout / ───────┴──> kStopping
 //           watchdog / preemption                                  SIGTERM, then SIGKILL
 //                                                                  after the grace period
+//   A rank that fails while running, having reported rounds that the others have not all sent
+//   yet, leaves the group running a little longer (still kRunning, failure() set): the rounds it
+//   reported are completed first, so that they are recorded and their checkpoints committed, and
+//   the group is stopped once they are complete, or when another rank fails or returns without
+//   them, or at ControllerOptions::finish_rounds_timeout (AwaitRoundsOf()).
 //   Once every process is reaped and its output drained (Drained(), kDraining), the attempt is
 //   over. Its result: failure() (the first failure, refined by the exits that followed it, or
 //   none), the rounds its ranks reported beyond the others' (TakeUnmatchedRounds()), and its
@@ -125,7 +130,9 @@ class Attempt {
 
   // A new turn of the loop: connections closing in one turn count as closing together.
   void NewTurn() { ++turn_; }
-  // Fails the attempt (the first failure is kept) and stops it.
+  // Fails the attempt (the first failure is kept) and stops it; a training failure of a rank
+  // that reported rounds the others have not all sent yet stops it once they are complete (see
+  // above).
   void Fail(RankFailure f);
   // Stops the group (Abort()): SIGTERM, then SIGKILL after the grace period.
   void Stop();
@@ -146,7 +153,8 @@ class Attempt {
   void SetStartFailure(RankFailure f) { failure_ = std::move(f); }
   // The start-up timeout, the watchdog, the preemption deadline, the grace period.
   void CheckTimers();
-  // The earliest of the attempt's deadlines; past the drain deadline only a commit in flight
+  // The earliest of the attempt's deadlines (the finish of a failed rank's rounds among them);
+  // past the drain deadline only a commit in flight
   // (`commit_in_flight`) holds the attempt open, and its descriptor wakes the loop.
   std::optional<TimePoint> NextDeadline(bool commit_in_flight) const;
   // True once every process is reaped and its output drained (or the drain deadline passed).
@@ -199,6 +207,7 @@ class Attempt {
   const placement::Plan& plan() const { return setup_.plan ? *setup_.plan : opts_.plan; }
   bool ResizeAfter(uint64_t round) const { return resize_after_ && round >= *resize_after_; }
   bool Stopping() const { return phase_ == Phase::kStopping || phase_ == Phase::kDraining; }
+  bool FinishingRounds() const { return owed_ && !Stopping(); }
   void OnMessage(int rank, const wire::Registration& m);
   void OnMessage(int rank, const wire::Report& m);
   void OnMessage(int rank, wire::CheckpointReport& m);
@@ -222,6 +231,8 @@ class Attempt {
   std::string HostOf(size_t rank) const;
   std::string PlannedHost(size_t rank) const;
   void CheckProgress();
+  bool AwaitRoundsOf(int failed, FailureCause cause);
+  void StopIfRoundsFinished();
 
   const Setup setup_;
   const ControllerOptions& opts_;
@@ -253,6 +264,14 @@ class Attempt {
   std::optional<RankFailure> failure_;
   double failure_time_ = 0;  // Unix seconds the first failure was noticed, whoever is blamed
   std::optional<TimePoint> failed_at_;
+  // The rounds a failed rank had reported, which the group completes before it is stopped:
+  // `reports` counts them from this attempt's first round.
+  struct OwedRounds {
+    int rank = -1;
+    uint64_t reports = 0;
+    TimePoint deadline;
+  };
+  std::optional<OwedRounds> owed_;
   bool checkpoints_released_ = false;  // the ranks were told no commit is ahead
   ReportCollector collector_;
   Collectives collectives_;  // barrier() and broadcast_from_rank_zero() calls

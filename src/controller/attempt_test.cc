@@ -377,6 +377,106 @@ TEST_F(AttemptTest, StopSignalsTheGroupAndBlamesNobody) {
   EXPECT_TRUE(attempt_->Drained());
 }
 
+// A rank that fails right after reports that another rank has not sent yet (its report() has
+// returned, its part is still being staged): the group goes on until those rounds are complete,
+// so that they are recorded (and their checkpoints committed), and is stopped then. The failed
+// rank's own exit and closed connection do not cut the wait short.
+TEST_F(AttemptTest, RoundsAFailedRankReportedAreCompletedBeforeTheGroupIsStopped) {
+  Start(/*number=*/3, /*first_round=*/5);
+  RegisterAll();
+  ReportRound();
+  ranks_.Deliver(0, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+  ranks_.Deliver(0, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 2})"));
+  ranks_.Deliver(0, MessageType::kError, json{{"message", "boom"}, {"traceback", ""}}.dump());
+  Turn();
+  EXPECT_EQ(Failure().rank, 0);
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kRunning);
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+  ASSERT_TRUE(attempt_->NextDeadline(/*commit_in_flight=*/false).has_value());
+  EXPECT_EQ(*attempt_->NextDeadline(false), clock_.Now() + opts_.finish_rounds_timeout);
+  processes_.Exit(0, 1);
+  ranks_.Disconnect(0);
+  Turn();
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+  ranks_.Deliver(1, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+  Turn();
+  EXPECT_EQ(run_.rounds, (std::vector<uint64_t>{5, 6}));
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+  ranks_.Deliver(1, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 2})"));
+  Turn();
+  EXPECT_EQ(run_.rounds, (std::vector<uint64_t>{5, 6, 7}));
+  EXPECT_EQ(attempt_->phase(), Attempt::Phase::kStopping);
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  const RankFailure& f = Failure();
+  EXPECT_EQ(f.rank, 0);
+  EXPECT_EQ(f.cause, FailureCause::kException);
+  EXPECT_EQ(f.message, "boom");
+  Turn();
+  EXPECT_TRUE(attempt_->Drained());
+}
+
+// The wait for a failed rank's rounds is bounded: at the deadline the group is stopped, and the
+// line says which rounds are lost and who did not report them.
+TEST_F(AttemptTest, RoundsOfAFailedRankThatTheOthersDoNotReportInTimeAreGivenUp) {
+  Start(/*number=*/3, /*first_round=*/5);
+  RegisterAll();
+  ranks_.Deliver(1, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+  ranks_.Deliver(1, MessageType::kError, json{{"message", "boom"}, {"traceback", ""}}.dump());
+  Turn();
+  attempt_->CheckTimers();
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+  clock_.Advance(opts_.finish_rounds_timeout);
+  attempt_->CheckTimers();
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  EXPECT_TRUE(run_.rounds.empty());
+  ASSERT_FALSE(run_.said.empty());
+  EXPECT_NE(run_.said.back().find("without round 5, which rank 1 reported"), std::string::npos)
+      << run_.said.back();
+  EXPECT_NE(run_.said.back().find("rank(s) 0 on host-0 did not report it within 30 s"),
+            std::string::npos)
+      << run_.said.back();
+  EXPECT_EQ(Failure().rank, 1);
+}
+
+// Another rank's failure during the wait, or its return without the rounds, stops the group at
+// once: those rounds cannot be completed any more.
+TEST_F(AttemptTest, AnotherRankFailingWhileAFailedRanksRoundsAreAwaitedStopsTheGroup) {
+  Start();
+  RegisterAll();
+  ranks_.Deliver(1, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+  ranks_.Deliver(1, MessageType::kError, json{{"message", "boom"}, {"traceback", ""}}.dump());
+  Turn();
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+  ranks_.Deliver(0, MessageType::kError, json{{"message", "peer lost"}, {"traceback", ""}}.dump());
+  Turn();
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  EXPECT_EQ(Failure().rank, 1);
+  EXPECT_EQ(Failure().message, "boom");
+}
+
+TEST_F(AttemptTest, ARankReturningWithoutAFailedRanksRoundsStopsTheGroup) {
+  Start();
+  RegisterAll();
+  ranks_.Deliver(1, MessageType::kReport, wire::EncodeReportBody(0, R"({"loss": 1})"));
+  ranks_.Deliver(1, MessageType::kError, json{{"message", "boom"}, {"traceback", ""}}.dump());
+  Turn();
+  EXPECT_EQ(processes_.signals(SIGTERM), 0);
+  ranks_.Deliver(0, MessageType::kDone, "{}");
+  Turn();
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  EXPECT_TRUE(run_.rounds.empty());
+}
+
+// A failure that leaves every reported round complete stops the group at once.
+TEST_F(AttemptTest, AFailureWithNoRoundOwedStopsTheGroupAtOnce) {
+  Start();
+  RegisterAll();
+  ReportRound();
+  ranks_.Deliver(1, MessageType::kError, json{{"message", "boom"}, {"traceback", ""}}.dump());
+  Turn();
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+}
+
 // An elastic run that can grow stops the group on purpose at the next checkpoint committed
 // after the request, holding back the ranks that reported it; the attempt ends without a failure.
 TEST_F(AttemptTest, AResizeStopsTheGroupAtTheNextCommittedCheckpointWithoutAFailure) {

@@ -413,8 +413,11 @@ struct Controller::Loop : ControlPort::Delegate,
     }
     if (!failure || aborted) return false;
     // Said now rather than when first noticed: by now the exit status has refined the cause.
-    Say("attempt " + std::to_string(attempt->number()) + " failed: " +
-        (failure->rank >= 0 ? "rank " + std::to_string(failure->rank) : "the driver") + " (host " +
+    // Without a rank: the driver's own work, or the ranks' checkpoint parts that disagree.
+    const std::string who = failure->rank >= 0 ? "rank " + std::to_string(failure->rank)
+                            : failure->cause == FailureCause::kCheckpoint ? "the checkpoint commit"
+                                                                          : "the driver";
+    Say("attempt " + std::to_string(attempt->number()) + " failed: " + who + " (host " +
         (failure->host.empty() ? "?" : failure->host) + "): " + failure->message);
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     outcome.failures.push_back(*failure);

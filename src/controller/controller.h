@@ -111,6 +111,10 @@ struct ControllerOptions {
   // allocation it requested); recorded in run.json as "queue_wait_s".
   double queue_wait_s = 0;
   Duration terminate_grace = std::chrono::seconds(5);
+  // After a rank fails, how long the group goes on at most for the other ranks to report the
+  // rounds that the failed rank had reported, so that those rounds are recorded and their
+  // checkpoints committed before the group is stopped (docs/checkpoints.md).
+  Duration finish_rounds_timeout = std::chrono::seconds(30);
   Duration handshake_timeout = std::chrono::seconds(10);
   Duration start_timeout = std::chrono::seconds(300);  // spawn to every rank registered
   // A rank that sends no report for this long while training is treated as failed; 0 = off.

@@ -218,6 +218,42 @@ class ControllerStateTest : public testing::Test {
   FakeProcesses processes_;
 };
 
+// Rank 1 fails right after its report of round 2, while rank 0's checkpoint of round 1 is still
+// on its way and its round 2 waits for that commit (report(checkpoint=) does): the group is not
+// stopped until both rounds are complete, their checkpoints are committed before the attempt
+// ends, and the restart restores from round 2's.
+TEST_F(ControllerStateTest, RoundsEveryRankReportedAreCommittedWhenARankFailsRightAfter) {
+  ControllerOptions options = Options(2);
+  options.max_failures = 1;
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  Report(1, 1, {{"step", 0}});
+  Report(1, 2, {{"step", 1}});
+  Raise(1, "injected right after its report");
+  processes_.Exit(1, 1);
+  ReportCheckpoint(/*attempt=*/0, 0, /*round=*/1);
+  ASSERT_TRUE(ranks_.WaitForSent(0, 0, MessageType::kCheckpointSettled, kNoHang))
+      << "round 1 was not committed";
+  EXPECT_EQ(processes_.signals(SIGTERM), 0) << "the group was stopped before round 2";
+  ReportCheckpoint(/*attempt=*/0, 0, /*round=*/2);
+
+  WaitForStart(2);
+  EXPECT_EQ(processes_.signals(SIGTERM), 1);
+  std::vector<json> second = RegisterAll(/*attempt=*/1, 2);
+  EXPECT_EQ(second[0]["checkpoint"], RunDir() + "/checkpoint_000002");
+  EXPECT_EQ(second[0]["first_round"], 3);
+  for (int rank : {0, 1}) Finish(rank);
+  const Outcome& out = WaitForOutcome(*controller);
+  EXPECT_EQ(out.state, State::kSucceeded);
+  ASSERT_EQ(out.failures.size(), 1u);
+  EXPECT_EQ(out.failures[0].rank, 1);
+  EXPECT_EQ(out.failures[0].cause, FailureCause::kException);
+  const std::string results = ReadAll(RunDir() + "/result.jsonl");
+  EXPECT_NE(results.find(R"("round":1,)"), std::string::npos) << results;
+  EXPECT_NE(results.find(R"("checkpoint":"checkpoint_000002")"), std::string::npos) << results;
+}
+
 TEST_F(ControllerStateTest, ARankKilledBySignalRestartsTheGroupFromTheLatestCommittedCheckpoint) {
   ControllerOptions options = Options(2);
   options.max_failures = 1;

@@ -50,6 +50,10 @@ class ReportCollector {
   std::string CountMismatchWarning() const;
 
   uint64_t next_round() const { return next_round_; }
+  // The reports `rank` has made, and the rounds every rank has reported (both counted from this
+  // collector's first round).
+  uint64_t reports(int rank) const { return counts_[static_cast<size_t>(rank)]; }
+  uint64_t complete() const { return complete_; }
 
  private:
   std::vector<uint64_t> counts_;   // by rank: its reports

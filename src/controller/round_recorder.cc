@@ -1,6 +1,7 @@
 #include "controller/round_recorder.h"
 
 #include <cstdio>
+#include <map>
 #include <utility>
 
 #include "storage/files.h"
@@ -14,12 +15,29 @@ std::string DefaultCheckpointName(uint64_t round) {
   return buf;
 }
 
+// Whether two ranks' files of one name have the same contents (by size and CRC-32C, and by
+// SHA-256 where both have one), or are links to the same target.
+bool SameContents(const storage::FileEntry& a, const storage::FileEntry& b) {
+  if (!a.link.empty() || !b.link.empty()) return a.link == b.link;
+  return a.size == b.size && a.crc32c == b.crc32c &&
+         (a.sha256.empty() || b.sha256.empty() || a.sha256 == b.sha256);
+}
+
+std::string Describe(const storage::FileEntry& f) {
+  if (!f.link.empty()) return "a link to '" + f.link + "'";
+  char crc[16];
+  std::snprintf(crc, sizeof(crc), "%08x", f.crc32c);
+  return std::to_string(f.size) + " bytes, CRC-32C " + crc;
+}
+
 }  // namespace
 
 StatusOr<CheckpointCommitter::Job> CommitJob(const Round& round) {
   std::optional<std::string> name;
   int name_rank = -1;
   CheckpointCommitter::Job job{.round = round.round, .metrics_json = round.metrics_json};
+  // Each file name's first writer: a later rank's file of that name is committed only once.
+  std::map<std::string, std::pair<int, storage::FileEntry>> written;
   for (const auto& part : round.checkpoints) {
     if (part.dir_name && name && *part.dir_name != *name) {
       return InvalidArgumentError(
@@ -33,7 +51,28 @@ StatusOr<CheckpointCommitter::Job> CommitJob(const Round& round) {
       name = part.dir_name;
       name_rank = part.staged.rank;
     }
-    job.parts.push_back(part.staged);
+    storage::RankCheckpoint staged = part.staged;
+    staged.files.clear();
+    for (const storage::FileEntry& f : part.staged.files) {
+      auto [first, inserted] = written.try_emplace(f.path, part.staged.rank, f);
+      if (inserted) {
+        staged.files.push_back(f);
+        continue;
+      }
+      // Ray merges the ranks' directories: the same file from several ranks is one file. Its
+      // later copies stay in their staging directories, which the commit removes.
+      if (SameContents(first->second.second, f)) continue;
+      return InvalidArgumentError(
+          "rank " + std::to_string(first->second.first) + " and rank " +
+          std::to_string(part.staged.rank) + " both wrote '" + f.path +
+          "' to the checkpoint of round " + std::to_string(round.round) +
+          " with different contents (rank " + std::to_string(first->second.first) +
+          "'s: " + Describe(first->second.second) + "; rank " + std::to_string(part.staged.rank) +
+          "'s: " + Describe(f) +
+          "), so none of it was committed; several ranks may write a file of the same name only "
+          "with the same contents: write it from one rank, or name the files by rank");
+    }
+    job.parts.push_back(std::move(staged));
   }
   job.dir_name = name.value_or(DefaultCheckpointName(round.round));
   return job;
@@ -55,10 +94,15 @@ void RoundRecorder::Add(Round round) {
 void RoundRecorder::RecordOrCommit(Round round) {
   if (round.checkpoints.empty()) return Record(round, "");
   StatusOr<CheckpointCommitter::Job> job = CommitJob(round);
-  Status submitted = job.ok() ? committer_->Submit(*std::move(job)) : job.status();
+  if (!job.ok()) {
+    // The ranks' parts disagree (names, contents): no one rank is to blame.
+    Settle(round);
+    return CommitFailed(round, job.status(), /*rank=*/-1);
+  }
+  Status submitted = committer_->Submit(*std::move(job));
   if (!submitted.ok()) {
     Settle(round);
-    return CommitFailed(round, submitted);
+    return CommitFailed(round, submitted, round.checkpoints.front().staged.rank);
   }
   committing_ = std::move(round);
   commit_start_ = clock_.Now();
@@ -72,7 +116,7 @@ void RoundRecorder::OnCommitReady() {
   Settle(round);
   for (const auto& w : result->warnings) delegate_.Say(w);
   if (!result->record.ok()) {
-    CommitFailed(round, result->record.status());
+    CommitFailed(round, result->record.status(), round.checkpoints.front().staged.rank);
   } else {
     const std::string committed = result->record->dir_name;
     last_commit_ = {.took = clock_.Now() - commit_start_, .bytes = result->record->bytes};
@@ -99,8 +143,8 @@ void RoundRecorder::OnCommitReady() {
   }
 }
 
-void RoundRecorder::CommitFailed(const Round& round, const Status& why) {
-  delegate_.OnFailed({.rank = round.checkpoints.front().staged.rank,
+void RoundRecorder::CommitFailed(const Round& round, const Status& why, int rank) {
+  delegate_.OnFailed({.rank = rank,
                       .cause = FailureCause::kCheckpoint,
                       .code = why.code(),
                       .message = "the checkpoint of round " + std::to_string(round.round) +

@@ -38,7 +38,9 @@ namespace jaxtrain::controller {
 
 // Why a round failed the attempt.
 struct RoundFailure {
-  int rank = -1;  // the rank blamed (the first part's, for a checkpoint); -1: the run directory
+  // The rank blamed (the first part's, for a checkpoint); -1: the run directory, or the ranks'
+  // parts of a checkpoint that disagree (CommitJob())
+  int rank = -1;
   FailureCause cause = FailureCause::kCheckpoint;  // kCheckpoint or kStorage
   StatusCode code = StatusCode::kOk;  // of the error behind it; kOk: never worth retrying
   std::string message;
@@ -89,7 +91,8 @@ class RoundRecorder {
   void RecordOrCommit(Round round);
   void Record(const Round& round, const std::string& committed);
   void Settle(const Round& round);
-  void CommitFailed(const Round& round, const Status& why);
+  // Fails the attempt, blaming `rank` (-1: the ranks' parts together).
+  void CommitFailed(const Round& round, const Status& why, int rank);
 
   storage::RunStore& store_;
   const std::unique_ptr<CheckpointCommitter> committer_;
@@ -102,9 +105,11 @@ class RoundRecorder {
 };
 
 // The committer's job for a round's checkpoint, named as the ranks asked (checkpoint_dir_name)
-// or checkpoint_<round, 6 digits>. Errors: kInvalidArgument when ranks ask for different names:
-// they are at different steps (they restored different states), so their files are not one
-// checkpoint, and nothing of it is committed.
+// or checkpoint_<round, 6 digits>. A file that several ranks wrote with the same contents (size
+// and CRC-32C) is committed once, the first rank's (Ray merges the ranks' directories).
+// Errors: kInvalidArgument when ranks ask for different names: they are at different steps (they
+// restored different states), so their files are not one checkpoint; and when two ranks wrote
+// one file name with different contents. Nothing of the checkpoint is committed then.
 StatusOr<CheckpointCommitter::Job> CommitJob(const Round& round);
 
 }  // namespace jaxtrain::controller

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -90,6 +91,21 @@ class RoundRecorderTest : public ::testing::Test {
       r.checkpoints.push_back(std::move(part));
     }
     return r;
+  }
+
+  // Adds to `r` rank `rank`'s part holding one file, `name`, with `contents`.
+  void AddPart(Round& r, int rank, const std::string& name, const std::string& contents) {
+    const std::string src = dir_ + "/src-" + std::to_string(rank);
+    fs::create_directories(src);
+    std::ofstream(src + "/" + name) << contents;
+    CheckpointPart part{
+        .staged = {.rank = rank,
+                   .staging_dir = storage::StagingPath(store_->dir(), 0, r.round, rank)}};
+    auto files = storage::StageDirectory(src, part.staged.staging_dir, /*durable=*/false);
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    part.staged.files = *files;
+    fs::remove_all(src);
+    r.checkpoints.push_back(std::move(part));
   }
 
   // Waits, as the loop does, for the commit to end; then hands its result to the recorder.
@@ -178,9 +194,53 @@ TEST_F(RoundRecorderTest, RanksThatNameDifferentCheckpointsFailTheRoundAndCommit
       << f.message;
   // The ranks are released all the same, and the round behind it is recorded.
   EXPECT_EQ(recording_.events,
-            (std::vector<std::string>{"settled 0", "settled 1", "failed rank 0", "recorded 2 "}));
+            (std::vector<std::string>{"settled 0", "settled 1", "failed rank -1", "recorded 2 "}));
   EXPECT_FALSE(fs::exists(store_->dir() + "/step-10"));
   EXPECT_FALSE(fs::exists(store_->dir() + "/step-11"));
+}
+
+// Ray merges the ranks' directories: a file that several ranks wrote alike is one file.
+TEST_F(RoundRecorderTest, AFileSeveralRanksWroteWithTheSameContentsIsCommittedOnce) {
+  MakeRecorder();
+  Round round{.round = 1, .metrics_json = "{}"};
+  AddPart(round, 0, "config.json", "same");
+  AddPart(round, 1, "config.json", "same");
+  AddPart(round, 1, "shard-1", "weights");
+  recorder_->Add(std::move(round));
+  AwaitCommit();
+  EXPECT_TRUE(recording_.failures.empty());
+  EXPECT_EQ(ResultLines(), std::vector<std::string>{"1 checkpoint_000001"});
+  json manifest = json::parse(
+      std::ifstream(store_->dir() + "/checkpoint_000001/" + std::string(storage::kManifestName)));
+  ASSERT_EQ(manifest["file_list"].size(), 2u) << manifest.dump();
+  EXPECT_EQ(manifest["file_list"][0]["path"], "config.json");
+  EXPECT_EQ(manifest["file_list"][0]["rank"], 0);
+  EXPECT_EQ(manifest["file_list"][1]["path"], "shard-1");
+  std::ifstream config(store_->dir() + "/checkpoint_000001/config.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(config), {}), "same");
+  EXPECT_FALSE(fs::exists(storage::StagingPath(store_->dir(), 0, 1, 1)));
+}
+
+// Different contents under one name cannot be merged: the failure names the file and both ranks,
+// and blames neither (rank -1), and nothing of the checkpoint is committed.
+TEST_F(RoundRecorderTest, AFileTwoRanksWroteWithDifferentContentsFailsTheRoundNamingBoth) {
+  MakeRecorder();
+  Round round{.round = 1, .metrics_json = "{}"};
+  AddPart(round, 0, "config.json", "rank 0's");
+  AddPart(round, 2, "config.json", "rank 2's!");
+  recorder_->Add(std::move(round));
+  ASSERT_EQ(recording_.failures.size(), 1u);
+  const RoundFailure& f = recording_.failures[0];
+  EXPECT_EQ(f.rank, -1);
+  EXPECT_EQ(f.cause, FailureCause::kCheckpoint);
+  EXPECT_EQ(f.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(f.message.find("rank 0 and rank 2 both wrote 'config.json' to the checkpoint of "
+                           "round 1 with different contents (rank 0's: 8 bytes"),
+            std::string::npos)
+      << f.message;
+  EXPECT_NE(f.message.find("rank 2's: 9 bytes"), std::string::npos) << f.message;
+  EXPECT_FALSE(recorder_->busy());
+  EXPECT_FALSE(fs::exists(store_->dir() + "/checkpoint_000001"));
 }
 
 TEST_F(RoundRecorderTest, ACommitThatFailsIsBlamedOnItsFirstPartWithItsCode) {

@@ -19,12 +19,13 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, launch, session, storage, validation
+from jaxtrain import _core, callbacks, goodput, launch, records, session, storage, validation
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
@@ -214,6 +215,7 @@ class JaxTrainer:
             mirror.pull(store_direct=store is not None)
         if options.private:
             make_private(run_dir)
+        resumed = _say_resuming(run_dir, self.run_config.name)
         worker_env = _worker_env(self.run_config, plan)
         # Every launcher passes it on.
         worker_env[COMPILATION_CACHE_ENV] = options.compilation_cache
@@ -335,7 +337,7 @@ class JaxTrainer:
         state = json.loads(outcome["run_state"]) if outcome["run_state"] is not None else None
         result = _result(outcome, state, run_dir, self.run_config.checkpoint_config, remote)
         if result.goodput is not None:
-            sys.stderr.write(f"jaxtrain: {result.goodput.line()}\n")
+            sys.stderr.write(_end_lines(result, state, resumed))
         if events is not None:
             # Raises ControllerError if a raise_on_error callback failed.
             events.finish(result, state)
@@ -346,6 +348,42 @@ class JaxTrainer:
             raise result.error
         return result
 
+
+
+def _say_resuming(run_dir: str, name: str) -> int | None:
+    """Says in one line that this fit() resumes the run `name` already in `run_dir` (a used
+    RunConfig.name: Ray's way to resume after a driver ended), how the run last ended and from
+    which checkpoint its first attempt starts; the report rounds it had, or None for a new run.
+    A run that another driver holds is refused later, when the controller opens it."""
+    state = records.read_state_or_none(run_dir)
+    if state is None or not records.attempts(state):
+        return None
+    status, holder = records.run_status(run_dir, state)
+    if holder is not None:
+        return None
+    rounds = records.count_rounds(run_dir, state)
+    latest = (records.read_index(run_dir) or {}).get("latest")
+    start = f"from its latest checkpoint, {latest}" if latest else \
+        "from the start: it has no committed checkpoint"
+    sys.stderr.write(
+        f"jaxtrain: run '{name}' exists ({status} after {rounds} report round(s) in "
+        f"{len(records.attempts(state))} attempt(s)): this fit() resumes it {start}; choose "
+        "another RunConfig.name to start a new run\n")
+    return rounds
+
+
+def _end_lines(result: Result, state: dict | None, resumed: int | None) -> str:
+    """What fit() says at the end: the run's goodput; for a resumed run, this fit()'s own
+    (its rounds, attempts and time) and then the whole run's."""
+    assert result.goodput is not None
+    if resumed is None or state is None:
+        return f"jaxtrain: {result.goodput.line()}\n"
+    rounds = result.report_rounds()
+    own = goodput.compute(state, rounds, now=time.time(), this_driver=True)
+    return (f"jaxtrain: this fit(): {len(rounds) - resumed} report round(s) in "
+            f"{len(own.attempts)} attempt(s), {own.line()}\n"
+            f"jaxtrain: the whole run, with the fit()s before it resumed: {len(rounds)} report "
+            f"round(s), {result.goodput.line()}\n")
 
 
 def _validator(config: validation.ValidationConfig | None, run_dir: str,
