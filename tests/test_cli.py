@@ -382,10 +382,11 @@ def test_metrics_as_table_csv_and_json_lines(runs):
     storage, _ = runs
     table = jaxtrain("metrics", storage / "finished")
     assert table.returncode == 0, table.stderr
-    assert table.stdout.split("\n")[0].split() == ["round", "time", "loss", "step"]
+    assert table.stdout.split("\n")[0].split() == [
+        "jaxtrain/round", "jaxtrain/time", "loss", "step"]
     rows = list(csv.DictReader(io.StringIO(jaxtrain("metrics", storage / "finished",
                                                     "--csv").stdout)))
-    assert [(r["round"], float(r["loss"])) for r in rows] == [
+    assert [(r["jaxtrain/round"], float(r["loss"])) for r in rows] == [
         ("1", 1.0), ("2", 0.5), ("3", 1 / 3), ("4", 0.25)]
     lines = jaxtrain("metrics", storage / "resumed", "--json").stdout.splitlines()
     assert [json.loads(line)["metrics"]["step"] for line in lines] == [0, 1, 2, 3]

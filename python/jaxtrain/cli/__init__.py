@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     metrics = commands.add_parser(
         "metrics", help="rank 0's reported metrics, one row per report round",
         description="Prints rank 0's metrics per report round: a table (nested keys joined "
-        "with '/'), CSV with --csv (unix times), or JSON Lines with --json (one "
+        "with '/', after jaxtrain's own columns jaxtrain/round and jaxtrain/time), CSV with "
+        "--csv (unix times), or JSON Lines with --json (one "
         '{"round", "time", "metrics"} object per round, as in result.jsonl).',
         epilog="example:\n  jaxtrain metrics my_run --csv > my_run.csv\n\n" + _EXIT_CODES,
         formatter_class=formatter,

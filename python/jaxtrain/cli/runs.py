@@ -406,7 +406,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return EXIT_OK
-    frame["time"] = [time.strftime("%H:%M:%S", time.localtime(t)) for t in frame["time"]]
+    frame[records.TIME_COLUMN] = [time.strftime("%H:%M:%S", time.localtime(t))
+                                  for t in frame[records.TIME_COLUMN]]
     print(frame.to_string(index=False))
     return EXIT_OK
 
