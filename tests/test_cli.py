@@ -243,6 +243,43 @@ def test_run_keeps_a_live_status_line_on_a_terminal_and_none_on_a_pipe(tmp_path)
     assert "\x1b[" not in plain and "(rank=0) training step 2" in plain
 
 
+# Prints, waits until the file given has appeared, then prints more and fails (rank 0) or ends.
+AFTER_THE_READER_SCRIPT = """\
+import os
+import sys
+import time
+
+import jax
+
+print("started", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+for i in range(200):
+    print("after the reader left", i, flush=True)
+if jax.process_index() == 0:
+    raise RuntimeError("planned failure after the reader left")
+"""
+
+
+@pytest.mark.parametrize("workers", ["2", "0"])
+def test_run_exits_with_its_status_when_its_reader_leaves_early(tmp_path, workers):
+    # `jaxtrain run ... 2>&1 | head -3`: the driver's closing messages, the workers' output
+    # (-n 2, through the controller) and the script's own (-n 0, local mode, in the driver) all
+    # meet a closed pipe; the command still exits with the run's status.
+    script = tmp_path / "late.py"
+    script.write_text(AFTER_THE_READER_SCRIPT)
+    go = tmp_path / "go"
+    proc = start_driver([*JAXTRAIN, "run", "-n", workers, "--storage-path", tmp_path / "runs",
+                         script, go], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    line = b""
+    while b"started" not in line:
+        line = proc.stdout.readline()
+        assert line, "the run ended before its script started"
+    proc.stdout.close()
+    go.touch()
+    assert proc.wait(timeout=180) == 1
+
+
 def test_run_returns_the_status_a_rank_exited_with_and_names_the_rank(runs):
     proc = runs[1]["failed"]
     assert proc.returncode == 3, proc.stderr

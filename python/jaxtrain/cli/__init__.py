@@ -14,12 +14,13 @@ with status N; 2 bad usage (an option, a value, an unknown run or script); 130 i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 
 from jaxtrain.cli import dashboard
-from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, outlive_readers
 from jaxtrain.cli.launch import cmd_plan, cmd_run, cmd_status, cmd_submit
 from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_show
 
@@ -287,15 +288,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or argparse's own usage errors (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    try:
-        return args.handler(args)
-    except UsageError as e:
-        sys.stderr.write(f"jaxtrain {args.command}: error: {e}\n")
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (`jaxtrain logs RUN | head`): stop quietly.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-
+    # A run's status is the command's, also when its output's reader has gone away.
+    with outlive_readers() if args.command == "run" else contextlib.nullcontext():
+        try:
+            return args.handler(args)
+        except UsageError as e:
+            sys.stderr.write(f"jaxtrain {args.command}: error: {e}\n")
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            # The reader of a command that only shows something went away (`jaxtrain logs RUN
+            # | head`): stop quietly.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
