@@ -547,3 +547,7 @@ def test_plan_refuses_bad_values_and_missing_hardware():
                       "--accelerator-type", "TPU-V6E", env={**os.environ, "JAXTRAIN_SIMULATE": "0"})
     assert no_tpu.returncode == 1
     assert "JAXTRAIN_SIMULATE=1" in no_tpu.stderr
+    gpu_type = jaxtrain("plan", "-n", "2", "--accelerator-type", "H100")
+    assert gpu_type.returncode == 2
+    assert "ScalingConfig.accelerator_type='H100' is only used with use_gpu=True" in \
+        gpu_type.stderr
