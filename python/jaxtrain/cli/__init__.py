@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -89,11 +90,42 @@ def _add_kubernetes_options(parser: argparse.ArgumentParser) -> None:
                         "context's, or default)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser without abbreviations (`--num-worker 2` is an unknown option, not
+    --num-workers), whose unknown options are refused by the command they were given to, with
+    the option it has that is closest to each ("did you mean --num-workers?")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args: Sequence[str] | None = None,
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = self.commands.get(getattr(parsed, "command", None) or "", self)
+            command.error(_unrecognized(command, unknown))
+        return parsed
+
+
+def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """argparse's message for `unknown` arguments of `parser`, with a guess per unknown option."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    guesses = []
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                guesses.append(f"did you mean {close[0]}?")
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *guesses])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxtrain import __version__
 
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jaxtrain",
         description="Run a JAX script SPMD on N worker processes with jax.distributed "
         "initialised, and inspect runs.",
@@ -218,12 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = commands.add_parser(
         "ls", help="list the runs under a storage path",
-        description="Lists the runs under STORAGE_PATH (default ~/jaxtrain_results), oldest "
-        "first: status, attempts, workers, report rounds, start and duration ('+': running).",
-        epilog="example:\n  jaxtrain ls /mnt/nfs/runs\n\n" + _EXIT_CODES,
+        description="Lists the runs under STORAGE_PATH (or --storage-path; default "
+        "~/jaxtrain_results), oldest first: status, attempts, workers, report rounds, start "
+        "(UTC, as in the default run names) and duration ('+': running). Before the first run "
+        "the default storage path lists none.",
+        epilog="example:\n  jaxtrain ls /mnt/nfs/runs\n  jaxtrain ls --storage-path "
+        "/mnt/nfs/runs\n\n" + _EXIT_CODES,
         formatter_class=formatter,
     )
     ls.add_argument("storage_path", nargs="?", metavar="STORAGE_PATH")
+    ls.add_argument("--storage-path", dest="storage_path_option", metavar="PATH",
+                    help="the same as STORAGE_PATH, as show, logs and metrics take it")
     ls.set_defaults(handler=cmd_ls)
 
     run_help = ("a run's name (under --storage-path, default ~/jaxtrain_results) or its "
@@ -279,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.set_defaults(handler=cmd_metrics)
 
     dashboard.add_parser(commands, formatter, _EXIT_CODES)
+    parser.commands = commands.choices
     return parser
 
 
