@@ -151,7 +151,7 @@ def test_running_again_by_name_resumes_from_the_latest_checkpoint(storage, tmp_p
     assert (tmp_path / "started-attempt-1").read_text().endswith("checkpoint_000004")
     # ... and its rounds continue the first run's numbering.
     frame = second.metrics_dataframe
-    assert list(frame["round"]) == [1, 2, 3, 4, 5, 6]
+    assert list(frame["jaxtrain/round"]) == [1, 2, 3, 4, 5, 6]
     assert list(frame["step"]) == [0, 1, 2, 3, 4, 5]
     assert second.checkpoint.path.endswith("checkpoint_000006")
     run = json.loads(Path(second.path, "run.json").read_text())

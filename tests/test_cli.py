@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_command, start_driver
-from jaxtrain import TrainingFailedError
+from jaxtrain import JaxTrainer, RunConfig, TrainingFailedError
 from jaxtrain.cli import launch, main
 from jaxtrain.cli.common import UsageError
 from jaxtrain.cli.launch import failed_run_status, parse_resources
@@ -243,6 +243,43 @@ def test_run_keeps_a_live_status_line_on_a_terminal_and_none_on_a_pipe(tmp_path)
     assert "\x1b[" not in plain and "(rank=0) training step 2" in plain
 
 
+# Prints, waits until the file given has appeared, then prints more and fails (rank 0) or ends.
+AFTER_THE_READER_SCRIPT = """\
+import os
+import sys
+import time
+
+import jax
+
+print("started", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+for i in range(200):
+    print("after the reader left", i, flush=True)
+if jax.process_index() == 0:
+    raise RuntimeError("planned failure after the reader left")
+"""
+
+
+@pytest.mark.parametrize("workers", ["2", "0"])
+def test_run_exits_with_its_status_when_its_reader_leaves_early(tmp_path, workers):
+    # `jaxtrain run ... 2>&1 | head -3`: the driver's closing messages, the workers' output
+    # (-n 2, through the controller) and the script's own (-n 0, local mode, in the driver) all
+    # meet a closed pipe; the command still exits with the run's status.
+    script = tmp_path / "late.py"
+    script.write_text(AFTER_THE_READER_SCRIPT)
+    go = tmp_path / "go"
+    proc = start_driver([*JAXTRAIN, "run", "-n", workers, "--storage-path", tmp_path / "runs",
+                         script, go], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    line = b""
+    while b"started" not in line:
+        line = proc.stdout.readline()
+        assert line, "the run ended before its script started"
+    proc.stdout.close()
+    go.touch()
+    assert proc.wait(timeout=180) == 1
+
+
 def test_run_returns_the_status_a_rank_exited_with_and_names_the_rank(runs):
     proc = runs[1]["failed"]
     assert proc.returncode == 3, proc.stderr
@@ -351,6 +388,52 @@ def test_show_of_a_resumed_run_lists_both_attempts(runs):
     assert "status     FINISHED" in out and "error      " not in out
 
 
+def test_ls_and_show_give_times_in_utc_and_say_so(tmp_path):
+    # 2025-12-02 11:45:21 UTC; the machine's zone is another, and ignored.
+    run = tmp_path / "runs" / "timed"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({
+        "name": "timed", "status": "FINISHED", "start_time": 1764675921.5,
+        "end_time": 1764675931.5, "world_size": 1, "platform": "cpu",
+        "attempts": [{"attempt": 0, "status": "FINISHED", "start_time": 1764675921.5,
+                      "ready_time": 1764675922.0, "end_time": 1764675931.5}]}))
+    env = dict(os.environ, TZ="America/New_York")
+    listed = jaxtrain("ls", tmp_path / "runs", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[1].split()[5:8] == ["2025-12-02", "11:45:21", "UTC"]
+    shown = jaxtrain("show", run, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "started    2025-12-02 11:45:21 UTC\n" in shown.stdout
+    assert "\n  0  FINISHED  2025-12-02 11:45:21 UTC  10.0s" in shown.stdout
+
+
+def test_a_storage_path_that_cannot_be_made_is_said_before_the_run_starts(tmp_path):
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "runs"
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    proc = jaxtrain("run", "--storage-path", bad, script)
+    assert proc.returncode == 2
+    assert (f"jaxtrain run: error: --storage-path '{bad}' cannot be used: Not a directory "
+            f"('{bad}')") in proc.stderr
+    assert " on 1 worker(s)" not in proc.stderr and "ran" not in proc.stdout
+    with pytest.raises(ValueError, match=re.escape(
+            f"RunConfig.storage_path='{bad}' cannot be used: Not a directory")):
+        JaxTrainer(lambda: None, run_config=RunConfig(name="r", storage_path=str(bad))).fit()
+
+
+def test_run_names_its_own_options_where_the_api_names_run_config_fields(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    proc = jaxtrain("run", "--name", "a/b", "--storage-path", tmp_path, script)
+    assert proc.returncode == 2
+    assert "jaxtrain run: error: --name 'a/b' is not allowed" in proc.stderr
+    assert launch.as_options(
+        "the run directory '/r/x' is in use by another driver (host h, pid 1): ... or choose "
+        "another RunConfig.name") == ("the run directory '/r/x' is in use by another driver "
+                                      "(host h, pid 1): ... or choose another --name")
+
+
 def test_show_gives_an_attempts_queue_wait_and_counts_it_as_queue(tmp_path):
     # run.json written by hand: attempt 0's launch waited 25 s for Kueue to admit its JobSet.
     run = tmp_path / "queued"
@@ -382,10 +465,11 @@ def test_metrics_as_table_csv_and_json_lines(runs):
     storage, _ = runs
     table = jaxtrain("metrics", storage / "finished")
     assert table.returncode == 0, table.stderr
-    assert table.stdout.split("\n")[0].split() == ["round", "time", "loss", "step"]
+    assert table.stdout.split("\n")[0].split() == [
+        "jaxtrain/round", "jaxtrain/time", "loss", "step"]
     rows = list(csv.DictReader(io.StringIO(jaxtrain("metrics", storage / "finished",
                                                     "--csv").stdout)))
-    assert [(r["round"], float(r["loss"])) for r in rows] == [
+    assert [(r["jaxtrain/round"], float(r["loss"])) for r in rows] == [
         ("1", 1.0), ("2", 0.5), ("3", 1 / 3), ("4", 0.25)]
     lines = jaxtrain("metrics", storage / "resumed", "--json").stdout.splitlines()
     assert [json.loads(line)["metrics"]["step"] for line in lines] == [0, 1, 2, 3]
@@ -442,6 +526,49 @@ def test_every_subcommand_has_help_with_an_example_and_exit_codes(command, capsy
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert f"jaxtrain {command}" in out and "example:" in out and "130" in out
+
+
+def test_a_mistyped_option_is_refused_with_the_closest_one(capsys):
+    assert main(["run", "--num-workrs", "2", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: jaxtrain run "), err  # the command's usage, not the top level's
+    assert "unrecognized arguments: --num-workrs" in err and "did you mean --num-workers?" in err
+    assert main(["show", "my_run", "--storage-pth=/tmp"]) == 2
+    assert "did you mean --storage-path?" in capsys.readouterr().err
+    assert main(["ls", "--frobnicate"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_an_abbreviated_option_is_not_taken_for_the_whole(capsys, tmp_path):
+    # `--num-worker 2` once ran as --num-workers 2.
+    assert main(["run", "--num-worker", "2", str(tmp_path / "train.py")]) == 2
+    assert "did you mean --num-workers?" in capsys.readouterr().err
+    assert main(["metrics", "my_run", "--storage", str(tmp_path)]) == 2
+    assert "did you mean --storage-path?" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ls_takes_storage_path_as_an_option_too(runs):
+    storage, _ = runs
+    by_option = jaxtrain("ls", "--storage-path", storage)
+    assert by_option.returncode == 0, by_option.stderr
+    assert by_option.stdout == jaxtrain("ls", storage).stdout
+    assert "finished" in by_option.stdout
+    both = jaxtrain("ls", storage, "--storage-path", storage / "other")
+    assert both.returncode == 2 and "differ; give one of them" in both.stderr
+
+
+def test_ls_before_the_first_run_lists_none_and_says_where_it_looked(tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path))
+    proc = jaxtrain("ls", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["NAME", "STATUS", "ATTEMPTS", "WORKERS", "ROUNDS", "START",
+                                   "DURATION"]
+    assert f"no runs under {tmp_path}/jaxtrain_results: it does not exist yet" in proc.stderr
+    (tmp_path / "jaxtrain_results").mkdir()
+    empty = jaxtrain("ls", env=env)
+    assert empty.returncode == 0 and empty.stdout.split()[0] == "NAME"
+    assert f"no runs under {tmp_path}/jaxtrain_results" in empty.stderr
 
 
 def test_unknown_subcommand_is_a_usage_error(capsys):
@@ -509,3 +636,7 @@ def test_plan_refuses_bad_values_and_missing_hardware():
                       "--accelerator-type", "TPU-V6E", env={**os.environ, "JAXTRAIN_SIMULATE": "0"})
     assert no_tpu.returncode == 1
     assert "JAXTRAIN_SIMULATE=1" in no_tpu.stderr
+    gpu_type = jaxtrain("plan", "-n", "2", "--accelerator-type", "H100")
+    assert gpu_type.returncode == 2
+    assert "ScalingConfig.accelerator_type='H100' is only used with use_gpu=True" in \
+        gpu_type.stderr

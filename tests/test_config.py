@@ -3,7 +3,7 @@ The rules live in C++; these tests check that they reach Python whole."""
 
 import pytest
 
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
 
 
 def invalid(fragments, **kwargs):
@@ -62,6 +62,26 @@ def test_pod_type_must_match_topology():
     ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="tpu7x-16")
     invalid(["topology='4x4'", "v7x"], num_workers=2, use_tpu=True, topology="4x4",
             accelerator_type="v7x-8")
+
+
+def test_accelerator_type_needs_use_gpu_or_use_tpu():
+    # Ray Train takes it alone as a placement constraint; jaxtrain would ignore it: refused.
+    invalid(["ScalingConfig.accelerator_type='H100' is only used with use_gpu=True or "
+             "use_tpu=True", "remove accelerator_type"], num_workers=2, accelerator_type="H100")
+    assert ScalingConfig(num_workers=2, use_gpu=True, accelerator_type="H100").use_gpu
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("progress_timeout_s", -1, "-1"),
+    ("progress_timeout_s", 0.0, "0"),
+    ("preemption_grace_s", -0.5, "-0.5"),
+    ("unreachable_host_timeout_s", -1e-05, "-1e-05"),
+    ("unreachable_host_timeout_s", -0.1234567, "-0.1234567"),
+])
+def test_numbers_in_config_errors_are_echoed_as_given(field, value, shown):
+    with pytest.raises(ValueError) as e:
+        FailureConfig(**{field: value})
+    assert f"FailureConfig.{field}={shown} is not allowed" in str(e.value), str(e.value)
 
 
 def test_tpu_and_gpu_are_exclusive():

@@ -77,7 +77,7 @@ def test_four_workers_form_one_jax_job_and_report(storage, tmp_path):
     assert result.path == os.path.join(storage, "psum")
     assert result.checkpoint is None
     frame = result.metrics_dataframe
-    assert list(frame["round"]) == [1, 2, 3]
+    assert list(frame["jaxtrain/round"]) == [1, 2, 3]
     assert list(frame["step"]) == [0, 1, 2]
     assert set(frame["rank"]) == {0}
     run = json.loads(Path(result.path, "run.json").read_text())
@@ -85,7 +85,7 @@ def test_four_workers_form_one_jax_job_and_report(storage, tmp_path):
     assert run["world_size"] == 4
     assert run["config"]["scaling_config"]["num_workers"] == 4
     csv = Path(result.path, "progress.csv").read_text().splitlines()
-    assert csv[0] == "round,time,psum,rank,step"
+    assert csv[0] == "jaxtrain/round,jaxtrain/time,psum,rank,step"
     assert len(csv) == 4
     for rank in range(4):
         assert Path(result.path, "logs", f"rank-{rank}.log").exists()

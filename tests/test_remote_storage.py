@@ -80,7 +80,7 @@ def test_a_run_on_a_store_commits_keeps_two_and_resumes_by_name(store_bucket, tm
     assert _restored_from(tmp_path, 1).endswith("checkpoint_000006")
     assert resumed.metrics == {"step": 8, "score": 8}
     frame = resumed.metrics_dataframe
-    assert frame["round"].tolist() == list(range(1, 10))  # rounds continue their numbering
+    assert frame["jaxtrain/round"].tolist() == list(range(1, 10))  # rounds continue their numbering
     assert frame["step"].tolist() == list(range(9))
     assert _listing(fs, resumed.path)[:8] == [*_ckpt_files("checkpoint_000008"),
                                               *_ckpt_files("checkpoint_000009")]
@@ -308,7 +308,7 @@ def test_checkpoints_that_never_reached_the_storage_are_uploaded_by_the_next_fit
     Path(tmp_path, "started-attempt-0").unlink()  # written by the first fit
     fresh = _trainer(url, tmp_path, "run", steps=2, every=1, keep=2).fit()
     assert _restored_from(tmp_path, 0) == ""
-    assert fresh.metrics_dataframe["round"].tolist() == [1, 2]
+    assert fresh.metrics_dataframe["jaxtrain/round"].tolist() == [1, 2]
 
 
 def test_modes_and_links_survive_s3_and_a_resume_by_name(bucket, tmp_path, umask_022):

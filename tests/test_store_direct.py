@@ -88,7 +88,7 @@ def test_workers_upload_their_own_files_and_a_restart_reads_the_store(store_buck
     resumed = _trainer(url, tmp_path, "run", steps=7, every=1, keep=2).fit()
     assert Path(tmp_path, "started-attempt-2").read_text() == f"{root}/checkpoint_000005"
     assert resumed.metrics == {"step": 6, "score": 6}
-    assert resumed.metrics_dataframe["round"].tolist() == list(range(1, 8))
+    assert resumed.metrics_dataframe["jaxtrain/round"].tolist() == list(range(1, 8))
     assert resumed.checkpoint == Checkpoint(f"{root}/checkpoint_000007", fs)
 
 

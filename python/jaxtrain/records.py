@@ -3,7 +3,11 @@
 
 * ``run.json`` — the run's state: ``status``, ``config``, ``rounds`` and one entry per attempt in
   ``attempts`` (with its ``failure``, when it failed);
-* ``result.jsonl`` — one line per report round (``round``, ``time``, ``metrics``, ``checkpoint``);
+* ``result.jsonl`` — one line per report round (``round``, ``time``, ``metrics``, ``checkpoint``),
+  rank 0's metrics as reported, under ``metrics``; its flat views (``progress.csv``,
+  ``Result.metrics_dataframe``, ``jaxtrain metrics``) name jaxtrain's columns ``jaxtrain/round``
+  and ``jaxtrain/time`` (ROUND_COLUMN, TIME_COLUMN), a namespace that report() keeps users' metrics
+  out of (check_metric_names), so a metric named ``time`` or ``round`` is a column of its own;
 * ``checkpoints.json`` — the index of committed checkpoints (``checkpoints``, ``latest``);
 * ``error.txt`` — the first failure, as a person reads it;
 * ``return_value.pkl`` — rank 0's return value, pickled.
@@ -26,6 +30,33 @@ ERROR_FILE = "error.txt"
 RETURN_VALUE_FILE = "return_value.pkl"
 # The records a copy of a remote run directory needs besides its logs and checkpoints.
 RECORD_FILES = (RUN_FILE, ROUNDS_FILE, RETURN_VALUE_FILE)
+# jaxtrain's own columns where a round's metrics are flat (progress.csv, as the controller writes
+# it: src/storage/run_store.h), nested keys joined with '/'. progress.csv of a run recorded
+# before they were namespaced begins "round,time" instead.
+RESERVED_METRIC = "jaxtrain"
+ROUND_COLUMN = f"{RESERVED_METRIC}/round"
+TIME_COLUMN = f"{RESERVED_METRIC}/time"
+
+
+def check_metric_names(metrics: dict) -> None:
+    """Raises ValueError when a key of `metrics` would take jaxtrain's columns' names once
+    flattened: ``jaxtrain`` itself or one that starts with ``jaxtrain/``."""
+    for key in metrics:
+        if key == RESERVED_METRIC or (isinstance(key, str)
+                                      and key.startswith(f"{RESERVED_METRIC}/")):
+            raise ValueError(
+                f"report(metrics): the metric {key!r} is not allowed: names under "
+                f"'{RESERVED_METRIC}/' are jaxtrain's own columns ({ROUND_COLUMN}, {TIME_COLUMN}) "
+                "in progress.csv and Result.metrics_dataframe; rename the metric")
+
+
+def flat_rounds(rounds: list[dict]) -> list[dict]:
+    """`rounds` (read_rounds) as flat rows: ROUND_COLUMN, TIME_COLUMN, then the round's metrics
+    with nested keys joined with '/'."""
+    from jaxtrain.result import flatten
+
+    return [{ROUND_COLUMN: r.get("round"), TIME_COLUMN: r.get("time"),
+             **flatten(r.get("metrics") or {})} for r in rounds]
 
 
 def is_run_dir(path: str) -> bool:

@@ -47,17 +47,12 @@ class Result:
 
     @property
     def metrics_dataframe(self):
-        """One row per report round: ``round``, ``time`` and rank 0's metrics (nested keys joined
-        with '/'). Needs pandas."""
+        """One row per report round: jaxtrain's columns ``jaxtrain/round`` and ``jaxtrain/time``
+        (unix seconds), then rank 0's metrics (nested keys joined with '/'), so a metric named
+        ``round`` or ``time`` is a column of its own. Needs pandas."""
         import pandas as pd
 
-        rows = self.report_rounds()
-        if not rows:
-            return pd.DataFrame()
-        frame = pd.json_normalize([r["metrics"] for r in rows], sep="/")
-        frame.insert(0, "time", [r["time"] for r in rows])
-        frame.insert(0, "round", [r["round"] for r in rows])
-        return frame
+        return pd.DataFrame(records.flat_rounds(self.report_rounds()))
 
     @classmethod
     def from_path(cls, path: str | os.PathLike, storage_filesystem: Any = None) -> Result:

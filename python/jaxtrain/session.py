@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from jaxtrain import records
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.validation import (
     CheckpointConsistencyMode,
@@ -534,6 +535,7 @@ def _metrics_text(metrics: Any) -> str:
     """The metrics of a report as the controller takes them: a dict, as JSON."""
     if not isinstance(metrics, dict):
         raise TypeError(f"report(metrics) takes a dict; got {type(metrics).__name__}")
+    records.check_metric_names(metrics)
     return json.dumps(metrics, default=to_json)
 
 

@@ -1,7 +1,8 @@
 #include "base/strings.h"
 
+#include <array>
 #include <cctype>
-#include <sstream>
+#include <charconv>
 
 namespace jaxtrain {
 
@@ -22,9 +23,11 @@ std::string Join(const std::vector<std::string>& items, std::string_view separat
 }
 
 std::string FormatNumber(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
+  // The shortest text that reads back as `v` (Python's repr of a float, without its ".0"):
+  // 0.1234567 stays 0.1234567 and 1234567 stays 1234567, which a stream's 6 digits round.
+  std::array<char, 32> text;
+  const auto end = std::to_chars(text.data(), text.data() + text.size(), v).ptr;
+  return std::string(text.data(), end);
 }
 
 }  // namespace jaxtrain

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 namespace jaxtrain {
 namespace {
 
@@ -22,6 +24,14 @@ TEST(FormatNumberTest, WritesNumbersAsUsersDo) {
   EXPECT_EQ(FormatNumber(4), "4");
   EXPECT_EQ(FormatNumber(0.5), "0.5");
   EXPECT_EQ(FormatNumber(1e-6), "1e-06");
+  EXPECT_EQ(FormatNumber(-1), "-1");
+  EXPECT_EQ(FormatNumber(0), "0");
+  EXPECT_EQ(FormatNumber(1e-05), "1e-05");
+  EXPECT_EQ(FormatNumber(0.1234567), "0.1234567");  // not rounded to 6 digits
+  EXPECT_EQ(FormatNumber(1234567), "1234567");
+  EXPECT_EQ(FormatNumber(0.1 + 0.2), "0.30000000000000004");
+  EXPECT_EQ(FormatNumber(1e300), "1e+300");
+  EXPECT_EQ(FormatNumber(std::numeric_limits<double>::infinity()), "inf");
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 #include <ctime>
 #include <random>
 
+#include "base/strings.h"
+
 namespace jaxtrain::config {
 
 std::string DefaultRunName(const Clock& clock) {
@@ -83,7 +85,7 @@ StatusOr<FailureConfig> FailureConfig::Create(FailureConfigInput in) {
   if (in.progress_timeout_s &&
       !(*in.progress_timeout_s > 0 && std::isfinite(*in.progress_timeout_s))) {
     return InvalidArgumentError(
-        "FailureConfig.progress_timeout_s=" + std::to_string(*in.progress_timeout_s) +
+        "FailureConfig.progress_timeout_s=" + FormatNumber(*in.progress_timeout_s) +
         " is not allowed; give a number of seconds > 0, or None to turn "
         "the progress watchdog off");
   }
@@ -94,14 +96,14 @@ StatusOr<FailureConfig> FailureConfig::Create(FailureConfigInput in) {
   }
   if (!(in.preemption_grace_s > 0 && std::isfinite(in.preemption_grace_s))) {
     return InvalidArgumentError(
-        "FailureConfig.preemption_grace_s=" + std::to_string(in.preemption_grace_s) +
+        "FailureConfig.preemption_grace_s=" + FormatNumber(in.preemption_grace_s) +
         " is not allowed; give a number of seconds > 0");
   }
   if (!(in.unreachable_host_timeout_s >= 0 && std::isfinite(in.unreachable_host_timeout_s))) {
-    return InvalidArgumentError("FailureConfig.unreachable_host_timeout_s=" +
-                                std::to_string(in.unreachable_host_timeout_s) +
-                                " is not allowed; give a number of seconds >= 0 (0: a restart "
-                                "fails at once when a host cannot be reached)");
+    return InvalidArgumentError(
+        "FailureConfig.unreachable_host_timeout_s=" + FormatNumber(in.unreachable_host_timeout_s) +
+        " is not allowed; give a number of seconds >= 0 (0: a restart "
+        "fails at once when a host cannot be reached)");
   }
   FailureConfig c;
   c.input_ = in;

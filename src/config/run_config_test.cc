@@ -106,5 +106,21 @@ TEST(FailureConfigTest, ARestartWaitsMinutesForAnUnreachableHostUnlessToldOtherw
   EXPECT_NE(negative.status().message().find("give a number of seconds >= 0"), std::string::npos);
 }
 
+TEST(FailureConfigTest, SecondsInErrorsAreEchoedAsGiven) {
+  EXPECT_EQ(FailureConfig::Create({.progress_timeout_s = -1}).status().message(),
+            "FailureConfig.progress_timeout_s=-1 is not allowed; give a number of seconds > 0, "
+            "or None to turn the progress watchdog off");
+  EXPECT_EQ(FailureConfig::Create({.preemption_grace_s = 0}).status().message(),
+            "FailureConfig.preemption_grace_s=0 is not allowed; give a number of seconds > 0");
+  EXPECT_EQ(FailureConfig::Create({.unreachable_host_timeout_s = -1e-05}).status().message(),
+            "FailureConfig.unreachable_host_timeout_s=-1e-05 is not allowed; give a number of "
+            "seconds >= 0 (0: a restart fails at once when a host cannot be reached)");
+  EXPECT_NE(FailureConfig::Create({.preemption_grace_s = -0.1234567})
+                .status()
+                .message()
+                .find("preemption_grace_s=-0.1234567 is"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace jaxtrain::config

@@ -128,6 +128,16 @@ StatusOr<ScalingConfig> ScalingConfig::Create(ScalingConfigInput in) {
                                 "' is only used with use_tpu=True; set use_tpu=True or remove "
                                 "topology");
   }
+  // Ray Train takes accelerator_type alone as a placement constraint: CPU workers on nodes
+  // that have such accelerators. jaxtrain places no CPU worker by the host's accelerators, so it
+  // refuses the field rather than ignore it.
+  if (in.accelerator_type && !in.use_tpu && !in.use_gpu) {
+    return InvalidArgumentError(
+        "ScalingConfig.accelerator_type='" + *in.accelerator_type +
+        "' is only used with use_gpu=True or use_tpu=True; set use_gpu=True for a GPU type "
+        "(e.g. 'H100') or use_tpu=True for a TPU type (e.g. 'TPU-V6E'), or remove "
+        "accelerator_type");
+  }
 
   c.resources_ = in.resources_per_worker;
   if (in.use_tpu) {

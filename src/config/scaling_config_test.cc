@@ -95,6 +95,16 @@ TEST(ScalingConfigTest, UnknownGenerationIsNamed) {
   ExpectInvalid(Tpu(4, "TPU-V9", "4x4"), {"accelerator_type='TPU-V9'", "TPU-V6E"});
 }
 
+TEST(ScalingConfigTest, AcceleratorTypeNeedsGpuOrTpu) {
+  ScalingConfigInput in;
+  in.num_workers = 2;
+  in.accelerator_type = "H100";
+  ExpectInvalid(in, {"ScalingConfig.accelerator_type='H100'", "use_gpu=True", "use_tpu=True",
+                     "remove accelerator_type"});
+  in.use_gpu = true;
+  EXPECT_TRUE(ScalingConfig::Create(in).ok());
+}
+
 TEST(ScalingConfigTest, TpuAndGpuAreExclusive) {
   ScalingConfigInput in;
   in.use_tpu = true;

@@ -302,7 +302,7 @@ TEST_F(ControllerTest, SucceedsAndRecordsEveryRound) {
   }
   std::vector<std::string> progress = Lines(RunFile("progress.csv"));
   ASSERT_EQ(progress.size(), 6u);
-  EXPECT_EQ(progress[0], "round,time,loss,rank");
+  EXPECT_EQ(progress[0], "jaxtrain/round,jaxtrain/time,loss,rank");
 
   json state = RunState();
   EXPECT_EQ(state.value("status", ""), "FINISHED");

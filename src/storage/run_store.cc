@@ -374,7 +374,7 @@ Status RunStore::AppendRound(uint64_t round, double unix_time, std::string_view 
   std::string csv;
   const bool new_columns = csv_columns_.empty();
   if (new_columns) {
-    csv_columns_ = {"round", "time"};
+    csv_columns_ = {std::string(kRoundColumn), std::string(kTimeColumn)};
     for (const auto& [k, v] : flat) csv_columns_.push_back(k);
     for (size_t i = 0; i < csv_columns_.size(); ++i) {
       csv += (i ? "," : "") + CsvField(csv_columns_[i]);
@@ -384,11 +384,14 @@ Status RunStore::AppendRound(uint64_t round, double unix_time, std::string_view 
   std::ostringstream time_text;
   time_text.precision(17);
   time_text << unix_time;
+  // The first two columns are jaxtrain's, by position: a progress.csv of an earlier version
+  // (headed "round,time") is continued the same way, and a metric of the same name as one of
+  // them has a column of its own.
   for (size_t i = 0; i < csv_columns_.size(); ++i) {
     std::string value;
-    if (csv_columns_[i] == "round") {
+    if (i == 0) {
       value = std::to_string(round);
-    } else if (csv_columns_[i] == "time") {
+    } else if (i == 1) {
       value = time_text.str();
     } else {
       for (const auto& [k, v] : flat) {

@@ -3,7 +3,8 @@
 //   <storage_path>/<name>/
 //     run.json        config, attempts, status; rewritten atomically
 //     result.jsonl    one line per report round: {"round", "time", "metrics", ["checkpoint"]}
-//     progress.csv    the same, flat, for spreadsheets
+//     progress.csv    the same, flat, for spreadsheets: jaxtrain's columns "jaxtrain/round" and
+//                     "jaxtrain/time" first, then the metrics (nested keys joined with '/')
 //     logs/rank-<r>.log
 //     error.txt       on failure: the first failing rank's traceback
 //     LOCK            held by the driver that has the run open; says which one (host, pid)
@@ -64,6 +65,11 @@ std::optional<Lease> ParseLease(std::string_view text);
 // `process_exists` says whether a pid of this host is running.
 bool LeaseIsLive(const Lease& lease, double now, std::string_view this_host, int64_t this_pid,
                  bool (*process_exists)(int64_t pid));
+
+// progress.csv's own columns. Users' metrics never take these names: report() refuses a
+// top-level key "jaxtrain" or one that starts with "jaxtrain/" (python/jaxtrain/records.py).
+inline constexpr std::string_view kRoundColumn = "jaxtrain/round";
+inline constexpr std::string_view kTimeColumn = "jaxtrain/time";
 
 class LeaseKeeper;
 

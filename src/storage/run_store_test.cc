@@ -40,7 +40,7 @@ TEST(RunStoreTest, AppendsRoundsToJsonlAndCsv) {
       "{\"round\":1,\"time\":10.5,\"metrics\":{\"loss\":0.5,\"epoch\":0,\"opt\":{\"lr\":0.1}}}\n"
       "{\"round\":2,\"time\":11,\"metrics\":{\"loss\":0.25,\"epoch\":1,\"note\":\"a,b\"}}\n");
   EXPECT_EQ(*ReadFile(dir + "/progress.csv"),
-            "round,time,epoch,loss,opt/lr\n"
+            "jaxtrain/round,jaxtrain/time,epoch,loss,opt/lr\n"
             "1,10.5,0,0.5,0.1\n"
             "2,11,1,0.25,\n");
 }
@@ -53,7 +53,33 @@ TEST(RunStoreTest, ReopenedStoreKeepsCsvColumns) {
   }
   auto store = RunStore::Open(dir);
   ASSERT_TRUE(store->AppendRound(2, 2, R"({"a":3,"b":4})").ok());
-  EXPECT_EQ(*ReadFile(dir + "/progress.csv"), "round,time,a,b\n1,1,2,1\n2,2,3,4\n");
+  EXPECT_EQ(*ReadFile(dir + "/progress.csv"),
+            "jaxtrain/round,jaxtrain/time,a,b\n1,1,2,1\n2,2,3,4\n");
+}
+
+TEST(RunStoreTest, MetricsNamedLikeJaxtrainsColumnsKeepTheirValues) {
+  std::string dir = TempDir();
+  auto store = RunStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE(
+      store->AppendRound(1, 10.5, R"({"time":3,"round":7,"step":0,"checkpoint":"c"})").ok());
+  EXPECT_EQ(*ReadFile(dir + "/progress.csv"),
+            "jaxtrain/round,jaxtrain/time,checkpoint,round,step,time\n"
+            "1,10.5,c,7,0,3\n");
+  EXPECT_EQ(*ReadFile(dir + "/result.jsonl"),
+            "{\"round\":1,\"time\":10.5,\"metrics\":"
+            "{\"time\":3,\"round\":7,\"step\":0,\"checkpoint\":\"c\"}}\n");
+}
+
+TEST(RunStoreTest, ProgressCsvOfAnEarlierVersionIsContinued) {
+  // Before jaxtrain's columns were namespaced, progress.csv began "round,time", and a metric
+  // named "time" got a second "time" column that jaxtrain's value overwrote.
+  std::string dir = TempDir();
+  ASSERT_TRUE(WriteFileAtomically(dir + "/progress.csv", "round,time,loss,time\n1,5,0.5,5\n").ok());
+  auto store = RunStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE(store->AppendRound(2, 6, R"({"loss":0.25,"time":42})").ok());
+  EXPECT_EQ(*ReadFile(dir + "/progress.csv"), "round,time,loss,time\n1,5,0.5,5\n2,6,0.25,42\n");
 }
 
 TEST(RunStoreTest, NonFiniteFloatsFromPythonAreKept) {
@@ -64,7 +90,7 @@ TEST(RunStoreTest, NonFiniteFloatsFromPythonAreKept) {
       *ReadFile(dir + "/result.jsonl"),
       "{\"round\":1,\"time\":1,\"metrics\":{\"loss\":NaN,\"g\":-Infinity,\"s\":\"NaN \\\" x\"}}\n");
   EXPECT_EQ(*ReadFile(dir + "/progress.csv"),
-            "round,time,g,loss,s\n1,1,-Infinity,NaN,\"NaN \"\" x\"\n");
+            "jaxtrain/round,jaxtrain/time,g,loss,s\n1,1,-Infinity,NaN,\"NaN \"\" x\"\n");
 }
 
 TEST(RunStoreTest, MetricsMustBeAnObject) {

@@ -14,12 +14,14 @@ with status N; 2 bad usage (an option, a value, an unknown run or script); 130 i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import os
 import sys
 from collections.abc import Sequence
 
 from jaxtrain.cli import dashboard
-from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, outlive_readers
 from jaxtrain.cli.launch import cmd_plan, cmd_run, cmd_status, cmd_submit
 from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_show
 
@@ -88,11 +90,42 @@ def _add_kubernetes_options(parser: argparse.ArgumentParser) -> None:
                         "context's, or default)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser without abbreviations (`--num-worker 2` is an unknown option, not
+    --num-workers), whose unknown options are refused by the command they were given to, with
+    the option it has that is closest to each ("did you mean --num-workers?")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args: Sequence[str] | None = None,
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = self.commands.get(getattr(parsed, "command", None) or "", self)
+            command.error(_unrecognized(command, unknown))
+        return parsed
+
+
+def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """argparse's message for `unknown` arguments of `parser`, with a guess per unknown option."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    guesses = []
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                guesses.append(f"did you mean {close[0]}?")
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *guesses])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxtrain import __version__
 
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jaxtrain",
         description="Run a JAX script SPMD on N worker processes with jax.distributed "
         "initialised, and inspect runs.",
@@ -217,12 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = commands.add_parser(
         "ls", help="list the runs under a storage path",
-        description="Lists the runs under STORAGE_PATH (default ~/jaxtrain_results), oldest "
-        "first: status, attempts, workers, report rounds, start and duration ('+': running).",
-        epilog="example:\n  jaxtrain ls /mnt/nfs/runs\n\n" + _EXIT_CODES,
+        description="Lists the runs under STORAGE_PATH (or --storage-path; default "
+        "~/jaxtrain_results), oldest first: status, attempts, workers, report rounds, start "
+        "(UTC, as in the default run names) and duration ('+': running). Before the first run "
+        "the default storage path lists none.",
+        epilog="example:\n  jaxtrain ls /mnt/nfs/runs\n  jaxtrain ls --storage-path "
+        "/mnt/nfs/runs\n\n" + _EXIT_CODES,
         formatter_class=formatter,
     )
     ls.add_argument("storage_path", nargs="?", metavar="STORAGE_PATH")
+    ls.add_argument("--storage-path", dest="storage_path_option", metavar="PATH",
+                    help="the same as STORAGE_PATH, as show, logs and metrics take it")
     ls.set_defaults(handler=cmd_ls)
 
     run_help = ("a run's name (under --storage-path, default ~/jaxtrain_results) or its "
@@ -264,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     metrics = commands.add_parser(
         "metrics", help="rank 0's reported metrics, one row per report round",
         description="Prints rank 0's metrics per report round: a table (nested keys joined "
-        "with '/'), CSV with --csv (unix times), or JSON Lines with --json (one "
+        "with '/', after jaxtrain's own columns jaxtrain/round and jaxtrain/time), CSV with "
+        "--csv (unix times), or JSON Lines with --json (one "
         '{"round", "time", "metrics"} object per round, as in result.jsonl).',
         epilog="example:\n  jaxtrain metrics my_run --csv > my_run.csv\n\n" + _EXIT_CODES,
         formatter_class=formatter,
@@ -277,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.set_defaults(handler=cmd_metrics)
 
     dashboard.add_parser(commands, formatter, _EXIT_CODES)
+    parser.commands = commands.choices
     return parser
 
 
@@ -286,15 +326,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or argparse's own usage errors (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    try:
-        return args.handler(args)
-    except UsageError as e:
-        sys.stderr.write(f"jaxtrain {args.command}: error: {e}\n")
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (`jaxtrain logs RUN | head`): stop quietly.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-
+    # A run's status is the command's, also when its output's reader has gone away.
+    with outlive_readers() if args.command == "run" else contextlib.nullcontext():
+        try:
+            return args.handler(args)
+        except UsageError as e:
+            sys.stderr.write(f"jaxtrain {args.command}: error: {e}\n")
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            # The reader of a command that only shows something went away (`jaxtrain logs RUN
+            # | head`): stop quietly.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK

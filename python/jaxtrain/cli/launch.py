@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         run_dir = _shown_run_dir(trainer.run_config)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(as_options(str(e))) from None
     trainer.status_line = not args.no_status_line
     if args.hosts:
         os.environ["JAXTRAIN_SSH_HOSTS"] = args.hosts
@@ -101,10 +101,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return status
 
 
+def as_options(message: str) -> str:
+    """A message of the Python API in the words of `run`'s command line: the RunConfig fields it
+    takes as options named as those options."""
+    for field, option in (("RunConfig.storage_path", "--storage-path"),
+                          ("RunConfig.name", "--name")):
+        message = message.replace(f"{field}=", f"{option} ").replace(field, option)
+    return message
+
+
 def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
+    from jaxtrain.driver.trainer import make_storage_path
     from jaxtrain.errors import TrainingFailedError
 
     name = trainer.run_config.name
+    try:
+        make_storage_path(trainer.run_config)  # said before the run is announced
+    except ValueError as e:
+        raise UsageError(as_options(str(e))) from None
     say(f"run '{name}' on {_workers(args.num_workers)}; run directory {run_dir}")
     try:
         result = trainer.fit()
@@ -116,9 +130,9 @@ def _fit(trainer: Any, args: argparse.Namespace, run_dir: str) -> int:
         say(f"run '{name}' failed; see: jaxtrain show {run_dir}")
         return failed_run_status(e)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(as_options(str(e))) from None
     except (RuntimeError, OSError) as e:
-        say(f"run '{name}' could not start: {e}")
+        say(f"run '{name}' could not start: {as_options(str(e))}")
         return EXIT_FAILED
     rounds = len(result.report_rounds())
     say(f"run '{name}' finished ({rounds} report round(s)); results in {result.path}")

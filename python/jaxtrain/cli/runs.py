@@ -103,9 +103,10 @@ def _read_state(run_dir: str) -> dict:
 
 
 def _when(t: float | None) -> str:
+    """A time as `ls` and `show` print it: in UTC, as the default run names are."""
     if not t:
         return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def _duration(start: float | None, end: float | None) -> str:
@@ -133,13 +134,30 @@ def _value(v: Any) -> str:
 # --- jaxtrain ls ----------------------------------------------------------------------------------
 
 
+_LS_HEADER = ["NAME", "STATUS", "ATTEMPTS", "WORKERS", "ROUNDS", "START", "DURATION"]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    remote = _remote(args.storage_path, "STORAGE_PATH") if args.storage_path else None
+    given = getattr(args, "storage_path_option", None)
+    if given is not None and args.storage_path is not None and given != args.storage_path:
+        raise UsageError(f"STORAGE_PATH '{args.storage_path}' and --storage-path '{given}' "
+                         "differ; give one of them")
+    path = args.storage_path if args.storage_path is not None else given
+    remote = _remote(path, "STORAGE_PATH") if path else None
     if remote is not None:
-        return _ls_remote(*remote)
-    storage = _local_path(args.storage_path or _default_storage_path())
+        return _ls_remote(*remote, shown=path)
+    storage = _local_path(path or _default_storage_path())
+    shown = getattr(args, "shown", None) or storage
     if not os.path.isdir(storage):
-        raise UsageError(f"the storage path {storage} does not exist (no run has used it)")
+        # The default storage path before the first run has no runs yet; a path given that does
+        # not exist is more likely mistyped.
+        if path or os.path.exists(storage):
+            raise UsageError(f"the storage path {storage} does not exist (no run has used it)"
+                             if not os.path.exists(storage) else
+                             f"the storage path {storage} is not a directory")
+        print(table(_LS_HEADER, []))
+        say(f"no runs under {shown}: it does not exist yet (the first run creates it)")
+        return EXIT_OK
     rows = []
     for entry in os.scandir(storage):
         if not records.is_run_dir(entry.path):
@@ -159,16 +177,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _when(start),
             _duration(start, state.get("end_time")),
         ]))
-    if not rows:
-        say(f"no runs under {storage}")
-        return EXIT_OK
     rows.sort(key=lambda r: (r[0], r[1][0]))
-    header = ["NAME", "STATUS", "ATTEMPTS", "WORKERS", "ROUNDS", "START", "DURATION"]
-    print(table(header, [r for _, r in rows]))
+    print(table(_LS_HEADER, [r for _, r in rows]))
+    if not rows:
+        say(f"no runs under {shown}")
     return EXIT_OK
 
 
-def _ls_remote(fs: Any, base: str) -> int:
+def _ls_remote(fs: Any, base: str, shown: str) -> int:
     """Lists the runs under a remote storage path from a local copy of their records."""
     import atexit
     import shutil
@@ -189,7 +205,7 @@ def _ls_remote(fs: Any, base: str) -> int:
         for name in (records.RUN_FILE, records.ROUNDS_FILE):
             if fs.exists(f"{run}/{name}"):
                 fs.get_file(f"{run}/{name}", os.path.join(local, name))
-    return cmd_ls(argparse.Namespace(storage_path=view, remote_copy=True))
+    return cmd_ls(argparse.Namespace(storage_path=view, remote_copy=True, shown=shown))
 
 
 # --- jaxtrain show --------------------------------------------------------------------------------
@@ -406,7 +422,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return EXIT_OK
-    frame["time"] = [time.strftime("%H:%M:%S", time.localtime(t)) for t in frame["time"]]
+    frame[records.TIME_COLUMN] = [time.strftime("%H:%M:%S", time.localtime(t))
+                                  for t in frame[records.TIME_COLUMN]]
     print(frame.to_string(index=False))
     return EXIT_OK
 

@@ -8,11 +8,14 @@ import math
 import os
 from typing import Any
 
-_NOT_METRICS = ("round", "time")
+from jaxtrain.records import ROUND_COLUMN, TIME_COLUMN
+
+_NOT_METRICS = (ROUND_COLUMN, TIME_COLUMN)
 
 
 def numeric_metrics(frame: Any) -> list[str]:
-    """The columns of a ``metrics_dataframe`` that hold numbers (round and time excepted)."""
+    """The columns of a ``metrics_dataframe`` that hold numbers, jaxtrain's round and time
+    excepted."""
     import pandas as pd
 
     types = pd.api.types
@@ -23,7 +26,7 @@ def numeric_metrics(frame: Any) -> list[str]:
 def plot_metrics(frame: Any, path: str, metrics: list[str] | None = None,
                  title: str | None = None) -> str:
     """Draws ``metrics`` (default: every numeric column) of ``frame`` (a ``metrics_dataframe``)
-    against its ``round`` into the PNG ``path``; returns ``path``."""
+    against its round (ROUND_COLUMN) into the PNG ``path``; returns ``path``."""
     try:
         import matplotlib
     except ImportError:
@@ -50,7 +53,7 @@ def plot_metrics(frame: Any, path: str, metrics: list[str] | None = None,
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.2 * rows), squeeze=False)
     try:
         for ax, name in zip(axes.flat, metrics, strict=False):
-            ax.plot(frame["round"], frame[name], marker="." if len(frame) < 50 else None)
+            ax.plot(frame[ROUND_COLUMN], frame[name], marker="." if len(frame) < 50 else None)
             ax.set_title(name)
             ax.set_xlabel("round")
             ax.grid(True, alpha=0.3)

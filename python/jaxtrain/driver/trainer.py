@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import inspect
 import json
 import os
@@ -176,6 +177,7 @@ class JaxTrainer:
         in_memory = options.checkpoint_in_memory
         mirror = _mirror(self.run_config)  # remote storage: a local staging copy, mirrored
         run_dir = mirror.local if mirror is not None else local_run_dir(self.run_config)
+        make_storage_path(self.run_config)
         warn_if_locks_stay_local(run_dir)
         launcher_options = ""
         if self.scaling_config.elastic and not launcher.resizes:
@@ -576,6 +578,26 @@ def local_run_dir(run_config: RunConfig) -> str:
     """The run directory of `run_config` on the local filesystem (a path or ``file://`` URL)."""
     path = run_config.storage_path.removeprefix("file://")
     return os.path.abspath(os.path.join(path, run_config.name))
+
+
+def make_storage_path(run_config: RunConfig) -> None:
+    """Creates the local storage path of `run_config` if it does not exist (as the run directory
+    is, 0755 before the umask), and checks that a new run directory can be made in it; nothing
+    for remote storage. Raises ValueError naming RunConfig.storage_path and the OS's reason, so
+    that it is said before anything starts."""
+    if storage.remote_filesystem(run_config.storage_path, run_config.storage_filesystem):
+        return
+    path = os.path.dirname(local_run_dir(run_config))
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        if not os.path.isdir(local_run_dir(run_config)) and \
+                not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    except OSError as e:
+        raise ValueError(
+            f"RunConfig.storage_path={run_config.storage_path!r} cannot be used: "
+            f"{e.strerror or e} ('{e.filename or path}'); give a directory that this user can "
+            "create and write to") from None
 
 
 def _mirror(run_config: RunConfig) -> storage.Mirror | None:
