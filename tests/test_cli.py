@@ -509,3 +509,14 @@ def test_plan_refuses_bad_values_and_missing_hardware():
                       "--accelerator-type", "TPU-V6E", env={**os.environ, "JAXTRAIN_SIMULATE": "0"})
     assert no_tpu.returncode == 1
     assert "JAXTRAIN_SIMULATE=1" in no_tpu.stderr
+
+
+def test_a_failed_scripts_traceback_starts_at_the_script_as_python_prints_it(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("def step():\n    raise KeyError('no such batch')\n\n\nstep()\n")
+    proc = jaxtrain("run", "-n", "2", "--storage-path", tmp_path / "runs", script)
+    assert proc.returncode == 1, proc.stderr
+    expected = (f'Traceback (most recent call last):\n  File "{script}", line 5, in <module>\n'
+                f'    step()\n  File "{script}", line 2, in step\n')
+    assert expected in proc.stderr, proc.stderr
+    assert "runpy" not in proc.stderr and "jaxtrain/worker" not in proc.stderr, proc.stderr

@@ -188,3 +188,36 @@ def test_a_failed_run_raises_a_worker_group_error_and_from_path_rebuilds_it(stor
     assert isinstance(again.error, WorkerGroupError)
     state = json.loads(Path(storage, "fails", "run.json").read_text())
     assert state["status"] == "ERRORED"
+
+
+# A notebook cell, as IPython compiles it: a file name that exists nowhere but in linecache.
+_CELL_FILE = "/nonexistent/ipykernel_0/4242.py"
+_CELL = 'def cell_step(x):\n    raise ValueError(f"cell step failed at {x}")\n'
+
+
+def test_a_workers_traceback_shows_the_users_files_and_lines_and_no_jaxtrain_frame(storage):
+    import linecache
+
+    linecache.cache[_CELL_FILE] = (len(_CELL), None, _CELL.splitlines(True), _CELL_FILE)
+    cell: dict = {}
+    exec(compile(_CELL, _CELL_FILE, "exec"), cell)
+    cell_step = cell["cell_step"]
+
+    def train_func():
+        cell_step(7)  # the line the traceback must show
+
+    with pytest.raises(WorkerGroupError) as e:
+        JaxTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name="traceback", storage_path=storage)).fit()
+    error_txt = Path(storage, "traceback", "error.txt").read_text()
+    for shown in (str(e.value), e.value.worker_traceback, error_txt):
+        # The worker has this test's file and not the cell's: the cell's lines came with the
+        # function.
+        assert f'File "{__file__}", line ' in shown and ", in train_func\n" in shown, shown
+        assert "cell_step(7)  # the line the traceback must show" in shown, shown
+        assert f'File "{_CELL_FILE}", line 2, in cell_step\n' in shown, shown
+        assert 'raise ValueError(f"cell step failed at {x}")' in shown, shown
+        assert "<dynamic-code>" not in shown, shown
+        assert "jaxtrain/worker" not in shown, shown
+        # The traceback starts at the user's function.
+        assert "Traceback (most recent call last):\n  File \"" + __file__ in shown, shown

@@ -24,7 +24,7 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, launch, session, storage, validation
+from jaxtrain import _core, callbacks, launch, session, storage, user_code, validation
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
@@ -429,7 +429,7 @@ def _pickle_task(fn: Callable, config: dict | None, takes_config: bool,
     if store is not None:
         task["store"] = store
     try:
-        return cloudpickle.dumps(task)
+        return user_code.dumps(task)
     except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise ValueError(_why_unpicklable(fn, config, e)) from e
 

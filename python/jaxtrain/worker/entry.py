@@ -165,10 +165,16 @@ def _relay_to_driver(secret: str) -> None:
 def _fail(client, phase: str, exit_code: int, message: str | None = None,
           status_code: str | None = None) -> None:
     """Reports the exception being handled to the controller (as `message` when given, with the
-    traceback either way) and ends the worker with `exit_code`. Phase "storage" (an upload to
-    object storage failed) carries the `status_code` the failure policy decides by."""
+    traceback either way; in phase "training" without the worker's own frames) and ends the
+    worker with `exit_code`. Phase "storage" (an upload to object storage failed) carries the
+    `status_code` the failure policy decides by."""
     exc_type, exc, _ = sys.exc_info()
-    tb = traceback.format_exc()
+    if phase == "training" and exc is not None:
+        from jaxtrain.user_code import user_traceback
+
+        tb = user_traceback(exc)
+    else:
+        tb = traceback.format_exc()
     sys.stderr.write(tb if message is None else f"{tb}jaxtrain worker: {message}\n")
     sys.stderr.flush()
     if message is None:
