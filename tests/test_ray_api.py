@@ -221,3 +221,41 @@ def test_a_workers_traceback_shows_the_users_files_and_lines_and_no_jaxtrain_fra
         assert "jaxtrain/worker" not in shown, shown
         # The traceback starts at the user's function.
         assert "Traceback (most recent call last):\n  File \"" + __file__ in shown, shown
+
+
+def test_ray_init_is_initialized_and_shutdown_work_after_import_jaxtrain_as_ray():
+    import jaxtrain as ray
+
+    assert ray.init() is None  # as Ray's JaxTrainer example calls it
+    assert ray.is_initialized()
+    ray.init(address="auto", ignore_reinit_error=True)  # what jaxtrain has no use for: ignored
+    ray.shutdown()
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match=r"runtime_env=.*RunConfig\(worker_runtime_env=\.\.\.\)"):
+        ray.init(runtime_env={"pip": ["optax"]})
+    assert {"init", "is_initialized", "shutdown"}.isdisjoint(jaxtrain.__all__)  # star imports
+
+
+def test_rays_import_paths_give_the_trainer_or_say_what_to_do_instead():
+    from jaxtrain.jax import JaxTrainer as Short
+    from jaxtrain.train.v2.jax import JaxTrainer as V2
+
+    assert V2 is Short is JaxTrainer
+    for module in ("jaxtrain.jax", "jaxtrain.train.v2.jax"):
+        with pytest.raises(ImportError, match=rf"{module}.JaxConfig: jaxtrain has no JaxConfig: "
+                                              r".*from scaling_config \(use_tpu / use_gpu"):
+            exec(f"from {module} import JaxConfig", {})
+
+
+def test_get_dataset_shard_in_a_worker_fails_with_what_to_use_instead(storage):
+    def train_func():
+        import jaxtrain as ray
+
+        ray.train.get_dataset_shard("train")
+
+    with pytest.raises(WorkerGroupError) as e:
+        JaxTrainer(train_func, scaling_config=ScalingConfig(num_workers=1),
+                   run_config=RunConfig(name="dataset-shard", storage_path=storage)).fit()
+    assert ("NotImplementedError: get_dataset_shard('train') is not supported: jaxtrain has no "
+            "Ray Data") in str(e.value)
+    assert "jaxtrain.data.shard()" in str(e.value)
