@@ -134,7 +134,8 @@ def init(*args: Any, **kwargs: Any) -> None:
 
 
 def is_initialized() -> bool:
-    """Ray's ``ray.is_initialized()``: whether ``init()`` was called and ``shutdown()`` not since."""
+    """Ray's ``ray.is_initialized()``: whether ``init()`` was called, and ``shutdown()`` not
+    since."""
     return _initialized
 
 

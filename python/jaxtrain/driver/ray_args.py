@@ -8,7 +8,6 @@ from typing import Any
 
 from jaxtrain.checkpoint import Checkpoint
 
-
 # What to do instead of Ray's JaxConfig (JaxTrainer(jax_config=...), ``from ... import JaxConfig``).
 JAX_CONFIG_INSTEAD = (
     "jaxtrain sets up jax.distributed on every worker from scaling_config (use_tpu / use_gpu, or "
