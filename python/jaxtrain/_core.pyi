@@ -304,6 +304,12 @@ class ControllerOptions:
     @memory_store.setter
     def memory_store(self, arg: str, /) -> None: ...
 
+    @property
+    def verbose(self) -> bool: ...
+
+    @verbose.setter
+    def verbose(self, arg: bool, /) -> None: ...
+
 class Controller:
     def __init__(self, **kwargs) -> None:
         """

@@ -156,6 +156,7 @@ struct PyControllerOptions {
   bool status_line = false;
   std::string launcher_options_json;
   std::string memory_store;
+  bool verbose = false;
 };
 // The options Controller() must be given.
 constexpr const char* kRequiredControllerOptions[] = {
@@ -192,6 +193,7 @@ class PyController {
                    .score_attribute = cc.checkpoint_score_attribute,
                    .higher_is_better = a.checkpoint_config->higher_is_better()};
     o.verify_checksums = a.verify_checksums;
+    o.verbose = a.verbose;
     o.memory_store = std::move(a.memory_store);
     o.status_line = a.status_line;
     o.console_fd = a.console_fd;
@@ -1020,7 +1022,8 @@ NB_MODULE(_core, m) {
               "required by every launcher but 'local'")
       .def_rw("status_line", &PyControllerOptions::status_line)
       .def_rw("launcher_options_json", &PyControllerOptions::launcher_options_json)
-      .def_rw("memory_store", &PyControllerOptions::memory_store);
+      .def_rw("memory_store", &PyControllerOptions::memory_store)
+      .def_rw("verbose", &PyControllerOptions::verbose);
 
   nb::class_<PyController>(m, "Controller")
       .def(

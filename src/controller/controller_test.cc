@@ -800,7 +800,8 @@ TEST_F(ControllerTest, ARoundThatCanNeverBeRecordedIsNotRetried) {
   ASSERT_EQ(out.failures.size(), 1u);
   EXPECT_EQ(out.failure->cause, FailureCause::kStorage);
   EXPECT_EQ(out.failure->status_code, StatusCode::kFailedPrecondition);
-  EXPECT_EQ(out.failure->decision, "retrying cannot help (FAILED_PRECONDITION)");
+  EXPECT_EQ(out.failure->decision,
+            "retrying cannot help (the run directory is not in a state to allow it)");
 }
 
 TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {

@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-status-line", action="store_true",
                      help="on a terminal, do not keep the live status line (attempt, ranks up, "
                      "last round, rank 0's metrics, rounds/s) below the output")
+    run.add_argument("--verbose", action="store_true",
+                     help="also say how jaxtrain goes about the run (ranks started from standby "
+                     "workers, the training function preloaded, status codes); sets "
+                     "JAXTRAIN_VERBOSE=1")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the target as a module, as python -m does")
     run.add_argument("target", nargs="?", metavar="script.py | module")

@@ -75,6 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     trainer.status_line = not args.no_status_line
+    if args.verbose:
+        os.environ["JAXTRAIN_VERBOSE"] = "1"
     if args.hosts:
         os.environ["JAXTRAIN_SSH_HOSTS"] = args.hosts
     if args.hostfile:

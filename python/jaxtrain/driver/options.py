@@ -30,6 +30,8 @@ METRICS_PORT_ENV = "JAXTRAIN_METRICS_PORT"
 METRICS_HOST_ENV = "JAXTRAIN_METRICS_HOST"
 WORKING_DIR_MAX_MIB_ENV = "JAXTRAIN_WORKING_DIR_MAX_MIB"
 WORKING_DIR_GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
+# Passed on to the workers as it is set (jaxtrain.worker reads it too).
+VERBOSE_ENV = "JAXTRAIN_VERBOSE"
 
 DEFAULT_MEMORY_DIR = "/dev/shm"
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -54,6 +56,7 @@ class EngineOptions:
     metrics_endpoint: tuple[str, int] | None = None  # (host, port) of the metrics endpoint
     working_dir_max_bytes: int = DEFAULT_WORKING_DIR_MAX_MIB << 20
     working_dir_gitignore: bool = True
+    verbose: bool = False  # the driver and the workers also say how they went about the run
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ,
@@ -87,6 +90,7 @@ class EngineOptions:
             metrics_endpoint=metrics_endpoint(metrics_port, environ),
             working_dir_max_bytes=working_dir_max_bytes(environ),
             working_dir_gitignore=working_dir_gitignore(environ),
+            verbose=verbose(environ),
         )
 
 
@@ -98,6 +102,18 @@ def switch(environ: Mapping[str, str], name: str, on: str, off: str) -> str:
         raise ValueError(f"{name}={value!r} is not allowed; use 1 (the default: {on}) or 0 "
                          f"({off})")
     return value
+
+
+def verbose(environ: Mapping[str, str]) -> bool:
+    """JAXTRAIN_VERBOSE: "1" the run also says how jaxtrain went about it (standbys used, the
+    preload, status codes); "0", empty or unset (the default) it does not."""
+    value = environ.get(VERBOSE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{VERBOSE_ENV}={value!r} is not allowed; use 1 (the console and the rank logs also "
+            "say how jaxtrain went about the run), or 0 or leave it unset (the default: they do "
+            "not)")
+    return value == "1"
 
 
 def private(environ: Mapping[str, str], in_memory: str | None) -> bool:

@@ -28,7 +28,7 @@ from jaxtrain import _core, callbacks, launch, session, storage, user_code, vali
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
-from jaxtrain.driver.options import COMPILATION_CACHE_ENV, EngineOptions
+from jaxtrain.driver.options import COMPILATION_CACHE_ENV, VERBOSE_ENV, EngineOptions
 from jaxtrain.driver.run_dir import make_private, private_files, warn_if_locks_stay_local
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load
@@ -223,6 +223,8 @@ class JaxTrainer:
             worker_env[session.SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
         if options.gce_metadata:
             worker_env[gce_metadata.ENV] = options.gce_metadata
+        if options.verbose:
+            worker_env[VERBOSE_ENV] = "1"
         if in_memory is not None:
             worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
             # Absolute: workers may run in another working directory.
@@ -270,6 +272,7 @@ class JaxTrainer:
             else self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
             verify_checksums=options.verify_checksums,
+            verbose=options.verbose,
             console_fd=console_fd,
             launcher=launcher.name,
             scaling_config=self.scaling_config._core,

@@ -288,6 +288,9 @@ def _set_autogroup_nice(nice: int, patience_s: float) -> bool:
 # The file of the pickled task a standby unpickles ahead of its activation (set by fit() for local
 # workers; docs/warm-workers.md).
 PRELOAD_FILE_ENV = "JAXTRAIN_PRELOAD_FILE"
+# "1": the worker also says how it went about its start (set by fit() from the driver's
+# JAXTRAIN_VERBOSE; jaxtrain/driver/options.py).
+VERBOSE_ENV = "JAXTRAIN_VERBOSE"
 # A standby started again without the preload, because the preload touched a device.
 NO_PRELOAD_ENV = "JAXTRAIN_STANDBY_NO_PRELOAD"
 # "1": the pickled task comes first on the activation's pipe, as 8 bytes of length (big-endian)
@@ -505,6 +508,8 @@ def _preload_task(state: _Standby) -> None:
     if task is None:
         return
     state.task = (data, task)
+    if os.environ.get(VERBOSE_ENV) != "1":
+        return
     _say(f"preloaded the training function in {time.monotonic() - began:.2f} s; imported "
          f"{', '.join(imported) or 'nothing new'}"
          + (f"; not importable before activation: {', '.join(missing)}" if missing else ""))
