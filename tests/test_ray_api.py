@@ -259,3 +259,18 @@ def test_get_dataset_shard_in_a_worker_fails_with_what_to_use_instead(storage):
     assert ("NotImplementedError: get_dataset_shard('train') is not supported: jaxtrain has no "
             "Ray Data") in str(e.value)
     assert "jaxtrain.data.shard()" in str(e.value)
+
+
+def test_a_results_repr_is_short_as_rays():
+    from jaxtrain.goodput import Goodput
+
+    checkpoint = Checkpoint("/runs/r/checkpoint_000002")
+    result = Result(metrics={"loss": 0.5, "step": 1}, path="/runs/r", checkpoint=checkpoint,
+                    best_checkpoints=[(checkpoint, {"loss": 0.5})] * 20,
+                    goodput=Goodput(training=5.0, attempts=(Goodput(attempt=0),) * 10))
+    assert repr(result) == str(result) == (
+        "Result(\n  metrics={'loss': 0.5, 'step': 1},\n  path='/runs/r',\n  filesystem='local',\n"
+        "  checkpoint=Checkpoint(path='/runs/r/checkpoint_000002')\n)")
+    failed = Result(metrics=None, path="/runs/f", error=WorkerGroupError("Training failed: ..."))
+    assert repr(failed) == ("Result(\n  error='WorkerGroupError',\n  metrics=None,\n"
+                            "  path='/runs/f',\n  filesystem='local',\n  checkpoint=None\n)")

@@ -134,6 +134,9 @@ class JaxTrainer:
         # A live status line under the rank output when the console is a terminal (jaxtrain
         # only; `jaxtrain run` turns it on).
         self.status_line = False
+        # A fit() that succeeds ends saying where the run directory is (`jaxtrain run` turns it
+        # off: its own last line says it).
+        self.say_run_dir = True
 
     def fit(self) -> Result:
         """Runs the training function on every worker and returns the Result.
@@ -339,6 +342,10 @@ class JaxTrainer:
         result = _result(outcome, state, run_dir, self.run_config.checkpoint_config, remote)
         if result.goodput is not None:
             sys.stderr.write(f"jaxtrain: {result.goodput.line()}\n")
+        if result.error is None and self.say_run_dir:
+            where = mirror.url if mirror is not None else run_dir
+            sys.stderr.write(f"jaxtrain: run '{self.run_config.name}' finished; its metrics, "
+                             f"checkpoints and logs are in {where}\n")
         if events is not None:
             # Raises ControllerError if a raise_on_error callback failed.
             events.finish(result, state)
