@@ -39,8 +39,10 @@ exit status:
 def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
     scaling = parser.add_argument_group("scaling (ScalingConfig)")
     scaling.add_argument("-n", "--num-workers", type=_num_workers, default=1, metavar="N",
-                         help="worker processes (default 1); MIN:MAX for an elastic run that "
-                         "trains on MIN to MAX workers as hosts come and go (docs/elastic.md)")
+                         help="worker processes (default 1); 0 for local mode: the script runs "
+                         "in this process, without jax.distributed, as Ray's local mode; "
+                         "MIN:MAX for an elastic run that trains on MIN to MAX workers as hosts "
+                         "come and go (docs/elastic.md)")
     scaling.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
                          help="an elastic run below MAX looks for the hosts it lacks this often "
                          "(ScalingConfig.elastic_resize_monitor_interval_s; default 60)")
