@@ -485,3 +485,66 @@ def test_a_standby_sharing_its_session_leaves_the_sessions_priority_alone(tmp_pa
     seen, code = _watch_standby_session(tmp_path, "this", watch_s=8)
     assert code == 0
     assert seen == [own], seen
+
+
+IDLE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import jaxtrain
+    from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, report
+
+
+    def standbys():
+        # This driver's children that are jaxtrain workers and not yet reaped.
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\\0")
+            except OSError:
+                continue
+            if int(ppid) == os.getpid() and state != "Z" and b"jaxtrain.worker" in argv:
+                found.append(int(pid))
+        return found
+
+
+    def fit(name, idle_s):
+        os.environ["JAXTRAIN_WARM_WORKERS_IDLE_S"] = idle_s
+        JaxTrainer(lambda: report({"x": 1}), scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name=name, storage_path=sys.argv[1])).fit()
+
+
+    seen = {}
+    fit("kept", "600")
+    seen["kept"] = len(standbys())  # waiting for a next fit()
+    jaxtrain.shutdown()  # Ray's: ends them at once
+    seen["after_shutdown"] = len(standbys())
+    fit("idle", "0.5")
+    deadline = time.monotonic() + 120
+    while standbys() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["after_idle"] = len(standbys())
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_standbys_a_fit_leaves_are_ended_after_the_idle_time_or_by_shutdown(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(IDLE)
+    proc = run_command([sys.executable, str(script), str(tmp_path / "runs")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=NO_HANG_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"kept": 2, "after_shutdown": 0, "after_idle": 0}, seen
+
+
+def test_a_bad_idle_time_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_WARM_WORKERS_IDLE_S", "1m")
+    trainer = JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                         run_config=RunConfig(name="bad", storage_path=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"JAXTRAIN_WARM_WORKERS_IDLE_S='1m' is not allowed; "
+                                         r"use a number of seconds >= 0"):
+        trainer.fit()

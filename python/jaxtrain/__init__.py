@@ -140,9 +140,13 @@ def is_initialized() -> bool:
 
 
 def shutdown(*args: Any, **kwargs: Any) -> None:
-    """Ray's ``ray.shutdown()``: does nothing but make ``is_initialized()`` False (a run's workers
-    end with its ``fit()``)."""
+    """Ray's ``ray.shutdown()``: makes ``is_initialized()`` False, and ends at once the standby
+    workers that earlier ``fit()`` calls left for a next one (docs/warm-workers.md); a run's own
+    workers end with its ``fit()``."""
     global _initialized
+    from jaxtrain import _core
+
+    _core.end_idle_standbys()
     _initialized = False
 
 

@@ -98,7 +98,7 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
   }
   if (!warm.empty()) {
     details_.push_back("rank" + std::string(warm.size() > 1 ? "s " : " ") + RanksText(warm) +
-                     " started from standby workers (already past import jax)");
+                       " started from standby workers (already past import jax)");
   }
   return launched;
 }

@@ -355,6 +355,20 @@ TEST(StandbyTest, EndingARunWithoutKeepingEndsItsStandbys) {
   EXPECT_EQ(pool.size(), 0u);
 }
 
+TEST(StandbyTest, EndFreeEndsTheKeptSetsButNotARunningLaunchersOwn) {
+  StandbyPool pool;
+  const std::string dir = TempDir();
+  LocalLauncher done(&pool);
+  ASSERT_TRUE(done.PrepareNext(EchoSpecs(dir, "a")).ok());
+  done.EndRun(/*keep=*/true);
+  LocalLauncher running(&pool);
+  ASSERT_TRUE(running.PrepareNext(EchoSpecs(dir, "b")).ok());
+  EXPECT_EQ(pool.size(), 4u);
+  EXPECT_EQ(pool.EndFree(), 2u);  // the kept set only
+  EXPECT_EQ(pool.size(), 2u);
+  EXPECT_EQ(pool.EndFree(), 0u);
+}
+
 TEST(StandbyTest, WarmWorkersAreOnUnlessTurnedOffAndOtherValuesAreRefused) {
   unsetenv("JAXTRAIN_WARM_WORKERS");
   EXPECT_TRUE(*WarmWorkersRequested());

@@ -32,10 +32,13 @@ WORKING_DIR_MAX_MIB_ENV = "JAXTRAIN_WORKING_DIR_MAX_MIB"
 WORKING_DIR_GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
 # Passed on to the workers as it is set (jaxtrain.worker reads it too).
 VERBOSE_ENV = "JAXTRAIN_VERBOSE"
+WARM_WORKERS_IDLE_ENV = "JAXTRAIN_WARM_WORKERS_IDLE_S"
 
 DEFAULT_MEMORY_DIR = "/dev/shm"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_WORKING_DIR_MAX_MIB = 100
+# Seconds the standby workers a fit() leaves are kept for a next fit() (docs/warm-workers.md).
+DEFAULT_WARM_WORKERS_IDLE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class EngineOptions:
     working_dir_max_bytes: int = DEFAULT_WORKING_DIR_MAX_MIB << 20
     working_dir_gitignore: bool = True
     verbose: bool = False  # the driver and the workers also say how they went about the run
+    warm_workers_idle_s: float = DEFAULT_WARM_WORKERS_IDLE_S  # then unused standbys are ended
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ,
@@ -91,6 +95,7 @@ class EngineOptions:
             working_dir_max_bytes=working_dir_max_bytes(environ),
             working_dir_gitignore=working_dir_gitignore(environ),
             verbose=verbose(environ),
+            warm_workers_idle_s=warm_workers_idle_s(environ),
         )
 
 
@@ -210,6 +215,22 @@ def working_dir_max_bytes(environ: Mapping[str, str]) -> int:
         raise ValueError(f"{WORKING_DIR_MAX_MIB_ENV}={value!r} is not allowed; use a whole "
                          f"number of MiB above 0 (the default is {DEFAULT_WORKING_DIR_MAX_MIB})")
     return int(value) * 2**20
+
+
+def warm_workers_idle_s(environ: Mapping[str, str]) -> float:
+    """JAXTRAIN_WARM_WORKERS_IDLE_S: seconds (>= 0, finite) the standby workers a fit() leaves
+    wait for the next fit() before they are ended; 0 ends them when fit() returns."""
+    value = environ.get(WARM_WORKERS_IDLE_ENV) or str(DEFAULT_WARM_WORKERS_IDLE_S)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(
+            f"{WARM_WORKERS_IDLE_ENV}={value!r} is not allowed; use a number of seconds >= 0 "
+            "that the standby workers a fit() leaves wait for the next fit() before they are "
+            f"ended (0: when fit() returns; the default is {DEFAULT_WARM_WORKERS_IDLE_S:g})")
+    return seconds
 
 
 def working_dir_gitignore(environ: Mapping[str, str]) -> bool:

@@ -155,9 +155,13 @@ class JaxTrainer:
         # Chosen among every host listed, before label_selector narrows them to the workers'.
         placement = validator.Placement() if self.validation_config is None else \
             validator.place(self.validation_config, launcher.name)
-        with private_files(options.private), _select_nodes_by_labels(self.scaling_config,
-                                                                     launcher):
-            return self._fit(options, launcher, placement)
+        _idle_standbys.fit_started()
+        try:
+            with private_files(options.private), _select_nodes_by_labels(self.scaling_config,
+                                                                         launcher):
+                return self._fit(options, launcher, placement)
+        finally:
+            _idle_standbys.fit_ended(options.warm_workers_idle_s)
 
     def _fit(self, options: EngineOptions, launcher: launch.Launcher,
              placement: validator.Placement) -> Result:
@@ -356,6 +360,44 @@ class JaxTrainer:
             raise result.error
         return result
 
+
+
+class _IdleStandbys:
+    """Ends the standby workers that fit()s left for a next one (the local launcher's pool, kept
+    in this process) once no fit() has run for JAXTRAIN_WARM_WORKERS_IDLE_S seconds: each holds
+    ~160 MB, which a notebook would otherwise keep until its kernel exits (docs/warm-workers.md).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0  # fit()s in progress in this process
+        self._generation = 0  # counts fit() starts and ends: a timer acts only on its own
+
+    def fit_started(self) -> None:
+        with self._lock:
+            self._running += 1
+            self._generation += 1
+
+    def fit_ended(self, idle_s: float) -> None:
+        with self._lock:
+            self._running -= 1
+            self._generation += 1
+            if self._running > 0:
+                return  # the last fit() to end counts the idle time
+            if idle_s == 0:
+                _core.end_idle_standbys()
+                return
+            timer = threading.Timer(idle_s, self._end, args=(self._generation,))
+        timer.daemon = True
+        timer.start()
+
+    def _end(self, generation: int) -> None:
+        with self._lock:  # held: a fit() that starts now finds none rather than a dying set
+            if generation == self._generation:
+                _core.end_idle_standbys()
+
+
+_idle_standbys = _IdleStandbys()
 
 
 def _validator(config: validation.ValidationConfig | None, run_dir: str,
