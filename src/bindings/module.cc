@@ -839,8 +839,9 @@ NB_MODULE(_core, m) {
       "JAXTRAIN_WARM_WORKERS: whether standby workers are kept (docs/warm-workers.md); "
       "ValueError naming the value when it is neither 1 nor 0.");
   m.def(
+      // With the GIL held (it takes milliseconds): the driver calls it from a daemon thread,
+      // which must not take the GIL back inside C++ while the interpreter exits.
       "end_idle_standbys", [] { return launch::StandbyPool::Driver().EndFree(); },
-      nb::call_guard<nb::gil_scoped_release>(),
       "Ends the standby workers this driver keeps for a later fit() (none runs now that they "
       "serve) and returns how many it ended (docs/warm-workers.md).");
   m.def(

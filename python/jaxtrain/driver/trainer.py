@@ -393,7 +393,8 @@ class _IdleStandbys:
 
     def _end(self, generation: int) -> None:
         with self._lock:  # held: a fit() that starts now finds none rather than a dying set
-            if generation == self._generation:
+            # An exiting driver ends them itself (their pipes close).
+            if generation == self._generation and not sys.is_finalizing():
                 _core.end_idle_standbys()
 
 
