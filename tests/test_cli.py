@@ -640,3 +640,30 @@ def test_plan_refuses_bad_values_and_missing_hardware():
     assert gpu_type.returncode == 2
     assert "ScalingConfig.accelerator_type='H100' is only used with use_gpu=True" in \
         gpu_type.stderr
+
+
+def test_a_failed_scripts_traceback_starts_at_the_script_as_python_prints_it(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("def step():\n    raise KeyError('no such batch')\n\n\nstep()\n")
+    proc = jaxtrain("run", "-n", "2", "--storage-path", tmp_path / "runs", script)
+    assert proc.returncode == 1, proc.stderr
+    expected = (f'Traceback (most recent call last):\n  File "{script}", line 5, in <module>\n'
+                f'    step()\n  File "{script}", line 2, in step\n')
+    assert expected in proc.stderr, proc.stderr
+    assert "runpy" not in proc.stderr and "jaxtrain/worker" not in proc.stderr, proc.stderr
+
+
+def test_the_error_examples_of_the_cli_docs_are_what_jaxtrain_says(tmp_path):
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    examples = re.findall(r"^\$ jaxtrain (run .*)\n(jaxtrain run: error: .*)$", docs, re.M)
+    assert examples, "docs/cli.md shows no error of jaxtrain run"
+    (tmp_path / "train.py").write_text("")
+    for command, said in examples:
+        proc = jaxtrain(*command.split(), cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.strip() == said, (command, proc.stderr)
+
+
+def test_run_help_says_that_no_workers_is_local_mode(capsys):
+    assert main(["run", "--help"]) == 0
+    assert "0 for local mode: the script runs in this process" in \
+        " ".join(capsys.readouterr().out.split())

@@ -50,3 +50,23 @@ def test_tpu_without_tpus_or_the_switch_fails_at_once_and_names_the_switch(name,
     assert "JAXTRAIN_SIMULATE=1" in proc.stderr
     assert not (tmp_path / "jaxtrain_results").exists() or not any(
         (tmp_path / "jaxtrain_results").iterdir())
+
+
+def test_the_readme_usage_example_is_examples_usage_py_and_runs_and_resumes(tmp_path):
+    code = (EXAMPLES / "usage.py").read_text()
+    program = code[code.index("import json"):]  # less its opening comment
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert f"```python\n{program}```" in readme, "README's usage example is not examples/usage.py"
+
+    proc = run_example("usage.py", tmp_path, simulate=False)
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "jaxtrain_results" / "my_run"
+    assert len((run / "result.jsonl").read_text().splitlines()) == 20
+    # Named by step, the two best (lowest loss: the last two) kept.
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == [
+        "step_18", "step_19"]
+    assert "step_19" in proc.stdout
+    # Run again: it resumes from step_19 and has no step left to train.
+    again = run_example("usage.py", tmp_path, simulate=False)
+    assert again.returncode == 0, again.stderr
+    assert len((run / "result.jsonl").read_text().splitlines()) == 20

@@ -148,6 +148,30 @@ def test_an_attempt_queued_now_has_waited_all_its_time():
     assert g.queue == 15
 
 
+def test_a_function_that_never_reported_has_no_training_and_says_goodput_was_not_measured():
+    # One attempt, ready at 104, its function returned at 190, ended at 198; no round.
+    state = json.loads(json.dumps(STATE))
+    state["attempts"] = [dict(state["attempts"][1], start_time=101.0, ready_time=104.0,
+                              returned_time=190.0, end_time=198.0, restored_from=None)]
+    g = goodput.compute(state, [])
+    (only,) = g.attempts
+    assert (only.startup, only.compile, only.training, only.shutdown) == (3, 86, 0, 8)
+    assert not g.reported and not only.reported and g.training == 0
+    assert g.line() == ("goodput not measured: the training function never called report(), so "
+                        "training cannot be told from import and compilation (105.0 s in all: "
+                        "queue 5.0 s, start-up 4.0 s, compile 86.0 s, shutdown 10.0 s)")
+    # Running, before its first report: compilation so far, not training.
+    state["status"] = only_status = "RUNNING"
+    del state["end_time"]
+    state["attempts"][0].update(status=only_status)
+    for name in ("end_time", "returned_time"):
+        del state["attempts"][0][name]
+    live = goodput.compute(state, [], now=150.0)
+    assert (live.attempts[0].compile, live.attempts[0].training) == (46, 0)
+    # Rounds, once reported, are training as before.
+    assert goodput.compute(STATE, ROUNDS).reported
+
+
 # --- a real run ----------------------------------------------------------------------------------
 
 STEPS = 6
@@ -178,6 +202,23 @@ def _train(config):
                 report({"step": step}, checkpoint=Checkpoint.from_directory(d))
         else:
             report({"step": step})
+
+
+def _no_report():
+    import jax.numpy as jnp
+
+    return float(jnp.arange(4).sum())
+
+
+def test_a_fit_without_reports_ends_saying_goodput_was_not_measured_and_where_the_run_is(
+        tmp_path: Path, capfd):
+    result = JaxTrainer(_no_report, scaling_config=ScalingConfig(num_workers=1),
+                        run_config=RunConfig(name="quiet", storage_path=str(tmp_path))).fit()
+    err = capfd.readouterr().err
+    assert result.goodput.training == 0 and not result.goodput.reported
+    assert "jaxtrain: goodput not measured: the training function never called report()" in err
+    assert (f"jaxtrain: run 'quiet' finished; its metrics, checkpoints and logs are in "
+            f"{tmp_path / 'quiet'}\n") in err, err
 
 
 def test_a_run_with_a_killed_rank(tmp_path: Path, capfd):

@@ -32,11 +32,18 @@ def test_unset_switches_give_the_defaults():
     ("JAXTRAIN_METRICS_PORT", "70000", "it must be a port number"),
     ("JAXTRAIN_GCE_METADATA", "on", "use 1 (watch the GCE metadata server"),
     ("JAXTRAIN_WORKING_DIR_MAX_MIB", "0", "use a whole number of MiB above 0"),
+    ("JAXTRAIN_VERBOSE", "yes", "use 1 (the console and the rank logs also say"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable_the_value_and_what_is_allowed(
         name, value, allowed):
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is not allowed; {allowed}")):
         EngineOptions.read({name: value})
+
+
+def test_verbose_is_on_only_when_set_to_1():
+    assert EngineOptions.read({"JAXTRAIN_VERBOSE": "1"}).verbose
+    assert not any(EngineOptions.read(env).verbose
+                   for env in ({}, {"JAXTRAIN_VERBOSE": ""}, {"JAXTRAIN_VERBOSE": "0"}))
 
 
 def test_verify_checksums_is_off_only_when_set_to_0():

@@ -188,3 +188,89 @@ def test_a_failed_run_raises_a_worker_group_error_and_from_path_rebuilds_it(stor
     assert isinstance(again.error, WorkerGroupError)
     state = json.loads(Path(storage, "fails", "run.json").read_text())
     assert state["status"] == "ERRORED"
+
+
+# A notebook cell, as IPython compiles it: a file name that exists nowhere but in linecache.
+_CELL_FILE = "/nonexistent/ipykernel_0/4242.py"
+_CELL = 'def cell_step(x):\n    raise ValueError(f"cell step failed at {x}")\n'
+
+
+def test_a_workers_traceback_shows_the_users_files_and_lines_and_no_jaxtrain_frame(storage):
+    import linecache
+
+    linecache.cache[_CELL_FILE] = (len(_CELL), None, _CELL.splitlines(True), _CELL_FILE)
+    cell: dict = {}
+    exec(compile(_CELL, _CELL_FILE, "exec"), cell)
+    cell_step = cell["cell_step"]
+
+    def train_func():
+        cell_step(7)  # the line the traceback must show
+
+    with pytest.raises(WorkerGroupError) as e:
+        JaxTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name="traceback", storage_path=storage)).fit()
+    error_txt = Path(storage, "traceback", "error.txt").read_text()
+    for shown in (str(e.value), e.value.worker_traceback, error_txt):
+        # The worker has this test's file and not the cell's: the cell's lines came with the
+        # function.
+        assert f'File "{__file__}", line ' in shown and ", in train_func\n" in shown, shown
+        assert "cell_step(7)  # the line the traceback must show" in shown, shown
+        assert f'File "{_CELL_FILE}", line 2, in cell_step\n' in shown, shown
+        assert 'raise ValueError(f"cell step failed at {x}")' in shown, shown
+        assert "<dynamic-code>" not in shown, shown
+        assert "jaxtrain/worker" not in shown, shown
+        # The traceback starts at the user's function.
+        assert "Traceback (most recent call last):\n  File \"" + __file__ in shown, shown
+
+
+def test_ray_init_is_initialized_and_shutdown_work_after_import_jaxtrain_as_ray():
+    import jaxtrain as ray
+
+    assert ray.init() is None  # as Ray's JaxTrainer example calls it
+    assert ray.is_initialized()
+    ray.init(address="auto", ignore_reinit_error=True)  # what jaxtrain has no use for: ignored
+    ray.shutdown()
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match=r"runtime_env=.*RunConfig\(worker_runtime_env=\.\.\.\)"):
+        ray.init(runtime_env={"pip": ["optax"]})
+    assert {"init", "is_initialized", "shutdown"}.isdisjoint(jaxtrain.__all__)  # star imports
+
+
+def test_rays_import_paths_give_the_trainer_or_say_what_to_do_instead():
+    from jaxtrain.jax import JaxTrainer as Short
+    from jaxtrain.train.v2.jax import JaxTrainer as V2
+
+    assert V2 is Short is JaxTrainer
+    for module in ("jaxtrain.jax", "jaxtrain.train.v2.jax"):
+        with pytest.raises(ImportError, match=rf"{module}.JaxConfig: jaxtrain has no JaxConfig: "
+                                              r".*from scaling_config \(use_tpu / use_gpu"):
+            exec(f"from {module} import JaxConfig", {})
+
+
+def test_get_dataset_shard_in_a_worker_fails_with_what_to_use_instead(storage):
+    def train_func():
+        import jaxtrain as ray
+
+        ray.train.get_dataset_shard("train")
+
+    with pytest.raises(WorkerGroupError) as e:
+        JaxTrainer(train_func, scaling_config=ScalingConfig(num_workers=1),
+                   run_config=RunConfig(name="dataset-shard", storage_path=storage)).fit()
+    assert ("NotImplementedError: get_dataset_shard('train') is not supported: jaxtrain has no "
+            "Ray Data") in str(e.value)
+    assert "jaxtrain.data.shard()" in str(e.value)
+
+
+def test_a_results_repr_is_short_as_rays():
+    from jaxtrain.goodput import Goodput
+
+    checkpoint = Checkpoint("/runs/r/checkpoint_000002")
+    result = Result(metrics={"loss": 0.5, "step": 1}, path="/runs/r", checkpoint=checkpoint,
+                    best_checkpoints=[(checkpoint, {"loss": 0.5})] * 20,
+                    goodput=Goodput(training=5.0, attempts=(Goodput(attempt=0),) * 10))
+    assert repr(result) == str(result) == (
+        "Result(\n  metrics={'loss': 0.5, 'step': 1},\n  path='/runs/r',\n  filesystem='local',\n"
+        "  checkpoint=Checkpoint(path='/runs/r/checkpoint_000002')\n)")
+    failed = Result(metrics=None, path="/runs/f", error=WorkerGroupError("Training failed: ..."))
+    assert repr(failed) == ("Result(\n  error='WorkerGroupError',\n  metrics=None,\n"
+                            "  path='/runs/f',\n  filesystem='local',\n  checkpoint=None\n)")

@@ -225,7 +225,9 @@ print("final", json.dumps(result.metrics))
 
 def test_a_worker_killed_on_one_node_restarts_the_group_in_the_same_allocation(slurm_cluster,
                                                                                 shared_dir):
-    proc = drive(slurm_cluster, shared_dir, KILLED_ON_NODE2, allocation=["-N2", "-n2"])
+    # Verbose: the console says how the restart was made, the rank logs what was preloaded.
+    proc = drive(slurm_cluster, shared_dir, KILLED_ON_NODE2, allocation=["-N2", "-n2"],
+                 JAXTRAIN_VERBOSE="1")
 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'final {"step": 1, "attempt": 1}' in proc.stdout
@@ -431,7 +433,8 @@ def test_nodes_without_credentials_fail_the_run_naming_the_node_and_the_bucket(
             "Unable to locate credentials (this host has no credentials for the store: ") \
         in failed["message"], failed["message"]
     # A host does not gain credentials by being asked again.
-    assert "jaxtrain: not restarting: retrying cannot help (UNAUTHENTICATED)" in proc.stderr
+    assert "jaxtrain: not restarting: retrying cannot help (the credentials were refused)" \
+        in proc.stderr
     import s3fs
 
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)

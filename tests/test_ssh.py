@@ -151,7 +151,9 @@ print("final", json.dumps(result.metrics))
 
 
 def test_a_worker_killed_on_host2_restarts_the_group_from_its_checkpoint(ssh_hosts, shared_dir):
-    proc = drive(ssh_hosts, shared_dir, KILLED_ON_HOST2, JAXTRAIN_SSH_HOSTS="host1,host2")
+    # Verbose: the console says how the restart was made, the rank logs what was preloaded.
+    proc = drive(ssh_hosts, shared_dir, KILLED_ON_HOST2, JAXTRAIN_SSH_HOSTS="host1,host2",
+                 JAXTRAIN_VERBOSE="1")
 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'final {"step": 7, "value": 360.0}' in proc.stdout

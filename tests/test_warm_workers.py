@@ -119,11 +119,12 @@ def test_a_restart_after_a_killed_worker_uses_standbys_and_resumes_from_the_chec
     killed_at = json.loads((out / "kill.json").read_text())["at"]
     for rank in range(2):
         assert _worker(out, 0, 1, rank)["started"] < killed_at, "a fresh process, not a standby"
-    assert "ranks 0,1 started from standby workers" in stderr, stderr[-4000:]
+    # How the restart was made is said only with JAXTRAIN_VERBOSE=1.
+    assert "standby" not in stderr, stderr[-4000:]
 
 
 def test_a_second_fit_in_the_same_driver_takes_the_pooled_standbys(tmp_path):
-    results, stderr, out = _drive(tmp_path, fits=2, kill=False)
+    results, stderr, out = _drive(tmp_path, fits=2, kill=False, env={"JAXTRAIN_VERBOSE": "1"})
     assert [r["losses"] for r in results] == [[1.0, 3.0, 5.0, 7.0]] * 2
     assert [r["attempts"] for r in results] == [1, 1]
     for rank in range(2):
@@ -325,7 +326,7 @@ def _drive_preload(tmp_path: Path, env: dict | None = None):
 
 
 def test_a_standby_imports_the_functions_modules_before_its_activation(tmp_path):
-    ranks, logs, out = _drive_preload(tmp_path)
+    ranks, logs, out = _drive_preload(tmp_path, env={"JAXTRAIN_VERBOSE": "1"})
     for rank in ranks:
         assert rank["imported_before"], rank
         # Imported by the standby before its activation (no attempt yet), no device touched,
@@ -335,6 +336,12 @@ def test_a_standby_imports_the_functions_modules_before_its_activation(tmp_path)
     assert logs.count("preloaded the training function") == 2, logs[-4000:]
     # A fresh worker (attempt 0) imports them in the function, as before.
     assert not json.loads((out / "a0-r0.json").read_text())["imported_before"]
+
+
+def test_the_rank_logs_say_nothing_of_a_preload_that_worked_without_verbose(tmp_path):
+    ranks, logs, _ = _drive_preload(tmp_path)
+    assert all(rank["imported_before"] for rank in ranks), ranks
+    assert "standby" not in logs and "preload" not in logs, logs[-4000:]
 
 
 def test_a_preload_that_touches_a_device_starts_the_standby_again_without_it(tmp_path):
@@ -478,3 +485,66 @@ def test_a_standby_sharing_its_session_leaves_the_sessions_priority_alone(tmp_pa
     seen, code = _watch_standby_session(tmp_path, "this", watch_s=8)
     assert code == 0
     assert seen == [own], seen
+
+
+IDLE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import jaxtrain
+    from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, report
+
+
+    def standbys():
+        # This driver's children that are jaxtrain workers and not yet reaped.
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\\0")
+            except OSError:
+                continue
+            if int(ppid) == os.getpid() and state != "Z" and b"jaxtrain.worker" in argv:
+                found.append(int(pid))
+        return found
+
+
+    def fit(name, idle_s):
+        os.environ["JAXTRAIN_WARM_WORKERS_IDLE_S"] = idle_s
+        JaxTrainer(lambda: report({"x": 1}), scaling_config=ScalingConfig(num_workers=2),
+                   run_config=RunConfig(name=name, storage_path=sys.argv[1])).fit()
+
+
+    seen = {}
+    fit("kept", "600")
+    seen["kept"] = len(standbys())  # waiting for a next fit()
+    jaxtrain.shutdown()  # Ray's: ends them at once
+    seen["after_shutdown"] = len(standbys())
+    fit("idle", "0.5")
+    deadline = time.monotonic() + 120
+    while standbys() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["after_idle"] = len(standbys())
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_standbys_a_fit_leaves_are_ended_after_the_idle_time_or_by_shutdown(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(IDLE)
+    proc = run_command([sys.executable, str(script), str(tmp_path / "runs")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=NO_HANG_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"kept": 2, "after_shutdown": 0, "after_idle": 0}, seen
+
+
+def test_a_bad_idle_time_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_WARM_WORKERS_IDLE_S", "1m")
+    trainer = JaxTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                         run_config=RunConfig(name="bad", storage_path=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"JAXTRAIN_WARM_WORKERS_IDLE_S='1m' is not allowed; "
+                                         r"use a number of seconds >= 0"):
+        trainer.fit()

@@ -112,6 +112,43 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+# Ray's init/is_initialized/shutdown, for code that calls them after ``import jaxtrain as ray``
+# (Ray's own JaxTrainer example does): jaxtrain has no cluster to connect to, so they do nothing
+# but keep the state is_initialized() reports. Not in __all__: a star import must not bring an
+# `init` or a `shutdown` into the user's namespace.
+_RAY_NAMES = ("init", "is_initialized", "shutdown")
+_initialized = False
+
+
+def init(*args: Any, **kwargs: Any) -> None:
+    """Ray's ``ray.init()``: does nothing, since jaxtrain needs no cluster (every argument is
+    accepted and ignored), except ``runtime_env``, which is refused with where it goes instead:
+    ``RunConfig(worker_runtime_env=...)``."""
+    global _initialized
+    if kwargs.get("runtime_env") is not None:
+        raise ValueError(
+            f"jaxtrain.init(runtime_env={kwargs['runtime_env']!r}) is not supported: jaxtrain "
+            "has no Ray cluster; give the workers' environment as "
+            "RunConfig(worker_runtime_env=...) (docs/ray-differences.md)")
+    _initialized = True
+
+
+def is_initialized() -> bool:
+    """Ray's ``ray.is_initialized()``: whether ``init()`` was called, and ``shutdown()`` not
+    since."""
+    return _initialized
+
+
+def shutdown(*args: Any, **kwargs: Any) -> None:
+    """Ray's ``ray.shutdown()``: makes ``is_initialized()`` False, and ends at once the standby
+    workers that earlier ``fit()`` calls left for a next one (docs/warm-workers.md); a run's own
+    workers end with its ``fit()``."""
+    global _initialized
+    from jaxtrain import _core
+
+    _core.end_idle_standbys()
+    _initialized = False
+
 
 def __getattr__(name: str) -> Any:
     if name in _HOMES:
@@ -125,4 +162,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return [*__all__, "__version__"]
+    return [*__all__, *_RAY_NAMES, "__version__"]

@@ -121,6 +121,11 @@ def warm_workers_requested() -> bool:
     JAXTRAIN_WARM_WORKERS: whether standby workers are kept (docs/warm-workers.md); ValueError naming the value when it is neither 1 nor 0.
     """
 
+def end_idle_standbys() -> int:
+    """
+    Ends the standby workers this driver keeps for a later fit() (none runs now that they serve) and returns how many it ended (docs/warm-workers.md).
+    """
+
 def check_local_workers(scaling_config: ScalingConfig) -> None:
     """
     Raises ValueError when a local run of `scaling_config` has more workers than this machine starts (config::LocalWorkerLimit).
@@ -303,6 +308,12 @@ class ControllerOptions:
 
     @memory_store.setter
     def memory_store(self, arg: str, /) -> None: ...
+
+    @property
+    def verbose(self) -> bool: ...
+
+    @verbose.setter
+    def verbose(self, arg: bool, /) -> None: ...
 
 class Controller:
     def __init__(self, **kwargs) -> None:

@@ -14,6 +14,8 @@ was restarted, else to its ``end_time``, is split at these moments::
     start_time -start-up-> ready_time -compile-> first report -training-> ...
       failed:    ... the restored checkpoint's report -lost-> failure -restart-> next start
       otherwise: ... every function returned -shutdown-> end_time
+      no report: start_time -start-up-> ready_time -compile-> every function returned
+                 -shutdown-> end_time (training cannot be told from compilation: none)
 
 An attempt's own ``queue_wait_s`` (its launch waited for Kueue to admit its JobSet, or for a new
 Slurm allocation) is taken out of its start-up into ``queue``; an attempt whose ``phase`` is
@@ -69,7 +71,9 @@ class Goodput:
 
     For the run, ``attempts`` holds each attempt's own Goodput (``attempt``, ``status`` and
     ``cause`` set); an attempt's own ``attempts`` is empty. ``live``: the run was still running,
-    counted up to the time asked for.
+    counted up to the time asked for. ``reported``: a round was reported (in the attempt; for
+    the run, in any attempt). Without one, training cannot be told from import and compilation:
+    the function's time is ``compile``, and ``line()`` says that goodput was not measured.
     """
 
     queue: float = 0.0
@@ -85,6 +89,7 @@ class Goodput:
     cause: str | None = None  # the attempt's failure cause
     attempts: tuple[Goodput, ...] = ()
     live: bool = False
+    reported: bool = True
 
     @property
     def wall(self) -> float:
@@ -112,10 +117,15 @@ class Goodput:
         return d
 
     def line(self) -> str:
-        """One line: the fraction, training of the wall time, and every other non-zero part."""
+        """One line: the fraction, training of the wall time, and every other non-zero part; for
+        a run without a report, that goodput was not measured and where the time went."""
         others = ", ".join(f"{PARTS[name]} {seconds:.1f} s"
                            for name, seconds in self.parts().items()
                            if name != "training" and round(seconds, 1) > 0)
+        if not self.reported:
+            return ("goodput not measured: the training function never called report(), so "
+                    "training cannot be told from import and compilation "
+                    f"({self.wall:.1f} s in all" + (f": {others})" if others else ")"))
         text = (f"goodput {100 * self.fraction:.1f} % (training {self.training:.1f} s of "
                 f"{self.wall:.1f} s")
         return text + (f"; {others})" if others else ")")
@@ -180,7 +190,8 @@ def compute(state: dict, rounds: list[dict], now: float | None = None,
                                    - counted.wall)
         else:
             run["startup"] += max(0.0, end - driver_start)
-    return Goodput(**run, status=status, attempts=tuple(per_attempt), live=live)
+    return Goodput(**run, status=status, attempts=tuple(per_attempt), live=live,
+                   reported=any(g.reported for g in per_attempt) or bool(reported))
 
 
 def _attempt(a: dict, following: dict | None, reported: list[tuple[float, Any]],
@@ -223,17 +234,22 @@ def _attempt(a: dict, following: dict | None, reported: list[tuple[float, Any]],
                     kept = min(t, stop)
             parts["training"] = kept - first
             parts["lost"] = stop - kept
+        elif not times:
+            # No report (yet): training cannot be told from import and compilation. A finished
+            # attempt's function ran up to its return; what follows is shutdown.
+            returned = _number(a.get("returned_time"))
+            trained = _clamp(returned, ready, stop) if returned is not None else stop
+            parts["compile"] = trained - ready
+            parts["shutdown"] = stop - trained
         elif status == "RUNNING" and now is not None:
             parts["training"] = stop - first
-        elif times:
+        else:
             # Training ends when the last rank's function returned (steps after the last
             # report are training too); an older run.json without that time: at the last report.
             returned = _number(a.get("returned_time"))
             trained = _clamp(returned, times[-1], stop) if returned is not None else times[-1]
             parts["training"] = trained - first
             parts["shutdown"] = stop - trained
-        else:  # it ran without reporting: its time is the function's
-            parts["training"] = stop - first
     # The launch's wait in a queue (Kueue's admission, a new Slurm allocation) is inside its
     # start-up: `queue`, not start-up. An attempt still queued has waited all its time so far.
     waited = (stop - start if a.get("phase") == "queued"
@@ -245,7 +261,7 @@ def _attempt(a: dict, following: dict | None, reported: list[tuple[float, Any]],
     else:
         parts["shutdown"] += span_end - stop
     return Goodput(**parts, attempt=int(a.get("attempt", 0)), status=status,
-                   cause=failure.get("cause") if failure else None)
+                   cause=failure.get("cause") if failure else None, reported=bool(times))
 
 
 def from_run_dir(path_or_url: str | os.PathLike, now: float | None = None,

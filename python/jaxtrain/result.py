@@ -17,7 +17,7 @@ from jaxtrain.errors import ControllerError, WorkerGroupError
 from jaxtrain.goodput import Goodput, compute
 
 
-@dataclass
+@dataclass(repr=False)
 class Result:
     """The outcome of ``JaxTrainer.fit()``, or of a run directory (``Result.from_path``).
 
@@ -44,6 +44,15 @@ class Result:
     return_value: Any = None
     goodput: Goodput | None = None
     _rounds: list[dict] | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        """Short, as Ray's: the error's type (when there is one), metrics, path, filesystem and
+        checkpoint; the goodput, return value and best checkpoints are attributes to ask for."""
+        shown = {"error": type(self.error).__name__} if self.error is not None else {}
+        shown.update(metrics=self.metrics, path=self.path,
+                     filesystem=_filesystem_name(self.filesystem), checkpoint=self.checkpoint)
+        fields = ",\n".join(f"  {name}={value!r}" for name, value in shown.items())
+        return f"{type(self).__name__}(\n{fields}\n)"
 
     @property
     def metrics_dataframe(self):
@@ -119,6 +128,17 @@ class Result:
         if self._rounds is None:
             self._rounds = records.read_rounds(self.path)
         return self._rounds
+
+
+def _filesystem_name(fs: Any) -> str:
+    """'local' for a local or shared run directory, else the filesystem's kind ('s3', 'gcs')."""
+    if fs is None:
+        return "local"
+    name = getattr(fs, "type_name", None)  # pyarrow
+    if name is None:
+        protocol = getattr(fs, "protocol", None)  # fsspec: a name or a tuple of names
+        name = protocol[0] if isinstance(protocol, (tuple, list)) and protocol else protocol
+    return str(name or type(fs).__name__)
 
 
 def _from_local(path: str, remote: tuple[Any, str] | None = None) -> Result:

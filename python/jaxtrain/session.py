@@ -614,3 +614,13 @@ def _wait_recorded(run_dir: str, round_: int) -> None:
 def get_context() -> TrainContext:
     """This worker's ranks, world size and experiment name."""
     return require("get_context").context
+
+
+def get_dataset_shard(dataset_name: str | None = None) -> NoReturn:
+    """Ray's ``get_dataset_shard``: refused, since jaxtrain has no Ray Data. Raises
+    NotImplementedError saying what to use instead (docs/data.md)."""
+    raise NotImplementedError(
+        f"get_dataset_shard({dataset_name!r}) is not supported: jaxtrain has no Ray Data "
+        "(JaxTrainer(datasets=...) is refused too). Pass arrays, file lists or a loader in "
+        "train_loop_config and take this process's shard with jaxtrain.data.shard() or "
+        "jaxtrain.data.iter_batches() (docs/data.md)")

@@ -156,6 +156,7 @@ struct PyControllerOptions {
   bool status_line = false;
   std::string launcher_options_json;
   std::string memory_store;
+  bool verbose = false;
 };
 // The options Controller() must be given.
 constexpr const char* kRequiredControllerOptions[] = {
@@ -192,6 +193,7 @@ class PyController {
                    .score_attribute = cc.checkpoint_score_attribute,
                    .higher_is_better = a.checkpoint_config->higher_is_better()};
     o.verify_checksums = a.verify_checksums;
+    o.verbose = a.verbose;
     o.memory_store = std::move(a.memory_store);
     o.status_line = a.status_line;
     o.console_fd = a.console_fd;
@@ -837,6 +839,12 @@ NB_MODULE(_core, m) {
       "JAXTRAIN_WARM_WORKERS: whether standby workers are kept (docs/warm-workers.md); "
       "ValueError naming the value when it is neither 1 nor 0.");
   m.def(
+      // With the GIL held (it takes milliseconds): the driver calls it from a daemon thread,
+      // which must not take the GIL back inside C++ while the interpreter exits.
+      "end_idle_standbys", [] { return launch::StandbyPool::Driver().EndFree(); },
+      "Ends the standby workers this driver keeps for a later fit() (none runs now that they "
+      "serve) and returns how many it ended (docs/warm-workers.md).");
+  m.def(
       "check_local_workers",
       [](const config::ScalingConfig& c) {
         Check(config::CheckLocalWorkerCount(c, accelerators::RealHost().CpuCount()));
@@ -1020,7 +1028,8 @@ NB_MODULE(_core, m) {
               "required by every launcher but 'local'")
       .def_rw("status_line", &PyControllerOptions::status_line)
       .def_rw("launcher_options_json", &PyControllerOptions::launcher_options_json)
-      .def_rw("memory_store", &PyControllerOptions::memory_store);
+      .def_rw("memory_store", &PyControllerOptions::memory_store)
+      .def_rw("verbose", &PyControllerOptions::verbose);
 
   nb::class_<PyController>(m, "Controller")
       .def(

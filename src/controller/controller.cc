@@ -114,6 +114,14 @@ struct Controller::Loop : ControlPort::Delegate,
 
   void Say(const std::string& line) override { output.Say(line); }
 
+  // The launcher's notes; its details only in a verbose run.
+  void SayLauncherNotes() {
+    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
+    for (const std::string& detail : ctl.launcher_->TakeDetails()) {
+      if (ctl.options_.verbose) Say(detail);
+    }
+  }
+
   void RefreshStatus() override {
     if (attempt->phase() == Attempt::Phase::kDraining) return;
     output.ShowStatus({.attempt = attempt->number(),
@@ -189,7 +197,7 @@ struct Controller::Loop : ControlPort::Delegate,
     // low priority, so that a restart or a later fit() finds them past import jax.
     Status prepared = ctl.launcher_->PrepareNext(placement.workers().specs);
     if (!prepared.ok()) Say("warning: " + prepared.message() + "; a restart starts afresh");
-    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
+    SayLauncherNotes();
   }
 
   // --- rounds (round_recorder.h) ---------------------------------------------------------
@@ -343,7 +351,7 @@ struct Controller::Loop : ControlPort::Delegate,
     Status started = attempt->Start(placement.workers().specs);
     attempt->SetQueued(false);
     attempt->SetQueueWait(ctl.launcher_->QueueWait());
-    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
+    SayLauncherNotes();
     if (started.ok() && (may_queue || ctl.launcher_->QueueWait() > 0)) {
       RecordRunning(/*if_stale=*/false);  // no longer queued; the wait it had
     }
@@ -422,7 +430,10 @@ struct Controller::Loop : ControlPort::Delegate,
     failure->log_tail = storage::TailOfFile(failure->log_path, kLogTailBytes);
     outcome.failures.push_back(*failure);
     if (!failure->retried) {
-      Say("not restarting: " + failure->decision);
+      Say("not restarting: " + failure->decision +
+          (ctl.options_.verbose && failure->status_code != StatusCode::kOk
+               ? " [" + std::string(StatusCodeName(failure->status_code)) + "]"
+               : ""));
       return false;
     }
     std::optional<RestoreVerifier::Result> restore = CheckpointToRestoreServingAbort();
@@ -468,7 +479,7 @@ struct Controller::Loop : ControlPort::Delegate,
     // Standby workers serve a later fit() of the same processes, but not past an abort.
     ctl.launcher_->EndRun(/*keep=*/!abort_reason);
     // What the last stop could not do (a Slurm step it could not cancel), said before the end.
-    for (const std::string& note : ctl.launcher_->TakeNotes()) Say(note);
+    SayLauncherNotes();
     Status swept = SweepStaging();
     if (!swept.ok()) Say("cannot clean up: " + swept.message());
     Warn(output.CloseLogs());  // every log numbers every attempt (rank_logs.h)

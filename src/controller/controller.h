@@ -126,6 +126,9 @@ struct ControllerOptions {
   Duration preemption_grace = std::chrono::seconds(30);
   storage::RetentionPolicy retention;
   bool verify_checksums = true;  // on restore: CRC-32C of every file; false: sizes only
+  // Also say how jaxtrain went about the run (Launcher::TakeDetails), and a failure's status
+  // code where retrying cannot help (JAXTRAIN_VERBOSE=1, `jaxtrain run --verbose`).
+  bool verbose = false;
   // Where every rank runs on this host and keeps copies of its checkpoints in this host's memory
   // (python/jaxtrain/worker/checkpoint_memory.py): the store. A restart within the run then checks
   // a checkpoint whose every part has its copy there by sizes only (storage/memory_copies.h): its

@@ -788,20 +788,34 @@ TEST_F(ControllerTest, AFullDiskIsRetriedABoundedNumberOfTimesEvenWithoutRestart
   EXPECT_EQ(attempts.back()["failure"]["decision"].value("action", ""), "raise");
 }
 
-TEST_F(ControllerTest, ARoundThatCanNeverBeRecordedIsNotRetried) {
+// The controller says why it gives up in words; the status code only when verbose.
+class UnrecordableRoundTest : public ControllerTest, public testing::WithParamInterface<bool> {};
+
+TEST_P(UnrecordableRoundTest, ARoundThatCanNeverBeRecordedIsNotRetried) {
   // result.jsonl is a directory: no retry can append to it.
   ASSERT_TRUE(std::filesystem::create_directories(RunDir() + "/result.jsonl"));
   ControllerOptions options = Options(2, {"ok", "3"});
   options.max_failures = -1;
+  options.verbose = GetParam();
   auto controller = Make(std::move(options));
-  ASSERT_NO_FATAL_FAILURE(StartAndWait(*controller));
+  testing::internal::CaptureStderr();
+  StartAndWait(*controller);
+  const std::string said = testing::internal::GetCapturedStderr();
+  ASSERT_FALSE(HasFatalFailure());
   const Outcome& out = controller->outcome();
   ASSERT_EQ(out.state, State::kFailed);
   ASSERT_EQ(out.failures.size(), 1u);
   EXPECT_EQ(out.failure->cause, FailureCause::kStorage);
   EXPECT_EQ(out.failure->status_code, StatusCode::kFailedPrecondition);
-  EXPECT_EQ(out.failure->decision, "retrying cannot help (FAILED_PRECONDITION)");
+  EXPECT_EQ(out.failure->decision,
+            "retrying cannot help (the run directory is not in a state to allow it)");
+  const std::string line =
+      "jaxtrain: not restarting: retrying cannot help (the run directory is not in a state to "
+      "allow it)";
+  EXPECT_TRUE(Contains(said, GetParam() ? line + " [FAILED_PRECONDITION]\n" : line + "\n")) << said;
 }
+
+INSTANTIATE_TEST_SUITE_P(Verbose, UnrecordableRoundTest, testing::Bool());
 
 TEST_F(ControllerTest, ARunWhoseRecordCannotBeWrittenNeverSucceeds) {
   // run.json's temporary file cannot be created: every write of run.json fails.

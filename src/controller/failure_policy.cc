@@ -46,6 +46,22 @@ bool IsTransientStorageError(StatusCode code) {
 
 namespace {
 
+// Why retrying a storage failure with `code` cannot help, in the user's words (the code itself
+// is in run.json's failure.status_code and said by a verbose run).
+std::string_view Why(StatusCode code) {
+  switch (code) {
+    case StatusCode::kPermissionDenied: return "a permission is missing";
+    case StatusCode::kInvalidArgument: return "what was asked is not valid";
+    case StatusCode::kFailedPrecondition: return "the run directory is not in a state to allow it";
+    case StatusCode::kAlreadyExists: return "something is already in the way";
+    case StatusCode::kNotFound: return "something it needs is not there";
+    case StatusCode::kUnauthenticated: return "the credentials were refused";
+    case StatusCode::kDataLoss: return "data is lost or damaged";
+    case StatusCode::kDeadlineExceeded: return "it timed out";
+    default: return "the error is not one that passes";
+  }
+}
+
 // Counts one failure against `max` (-1 = without limit), named `budget` in the reason.
 FailureDecision Count(int& used, int max, std::string_view budget) {
   ++used;
@@ -70,7 +86,7 @@ FailureDecision FailurePolicy::Decide(FailureCause cause, StatusCode code) {
     case FailureCause::kCheckpoint:
       if (!IsTransientStorageError(code)) {
         return {.action = FailureDecision::Action::kRaise,
-                .reason = "retrying cannot help (" + std::string(StatusCodeName(code)) + ")"};
+                .reason = "retrying cannot help (" + std::string(Why(code)) + ")"};
       }
       return Count(storage_failures_, max_storage_failures_, "the storage retry limit");
     case FailureCause::kDriver:

@@ -88,7 +88,7 @@ TEST(FailurePolicyTest, APermissionErrorIsNeverRetried) {
   FailurePolicy p(-1, -1);
   FailureDecision d = p.Decide(FailureCause::kStorage, StatusCode::kPermissionDenied);
   EXPECT_FALSE(d.retry());
-  EXPECT_EQ(d.reason, "retrying cannot help (PERMISSION_DENIED)");
+  EXPECT_EQ(d.reason, "retrying cannot help (a permission is missing)");
   EXPECT_EQ(p.storage_failures(), 0);
 }
 

@@ -104,8 +104,12 @@ class Launcher {
   // processes (`keep`, a second fit() in the same driver) or ended.
   virtual void EndRun(bool keep) {}
 
-  // What the last calls did that the run's log should say (standbys used or lost), once each.
+  // What the last calls did that the run's log should say (standbys lost), once each.
   virtual std::vector<std::string> TakeNotes() { return {}; }
+
+  // What the last calls did that only a verbose run says (ranks started from standbys), once
+  // each: how jaxtrain went about it, nothing the user has to act on.
+  virtual std::vector<std::string> TakeDetails() { return {}; }
 
   // Seconds the last Launch() waited in a queue before it started anything: Kueue's admission
   // of the JobSet, a new Slurm allocation after a time-limit notice. 0 when it waited for none.

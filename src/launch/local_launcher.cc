@@ -97,8 +97,8 @@ StatusOr<std::vector<LaunchedProcess>> LocalLauncher::Launch(
     launched.push_back(*started);
   }
   if (!warm.empty()) {
-    notes_.push_back("rank" + std::string(warm.size() > 1 ? "s " : " ") + RanksText(warm) +
-                     " started from standby workers (already past import jax)");
+    details_.push_back("rank" + std::string(warm.size() > 1 ? "s " : " ") + RanksText(warm) +
+                       " started from standby workers (already past import jax)");
   }
   return launched;
 }
@@ -121,5 +121,7 @@ void LocalLauncher::EndRun(bool keep) {
 }
 
 std::vector<std::string> LocalLauncher::TakeNotes() { return std::exchange(notes_, {}); }
+
+std::vector<std::string> LocalLauncher::TakeDetails() { return std::exchange(details_, {}); }
 
 }  // namespace jaxtrain::launch

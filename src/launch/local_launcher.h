@@ -31,12 +31,14 @@ class LocalLauncher : public Launcher {
   Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
   void EndRun(bool keep) override;
   std::vector<std::string> TakeNotes() override;
+  std::vector<std::string> TakeDetails() override;
 
  private:
   StandbyPool* const standbys_;
   pid_t pgid_ = 0;  // the group of the last Launch(); 0 when none
   bool said_off_ = false;
   std::vector<std::string> notes_;
+  std::vector<std::string> details_;  // for TakeDetails()
 };
 
 }  // namespace jaxtrain::launch

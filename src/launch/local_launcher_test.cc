@@ -254,8 +254,9 @@ TEST(StandbyTest, TheNextLaunchActivatesTheStandbysWithTheSecretAndTheAttempt) {
                  "\nstandby=1 attempt=no\n");
   }
   EXPECT_EQ(pool.size(), 0u);
-  EXPECT_NE(Joined(launcher.TakeNotes()).find("ranks 0,1 started from standby workers"),
+  EXPECT_NE(Joined(launcher.TakeDetails()).find("ranks 0,1 started from standby workers"),
             std::string::npos);
+  EXPECT_TRUE(launcher.TakeNotes().empty());  // nothing the user has to act on
 }
 
 TEST(StandbyTest, StandbysOfOtherProcessesAreEndedAndFreshOnesStarted) {
@@ -322,7 +323,8 @@ TEST(StandbyTest, AStandbyThatDiedIsReplacedByAFreshProcessInTheSameGroup) {
                        "used; starting a fresh process"),
             std::string::npos)
       << notes;
-  EXPECT_NE(notes.find("rank 0 started from standby workers"), std::string::npos) << notes;
+  const std::string details = Joined(launcher.TakeDetails());
+  EXPECT_NE(details.find("rank 0 started from standby workers"), std::string::npos) << details;
 }
 
 TEST(StandbyTest, AStandbysChildrenEndWithIt) {
@@ -351,6 +353,20 @@ TEST(StandbyTest, EndingARunWithoutKeepingEndsItsStandbys) {
   ASSERT_TRUE(launcher.PrepareNext(EchoSpecs(TempDir(), "a")).ok());
   launcher.EndRun(/*keep=*/false);
   EXPECT_EQ(pool.size(), 0u);
+}
+
+TEST(StandbyTest, EndFreeEndsTheKeptSetsButNotARunningLaunchersOwn) {
+  StandbyPool pool;
+  const std::string dir = TempDir();
+  LocalLauncher done(&pool);
+  ASSERT_TRUE(done.PrepareNext(EchoSpecs(dir, "a")).ok());
+  done.EndRun(/*keep=*/true);
+  LocalLauncher running(&pool);
+  ASSERT_TRUE(running.PrepareNext(EchoSpecs(dir, "b")).ok());
+  EXPECT_EQ(pool.size(), 4u);
+  EXPECT_EQ(pool.EndFree(), 2u);  // the kept set only
+  EXPECT_EQ(pool.size(), 2u);
+  EXPECT_EQ(pool.EndFree(), 0u);
 }
 
 TEST(StandbyTest, WarmWorkersAreOnUnlessTurnedOffAndOtherValuesAreRefused) {

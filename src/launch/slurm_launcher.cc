@@ -813,8 +813,8 @@ std::optional<LaunchedProcess> SlurmLauncher::ActivateStandby(const Step& step) 
     if (written.ok()) {
       step_name_ = standby.name;
       pgid_ = standby.process.pid;
-      notes_.push_back("ranks " + RanksText(step.ranks) + " started from a standby step (" +
-                       standby.name + ", already past import jax)");
+      details_.push_back("ranks " + RanksText(step.ranks) + " started from a standby step (" +
+                         standby.name + ", already past import jax)");
       return standby.process;
     }
     why = std::string("could not be activated (") + std::strerror(err) + ")";
@@ -858,6 +858,8 @@ void SlurmLauncher::EndStandby() {
 void SlurmLauncher::EndRun(bool) { EndStandby(); }
 
 std::vector<std::string> SlurmLauncher::TakeNotes() { return std::exchange(notes_, {}); }
+
+std::vector<std::string> SlurmLauncher::TakeDetails() { return std::exchange(details_, {}); }
 
 Status SlurmLauncher::RenewAtTimeLimit() {
   if (allocation_ == nullptr || !allocation_->owned() || options_.shape.signal_s <= 0) {

@@ -242,6 +242,7 @@ class SlurmLauncher : public Launcher {
   Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
   void EndRun(bool keep) override;  // ends the standby step
   std::vector<std::string> TakeNotes() override;
+  std::vector<std::string> TakeDetails() override;
 
   // Elastic runs. The nodes of `hosts` that are not usable now (SlurmNodeUsable after
   // `scontrol show node`; a node Slurm does not show, or every node when scontrol fails), asked
@@ -303,6 +304,7 @@ class SlurmLauncher : public Launcher {
   std::atomic<bool> interrupted_{false};
   std::optional<StandbyStep> standby_;
   std::vector<std::string> notes_;        // for TakeNotes()
+  std::vector<std::string> details_;      // for TakeDetails()
   std::optional<SlurmShape> step_shape_;  // UsePlan()'s
   Mutex states_mu_;
   std::map<std::string, std::string> said_states_ GUARDED_BY(states_mu_);  // node -> State=

@@ -629,7 +629,7 @@ TEST_F(SlurmLauncherTest, ARestartActivatesTheStandbyStepWithTheNewSecret) {
   const std::string output = RunStep(restart->front());
   EXPECT_TRUE(Contains(output, "0: rank 0 s1 1 standby")) << output;
   EXPECT_TRUE(Contains(output, "1: rank 1 s1 1 standby")) << output;
-  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()),
+  EXPECT_TRUE(Contains(Joined(launcher.TakeDetails()),
                        "ranks 0,1 started from a standby step (jaxtrain-test-2"));
 }
 

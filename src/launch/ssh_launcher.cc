@@ -785,9 +785,9 @@ StatusOr<std::vector<LaunchedProcess>> SshLauncher::Launch(const std::vector<Pro
     inputs_.push_back(input);
   }
   if (!warm_ranks.empty()) {
-    notes_.push_back("rank" + std::string(warm_ranks.size() > 1 ? "s " : " ") +
-                     RanksText(warm_ranks) +
-                     " started from standby workers on their hosts (already past import jax)");
+    details_.push_back("rank" + std::string(warm_ranks.size() > 1 ? "s " : " ") +
+                       RanksText(warm_ranks) +
+                       " started from standby workers on their hosts (already past import jax)");
   }
   launched_ = true;
   return launched;
@@ -932,6 +932,8 @@ std::vector<pid_t> SshLauncher::standby_pids() const {
 }
 
 std::vector<std::string> SshLauncher::TakeNotes() { return std::exchange(notes_, {}); }
+
+std::vector<std::string> SshLauncher::TakeDetails() { return std::exchange(details_, {}); }
 
 StatusOr<std::vector<std::string>> SshLauncher::UnreachableHosts(
     const std::vector<std::string>& hosts, Duration wait, int cancel_fd) {

@@ -212,6 +212,7 @@ class SshLauncher : public Launcher {
   Status PrepareNext(const std::vector<ProcessSpec>& specs) override;
   void EndRun(bool keep) override;  // ends the standbys
   std::vector<std::string> TakeNotes() override;
+  std::vector<std::string> TakeDetails() override;
 
   static constexpr size_t kMaxPreloadBytes = 16 << 20;
 
@@ -283,6 +284,7 @@ class SshLauncher : public Launcher {
   std::vector<Standby> standbys_;
   pid_t standby_pgid_ = 0;
   std::vector<std::string> notes_;
+  std::vector<std::string> details_;  // for TakeDetails()
 };
 
 }  // namespace jaxtrain::launch

@@ -671,7 +671,7 @@ TEST_F(WarmSshTest, ARestartActivatesStandbysWithTheNewAttemptsSecretAndNoNewAge
   EXPECT_EQ(std::count(log.begin(), log.end(), '\n'), 8) << log;
   EXPECT_EQ(CountOf(log, "exec '"), 4) << log;  // the agents'; a probe runs `test -x ...`
   EXPECT_FALSE(Contains(log, "secret-1")) << log;
-  EXPECT_TRUE(Contains(Joined(launcher.TakeNotes()), "ranks 0,1 started from standby workers"));
+  EXPECT_TRUE(Contains(Joined(launcher.TakeDetails()), "ranks 0,1 started from standby workers"));
   EXPECT_TRUE(launcher.standby_pids().empty());
 }
 
@@ -695,7 +695,8 @@ TEST_F(WarmSshTest, AStandbyThatIsGoneStartsAfreshAndTheNoteSaysWhy) {
                        "the standby worker of rank 1 on h2 is gone (its ssh exited with "
                        "status 3); starting it afresh"))
       << notes;
-  EXPECT_TRUE(Contains(notes, "rank 0 started from standby workers")) << notes;
+  const std::string details = Joined(launcher.TakeDetails());
+  EXPECT_TRUE(Contains(details, "rank 0 started from standby workers")) << details;
 }
 
 TEST_F(WarmSshTest, AHostThatDidNotAnswerTheRestartsProbeGetsAFreshWorker) {

@@ -273,6 +273,18 @@ void StandbyPool::End(const void* owner) {
   std::erase_if(sets_, [](const Set& s) { return s.members.empty(); });
 }
 
+size_t StandbyPool::EndFree() {
+  MutexLock lock(mu_);
+  size_t ended = 0;
+  for (Set& set : sets_) {
+    if (set.owner != nullptr) continue;
+    ended += set.members.size();
+    EndSet(set);
+  }
+  std::erase_if(sets_, [](const Set& s) { return s.members.empty(); });
+  return ended;
+}
+
 size_t StandbyPool::size() const {
   MutexLock lock(mu_);
   size_t n = 0;

@@ -95,6 +95,11 @@ class StandbyPool {
   void Release(const void* owner) EXCLUDES(mu_);
   void End(const void* owner) EXCLUDES(mu_);
 
+  // Ends every free set (those no owner holds: kept after their run for a later one), and
+  // returns how many standbys it ended. The driver calls it once no fit() has followed for a
+  // while (python/jaxtrain/driver/trainer.py, docs/warm-workers.md).
+  size_t EndFree() EXCLUDES(mu_);
+
   size_t size() const EXCLUDES(mu_);  // standbys held, in every set
 
  private:

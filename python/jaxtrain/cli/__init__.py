@@ -41,8 +41,10 @@ exit status:
 def _add_scaling_options(parser: argparse.ArgumentParser) -> None:
     scaling = parser.add_argument_group("scaling (ScalingConfig)")
     scaling.add_argument("-n", "--num-workers", type=_num_workers, default=1, metavar="N",
-                         help="worker processes (default 1); MIN:MAX for an elastic run that "
-                         "trains on MIN to MAX workers as hosts come and go (docs/elastic.md)")
+                         help="worker processes (default 1); 0 for local mode: the script runs "
+                         "in this process, without jax.distributed, as Ray's local mode; "
+                         "MIN:MAX for an elastic run that trains on MIN to MAX workers as hosts "
+                         "come and go (docs/elastic.md)")
     scaling.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
                          help="an elastic run below MAX looks for the hosts it lacks this often "
                          "(ScalingConfig.elastic_resize_monitor_interval_s; default 60)")
@@ -174,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-status-line", action="store_true",
                      help="on a terminal, do not keep the live status line (attempt, ranks up, "
                      "last round, rank 0's metrics, rounds/s) below the output")
+    run.add_argument("--verbose", action="store_true",
+                     help="also say how jaxtrain goes about the run (ranks started from standby "
+                     "workers, the training function preloaded, status codes); sets "
+                     "JAXTRAIN_VERBOSE=1")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the target as a module, as python -m does")
     run.add_argument("target", nargs="?", metavar="script.py | module")

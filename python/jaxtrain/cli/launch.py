@@ -75,6 +75,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(as_options(str(e))) from None
     trainer.status_line = not args.no_status_line
+    trainer.say_run_dir = False  # the last line says it
+    if args.verbose:
+        os.environ["JAXTRAIN_VERBOSE"] = "1"
     if args.hosts:
         os.environ["JAXTRAIN_SSH_HOSTS"] = args.hosts
     if args.hostfile:

@@ -30,6 +30,7 @@ from typing import Any
 
 from jaxtrain import _core, session
 from jaxtrain.checkpoint import Checkpoint
+from jaxtrain.user_code import user_traceback
 
 # jaxtrain.worker's (imported when used: the relay runs it as __main__).
 _EXIT_RAISED = 1
@@ -173,7 +174,8 @@ class Driver:
         if message is None:
             message = f"{exc_type.__name__}: {exc}" if exc_type else "unknown error"
         try:
-            client.send_error(json.dumps({"message": message, "traceback": traceback.format_exc(),
+            tb = user_traceback(exc) if exc is not None else traceback.format_exc()
+            client.send_error(json.dumps({"message": message, "traceback": tb,
                                           "phase": "training"}))
         except OSError:
             pass  # the controller may be gone; the relay's exit code still tells

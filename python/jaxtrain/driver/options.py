@@ -30,10 +30,15 @@ METRICS_PORT_ENV = "JAXTRAIN_METRICS_PORT"
 METRICS_HOST_ENV = "JAXTRAIN_METRICS_HOST"
 WORKING_DIR_MAX_MIB_ENV = "JAXTRAIN_WORKING_DIR_MAX_MIB"
 WORKING_DIR_GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
+# Passed on to the workers as it is set (jaxtrain.worker reads it too).
+VERBOSE_ENV = "JAXTRAIN_VERBOSE"
+WARM_WORKERS_IDLE_ENV = "JAXTRAIN_WARM_WORKERS_IDLE_S"
 
 DEFAULT_MEMORY_DIR = "/dev/shm"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_WORKING_DIR_MAX_MIB = 100
+# Seconds the standby workers a fit() leaves are kept for a next fit() (docs/warm-workers.md).
+DEFAULT_WARM_WORKERS_IDLE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class EngineOptions:
     metrics_endpoint: tuple[str, int] | None = None  # (host, port) of the metrics endpoint
     working_dir_max_bytes: int = DEFAULT_WORKING_DIR_MAX_MIB << 20
     working_dir_gitignore: bool = True
+    verbose: bool = False  # the driver and the workers also say how they went about the run
+    warm_workers_idle_s: float = DEFAULT_WARM_WORKERS_IDLE_S  # then unused standbys are ended
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ,
@@ -87,6 +94,8 @@ class EngineOptions:
             metrics_endpoint=metrics_endpoint(metrics_port, environ),
             working_dir_max_bytes=working_dir_max_bytes(environ),
             working_dir_gitignore=working_dir_gitignore(environ),
+            verbose=verbose(environ),
+            warm_workers_idle_s=warm_workers_idle_s(environ),
         )
 
 
@@ -98,6 +107,18 @@ def switch(environ: Mapping[str, str], name: str, on: str, off: str) -> str:
         raise ValueError(f"{name}={value!r} is not allowed; use 1 (the default: {on}) or 0 "
                          f"({off})")
     return value
+
+
+def verbose(environ: Mapping[str, str]) -> bool:
+    """JAXTRAIN_VERBOSE: "1" the run also says how jaxtrain went about it (standbys used, the
+    preload, status codes); "0", empty or unset (the default) it does not."""
+    value = environ.get(VERBOSE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{VERBOSE_ENV}={value!r} is not allowed; use 1 (the console and the rank logs also "
+            "say how jaxtrain went about the run), or 0 or leave it unset (the default: they do "
+            "not)")
+    return value == "1"
 
 
 def private(environ: Mapping[str, str], in_memory: str | None) -> bool:
@@ -194,6 +215,22 @@ def working_dir_max_bytes(environ: Mapping[str, str]) -> int:
         raise ValueError(f"{WORKING_DIR_MAX_MIB_ENV}={value!r} is not allowed; use a whole "
                          f"number of MiB above 0 (the default is {DEFAULT_WORKING_DIR_MAX_MIB})")
     return int(value) * 2**20
+
+
+def warm_workers_idle_s(environ: Mapping[str, str]) -> float:
+    """JAXTRAIN_WARM_WORKERS_IDLE_S: seconds (>= 0, finite) the standby workers a fit() leaves
+    wait for the next fit() before they are ended; 0 ends them when fit() returns."""
+    value = environ.get(WARM_WORKERS_IDLE_ENV) or str(DEFAULT_WARM_WORKERS_IDLE_S)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(
+            f"{WARM_WORKERS_IDLE_ENV}={value!r} is not allowed; use a number of seconds >= 0 "
+            "that the standby workers a fit() leaves wait for the next fit() before they are "
+            f"ended (0: when fit() returns; the default is {DEFAULT_WARM_WORKERS_IDLE_S:g})")
+    return seconds
 
 
 def working_dir_gitignore(environ: Mapping[str, str]) -> bool:

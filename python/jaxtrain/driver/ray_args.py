@@ -8,6 +8,17 @@ from typing import Any
 
 from jaxtrain.checkpoint import Checkpoint
 
+# What to do instead of Ray's JaxConfig (JaxTrainer(jax_config=...), ``from ... import JaxConfig``).
+JAX_CONFIG_INSTEAD = (
+    "jaxtrain sets up jax.distributed on every worker from scaling_config (use_tpu / use_gpu, or "
+    "CPU processes by default); drop jax_config and JaxConfig")
+
+
+def no_jax_config(module: str, name: str) -> ImportError:
+    """The error of ``from <module> import <name>`` for Ray's JaxConfig: what to do instead."""
+    return ImportError(f"{module}.{name}: jaxtrain has no {name}: {JAX_CONFIG_INSTEAD} "
+                       "(docs/ray-differences.md)", name=module)
+
 
 class StartFrom:
     """The training function of a trainer given ``resume_from_checkpoint``: runs in the worker,
@@ -38,9 +49,7 @@ def check(resume_from_checkpoint: Any, jax_config: Any, datasets: Any,
         )
     if jax_config is not None:
         raise ValueError(
-            f"JaxTrainer(jax_config={jax_config!r}) is not supported: jaxtrain sets up "
-            "jax.distributed on every worker from scaling_config (use_tpu / use_gpu, or CPU "
-            "processes by default); drop jax_config"
+            f"JaxTrainer(jax_config={jax_config!r}) is not supported: {JAX_CONFIG_INSTEAD}"
         )
     if datasets is not None or dataset_config is not None:
         given = "datasets" if datasets is not None else "dataset_config"

@@ -26,11 +26,21 @@ from typing import Any
 
 import cloudpickle
 
-from jaxtrain import _core, callbacks, goodput, launch, records, session, storage, validation
+from jaxtrain import (
+    _core,
+    callbacks,
+    goodput,
+    launch,
+    records,
+    session,
+    storage,
+    user_code,
+    validation,
+)
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
-from jaxtrain.driver.options import COMPILATION_CACHE_ENV, EngineOptions
+from jaxtrain.driver.options import COMPILATION_CACHE_ENV, VERBOSE_ENV, EngineOptions
 from jaxtrain.driver.run_dir import make_private, private_files, warn_if_locks_stay_local
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load
@@ -136,6 +146,9 @@ class JaxTrainer:
         # A live status line under the rank output when the console is a terminal (jaxtrain
         # only; `jaxtrain run` turns it on).
         self.status_line = False
+        # A fit() that succeeds ends saying where the run directory is (`jaxtrain run` turns it
+        # off: its own last line says it).
+        self.say_run_dir = True
 
     def fit(self) -> Result:
         """Runs the training function on every worker and returns the Result.
@@ -154,9 +167,13 @@ class JaxTrainer:
         # Chosen among every host listed, before label_selector narrows them to the workers'.
         placement = validator.Placement() if self.validation_config is None else \
             validator.place(self.validation_config, launcher.name)
-        with private_files(options.private), _select_nodes_by_labels(self.scaling_config,
-                                                                     launcher):
-            return self._fit(options, launcher, placement)
+        _idle_standbys.fit_started()
+        try:
+            with private_files(options.private), _select_nodes_by_labels(self.scaling_config,
+                                                                         launcher):
+                return self._fit(options, launcher, placement)
+        finally:
+            _idle_standbys.fit_ended(options.warm_workers_idle_s)
 
     def _fit(self, options: EngineOptions, launcher: launch.Launcher,
              placement: validator.Placement) -> Result:
@@ -227,6 +244,8 @@ class JaxTrainer:
             worker_env[session.SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
         if options.gce_metadata:
             worker_env[gce_metadata.ENV] = options.gce_metadata
+        if options.verbose:
+            worker_env[VERBOSE_ENV] = "1"
         if in_memory is not None:
             worker_env[checkpoint_memory.IN_MEMORY_ENV] = in_memory
             # Absolute: workers may run in another working directory.
@@ -274,6 +293,7 @@ class JaxTrainer:
             else self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
             verify_checksums=options.verify_checksums,
+            verbose=options.verbose,
             console_fd=console_fd,
             launcher=launcher.name,
             scaling_config=self.scaling_config._core,
@@ -340,6 +360,10 @@ class JaxTrainer:
         result = _result(outcome, state, run_dir, self.run_config.checkpoint_config, remote)
         if result.goodput is not None:
             sys.stderr.write(_end_lines(result, state, resumed))
+        if result.error is None and self.say_run_dir:
+            where = mirror.url if mirror is not None else run_dir
+            sys.stderr.write(f"jaxtrain: run '{self.run_config.name}' finished; its metrics, "
+                             f"checkpoints and logs are in {where}\n")
         if events is not None:
             # Raises ControllerError if a raise_on_error callback failed.
             events.finish(result, state)
@@ -386,6 +410,45 @@ def _end_lines(result: Result, state: dict | None, resumed: int | None) -> str:
             f"{len(own.attempts)} attempt(s), {own.line()}\n"
             f"jaxtrain: the whole run, with the fit()s before it resumed: {len(rounds)} report "
             f"round(s), {result.goodput.line()}\n")
+
+
+class _IdleStandbys:
+    """Ends the standby workers that fit()s left for a next one (the local launcher's pool, kept
+    in this process) once no fit() has run for JAXTRAIN_WARM_WORKERS_IDLE_S seconds: each holds
+    ~160 MB, which a notebook would otherwise keep until its kernel exits (docs/warm-workers.md).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0  # fit()s in progress in this process
+        self._generation = 0  # counts fit() starts and ends: a timer acts only on its own
+
+    def fit_started(self) -> None:
+        with self._lock:
+            self._running += 1
+            self._generation += 1
+
+    def fit_ended(self, idle_s: float) -> None:
+        with self._lock:
+            self._running -= 1
+            self._generation += 1
+            if self._running > 0:
+                return  # the last fit() to end counts the idle time
+            if idle_s == 0:
+                _core.end_idle_standbys()
+                return
+            timer = threading.Timer(idle_s, self._end, args=(self._generation,))
+        timer.daemon = True
+        timer.start()
+
+    def _end(self, generation: int) -> None:
+        with self._lock:  # held: a fit() that starts now finds none rather than a dying set
+            # An exiting driver ends them itself (their pipes close).
+            if generation == self._generation and not sys.is_finalizing():
+                _core.end_idle_standbys()
+
+
+_idle_standbys = _IdleStandbys()
 
 
 def _validator(config: validation.ValidationConfig | None, run_dir: str,
@@ -469,7 +532,7 @@ def _pickle_task(fn: Callable, config: dict | None, takes_config: bool,
     if store is not None:
         task["store"] = store
     try:
-        return cloudpickle.dumps(task)
+        return user_code.dumps(task)
     except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise ValueError(_why_unpicklable(fn, config, e)) from e
 

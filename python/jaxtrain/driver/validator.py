@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,10 +133,10 @@ class Validator:
 
     def __init__(self, config: ValidationConfig, run_dir: str,
                  placement: Placement | None = None) -> None:
-        import cloudpickle
+        from jaxtrain import user_code
 
         try:
-            self._fn = cloudpickle.dumps(config.fn)
+            self._fn = user_code.dumps(config.fn)
         except Exception as e:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
             raise ValueError(f"ValidationConfig.fn={config.fn!r} cannot be sent to the "
                              f"validation process: it cannot be pickled ({type(e).__name__}: "
@@ -394,8 +393,10 @@ def main() -> None:
             raise TypeError(f"the validation function returned {type(metrics).__name__}, not a "
                             "dict of metrics")
         outcome = {"metrics": json.loads(json.dumps(metrics, default=to_json))}
-    except BaseException:
-        outcome = {"error": traceback.format_exc()}
+    except BaseException as e:
+        from jaxtrain.user_code import user_traceback
+
+        outcome = {"error": user_traceback(e)}
         sys.stderr.write(outcome["error"])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -165,10 +165,16 @@ def _relay_to_driver(secret: str) -> None:
 def _fail(client, phase: str, exit_code: int, message: str | None = None,
           status_code: str | None = None) -> None:
     """Reports the exception being handled to the controller (as `message` when given, with the
-    traceback either way) and ends the worker with `exit_code`. Phase "storage" (an upload to
-    object storage failed) carries the `status_code` the failure policy decides by."""
+    traceback either way; in phase "training" without the worker's own frames) and ends the
+    worker with `exit_code`. Phase "storage" (an upload to object storage failed) carries the
+    `status_code` the failure policy decides by."""
     exc_type, exc, _ = sys.exc_info()
-    tb = traceback.format_exc()
+    if phase == "training" and exc is not None:
+        from jaxtrain.user_code import user_traceback
+
+        tb = user_traceback(exc)
+    else:
+        tb = traceback.format_exc()
     sys.stderr.write(tb if message is None else f"{tb}jaxtrain worker: {message}\n")
     sys.stderr.flush()
     if message is None:
@@ -282,6 +288,9 @@ def _set_autogroup_nice(nice: int, patience_s: float) -> bool:
 # The file of the pickled task a standby unpickles ahead of its activation (set by fit() for local
 # workers; docs/warm-workers.md).
 PRELOAD_FILE_ENV = "JAXTRAIN_PRELOAD_FILE"
+# "1": the worker also says how it went about its start (set by fit() from the driver's
+# JAXTRAIN_VERBOSE; jaxtrain/driver/options.py).
+VERBOSE_ENV = "JAXTRAIN_VERBOSE"
 # A standby started again without the preload, because the preload touched a device.
 NO_PRELOAD_ENV = "JAXTRAIN_STANDBY_NO_PRELOAD"
 # "1": the pickled task comes first on the activation's pipe, as 8 bytes of length (big-endian)
@@ -499,6 +508,8 @@ def _preload_task(state: _Standby) -> None:
     if task is None:
         return
     state.task = (data, task)
+    if os.environ.get(VERBOSE_ENV) != "1":
+        return
     _say(f"preloaded the training function in {time.monotonic() - began:.2f} s; imported "
          f"{', '.join(imported) or 'nothing new'}"
          + (f"; not importable before activation: {', '.join(missing)}" if missing else ""))

@@ -18,6 +18,7 @@ from jaxtrain.session import (
     get_all_reported_checkpoints,
     get_checkpoint,
     get_context,
+    get_dataset_shard,
     report,
 )
 from jaxtrain.validation import (
@@ -54,6 +55,7 @@ __all__ = [
     "get_all_reported_checkpoints",
     "get_checkpoint",
     "get_context",
+    "get_dataset_shard",
     "get_preemption_info",
     "report",
 ]
