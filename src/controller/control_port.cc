@@ -359,8 +359,8 @@ void TcpControlPort::OnHello(Conn& c, const wire::FrameView& f) {
   c.stage = Conn::Stage::kAuth;
   --unproven_count_;
   c.decoder.set_max_body(wire::kAuthSize);
-  c.frames = wire::SealedFrames(
-      wire::ControlSession(secret_, f.body, body, wire::SessionEnd::kResponder));
+  c.frames =
+      wire::SealedFrames(wire::ControlSession(secret_, f.body, body, wire::SessionEnd::kResponder));
   c.out.Push(*wire::EncodeFrame(wire::MessageType::kChallenge, body));
   Flush(c);
 }

@@ -190,7 +190,7 @@ TEST_F(ControlPortTest, ARegistrationInTheProofsSegmentIsDelivered) {
       wire::MessageType::kAuth,
       std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size()));
   wire::SealedFrames session(wire::ControlSession(secret_, wire::EncodeHello(hello, secret_),
-                                                 challenge->body, wire::SessionEnd::kInitiator));
+                                                  challenge->body, wire::SessionEnd::kInitiator));
   ASSERT_TRUE(session.Seal(wire::MessageType::kRegister, registration, &both).ok());
   ASSERT_TRUE(wire::WriteAll(fd, both).ok());
   ASSERT_TRUE(PumpUntil([&] { return !recorder_.frames.empty(); }));
@@ -256,8 +256,8 @@ TEST_F(ControlPortTest, AFrameNotSealedByTheWorkerAsItsNextEndsTheConnection) {
     port_->BeginAttempt(static_cast<int>(++attempt), kWorld);
     recorder_ = Recorder();
     int fd = Connect();
-    ASSERT_TRUE(Handshake(fd, {.rank = 0, .attempt = attempt, .nonce = wire::GenerateNonce()},
-                          secret_));
+    ASSERT_TRUE(
+        Handshake(fd, {.rank = 0, .attempt = attempt, .nonce = wire::GenerateNonce()}, secret_));
     ASSERT_TRUE(PumpUntil([&] { return port_->connected(0); }));
     ASSERT_TRUE(wire::WriteAll(fd, c.bytes(fd)).ok());
     ASSERT_TRUE(PumpUntil([&] { return !recorder_.closed.empty(); }));

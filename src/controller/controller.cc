@@ -105,7 +105,7 @@ struct Controller::Loop : ControlPort::Delegate,
   // The payload's frame, sealed once for every rank of every attempt (its key is fresh for the
   // run, its body the run's; each connection gets the key under its own session).
   wire::SharedFrame payload;
-  RunOutput output;       // the console, its status line and the ranks' logs (run_output.h)
+  RunOutput output;  // the console, its status line and the ranks' logs (run_output.h)
   std::optional<std::string> abort_reason;  // set once Abort() counts: the run is aborted
   // The run's outcome so far: its failures (one per failed attempt) and warnings, the last round
   // recorded and rank 0's metrics of it; Finish() completes it.

@@ -103,8 +103,7 @@ Session ControlSession(std::string_view secret, std::string_view hello, std::str
 StatusOr<SharedFrame> SealShared(MessageType type, std::string_view body) {
   SharedFrame shared;
   shared.key = Mac(GenerateNonce());  // 32 random bytes
-  JT_ASSIGN_OR_RETURN(std::string frame,
-                      EncodeFrameHeader(type, Session::SealedSize(body.size())));
+  JT_ASSIGN_OR_RETURN(std::string frame, EncodeFrameHeader(type, Session::SealedSize(body.size())));
   const size_t header = frame.size();
   frame.resize(header + Session::SealedSize(body.size()));
   // The key is used for this one frame: its first record number is the only nonce it meets.

@@ -137,7 +137,7 @@ Session ControlSession(std::string_view secret, std::string_view hello, std::str
 
 // A frame sealed once for many connections (the payload, a collective's release).
 struct SharedFrame {
-  Mac key{};                                  // fresh and random: it opens this frame only
+  Mac key{};                                 // fresh and random: it opens this frame only
   std::shared_ptr<const std::string> frame;  // the whole frame, as every connection sends it
 };
 // Errors: kInvalidArgument when the body is too large for a frame.
@@ -156,7 +156,8 @@ class SealedFrames {
   // Appends the sealed frame to `*out` (its capacity reused). Errors: kInvalidArgument when the
   // body is too large for a frame; kFailedPrecondition when the frame numbers ran out.
   Status Seal(MessageType type, std::string_view body, std::string* out);
-  // Appends the kSharedKey frame that opens `shared`, to be sent right before it. Errors: as Seal().
+  // Appends the kSharedKey frame that opens `shared`, to be sent right before it. Errors: as
+  // Seal().
   Status SealKeyOf(const SharedFrame& shared, std::string* out);
   // Opens a received frame, `size` bytes of body at `body`, in place. Returns the frame with its
   // plaintext body (a view of `body`), or nothing for a kSharedKey frame (its key opens the next

@@ -314,8 +314,8 @@ TEST(SealedFramesTest, AFrameChangedReplayedReorderedOrFromAnotherSessionFailsFo
   }
   {
     SealedPair p = Sessions(secret);
-    SealedFrames other(ControlSession(secret, "another hello", "challenge bytes",
-                                      SessionEnd::kInitiator));
+    SealedFrames other(
+        ControlSession(secret, "another hello", "challenge bytes", SessionEnd::kInitiator));
     EXPECT_EQ(OpenAll(p.controller, sealed(other, MessageType::kDone, "")).status().code(),
               StatusCode::kUnauthenticated);
   }

@@ -182,8 +182,7 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
       wire::ControlSession(o.secret, hello_body, challenge->body, wire::SessionEnd::kInitiator));
   client->sealed_ = true;
   if (!o.registration.empty()) {
-    JT_RETURN_IF_ERROR(
-        client->frames_.Seal(wire::MessageType::kRegister, o.registration, &frames));
+    JT_RETURN_IF_ERROR(client->frames_.Seal(wire::MessageType::kRegister, o.registration, &frames));
   }
   JT_RETURN_IF_ERROR(wire::WriteAll(fd, frames));
   timeval none{0, 0};
