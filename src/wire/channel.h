@@ -3,7 +3,9 @@
 // and the peer copies of checkpoints (python/jaxtrain/worker/checkpoint_peers.py). Two ends that
 // hold the same secret prove it to each other, bound to what the connection is for and to both
 // ends' names, derive session keys from the handshake, and then exchange records that are encrypted
-// and authenticated in order. docs/security.md says what it protects; docs/wire.md draws it.
+// and authenticated in order. docs/security.md says what it protects; docs/wire.md draws it. The
+// control port keeps its own handshake (handshake.h) and framing (frame.h), and seals its frames
+// with this record layer: Session::FromHandshake() and SealAfter()/OpenAfter().
 //
 // Every message on the wire is a u32 big-endian length followed by that many bytes.
 //
