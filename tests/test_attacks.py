@@ -190,7 +190,7 @@ def _frame(kind: int, body: bytes) -> bytes:
     return struct.pack(">IB", len(body) + 1, kind) + body
 
 
-def _hello(secret: bytes, rank: int, attempt: int, *, version: int = 2) -> bytes:
+def _hello(secret: bytes, rank: int, attempt: int, *, version: int = 3) -> bytes:
     """A hello as a worker holding `secret` makes it (docs/wire.md)."""
     fields = b"JXTR" + struct.pack(">HIII", version, rank, attempt, 4242) + os.urandom(32)
     if version == 1:
@@ -268,6 +268,8 @@ def test_a_live_run_survives_floods_garbage_replays_and_forgeries(tmp_path, stor
             # A worker of an earlier run: its hello and auth, made with that run's secret.
             "earlier run": _frame(1, _hello(os.urandom(32), 0, 0)) + _frame(3, os.urandom(32)),
             "protocol 1 hello": _frame(1, _hello(b"", 0, 0, version=1)),
+            # A worker of the jaxtrain before sealed frames.
+            "protocol 2 hello": _frame(1, _hello(b"", 0, 0, version=2)),
             "forged hello MAC": _frame(1, _hello(b"", 0, 0)[:-32] + os.urandom(32)),
             "forged auth": _frame(3, os.urandom(32)),
         }.items():
