@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import os
+import pickle
 import selectors
 import socket
 import struct
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Fifo, start_driver
-from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
 
 NO_HANG_S = 240  # bounds every wait only so that a bug fails a test instead of hanging it
 
@@ -189,7 +190,7 @@ def _frame(kind: int, body: bytes) -> bytes:
     return struct.pack(">IB", len(body) + 1, kind) + body
 
 
-def _hello(secret: bytes, rank: int, attempt: int, *, version: int = 2) -> bytes:
+def _hello(secret: bytes, rank: int, attempt: int, *, version: int = 3) -> bytes:
     """A hello as a worker holding `secret` makes it (docs/wire.md)."""
     fields = b"JXTR" + struct.pack(">HIII", version, rank, attempt, 4242) + os.urandom(32)
     if version == 1:
@@ -267,6 +268,8 @@ def test_a_live_run_survives_floods_garbage_replays_and_forgeries(tmp_path, stor
             # A worker of an earlier run: its hello and auth, made with that run's secret.
             "earlier run": _frame(1, _hello(os.urandom(32), 0, 0)) + _frame(3, os.urandom(32)),
             "protocol 1 hello": _frame(1, _hello(b"", 0, 0, version=1)),
+            # A worker of the jaxtrain before sealed frames.
+            "protocol 2 hello": _frame(1, _hello(b"", 0, 0, version=2)),
             "forged hello MAC": _frame(1, _hello(b"", 0, 0)[:-32] + os.urandom(32)),
             "forged auth": _frame(3, os.urandom(32)),
         }.items():
@@ -338,3 +341,120 @@ def test_metrics_too_large_for_the_wire_fail_in_report_with_their_size(storage):
     with pytest.raises(TrainingFailedError) as failed:
         trainer.fit()
     assert "report() metrics are too large (20971532 bytes, limit 16777208)" in str(failed.value)
+
+
+# Makes a worker connect to the control port through ONPATH_RELAY, after writing the controller's
+# real address where the proxy reads it: the worker's path to the controller runs through the
+# test, as it would through an attacker on the network between hosts.
+_ON_PATH_SITE = """
+import os
+if os.environ.get("ONPATH_RELAY") and os.environ.get("JAXTRAIN_CONTROLLER_ADDR"):
+    with open(os.environ["ONPATH_REAL_ADDRESS"], "w") as f:
+        f.write(os.environ["JAXTRAIN_CONTROLLER_ADDR"])
+    os.environ["JAXTRAIN_CONTROLLER_ADDR"] = os.environ["ONPATH_RELAY"]
+"""
+
+
+class _RunsCommand:
+    """Unpickling it runs a shell command: what an attacker puts in place of a payload."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+class _PayloadSwap:
+    """An attacker on the path between the workers and the controller: passes every byte on,
+    except that it replaces the body of each payload frame (type 6) the controller sends with
+    `evil`, as plain frames carried it."""
+
+    def __init__(self, real_address: Path, evil: bytes) -> None:
+        self._real, self._evil = real_address, evil
+        self.swapped = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                worker, _ = self._listener.accept()
+            except OSError:
+                return
+            host, port = self._real.read_text().rsplit(":", 1)
+            controller = socket.create_connection((host, int(port)), timeout=NO_HANG_S)
+            threading.Thread(target=self._pump, args=(worker, controller), daemon=True).start()
+            threading.Thread(target=self._swap, args=(controller, worker), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with source, sink:
+            while data := source.recv(65536):
+                sink.sendall(data)
+
+    def _swap(self, controller: socket.socket, worker: socket.socket) -> None:
+        def exactly(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = controller.recv(n - len(data))
+                if not chunk:
+                    raise EOFError
+                data += chunk
+            return data
+
+        try:
+            while True:
+                length, kind = struct.unpack(">IB", exactly(5))
+                body = exactly(length - 1)
+                if kind == 6:
+                    body = self._evil
+                    self.swapped += 1
+                worker.sendall(struct.pack(">IB", len(body) + 1, kind) + body)
+        except (EOFError, OSError):
+            pass
+        finally:
+            controller.close()
+            worker.close()
+
+
+def _quiet_function():
+    pass
+
+
+# An on-path attacker (TCP injection, ARP spoofing on a flat network) replaces the pickled training
+# function the controller sends with its own pickle: the worker must not unpickle it. Every frame
+# after the handshake is sealed, so the swapped frame does not open and the worker ends, saying
+# why; the command in the attacker's pickle never runs.
+def test_an_on_path_attacker_cannot_replace_the_payload(tmp_path, storage):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_ON_PATH_SITE)
+    marker = tmp_path / "injected-command-ran"
+    real = tmp_path / "controller-address"
+    proxy = _PayloadSwap(real, pickle.dumps(_RunsCommand(f"touch '{marker}'")))
+    failed = None
+    try:
+        JaxTrainer(
+            _quiet_function,
+            scaling_config=ScalingConfig(num_workers=1),
+            run_config=RunConfig(
+                name="on-path", storage_path=storage,
+                failure_config=FailureConfig(max_failures=0),
+                worker_runtime_env={"working_dir": str(site), "env_vars": {
+                    "ONPATH_RELAY": proxy.address, "ONPATH_REAL_ADDRESS": str(real)}}),
+        ).fit()
+    except TrainingFailedError as e:
+        failed = e
+    finally:
+        proxy.close()
+    assert proxy.swapped >= 1
+    assert not marker.exists(), "the worker unpickled the attacker's payload"
+    assert failed is not None
+    log = Path(storage, "on-path", "logs", "rank-0.log").read_text()
+    assert "ending the connection to the controller: a frame of type 6 that the other end did " \
+           "not seal as its next one" in log, log

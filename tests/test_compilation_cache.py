@@ -144,10 +144,97 @@ def test_a_jaxlib_whose_loaded_programs_are_not_checked_shares_nothing(version, 
 
     monkeypatch.setattr(lib, "version", version)
     share, hash_config = compiler._compile_and_share_module, cache_key._hash_accelerator_config
-    assert compilation_cache.share_cpu_programs(jax) is False
+    assert compilation_cache.share_cpu_programs(jax, b"secret") is False
     assert compiler._compile_and_share_module is share
     assert cache_key._hash_accelerator_config is hash_config
     assert not jax.config.jax_share_binary_between_hosts
+
+
+class _KeyValueStore:
+    """JAX's coordination service's key-value store as program sharing uses it, in memory; and,
+    as the real one, open to whoever reaches it."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        return self.values[key].decode()
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
+        return self.values[key]
+
+
+class _Backend:
+    """A CPU backend whose executables are bytes: what rank 0 compiled, or what a rank loaded."""
+
+    platform = "cpu"
+
+    def __init__(self) -> None:
+        self.loaded: list[bytes] = []
+
+    def serialize_executable(self, executable) -> bytes:
+        return executable
+
+    def deserialize_executable(self, serialized, devices, options):
+        self.loaded.append(bytes(serialized))
+        return ("loaded", bytes(serialized))
+
+
+def test_a_shared_program_is_loaded_only_with_the_runs_mac(monkeypatch):
+    # JAX's key-value store is unauthenticated: anyone who reaches the coordinator can put an
+    # executable under a program's key. A rank loads a shared executable only when it carries a
+    # MAC under the run's secret; any other it refuses, and compiles the program itself.
+    import jax
+    from jax._src import cache_key, compiler, distributed
+    from jax._src import compilation_cache as jax_cache
+
+    from jaxtrain.worker import compilation_cache
+
+    compiled = []
+
+    def compile_here(backend, computation, executable_devices, compile_options, host_callbacks,
+                     module_name, cache_key):
+        compiled.append(cache_key)
+        return b"compiled " + cache_key.encode()
+
+    for name in ("_compile_and_share_module", "_compile_and_write_cache"):
+        monkeypatch.setattr(compiler, name, getattr(compiler, name))
+    monkeypatch.setattr(compiler._compile_and_share_module, "modules_cache", {})
+    monkeypatch.setattr(compiler, "_compile_and_write_cache", compile_here)
+    monkeypatch.setattr(cache_key, "_hash_accelerator_config",
+                        cache_key._hash_accelerator_config)
+    sharing = jax.config.jax_share_binary_between_hosts
+    try:
+        assert compilation_cache.share_cpu_programs(jax, b"the run's secret")
+        share = compiler._compile_and_share_module
+        store, backend = _KeyValueStore(), _Backend()
+
+        def run_as(process_id: int, key: str):
+            monkeypatch.setattr(distributed.global_state, "process_id", process_id)
+            share.modules_cache.clear()
+            return share(backend, None, None, None, [], store, "jit_step", key, 0)
+
+        # Rank 0 compiles and shares; rank 1 loads what rank 0 compiled.
+        assert run_as(0, "step") == b"compiled step"
+        assert run_as(1, "step") == ("loaded", b"compiled step")
+        # A program planted by someone else (without the MAC, or with another run's) is not
+        # loaded: rank 1 compiles it itself.
+        store.key_value_set("jaxtrain/compiling/evil", "1")
+        store.key_value_set_bytes("evil", jax_cache.compress_executable(b"planted"))
+        assert run_as(1, "evil") == b"compiled evil"
+        other_run = compilation_cache.SharedPrograms(store, b"another run's secret")
+        other_run.key_value_set_bytes("evil", jax_cache.compress_executable(b"planted"))
+        assert run_as(1, "evil") == b"compiled evil"
+        assert backend.loaded == [b"compiled step"]
+        assert compiled == ["step", "evil", "evil"]
+    finally:
+        jax.config.update("jax_share_binary_between_hosts", sharing)
 
 
 _PUT_ENTRY = """

@@ -240,12 +240,92 @@ def test_a_host_with_another_secret_is_refused_and_says_why(tmp_path):
     host0 = hosts.SameCommand(("127.0.0.1", _free_port()), 0, 2, SECRET)
     threading.Thread(target=_quietly(host0.gather, timeout_s=30), daemon=True).start()
     _connect_when_listening(host0.coordinator[1]).close()
+    # A refusal without the secret may come from anyone: the host says so at once, tries again
+    # until its time is up, then exits naming the likely cause.
     code = (f"import sys; from jaxtrain.hosts import join; sys.exit(join.SameCommand(('127.0.0.1', "
-            f"{host0.coordinator[1]}), 1, 2, b'another secret of 32 characters!').join())")
+            f"{host0.coordinator[1]}), 1, 2, b'another secret of 32 characters!')"
+            f".join(timeout_s=2))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1
+    assert "does not prove the join secret: wrong join secret" in proc.stderr
     assert "refused this host (host rank 1): wrong join secret" in proc.stderr
+
+
+def test_silent_connections_never_keep_a_host_from_joining(monkeypatch):
+    # More silent connections than host 0 keeps in their handshake, held open: at the cap the
+    # oldest makes way for the newest, so the joining host gets in long before their handshake
+    # deadline (made longer than the gather's here) frees a place.
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # gather() sets host 0's settings
+    monkeypatch.setattr(hosts, "HANDSHAKE_TIMEOUT_S", 300.0)
+    host0 = hosts.SameCommand(("127.0.0.1", _free_port()), 0, 2, SECRET)
+    failed: list[BaseException] = []
+
+    def gather() -> None:
+        try:
+            host0.gather(timeout_s=60)
+        except (OSError, TimeoutError) as e:
+            failed.append(e)
+
+    gathered = threading.Thread(target=gather, daemon=True)
+    gathered.start()
+    silent = [_connect_when_listening(host0.coordinator[1])
+              for _ in range(hosts._MAX_UNPROVEN + 4)]
+    try:
+        host1 = hosts.SameCommand(host0.coordinator, 1, 2, SECRET)
+        status: list[int] = []
+        joiner = threading.Thread(target=lambda: status.append(host1.join(timeout_s=60)),
+                                  daemon=True)
+        joiner.start()
+        gathered.join(60)
+        assert not gathered.is_alive()
+        assert failed == []
+        host0.end(0, "/nowhere")
+        joiner.join(30)
+        assert status == [0]
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_a_joiner_refused_without_the_secret_tries_again_and_joins(monkeypatch):
+    # Whatever holds host 0's port first (or writes into the connection) sends a refusal that is
+    # not made with the secret; it must not end the joining host, which joins host 0 once host 0
+    # has the port.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    squat = socket.create_server(("127.0.0.1", 0))
+    port = squat.getsockname()[1]
+    refused = threading.Event()
+
+    def refuse_once() -> None:
+        with squat:
+            conn, _ = squat.accept()
+            with conn:
+                _read_message(conn)
+                conn.sendall(_message(b"R" + b"the two ends do not hold the same secret" +
+                                      bytes(32)))
+                refused.set()
+
+    threading.Thread(target=refuse_once, daemon=True).start()
+    host1 = hosts.SameCommand(("127.0.0.1", port), 1, 2, SECRET)
+    status: list[int] = []
+    joiner = threading.Thread(target=lambda: status.append(host1.join(timeout_s=60)),
+                              daemon=True)
+    joiner.start()
+    assert refused.wait(30)
+    host0 = hosts.SameCommand(("127.0.0.1", port), 0, 2, SECRET)
+    deadline = time.monotonic() + 30
+    while True:  # the squatter's socket may linger for a moment after it closed
+        try:
+            host0.gather(timeout_s=60)
+            break
+        except OSError as e:
+            assert "cannot listen" in str(e) and time.monotonic() < deadline, e
+            time.sleep(0.1)
+    assert joiner.is_alive(), status
+    host0.end(0, "/nowhere")
+    joiner.join(30)
+    assert status == [0]
 
 
 def test_tpu_metadata_is_never_asked_through_a_proxy(monkeypatch):

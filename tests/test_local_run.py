@@ -273,7 +273,7 @@ def _probe_the_control_port():
         host, port = os.environ["JAXTRAIN_CONTROLLER_ADDR"].rsplit(":", 1)
         outcomes = []
         # 1. A well-formed hello whose MAC is forged.
-        hello = b"JXTR\x00\x02" + (1).to_bytes(4, "big") + (0).to_bytes(4, "big") + \
+        hello = b"JXTR\x00\x03" + (1).to_bytes(4, "big") + (0).to_bytes(4, "big") + \
             (4242).to_bytes(4, "big") + b"n" * 32 + b"f" * 32
         with socket.create_connection((host, int(port))) as s:
             s.sendall(len(hello + b"x").to_bytes(4, "big") + b"\x01" + hello)

@@ -490,7 +490,7 @@ PROBE = '''
 import os, socket, struct, sys
 host, port = sys.argv[1].rsplit(":", 1)
 s = socket.create_connection((host, int(port)), timeout=10)
-hello = b"JXTR" + struct.pack(">HIII", 2, 0, 0, os.getpid()) + os.urandom(64)
+hello = b"JXTR" + struct.pack(">HIII", 3, 0, 0, os.getpid()) + os.urandom(64)
 s.sendall(struct.pack(">IB", len(hello) + 1, 1) + hello)
 answer = s.recv(100)
 print("closed" if answer[4:5] == b"\\x0b" and s.recv(100) == b"" else "answered")

@@ -598,7 +598,7 @@ def test_the_same_command_on_two_hosts_is_one_run_and_a_wrong_secret_is_refused(
     try:
         # A host that does not hold the join secret is turned away; the run waits on.
         intruder = on_host(ssh_hosts, "host2", shared_dir, *common, "--host-rank", "1",
-                           "--join-secret-file", bad, "same.py")
+                           "--join-secret-file", bad, "--join-timeout", "10", "same.py")
         _, refused = intruder.communicate(timeout=120)
         assert intruder.returncode == 1, refused
         assert "host 0 at host1:8490 refused this host (host rank 1): wrong join secret" \

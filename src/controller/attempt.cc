@@ -387,11 +387,12 @@ void Attempt::OnMessage(int rank, const wire::Collective& m) {
   }
   if (!*arrived) return;
   const Collectives::Release& r = **arrived;
-  auto frame = std::make_shared<const std::string>(*wire::EncodeFrame(
+  // Sealed once for every rank: the data is at most wire::kMaxCollectiveData.
+  const wire::SharedFrame frame = *wire::SealShared(
       wire::MessageType::kCollectiveRelease,
-      wire::EncodeCollectiveRelease({.sequence = r.sequence, .kind = r.kind, .data = r.data})));
+      wire::EncodeCollectiveRelease({.sequence = r.sequence, .kind = r.kind, .data = r.data}));
   for (size_t other = 0; other < ranks_.size(); ++other) {
-    port_.SendShared(static_cast<int>(other), {frame});
+    port_.SendShared(static_cast<int>(other), frame);
   }
 }
 
@@ -425,12 +426,12 @@ void Attempt::MaybeStartTraining() {
       {"first_round", collector_.next_round()},
       {"committed", delegate_.CommittedNames()}};
   if (setup_.restore_checksums_skipped) start["checkpoint_checksums_skipped"] = true;
-  // The start frame and the payload's header are the same for every rank: one buffer, shared
-  // by every connection's queue like the payload (O(start), not O(ranks x start)).
-  auto head = std::make_shared<const std::string>(
-      *wire::EncodeFrame(wire::MessageType::kStart, start.dump()) + setup_.payload_header);
+  // The start frame is the same for every rank: sealed once, shared by every connection's queue
+  // like the payload (O(start), not O(ranks x start)).
+  const wire::SharedFrame head = *wire::SealShared(wire::MessageType::kStart, start.dump());
   for (size_t rank = 0; rank < ranks_.size(); ++rank) {
-    port_.SendShared(static_cast<int>(rank), {head, setup_.payload});
+    port_.SendShared(static_cast<int>(rank), head);
+    port_.SendShared(static_cast<int>(rank), setup_.payload);
   }
   delegate_.OnTrainingStarted();
 }

@@ -93,9 +93,8 @@ class Attempt {
     // restore_from was checked by sizes only: its parts are in host memory (RestoreVerifier).
     bool restore_checksums_skipped = false;
     std::string run_dir;
-    std::function<std::string(int)> log_path;    // a rank's log file (RunStore::LogPath)
-    std::string payload_header;                  // the kPayload frame's header
-    std::shared_ptr<const std::string> payload;  // its body, shared by every connection's queue
+    std::function<std::string(int)> log_path;  // a rank's log file (RunStore::LogPath)
+    wire::SharedFrame payload;  // the kPayload frame, shared by every connection's queue
     // The placement of this attempt's ranks: an elastic run's plan for the hosts at hand
     // (docs/elastic.md); null: the run's (ControllerOptions::plan).
     std::shared_ptr<const placement::Plan> plan;

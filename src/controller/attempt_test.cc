@@ -83,8 +83,7 @@ class AttemptTest : public testing::Test {
             .restore_from = first_round > 1 ? "/run/checkpoint_000004" : "",
             .run_dir = "/run",
             .log_path = [](int r) { return "/run/logs/rank-" + std::to_string(r) + ".log"; },
-            .payload_header = *wire::EncodeFrameHeader(MessageType::kPayload, 7),
-            .payload = std::make_shared<const std::string>("payload")},
+            .payload = *wire::SealShared(MessageType::kPayload, "payload")},
         opts_, port_, group_, clock_, run_);
     run_.attempt = attempt_.get();
     std::vector<launch::ProcessSpec> specs(kWorkers);

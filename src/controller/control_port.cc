@@ -64,7 +64,7 @@ class TcpControlPort final : public ControlPort {
   void Sweep() override;
   bool connected(int rank) const override { return by_rank_[static_cast<size_t>(rank)] != nullptr; }
   void Send(int rank, wire::MessageType type, std::string_view body) override;
-  void SendShared(int rank, const std::vector<std::shared_ptr<const std::string>>& parts) override;
+  void SendShared(int rank, const wire::SharedFrame& shared) override;
   void Read(int rank) override;
   void Close(int rank) override;
   int dropped() const override { return dropped_; }
@@ -80,6 +80,9 @@ class TcpControlPort final : public ControlPort {
     enum class Stage { kHello, kAuth, kAuthed } stage = Stage::kHello;
     wire::Hello hello;
     wire::Nonce nonce{};
+    // The connection's session (wire/frame.h), from its hello and challenge: every frame after
+    // the auth, both ways, is sealed and opened here.
+    wire::SealedFrames frames;
     TimePoint deadline;
     int rank = -1;
     bool closed = false;
@@ -307,7 +310,18 @@ void TcpControlPort::OnFrame(Conn& c, const wire::FrameView& f) {
   switch (c.stage) {
     case Conn::Stage::kHello: return OnHello(c, f);
     case Conn::Stage::kAuth: return OnAuth(c, f);
-    case Conn::Stage::kAuthed: return delegate_.OnFrame(c.rank, f);
+    case Conn::Stage::kAuthed: {
+      // Opened in place, in the decoder's buffer: `f` is the last frame it returned.
+      auto opened = c.frames.Open(f.type, c.decoder.last_body(), f.body.size());
+      if (!opened.ok()) {
+        // Nothing more is read from a stream that someone else has written into.
+        const int rank = c.rank;
+        delegate_.OnBadFrame(rank, opened.status().message());
+        return CloseConn(c);
+      }
+      if (*opened) delegate_.OnFrame(c.rank, **opened);
+      return;
+    }
   }
 }
 
@@ -345,6 +359,8 @@ void TcpControlPort::OnHello(Conn& c, const wire::FrameView& f) {
   c.stage = Conn::Stage::kAuth;
   --unproven_count_;
   c.decoder.set_max_body(wire::kAuthSize);
+  c.frames =
+      wire::SealedFrames(wire::ControlSession(secret_, f.body, body, wire::SessionEnd::kResponder));
   c.out.Push(*wire::EncodeFrame(wire::MessageType::kChallenge, body));
   Flush(c);
 }
@@ -359,7 +375,7 @@ void TcpControlPort::OnAuth(Conn& c, const wire::FrameView& f) {
   answered_[c.hello.rank] = nullptr;
   c.stage = Conn::Stage::kAuthed;
   c.rank = static_cast<int>(c.hello.rank);
-  c.decoder.set_max_body(wire::kMaxWorkerFrameBody);
+  c.decoder.set_max_body(wire::kMaxWorkerFrameBody + wire::kSealedFrameOverhead);
   by_rank_[c.hello.rank] = &c;
 }
 
@@ -400,15 +416,21 @@ void TcpControlPort::Sweep() {
 void TcpControlPort::Send(int rank, wire::MessageType type, std::string_view body) {
   Conn* c = by_rank_[static_cast<size_t>(rank)];
   if (c == nullptr) return;
-  c->out.Push(*wire::EncodeFrame(type, body));
+  std::string frame;
+  // The controller's own messages are within the frame limit; the frame numbers of a connection
+  // cannot run out (2^64).
+  (void)c->frames.Seal(type, body, &frame);
+  c->out.Push(std::move(frame));
   Flush(*c);
 }
 
-void TcpControlPort::SendShared(int rank,
-                                const std::vector<std::shared_ptr<const std::string>>& parts) {
+void TcpControlPort::SendShared(int rank, const wire::SharedFrame& shared) {
   Conn* c = by_rank_[static_cast<size_t>(rank)];
   if (c == nullptr) return;
-  for (const auto& part : parts) c->out.PushShared(part);
+  std::string key;
+  (void)c->frames.SealKeyOf(shared, &key);
+  c->out.Push(std::move(key));
+  c->out.PushShared(shared.frame);
   Flush(*c);
 }
 

@@ -9,9 +9,14 @@
 // dropped connects again). A hello's nonce is answered once per attempt: a replayed hello is
 // refused.
 //
+// Once a connection is a rank's, every frame both ways is sealed with the session its handshake
+// derived (wire/frame.h): a frame that does not open (changed, forged, replayed, reordered or
+// injected on the way) is reported to the delegate (OnBadFrame) and the connection closed at once,
+// before anything of it is parsed.
+//
 // Buffers are bounded: a connection's decoder holds at most one frame under the limit of its
-// stage plus one read chunk, and its queue only the frames sent to it (a shared body, such as the
-// payload every rank gets, is queued by reference, not copied).
+// stage plus one read chunk, and its queue only the frames sent to it (a shared frame, such as the
+// payload every rank gets, is sealed once and queued by reference, not copied).
 //
 // Connection states:
 //
@@ -51,7 +56,8 @@ class ControlPort {
     // A frame from `rank`'s connection, which has completed the handshake.
     virtual void OnFrame(int rank, const wire::FrameView& frame) = 0;
     // `rank`'s connection sent what is not a valid frame (`what` says why). It stays open until
-    // the owner closes it.
+    // the owner closes it, except after a frame that failed authentication: the port has closed
+    // it (OnClosed follows).
     virtual void OnBadFrame(int rank, const std::string& what) = 0;
     // `rank`'s connection has closed: the peer closed it, a send failed, or Close(rank).
     // `timed_out`: the kernel gave up on the peer (its keepalive probes or retransmissions went
@@ -100,9 +106,9 @@ class ControlPort {
   // Queues a frame for `rank` and writes what its socket takes now; nothing when it has no
   // connection. `body` is one of the controller's own messages: never over the frame limit.
   virtual void Send(int rank, wire::MessageType type, std::string_view body) = 0;
-  // Queues bytes shared by many ranks (already framed), by reference; as Send() otherwise.
-  virtual void SendShared(int rank,
-                          const std::vector<std::shared_ptr<const std::string>>& parts) = 0;
+  // Queues a frame sealed once for many ranks (wire::SealShared()), by reference, after the
+  // kSharedKey frame that opens it; as Send() otherwise.
+  virtual void SendShared(int rank, const wire::SharedFrame& shared) = 0;
   // Reads what `rank`'s connection has received now (the last frames of a process that exited).
   virtual void Read(int rank) = 0;
   // Closes `rank`'s connection (OnClosed follows); nothing when it has none.

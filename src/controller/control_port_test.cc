@@ -72,8 +72,16 @@ class ControlPortTest : public ::testing::Test {
     return *fd;
   }
 
-  static void SendFrame(int fd, wire::MessageType type, std::string_view body) {
-    ASSERT_TRUE(wire::WriteAll(fd, *wire::EncodeFrame(type, body)).ok());
+  // Sends a frame as a worker does: sealed once the peer's handshake is done.
+  void SendFrame(int fd, wire::MessageType type, std::string_view body) {
+    ASSERT_TRUE(wire::WriteAll(fd, Framed(fd, type, body)).ok());
+  }
+  std::string Framed(int fd, wire::MessageType type, std::string_view body) {
+    auto session = sessions_.find(fd);
+    if (session == sessions_.end()) return *wire::EncodeFrame(type, body);
+    std::string frame;
+    EXPECT_TRUE(session->second.Seal(type, body, &frame).ok());
+    return frame;
   }
 
   // The next frame the peer receives while the port runs; nullopt when the peer's connection is
@@ -92,6 +100,15 @@ class ControlPortTest : public ::testing::Test {
       }
       auto next = decoder.Next();
       if (next.ok() && next->has_value()) frame = std::move(**next);
+      if (auto session = sessions_.find(fd); frame && session != sessions_.end()) {
+        auto opened = session->second.Open(frame->type, frame->body.data(), frame->body.size());
+        EXPECT_TRUE(opened.ok()) << opened.status().ToString();
+        if (!opened.ok() || !*opened) {
+          frame.reset();  // a shared frame's key: the shared frame is next
+        } else {
+          frame->body.resize((*opened)->body.size());
+        }
+      }
       return frame.has_value() || closed;
     });
     return frame;
@@ -115,6 +132,8 @@ class ControlPortTest : public ::testing::Test {
     wire::Mac proof = wire::WorkerProof(secret, hello, nonce);
     SendFrame(fd, wire::MessageType::kAuth,
               std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size()));
+    sessions_[fd] = wire::SealedFrames(wire::ControlSession(
+        secret, wire::EncodeHello(hello, secret), challenge->body, wire::SessionEnd::kInitiator));
     return true;
   }
 
@@ -132,6 +151,7 @@ class ControlPortTest : public ::testing::Test {
   std::unique_ptr<ControlPort> port_;
   std::vector<int> peers_;
   std::map<int, wire::FrameDecoder> decoders_;  // by peer: what it has received, unread
+  std::map<int, wire::SealedFrames> sessions_;  // by peer: its session, once its proof is sent
 };
 
 TEST_F(ControlPortTest, AWorkersHandshakeMakesTheConnectionItsRanksBothWays) {
@@ -142,9 +162,7 @@ TEST_F(ControlPortTest, AWorkersHandshakeMakesTheConnectionItsRanksBothWays) {
   EXPECT_EQ(recorder_.frames[0], (std::pair<int, std::string>{1, "{\"host\":\"h\"}"}));
 
   port_->Send(1, wire::MessageType::kCheckpointSettled, "settled");
-  auto shared = std::make_shared<const std::string>(
-      *wire::EncodeFrame(wire::MessageType::kPayload, "the payload"));
-  port_->SendShared(1, {shared});
+  port_->SendShared(1, *wire::SealShared(wire::MessageType::kPayload, "the payload"));
   port_->Send(0, wire::MessageType::kCheckpointSettled, "nobody");  // no connection: nothing
   auto settled = NextFrame(fd);
   ASSERT_TRUE(settled.has_value());
@@ -171,12 +189,86 @@ TEST_F(ControlPortTest, ARegistrationInTheProofsSegmentIsDelivered) {
   std::string both = *wire::EncodeFrame(
       wire::MessageType::kAuth,
       std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size()));
-  both += *wire::EncodeFrame(wire::MessageType::kRegister, registration);
+  wire::SealedFrames session(wire::ControlSession(secret_, wire::EncodeHello(hello, secret_),
+                                                  challenge->body, wire::SessionEnd::kInitiator));
+  ASSERT_TRUE(session.Seal(wire::MessageType::kRegister, registration, &both).ok());
   ASSERT_TRUE(wire::WriteAll(fd, both).ok());
   ASSERT_TRUE(PumpUntil([&] { return !recorder_.frames.empty(); }));
   EXPECT_TRUE(port_->connected(0));
   EXPECT_EQ(recorder_.frames[0], (std::pair<int, std::string>{0, registration}));
   EXPECT_TRUE(recorder_.bad.empty());
+}
+
+// After the handshake only frames the rank's worker sealed, in order, are read: one that was
+// changed, replayed, reordered or injected on the way (or sent in the clear) ends the connection
+// before anything of it reaches the owner, with a status that says why.
+TEST_F(ControlPortTest, AFrameNotSealedByTheWorkerAsItsNextEndsTheConnection) {
+  const std::string report = *wire::EncodeFrame(wire::MessageType::kReport, "not sealed");
+  // Each case: the bytes a peer on the path writes into rank 0's stream after `before` frames
+  // its worker sealed (which are delivered).
+  struct Case {
+    std::string name;
+    std::function<std::string(int fd)> bytes;
+    size_t delivered;
+  };
+  const std::vector<Case> cases = {
+      {"changed",
+       [&](int fd) {
+         std::string f = Framed(fd, wire::MessageType::kDone, "{}");
+         f.back() ^= 1;
+         return f;
+       },
+       0},
+      {"retyped",
+       [&](int fd) {
+         std::string f = Framed(fd, wire::MessageType::kDone, "{}");
+         f[4] = static_cast<char>(wire::MessageType::kError);
+         return f;
+       },
+       0},
+      {"replayed",
+       [&](int fd) {
+         std::string f = Framed(fd, wire::MessageType::kDone, "{}");
+         return f + f;
+       },
+       1},
+      {"reordered",
+       [&](int fd) {
+         std::string first = Framed(fd, wire::MessageType::kReport, "12345678{}");
+         std::string second = Framed(fd, wire::MessageType::kDone, "{}");
+         return second + first;
+       },
+       0},
+      {"injected in the clear", [&](int) { return report; }, 0},
+      {"injected from another session",
+       [&](int) {
+         wire::SealedFrames other(wire::ControlSession(secret_, "another hello", "challenge",
+                                                       wire::SessionEnd::kInitiator));
+         std::string f;
+         EXPECT_TRUE(other.Seal(wire::MessageType::kDone, "{}", &f).ok());
+         return f;
+       },
+       0},
+  };
+  uint32_t attempt = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    port_->BeginAttempt(static_cast<int>(++attempt), kWorld);
+    recorder_ = Recorder();
+    int fd = Connect();
+    ASSERT_TRUE(
+        Handshake(fd, {.rank = 0, .attempt = attempt, .nonce = wire::GenerateNonce()}, secret_));
+    ASSERT_TRUE(PumpUntil([&] { return port_->connected(0); }));
+    ASSERT_TRUE(wire::WriteAll(fd, c.bytes(fd)).ok());
+    ASSERT_TRUE(PumpUntil([&] { return !recorder_.closed.empty(); }));
+    EXPECT_FALSE(port_->connected(0));
+    EXPECT_EQ(recorder_.frames.size(), c.delivered);
+    ASSERT_EQ(recorder_.bad.size(), 1u);
+    EXPECT_EQ(recorder_.bad[0].first, 0);
+    EXPECT_NE(recorder_.bad[0].second.find("did not seal as its next one"), std::string::npos)
+        << recorder_.bad[0].second;
+    EXPECT_TRUE(ClosedByPort(fd));
+  }
 }
 
 TEST_F(ControlPortTest, AHelloWithoutTheSecretIsRefusedUntold) {

@@ -102,7 +102,10 @@ struct Controller::Loop : ControlPort::Delegate,
   RunPlacement placement;
   MetricsBook metrics;    // what Publish() copies to the Controller (run_metrics.h)
   int first_attempt = 0;  // attempts of earlier runs of this run directory
-  RunOutput output;       // the console, its status line and the ranks' logs (run_output.h)
+  // The payload's frame, sealed once for every rank of every attempt (its key is fresh for the
+  // run, its body the run's; each connection gets the key under its own session).
+  wire::SharedFrame payload;
+  RunOutput output;  // the console, its status line and the ranks' logs (run_output.h)
   std::optional<std::string> abort_reason;  // set once Abort() counts: the run is aborted
   // The run's outcome so far: its failures (one per failed attempt) and warnings, the last round
   // recorded and rank 0's metrics of it; Finish() completes it.
@@ -318,8 +321,10 @@ struct Controller::Loop : ControlPort::Delegate,
                              ? "start"
                              : std::string(FailureCauseName(outcome.failures.back().cause)));
     const uint64_t first_round = attempt ? attempt->next_round() : store.LastRound() + 1;
-    // options_ outlives the loop: the payload is shared without a copy (an owner-less alias).
-    // Its size was checked by Start(): its header always encodes.
+    // The payload's size was checked by Start(): its frame always seals.
+    if (!payload.frame) {
+      payload = *wire::SealShared(wire::MessageType::kPayload, ctl.options_.payload);
+    }
     attempt = std::make_unique<Attempt>(
         Attempt::Setup{.number = number,
                        .first_round = first_round,
@@ -327,10 +332,7 @@ struct Controller::Loop : ControlPort::Delegate,
                        .restore_checksums_skipped = restore.checksums_skipped,
                        .run_dir = store.dir(),
                        .log_path = [this](int r) { return store.LogPath(r); },
-                       .payload_header = *wire::EncodeFrameHeader(wire::MessageType::kPayload,
-                                                                  ctl.options_.payload.size()),
-                       .payload = std::shared_ptr<const std::string>(std::shared_ptr<void>(),
-                                                                     &ctl.options_.payload),
+                       .payload = payload,
                        .plan = placement.plan(),
                        .resize = placement.TakeResize()},
         ctl.options_, *port, *group, ctl.clock_, *this);

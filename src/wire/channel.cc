@@ -55,15 +55,6 @@ bool TakeName(std::string_view* in, std::string* name) {
   return true;
 }
 
-// The two record keys of a finished handshake.
-void DeriveKeys(std::string_view secret, std::string_view open, std::string_view accept,
-                Mac* initiator_key, Mac* responder_key) {
-  Mac k = Hmac(secret, Labeled("jaxtrain-channel-keys", open, accept));
-  *initiator_key = Hmac(View(k), "initiator");
-  *responder_key = Hmac(View(k), "responder");
-  sodium_memzero(k.data(), k.size());
-}
-
 // The 96-bit record nonce for record number `n`.
 std::array<uint8_t, crypto_aead_chacha20poly1305_IETF_NPUBBYTES> RecordNonce(uint64_t n) {
   std::array<uint8_t, crypto_aead_chacha20poly1305_IETF_NPUBBYTES> nonce{};
@@ -86,6 +77,19 @@ Session::Session(const Mac& send_key, const Mac& receive_key) {
   std::copy(receive_key.begin(), receive_key.end(), receive_key_.begin());
 }
 
+Session Session::FromHandshake(std::string_view secret, std::string_view label,
+                               std::string_view transcript, SessionEnd end) {
+  Mac k = Hmac(secret, Labeled(label, transcript));
+  Mac initiator_key = Hmac(View(k), "initiator");
+  Mac responder_key = Hmac(View(k), "responder");
+  Session session = end == SessionEnd::kInitiator ? Session(initiator_key, responder_key)
+                                                  : Session(responder_key, initiator_key);
+  sodium_memzero(k.data(), k.size());
+  sodium_memzero(initiator_key.data(), initiator_key.size());
+  sodium_memzero(responder_key.data(), responder_key.size());
+  return session;
+}
+
 StatusOr<std::string> Session::Seal(std::string_view plaintext) {
   std::string out;
   JT_RETURN_IF_ERROR(SealInto(plaintext, &out));
@@ -100,13 +104,17 @@ Status Session::SealInto(std::string_view plaintext, std::string* out) {
   std::string length = LengthPrefix(SealedSize(plaintext.size()));
   out->resize(length.size() + SealedSize(plaintext.size()));  // reuses the capacity it has
   std::memcpy(out->data(), length.data(), length.size());
+  return SealAfter(length, plaintext, out->data() + length.size());
+}
+
+Status Session::SealAfter(std::string_view header, std::string_view plaintext, char* out) {
   if (sent_ == UINT64_MAX) return FailedPreconditionError("the channel's record numbers ran out");
   auto nonce = RecordNonce(sent_++);
   unsigned long long sealed = 0;
   crypto_aead_chacha20poly1305_ietf_encrypt(
-      reinterpret_cast<unsigned char*>(out->data() + length.size()), &sealed,
+      reinterpret_cast<unsigned char*>(out), &sealed,
       reinterpret_cast<const unsigned char*>(plaintext.data()), plaintext.size(),
-      reinterpret_cast<const unsigned char*>(length.data()), length.size(), nullptr, nonce.data(),
+      reinterpret_cast<const unsigned char*>(header.data()), header.size(), nullptr, nonce.data(),
       send_key_.data());
   return OkStatus();
 }
@@ -128,13 +136,21 @@ StatusOr<size_t> Session::OpenInto(std::string_view sealed, char* out, size_t ca
     return InvalidArgumentError("a record of " + std::to_string(sealed.size() - kRecordTagSize) +
                                 " bytes for a buffer of " + std::to_string(capacity));
   }
-  std::string length = LengthPrefix(sealed.size());
+  return OpenAfter(LengthPrefix(sealed.size()), sealed, out);
+}
+
+StatusOr<size_t> Session::OpenAfter(std::string_view header, std::string_view sealed, char* out) {
+  if (broken_) return UnauthenticatedError("the channel failed an earlier record");
+  if (sealed.size() < kRecordTagSize) {
+    broken_ = true;
+    return UnauthenticatedError("a record of " + std::to_string(sealed.size()) + " bytes");
+  }
   auto nonce = RecordNonce(received_);
   unsigned long long opened = 0;
   if (crypto_aead_chacha20poly1305_ietf_decrypt(
           reinterpret_cast<unsigned char*>(out), &opened, nullptr,
           reinterpret_cast<const unsigned char*>(sealed.data()), sealed.size(),
-          reinterpret_cast<const unsigned char*>(length.data()), length.size(), nonce.data(),
+          reinterpret_cast<const unsigned char*>(header.data()), header.size(), nonce.data(),
           receive_key_.data()) != 0) {
     broken_ = true;
     return UnauthenticatedError(
@@ -187,11 +203,8 @@ StatusOr<std::string> ChannelInitiator::OnAnswer(std::string_view answer, Sessio
   if (!MacEquals(Hmac(secret_, Labeled("jaxtrain-channel-accept", open_, signed_part)), mac)) {
     return UnauthenticatedError(std::string(kUnauthenticatedReason));
   }
-  Mac initiator_key, responder_key;
-  DeriveKeys(secret_, open_, answer, &initiator_key, &responder_key);
-  *session = Session(initiator_key, responder_key);
-  sodium_memzero(initiator_key.data(), initiator_key.size());
-  sodium_memzero(responder_key.data(), responder_key.size());
+  *session = Session::FromHandshake(secret_, "jaxtrain-channel-keys", open_ + std::string(answer),
+                                    SessionEnd::kInitiator);
   return std::string(View(Hmac(secret_, Labeled("jaxtrain-channel-confirm", open_, answer))));
 }
 
@@ -267,11 +280,8 @@ Status ChannelResponder::OnConfirm(std::string_view confirm, Session* session) {
   if (!MacEquals(Hmac(secret_, Labeled("jaxtrain-channel-confirm", open_, accept_)), confirm)) {
     return UnauthenticatedError("its confirm was not made with the secret");
   }
-  Mac initiator_key, responder_key;
-  DeriveKeys(secret_, open_, accept_, &initiator_key, &responder_key);
-  *session = Session(responder_key, initiator_key);
-  sodium_memzero(initiator_key.data(), initiator_key.size());
-  sodium_memzero(responder_key.data(), responder_key.size());
+  *session = Session::FromHandshake(secret_, "jaxtrain-channel-keys", open_ + accept_,
+                                    SessionEnd::kResponder);
   return OkStatus();
 }
 

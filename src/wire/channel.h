@@ -3,7 +3,9 @@
 // and the peer copies of checkpoints (python/jaxtrain/worker/checkpoint_peers.py). Two ends that
 // hold the same secret prove it to each other, bound to what the connection is for and to both
 // ends' names, derive session keys from the handshake, and then exchange records that are encrypted
-// and authenticated in order. docs/security.md says what it protects; docs/wire.md draws it.
+// and authenticated in order. docs/security.md says what it protects; docs/wire.md draws it. The
+// control port keeps its own handshake (handshake.h) and framing (frame.h), and seals its frames
+// with this record layer: Session::FromHandshake() and SealAfter()/OpenAfter().
 //
 // Every message on the wire is a u32 big-endian length followed by that many bytes.
 //
@@ -68,11 +70,20 @@ struct ChannelEnds {
   std::string responder;  // the accepting end as the initiator means it, e.g. "host-0"
 };
 
+// Which end of a handshake a Session is: the one that connected or the one that accepted.
+enum class SessionEnd { kInitiator, kResponder };
+
 // The record layer once a handshake has finished: one key and record counter per direction.
 class Session {
  public:
   Session() = default;
   Session(const Mac& send_key, const Mac& receive_key);
+  // The session of `end` after a handshake whose messages are `transcript` (both nonces, both
+  // ends' names and the purpose among them): k = HMAC(secret, label | transcript); the
+  // initiator's records are sealed with HMAC(k, "initiator"), the responder's with
+  // HMAC(k, "responder"). Every connection jaxtrain opens derives its keys here.
+  static Session FromHandshake(std::string_view secret, std::string_view label,
+                               std::string_view transcript, SessionEnd end);
 
   // `plaintext` (at most kMaxRecordPlaintext bytes) as one whole record: its length, then the
   // sealed bytes. Errors: kInvalidArgument when too long.
@@ -88,6 +99,15 @@ class Session {
   StatusOr<size_t> OpenInto(std::string_view sealed, char* out, size_t capacity);
   // The length a record of `plaintext_size` bytes has on the wire after its length field.
   static size_t SealedSize(size_t plaintext_size) { return plaintext_size + kRecordTagSize; }
+
+  // The record layer under another framing (the control port's frames, wire/frame.h): seals
+  // `plaintext` as the next record with `header` (the frame's header, sent in the clear) as its
+  // additional data, into out[0, SealedSize(plaintext.size())). No size limit: the framing has
+  // its own. Errors: kFailedPrecondition when the record numbers ran out.
+  Status SealAfter(std::string_view header, std::string_view plaintext, char* out);
+  // Opens the next record sealed after `header` into `out` (which may be `sealed.data()`:
+  // opened in place), returning the plaintext's length. Errors: kUnauthenticated as Open().
+  StatusOr<size_t> OpenAfter(std::string_view header, std::string_view sealed, char* out);
 
  private:
   std::array<uint8_t, 32> send_key_{};

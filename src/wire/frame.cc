@@ -1,5 +1,7 @@
 #include "wire/frame.h"
 
+#include <cstring>
+
 #include "wire/big_endian.h"
 
 namespace jaxtrain::wire {
@@ -91,6 +93,88 @@ Status DecodeCollectiveBody(std::string_view body, uint64_t* sequence, uint8_t* 
   return OkStatus();
 }
 
+Session ControlSession(std::string_view secret, std::string_view hello, std::string_view challenge,
+                       SessionEnd end) {
+  std::string transcript(hello);
+  transcript.append(challenge);
+  return Session::FromHandshake(secret, "jaxtrain-control-keys", transcript, end);
+}
+
+StatusOr<SharedFrame> SealShared(MessageType type, std::string_view body) {
+  SharedFrame shared;
+  shared.key = Mac(GenerateNonce());  // 32 random bytes
+  JT_ASSIGN_OR_RETURN(std::string frame, EncodeFrameHeader(type, Session::SealedSize(body.size())));
+  const size_t header = frame.size();
+  frame.resize(header + Session::SealedSize(body.size()));
+  // The key is used for this one frame: its first record number is the only nonce it meets.
+  Session once(shared.key, shared.key);
+  JT_RETURN_IF_ERROR(
+      once.SealAfter(std::string_view(frame).substr(0, header), body, frame.data() + header));
+  shared.frame = std::make_shared<const std::string>(std::move(frame));
+  return shared;
+}
+
+StatusOr<Frame> OpenShared(const SharedFrame& shared) {
+  FrameDecoder decoder(kMaxFrameBody);
+  JT_RETURN_IF_ERROR(decoder.Feed(*shared.frame));
+  JT_ASSIGN_OR_RETURN(std::optional<Frame> frame, decoder.Next());
+  if (!frame || decoder.buffered() != 0) return DataLossError("not one whole frame");
+  JT_ASSIGN_OR_RETURN(std::string header, EncodeFrameHeader(frame->type, frame->body.size()));
+  Session once(shared.key, shared.key);
+  JT_ASSIGN_OR_RETURN(size_t n, once.OpenAfter(header, frame->body, frame->body.data()));
+  frame->body.resize(n);
+  return *std::move(frame);
+}
+
+Status SealedFrames::Seal(MessageType type, std::string_view body, std::string* out) {
+  JT_ASSIGN_OR_RETURN(std::string header,
+                      EncodeFrameHeader(type, Session::SealedSize(body.size())));
+  const size_t start = out->size();
+  out->resize(start + header.size() + Session::SealedSize(body.size()));
+  std::memcpy(out->data() + start, header.data(), header.size());
+  return session_.SealAfter(header, body, out->data() + start + header.size());
+}
+
+Status SealedFrames::SealKeyOf(const SharedFrame& shared, std::string* out) {
+  return Seal(MessageType::kSharedKey,
+              std::string_view(reinterpret_cast<const char*>(shared.key.data()), shared.key.size()),
+              out);
+}
+
+StatusOr<std::optional<FrameView>> SealedFrames::Open(MessageType type, char* body, size_t size) {
+  if (broken_) return UnauthenticatedError("the connection failed an earlier frame");
+  // The header as sent: the length counts the type byte and the sealed body.
+  char header[kFrameHeaderSize];
+  const uint32_t length = static_cast<uint32_t>(size + 1);
+  for (int i = 0; i < 4; ++i) header[i] = static_cast<char>(length >> (24 - 8 * i));
+  header[4] = static_cast<char>(type);
+  const std::string_view ad(header, sizeof(header));
+  std::optional<Session> once;  // the shared frame's own key, for the frame after its kSharedKey
+  if (shared_key_) {
+    once.emplace(*shared_key_, *shared_key_);
+    shared_key_.reset();
+  }
+  StatusOr<size_t> opened =
+      (once ? *once : session_).OpenAfter(ad, std::string_view(body, size), body);
+  if (!opened.ok()) {
+    broken_ = true;
+    return UnauthenticatedError("a frame of type " + std::to_string(static_cast<int>(type)) +
+                                " that the other end did not seal as its next one (changed, "
+                                "forged, dropped, repeated, reordered or injected on the way)");
+  }
+  if (type == MessageType::kSharedKey) {
+    if (*opened != kMacSize) {
+      broken_ = true;
+      return UnauthenticatedError("a shared frame's key of " + std::to_string(*opened) + " bytes");
+    }
+    Mac key;
+    std::memcpy(key.data(), body, key.size());
+    shared_key_ = key;
+    return std::optional<FrameView>();
+  }
+  return std::optional<FrameView>(FrameView{type, std::string_view(body, *opened)});
+}
+
 Status FrameDecoder::CheckHead() {
   if (head_checked_ || buffered() < kFrameHeaderSize) return OkStatus();
   const char* p = buffer_.data() + consumed_;
@@ -134,6 +218,7 @@ StatusOr<std::optional<FrameView>> FrameDecoder::NextView() {
   uint32_t length = GetU32(p);
   if (buffered() < kFrameHeaderSize + length - 1) return std::optional<FrameView>();
   FrameView f{static_cast<MessageType>(p[4]), std::string_view(p + kFrameHeaderSize, length - 1)};
+  last_body_ = consumed_ + kFrameHeaderSize;
   consumed_ += kFrameHeaderSize + length - 1;
   head_checked_ = false;
   return std::optional<FrameView>(f);

@@ -9,14 +9,29 @@
 // message sequence is drawn in docs/wire.md. FrameDecoder never allocates more than its limit,
 // whatever the peer sends, and no encoder truncates a length: a body too large for its length field
 // is an error.
+//
+// After the handshake (kHello, kChallenge, kAuth: handshake.h) every frame, both ways, is sealed:
+//
+//   u32 big-endian length (1 + body + 16) | u8 type | ChaCha20-Poly1305 of the body
+//
+// under the connection's session (ControlSession(): keys from the handshake's two messages, one
+// per direction), the frame's 5-byte header its additional data and the direction's frame number
+// (from 0) its nonce, as the secure channel's records (channel.h). A frame changed, dropped,
+// repeated, reordered or injected on the way does not open, and the connection ends. A body that
+// many connections get alike (the payload, a collective's release) is sealed once, under a fresh
+// random key (SealShared()); each connection gets that key in a kSharedKey frame sealed by its own
+// session, right before the shared frame, which the key then opens once.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 
 #include "base/status.h"
+#include "wire/channel.h"
+#include "wire/handshake.h"
 
 namespace jaxtrain::wire {
 
@@ -51,8 +66,10 @@ enum class MessageType : uint8_t {
   kPing = 18,
   // worker -> controller: the answer to a kPing (empty)
   kPong = 19,
+  // controller -> worker: the key of the shared frame that follows (SealShared())
+  kSharedKey = 20,
 };
-constexpr uint8_t kMaxMessageType = 19;
+constexpr uint8_t kMaxMessageType = 20;
 
 constexpr size_t kFrameHeaderSize = 5;
 // The largest body the u32 length field can describe (it counts the type byte too).
@@ -61,6 +78,9 @@ constexpr size_t kMaxFrameBody = 0xffffffffu - 1;
 constexpr size_t kMaxWorkerFrameBody = size_t{16} << 20;
 // The largest body a worker accepts from the controller (the pickled training function).
 constexpr size_t kMaxControllerFrameBody = (size_t{1} << 31) - 1;
+// What sealing adds to a body (the AEAD's tag): the decoders' limits after the handshake are the
+// limits above plus this.
+constexpr size_t kSealedFrameOverhead = kRecordTagSize;
 // The fixed part of a kReport body (the round) and of a kReportCheckpoint body (round, length).
 constexpr size_t kReportHeaderSize = 8;
 constexpr size_t kCheckpointReportHeaderSize = 12;
@@ -108,6 +128,50 @@ std::string EncodeCollectiveBody(uint64_t sequence, uint8_t kind, std::string_vi
 Status DecodeCollectiveBody(std::string_view body, uint64_t* sequence, uint8_t* kind,
                             std::string_view* data);
 
+// The session of a control connection after its handshake, at `end` (the worker initiates, the
+// controller responds): keys from "jaxtrain-control-keys" and the handshake's kHello and
+// kChallenge bodies, which hold both nonces and both ends (the controller's proof, and the rank,
+// attempt and pid of the worker), so no two connections share a key.
+Session ControlSession(std::string_view secret, std::string_view hello, std::string_view challenge,
+                       SessionEnd end);
+
+// A frame sealed once for many connections (the payload, a collective's release).
+struct SharedFrame {
+  Mac key{};                                 // fresh and random: it opens this frame only
+  std::shared_ptr<const std::string> frame;  // the whole frame, as every connection sends it
+};
+// Errors: kInvalidArgument when the body is too large for a frame.
+StatusOr<SharedFrame> SealShared(MessageType type, std::string_view body);
+// The frame's type and body, opened with its key (what a worker reads; for tests and fakes).
+// Errors: kUnauthenticated when it does not open; kDataLoss when it is not one whole frame.
+StatusOr<Frame> OpenShared(const SharedFrame& shared);
+
+// One end of a control connection after the handshake: seals the frames it sends and opens the
+// ones it receives (above). Sending and receiving may run on two threads; each on one at a time.
+class SealedFrames {
+ public:
+  SealedFrames() = default;
+  explicit SealedFrames(Session session) : session_(std::move(session)) {}
+
+  // Appends the sealed frame to `*out` (its capacity reused). Errors: kInvalidArgument when the
+  // body is too large for a frame; kFailedPrecondition when the frame numbers ran out.
+  Status Seal(MessageType type, std::string_view body, std::string* out);
+  // Appends the kSharedKey frame that opens `shared`, to be sent right before it. Errors: as
+  // Seal().
+  Status SealKeyOf(const SharedFrame& shared, std::string* out);
+  // Opens a received frame, `size` bytes of body at `body`, in place. Returns the frame with its
+  // plaintext body (a view of `body`), or nothing for a kSharedKey frame (its key opens the next
+  // frame). Errors: kUnauthenticated when it was not sealed by the other end as its next frame
+  // (changed, forged, dropped, repeated, reordered or injected); every later call fails too and
+  // the connection must end.
+  StatusOr<std::optional<FrameView>> Open(MessageType type, char* body, size_t size);
+
+ private:
+  Session session_;
+  std::optional<Mac> shared_key_;  // from a kSharedKey frame: opens the next frame
+  bool broken_ = false;
+};
+
 // Splits a byte stream into frames.
 class FrameDecoder {
  public:
@@ -128,6 +192,9 @@ class FrameDecoder {
   // As Next(), without copying the body (no allocation per frame): the view is valid until the
   // next call of Feed(), Next() or NextView().
   StatusOr<std::optional<FrameView>> NextView();
+  // The body of the frame NextView() returned last, writable (a sealed body is opened in place),
+  // as long as that view is valid.
+  char* last_body() { return buffer_.data() + last_body_; }
 
   size_t buffered() const { return buffer_.size() - consumed_; }
   // Bytes allocated for the buffer; none beyond std::string's inline capacity once every frame
@@ -142,6 +209,7 @@ class FrameDecoder {
   size_t max_body_;
   std::string buffer_;
   size_t consumed_ = 0;        // start of the next frame
+  size_t last_body_ = 0;       // start of the body NextView() returned last
   bool head_checked_ = false;  // whether the next frame's header passed CheckHead()
 };
 

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace jaxtrain::wire {
 namespace {
 
@@ -215,6 +217,108 @@ TEST(CollectiveBodyTest, RoundTripsAndAShortBodyIsDataLoss) {
   EXPECT_EQ(data, std::string("a\0b", 3));
   EXPECT_EQ(DecodeCollectiveBody("12345678", &sequence, &kind, &data).code(),
             StatusCode::kDataLoss);
+}
+
+// Both ends of a control connection after the same handshake.
+struct SealedPair {
+  SealedFrames worker, controller;
+};
+SealedPair Sessions(const std::string& secret) {
+  const std::string hello = "hello bytes", challenge = "challenge bytes";
+  return {SealedFrames(ControlSession(secret, hello, challenge, SessionEnd::kInitiator)),
+          SealedFrames(ControlSession(secret, hello, challenge, SessionEnd::kResponder))};
+}
+
+// Opens every frame of `bytes` at `to`; the bodies opened, or the first error.
+StatusOr<std::vector<Frame>> OpenAll(SealedFrames& to, std::string_view bytes) {
+  FrameDecoder decoder(size_t{1} << 20);
+  JT_RETURN_IF_ERROR(decoder.Feed(bytes));
+  std::vector<Frame> out;
+  for (;;) {
+    JT_ASSIGN_OR_RETURN(std::optional<Frame> f, decoder.Next());
+    if (!f) return out;
+    JT_ASSIGN_OR_RETURN(std::optional<FrameView> opened,
+                        to.Open(f->type, f->body.data(), f->body.size()));
+    if (opened) out.push_back({opened->type, std::string(opened->body)});
+  }
+}
+
+TEST(SealedFramesTest, FramesRoundTripBothWaysAndHideTheirBodies) {
+  SealedPair p = Sessions(GenerateSecret());
+  std::string up, down;
+  ASSERT_TRUE(p.worker.Seal(MessageType::kRegister, "{\"host\":\"h\"}", &up).ok());
+  ASSERT_TRUE(p.worker.Seal(MessageType::kDone, "", &up).ok());
+  ASSERT_TRUE(p.controller.Seal(MessageType::kPayload, "pickled function", &down).ok());
+  EXPECT_EQ(up.find("host"), std::string::npos);
+  EXPECT_EQ(down.find("pickled"), std::string::npos);
+  auto at_controller = OpenAll(p.controller, up);
+  ASSERT_TRUE(at_controller.ok()) << at_controller.status().ToString();
+  ASSERT_EQ(at_controller->size(), 2u);
+  EXPECT_EQ((*at_controller)[0].type, MessageType::kRegister);
+  EXPECT_EQ((*at_controller)[0].body, "{\"host\":\"h\"}");
+  EXPECT_EQ((*at_controller)[1].body, "");
+  auto at_worker = OpenAll(p.worker, down);
+  ASSERT_TRUE(at_worker.ok()) << at_worker.status().ToString();
+  EXPECT_EQ((*at_worker)[0].body, "pickled function");
+  // A frame is sealed for one direction: the sender cannot open its own.
+  std::string own;
+  ASSERT_TRUE(p.worker.Seal(MessageType::kDone, "", &own).ok());
+  EXPECT_EQ(OpenAll(p.worker, own).status().code(), StatusCode::kUnauthenticated);
+}
+
+TEST(SealedFramesTest, ASharedFrameOpensOnceAfterItsKey) {
+  SealedPair p = Sessions(GenerateSecret());
+  SharedFrame shared = *SealShared(MessageType::kPayload, "pickled function");
+  EXPECT_EQ(shared.frame->find("pickled"), std::string::npos);
+  EXPECT_EQ(OpenShared(shared)->body, "pickled function");
+  std::string down;
+  ASSERT_TRUE(p.controller.SealKeyOf(shared, &down).ok());
+  down += *shared.frame;
+  ASSERT_TRUE(p.controller.Seal(MessageType::kPing, "", &down).ok());
+  auto opened = OpenAll(p.worker, down);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  ASSERT_EQ(opened->size(), 2u);  // the key frame itself is not a message
+  EXPECT_EQ((*opened)[0].type, MessageType::kPayload);
+  EXPECT_EQ((*opened)[0].body, "pickled function");
+  EXPECT_EQ((*opened)[1].type, MessageType::kPing);
+  // Without its key (a replay), a shared frame does not open.
+  EXPECT_EQ(OpenAll(p.worker, *shared.frame).status().code(), StatusCode::kUnauthenticated);
+}
+
+TEST(SealedFramesTest, AFrameChangedReplayedReorderedOrFromAnotherSessionFailsForGood) {
+  const std::string secret = GenerateSecret();
+  auto sealed = [](SealedFrames& s, MessageType type, std::string_view body) {
+    std::string out;
+    EXPECT_TRUE(s.Seal(type, body, &out).ok());
+    return out;
+  };
+  {
+    SealedPair p = Sessions(secret);
+    std::string f = sealed(p.worker, MessageType::kReport, "12345678{}");
+    f[4] = static_cast<char>(MessageType::kError);  // the header is authenticated too
+    EXPECT_EQ(OpenAll(p.controller, f).status().code(), StatusCode::kUnauthenticated);
+    // Once one frame failed, the connection stays failed.
+    EXPECT_EQ(OpenAll(p.controller, sealed(p.worker, MessageType::kDone, "")).status().code(),
+              StatusCode::kUnauthenticated);
+  }
+  {
+    SealedPair p = Sessions(secret);
+    std::string f = sealed(p.worker, MessageType::kDone, "");
+    EXPECT_EQ(OpenAll(p.controller, f + f).status().code(), StatusCode::kUnauthenticated);
+  }
+  {
+    SealedPair p = Sessions(secret);
+    std::string one = sealed(p.worker, MessageType::kDone, "");
+    std::string two = sealed(p.worker, MessageType::kDone, "");
+    EXPECT_EQ(OpenAll(p.controller, two + one).status().code(), StatusCode::kUnauthenticated);
+  }
+  {
+    SealedPair p = Sessions(secret);
+    SealedFrames other(
+        ControlSession(secret, "another hello", "challenge bytes", SessionEnd::kInitiator));
+    EXPECT_EQ(OpenAll(p.controller, sealed(other, MessageType::kDone, "")).status().code(),
+              StatusCode::kUnauthenticated);
+  }
 }
 
 }  // namespace

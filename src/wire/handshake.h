@@ -27,7 +27,7 @@ namespace jaxtrain::wire {
 constexpr size_t kSecretSize = 32;
 constexpr size_t kNonceSize = 32;
 constexpr size_t kMacSize = 32;
-constexpr uint16_t kProtocolVersion = 2;  // 2: the hello carries its own MAC
+constexpr uint16_t kProtocolVersion = 3;  // 3: frames after the handshake are sealed (frame.h)
 
 using Nonce = std::array<uint8_t, kNonceSize>;
 using Mac = std::array<uint8_t, kMacSize>;

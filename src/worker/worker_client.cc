@@ -143,7 +143,8 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
   client->decoder_.set_max_body(std::max(wire::kChallengeSize, kMaxRefusalSize));
   const std::string who =
       "rank " + std::to_string(o.rank) + ", attempt " + std::to_string(o.attempt);
-  Status sent = client->Send(wire::MessageType::kHello, wire::EncodeHello(hello, o.secret));
+  const std::string hello_body = wire::EncodeHello(hello, o.secret);
+  Status sent = client->Send(wire::MessageType::kHello, hello_body);
   if (!sent.ok()) return AbortedError("the controller closed the connection: " + sent.message());
   auto challenge = client->ReadFrame();
   if (!challenge.ok() && challenge.status().code() == StatusCode::kDeadlineExceeded) {
@@ -176,10 +177,12 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
       wire::EncodeFrame(
           wire::MessageType::kAuth,
           std::string_view(reinterpret_cast<const char*>(proof.data()), proof.size())));
+  // Every frame after the proof, both ways, is sealed with the session of this handshake.
+  client->frames_ = wire::SealedFrames(
+      wire::ControlSession(o.secret, hello_body, challenge->body, wire::SessionEnd::kInitiator));
+  client->sealed_ = true;
   if (!o.registration.empty()) {
-    JT_ASSIGN_OR_RETURN(std::string reg,
-                        wire::EncodeFrame(wire::MessageType::kRegister, o.registration));
-    frames += reg;
+    JT_RETURN_IF_ERROR(client->frames_.Seal(wire::MessageType::kRegister, o.registration, &frames));
   }
   JT_RETURN_IF_ERROR(wire::WriteAll(fd, frames));
   timeval none{0, 0};
@@ -188,7 +191,7 @@ StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::TryConnect(const WorkerCli
   // connection does (WatchController), instead of leaving it behind. The controller reads
   // everything a worker sends at once, so unacknowledged reports mean it is gone.
   wire::EnableKeepAlive(fd, std::chrono::seconds(30));
-  client->decoder_.set_max_body(wire::kMaxControllerFrameBody);
+  client->decoder_.set_max_body(wire::kMaxControllerFrameBody + wire::kSealedFrameOverhead);
   return client;
 }
 
@@ -198,15 +201,28 @@ WorkerClient::~WorkerClient() {
 }
 
 Status WorkerClient::Send(wire::MessageType type, std::string_view body) {
-  JT_ASSIGN_OR_RETURN(std::string frame, wire::EncodeFrame(type, body));
   std::lock_guard<std::mutex> lock(send_mu_);
-  return wire::WriteAll(fd_, frame);
+  if (!sealed_) {  // the hello
+    JT_ASSIGN_OR_RETURN(std::string frame, wire::EncodeFrame(type, body));
+    return wire::WriteAll(fd_, frame);
+  }
+  // Sealed under the lock: the frame numbers follow the order of the writes.
+  send_buffer_.clear();
+  JT_RETURN_IF_ERROR(frames_.Seal(type, body, &send_buffer_));
+  return wire::WriteAll(fd_, send_buffer_);
 }
 
 StatusOr<wire::Frame> WorkerClient::ReadFrame() {
   char buf[65536];
   for (;;) {
     JT_ASSIGN_OR_RETURN(std::optional<wire::Frame> f, decoder_.Next());
+    if (f && sealed_) {
+      // Nothing from the controller is used, or unpickled by the worker, before it opens here.
+      JT_ASSIGN_OR_RETURN(std::optional<wire::FrameView> opened,
+                          frames_.Open(f->type, f->body.data(), f->body.size()));
+      if (!opened) continue;  // a shared frame's key: the shared frame follows
+      f->body.resize(opened->body.size());
+    }
     if (f) return *std::move(f);
     ssize_t n = recv(fd_, buf, sizeof(buf), 0);
     if (n < 0 && errno == EINTR) continue;
@@ -330,9 +346,13 @@ Status WorkerClient::SendLast(wire::MessageType type, std::string_view body) {
 void WorkerClient::WatchController(int exit_code) {
   if (watcher_.joinable()) return;
   watcher_ = std::thread([this, exit_code] {
+    Status ended = OkStatus();
     for (;;) {
       StatusOr<wire::Frame> f = ReadFrame();
-      if (!f.ok()) break;
+      if (!f.ok()) {
+        ended = f.status();
+        break;
+      }
       if (f->type == wire::MessageType::kPreemptionReply) {
         OnPreemptionReply(f->body);
         continue;
@@ -365,9 +385,12 @@ void WorkerClient::WatchController(int exit_code) {
     }
     std::lock_guard<std::mutex> lock(send_mu_);
     if (stopping_ || exit_code < 0) return;
-    static const char kMessage[] =
-        "jaxtrain worker: lost the connection to the controller; exiting\n";
-    [[maybe_unused]] ssize_t w = write(2, kMessage, sizeof(kMessage) - 1);
+    const std::string message =
+        ended.code() == StatusCode::kUnauthenticated
+            ? "jaxtrain worker: ending the connection to the controller: " + ended.message() +
+                  "; exiting\n"
+            : "jaxtrain worker: lost the connection to the controller; exiting\n";
+    [[maybe_unused]] ssize_t w = write(2, message.data(), message.size());
     _exit(exit_code);
   });
 }

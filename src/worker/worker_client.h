@@ -1,7 +1,10 @@
 // WorkerClient: a worker process's side of the control connection.
 //
 // Connect() authenticates both ways (wire/handshake.h): the client refuses a controller that
-// cannot prove it holds the run's secret, before reading anything else from it. A connection the
+// cannot prove it holds the run's secret, before reading anything else from it; every frame after
+// the handshake, both ways, is sealed with the session the handshake derived (wire/frame.h), and a
+// frame from the controller that does not open ends the connection (and, under
+// WatchController(), the process) before any of it is used. A connection the
 // controller closes before answering the hello (it drops the oldest unproven connections when a
 // flood of peers fills its table, docs/wire.md) is retried with backoff until the timeout. After
 // that (the registration went with the handshake's last frame): WaitStart() for the coordinator
@@ -75,7 +78,8 @@ class WorkerClient {
   static StatusOr<std::unique_ptr<WorkerClient>> Connect(const WorkerClientOptions& options);
   ~WorkerClient();
 
-  // Blocks until the controller starts training. Errors: kUnavailable when the connection ends.
+  // Blocks until the controller starts training. Errors: kUnavailable when the connection ends;
+  // kUnauthenticated when a frame does not open (someone else wrote into the connection).
   StatusOr<StartInfo> WaitStart();
   // Queues one report; does not wait for the controller. Errors: kInvalidArgument when the metrics
   // are larger than the controller accepts (wire::kMaxWorkerFrameBody); kUnavailable.
@@ -148,7 +152,13 @@ class WorkerClient {
 
   int fd_;
   wire::FrameDecoder decoder_;
+  // The connection's session once the handshake has proven the controller: every frame after it
+  // is sealed and opened here (wire/frame.h). Sending is under send_mu_; receiving is on one
+  // thread at a time (WaitStart(), then the watcher).
+  wire::SealedFrames frames_;
+  bool sealed_ = false;  // set before any frame is sealed or opened
   std::mutex send_mu_;
+  std::string send_buffer_;  // the sealed frame being sent (send_mu_), its memory reused
   std::thread watcher_;
   bool stopping_ = false;
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -23,8 +24,9 @@ using wire::MessageType;
 constexpr timeval kNoHang{30, 0};
 
 // One controller connection on its own thread: it accepts a worker, answers its hello with a
-// challenge proven by `secret`, checks the worker's proof, sends `to_send`, and then records every
-// frame until the worker closes the connection; or it misbehaves as `Behaviour` says.
+// challenge proven by `secret`, checks the worker's proof, sends `to_send` (sealed, as the bytes
+// `wire_bytes` makes of it), and then records every frame (opened) until the worker closes the
+// connection; or it misbehaves as `Behaviour` says.
 class FakeController {
  public:
   enum class Behaviour {
@@ -74,6 +76,15 @@ class FakeController {
     if (thread_.joinable()) thread_.join();
   }
 
+  // What goes on the wire for `to_send`, given the connection's session: by default each frame
+  // sealed in turn. Set before Serve().
+  std::function<std::string(wire::SealedFrames&, const std::vector<Frame>&)> wire_bytes =
+      [](wire::SealedFrames& session, const std::vector<Frame>& frames) {
+        std::string out;
+        for (const Frame& f : frames) EXPECT_TRUE(session.Seal(f.type, f.body, &out).ok());
+        return out;
+      };
+
   wire::Hello hello;                  // the worker's hello
   int hellos = 0;                     // hellos received, on all connections
   bool hello_proved_secret = false;   // the hello's MAC was made with `secret`
@@ -92,10 +103,11 @@ class FakeController {
   }
 
   void Session(int fd, const std::vector<Frame>& to_send, Behaviour behaviour) {
-    wire::FrameDecoder decoder(wire::kMaxWorkerFrameBody);
+    wire::FrameDecoder decoder(wire::kMaxWorkerFrameBody + wire::kSealedFrameOverhead);
     auto frame = Read(fd, decoder);
     if (!frame || frame->type != MessageType::kHello) return;
     ++hellos;
+    const std::string hello_body = frame->body;
     // Read as an impostor would, without checking the hello's MAC (RefusesAControllerThat...).
     ASSERT_EQ(frame->body.size(), wire::kHelloSize);
     auto field = [&](size_t at) {
@@ -124,9 +136,16 @@ class FakeController {
     worker_proved_secret =
         got_auth && wire::MacEquals(wire::WorkerProof(secret_, hello, nonce), frame->body);
     if (!worker_proved_secret) return;
-    for (const Frame& f : to_send) Write(fd, wire::EncodeFrame(f.type, f.body).value());
+    wire::SealedFrames session(
+        wire::ControlSession(secret_, hello_body, body, wire::SessionEnd::kResponder));
+    Write(fd, wire_bytes(session, to_send));
     if (behaviour == Behaviour::kCloseAfterAuth) return;
-    while ((frame = Read(fd, decoder))) received.push_back(*std::move(frame));
+    while ((frame = Read(fd, decoder))) {
+      auto opened = session.Open(frame->type, frame->body.data(), frame->body.size());
+      ASSERT_TRUE(opened.ok() && opened->has_value()) << opened.status().ToString();
+      frame->body.resize((*opened)->body.size());
+      received.push_back(*std::move(frame));
+    }
   }
 
   static std::optional<Frame> Read(int fd, wire::FrameDecoder& decoder) {
@@ -415,6 +434,93 @@ TEST(WorkerClientTest, WaitStartReturnsTheStartMessageAndThePayload) {
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_EQ(info->json, start);
   EXPECT_EQ(info->payload, payload);
+}
+
+TEST(WorkerClientTest, WaitStartOpensFramesSharedByEveryRank) {
+  const std::string secret = wire::GenerateSecret();
+  const std::string start = R"({"coordinator":"127.0.0.1:1234","world_size":4})";
+  const std::string payload("pickled\0function\xff", 17);
+  FakeController controller(secret);
+  controller.wire_bytes = [](wire::SealedFrames& session, const std::vector<Frame>& frames) {
+    std::string out;
+    for (const Frame& f : frames) {
+      wire::SharedFrame shared = *wire::SealShared(f.type, f.body);
+      EXPECT_TRUE(session.SealKeyOf(shared, &out).ok());
+      out += *shared.frame;
+    }
+    return out;
+  };
+  controller.Serve({{MessageType::kStart, start}, {MessageType::kPayload, payload}});
+  auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto info = (*client)->WaitStart();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->json, start);
+  EXPECT_EQ(info->payload, payload);
+}
+
+// Nothing the controller sends after the handshake is used unless it opens as the controller's
+// next sealed frame: a frame changed, replayed, reordered or injected on the way (a payload that
+// would be unpickled, above all) ends the connection with kUnauthenticated.
+TEST(WorkerClientTest, AFrameNotSealedByTheControllerAsItsNextEndsTheConnection) {
+  using Bytes = std::function<std::string(wire::SealedFrames&)>;
+  const std::string start = R"({"coordinator":"127.0.0.1:1234","world_size":4})";
+  auto seal = [](wire::SealedFrames& session, MessageType type, std::string_view body) {
+    std::string out;
+    EXPECT_TRUE(session.Seal(type, body, &out).ok());
+    return out;
+  };
+  const std::vector<std::pair<std::string, Bytes>> cases = {
+      {"a changed payload",
+       [&](wire::SealedFrames& s) {
+         std::string payload = seal(s, MessageType::kPayload, "pickled function");
+         payload[payload.size() / 2] ^= 1;
+         return seal(s, MessageType::kStart, start) + payload;
+       }},
+      {"a replayed start",
+       [&](wire::SealedFrames& s) {
+         std::string frame = seal(s, MessageType::kStart, start);
+         return frame + frame;
+       }},
+      {"reordered frames",
+       [&](wire::SealedFrames& s) {
+         std::string first = seal(s, MessageType::kStart, start);
+         return seal(s, MessageType::kPayload, "pickled function") + first;
+       }},
+      {"a payload injected in the clear",
+       [&](wire::SealedFrames& s) {
+         return seal(s, MessageType::kStart, start) +
+                *wire::EncodeFrame(MessageType::kPayload, "an attacker's pickle");
+       }},
+      {"a shared payload under another key",
+       [&](wire::SealedFrames& s) {
+         std::string out = seal(s, MessageType::kStart, start);
+         EXPECT_TRUE(s.SealKeyOf(*wire::SealShared(MessageType::kPayload, "x"), &out).ok());
+         return out + *wire::SealShared(MessageType::kPayload, "an attacker's pickle")->frame;
+       }},
+      {"a shared payload replayed without its key",
+       [&](wire::SealedFrames& s) {
+         wire::SharedFrame shared = *wire::SealShared(MessageType::kStart, start);
+         std::string out;
+         EXPECT_TRUE(s.SealKeyOf(shared, &out).ok());
+         return out + *shared.frame + *shared.frame;
+       }},
+  };
+  for (const auto& [name, bytes] : cases) {
+    SCOPED_TRACE(name);
+    const std::string secret = wire::GenerateSecret();
+    FakeController controller(secret);
+    controller.wire_bytes = [&](wire::SealedFrames& s, const std::vector<Frame>&) {
+      return bytes(s);
+    };
+    controller.Serve();
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    auto info = (*client)->WaitStart();
+    EXPECT_EQ(info.status().code(), StatusCode::kUnauthenticated) << info.status().ToString();
+    EXPECT_NE(info.status().message().find("did not seal as its next one"), std::string::npos)
+        << info.status().message();
+  }
 }
 
 TEST(WorkerClientTest, WaitStartIsUnavailableWhenTheControllerCloses) {

@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --coordinator: how many hosts run this command")
     hosts.add_argument("--join-secret-file", metavar="FILE", help="with --coordinator: the secret "
                        "every host holds (mode 600), else JAXTRAIN_JOIN_SECRET")
+    hosts.add_argument("--join-timeout", type=float, default=600.0, metavar="S",
+                       help="with --coordinator: how long host 0 waits for the other hosts, and "
+                       "each other host tries to join (default 600)")
     _add_run_options(run)
     run.add_argument("--no-status-line", action="store_true",
                      help="on a terminal, do not keep the live status line (attempt, ranks up, "

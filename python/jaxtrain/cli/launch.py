@@ -91,11 +91,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                                      args.join_secret_file)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.join_timeout <= 0:
+        raise UsageError(f"--join-timeout {args.join_timeout:g} is not allowed; give the "
+                         "seconds to wait for the hosts to join (> 0)")
     if same.host_rank != 0:
-        return same.join()
+        return same.join(timeout_s=args.join_timeout)
     status = EXIT_FAILED
     try:
-        same.gather()
+        same.gather(timeout_s=args.join_timeout)
         status = _fit(trainer, args, run_dir)
     except (TimeoutError, OSError) as e:
         say(f"run '{trainer.run_config.name}' could not start: {e}")

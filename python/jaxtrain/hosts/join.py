@@ -609,7 +609,8 @@ class SameCommand:
         token = secrets.token_hex(16)
         joined: dict[int, tuple[Connection, dict, str, str]] = {}  # rank -> (conn, hello, ...)
         lock = threading.Lock()
-        pending: dict[socket.socket, threading.Thread] = {}  # handshakes in progress
+        pending: dict[socket.socket, threading.Thread] = {}  # handshakes in progress, oldest first
+        admitting: list[threading.Thread] = []  # every handshake's thread, joined at the end
         refused = _Refusals("a host joining")
 
         def admit(conn: socket.socket, peer) -> None:
@@ -655,21 +656,25 @@ class SameCommand:
                     continue
                 thread = threading.Thread(target=admit, args=(conn, peer), daemon=True)
                 with lock:
-                    flood = len(pending) >= _MAX_UNPROVEN
-                    if not flood:
-                        pending[conn] = thread
-                if flood:
-                    conn.close()  # the joiners retry
-                    continue
+                    # At the cap the oldest handshake makes way for the newest (whose joiner,
+                    # if it was one, tries again): silent connections never keep a host out, as
+                    # dropping the newest let 16 of them do.
+                    if len(pending) >= _MAX_UNPROVEN:
+                        oldest = next(iter(pending))
+                        del pending[oldest]
+                        channel.shut(oldest)  # its thread ends its handshake and closes it
+                    pending[conn] = thread
+                admitting.append(thread)
                 thread.start()
         finally:
             listener.close()
             # Handshakes still in progress end now: no thread may wait in the channel's code
             # when this process exits.
             with lock:
-                left = dict(pending)
-            for conn, thread in left.items():
+                left = list(pending)
+            for conn in left:
                 channel.shut(conn)
+            for thread in admitting:
                 thread.join(5)
         here = next((local for *_, local in joined.values()), "127.0.0.1")
         self._agents = AgentServer(self.secret, "host-0", here, here)
@@ -719,23 +724,40 @@ class SameCommand:
         if self._agents is not None:
             self._agents.close()
 
-    def join(self) -> int:
-        """Every other host: joins host 0, serves its sessions until host 0 says the run has
-        ended, and returns host 0's exit status (1 when host 0 went away or refused)."""
+    def join(self, timeout_s: float = JOIN_TIMEOUT_S) -> int:
+        """Every other host: joins host 0 (trying for `timeout_s`), serves its sessions until
+        host 0 says the run has ended, and returns host 0's exit status (1 when host 0 went away
+        or refused, or the time is up).
+
+        Only a refusal made with the join secret ends the tries at once. A refusal without it
+        (what a peer that does not hold the secret can say) is tried again until the time is up:
+        it may come from a wrong secret on either host, but also from anyone who holds host 0's
+        port before it or writes into the connection on the way, and one such packet must not
+        end a joiner for good."""
         host, port = self.coordinator
         me = f"host-{self.host_rank}"
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
+        said_unproven = False
         while True:  # host 0 may start later than this host, or be slow to answer
             try:
                 conn = self._join_once(me)
                 break
             except PermissionError as e:
-                if channel.NOT_THE_SAME_SECRET in str(e):
-                    e = PermissionError(f"wrong join secret: {e} (or another program answers "
-                                        f"at port {port} on host 0)")
-                _say(f"host 0 at {host}:{port} refused this host (host rank {self.host_rank}): "
-                     f"{e}")
-                return 1
+                if channel.NOT_THE_SAME_SECRET not in str(e):
+                    _say(f"host 0 at {host}:{port} refused this host (host rank "
+                         f"{self.host_rank}): {e}")
+                    return 1
+                why = (f"wrong join secret: {e} (or another program answers at port {port} "
+                       "on host 0)")
+                if time.monotonic() > deadline:
+                    _say(f"host 0 at {host}:{port} refused this host (host rank "
+                         f"{self.host_rank}): {why}")
+                    return 1
+                if not said_unproven:
+                    said_unproven = True
+                    _say(f"what answers at {host}:{port} does not prove the join secret: {why}; "
+                         f"trying again for up to {timeout_s:.0f} s")
+                time.sleep(0.5)
             except channel.Errors as e:
                 if time.monotonic() > deadline:
                     _say(f"cannot join the run at {host}:{port}: {e}")

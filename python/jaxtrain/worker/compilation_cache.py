@@ -8,6 +8,8 @@ ones expected and otherwise leaves JAX as it is: a slower restart, never a wrong
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import inspect
 import os
 import secrets
@@ -17,11 +19,12 @@ COMPILATION_CACHE_DIR = "compilation-cache"
 
 
 def set_up(jax, run_dir: str, *, platform: str, rank: int, world_size: int, local_rank: int,
-           local_world_size: int) -> str | None:
+           local_world_size: int, secret: bytes) -> str | None:
     """Turns the cache on for this worker (see _use); with several processes, lets every rank
     write its own entries on CPU and in store runs (cache_every_cpu_rank), and shares each
-    program's compilation when every CPU rank reads one cache on one host (share_cpu_programs).
-    The cache directory, or None when the cache is left off or to the user."""
+    program's compilation when every CPU rank reads one cache on one host (share_cpu_programs,
+    its executables MACed under the run's `secret`). The cache directory, or None when the cache
+    is left off or to the user."""
     from jaxtrain.worker.checkpoint_store import STORE_ENV
 
     store_run = os.environ.get(STORE_ENV) == "1"
@@ -31,7 +34,7 @@ def set_up(jax, run_dir: str, *, platform: str, rank: int, world_size: int, loca
     _write_entries_whole()
     if world_size > 1:
         if platform == "cpu" and local_world_size == world_size and not store_run:
-            share_cpu_programs(jax)
+            share_cpu_programs(jax, secret)
         if platform == "cpu" or store_run:
             cache_every_cpu_rank(rank, local_rank, every_host=store_run)
     return path
@@ -133,11 +136,16 @@ SHARE_ANNOUNCE_WAIT_S = 10
 SHARE_JAXLIB_VERIFIED = ((0, 6, 0), (0, 12, 0))
 
 
-def share_cpu_programs(jax) -> bool:
+def share_cpu_programs(jax, secret: bytes) -> bool:
     """One compilation per program for a CPU group on one host: rank 0 compiles each
     multi-process program and the other ranks load its executable (JAX's
     jax_share_binary_between_hosts, through the coordination service's key-value store) instead of
     compiling the same program at once on the same cores. True when it is set up.
+
+    JAX's key-value store is unauthenticated, and any local user can reach the coordinator's
+    port: an executable is therefore shared with a MAC under the run's `secret`
+    (SharedPrograms), and a rank loads only one whose MAC checks; any other it refuses, says so
+    on stderr and compiles the program itself, as without sharing.
 
     JAX shares a program only between processes whose cache keys agree, and on CPU the key holds a
     fingerprint of the topology as each process sees it (which devices are its own), so ranks
@@ -212,8 +220,14 @@ def share_cpu_programs(jax) -> bool:
             except Exception:  # not this program: compiled here, as without sharing
                 return compile_here(backend, computation, executable_devices, compile_options,
                                     host_callbacks, module_name, cache_key)
-        return share(backend, computation, executable_devices, compile_options, host_callbacks,
-                     global_client, module_name, cache_key, first_process_id)
+        try:
+            return share(backend, computation, executable_devices, compile_options,
+                         host_callbacks, SharedPrograms(global_client, secret), module_name,
+                         cache_key, first_process_id)
+        except ForgedProgram as e:
+            sys.stderr.write(f"jaxtrain worker: {e}; compiling it here\n")
+            return compile_here(backend, computation, executable_devices, compile_options,
+                                host_callbacks, module_name, cache_key)
 
     # JAX's function finds its in-process cache through its module's name for it, now this one.
     share_or_compile.modules_cache = share.modules_cache
@@ -221,6 +235,42 @@ def share_cpu_programs(jax) -> bool:
     compiler._compile_and_share_module = share_or_compile
     jax.config.update("jax_share_binary_between_hosts", True)
     return True
+
+
+class ForgedProgram(Exception):
+    """An executable in the key-value store without a valid MAC under the run's secret."""
+
+
+class SharedPrograms:
+    """JAX's distributed client as its program sharing uses it (key_value_set_bytes by the
+    compiling rank, blocking_key_value_get_bytes by the others), with every executable MACed:
+    what is stored is the executable followed by HMAC-SHA-256(key, cache key | 0 | executable),
+    the key derived from the run's secret for this use only. A value that is too short or whose
+    MAC does not check raises ForgedProgram before anything of it is loaded."""
+
+    _MAC_SIZE = 32
+
+    def __init__(self, client, secret: bytes) -> None:
+        self._client = client
+        self._key = hmac.new(secret, b"jaxtrain-shared-program-key", hashlib.sha256).digest()
+
+    def _mac(self, cache_key: str, executable: bytes) -> bytes:
+        return hmac.new(self._key, cache_key.encode() + b"\0" + executable,
+                        hashlib.sha256).digest()
+
+    def key_value_set_bytes(self, cache_key: str, executable: bytes) -> None:
+        self._client.key_value_set_bytes(cache_key,
+                                         executable + self._mac(cache_key, executable))
+
+    def blocking_key_value_get_bytes(self, cache_key: str, timeout_ms: int) -> bytes:
+        value = bytes(self._client.blocking_key_value_get_bytes(cache_key, timeout_ms))
+        executable, mac = value[:-self._MAC_SIZE], value[-self._MAC_SIZE:]
+        if (len(value) < self._MAC_SIZE
+                or not hmac.compare_digest(mac, self._mac(cache_key, executable))):
+            raise ForgedProgram(f"the executable shared for program {cache_key} does not carry "
+                                "the run's MAC (someone else wrote it into the coordinator's "
+                                "key-value store)")
+        return executable
 
 
 def _cpu_model() -> str | None:

@@ -801,6 +801,9 @@ def main() -> None:
     except ConnectionError:
         sys.stderr.write("jaxtrain worker: the controller ended the run before it started\n")
         os._exit(EXIT_CONTROLLER_LOST)
+    except PermissionError as e:  # a frame that did not open: nothing of it was used
+        sys.stderr.write(f"jaxtrain worker: ending the connection to the controller: {e}\n")
+        os._exit(EXIT_CONTROLLER_LOST)
     client.watch_controller(EXIT_CONTROLLER_LOST)
     start = json.loads(start_json)
     metadata_watcher = None
@@ -811,7 +814,7 @@ def main() -> None:
         compilation_cache.set_up(
             jax, start["run_dir"], platform=platform, rank=rank, world_size=world_size,
             local_rank=_env_int("JAXTRAIN_LOCAL_RANK"),
-            local_world_size=_env_int("JAXTRAIN_LOCAL_WORLD_SIZE"))
+            local_world_size=_env_int("JAXTRAIN_LOCAL_WORLD_SIZE"), secret=bytes.fromhex(secret))
         bind_host = start["coordinator"].rsplit(":", 1)[0]
         # jax 0.7 added heartbeat_timeout_seconds and a later jax shutdown_timeout_seconds; the
         # newest jax for Python 3.10 (0.6.2) has neither and keeps its own defaults.

@@ -175,13 +175,12 @@ class FakeControlPort final : public ControlPort {
     if (!connected(rank)) return;
     peers_.Record({.attempt = attempt_, .rank = rank, .type = type, .body = std::string(body)});
   }
-  // Records each frame of the shared bytes, as the rank would read them.
-  void SendShared(int rank, const std::vector<std::shared_ptr<const std::string>>& parts) override {
+  // Records the shared frame, opened, as the rank would read it.
+  void SendShared(int rank, const wire::SharedFrame& shared) override {
     if (!connected(rank)) return;
-    wire::FrameDecoder decoder(wire::kMaxControllerFrameBody);
-    for (const auto& part : parts) (void)decoder.Feed(*part);
-    for (auto f = decoder.Next(); f.ok() && f->has_value(); f = decoder.Next()) {
-      peers_.Record({.attempt = attempt_, .rank = rank, .type = (*f)->type, .body = (*f)->body});
+    auto f = wire::OpenShared(shared);
+    if (f.ok()) {
+      peers_.Record({.attempt = attempt_, .rank = rank, .type = f->type, .body = f->body});
     }
   }
   void Read(int rank) override { Handle(peers_.Take(rank)); }

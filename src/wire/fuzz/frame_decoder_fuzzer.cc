@@ -1,11 +1,12 @@
 // Fuzzes FrameDecoder the way the controller drives it (controller.cc, ReadConn and OnFrame): the
 // peer's bytes arrive in chunks, every complete frame is taken with Next() before the next chunk,
 // and the frame limit follows the handshake: kHelloSize, kAuthSize once the hello is accepted, 16
-// MiB once the auth is. A reference model of the framing checks every answer: each frame returned
-// is exactly the bytes sent and within the limit in force, an error comes only from a header that
-// breaks a rule, the decoder holds no more than one partial frame plus the last chunk, and no call
-// allocates more than that. Every body also goes through the body decoders, whose successes must
-// round-trip.
+// MiB (and the seal's tag) once the auth is, from when every frame must open under the session the
+// handshake derived (frame.h), as the controller opens it. A reference model of the framing checks
+// every answer: each frame returned is exactly the bytes sent and within the limit in force, an
+// error comes only from a header that breaks a rule, the decoder holds no more than one partial
+// frame plus the last chunk, and no call allocates more than that. Every body also goes through the
+// body decoders, whose successes must round-trip.
 //
 // Input: byte 0 picks the variant (the k* bits below), bytes 1-8 seed the chunk sizes, the rest is
 // the byte stream the peer sends. corpus/frame_decoder (from make_corpus.cc) holds valid
@@ -26,7 +27,8 @@
 namespace jaxtrain::wire::fuzz {
 namespace {
 
-constexpr size_t kMaxAuthedBody = kMaxWorkerFrameBody;  // the controller's limit after auth
+// The controller's limit after auth.
+constexpr size_t kMaxAuthedBody = kMaxWorkerFrameBody + kSealedFrameOverhead;
 constexpr size_t kReadChunk = 64 << 10;  // controller.cc: the largest recv() it feeds
 constexpr size_t kPrefixSize = 9;        // variant byte and chunking seed
 constexpr size_t kMessageSlack = 256;    // allocations for an error's message
@@ -144,7 +146,9 @@ class Connection {
         lenient_(variant & kLenient),
         stage_((variant & kStartAuthenticated) ? Stage::kAuthed : Stage::kHello),
         limit_(stage_ == Stage::kAuthed ? kMaxAuthedBody : kHelloSize),
-        decoder_(limit_) {}
+        decoder_(limit_) {
+    if (stage_ == Stage::kAuthed) StartSession();
+  }
 
   bool all_fed() const { return fed_ == stream_.size(); }
 
@@ -231,11 +235,37 @@ class Connection {
         if (!lenient_ && !proven) return false;
         stage_ = Stage::kAuthed;
         SetLimit(kMaxAuthedBody);
+        StartSession();
         return true;
       }
-      case Stage::kAuthed: return lenient_ || AcceptedFromAWorker(f);
+      case Stage::kAuthed: {
+        // The controller opens the body in place; a frame that does not open closes the
+        // connection, and only an opened one reaches the message decoders.
+        std::string body = f.body;
+        StatusOr<std::optional<FrameView>> opened = session_.Open(f.type, body.data(), body.size());
+        if (!opened.ok()) {
+          JT_FUZZ_CHECK(opened.status().code() == StatusCode::kUnauthenticated);
+          return lenient_;
+        }
+        if (!*opened) return true;  // a kSharedKey frame (controller -> worker only in practice)
+        JT_FUZZ_CHECK((*opened)->body.size() + kSealedFrameOverhead == f.body.size());
+        const Frame plain{(*opened)->type, std::string((*opened)->body)};
+        CheckBodyDecoders(plain.body);
+        return lenient_ || AcceptedFromAWorker(plain);
+      }
     }
     return false;
+  }
+
+  // The controller's session of this connection: its keys from the hello and the challenge it
+  // answered (the seed hello when the stream starts after the handshake).
+  void StartSession() {
+    const Nonce nonce = FixedControllerNonce();
+    const Mac proof = ControllerProof(FixedSecret(), hello_, nonce);
+    std::string challenge(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+    challenge.append(reinterpret_cast<const char*>(proof.data()), proof.size());
+    session_ = SealedFrames(ControlSession(FixedSecret(), EncodeHello(hello_, FixedSecret()),
+                                           challenge, SessionEnd::kResponder));
   }
 
   static bool AcceptedFromAWorker(const Frame& f) {
@@ -262,7 +292,8 @@ class Connection {
   Stage stage_;
   size_t limit_;
   FrameDecoder decoder_;
-  Hello hello_;
+  Hello hello_ = SeedHello();
+  SealedFrames session_;
   size_t fed_ = 0;  // bytes of the stream fed to the decoder
   size_t pos_ = 0;  // start of the next frame in the stream
   size_t largest_chunk_ = 0;

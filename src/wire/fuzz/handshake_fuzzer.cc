@@ -44,12 +44,12 @@ uint32_t GetU32(std::string_view p) {
   return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
 }
 
-// The reference: a hello is accepted exactly when it is framed as version 2 and its MAC is the one
+// The reference: a hello is accepted exactly when it is framed as version 3 and its MAC is the one
 // the secret gives its fields.
 void CheckDecodeHello(std::string_view body) {
   StatusOr<Hello> hello = DecodeHello(body, FixedSecret());
   bool framed = body.size() == kHelloSize && body.substr(0, 4) == "JXTR" &&
-                body.substr(4, 2) == std::string_view("\x00\x02", 2);
+                body.substr(4, 2) == std::string_view("\x00\x03", 2);
   bool well_formed = false;
   if (framed) {
     Hello fields{.rank = GetU32(body.substr(6)),

@@ -13,6 +13,8 @@
 #include <fstream>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "wire/channel.h"
 #include "wire/frame.h"
@@ -83,7 +85,36 @@ bool WriteCorpus(const std::filesystem::path& root) {
       MessageType::kError, R"({"message":"boom","traceback":"Traceback ...","phase":"training"})");
   const std::string done = Frame(MessageType::kDone, "{}");
   const std::string handshake = hello + auth;
-  const std::string conversation = handshake + reg + report + checkpoint_report + done;
+  // After the handshake every frame is sealed by the seed connection's session (frame.h), as
+  // frame_decoder_fuzzer.cc's controller opens it; Sealed() seals a stream's frames in turn, from
+  // the session's first frame.
+  const Mac controller_proof = ControllerProof(FixedSecret(), SeedHello(), FixedControllerNonce());
+  const std::string challenge =
+      std::string(reinterpret_cast<const char*>(FixedControllerNonce().data()), kNonceSize) +
+      Bytes(controller_proof);
+  auto sealed = [&](const std::vector<std::pair<MessageType, std::string>>& frames) {
+    SealedFrames worker(
+        ControlSession(FixedSecret(), hello_body, challenge, SessionEnd::kInitiator));
+    std::string out;
+    for (const auto& [type, body] : frames) (void)worker.Seal(type, body, &out);
+    return out;
+  };
+  const std::string reg_body = R"({"host":"node-1","pid":4242,"coordinator":"10.0.0.1:1234"})";
+  const std::string report_body = EncodeReportBody(7, R"({"loss":0.25,"acc":NaN})");
+  const std::string checkpoint_report_body =
+      EncodeCheckpointReportBody(
+          8,
+          R"({"staging":"/tmp/s","files":[{"path":"a.bin","size":12,"crc32c":99}],)"
+          R"("dir_name":"checkpoint_000008"})",
+          R"({"loss":0.2})")
+          .value();
+  const std::string error_body =
+      R"({"message":"boom","traceback":"Traceback ...","phase":"training"})";
+  const std::string conversation =
+      handshake + sealed({{MessageType::kRegister, reg_body},
+                          {MessageType::kReport, report_body},
+                          {MessageType::kReportCheckpoint, checkpoint_report_body},
+                          {MessageType::kDone, "{}"}});
   std::string controller_frames =
       Frame(MessageType::kChallenge, std::string(kChallengeSize, '\x11')) +
       Frame(MessageType::kStart, R"({"coordinator":"10.0.0.1:1234","world_size":2})") +
@@ -92,7 +123,14 @@ bool WriteCorpus(const std::filesystem::path& root) {
   for (uint8_t type = 1; type <= kMaxMessageType; ++type) {
     empty_bodies += Frame(static_cast<MessageType>(type), "");
   }
+  std::vector<std::pair<MessageType, std::string>> every_sealed;
+  for (uint8_t type = 1; type <= kMaxMessageType; ++type) {
+    every_sealed.emplace_back(static_cast<MessageType>(type), "");
+  }
   std::string bad_checkpoint_length = EncodeReportBody(9, "") + "\xff\xff\xff\xf0{}";
+  std::string sealed_changed = sealed({{MessageType::kReport, report_body}});
+  sealed_changed.back() ^= 1;
+  const std::string sealed_done = sealed({{MessageType::kDone, "{}"}});
 
   const std::filesystem::path frames = root / "frame_decoder";
   const std::filesystem::path hs = root / "handshake";
@@ -112,20 +150,28 @@ bool WriteCorpus(const std::filesystem::path& root) {
       {"conversation_other_chunks", kStrict, 0x0123456789abcdef, conversation},
       {"conversation_one_byte_chunks", kOneByteChunks, 0, conversation},
       {"conversation_lenient", kLenient, 3, conversation},
-      {"conversation_with_error", kStrict, 4, handshake + reg + report + error},
-      {"authed_register", kStartAuthenticated, 5, reg},
-      {"authed_report", kStartAuthenticated, 6, report},
-      {"authed_checkpoint_report", kStartAuthenticated, 7, checkpoint_report},
-      {"authed_error", kStartAuthenticated, 8, error},
-      {"authed_done", kStartAuthenticated, 9, done},
+      {"conversation_with_error", kStrict, 4,
+       handshake + sealed({{MessageType::kRegister, reg_body},
+                           {MessageType::kReport, report_body},
+                           {MessageType::kError, error_body}})},
+      {"authed_register", kStartAuthenticated, 5, sealed({{MessageType::kRegister, reg_body}})},
+      {"authed_report", kStartAuthenticated, 6, sealed({{MessageType::kReport, report_body}})},
+      {"authed_checkpoint_report", kStartAuthenticated, 7,
+       sealed({{MessageType::kReportCheckpoint, checkpoint_report_body}})},
+      {"authed_error", kStartAuthenticated, 8, sealed({{MessageType::kError, error_body}})},
+      {"authed_done", kStartAuthenticated, 9, sealed_done},
       {"authed_every_frame", kStartAuthenticated | kLenient, 10,
        reg + report + checkpoint_report + error + done + controller_frames},
       {"authed_empty_bodies", kStartAuthenticated | kLenient, 11, empty_bodies},
-      {"authed_short_report", kStartAuthenticated, 12, Frame(MessageType::kReport, "1234")},
+      {"authed_every_frame_sealed", kStartAuthenticated | kLenient, 28, sealed(every_sealed)},
+      {"authed_sealed_changed", kStartAuthenticated, 29, sealed_changed},
+      {"authed_sealed_replayed", kStartAuthenticated, 30, sealed_done + sealed_done},
+      {"authed_in_the_clear", kStartAuthenticated, 31, done},
+      {"authed_short_report", kStartAuthenticated, 12, sealed({{MessageType::kReport, "1234"}})},
       {"authed_bad_checkpoint_length", kStartAuthenticated, 13,
-       Frame(MessageType::kReportCheckpoint, bad_checkpoint_length)},
+       sealed({{MessageType::kReportCheckpoint, bad_checkpoint_length}})},
       {"authed_over_limit", kStartAuthenticated, 14,
-       Header((16 << 20) + 2, static_cast<uint8_t>(MessageType::kReport))},
+       Header((16 << 20) + kSealedFrameOverhead + 2, static_cast<uint8_t>(MessageType::kReport))},
       {"hello_then_unproven_auth", kStrict, 15,
        hello + Frame(MessageType::kAuth, std::string(kAuthSize, 'x'))},
       {"hello_then_oversized_auth", kStrict, 16,
