@@ -129,6 +129,7 @@ class Store:
                 try:
                     self.fs.put_file(f"/proc/self/fd/{fd}", target)
                 except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+                    sha256.exception()  # waits: it reads the descriptor closed below
                     raise StoreError(_failure("uploading", where, e)) from e
                 sent = sha256.result()
             finally:
