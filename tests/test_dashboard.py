@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import end_session, finish_driver, start_driver
+from conftest import end_session, finish_driver, run_command, start_driver, wait_for
 from jaxtrain import (
     Checkpoint,
     CheckpointConfig,
@@ -98,8 +98,12 @@ def finished_run(tmp_path_factory) -> Path:
     return storage
 
 
+# The token of the dashboards these tests start in this process (serving).
+TOKEN = "t0ken-of-the-tests"
+
+
 @contextlib.contextmanager
-def serving(target: str, token: str | None = None, host: str = "127.0.0.1"):
+def serving(target: str, token: str = TOKEN, host: str = "127.0.0.1"):
     """A Dashboard over `target` in this process, on a free port; yields its base URL."""
     server = Dashboard(open_source(target), host, 0, token)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -107,14 +111,18 @@ def serving(target: str, token: str | None = None, host: str = "127.0.0.1"):
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
         thread.join()
 
 
-def get(url: str, headers: dict | None = None) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of a GET."""
-    request = urllib.request.Request(url, headers=headers or {})
+def get(url: str, headers: dict | None = None, token: str | None = TOKEN
+        ) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a GET, with `token` as a bearer token unless `headers`
+    carry one, or a cookie, or `token` is None."""
+    headers = dict(headers or {})
+    if token is not None and not {"Authorization", "Cookie"} & set(headers):
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read()), dict(response.headers)
@@ -268,12 +276,14 @@ def test_a_long_run_sends_every_nth_round_and_always_the_last():
 
 
 def test_a_token_is_checked_on_every_request(finished_run):
+    """The review's N2: on its default loopback address too (every local user can connect
+    there), nothing is served without the token."""
     with serving(str(finished_run), token="s3cret") as url:
         for path in ("/", "/static/dashboard.js", "/api/runs", "/api/runs/done/logs/0"):
-            status, body, _ = get(url + path)
+            status, body, _ = get(url + path, token=None)
             assert status == 401, path
             assert "needs its token" in body["error"]
-        status, body, _ = get(f"{url}/api/runs?token=wrong")
+        status, body, _ = get(f"{url}/api/runs?token=wrong", token=None)
         assert status == 401 and "the token is wrong" in body["error"]
         assert get(f"{url}/api/runs", {"Authorization": "Bearer s3cret"})[0] == 200
         request = urllib.request.Request(f"{url}/?token=s3cret")
@@ -282,34 +292,152 @@ def test_a_token_is_checked_on_every_request(finished_run):
         assert get(f"{url}/api/runs", {"Cookie": cookie})[0] == 200
 
 
-def test_without_a_token_only_localhost_names_are_served(finished_run):
+def test_on_loopback_only_localhost_names_are_served(finished_run):
     with serving(str(finished_run)) as url:
         assert get(f"{url}/api/runs", {"Host": "localhost:1234"})[0] == 200
         status, body, _ = get(f"{url}/api/runs", {"Host": "attacker.example:1234"})
         assert status == 403 and "'attacker.example'" in body["error"]
-    with pytest.raises(ValueError, match="needs a token"):
-        Dashboard(open_source(str(finished_run)), "0.0.0.0", 0, None)
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with pytest.raises(ValueError, match="needs a token"):
+            Dashboard(open_source(str(finished_run)), host, 0, None)
 
 
-def _start_cli(*args: str) -> tuple[subprocess.Popen, str]:
+def _start_cli(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     proc = start_driver([sys.executable, "-m", "jaxtrain", "dashboard", *args],
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env={**os.environ, **(env or {})})
     line = proc.stdout.readline()
     assert line.startswith("jaxtrain dashboard: http://"), (line, proc.stderr.read())
     return proc, line.split(": ", 1)[1].strip()
 
 
-def test_bound_elsewhere_the_command_makes_a_token_and_prints_it(finished_run):
-    proc, url = _start_cli(str(finished_run), "--host", "0.0.0.0", "--port", "0")
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_the_command_makes_a_token_and_prints_it(finished_run, host):
+    """On loopback too (the review's N2): a new token each start, in the URL printed."""
+    proc, url = _start_cli(str(finished_run), "--host", host, "--port", "0")
     try:
         parts = urllib.parse.urlsplit(url)
-        assert parts.hostname == socket.gethostname()
+        assert parts.hostname == (socket.gethostname() if host == "0.0.0.0" else host)
         token = urllib.parse.parse_qs(parts.query)["token"][0]
         base = f"http://127.0.0.1:{parts.port}"
-        assert get(f"{base}/api/runs")[0] == 401
-        assert get(f"{base}/api/runs?token={token}")[0] == 200
+        assert get(f"{base}/api/runs", token=None)[0] == 401
+        assert get(f"{base}/api/runs?token={token}", token=None)[0] == 200
     finally:
         end_session(proc)
+
+
+def test_the_token_comes_from_a_private_file_or_the_environment_never_argv(
+        finished_run, tmp_path, capsys):
+    """The review's N7: a token in argv is readable by every local user (ps)."""
+    refused = run_command([sys.executable, "-m", "jaxtrain", "dashboard", str(finished_run),
+                           "--token", "s3cret", "--port", "0"],
+                          timeout=120, capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "--token is not accepted" in refused.stderr and "--token-file" in refused.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text("from-a-file\n")
+    token_file.chmod(0o644)
+    assert cli_main(["dashboard", str(finished_run), "--token-file", str(token_file)]) == 2
+    assert "other users may read it" in capsys.readouterr().err
+    token_file.chmod(0o600)
+    for args, env in ((["--token-file", str(token_file)], {}),
+                      ([], {"JAXTRAIN_DASHBOARD_TOKEN": "from-a-file"})):
+        proc, url = _start_cli(str(finished_run), "--port", "0", *args, env=env)
+        try:
+            assert url.endswith("?token=from-a-file")
+            base = url.split("?")[0].rstrip("/")
+            assert get(f"{base}/api/runs", token="from-a-file")[0] == 200
+            assert get(f"{base}/api/runs", token="another")[0] == 401
+        finally:
+            end_session(proc)
+
+
+def test_before_the_first_run_the_dashboard_waits_for_runs(finished_run, tmp_path):
+    """The default storage path does not exist before the first run: the page shows an empty
+    table, which fills when a run appears (it was refused)."""
+    proc, url = _start_cli("--port", "0", env={"HOME": str(tmp_path)})
+    try:
+        base = url.split("?")[0].rstrip("/")
+        token = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["token"][0]
+        assert get(f"{base}/api/runs", token=token)[1]["runs"] == []
+        shutil.copytree(finished_run / "done", tmp_path / "jaxtrain_results" / "done")
+        assert [r["name"] for r in get(f"{base}/api/runs", token=token)[1]["runs"]] == ["done"]
+    finally:
+        end_session(proc)
+
+
+def test_a_planted_run_directory_serves_no_file_it_does_not_own(finished_run, tmp_path):
+    """The review's N3: whoever can write to a shared storage path plants run directories whose
+    files link to the dashboard user's own (an ssh key), a run directory that links to another,
+    or one of their own holding a file of the victim's. None of those files is served."""
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    state = json.dumps({"status": "FINISHED", "world_size": 1, "config": {}})
+    # A run whose log and index link to the secret.
+    (storage / "linked-log" / "logs").mkdir(parents=True)
+    (storage / "linked-log" / "run.json").write_text(state)
+    (storage / "linked-log" / "logs" / "rank-0.log").symlink_to(secret)
+    (storage / "linked-log" / "checkpoints.json").symlink_to(secret)
+    # A run whose logs directory links to the secret's directory.
+    (storage / "linked-logs-dir").mkdir()
+    (storage / "linked-logs-dir" / "run.json").write_text(state)
+    (tmp_path / "id_dir").mkdir()
+    (tmp_path / "id_dir" / "rank-0.log").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (storage / "linked-logs-dir" / "logs").symlink_to(tmp_path / "id_dir")
+    # A run directory that is a link (to a real run elsewhere).
+    (storage / "linked-run").symlink_to(finished_run / "done")
+    # Another user's run directory, with a log of this user's in it.
+    foreign = storage / "foreign"
+    (foreign / "logs").mkdir(parents=True)
+    (foreign / "run.json").write_text(state)
+    (foreign / "logs" / "rank-0.log").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    for p in (foreign, foreign / "logs", foreign / "run.json"):
+        os.chown(p, 65534, 65534)
+    with serving(str(storage)) as url:
+        status, listing, _ = get(f"{url}/api/runs")
+        assert status == 200
+        assert sorted(r["name"] for r in listing["runs"]) == [
+            "foreign", "linked-log", "linked-logs-dir"]
+        answers = [json.dumps(listing)]
+        for name in ("linked-log", "linked-logs-dir", "foreign"):
+            status, detail, _ = get(f"{url}/api/runs/{name}")
+            assert status == 200 and detail["checkpoints"] == []
+            status, log, _ = get(f"{url}/api/runs/{name}/logs/0")
+            assert status == 200 and log["text"] is None, name
+            answers += [json.dumps(detail), json.dumps(log)]
+        assert get(f"{url}/api/runs/linked-run")[0] == 404
+        assert not any("PRIVATE KEY" in a for a in answers)
+
+
+def test_idle_connections_neither_hold_the_dashboard_nor_its_stop(finished_run, monkeypatch):
+    """The review's N8: connections are capped, each has a timeout, and stop() waits for no
+    client."""
+    monkeypatch.setattr(Dashboard, "timeout_s", 600.0)  # the held ones stay for the test
+    server = Dashboard(open_source(str(finished_run)), "127.0.0.1", 0, TOKEN)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    address = server.server_address[:2]
+    held = [socket.create_connection(address) for _ in range(server.max_connections)]
+    try:
+        wait_for("the dashboard to take every held connection",
+                 lambda: server.open_connections() == len(held), 60)
+        with socket.create_connection(address) as extra:
+            extra.settimeout(60)
+            assert extra.recv(1) == b""  # past the cap: closed at once
+        stopping = threading.Thread(target=server.stop, daemon=True)
+        stopping.start()
+        stopping.join(60)  # a hang detector, not a timing
+        assert not stopping.is_alive(), "stop() waits for idle clients"
+        for conn in held:
+            conn.settimeout(60)
+            assert conn.recv(1) == b""
+    finally:
+        for conn in held:
+            conn.close()
+        server.stop()
+        thread.join()
 
 
 def test_bad_paths_are_clear_usage_errors(tmp_path, capsys):

@@ -9,15 +9,17 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import run_driver, wait_for
 from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, UserCallback, goodput
-from jaxtrain.driver.metrics import MetricsServer, exposition
+from jaxtrain.driver.metrics import MetricsServer, exposition, read_token
 from jaxtrain.driver.options import metrics_endpoint as endpoint
 
 SNAPSHOT = {
@@ -119,6 +121,151 @@ def test_the_server_answers_at_metrics_only(tmp_path):
     finally:
         server.close()
         server.close()
+
+
+# --- a client that holds a connection (the review's N5) ----------------------------------------
+
+
+def _scrape(server: MetricsServer) -> int:
+    host, port = server.address
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as r:
+        return r.status
+
+
+def _closed_by_server(conn: socket.socket) -> bool:
+    """Whether the server ended `conn`: a read gets end of file (or a reset)."""
+    conn.settimeout(60)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _in_thread(fn) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_idle_connection_delays_neither_a_scrape_nor_close():
+    server = MetricsServer("127.0.0.1", 0, "r")
+    server.serve(lambda: json.dumps(SNAPSHOT))
+    idle = socket.create_connection(server.address)  # connects, sends nothing
+    try:
+        assert _scrape(server) == 200
+        closing = _in_thread(server.close)
+        closing.join(60)  # a hang detector, not a timing: close() waits for no client
+        assert not closing.is_alive(), "close() waits for an idle client"
+        assert _closed_by_server(idle)
+    finally:
+        idle.close()
+
+
+def test_connections_past_the_cap_are_closed_at_once(monkeypatch):
+    server = MetricsServer("127.0.0.1", 0, "r")
+    monkeypatch.setattr(server._http, "timeout_s", 600.0)  # the held ones stay for the test
+    server.serve(lambda: json.dumps(SNAPSHOT))
+    held = [socket.create_connection(server.address)
+            for _ in range(server._http.max_connections)]
+    try:
+        wait_for("the server to take every held connection",
+                 lambda: server._http.open_connections() == len(held), 60)
+        with socket.create_connection(server.address) as extra:
+            assert _closed_by_server(extra)
+        held.pop().close()
+        wait_for("a slot to be free", lambda: server._http.open_connections() < len(held) + 1,
+                 60)
+        assert _scrape(server) == 200
+    finally:
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_timeout(monkeypatch):
+    server = MetricsServer("127.0.0.1", 0, "r")
+    monkeypatch.setattr(server._http, "timeout_s", 1.0)
+    server.serve(lambda: json.dumps(SNAPSHOT))
+    try:
+        with socket.create_connection(server.address) as idle:
+            assert _closed_by_server(idle)
+        wait_for("its slot to be free", lambda: server._http.open_connections() == 0, 60)
+    finally:
+        server.close()
+
+
+def test_with_a_token_file_every_scrape_needs_the_token(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("sc4pe\n")
+    token_file.chmod(0o644)
+    with pytest.raises(ValueError, match="JAXTRAIN_METRICS_TOKEN_FILE=.*other users may read it"):
+        read_token({"JAXTRAIN_METRICS_TOKEN_FILE": str(token_file)})
+    token_file.chmod(0o600)
+    token = read_token({"JAXTRAIN_METRICS_TOKEN_FILE": str(token_file)})
+    assert token == "sc4pe" and read_token({}) is None
+    server = MetricsServer("127.0.0.1", 0, "r", token)
+    server.serve(lambda: json.dumps(SNAPSHOT))
+    try:
+        host, port = server.address
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30)
+        assert refused.value.code == 401
+        request = urllib.request.Request(f"http://{host}:{port}/metrics",
+                                         headers={"Authorization": "Bearer sc4pe"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200
+    finally:
+        server.close()
+
+
+_IDLE_CLIENT_DRIVER = """
+    import os, socket, sys, time, urllib.request
+
+    from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, UserCallback, report
+
+    PORT, STORAGE = int(sys.argv[1]), sys.argv[2]
+    RELEASE = os.path.join(STORAGE, "release")
+
+
+    def train(config):
+        step = 0
+        while not os.path.exists(config["release"]) and step < 2000:
+            time.sleep(0.05)
+            report({"step": step})
+            step += 1
+
+
+    class HoldAConnection(UserCallback):
+        held = None
+
+        def after_report(self, run_context, metrics, checkpoint):
+            if self.held is None:
+                # Another local user's idle connection: it connects and never sends a byte.
+                self.held = socket.create_connection(("127.0.0.1", PORT))
+                with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics",
+                                            timeout=60) as r:
+                    print("scraped", r.status, flush=True)
+                open(RELEASE, "w").close()  # the workers end, the connection still held
+
+
+    hold = HoldAConnection()
+    result = JaxTrainer(train, train_loop_config={"release": RELEASE},
+                        scaling_config=ScalingConfig(num_workers=2),
+                        run_config=RunConfig(name="held", storage_path=STORAGE,
+                                             metrics_port=PORT, callbacks=[hold])).fit()
+    print("fit returned", result.error, hold.held is not None, flush=True)
+"""
+
+
+def test_an_idle_connection_to_the_metrics_port_does_not_hang_fit(storage, tmp_path):
+    """The review's N5: one connection that sends nothing held the single-threaded server, so
+    every scrape timed out and close() on fit()'s way out waited for it for ever."""
+    driver = _IDLE_CLIENT_DRIVER.replace("int(sys.argv[1]), sys.argv[2]",
+                                         f"{_free_port()}, {str(storage)!r}")
+    done = run_driver(driver, tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "scraped 200" in done.stdout
+    assert "fit returned None True" in done.stdout
 
 
 # --- a real Prometheus --------------------------------------------------------------------------

@@ -311,7 +311,7 @@ def test_a_host_directory_that_others_may_write_to_is_refused(host_local):
     shared = host_local / f"jaxtrain-{os.geteuid()}"
     shared.mkdir()
     shared.chmod(0o777)
-    with pytest.raises(PermissionError, match="only it may write to"):
+    with pytest.raises(PermissionError, match="is not a private directory of this user.s"):
         unpacking.unpack(crafted(("x", "file", "1")))
 
 

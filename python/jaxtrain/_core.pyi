@@ -39,9 +39,9 @@ class CheckpointConfig:
 class FailureConfig:
     def __init__(self, max_failures: int, controller_failure_limit: int, progress_timeout_s: float | None, max_preemption_failures: int = -1, preemption_grace_s: float = 30.0, unreachable_host_timeout_s: float = 300.0) -> None: ...
 
-def stage_directory(src: str, dst: str, durable: bool = True) -> list:
+def stage_directory(src: str, dst: str, durable: bool = True, sha256: bool = False) -> list:
     """
-    Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links. Without durable, the copy is not fsynced (the commit fsyncs it).
+    Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and kept links. Without durable, the copy is not fsynced (the commit fsyncs it). With sha256, each file's SHA-256 (hex) too, computed in the same pass over its bytes.
     """
 
 class DirectorySnapshot:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 RUN_FILE = "run.json"
 ROUNDS_FILE = "result.jsonl"
@@ -144,10 +145,13 @@ class RoundTail:
     """result.jsonl of one run directory read as it grows: each ``new()`` returns the rounds
     appended since the last call. Only whole lines are read (a line still being written is read
     next time); a line that is not a JSON object is skipped; a file replaced by another (a remote
-    copy refreshed) is read again from its start. Thread-safe."""
+    copy refreshed) is read again from its start. ``open_file``: how the file is opened (a binary
+    file object, FileNotFoundError without one); default ``open(path, "rb")``. Thread-safe."""
 
-    def __init__(self, run_dir: str, from_end: bool = False) -> None:
+    def __init__(self, run_dir: str, from_end: bool = False,
+                 open_file: Callable[[], BinaryIO] | None = None) -> None:
         self.path = os.path.join(run_dir, ROUNDS_FILE)
+        self._open = open_file or (lambda: open(self.path, "rb"))
         self._lock = threading.Lock()
         self.inode: int | None = None  # of the file read so far; None: none yet
         self._offset = 0
@@ -157,7 +161,7 @@ class RoundTail:
     def new(self) -> list[dict]:
         with self._lock:
             try:
-                with open(self.path, "rb") as f:
+                with self._open() as f:
                     inode = os.fstat(f.fileno()).st_ino
                     if inode != self.inode:
                         self.inode, self._offset = inode, 0

@@ -339,8 +339,11 @@ def report(
                                                 session.snapshot_budget)
             if snapshot is None:
                 _say_over_budget(session, source.path)
+                # A part for the store is hashed as it is staged: the upload checks what it
+                # sends against these SHA-256s (checkpoint_store.Store.upload).
                 description["files"] = _core.stage_directory(source.path, staging,
-                                                             durable=False)
+                                                             durable=False,
+                                                             sha256=store is not None)
         except (FileNotFoundError, ValueError, PermissionError) as e:
             raise type(e)(f"report(checkpoint=...) on rank {ctx.world_rank}: {e}") from None
         if delete:  # the files are in memory or staged: the directory is no longer needed
@@ -472,7 +475,8 @@ def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
         description["files"] = _claim(source.path, description["staging"])
     else:
         description["files"] = _core.stage_directory(_local_path(source, "checkpoint"),
-                                                     description["staging"], durable=False)
+                                                     description["staging"], durable=False,
+                                                     sha256=session.store is not None)
 
 
 def _claim(src: str, staging: str) -> list[dict]:

@@ -662,17 +662,18 @@ NB_MODULE(_core, m) {
 
   m.def(
       "stage_directory",
-      [](const std::string& src, const std::string& dst, bool durable) {
+      [](const std::string& src, const std::string& dst, bool durable, bool sha256) {
         StatusOr<std::vector<storage::FileEntry>> entries = InternalError("");
         {
           nb::gil_scoped_release release;
-          entries = storage::StageDirectory(src, dst, durable);
+          entries = storage::StageDirectory(src, dst, durable, sha256);
         }
         return EntriesToList(Unwrap(std::move(entries)));
       },
-      "src"_a, "dst"_a, "durable"_a = true,
+      "src"_a, "dst"_a, "durable"_a = true, "sha256"_a = false,
       "Copies a checkpoint directory into staging; returns its files (sizes, CRC-32C, modes) and "
-      "kept links. Without durable, the copy is not fsynced (the commit fsyncs it).");
+      "kept links. Without durable, the copy is not fsynced (the commit fsyncs it). With sha256, "
+      "each file's SHA-256 (hex) too, computed in the same pass over its bytes.");
 
   nb::class_<storage::DirectorySnapshot>(m, "DirectorySnapshot")
       .def_prop_ro("bytes", [](const storage::DirectorySnapshot& s) { return s.bytes; })

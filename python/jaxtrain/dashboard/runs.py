@@ -4,6 +4,12 @@ writes to a run directory (the records are the controller's; docs/architecture.m
 A *source* is where the runs are: a local (or shared) storage path, one run directory, or a
 storage path on an object store, read through temporary local copies of each run's records
 (``jaxtrain.storage.local_view``) refreshed at most every ``REMOTE_REFRESH_S`` seconds.
+
+Whoever can write to a shared storage path can plant a run directory there, or links in one, to
+make the dashboard serve files its user can read. So a run directory is read through a descriptor
+of the directory itself (``RunFiles``, opened without following a link) and every file in it
+relative to that, without following links, and only when the directory's owner owns it: a run
+directory that is a link, or a file that is a link or another user's, is not read.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from jaxtrain import records
+from jaxtrain import private_dirs, records
 from jaxtrain.result import flatten
 
 # The metric names of progress: rank 0 reports its position as `step` (from 0) and the run's
@@ -56,10 +62,12 @@ class LocalSource:
             return [self.only]
         try:
             entries = list(os.scandir(self.base))
+        except FileNotFoundError:
+            return []  # no run yet (the storage path is made by the first): the table waits
         except OSError as e:
             raise SourceError(f"cannot list the storage path {self.base}: {e.strerror}") from None
         return sorted(e.name for e in entries
-                      if e.is_dir() and records.is_run_dir(e.path))
+                      if e.is_dir(follow_symlinks=False) and is_run_dir(e.path))
 
     def run_dir(self, name: str) -> str | None:
         """The directory of the run `name`, None when there is no such run here."""
@@ -149,9 +157,10 @@ def open_source(target: str | None) -> LocalSource | RemoteSource:
         return RemoteSource(fs, base)
     path = os.path.abspath(os.path.expanduser((target or default).removeprefix("file://")))
     if records.is_run_dir(path):
+        path = os.path.realpath(path)  # the user named it: a link to it is theirs to follow
         return LocalSource(os.path.dirname(path), os.path.basename(path))
-    if os.path.isdir(path):
-        return LocalSource(path)
+    if os.path.isdir(path) or (target is None and not os.path.lexists(path)):
+        return LocalSource(path)  # the default storage path before the first run: no runs yet
     if target and os.sep not in target:
         named = os.path.join(os.path.expanduser(default), target)
         if records.is_run_dir(named):
@@ -166,11 +175,55 @@ def open_source(target: str | None) -> LocalSource | RemoteSource:
 # --- one run ----------------------------------------------------------------------------------
 
 
+class RunFiles:
+    """A run directory opened for reading: the directory (not a link to one) by a descriptor, and
+    its files relative to it (private_dirs.open_beneath: no part a link, each owned by the
+    directory's owner). Raises OSError when the directory cannot be opened so (ELOOP: a link)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.owner = os.fstat(self.fd).st_uid
+
+    def __enter__(self) -> RunFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def open(self, rel: str) -> Any:
+        """The file ``rel`` ('/'-separated), open for reading in binary; OSError (PermissionError
+        for a link or another user's file, FileNotFoundError) otherwise."""
+        return os.fdopen(private_dirs.open_beneath(self.fd, rel, owner=self.owner), "rb")
+
+    def read(self, rel: str) -> bytes:
+        with self.open(rel) as f:
+            return f.read()
+
+    def mtime(self, rel: str) -> float | None:
+        try:
+            with self.open(rel) as f:
+                return os.fstat(f.fileno()).st_mtime
+        except OSError:
+            return None
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether `path` is a run directory the dashboard reads: a directory, not a link to one,
+    with a run.json (RunFiles)."""
+    try:
+        with RunFiles(path) as files:
+            files.open(records.RUN_FILE).close()
+        return True
+    except OSError:
+        return False
+
+
 def read_state(run_dir: str) -> dict:
     """run.json; a run whose run.json cannot be read is shown as UNREADABLE."""
     try:
-        state = records.read_state(run_dir)
-    except (OSError, json.JSONDecodeError) as e:
+        with RunFiles(run_dir) as files:
+            state = json.loads(files.read(records.RUN_FILE))
+    except (OSError, ValueError) as e:
         return {"status": "UNREADABLE", "error": f"cannot read run.json: {e}"}
     return state if isinstance(state, dict) else {"status": "UNREADABLE",
                                                    "error": "run.json is not an object"}
@@ -193,7 +246,8 @@ class RoundReader:
 
     def rounds(self, run_dir: str) -> list[dict]:
         with self._lock:
-            tail, rows = self._files.get(run_dir) or (records.RoundTail(run_dir), [])
+            tail, rows = self._files.get(run_dir) or (records.RoundTail(
+                run_dir, open_file=lambda: _open_rounds(run_dir)), [])
             inode = tail.inode
             new = tail.new()
             if tail.inode is None:  # no file (yet)
@@ -355,10 +409,7 @@ def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float)
             rank_state = "STOPPED"
         else:
             rank_state = attempt_status
-        try:
-            printed = os.stat(os.path.join(run_dir, "logs", f"rank-{r}.log")).st_mtime
-        except OSError:
-            printed = None
+        printed = _mtime_in(run_dir, f"logs/rank-{r}.log")
         host = hosts[r] if r < len(hosts) and hosts[r] else failure.get("host") \
             if failure.get("rank") == r else None
         out.append({
@@ -377,8 +428,12 @@ def ranks(run_dir: str, state: dict, shown: str, rounds: list[dict], now: float)
 def checkpoints(run_dir: str, state: dict) -> list[dict]:
     """The committed checkpoints, oldest first, with the best (by the run's CheckpointConfig
     score, when it has one) and the latest marked."""
-    index = records.read_index(run_dir)
-    if index is None:
+    try:
+        with RunFiles(run_dir) as files:
+            index = json.loads(files.read(records.INDEX_FILE))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(index, dict):
         return []
     cc = (state.get("config") or {}).get("checkpoint_config") or {}
     attribute = cc.get("checkpoint_score_attribute")
@@ -402,9 +457,8 @@ def checkpoints(run_dir: str, state: dict) -> list[dict]:
 
 def log_tail(run_dir: str, rank: int, limit: int = LOG_TAIL_BYTES) -> str | None:
     """The last `limit` bytes of rank `rank`'s log (from a line's start); None without a log."""
-    path = os.path.join(run_dir, "logs", f"rank-{rank}.log")
     try:
-        with open(path, "rb") as f:
+        with RunFiles(run_dir) as files, files.open(f"logs/rank-{rank}.log") as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - limit))
             data = f.read(limit)
@@ -413,6 +467,25 @@ def log_tail(run_dir: str, rank: int, limit: int = LOG_TAIL_BYTES) -> str | None
     if size > limit:
         data = data[data.find(b"\n") + 1:]
     return data.decode("utf-8", errors="replace")
+
+
+def _open_rounds(run_dir: str) -> Any:
+    """result.jsonl by RunFiles' rules; one that is a link or another user's reads as none."""
+    try:
+        with RunFiles(run_dir) as files:
+            return files.open(records.ROUNDS_FILE)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise FileNotFoundError(f"{records.ROUNDS_FILE} of {run_dir} is not read: {e}") from None
+
+
+def _mtime_in(run_dir: str, rel: str) -> float | None:
+    try:
+        with RunFiles(run_dir) as files:
+            return files.mtime(rel)
+    except OSError:
+        return None
 
 
 # --- goodput ------------------------------------------------------------------------------------

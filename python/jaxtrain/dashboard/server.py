@@ -1,6 +1,6 @@
 """The dashboard's web server: a page (static HTML, JavaScript and CSS, no build step) and a JSON
-API over a source of runs (``jaxtrain.dashboard.runs``), on the standard library's
-ThreadingHTTPServer. It only reads the run directories.
+API over a source of runs (``jaxtrain.dashboard.runs``), on jaxtrain.http_server (connections
+capped, each with a timeout). It only reads the run directories.
 
 API (every answer JSON; docs/dashboard.md):
 
@@ -9,10 +9,11 @@ API (every answer JSON; docs/dashboard.md):
                                          metrics of its rounds after round R (default all)
     GET /api/runs/NAME/logs/RANK         the tail of rank RANK's log
 
-Access: bound to a loopback address without a token, only requests naming a loopback host are
-served (a web page elsewhere cannot read the runs through DNS rebinding). With a token (needed
-to bind anywhere else), every request must carry it: ``?token=T`` (which also sets a cookie for
-the page's own requests), the cookie, or ``Authorization: Bearer T``; else 401.
+Access: every request must carry the token, on every address, loopback included (every local
+user of a shared host can connect to 127.0.0.1): ``?token=T`` (which also sets a cookie for the
+page's own requests), the cookie, or ``Authorization: Bearer T``; else 401. Bound to a loopback
+address, only requests naming a loopback host are served besides (a web page elsewhere cannot
+reach the runs through DNS rebinding).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 import urllib.parse
 from typing import Any
 
+from jaxtrain import http_server
 from jaxtrain.dashboard import runs as runs_lib
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
@@ -75,20 +77,18 @@ def new_token() -> str:
     return secrets.token_urlsafe(18)
 
 
-class Dashboard(http.server.ThreadingHTTPServer):
-    """Serves `source` on (host, port); `token` None only on a loopback address."""
+class Dashboard(http_server.BoundedHTTPServer):
+    """Serves `source` on (host, port) to requests that carry `token` (new_token)."""
 
-    daemon_threads = True
+    max_connections = 32  # a page polls once a second: a few viewers, each a few connections
 
-    def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None):
-        if token is None and not is_loopback(host):
-            raise ValueError(f"--host {host}: a dashboard bound to a non-loopback address needs "
-                             "a token (--token, or none to have one made)")
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        super().__init__((host, port), _Handler)
+    def __init__(self, source: Any, host: str, port: int, token: str):
+        if not token:
+            raise ValueError("a dashboard needs a token, on every address (new_token() makes one)")
+        super().__init__((host, port), _Handler, ipv6=":" in host)
         self.source = source
         self.token = token
+        self.loopback = is_loopback(host)
         self.rounds = runs_lib.RoundReader()
 
     @property
@@ -98,8 +98,7 @@ class Dashboard(http.server.ThreadingHTTPServer):
         if host in ("0.0.0.0", "::"):
             host = socket.gethostname()
         shown = f"[{host}]" if ":" in host else host
-        query = f"?token={self.token}" if self.token else ""
-        return f"http://{shown}:{port}/{query}"
+        return f"http://{shown}:{port}/?token={self.token}"
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -114,8 +113,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         query = urllib.parse.parse_qs(url.query)
         refused = self._refusal(query)
         if refused:
-            return self._send(401 if self.server.token else 403, {"error": refused})
-        set_cookie = bool(self.server.token and query.get("token"))
+            return self._send(*refused)
+        set_cookie = bool(query.get("token"))
         try:
             if url.path in _STATIC:
                 return self._file(*_STATIC[url.path], set_cookie)
@@ -125,13 +124,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except OSError as e:  # the storage went away, or an object store did not answer
             self._send(503, {"error": f"cannot read the runs of {self.server.source.where}: {e}"})
 
-    def _refusal(self, query: dict) -> str | None:
-        token = self.server.token
-        if token is None:
+    def _refusal(self, query: dict) -> tuple[int, dict] | None:
+        """(status, answer) of a request that is refused, None for one that is served."""
+        if self.server.loopback:
             host = _request_host(self.headers.get("Host") or "")
             if host and not is_loopback(host):
-                return f"this dashboard serves only localhost; the request named host {host!r}"
-            return None
+                return 403, {"error": "this dashboard serves only localhost; the request named "
+                             f"host {host!r}"}
+        token = self.server.token
         given = (query.get("token") or [None])[0]
         if given is None:
             auth = self.headers.get("Authorization") or ""
@@ -143,10 +143,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if key == _COOKIE:
                     given = value
         if given is None:
-            return ("this dashboard needs its token: open the URL that `jaxtrain dashboard` "
-                    "printed (it ends in ?token=...), or send 'Authorization: Bearer TOKEN'")
+            return 401, {"error": "this dashboard needs its token: open the URL that `jaxtrain "
+                         "dashboard` printed (it ends in ?token=...), or send 'Authorization: "
+                         "Bearer TOKEN'"}
         if not hmac.compare_digest(given.encode(), token.encode()):
-            return "the token is wrong: use the one that `jaxtrain dashboard` printed"
+            return 401, {"error": "the token is wrong: use the one that `jaxtrain dashboard` "
+                         "printed"}
         return None
 
     def _api(self, path: str, query: dict) -> None:

@@ -2,27 +2,34 @@
 (version 0.0.4), served at ``http://HOST:PORT/metrics`` while ``fit()`` runs.
 
 Opt-in: ``RunConfig(metrics_port=...)`` or ``JAXTRAIN_METRICS_PORT`` (0: any free port, said on
-stderr). It binds to 127.0.0.1 unless ``JAXTRAIN_METRICS_HOST`` names another address. The
+stderr). It binds to 127.0.0.1 unless ``JAXTRAIN_METRICS_HOST`` names another address. Scrapes
+need no token unless ``JAXTRAIN_METRICS_TOKEN_FILE`` names a file holding one (docs/observability.md
+says why: aggregate numbers, and a scraper configured in advance). The
 values come from the controller (``Controller.metrics_json()``, controller/run_metrics.h), read
 at each scrape, and the goodput parts from the run directory (jaxtrain.goodput), read at most
 every GOODPUT_EVERY_S seconds; the families are listed in docs/observability.md.
 
-One thread, a daemon, serves one request at a time; ``close()`` returns once it has stopped, so
-the controller is never read after it is closed.
+Served on jaxtrain.http_server: a thread per connection (daemons), at most
+``MetricsServer.max_connections`` at once, each closed after ``timeout_s`` without a read or
+write, so an idle or slow client delays neither a scrape nor the end of ``fit()``. ``close()``
+returns without waiting for any client, once no scrape is reading the controller, and the
+controller is never read after it returns.
 """
 
 from __future__ import annotations
 
+import hmac
 import http.server
 import json
-import socket
+import os
+import stat
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxtrain import goodput
+from jaxtrain import goodput, http_server
 from jaxtrain.driver.options import METRICS_PORT_ENV
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -30,6 +37,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The controller's states (RunMetrics::state), each a series of jaxtrain_run_state.
 STATES = ("QUEUED", "STARTING", "RUNNING", "STOPPING", "RESTARTING", "FINISHED", "ERRORED",
           "ABORTED")
+
+# A file holding the bearer token every scrape must then carry (Prometheus: credentials_file).
+TOKEN_FILE_ENV = "JAXTRAIN_METRICS_TOKEN_FILE"
 
 # The goodput gauges are computed from run.json and result.jsonl at most this often (seconds).
 GOODPUT_EVERY_S = 5.0
@@ -128,20 +138,52 @@ def exposition(m: dict, run: str, run_goodput: goodput.Goodput | None = None) ->
     return "\n".join(w.lines) + "\n"
 
 
+def read_token(environ: Any = os.environ) -> str | None:
+    """The token of JAXTRAIN_METRICS_TOKEN_FILE, None without the variable. Raises ValueError
+    naming the variable when the file cannot be read, others may read it, or it is empty."""
+    path = environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            token = f.read(4096).strip()
+    except OSError as e:
+        raise ValueError(f"{TOKEN_FILE_ENV}={path!r} cannot be read: {e.strerror or e}") from None
+    if mode & 0o077:
+        raise ValueError(f"{TOKEN_FILE_ENV}={path!r}: other users may read it (mode "
+                         f"{stat.filemode(mode)}); chmod 600 it")
+    if not token:
+        raise ValueError(f"{TOKEN_FILE_ENV}={path!r} is empty; write the token in it")
+    return token
+
+
 class MetricsServer:
     """Binds at once (so a taken port fails before the run starts); ``serve`` starts answering
-    scrapes from ``source``, which returns RunMetricsJson ("" while there is none)."""
+    scrapes from ``source``, which returns RunMetricsJson ("" while there is none). With a
+    ``token`` (read_token), a scrape without ``Authorization: Bearer <token>`` gets 401."""
 
-    def __init__(self, host: str, port: int, run: str) -> None:
+    def __init__(self, host: str, port: int, run: str, token: str | None = None) -> None:
         self.run = run
         self._source: Callable[[], str] = lambda: ""
         self._run_dir: str | None = None
         self._goodput: goodput.Goodput | None = None
         self._goodput_at = float("-inf")  # time.monotonic() of the last computation
+        self._goodput_lock = threading.Lock()
+        self.token = token
+        # Held while the controller is read; close() takes it to set _closed.
+        self._reading = threading.Lock()
+        self._closed = False
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+                if server.token is not None and not hmac.compare_digest(
+                        (self.headers.get("Authorization") or "").encode(),
+                        f"Bearer {server.token}".encode()):
+                    self.send_error(401, f"a scrape needs the token of {TOKEN_FILE_ENV} as "
+                                    "'Authorization: Bearer TOKEN'")
+                    return
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "the metrics are at /metrics")
                     return
@@ -155,11 +197,12 @@ class MetricsServer:
             def log_message(self, *args: Any) -> None:
                 pass  # a scrape a second is not news
 
-        class Server(http.server.HTTPServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        class Server(http_server.BoundedHTTPServer):
+            max_connections = 8  # Prometheus scrapes one at a time; a few people's curl besides
+            timeout_s = 5.0
 
         try:
-            self._http = Server((host, port), Handler)
+            self._http = Server((host, port), Handler, ipv6=":" in host)
         except OSError as e:
             raise ValueError(
                 f"cannot serve the run's metrics at {host}:{port}: {e.strerror or e}; choose "
@@ -173,20 +216,22 @@ class MetricsServer:
         return str(host), int(port)
 
     def render(self) -> str:
-        text = self._source()
+        with self._reading:
+            text = "" if self._closed else self._source()
         return exposition(json.loads(text) if text else {}, self.run, self._run_goodput())
 
     def _run_goodput(self) -> goodput.Goodput | None:
         """The run directory's goodput, computed again once GOODPUT_EVERY_S have passed; the last
         one while run.json cannot be read (not yet written)."""
-        if self._run_dir is None or time.monotonic() - self._goodput_at < GOODPUT_EVERY_S:
+        with self._goodput_lock:
+            if self._run_dir is None or time.monotonic() - self._goodput_at < GOODPUT_EVERY_S:
+                return self._goodput
+            self._goodput_at = time.monotonic()
+            try:
+                self._goodput = goodput.from_run_dir(self._run_dir)
+            except (OSError, ValueError):
+                pass
             return self._goodput
-        self._goodput_at = time.monotonic()
-        try:
-            self._goodput = goodput.from_run_dir(self._run_dir)
-        except (OSError, ValueError):
-            pass
-        return self._goodput
 
     def serve(self, source: Callable[[], str], run_dir: str | None = None) -> None:
         """Answers scrapes from now on; ``run_dir``: the local run directory whose goodput the
@@ -200,9 +245,11 @@ class MetricsServer:
         print(f"jaxtrain: metrics at http://{host}:{port}/metrics", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Stops serving; once it returns, ``source`` is not called again. Idempotent."""
+        """Stops serving without waiting for any client (open connections are shut down); once
+        it returns, ``source`` is not called again. Idempotent."""
+        with self._reading:  # a scrape reading the controller now finishes first
+            self._closed = True
+        self._http.stop()
         if self._thread is not None:
-            self._http.shutdown()  # returns once the request being answered is done
             self._thread.join()
             self._thread = None
-        self._http.server_close()

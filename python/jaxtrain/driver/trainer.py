@@ -264,7 +264,8 @@ class JaxTrainer:
         sys.stderr.flush()
         # Bound before anything starts: a port in use is refused with nothing to stop.
         metrics_server = None if options.metrics_endpoint is None else \
-            metrics.MetricsServer(*options.metrics_endpoint, self.run_config.name)
+            metrics.MetricsServer(*options.metrics_endpoint, self.run_config.name,
+                                  metrics.read_token())
         console_fd = _console_fd()
         controller = _core.Controller(
             run_dir=run_dir,

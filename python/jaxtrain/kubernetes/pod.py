@@ -35,10 +35,10 @@ import os
 import selectors
 import signal
 import socket
-import stat
 import sys
-import tempfile
 import time
+
+from jaxtrain import private_dirs
 
 # How long a pod whose worker failed waits for the next attempt before its holder ends.
 HOLD_S = 300.0
@@ -61,7 +61,7 @@ def activation_names() -> tuple[str, ...]:
 
 
 def socket_path() -> str:
-    return os.path.join(tempfile.gettempdir(), "jaxtrain-holder", "socket")
+    return os.path.join(private_dirs.tmp_base(), "jaxtrain-holder", "socket")
 
 
 def how(status: int) -> str:
@@ -258,11 +258,7 @@ class Holder:
     def _listen(self) -> socket.socket:
         path = socket_path()
         directory = os.path.dirname(path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        info = os.lstat(directory)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise OSError(f"{directory} is not a directory of uid {os.getuid()}")
-        os.chmod(directory, 0o700)
+        private_dirs.private_dir(os.path.dirname(directory), os.path.basename(directory))
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -58,6 +58,7 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from jaxtrain import private_dirs
 from jaxtrain.storage import MANIFEST_NAME
 
 IN_MEMORY_ENV = "JAXTRAIN_CHECKPOINT_IN_MEMORY"
@@ -66,6 +67,8 @@ BUDGET_ENV = "JAXTRAIN_MEMORY_BUDGET_MIB"
 DEFAULT_MEMORY_DIR = "/dev/shm"
 _OWNER = "owner.json"
 _HELD = re.compile(r"a(\d+)-r(\d+)")
+# What a user whose store is refused can do (private_dirs).
+_REMEDY = f"or set {MEMORY_DIR_ENV} to a directory of your own"
 
 
 def enabled() -> bool:
@@ -212,13 +215,9 @@ class HostMemory:
         bytes. What an earlier copy left unfinished here (a worker killed while writing it) is
         removed. Raises PermissionError when the store is not this user's private directory
         (_check_store), MemoryBudgetError when the copy is above the budget (check_budget)."""
-        parent = os.path.dirname(self.root)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(parent, 0o700)
-        _check_private(parent)  # before anything is made in it
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self.root, 0o700)
-        _check_store(self.root)
+        user = os.path.dirname(self.root)
+        private_dirs.private_dir(os.path.dirname(user), os.path.basename(user),
+                                 os.path.basename(self.root), remedy=_REMEDY)
         check_budget(self.root, size)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         owner = os.path.join(self.root, _OWNER)
@@ -498,33 +497,22 @@ def _record(copy: str) -> dict | None:
 
 def _check_private(root: str) -> None:
     """Raises PermissionError unless ``root`` is a directory of this user's that no one else may
-    enter: its name is predictable, so another user could have made it first."""
-    st = os.lstat(root)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise PermissionError(
-            f"'{root}' is not a private directory of this user's (mode "
-            f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); remove it, or set "
-            f"{MEMORY_DIR_ENV} to a directory of your own")
+    enter (private_dirs.check_private): its name is predictable, so another user could have made
+    it first."""
+    private_dirs.check_private(root, _REMEDY)
 
 
 def _check_store(root: str) -> None:
     """Raises PermissionError (FileNotFoundError when there is none) unless the store ``root``
     and the directory it is in (the user's, jaxtrain-<uid>) are private directories of this
     user's (_check_private), and the memory directory above them is one where no other user can
-    rename or replace them (root's or this user's, and sticky like /dev/shm or writable by its
-    owner only). Nothing else can then change what is in the store: so the paths in it stay the
-    store's between this check and their use."""
+    rename or replace them (private_dirs.check_location). Nothing else can then change what is
+    in the store: so the paths in it stay the store's between this check and their use."""
     parent = os.path.dirname(root)
     _check_private(parent)
     _check_private(root)
-    above = os.path.dirname(parent)
-    st = os.stat(above)
-    if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and
-                                              not st.st_mode & stat.S_ISVTX):
-        raise PermissionError(
-            f"'{above}' lets other users replace what is in it (mode "
-            f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); set {MEMORY_DIR_ENV} to a "
-            "directory that is sticky (as /dev/shm) or writable by its owner only")
+    private_dirs.check_location(os.path.dirname(parent),
+                                f"or set {MEMORY_DIR_ENV} to such a directory")
 
 
 def _is_dir(path: str) -> bool:

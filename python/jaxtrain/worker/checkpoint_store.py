@@ -10,9 +10,11 @@ rank's part of the round is in, the controller commits a manifest that names the
 and the index after it (``storage.Mirror``): a directory on the store without its manifest is no
 checkpoint for any reader, and one the index does not name is swept.
 
-Per rank and round: the snapshot ``report(checkpoint=)`` took is written into a host-local
-staging directory (under ``$TMPDIR``), its files are uploaded on up to ``_UPLOADS`` threads
-(objects above the client's part size in multipart uploads), then the staging copy is deleted.
+Per rank and round: the snapshot ``report(checkpoint=)`` took is written, with each file's
+SHA-256, into a host-local staging directory (``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``,
+every level 0700 and checked: jaxtrain.private_dirs), its files are uploaded on up to
+``_UPLOADS`` threads (objects above the client's part size in multipart uploads) and checked
+against those SHA-256s on the way, then the staging copy is deleted.
 At the start of every attempt, rank 0 deletes from the store the directories that no committed
 checkpoint names (what a failed attempt left) while the other ranks wait at a barrier, so no
 upload of the new attempt can race the sweep.
@@ -26,18 +28,16 @@ parallel, this rank's own first, each checked against its size and CRC-32C
 from __future__ import annotations
 
 import contextlib
-import getpass
 import hashlib
 import os
 import posixpath
 import re
 import shutil
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxtrain import storage
+from jaxtrain import private_dirs, storage
 
 _UPLOADS = 8  # files uploaded at once by one rank
 # Set by the driver in the workers' environment when they upload to the store themselves.
@@ -72,8 +72,8 @@ class Store:
         self._used: set[str] = set()  # the names this rank wrote in this attempt
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", experiment_name)[:100]
         # This process's own: two runs of one name on a host never share a staging directory.
-        self.staging_root = os.path.join(tempfile.gettempdir(), f"jaxtrain-{_user()}",
-                                         "staging", f"{safe}-{os.getpid()}")
+        self._staging_names = (f"jaxtrain-{os.geteuid()}", "staging", f"{safe}-{os.getpid()}")
+        self.staging_root = os.path.join(private_dirs.tmp_base(), *self._staging_names)
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -91,14 +91,22 @@ class Store:
         return name
 
     def staging(self, report_round: int) -> str:
-        """A host-local directory for this rank's files of one round before they are uploaded."""
-        return os.path.join(self.staging_root,
-                            f"a{self.attempt}-r{report_round}-rank{self.rank}")
+        """A host-local directory for this rank's files of one round before they are uploaded:
+        ``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/<run>-<pid>/a<A>-r<R>-rank<r>``, each level
+        made 0700 and checked (private_dirs.private_dir): no other user reads a staged part, or
+        replaces one between staging and upload. PermissionError naming the level otherwise."""
+        return private_dirs.private_dir(
+            private_dirs.tmp_base(), *self._staging_names,
+            f"a{self.attempt}-r{report_round}-rank{self.rank}",
+            remedy="or set TMPDIR to a directory of your own")
 
     def upload(self, staging: str, files: list[dict], dir_name: str) -> None:
-        """Uploads the files (as stage_directory described them) from `staging` into
-        ``<run>/<dir_name>/`` on the store, in parallel, then deletes `staging`. Raises
-        StoreError naming this host, the object's URL and the cause."""
+        """Uploads the files (as stage_directory described them, each with the SHA-256 computed
+        while it was staged) from `staging` into ``<run>/<dir_name>/`` on the store, in parallel,
+        then deletes `staging`. What is sent is read from the staged file, opened without
+        following links, and hashed again on the way: bytes other than the staged ones (a file
+        changed since) are never vouched for. Raises StoreError naming this host, the object's
+        URL and the cause."""
         remote = posixpath.join(self.root, dir_name)
         regular = sorted((f for f in files if "link" not in f), key=lambda f: -f["size"])
         progress = storage._Progress(f"rank {self.rank}: uploading", f"to {self.url}")
@@ -107,17 +115,33 @@ class Store:
 
         def put(f: dict, hashes: ThreadPoolExecutor) -> None:
             target = posixpath.join(remote, f["path"])
-            local = os.path.join(staging, *f["path"].split("/"))
-            # The SHA-256 of the staged copy (in the page cache), by OpenSSL with the CPU's
-            # SHA instructions and without the GIL, while the file is being uploaded.
-            sha256 = hashes.submit(_sha256, local)
+            where = storage.url(self.fs, target)
             try:
-                self.fs.put_file(local, target)
-            except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
-                raise StoreError(_failure("uploading", storage.url(self.fs, target), e)) from e
-            f["sha256"] = sha256.result()
+                fd = private_dirs.open_beneath(staging_fd, f["path"], owner=os.geteuid())
+            except OSError as e:
+                raise StoreError(_failure("uploading", where, e)) from e
+            try:
+                os.fchmod(fd, 0o600)
+                # The SHA-256 of what is sent (the staged copy, in the page cache), by OpenSSL
+                # with the CPU's SHA instructions and without the GIL, while it is uploaded from
+                # the same open file.
+                sha256 = hashes.submit(_sha256_of_fd, fd)
+                try:
+                    self.fs.put_file(f"/proc/self/fd/{fd}", target)
+                except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+                    sha256.exception()  # waits: it reads the descriptor closed below
+                    raise StoreError(_failure("uploading", where, e)) from e
+                sent = sha256.result()
+            finally:
+                os.close(fd)
+            if sent != f.get("sha256"):
+                raise StoreError(
+                    f"uploading {where} from host {os.uname().nodename} failed: the file sent is "
+                    f"not the one staged (SHA-256 {sent}, staged {f.get('sha256')}): it changed "
+                    "after it was staged, so it is not vouched for")
             progress.add(f["size"])
 
+        staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             with ThreadPoolExecutor(max_workers=_UPLOADS,
                                     thread_name_prefix="jaxtrain-upload") as pool, \
@@ -126,6 +150,7 @@ class Store:
                 for done in [pool.submit(put, f, hashes) for f in regular]:
                     done.result()
         finally:
+            os.close(staging_fd)
             shutil.rmtree(staging, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.rmdir(self.staging_root)  # when no other round of this process is in it
@@ -209,11 +234,13 @@ def open_url(storage_path: str) -> Any:
         raise StoreError(_failure("opening", storage_path, e)) from e
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as src:
-        while chunk := src.read(8 << 20):
-            digest.update(chunk)
+def _sha256_of_fd(fd: int) -> str:
+    """The SHA-256 (hex) of the file open as ``fd``, read from its start (pread: the offset is
+    left alone)."""
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 8 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
     return digest.hexdigest()
 
 
@@ -221,13 +248,6 @@ def host_cache_dir(*parts: str) -> str:
     """A directory of this host's own under $XDG_CACHE_HOME (default ~/.cache)/jaxtrain."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxtrain", *parts)
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())
 
 
 def status_code(e: BaseException | None) -> str:

@@ -17,11 +17,12 @@ import os
 import pickle
 import posixpath
 import shutil
-import stat
 import sys
 import tarfile
 import tempfile
 import time
+
+from jaxtrain import private_dirs
 
 # A partial copy (its worker was killed while unpacking) is removed once this old.
 PARTIAL_STALE_S = 3600.0
@@ -40,24 +41,6 @@ def unwrap(payload: bytes) -> tuple[bytes, dict | None]:
 
 
 # -- unpacking (each worker) ------------------------------------------------------------------
-
-
-def host_dir() -> str:
-    """This user's host-local directory, ``<$TMPDIR or /tmp>/jaxtrain-<uid>``: made 0700; one
-    that another user owns or may write to is refused."""
-    path = os.path.join(os.path.abspath(os.environ.get("TMPDIR") or "/tmp"),
-                        f"jaxtrain-{os.geteuid()}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise PermissionError(
-            f"{path} is not a directory of uid {os.geteuid()} that only it may write to; "
-            "jaxtrain keeps this host's copies of the run's working_dir there. Remove it, or "
-            "set TMPDIR to another directory")
-    return path
 
 
 def _check_member(m: tarfile.TarInfo) -> str:
@@ -130,8 +113,8 @@ def _extract(archive: bytes, dest: str) -> None:
 
 def unpack(archive: bytes) -> str:
     """This host's copy of ``archive``, unpacked once: its directory, named by its SHA-256."""
-    root = os.path.join(host_dir(), "working_dir")
-    os.makedirs(root, 0o700, exist_ok=True)
+    root = private_dirs.private_dir(private_dirs.tmp_base(), f"jaxtrain-{os.geteuid()}",
+                                    "working_dir", remedy="or set TMPDIR to another directory")
     final = os.path.join(root, hashlib.sha256(archive).hexdigest())
     if os.path.isdir(final):
         return final  # another rank of this host, or an earlier attempt, unpacked it

@@ -108,11 +108,11 @@ class Stager:
                         else:
                             # A part with a copy in memory is staged with each file's SHA-256,
                             # which the manifest then vouches for the copies with
-                            # (docs/checkpoint-memory.md); one uploaded to object storage gets
-                            # its SHA-256s while it is uploaded.
+                            # (docs/checkpoint-memory.md); so is one for object storage, whose
+                            # upload checks what it sends against them.
                             description["files"] = snapshot.write(
                                 staging, release=self._memory is None,
-                                sha256=self._memory is not None)
+                                sha256=self._memory is not None or self._store is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{staging}' "
