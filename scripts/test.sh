@@ -14,8 +14,8 @@
 # Every stage runs even when one before it failed (a failed setup aside: nothing runs without
 # it); the summary gives each stage's result and time, and the exit status is 1 if any failed.
 # C++ objects are cached by ccache across builds and checkouts, so a sanitizer build after a
-# small change recompiles only what changed. The tests run on two pytest workers; the tests of
-# each cluster stay on one worker, which starts that cluster once (tests/conftest.py).
+# small change recompiles only what changed. The Python tests run in two processes side by side:
+# the clusters' tests in one, the others in the other (docs/testing.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -87,9 +87,23 @@ benchmarks() {
     .venv/bin/python bench/startup_and_report.py --workers 2 --repeats 1 --warmup 0 --reports 500
 }
 
-pytest_run() {
+# The full suite's tests in two pytest processes side by side: the tests of the test clusters (in
+# one process, which starts each cluster once) and every other test. Their lines are prefixed
+# with the process's name; each ends with its own summary and slowest tests. (pytest-xdist cannot
+# keep a group of tests on one worker under pytest 9: its loadgroup suffix no longer reaches the
+# node ids, so the clusters' tests would be spread over workers that each start the cluster.)
+pytest_both() {
+  local a b ra rb
   # --durations: the slowest tests, so that a suite growing past its time is seen where it grows.
-  .venv/bin/python -m pytest tests -n 2 --dist loadgroup --durations=25 "$@"
+  .venv/bin/python -m pytest tests -p no:cacheprovider -m cluster --durations=15 2>&1 |
+    sed -u 's/^/[clusters] /' &
+  a=$!
+  .venv/bin/python -m pytest tests -p no:cacheprovider -m "not cluster" --durations=15 2>&1 |
+    sed -u 's/^/[local]    /' &
+  b=$!
+  wait "$a"; ra=$?
+  wait "$b"; rb=$?
+  ((ra == 0 && rb == 0))
 }
 
 stage "setup" ./scripts/setup.sh || finish
@@ -97,7 +111,9 @@ stage "lint" lint
 stage "C++ unit tests (ASan + UBSan)" unit_tests build/test-sanitize JAXTRAIN_SANITIZE
 
 if ((quick)); then
-  stage "Python and local end-to-end tests (no clusters)" pytest_run -m "not cluster"
+  stage "Python and local end-to-end tests (no clusters)" \
+    .venv/bin/python -m pytest tests -p no:cacheprovider -n 2 -m "not cluster and not emulator" \
+    --durations=15
   finish
 fi
 
@@ -114,5 +130,5 @@ stage "the GCS emulator of the gs:// tests" bash -c './scripts/stores/fake-gcs-s
 
 export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1 JAXTRAIN_REQUIRE_GCS=1 JAXTRAIN_REQUIRE_SSH=1 \
        JAXTRAIN_REQUIRE_PROMETHEUS=1 JAXTRAIN_REQUIRE_BROWSER=1
-stage "Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)" pytest_run
+stage "Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)" pytest_both
 finish

@@ -17,31 +17,29 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # What each test needs beyond this machine's processes. A test that uses a test cluster (the ssh
-# hosts, Slurm, Kubernetes) or the GCS emulator is marked `cluster` (`scripts/test.sh --quick`
-# leaves those out). The cluster tests share one xdist group: under `pytest -n 2 --dist
-# loadgroup` (scripts/test.sh) one worker runs them all, starting each cluster once, while the
-# other runs the local tests beside it. A cluster is one per machine (fixed namespaces, addresses
-# and state directories: tests/cluster_lock.py), so it must never be started by two workers.
+# hosts, Slurm, Kubernetes) is marked `cluster`, one that uses the GCS emulator `emulator`:
+# `scripts/test.sh --quick` leaves both out, and the full suite runs the `cluster` tests in a
+# pytest process of their own beside the others', so that each cluster is started once and never
+# by two processes (a cluster is one per machine: fixed namespaces, addresses and state
+# directories, tests/cluster_lock.py).
 _CLUSTER_FIXTURES = {"ssh_hosts", "slurm_cluster", "kubernetes_cluster"}
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
-        "markers", "cluster: needs a test cluster (ssh hosts, Slurm, Kubernetes) or the GCS "
-        "emulator, which scripts/test.sh --quick does not build or start")
+        "markers", "cluster: needs a test cluster (ssh hosts, Slurm, Kubernetes)")
+    config.addinivalue_line(
+        "markers", "emulator: needs the GCS emulator, which scripts/test.sh --quick does not build")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         used = set(item.fixturenames)
         params = getattr(item, "callspec", None)
-        gcs = "gcs_endpoint" in used or (params and params.params.get("store_bucket") == "gs")
         if used & _CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
-            item.add_marker(pytest.mark.xdist_group("clusters"))
-        elif gcs:
-            item.add_marker(pytest.mark.cluster)
+        elif "gcs_endpoint" in used or (params and params.params.get("store_bucket") == "gs"):
+            item.add_marker(pytest.mark.emulator)
 
 
 @pytest.fixture

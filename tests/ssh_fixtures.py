@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cluster_lock import ClusterLock
 from netns_hosts import link_cut, link_slowed, namespace_frozen, namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,7 @@ class SshHosts:
     ssh_command: str  # JAXTRAIN_SSH_COMMAND: ssh with the hosts' config, key and known_hosts
     shared: Path  # stands for an NFS mount seen by every host
     state: Path
+    lock: ClusterLock  # this session's hold on the hosts (cluster_lock.py)
 
     def namespace(self, host: str) -> str:
         """The network namespace of `host` (ip netns exec ...)."""
@@ -103,9 +105,9 @@ def ssh_hosts():
                          root_for="network namespaces, sshd",
                          installed=Path("/usr/sbin/sshd").exists(),
                          not_installed="sshd is not installed and there is no apt-get to install "
-                         "openssh-server", require="JAXTRAIN_REQUIRE_SSH"):
+                         "openssh-server", require="JAXTRAIN_REQUIRE_SSH") as lock:
         yield SshHosts(ssh_command=f"ssh -F {STATE / 'ssh_config'}", shared=STATE / "shared",
-                       state=STATE)
+                       state=STATE, lock=lock)
 
 
 @pytest.fixture

@@ -126,11 +126,11 @@ def test_stopped_ssh_hosts_leave_nothing_and_start_again_empty(ssh_hosts: SshHos
     python_on(ssh_hosts.run_on, "host1", WRITE, own)
     script = Path(__file__).resolve().parent.parent / "scripts" / "ssh_hosts.sh"
 
-    subprocess.run([str(script), "stop"], check=True, capture_output=True)
+    ssh_hosts.lock.run([str(script), "stop"], check=True, capture_output=True)
     left = {"namespaces": hosts_left("jtssh-"),
             "mounts": host_mounts("jtssh-host1") + host_mounts("jtssh-host2"),
             "state": ssh_hosts.state.exists()}
-    subprocess.run([str(script), "start"], check=True, capture_output=True)
+    ssh_hosts.lock.run([str(script), "start"], check=True, capture_output=True)
 
     assert left == {"namespaces": [], "mounts": [], "state": False}
     assert look(ssh_hosts.run_on, "host1", own) == dict.fromkeys(own)
@@ -179,7 +179,7 @@ def test_a_stopped_slurm_cluster_leaves_nothing_and_starts_again_empty(
     script = Path(__file__).resolve().parent.parent / "scripts" / "slurm_cluster.sh"
     state = Path(slurm_cluster.conf).parent.parent
 
-    subprocess.run([str(script), "stop"], check=True, capture_output=True)
+    slurm_cluster.lock.run([str(script), "stop"], check=True, capture_output=True)
     left = {"namespaces": hosts_left("jtslurm-"),
             "mounts": [m for n in slurm_cluster.nodes
                        for m in host_mounts(slurm_cluster.namespace(n))],

@@ -100,6 +100,9 @@ kueue_out=$cache/kueue-$KUEUE.$(parts kueue_binary | sha256sum | cut -c1-12)
 if [[ ! -f $out/.complete || ! -f $kueue_out/.complete ]]; then
   command -v go >/dev/null || { echo "build.sh: Go is needed (apt-get install golang, or go.dev)" >&2; exit 1; }
   mkdir -p "$work"
+  # One build at a time (a test run and a benchmark, say): a second waits, then finds it done.
+  exec {lock}>"$cache/.build.lock"
+  flock -n "$lock" || { echo "[kubernetes build] waiting for the build under way" >&2; flock "$lock"; }
   total=$SECONDS
   if [[ ! -f $out/.complete ]]; then
     mkdir -p "$out"
