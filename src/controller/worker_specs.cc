@@ -22,8 +22,10 @@ WorkerSpecs BuildWorkerSpecs(const placement::Plan& plan, const WorkerCommand& c
   std::vector<std::pair<const char*, int Worker::*>> per_worker = {
       {"JAXTRAIN_RANK", &Worker::rank}};
   for (const auto& [name, field] : numbers) {
+    // A copy: clang before 16 cannot capture a structured binding.
+    const auto member = field;
     const bool same = std::all_of(workers.begin(), workers.end(), [&](const Worker& w) {
-      return w.*field == workers.front().*field;
+      return w.*member == workers.front().*member;
     });
     if (same && !workers.empty()) {
       (*shared)[name] = std::to_string(workers.front().*field);
