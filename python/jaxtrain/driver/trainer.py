@@ -652,6 +652,10 @@ def make_storage_path(run_config: RunConfig) -> None:
     if storage.remote_filesystem(run_config.storage_path, run_config.storage_filesystem):
         return
     path = os.path.dirname(local_run_dir(run_config))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"RunConfig.storage_path={run_config.storage_path!r} cannot be used: "
+                         f"'{path}' is a file, not a directory; give a directory that this user "
+                         "can create and write to")
     try:
         os.makedirs(path, mode=0o755, exist_ok=True)
         if not os.path.isdir(local_run_dir(run_config)) and \
