@@ -556,6 +556,9 @@ class PyWorkerClient {
     return client_->PreemptionCall();
   }
   void NoteRound(uint64_t round) { client_->NoteRound(round); }
+  void EnableStacks(int fd, int signal, uint64_t thread) {
+    client_->EnableStacks(fd, signal, thread);
+  }
   void Stop() {
     nb::gil_scoped_release release;
     client_->Stop();
@@ -1061,5 +1064,6 @@ NB_MODULE(_core, m) {
            "deadline_ms"_a)
       .def("preemption_call", &PyWorkerClient::PreemptionCall)
       .def("note_round", &PyWorkerClient::NoteRound, "round"_a)
+      .def("enable_stacks", &PyWorkerClient::EnableStacks, "fd"_a, "signal"_a, "thread"_a)
       .def("stop", &PyWorkerClient::Stop);
 }

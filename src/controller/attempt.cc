@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "base/strings.h"
+#include "controller/rank_stacks.h"
 #include "controller/run_record.h"
 #include "storage/checkpoint.h"
 #include "storage/files.h"
@@ -362,11 +363,16 @@ void Attempt::StopForPreemption(const std::string& why, bool drain_timed_out) {
         .preemption = nlohmann::json::parse(preemption_.Info(drain_timed_out))});
 }
 
-void Attempt::OnMessage(int rank, const wire::Pong&) {
+void Attempt::OnMessage(int rank, const wire::Pong& m) {
   if (!watchdog_ping_) return;
   WatchdogPing& p = *watchdog_ping_;
   auto at = std::find(p.ranks.begin(), p.ranks.end(), rank);
   if (at != p.ranks.end()) p.answered[static_cast<size_t>(at - p.ranks.begin())] = true;
+  auto asked = p.asked.find(rank);
+  if (asked != p.asked.end()) asked->second = m;
+  if (m.has_stacks) {
+    for (size_t r = 0; r < ranks_.size(); ++r) AskForStacks(static_cast<int>(r));
+  }
   if (phase_ == Phase::kRunning) CheckProgress();  // decides once no answer is awaited
 }
 
@@ -622,10 +628,20 @@ std::string Attempt::RanksOn(const std::vector<int>& rs) const {
   return out;
 }
 
+void Attempt::AskForStacks(int rank) {
+  WatchdogPing& ping = *watchdog_ping_;
+  if (ping.asked.count(rank) || ranks_[static_cast<size_t>(rank)].done || !port_.connected(rank)) {
+    return;
+  }
+  ping.asked[rank];
+  port_.Send(rank, wire::MessageType::kPing, "stacks");
+}
+
 // The progress watchdog (watchdog.h): every stale rank is named with its host. A stale rank is
 // pinged first (ranks waiting in a collective for a stuck one stall with it): those that do not
-// answer within kWatchdogPingWait (stopped, frozen, cut off) are blamed, else the one stale
-// longest. A rank found stale while others' answers are awaited is pinged too.
+// answer within kWatchdogPingWait (stopped, frozen, cut off) are blamed; else the rank(s) the
+// others wait for, told from their stacks (rank_stacks.h); else the one stale longest. A rank
+// found stale while others' answers are awaited is pinged too.
 void Attempt::CheckProgress() {
   std::optional<Watchdog::Stale> stale = watchdog_.Check();
   if (!stale) {
@@ -640,13 +656,16 @@ void Attempt::CheckProgress() {
     ping.ranks.push_back(r);
     ping.answered.push_back(false);
     ping.deadline = now + kWatchdogPingWait;
-    if (port_.connected(r)) port_.Send(r, wire::MessageType::kPing, "");
+    AskForStacks(r);
   }
   std::vector<int> silent, answered;
   for (size_t i = 0; i < ping.ranks.size(); ++i) {
     (ping.answered[i] ? answered : silent).push_back(ping.ranks[i]);
   }
-  if (!silent.empty() && now < ping.deadline) return;  // answers may yet come
+  const bool awaited =
+      !silent.empty() || std::any_of(ping.asked.begin(), ping.asked.end(),
+                                     [](const auto& a) { return !a.second.has_value(); });
+  if (awaited && now < ping.deadline) return;  // answers may yet come
   std::sort(silent.begin(), silent.end());
   std::sort(answered.begin(), answered.end());
   std::string message =
@@ -663,8 +682,53 @@ void Attempt::CheckProgress() {
                " s: stopped (SIGSTOP), frozen or cut off";
     if (!answered.empty()) message += "; rank(s) " + RanksOn(answered) + " answered";
   }
+  std::string stacks_dir;
+  message += KeepStacks(ping, /*may_reblame=*/silent.empty(), &blamed, &stacks_dir);
   watchdog_ping_.reset();
-  Fail({.rank = blamed, .cause = FailureCause::kWatchdog, .message = std::move(message)});
+  RankFailure f{.rank = blamed, .cause = FailureCause::kWatchdog, .message = std::move(message)};
+  f.stacks_dir = std::move(stacks_dir);
+  Fail(std::move(f));
+}
+
+std::string Attempt::KeepStacks(const WatchdogPing& ping, bool may_reblame, int* blamed,
+                                std::string* stacks_dir) {
+  std::vector<RankStacks> given;
+  for (const auto& [rank, pong] : ping.asked) {
+    if (!pong || !pong->has_stacks) continue;
+    given.push_back({.rank = rank,
+                     .host = HostOf(static_cast<size_t>(rank)),
+                     .reports = collector_.reports(rank),
+                     .pong = *pong});
+  }
+  if (given.empty()) return "";  // no worker could take its stacks
+  std::string out;
+  if (std::optional<Behind> behind = FindBehind(given); behind && may_reblame) {
+    *blamed = behind->ranks.front();
+    out += "; the others wait for " + RanksOn(behind->ranks) + ": " + behind->why;
+  }
+  const std::string dir = "stacks/attempt-" + std::to_string(setup_.number);
+  const std::string path = storage::JoinPath(setup_.run_dir, dir);
+  Status s = storage::MakeDirs(path);
+  for (size_t r = 0; s.ok() && r < ranks_.size(); ++r) {
+    const int rank = static_cast<int>(r);
+    auto at = std::find_if(given.begin(), given.end(),
+                           [&](const RankStacks& g) { return g.rank == rank; });
+    RankStacks none{.rank = rank, .host = HostOf(r), .reports = collector_.reports(rank)};
+    auto asked = ping.asked.find(rank);
+    none.pong.error =
+        ranks_[r].done              ? "its training function had returned"
+        : asked == ping.asked.end() ? "not connected"
+        : asked->second
+            ? "its worker cannot take them"
+            : "it did not answer within " +
+                  FormatNumber(std::chrono::duration<double>(kWatchdogPingWait).count()) + " s";
+    s = storage::WriteFileAtomically(
+        storage::JoinPath(path, "rank-" + std::to_string(rank) + ".txt"),
+        StacksFileText(at != given.end() ? *at : none, setup_.number));
+  }
+  if (!s.ok()) return out + "; the ranks' stacks could not be kept: " + s.message();
+  *stacks_dir = dir;
+  return out + "; every rank's stacks: " + path;
 }
 
 void Attempt::CheckTimers() {

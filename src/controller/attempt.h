@@ -32,6 +32,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -195,11 +196,15 @@ class Attempt {
   };
   // The ping of the ranks the watchdog found stale, until it fails the attempt: a rank waiting in
   // a collective for a stuck peer answers (its connection's thread does), a stopped process or a
-  // cut-off host does not.
+  // cut-off host does not. The ping asks for the rank's stacks; once a rank answers with them,
+  // every other rank is asked too (a worker that cannot take stacks answers with none, and then
+  // only the stale ranks are asked, as before), so that the failure has every rank's stacks.
   struct WatchdogPing {
     std::vector<int> ranks;      // pinged, in the order they were found stale
     std::vector<bool> answered;  // by position in `ranks`
     TimePoint deadline;          // the last rank pinged has until then to answer
+    // Every rank asked for its stacks, and its answer once it came.
+    std::map<int, std::optional<wire::Pong>> asked;
   };
 
   TimePoint Now() const { return clock_.Now(); }
@@ -230,6 +235,12 @@ class Attempt {
   std::string HostOf(size_t rank) const;
   std::string PlannedHost(size_t rank) const;
   void CheckProgress();
+  void AskForStacks(int rank);
+  // Writes every rank's stacks under the run directory (stacks/attempt-<N>/rank-<R>.txt) and
+  // returns what the failure adds: whom the others wait for (rank_stacks.h) and where the
+  // stacks are; `blamed` becomes the rank behind when one is singled out.
+  std::string KeepStacks(const WatchdogPing& ping, bool may_reblame, int* blamed,
+                         std::string* stacks_dir);
   bool AwaitRoundsOf(int failed, FailureCause cause);
   void StopIfRoundsFinished();
 

@@ -173,6 +173,9 @@ struct RankFailure {
   std::string traceback;  // the worker's Python traceback, when it sent one
   std::string log_path;
   std::string log_tail;
+  // kWatchdog: where every rank's stacks were written, relative to the run directory
+  // ("stacks/attempt-0"); "" when no rank could give them.
+  std::string stacks_dir;
   // kPreemption: {"deadline_ms", "preempted_node_to_ranks", "drain_timed_out"} (preemption.h);
   // null otherwise.
   nlohmann::json preemption;

@@ -37,6 +37,7 @@ nlohmann::json FailureJson(const RankFailure& f) {
                       {"signal", f.signal != 0 ? nlohmann::json(f.signal) : nullptr}};
   if (f.status_code != StatusCode::kOk) j["status_code"] = StatusCodeName(f.status_code);
   if (!f.preemption.is_null()) j["preemption"] = f.preemption;
+  if (!f.stacks_dir.empty()) j["stacks"] = f.stacks_dir;
   if (!f.decision.empty()) {
     j["decision"] = {{"action", f.retried ? "retry" : "raise"}, {"reason", f.decision}};
   }

@@ -212,10 +212,20 @@ StatusOr<Collective> DecodeCollective(std::string_view body) {
 }
 
 StatusOr<Pong> DecodePong(std::string_view body) {
-  if (!body.empty()) {
-    return InvalidArgumentError("the body is " + std::to_string(body.size()) + " bytes, not empty");
+  Pong p;
+  if (body.empty()) return p;
+  JT_ASSIGN_OR_RETURN(json j, ParseObject(body));
+  p.has_stacks = true;
+  JT_RETURN_IF_ERROR(ReadString(j, "", "stacks", /*required=*/false, &p.stacks));
+  JT_RETURN_IF_ERROR(ReadUnsigned(j, "", "thread", /*required=*/false, &p.thread));
+  JT_RETURN_IF_ERROR(ReadString(j, "", "collective", /*required=*/false, &p.collective));
+  JT_RETURN_IF_ERROR(ReadString(j, "", "error", /*required=*/false, &p.error));
+  JT_ASSIGN_OR_RETURN(const json* settling, Find(j, "", "settling", /*required=*/false));
+  if (settling != nullptr) {
+    if (!settling->is_boolean()) return Wrong("settling", *settling, "true or false");
+    p.settling = settling->get<bool>();
   }
-  return Pong{};
+  return p;
 }
 
 StatusOr<Done> DecodeDone(std::string_view body) {
@@ -298,7 +308,15 @@ struct Encoder {
     }
     return Dump(j);
   }
-  StatusOr<std::string> operator()(const Pong&) const { return std::string(); }
+  StatusOr<std::string> operator()(const Pong& p) const {
+    if (!p.has_stacks) return std::string();
+    json j = {{"stacks", p.stacks},
+              {"thread", p.thread},
+              {"collective", p.collective},
+              {"settling", p.settling}};
+    if (!p.error.empty()) j["error"] = p.error;
+    return Dump(j);
+  }
   StatusOr<std::string> operator()(const Collective& c) const {
     return EncodeCollectiveBody(c.sequence, static_cast<uint8_t>(c.kind), c.data);
   }

@@ -122,8 +122,19 @@ struct Collective {
   bool operator==(const Collective&) const = default;
 };
 
-// kPong: the answer to the controller's kPing; an empty body.
+// kPong: the answer to the controller's kPing. Empty; or, to a ping "stacks", JSON {"stacks",
+// "thread", "collective", "settling", "error"}: every thread's Python stack as faulthandler
+// writes them, the training thread's id as the dump names it ("Thread 0x..."), the jaxtrain
+// collective call the rank waits in ("" for none), whether it waits for the commit of its last
+// checkpoint, and why no stacks could be taken ("" when they were). An empty body answers a
+// "stacks" ping from a worker that cannot take stacks (its process did not enable them).
 struct Pong {
+  bool has_stacks = false;  // false: the empty body
+  std::string stacks;
+  uint64_t thread = 0;
+  std::string collective;
+  bool settling = false;
+  std::string error;
   bool operator==(const Pong&) const = default;
 };
 

@@ -266,8 +266,13 @@ std::vector<Malformed> MalformedMessages() {
       {MessageType::kPreemption, R"({"calls":2,"rounds":0.5})", pre + "rounds is 0.5, not " + u64},
       {MessageType::kPreemptionReply, "{}", "unexpected message type 17"},
       {MessageType::kPing, "", "unexpected message type 18"},
-      {MessageType::kPong, "x",
-       "malformed message of type 19 (pong): the body is 1 bytes, not empty"},
+      {MessageType::kPong, "x", "malformed message of type 19 (pong): the body is not JSON"},
+      {MessageType::kPong, R"({"stacks":1})",
+       "malformed message of type 19 (pong): stacks is 1, not a string"},
+      {MessageType::kPong, R"({"thread":-1})",
+       "malformed message of type 19 (pong): thread is -1, not " + u64},
+      {MessageType::kPong, R"({"settling":"no"})",
+       "malformed message of type 19 (pong): settling is \"no\", not true or false"},
       {MessageType::kCollective, "12345678",
        coll + "collective frame of 8 bytes is shorter than its 9-byte sequence number and kind"},
       {MessageType::kCollective, EncodeCollectiveBody(0, 1, ""),
@@ -330,6 +335,10 @@ TEST(DecodeWorkerMessageTest, EveryDecodedMessageSurvivesEncodingAndDecodingAgai
       {MessageType::kCollective, EncodeCollectiveBody(1, 1, "")},
       {MessageType::kCollective, EncodeCollectiveBody(7, 2, std::string("\0pickled\xff", 9))},
       {MessageType::kPong, ""},
+      {MessageType::kPong, "{}"},
+      {MessageType::kPong,
+       R"({"stacks":"Thread 0x01 (most recent call first):\n","thread":1,"collective":"barrier() call 2","settling":true})"},
+      {MessageType::kPong, R"({"error":"faulthandler is not registered"})"},
   };
   for (const auto& [type, body] : frames) {
     StatusOr<WorkerMessage> decoded = DecodeWorkerMessage({type, body});

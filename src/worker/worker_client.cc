@@ -281,6 +281,11 @@ Status WorkerClient::ReportCheckpoint(uint64_t round, std::string_view checkpoin
 }
 
 Status WorkerClient::WaitCheckpointsSettled() {
+  settling_.store(true, std::memory_order_relaxed);
+  struct Clear {
+    std::atomic<bool>& flag;
+    ~Clear() { flag.store(false, std::memory_order_relaxed); }
+  } clear{settling_};
   MutexLock lock(settle_mu_);
   settle_cv_.Wait(settle_mu_, [this]() REQUIRES(settle_mu_) {
     return released_ || lost_ || checkpoints_settled_ >= checkpoints_reported_;
@@ -298,6 +303,12 @@ StatusOr<std::string> WorkerClient::Collective(const wire::Collective& call) {
         "; broadcast small objects only (write large ones to a file and broadcast its path)");
   }
   JT_ASSIGN_OR_RETURN(std::string body, wire::EncodeWorkerMessage(call));
+  collective_kind_.store(static_cast<uint8_t>(call.kind), std::memory_order_relaxed);
+  collective_sequence_.store(call.sequence, std::memory_order_relaxed);
+  struct Clear {
+    std::atomic<uint64_t>& sequence;
+    ~Clear() { sequence.store(0, std::memory_order_relaxed); }
+  } clear{collective_sequence_};
   JT_RETURN_IF_ERROR(Send(wire::MessageType::kCollective, body));
   MutexLock lock(settle_mu_);
   settle_cv_.Wait(settle_mu_, [this]() REQUIRES(settle_mu_) { return lost_ || release_; });
@@ -358,7 +369,8 @@ void WorkerClient::WatchController(int exit_code) {
         continue;
       }
       if (f->type == wire::MessageType::kPing) {  // answered here, whatever training is doing
-        [[maybe_unused]] Status s = Send(wire::MessageType::kPong, "");
+        [[maybe_unused]] Status s =
+            Send(wire::MessageType::kPong, f->body == "stacks" ? TakeStacks() : std::string());
         continue;
       }
       if (f->type == wire::MessageType::kCollectiveRelease) {
@@ -393,6 +405,51 @@ void WorkerClient::WatchController(int exit_code) {
     [[maybe_unused]] ssize_t w = write(2, message.data(), message.size());
     _exit(exit_code);
   });
+}
+
+void WorkerClient::EnableStacks(int fd, int signal, uint64_t thread) {
+  stacks_fd_ = fd;
+  stacks_signal_ = signal;
+  stacks_thread_ = thread;
+}
+
+std::string WorkerClient::TakeStacks() {
+  if (stacks_fd_ < 0) return "";  // a worker that cannot take them answers as before
+  wire::Pong pong{.has_stacks = true, .thread = stacks_thread_};
+  if (const uint64_t sequence = collective_sequence_.load(std::memory_order_relaxed)) {
+    pong.collective = std::string(wire::CollectiveKindName(static_cast<wire::CollectiveKind>(
+                          collective_kind_.load(std::memory_order_relaxed)))) +
+                      " call " + std::to_string(sequence);
+  }
+  pong.settling = settling_.load(std::memory_order_relaxed);
+  // A signal sent to the calling thread is handled before pthread_kill() returns, so the dump is
+  // complete once it has; the handler writes at the descriptor's offset.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, stacks_signal_);
+  int err = 0;
+  off_t size = -1;
+  if (ftruncate(stacks_fd_, 0) != 0 || lseek(stacks_fd_, 0, SEEK_SET) != 0) {
+    err = errno;
+  } else if ((err = pthread_sigmask(SIG_UNBLOCK, &set, nullptr)) == 0 &&
+             (err = pthread_kill(pthread_self(), stacks_signal_)) == 0) {
+    size = lseek(stacks_fd_, 0, SEEK_END);
+    if (size < 0) err = errno;
+  }
+  if (err != 0) {
+    pong.error = std::string("the stacks could not be taken: ") + std::strerror(err);
+  } else if (size == 0) {
+    pong.error = "the stacks could not be taken: nothing was dumped on signal " +
+                 std::to_string(stacks_signal_) +
+                 " (did the training function install a handler of its own for it?)";
+  } else {
+    // At most half the frame's limit: room for the rest of the answer, escaped.
+    pong.stacks.resize(std::min<size_t>(static_cast<size_t>(size), wire::kMaxWorkerFrameBody / 4));
+    const ssize_t n = pread(stacks_fd_, pong.stacks.data(), pong.stacks.size(), 0);
+    pong.stacks.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  }
+  StatusOr<std::string> body = wire::EncodeWorkerMessage(pong);
+  return body.ok() ? *body : std::string();
 }
 
 void WorkerClient::Stop() {

@@ -137,6 +137,15 @@ class WorkerClient {
   // The report() rounds this rank has made in this attempt (the answer to the query names them).
   void NoteRound(uint64_t round) { rounds_.store(round, std::memory_order_relaxed); }
 
+  // Lets the controller's ping "stacks" (docs/wire.md) take this process's Python stacks:
+  // `signal` is one on which faulthandler.register(signal, file=fd, all_threads=True) dumps every
+  // thread's stack into `fd` (a memfd the caller keeps open). The watcher raises it in its own
+  // thread, whose handler writes the dump there and then, whatever the training thread
+  // (`thread`: its id, threading.get_ident()) is doing, blocked inside XLA with the GIL held or
+  // not; and answers with the dump and what this client knows: the collective call it waits in,
+  // and whether it waits for a checkpoint's commit. Call before WatchController().
+  void EnableStacks(int fd, int signal, uint64_t thread);
+
  private:
   explicit WorkerClient(int fd) : fd_(fd), decoder_(wire::kMaxControllerFrameBody) {}
   // One connection and handshake. Errors: as Connect(), and kAborted when the controller closed
@@ -149,6 +158,8 @@ class WorkerClient {
   StatusOr<wire::Frame> ReadFrame();
   void OnPreemptionReply(const std::string& body);
   [[noreturn]] static void EndBySigterm();
+  // The body of the answer to a ping "stacks" (wire::Pong).
+  std::string TakeStacks();
 
   int fd_;
   wire::FrameDecoder decoder_;
@@ -182,6 +193,16 @@ class WorkerClient {
   // The last collective release the watcher read (under the same mutex as the notices).
   std::optional<StatusOr<wire::Collective>> release_ GUARDED_BY(settle_mu_);
   std::string release_body_ GUARDED_BY(settle_mu_);  // what release_'s data points into
+
+  // The stacks (EnableStacks()); the dump is taken on the watcher's thread only.
+  int stacks_fd_ = -1;
+  int stacks_signal_ = 0;
+  uint64_t stacks_thread_ = 0;
+  // What the stacks' answer says: the collective call being waited in (its sequence number and
+  // kind, 0: none), and whether WaitCheckpointsSettled() waits.
+  std::atomic<uint64_t> collective_sequence_{0};
+  std::atomic<uint8_t> collective_kind_{0};
+  std::atomic<bool> settling_{false};
 };
 
 }  // namespace jaxtrain::worker

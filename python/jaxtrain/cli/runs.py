@@ -266,6 +266,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         if failure:
             line += f"  rank {failure.get('rank')} {failure.get('cause')}: {failure.get('message')}"
         out.append(line)
+        if failure and isinstance(failure.get("stacks"), str):
+            out.append(f"     stacks: {_stacks_files(run_dir, failure['stacks'])}")
 
     rounds = result.report_rounds()
     out += _goodput_lines(state, rounds, status)
@@ -289,6 +291,18 @@ def cmd_show(args: argparse.Namespace) -> int:
         out.append(f"plot       {_plot(run_dir, result, args.plot)}")
     print("\n".join(out))
     return EXIT_OK
+
+
+def _stacks_files(run_dir: str, stacks: str) -> str:
+    """Every rank's stacks of a hung attempt (docs/failure-detection.md): the folder and its
+    files, rank by rank."""
+    folder = os.path.join(run_dir, stacks)
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("rank-") and n.endswith(".txt")]
+    except OSError:
+        return folder
+    names.sort(key=lambda n: int(n[5:-4]) if n[5:-4].isdigit() else -1)
+    return f"{folder}/ " + " ".join(names)
 
 
 def _goodput_lines(state: dict, rounds: list[dict], status: str) -> list[str]:

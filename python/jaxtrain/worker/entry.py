@@ -37,6 +37,11 @@ RETURN_VALUE_LIMIT = 4 << 20
 # (jaxtrain/driver/local_mode.py).
 LOCAL_MODE_SOCKET_ENV = "JAXTRAIN_LOCAL_MODE_SOCKET"
 
+# The signal on which faulthandler dumps every thread's stack for the controller's ping "stacks"
+# (docs/failure-detection.md): a real-time one, which neither Slurm (SIGUSR1), the Kubernetes
+# supervisor (SIGUSR2) nor a training script's own faulthandler.register(SIGUSR2) takes.
+STACKS_SIGNAL = signal.SIGRTMIN + 4
+
 # jax.distributed timeouts, in seconds.
 _INIT_TIMEOUT_S = 300
 _HEARTBEAT_TIMEOUT_S = 100
@@ -190,6 +195,25 @@ def _fail(client, phase: str, exit_code: int, message: str | None = None,
         pass
     sys.stdout.flush()
     os._exit(exit_code)
+
+
+def _enable_stacks(client) -> None:
+    """Lets the controller take this process's Python stacks (WorkerClient::EnableStacks).
+
+    faulthandler's handler dumps every thread's stack on the thread that gets the signal, the
+    client's own, without the GIL: so it works while the training thread is blocked inside XLA.
+    The dump goes to a memfd that the client reads back and sends, so it reaches the driver from
+    every launcher's hosts alike.
+    """
+    import faulthandler
+
+    try:
+        fd = os.memfd_create("jaxtrain-stacks")
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError) as e:  # stacks are a help, not a need
+        sys.stderr.write(f"jaxtrain worker: stacks cannot be taken on a hang: {e}\n")
+        return
+    client.enable_stacks(fd, STACKS_SIGNAL, threading.get_ident())
 
 
 def _take_secret() -> str | None:
@@ -804,6 +828,7 @@ def main() -> None:
     except PermissionError as e:  # a frame that did not open: nothing of it was used
         sys.stderr.write(f"jaxtrain worker: ending the connection to the controller: {e}\n")
         os._exit(EXIT_CONTROLLER_LOST)
+    _enable_stacks(client)
     client.watch_controller(EXIT_CONTROLLER_LOST)
     start = json.loads(start_json)
     metadata_watcher = None

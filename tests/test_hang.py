@@ -1,0 +1,101 @@
+"""A hung run says which rank stopped and where: every rank's stacks are kept in the run
+directory and the failure blames the rank the others wait for (docs/failure-detection.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
+from jaxtrain.cli import main
+
+# Long enough for a step under a loaded machine, short enough for the suite.
+WATCHDOG_S = 4.0
+
+
+def _blocks_at_step_5(config):
+    """The issue's scenario: at step 5 rank 1 calls a function that never returns while rank 0
+    waits for it in multihost_utils.process_allgather."""
+    import threading
+
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    from jaxtrain import get_context, report
+
+    def block_forever():
+        threading.Event().wait()
+
+    rank = get_context().get_world_rank()
+    for step in range(100):
+        if step == 5 and rank == 1:
+            block_forever()
+        multihost_utils.process_allgather(jnp.float32(step))
+        report({"step": step})
+
+
+def _loader_stops_at_batch_5(config):
+    """Rank 1's data loader stops at batch 5 while rank 0 computes and then waits for it."""
+    import queue
+
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    from jaxtrain import get_context, report
+
+    rank = get_context().get_world_rank()
+
+    def next_batch(i):
+        if rank == 1 and i == 5:
+            return queue.Queue().get()  # a read that never returns
+        return jnp.ones((8,)) * i
+
+    for step in range(100):
+        batch = next_batch(step)
+        loss = (batch * batch).sum()
+        multihost_utils.process_allgather(loss)
+        report({"step": step})
+
+
+def _fit_hung(fn, storage: str, name: str) -> tuple[dict, Path]:
+    with pytest.raises(TrainingFailedError) as e:
+        JaxTrainer(
+            fn, scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(name=name, storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=0,
+                                                              progress_timeout_s=WATCHDOG_S)),
+        ).fit()
+    run_dir = Path(storage, name)
+    failure = json.loads((run_dir / "run.json").read_text())["attempts"][0]["failure"]
+    assert failure["cause"] == "watchdog", failure
+    assert failure["message"] in str(e.value)
+    return failure, run_dir
+
+
+def test_the_rank_that_never_arrives_is_blamed_with_every_ranks_stacks(tmp_path, capsys):
+    failure, run_dir = _fit_hung(_blocks_at_step_5, str(tmp_path), "blocked")
+    assert failure["rank"] == 1, failure["message"]
+    assert "the others wait for 1 on " in failure["message"]
+    assert "block_forever" in failure["message"]
+    assert failure["stacks"] == "stacks/attempt-0"
+    stacks = run_dir / failure["stacks"]
+    assert f"every rank's stacks: {stacks}" in failure["message"]
+    rank0 = (stacks / "rank-0.txt").read_text()
+    rank1 = (stacks / "rank-1.txt").read_text()
+    assert "# report() calls in this attempt: 5" in rank0
+    assert "in JAX at multihost_utils.py" in rank0 and "process_allgather" in rank0
+    assert "in block_forever" in rank1
+    assert "# where: at test_hang.py" in rank1
+    capsys.readouterr()
+    assert main(["show", str(run_dir)]) == 0
+    assert f"stacks: {stacks}/ rank-0.txt rank-1.txt" in capsys.readouterr().out
+
+
+def test_a_rank_stopped_in_its_data_loader_is_blamed(tmp_path):
+    failure, run_dir = _fit_hung(_loader_stops_at_batch_5, str(tmp_path), "loader")
+    assert failure["rank"] == 1, failure["message"]
+    assert "in next_batch" in failure["message"]
+    rank1 = (run_dir / failure["stacks"] / "rank-1.txt").read_text()
+    assert "in next_batch" in rank1 and "queue.py" in rank1
