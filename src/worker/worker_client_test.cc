@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -309,6 +311,55 @@ TEST(WorkerClientTest, TheConnectionsThreadAnswersAPingWhileACallWaits) {
   for (const auto& f : controller.received) types.push_back(f.type);
   EXPECT_EQ(types.size(), 2u);
   EXPECT_EQ(std::count(types.begin(), types.end(), MessageType::kPong), 1);
+}
+
+// What faulthandler's handler does for the stacks (EnableStacks()), on the thread that gets the
+// signal: write a dump into the descriptor it was given.
+int stacks_fd = -1;
+constexpr std::string_view kDump =
+    "Thread 0x000000000000002a (most recent call first):\n  File \"t.py\", line 1 in f\n";
+void DumpStacks(int) { [[maybe_unused]] ssize_t w = write(stacks_fd, kDump.data(), kDump.size()); }
+
+TEST(WorkerClientTest, APingForStacksIsAnsweredWithTheDumpTheSignalsHandlerWrites) {
+  stacks_fd = memfd_create("stacks-test", MFD_CLOEXEC);
+  ASSERT_GE(stacks_fd, 0);
+  const int sig = SIGRTMIN + 4;
+  struct sigaction action {};
+  action.sa_handler = DumpStacks;
+  ASSERT_EQ(sigaction(sig, &action, nullptr), 0);
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  // Twice: each answer holds that dump alone. The release sequences the test: read after both.
+  controller.Serve(
+      {{MessageType::kPing, "stacks"},
+       {MessageType::kPing, "stacks"},
+       {MessageType::kCollectiveRelease, wire::EncodeCollectiveRelease({.sequence = 1})}});
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    (*client)->EnableStacks(stacks_fd, sig, 42);
+    (*client)->WatchController(7);
+    ASSERT_TRUE((*client)->Collective({.sequence = 1}).ok());
+    (*client)->Stop();
+  }
+  controller.Join();
+  signal(sig, SIG_DFL);
+  close(stacks_fd);
+  std::vector<wire::Pong> pongs;
+  for (const auto& f : controller.received) {
+    if (f.type != MessageType::kPong) continue;
+    auto m = wire::DecodeWorkerMessage({f.type, f.body});
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    pongs.push_back(std::get<wire::Pong>(*m));
+  }
+  ASSERT_EQ(pongs.size(), 2u);
+  for (const wire::Pong& p : pongs) {
+    EXPECT_TRUE(p.has_stacks);
+    EXPECT_EQ(p.stacks, kDump);
+    EXPECT_EQ(p.thread, 42u);
+    EXPECT_EQ(p.error, "");
+    EXPECT_FALSE(p.settling);
+  }
 }
 
 TEST(WorkerClientTest, AControllerThatNeverAnswersTimesOut) {
