@@ -84,6 +84,16 @@ def test_numbers_in_config_errors_are_echoed_as_given(field, value, shown):
     assert f"FailureConfig.{field}={shown} is not allowed" in str(e.value), str(e.value)
 
 
+def test_the_progress_watchdog_is_automatic_by_default_and_none_turns_it_off():
+    assert FailureConfig().progress_timeout_s == "auto"
+    assert FailureConfig(progress_timeout_s=None).progress_timeout_s is None
+    assert FailureConfig(progress_timeout_s=30).progress_timeout_s == 30
+    with pytest.raises(ValueError) as e:
+        FailureConfig(progress_timeout_s="10m")
+    assert str(e.value) == ("FailureConfig.progress_timeout_s='10m' is not allowed; give a number "
+                            "of seconds > 0, \"auto\" or None")
+
+
 def test_tpu_and_gpu_are_exclusive():
     invalid(["use_tpu=True and use_gpu=True"], use_tpu=True, use_gpu=True)
 

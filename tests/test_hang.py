@@ -59,13 +59,59 @@ def _loader_stops_at_batch_5(config):
         report({"step": step})
 
 
-def _fit_hung(fn, storage: str, name: str) -> tuple[dict, Path]:
+def _blocks_at_step_5_for_a_while(config):
+    """As _blocks_at_step_5, but rank 1 gives up after a deadline far beyond the watchdog's (so
+    that a run whose watchdog is off fails, rather than hangs)."""
+    import threading
+
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    from jaxtrain import get_context, report
+
+    rank = get_context().get_world_rank()
+    for step in range(100):
+        if step == 5 and rank == 1:
+            threading.Event().wait(120)
+            raise RuntimeError("the watchdog did not stop the hung group")
+        multihost_utils.process_allgather(jnp.float32(step))
+        report({"step": step})
+
+
+def _slow_compile_then_a_long_checkpoint(config):
+    """Quick steps (a median step time of milliseconds), but a first compilation, a later one
+    and a checkpoint each far slower than 10 steps, though under the floor."""
+    import tempfile
+    import time
+
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    from jaxtrain import Checkpoint, report
+
+    slow_s = config["slow_s"]
+    time.sleep(slow_s)  # the first compilation: before the first report()
+    for step in range(12):
+        if step == 6:
+            time.sleep(slow_s)  # a later compilation
+        multihost_utils.process_allgather(jnp.float32(step))
+        if step == 9:
+            with tempfile.TemporaryDirectory() as d:
+                time.sleep(slow_s)  # writing a large checkpoint
+                Path(d, "step").write_text(str(step))
+                report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+        else:
+            report({"step": step})
+
+
+def _fit_hung(fn, storage: str, name: str,
+              failure_config: FailureConfig | None = None) -> tuple[dict, Path]:
+    if failure_config is None:
+        failure_config = FailureConfig(max_failures=0, progress_timeout_s=WATCHDOG_S)
     with pytest.raises(TrainingFailedError) as e:
         JaxTrainer(
             fn, scaling_config=ScalingConfig(num_workers=2),
-            run_config=RunConfig(name=name, storage_path=storage,
-                                 failure_config=FailureConfig(max_failures=0,
-                                                              progress_timeout_s=WATCHDOG_S)),
+            run_config=RunConfig(name=name, storage_path=storage, failure_config=failure_config),
         ).fit()
     run_dir = Path(storage, name)
     failure = json.loads((run_dir / "run.json").read_text())["attempts"][0]["failure"]
@@ -99,3 +145,27 @@ def test_a_rank_stopped_in_its_data_loader_is_blamed(tmp_path):
     assert "in next_batch" in failure["message"]
     rank1 = (run_dir / failure["stacks"] / "rank-1.txt").read_text()
     assert "in next_batch" in rank1 and "queue.py" in rank1
+
+
+def test_the_default_watchdog_stops_a_hung_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S", str(WATCHDOG_S))
+    failure, _ = _fit_hung(_blocks_at_step_5_for_a_while, str(tmp_path), "default",
+                           FailureConfig())
+    assert failure["rank"] == 1, failure["message"]
+    assert (f"no report() for {WATCHDOG_S:g} s (the progress watchdog's automatic limit: 10 x the "
+            "median step time") in failure["message"]
+
+
+def test_the_default_watchdog_lets_slow_compilations_and_a_long_checkpoint_pass(
+        tmp_path, monkeypatch):
+    # Each slow part takes half the floor: far over 10 quick steps, under the floor.
+    monkeypatch.setenv("JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S", str(2 * WATCHDOG_S))
+    result = JaxTrainer(
+        _slow_compile_then_a_long_checkpoint, train_loop_config={"slow_s": WATCHDOG_S},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="slow", storage_path=str(tmp_path)),
+    ).fit()
+    assert result.error is None
+    assert result.metrics == {"step": 11}
+    run = json.loads(Path(result.path, "run.json").read_text())
+    assert [a["status"] for a in run["attempts"]] == ["FINISHED"]

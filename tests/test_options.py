@@ -33,6 +33,8 @@ def test_unset_switches_give_the_defaults():
     ("JAXTRAIN_GCE_METADATA", "on", "use 1 (watch the GCE metadata server"),
     ("JAXTRAIN_WORKING_DIR_MAX_MIB", "0", "use a whole number of MiB above 0"),
     ("JAXTRAIN_VERBOSE", "yes", "use 1 (the console and the rank logs also say"),
+    ("JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S", "0", "use a number of seconds > 0 that the progress"),
+    ("JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S", "10m", "use a number of seconds > 0"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable_the_value_and_what_is_allowed(
         name, value, allowed):

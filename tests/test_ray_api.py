@@ -41,7 +41,7 @@ def test_configs_are_dataclasses_compared_by_value_and_replaced_with_validation(
     assert wider.num_workers == 4 and wider == ScalingConfig(num_workers=4)
     assert dataclasses.replace(run, name="b").name == "b"
     assert dataclasses.asdict(FailureConfig(max_failures=-1)) == {
-        "max_failures": -1, "controller_failure_limit": 3, "progress_timeout_s": None,
+        "max_failures": -1, "controller_failure_limit": 3, "progress_timeout_s": "auto",
         "max_preemption_failures": -1, "preemption_grace_s": 30.0,
         "unreachable_host_timeout_s": 300.0}
     # A replaced field is validated like a given one.

@@ -10,7 +10,7 @@ another calls ``broadcast_from_rank_zero()``, or one returns from the training f
 others wait) fail the attempt with a message naming the ranks and their calls, and a rank that
 fails while the others wait ends the attempt as any failure does. There is no timeout of their
 own: while ranks wait, the controller names the ranks missing every 60 s, and the progress
-watchdog, when set (``FailureConfig(progress_timeout_s=...)``), ends a group that stays stuck.
+watchdog (on by default, ``FailureConfig(progress_timeout_s=...)``) ends a group that stays stuck.
 """
 
 from __future__ import annotations

@@ -250,10 +250,14 @@ class FailureConfig:
     the latest committed checkpoint, up to ``max_failures`` times (-1: without limit). A group that
     cannot start (a start-up failure) is retried up to ``controller_failure_limit`` times (-1:
     without limit; Ray's default is -1, jaxtrain's 3, see docs/ray-differences.md).
-    ``progress_timeout_s`` turns on the progress watchdog: once a rank has called ``report()``,
+    ``progress_timeout_s`` is the progress watchdog's limit: once a rank has called ``report()``,
     going that many seconds without another call counts as a failure (alive but stuck); the
-    stale ranks are pinged, and those that do not answer (a stopped process, a hung host) are
-    blamed over those waiting for them (docs/failure-detection.md).
+    stale ranks are pinged, those that do not answer (a stopped process, a hung host) are blamed
+    over those waiting for them, else the rank the others wait for, told from every rank's
+    stacks, which are kept in the run directory (docs/failure-detection.md). ``"auto"`` (the
+    default): 10 times the run's median step time, at least 10 minutes (the floor covers a
+    later compilation, a checkpoint, an evaluation; the first compilation is never counted,
+    since a rank is watched from its first ``report()``); ``None`` turns the watchdog off.
     Preemptions (a worker's SIGTERM that the run did not send: a reclaimed spot VM, a drained
     node; docs/preemption.md) are not failures: they have their own budget,
     ``max_preemption_failures`` (-1, the default: without limit), and the group goes on after a
@@ -264,7 +268,7 @@ class FailureConfig:
 
     max_failures: int
     controller_failure_limit: int
-    progress_timeout_s: float | None
+    progress_timeout_s: float | str | None
     max_preemption_failures: int
     preemption_grace_s: float
     unreachable_host_timeout_s: float
@@ -273,7 +277,7 @@ class FailureConfig:
         self,
         max_failures: int = 0,
         controller_failure_limit: int = 3,
-        progress_timeout_s: float | None = None,
+        progress_timeout_s: float | str | None = "auto",
         max_preemption_failures: int = -1,
         preemption_grace_s: float = 30.0,
         unreachable_host_timeout_s: float = 300.0,
@@ -282,9 +286,10 @@ class FailureConfig:
         _expect(owner, "max_failures", max_failures, (int,), "use 0, a positive number, or -1")
         _expect(owner, "controller_failure_limit", controller_failure_limit, (int,),
                 "use 0, a positive number, or -1")
-        if progress_timeout_s is not None:
+        auto = progress_timeout_s == "auto"
+        if progress_timeout_s is not None and not auto:
             _expect(owner, "progress_timeout_s", progress_timeout_s, (int, float),
-                    "give a number of seconds > 0, or None")
+                    "give a number of seconds > 0, \"auto\" or None")
         _expect(owner, "max_preemption_failures", max_preemption_failures, (int,),
                 "use 0, a positive number, or -1")
         _expect(owner, "preemption_grace_s", preemption_grace_s, (int, float),
@@ -294,10 +299,12 @@ class FailureConfig:
         self._core = _core.FailureConfig(
             max_failures=max_failures,
             controller_failure_limit=controller_failure_limit,
-            progress_timeout_s=None if progress_timeout_s is None else float(progress_timeout_s),
+            progress_timeout_s=None if progress_timeout_s is None or auto
+            else float(progress_timeout_s),
             max_preemption_failures=max_preemption_failures,
             preemption_grace_s=float(preemption_grace_s),
             unreachable_host_timeout_s=float(unreachable_host_timeout_s),
+            progress_timeout_auto=auto,
         )
         self.max_failures = max_failures
         self.controller_failure_limit = controller_failure_limit

@@ -147,6 +147,8 @@ struct PyControllerOptions {
   std::string run_config_json;
   double terminate_grace_s = 0;
   double start_timeout_s = 0;
+  // The automatic progress limit's floor (JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S); 0: the default.
+  double progress_timeout_floor_s = 0;
   std::optional<config::FailureConfig> failure_config;
   std::optional<config::CheckpointConfig> checkpoint_config;
   bool verify_checksums = true;
@@ -184,6 +186,12 @@ class PyController {
     o.start_timeout = Seconds(a.start_timeout_s);
     const config::FailureConfig& failure_config = *a.failure_config;
     o.progress_timeout = Seconds(failure_config.progress_timeout_s().value_or(0));
+    if (failure_config.progress_timeout_auto()) {
+      o.progress_auto = controller::AutoLimit{};
+      if (a.progress_timeout_floor_s > 0) {
+        o.progress_auto->floor = Seconds(a.progress_timeout_floor_s);
+      }
+    }
     o.max_failures = failure_config.max_failures();
     o.max_start_failures = failure_config.controller_failure_limit();
     o.max_preemptions = failure_config.max_preemption_failures();
@@ -650,18 +658,20 @@ NB_MODULE(_core, m) {
           "__init__",
           [](config::FailureConfig* self, int max_failures, int controller_failure_limit,
              std::optional<double> progress_timeout_s, int max_preemption_failures,
-             double preemption_grace_s, double unreachable_host_timeout_s) {
+             double preemption_grace_s, double unreachable_host_timeout_s,
+             bool progress_timeout_auto) {
             new (self) config::FailureConfig(Unwrap(config::FailureConfig::Create(
                 {.max_failures = max_failures,
                  .controller_failure_limit = controller_failure_limit,
                  .progress_timeout_s = progress_timeout_s,
+                 .progress_timeout_auto = progress_timeout_auto,
                  .max_preemption_failures = max_preemption_failures,
                  .preemption_grace_s = preemption_grace_s,
                  .unreachable_host_timeout_s = unreachable_host_timeout_s})));
           },
           "max_failures"_a, "controller_failure_limit"_a, "progress_timeout_s"_a.none(),
           "max_preemption_failures"_a = -1, "preemption_grace_s"_a = 30.0,
-          "unreachable_host_timeout_s"_a = 300.0);
+          "unreachable_host_timeout_s"_a = 300.0, "progress_timeout_auto"_a = false);
 
   m.def(
       "stage_directory",
@@ -1023,6 +1033,7 @@ NB_MODULE(_core, m) {
       .def_rw("run_config_json", &PyControllerOptions::run_config_json)
       .def_rw("terminate_grace_s", &PyControllerOptions::terminate_grace_s)
       .def_rw("start_timeout_s", &PyControllerOptions::start_timeout_s)
+      .def_rw("progress_timeout_floor_s", &PyControllerOptions::progress_timeout_floor_s)
       .def_rw("failure_config", &PyControllerOptions::failure_config)
       .def_rw("checkpoint_config", &PyControllerOptions::checkpoint_config)
       .def_rw("verify_checksums", &PyControllerOptions::verify_checksums)

@@ -89,6 +89,11 @@ StatusOr<FailureConfig> FailureConfig::Create(FailureConfigInput in) {
         " is not allowed; give a number of seconds > 0, or None to turn "
         "the progress watchdog off");
   }
+  if (in.progress_timeout_s && in.progress_timeout_auto) {
+    return InvalidArgumentError(
+        "FailureConfig.progress_timeout_s=" + FormatNumber(*in.progress_timeout_s) +
+        " and the automatic limit cannot both be given; give one");
+  }
   if (in.max_preemption_failures < -1) {
     return InvalidArgumentError(
         "FailureConfig.max_preemption_failures=" + std::to_string(in.max_preemption_failures) +

@@ -56,7 +56,10 @@ struct FailureConfigInput {
   int max_failures = 0;              // -1: without limit
   int controller_failure_limit = 3;  // start-up failures; -1: without limit
   // The progress watchdog: a rank alive but without a report() for this long has failed.
-  std::optional<double> progress_timeout_s;  // off when unset
+  std::optional<double> progress_timeout_s;  // off when unset, unless progress_timeout_auto
+  // The automatic limit (controller/watchdog.h), with progress_timeout_s unset: Python's default
+  // progress_timeout_s="auto".
+  bool progress_timeout_auto = false;
   // Preemptions (docs/preemption.md) have a budget of their own; -1: without limit.
   int max_preemption_failures = -1;
   // How long a preempted group may go on after the notice when the notice names no deadline.
@@ -70,11 +73,13 @@ class FailureConfig {
  public:
   // Errors: kInvalidArgument for max_failures, controller_failure_limit or
   // max_preemption_failures < -1, a progress_timeout_s or preemption_grace_s that is not a
-  // positive number, or an unreachable_host_timeout_s that is negative or not finite.
+  // positive number, a progress_timeout_s together with progress_timeout_auto, or an
+  // unreachable_host_timeout_s that is negative or not finite.
   static StatusOr<FailureConfig> Create(FailureConfigInput input);
   int max_failures() const { return input_.max_failures; }
   int controller_failure_limit() const { return input_.controller_failure_limit; }
   std::optional<double> progress_timeout_s() const { return input_.progress_timeout_s; }
+  bool progress_timeout_auto() const { return input_.progress_timeout_auto; }
   int max_preemption_failures() const { return input_.max_preemption_failures; }
   double preemption_grace_s() const { return input_.preemption_grace_s; }
   double unreachable_host_timeout_s() const { return input_.unreachable_host_timeout_s; }

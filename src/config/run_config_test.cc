@@ -106,6 +106,17 @@ TEST(FailureConfigTest, ARestartWaitsMinutesForAnUnreachableHostUnlessToldOtherw
   EXPECT_NE(negative.status().message().find("give a number of seconds >= 0"), std::string::npos);
 }
 
+TEST(FailureConfigTest, TheAutomaticProgressLimitExcludesAFixedOne) {
+  EXPECT_TRUE(FailureConfig::Create({.progress_timeout_auto = true})->progress_timeout_auto());
+  EXPECT_FALSE(FailureConfig::Create({})->progress_timeout_auto());
+  StatusOr<FailureConfig> both =
+      FailureConfig::Create({.progress_timeout_s = 5, .progress_timeout_auto = true});
+  EXPECT_EQ(both.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(both.status().message(),
+            "FailureConfig.progress_timeout_s=5 and the automatic limit cannot both be given; "
+            "give one");
+}
+
 TEST(FailureConfigTest, SecondsInErrorsAreEchoedAsGiven) {
   EXPECT_EQ(FailureConfig::Create({.progress_timeout_s = -1}).status().message(),
             "FailureConfig.progress_timeout_s=-1 is not allowed; give a number of seconds > 0, "

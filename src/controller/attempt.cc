@@ -61,7 +61,9 @@ Attempt::Attempt(Setup setup, const ControllerOptions& opts, ControlPort& port, 
       collector_(world_size(), setup_.first_round),
       collectives_(world_size()),
       preemption_(world_size()),
-      watchdog_(clock, world_size(), opts.progress_timeout),
+      watchdog_(opts.progress_timeout > Duration::zero() || !opts.progress_auto
+                    ? Watchdog(clock, world_size(), opts.progress_timeout)
+                    : Watchdog(clock, world_size(), *opts.progress_auto)),
       stragglers_(world_size()) {
   port_.BeginAttempt(setup_.number, ranks_.size());
 }
@@ -234,6 +236,17 @@ void Attempt::AddReport(int rank, std::string_view metrics_json,
 
 void Attempt::ApplyStragglerRule() {
   std::vector<StragglerChange> changes = stragglers_.Evaluate();
+  if (watchdog_.auto_limit()) {  // the ranks' median step time sets the automatic limit
+    std::vector<double> steps;
+    for (int r = 0; r < world_size(); ++r) {
+      if (std::optional<double> s = stragglers_.StepSeconds(r)) steps.push_back(*s);
+    }
+    if (!steps.empty()) {
+      std::nth_element(steps.begin(), steps.begin() + steps.size() / 2, steps.end());
+      watchdog_.SetStepTime(std::chrono::duration_cast<Duration>(
+          std::chrono::duration<double>(steps[steps.size() / 2])));
+    }
+  }
   if (changes.empty()) return;
   for (const StragglerChange& c : changes) {
     const auto& host = ranks_[static_cast<size_t>(c.rank)].host;
@@ -628,6 +641,17 @@ std::string Attempt::RanksOn(const std::vector<int>& rs) const {
   return out;
 }
 
+// What set the watchdog's limit, for the failure.
+std::string Attempt::LimitDescription() const {
+  const std::optional<AutoLimit>& a = watchdog_.auto_limit();
+  if (!a) return "the progress watchdog's limit";
+  auto s = [](Duration d) { return Seconds(std::chrono::duration<double>(d).count()); };
+  return "the progress watchdog's automatic limit: " + FormatNumber(a->multiple) +
+         " x the median step time" +
+         (watchdog_.step_time() > Duration::zero() ? " (" + s(watchdog_.step_time()) + ")" : "") +
+         ", at least " + s(a->floor) + "; FailureConfig(progress_timeout_s=...) sets another";
+}
+
 void Attempt::AskForStacks(int rank) {
   WatchdogPing& ping = *watchdog_ping_;
   if (ping.asked.count(rank) || ranks_[static_cast<size_t>(rank)].done || !port_.connected(rank)) {
@@ -668,10 +692,9 @@ void Attempt::CheckProgress() {
   if (awaited && now < ping.deadline) return;  // answers may yet come
   std::sort(silent.begin(), silent.end());
   std::sort(answered.begin(), answered.end());
-  std::string message =
-      "no report() for " +
-      FormatNumber(std::chrono::duration<double>(opts_.progress_timeout).count()) +
-      " s (the progress watchdog's limit) from rank(s) " + RanksOn(stale->ranks);
+  std::string message = "no report() for " +
+                        FormatNumber(std::chrono::duration<double>(watchdog_.timeout()).count()) +
+                        " s (" + LimitDescription() + ") from rank(s) " + RanksOn(stale->ranks);
   int blamed = stale->blamed;
   if (silent.empty()) {
     message += ", alive but stuck";

@@ -236,6 +236,7 @@ class Attempt {
   std::string PlannedHost(size_t rank) const;
   void CheckProgress();
   void AskForStacks(int rank);
+  std::string LimitDescription() const;
   // Writes every rank's stacks under the run directory (stacks/attempt-<N>/rank-<R>.txt) and
   // returns what the failure adds: whom the others wait for (rank_stacks.h) and where the
   // stacks are; `blamed` becomes the rank behind when one is singled out.

@@ -74,6 +74,7 @@
 #include "controller/control_port.h"
 #include "controller/failure_policy.h"
 #include "controller/run_metrics.h"
+#include "controller/watchdog.h"
 #include "controller/worker_group.h"
 #include "launch/launcher.h"
 #include "placement/plan.h"
@@ -117,8 +118,10 @@ struct ControllerOptions {
   Duration finish_rounds_timeout = std::chrono::seconds(30);
   Duration handshake_timeout = std::chrono::seconds(10);
   Duration start_timeout = std::chrono::seconds(300);  // spawn to every rank registered
-  // A rank that sends no report for this long while training is treated as failed; 0 = off.
+  // A rank that sends no report for this long while training is treated as failed; 0 = off,
+  // unless progress_auto is set: then the limit is automatic (watchdog.h).
   Duration progress_timeout = Duration::zero();
+  std::optional<AutoLimit> progress_auto;
   int max_failures = 0;        // training failures restarted; -1 = without limit
   int max_start_failures = 3;  // start-up failures restarted; -1 = without limit
   int max_preemptions = -1;    // preemptions restarted (docs/preemption.md); -1 = without limit

@@ -653,6 +653,35 @@ TEST_F(ControllerStateTest, RanksStaleTogetherArePingedAndTheOnesThatDoNotAnswer
             "frozen or cut off; rank(s) 2 on host-2 answered");
 }
 
+TEST_F(ControllerStateTest, TheAutomaticLimitIsAMultipleOfTheStepTimeAndAtLeastItsFloor) {
+  ControllerOptions options = Options(2);
+  options.progress_auto = AutoLimit{.floor = 60s, .multiple = 10};
+  auto controller = Start(std::move(options));
+  WaitForStart(1);
+  RegisterAll(/*attempt=*/0, 2);
+  // Steps of 10 s: the limit becomes 100 s, over the floor.
+  for (uint64_t round = 1; round <= 3; ++round) {
+    for (int rank : {0, 1}) Report(rank, round, {{"rank", rank}});
+    ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+    clock_.Advance(10s);
+  }
+  clock_.Advance(80s);  // 90 s since the last reports: over the floor, under the limit
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  EXPECT_FALSE(ranks_.WaitForSent(0, 0, MessageType::kPing, std::chrono::seconds(0)));
+  clock_.Advance(10s);
+  for (int rank : {0, 1}) {
+    ASSERT_TRUE(ranks_.WaitForSent(0, rank, MessageType::kPing, kNoHang)) << rank;
+    ranks_.Deliver(rank, MessageType::kPong, "");
+  }
+  const Outcome& out = WaitForOutcome(*controller);
+  ASSERT_TRUE(out.failure.has_value());
+  EXPECT_EQ(out.failure->cause, FailureCause::kWatchdog);
+  EXPECT_EQ(out.failure->message,
+            "no report() for 100 s (the progress watchdog's automatic limit: 10 x the median step "
+            "time (10 s), at least 60 s; FailureConfig(progress_timeout_s=...) sets another) from "
+            "rank(s) 0 on host-0; 1 on host-1, alive but stuck");
+}
+
 TEST_F(ControllerStateTest, RanksStaleTogetherThatAllAnswerFailAtOnceBlamingTheStalest) {
   auto controller = StartWatched(2);
   Report(0, 1, {{"rank", 0}});

@@ -10,6 +10,17 @@ Watchdog::Watchdog(const Clock& clock, int world_size, Duration timeout)
       last_(static_cast<size_t>(world_size)),
       done_(static_cast<size_t>(world_size), false) {}
 
+Watchdog::Watchdog(const Clock& clock, int world_size, AutoLimit limit)
+    : Watchdog(clock, world_size, limit.floor) {
+  auto_ = limit;
+}
+
+void Watchdog::SetStepTime(Duration median) {
+  if (!auto_) return;
+  step_time_ = median;
+  timeout_ = std::max(auto_->floor, std::chrono::duration_cast<Duration>(median * auto_->multiple));
+}
+
 void Watchdog::Progress(int rank) {
   if (!enabled() || done_[static_cast<size_t>(rank)]) return;
   const TimePoint now = clock_->Now();

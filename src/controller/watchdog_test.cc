@@ -119,5 +119,32 @@ TEST(WatchdogTest, SteadyReportsMoveEachTimerAboutOncePerTimeout) {
   EXPECT_LE(wakes, 11);
 }
 
+TEST(WatchdogTest, TheAutomaticLimitIsTheFloorUntilAMultipleOfTheStepTimeExceedsIt) {
+  FakeClock clock;
+  Watchdog w(clock, 2, AutoLimit{.floor = seconds(60), .multiple = 10});
+  EXPECT_TRUE(w.enabled());
+  EXPECT_EQ(w.timeout(), seconds(60));
+  w.SetStepTime(seconds(2));  // 10 x 2 s is under the floor
+  EXPECT_EQ(w.timeout(), seconds(60));
+  w.Progress(0);
+  clock.Advance(seconds(59));  // a slow step, a checkpoint: far over 10 steps, under the floor
+  EXPECT_EQ(w.Check(), std::nullopt);
+  w.Progress(0);
+  w.SetStepTime(seconds(9));
+  EXPECT_EQ(w.timeout(), seconds(90));
+  clock.Advance(seconds(89));
+  EXPECT_EQ(w.Check(), std::nullopt);  // the timer set under 60 s moved to the longer limit
+  clock.Advance(seconds(1));
+  EXPECT_EQ(Blamed(w), 0);
+}
+
+TEST(WatchdogTest, AFixedLimitIgnoresTheStepTime) {
+  FakeClock clock;
+  Watchdog w(clock, 1, seconds(10));
+  w.SetStepTime(seconds(5));
+  EXPECT_EQ(w.timeout(), seconds(10));
+  EXPECT_FALSE(w.auto_limit().has_value());
+}
+
 }  // namespace
 }  // namespace jaxtrain::controller

@@ -33,12 +33,15 @@ WORKING_DIR_GITIGNORE_ENV = "JAXTRAIN_WORKING_DIR_GITIGNORE"
 # Passed on to the workers as it is set (jaxtrain.worker reads it too).
 VERBOSE_ENV = "JAXTRAIN_VERBOSE"
 WARM_WORKERS_IDLE_ENV = "JAXTRAIN_WARM_WORKERS_IDLE_S"
+PROGRESS_TIMEOUT_FLOOR_ENV = "JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S"
 
 DEFAULT_MEMORY_DIR = "/dev/shm"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_WORKING_DIR_MAX_MIB = 100
 # Seconds the standby workers a fit() leaves are kept for a next fit() (docs/warm-workers.md).
 DEFAULT_WARM_WORKERS_IDLE_S = 60.0
+# The floor of the progress watchdog's automatic limit (AutoLimit, src/controller/watchdog.h).
+DEFAULT_PROGRESS_TIMEOUT_FLOOR_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class EngineOptions:
     working_dir_gitignore: bool = True
     verbose: bool = False  # the driver and the workers also say how they went about the run
     warm_workers_idle_s: float = DEFAULT_WARM_WORKERS_IDLE_S  # then unused standbys are ended
+    # The floor of the progress watchdog's automatic limit, FailureConfig(progress_timeout_s=
+    # "auto").
+    progress_timeout_floor_s: float = DEFAULT_PROGRESS_TIMEOUT_FLOOR_S
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ,
@@ -96,6 +102,7 @@ class EngineOptions:
             working_dir_gitignore=working_dir_gitignore(environ),
             verbose=verbose(environ),
             warm_workers_idle_s=warm_workers_idle_s(environ),
+            progress_timeout_floor_s=progress_timeout_floor_s(environ),
         )
 
 
@@ -230,6 +237,22 @@ def warm_workers_idle_s(environ: Mapping[str, str]) -> float:
             f"{WARM_WORKERS_IDLE_ENV}={value!r} is not allowed; use a number of seconds >= 0 "
             "that the standby workers a fit() leaves wait for the next fit() before they are "
             f"ended (0: when fit() returns; the default is {DEFAULT_WARM_WORKERS_IDLE_S:g})")
+    return seconds
+
+
+def progress_timeout_floor_s(environ: Mapping[str, str]) -> float:
+    """JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S: the seconds (> 0, finite) the progress watchdog's
+    automatic limit is at least (docs/failure-detection.md)."""
+    value = environ.get(PROGRESS_TIMEOUT_FLOOR_ENV) or str(DEFAULT_PROGRESS_TIMEOUT_FLOOR_S)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(
+            f"{PROGRESS_TIMEOUT_FLOOR_ENV}={value!r} is not allowed; use a number of seconds > 0 "
+            "that the progress watchdog's automatic limit is at least (the default is "
+            f"{DEFAULT_PROGRESS_TIMEOUT_FLOOR_S:g})")
     return seconds
 
 

@@ -290,6 +290,7 @@ class JaxTrainer:
             ),
             terminate_grace_s=_TERMINATE_GRACE_S,
             start_timeout_s=_START_TIMEOUT_S,
+            progress_timeout_floor_s=options.progress_timeout_floor_s,
             failure_config=local_mode.failure_config() if local is not None
             else self.run_config.failure_config._core,
             checkpoint_config=self.run_config.checkpoint_config._core,
