@@ -4,10 +4,14 @@ directory and the failure blames the rank the others wait for (docs/failure-dete
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from conftest import finish_driver, start_driver
 from jaxtrain import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError
 from jaxtrain.cli import main
 
@@ -169,3 +173,56 @@ def test_the_default_watchdog_lets_slow_compilations_and_a_long_checkpoint_pass(
     assert result.metrics == {"step": 11}
     run = json.loads(Path(result.path, "run.json").read_text())
     assert [a["status"] for a in run["attempts"]] == ["FINISHED"]
+
+
+LIVE_DRIVER = """
+import os, sys, time
+from pathlib import Path
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, get_context, report
+
+OUT = Path(sys.argv[1])
+
+def waiting_for_the_test():
+    deadline = time.monotonic() + 120
+    while not (OUT / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+def train():
+    report({"step": 0})
+    (OUT / f"reported-{get_context().get_world_rank()}").touch()
+    waiting_for_the_test()
+    report({"step": 1})
+
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+           run_config=RunConfig(name="live", storage_path=str(OUT))).fit()
+"""
+
+
+def test_jaxtrain_stack_prints_every_ranks_stacks_of_a_live_run_without_stopping_it(
+        tmp_path, capsys):
+    script = tmp_path / "driver.py"
+    script.write_text(LIVE_DRIVER)
+    driver = start_driver([sys.executable, str(script), str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"reported-{r}").exists() for r in (0, 1)):
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "the ranks never reported"
+        time.sleep(0.05)
+    capsys.readouterr()
+    assert main(["stack", str(tmp_path / "live")]) == 0
+    out, err = capsys.readouterr()
+    assert "# rank 0 on " in out and "# rank 1 on " in out
+    assert out.count("# where: at driver.py:") == 2, out
+    assert "in waiting_for_the_test" in out
+    assert "stacks/attempt-0/live-1" in err
+    (tmp_path / "go").touch()
+    done = finish_driver(driver, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_jaxtrain_stack_of_a_run_without_a_live_driver_says_so(tmp_path, capsys):
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "run.json").write_text(json.dumps({"status": "FINISHED"}))
+    assert main(["stack", str(tmp_path / "gone")]) == 2
+    assert "no driver of the run in" in capsys.readouterr().err

@@ -315,6 +315,20 @@ class PyController {
     if (controller_) controller_->Abort(std::move(reason));
   }
 
+  // The folder every rank's stacks were written to now (Controller::TakeStacks()).
+  std::string TakeStacks(double timeout_s) {
+    if (!controller_) {
+      PyErr_SetString(PyExc_RuntimeError, "the run has not been started, or is closed");
+      throw nb::python_error();
+    }
+    StatusOr<std::string> dir = InternalError("");
+    {
+      nb::gil_scoped_release release;
+      dir = controller_->TakeStacks(Seconds(timeout_s));
+    }
+    return Unwrap(std::move(dir));
+  }
+
   // Destroys the controller once the run has ended: a Slurm allocation it requested is released
   // now, not whenever Python collects this object.
   void Close() {
@@ -1054,6 +1068,7 @@ NB_MODULE(_core, m) {
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)
+      .def("take_stacks", &PyController::TakeStacks, "timeout_s"_a)
       .def("outcome", &PyController::Outcome)
       .def("metrics_json", &PyController::MetricsJson)
       .def("close", &PyController::Close);

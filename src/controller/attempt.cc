@@ -377,6 +377,11 @@ void Attempt::StopForPreemption(const std::string& why, bool drain_timed_out) {
 }
 
 void Attempt::OnMessage(int rank, const wire::Pong& m) {
+  if (live_stacks_) {
+    auto asked = live_stacks_->asked.find(rank);
+    if (asked != live_stacks_->asked.end()) asked->second = m;
+    CheckLiveStacks();
+  }
   if (!watchdog_ping_) return;
   WatchdogPing& p = *watchdog_ping_;
   auto at = std::find(p.ranks.begin(), p.ranks.end(), rank);
@@ -715,14 +720,7 @@ void Attempt::CheckProgress() {
 
 std::string Attempt::KeepStacks(const WatchdogPing& ping, bool may_reblame, int* blamed,
                                 std::string* stacks_dir) {
-  std::vector<RankStacks> given;
-  for (const auto& [rank, pong] : ping.asked) {
-    if (!pong || !pong->has_stacks) continue;
-    given.push_back({.rank = rank,
-                     .host = HostOf(static_cast<size_t>(rank)),
-                     .reports = collector_.reports(rank),
-                     .pong = *pong});
-  }
+  std::vector<RankStacks> given = GivenStacks(ping.asked);
   if (given.empty()) return "";  // no worker could take its stacks
   std::string out;
   if (std::optional<Behind> behind = FindBehind(given); behind && may_reblame) {
@@ -730,28 +728,91 @@ std::string Attempt::KeepStacks(const WatchdogPing& ping, bool may_reblame, int*
     out += "; the others wait for " + RanksOn(behind->ranks) + ": " + behind->why;
   }
   const std::string dir = "stacks/attempt-" + std::to_string(setup_.number);
+  Status s = WriteStacks(ping.asked, given, dir);
+  if (!s.ok()) return out + "; the ranks' stacks could not be kept: " + s.message();
+  *stacks_dir = dir;
+  return out + "; every rank's stacks: " + storage::JoinPath(setup_.run_dir, dir);
+}
+
+std::vector<RankStacks> Attempt::GivenStacks(const StacksAsked& asked) const {
+  std::vector<RankStacks> given;
+  for (const auto& [rank, pong] : asked) {
+    if (!pong || !pong->has_stacks) continue;
+    given.push_back({.rank = rank,
+                     .host = HostOf(static_cast<size_t>(rank)),
+                     .reports = collector_.reports(rank),
+                     .pong = *pong});
+  }
+  return given;
+}
+
+// Every rank's file under `dir` (relative to the run directory): its stacks, or why there are
+// none.
+Status Attempt::WriteStacks(const StacksAsked& asked, const std::vector<RankStacks>& given,
+                            const std::string& dir) const {
   const std::string path = storage::JoinPath(setup_.run_dir, dir);
-  Status s = storage::MakeDirs(path);
-  for (size_t r = 0; s.ok() && r < ranks_.size(); ++r) {
+  JT_RETURN_IF_ERROR(storage::MakeDirs(path));
+  for (size_t r = 0; r < ranks_.size(); ++r) {
     const int rank = static_cast<int>(r);
     auto at = std::find_if(given.begin(), given.end(),
                            [&](const RankStacks& g) { return g.rank == rank; });
     RankStacks none{.rank = rank, .host = HostOf(r), .reports = collector_.reports(rank)};
-    auto asked = ping.asked.find(rank);
+    auto a = asked.find(rank);
     none.pong.error =
-        ranks_[r].done              ? "its training function had returned"
-        : asked == ping.asked.end() ? "not connected"
-        : asked->second
+        ranks_[r].done     ? "its training function had returned"
+        : a == asked.end() ? "not connected"
+        : a->second
             ? "its worker cannot take them"
             : "it did not answer within " +
                   FormatNumber(std::chrono::duration<double>(kWatchdogPingWait).count()) + " s";
-    s = storage::WriteFileAtomically(
+    JT_RETURN_IF_ERROR(storage::WriteFileAtomically(
         storage::JoinPath(path, "rank-" + std::to_string(rank) + ".txt"),
-        StacksFileText(at != given.end() ? *at : none, setup_.number));
+        StacksFileText(at != given.end() ? *at : none, setup_.number)));
   }
-  if (!s.ok()) return out + "; the ranks' stacks could not be kept: " + s.message();
-  *stacks_dir = dir;
-  return out + "; every rank's stacks: " + path;
+  return OkStatus();
+}
+
+// --- stacks on demand (Controller::TakeStacks()) -------------------------------------------------
+
+void Attempt::RequestStacks() {
+  if (phase_ != Phase::kRunning) {
+    live_result_ = FailedPreconditionError(
+        "attempt " + std::to_string(setup_.number) + " is not training now (" +
+        (phase_ == Phase::kStarting ? "its workers are starting" : "its workers are stopping") +
+        "); try again once it trains");
+    return;
+  }
+  if (live_stacks_) return;  // the request under way answers this one too
+  live_stacks_.emplace();
+  live_stacks_->deadline = Now() + kWatchdogPingWait;
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const int rank = static_cast<int>(r);
+    if (ranks_[r].done || !port_.connected(rank)) continue;
+    live_stacks_->asked[rank];
+    port_.Send(rank, wire::MessageType::kPing, "stacks");
+  }
+  CheckLiveStacks();
+}
+
+// Once every rank asked has answered, or the wait is over: every rank's file, under
+// stacks/attempt-<N>/live-<K>.
+void Attempt::CheckLiveStacks() {
+  if (!live_stacks_) return;
+  const bool awaited = std::any_of(live_stacks_->asked.begin(), live_stacks_->asked.end(),
+                                   [](const auto& a) { return !a.second.has_value(); });
+  if (awaited && Now() < live_stacks_->deadline) return;
+  const std::string dir =
+      "stacks/attempt-" + std::to_string(setup_.number) + "/live-" + std::to_string(++live_taken_);
+  Status s = WriteStacks(live_stacks_->asked, GivenStacks(live_stacks_->asked), dir);
+  live_result_ = s.ok() ? StatusOr<std::string>(storage::JoinPath(setup_.run_dir, dir))
+                        : StatusOr<std::string>(s);
+  live_stacks_.reset();
+}
+
+std::optional<StatusOr<std::string>> Attempt::TakeLiveStacks() {
+  std::optional<StatusOr<std::string>> out = std::move(live_result_);
+  live_result_.reset();
+  return out;
 }
 
 void Attempt::CheckTimers() {
@@ -764,6 +825,7 @@ void Attempt::CheckTimers() {
           .message =
               "it did not connect to the controller within the start-up timeout" + FloodNote()});
   }
+  CheckLiveStacks();
   if (phase_ == Phase::kRunning) {
     CheckProgress();
     std::string waiting = collectives_.TakeWarning(now);
@@ -809,6 +871,7 @@ std::optional<TimePoint> Attempt::NextDeadline(bool commit_in_flight) const {
   if (phase_ == Phase::kRunning) {
     if (auto t = watchdog_.NextDeadline()) consider(*t);
     if (watchdog_ping_) consider(watchdog_ping_->deadline);
+    if (live_stacks_) consider(live_stacks_->deadline);
     if (preemption_.open()) consider(preemption_.deadline());
     if (auto t = collectives_.NextWarning()) consider(*t);
     if (owed_) consider(owed_->deadline);

@@ -46,6 +46,7 @@
 #include "controller/control_port.h"
 #include "controller/controller.h"
 #include "controller/preemption.h"
+#include "controller/rank_stacks.h"
 #include "controller/report_collector.h"
 #include "controller/stragglers.h"
 #include "controller/watchdog.h"
@@ -153,6 +154,13 @@ class Attempt {
   void SetStartFailure(RankFailure f) { failure_ = std::move(f); }
   // The start-up timeout, the watchdog, the preemption deadline, the grace period.
   void CheckTimers();
+  // Asks every rank for its Python stacks now, without stopping anything (Controller::
+  // TakeStacks()); a request while one is under way shares its answer. TakeLiveStacks() then
+  // gives the folder they were written to (stacks/attempt-<N>/live-<K>, every rank's file, a rank
+  // that did not answer within 2 s says so), once they are; or kFailedPrecondition at once when
+  // the attempt is not training.
+  void RequestStacks();
+  std::optional<StatusOr<std::string>> TakeLiveStacks();
   // The earliest of the attempt's deadlines (the finish of a failed rank's rounds among them);
   // past the drain deadline only a commit in flight
   // (`commit_in_flight`) holds the attempt open, and its descriptor wakes the loop.
@@ -186,6 +194,7 @@ class Attempt {
   double RoundsPerSecond() const;
 
  private:
+  using StacksAsked = std::map<int, std::optional<wire::Pong>>;
   struct RankState {
     bool registered = false;
     bool done = false;
@@ -204,7 +213,12 @@ class Attempt {
     std::vector<bool> answered;  // by position in `ranks`
     TimePoint deadline;          // the last rank pinged has until then to answer
     // Every rank asked for its stacks, and its answer once it came.
-    std::map<int, std::optional<wire::Pong>> asked;
+    StacksAsked asked;
+  };
+  // Stacks asked for on demand (RequestStacks()).
+  struct LiveStacks {
+    StacksAsked asked;
+    TimePoint deadline;
   };
 
   TimePoint Now() const { return clock_.Now(); }
@@ -242,6 +256,10 @@ class Attempt {
   // stacks are; `blamed` becomes the rank behind when one is singled out.
   std::string KeepStacks(const WatchdogPing& ping, bool may_reblame, int* blamed,
                          std::string* stacks_dir);
+  std::vector<RankStacks> GivenStacks(const StacksAsked& asked) const;
+  Status WriteStacks(const StacksAsked& asked, const std::vector<RankStacks>& given,
+                     const std::string& dir) const;
+  void CheckLiveStacks();
   bool AwaitRoundsOf(int failed, FailureCause cause);
   void StopIfRoundsFinished();
 
@@ -289,6 +307,9 @@ class Attempt {
   PreemptionNotice preemption_;
   Watchdog watchdog_;
   std::optional<WatchdogPing> watchdog_ping_;
+  std::optional<LiveStacks> live_stacks_;
+  std::optional<StatusOr<std::string>> live_result_;
+  int live_taken_ = 0;  // the stacks taken on demand so far (their folders' numbers)
   StragglerDetector stragglers_;
   nlohmann::json straggler_events_ = nlohmann::json::array();  // as run.json records them
   std::optional<uint64_t> resize_after_;  // RequestResize(): the first round it stops at

@@ -255,6 +255,7 @@ struct Controller::Loop : ControlPort::Delegate,
     attempt->NewTurn();
     const bool counts = !attempt->failure() && attempt->phase() != Attempt::Phase::kDraining;
     if (TakeAbortRequest(counts)) attempt->Stop();
+    if (ctl.stacks_requested_.exchange(false)) attempt->RequestStacks();
     if (attempt->Drained() && !recorder.busy()) return true;
 
     // Connections before the listener: a hello that has arrived is handled before new
@@ -278,6 +279,11 @@ struct Controller::Loop : ControlPort::Delegate,
     }
     port->ExpireHandshakes();
     attempt->CheckTimers();
+    if (std::optional<StatusOr<std::string>> stacks = attempt->TakeLiveStacks()) {
+      std::lock_guard<std::mutex> lock(ctl.mu_);
+      ctl.stacks_result_ = std::move(stacks);
+      ctl.done_cv_.notify_all();
+    }
     port->Sweep();
     return false;
   }
@@ -649,6 +655,25 @@ RunMetrics Controller::metrics() const {
 bool Controller::Wait(Duration timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   return done_cv_.wait_for(lock, timeout, [this] { return done_; });
+}
+
+StatusOr<std::string> Controller::TakeStacks(Duration timeout) {
+  std::lock_guard<std::mutex> call(stacks_call_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_ || wake_fd_ < 0) return FailedPreconditionError("the run is not running");
+  stacks_result_.reset();
+  stacks_requested_ = true;
+  uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
+  if (!done_cv_.wait_for(lock, timeout, [this] { return done_ || stacks_result_.has_value(); })) {
+    return DeadlineExceededError("no stacks came within " +
+                                 FormatNumber(std::chrono::duration<double>(timeout).count()) +
+                                 " s: the run is between attempts (a restart under way?)");
+  }
+  if (!stacks_result_) return FailedPreconditionError("the run ended");
+  StatusOr<std::string> out = *std::move(stacks_result_);
+  stacks_result_.reset();
+  return out;
 }
 
 void Controller::Abort(std::string reason) {

@@ -227,6 +227,14 @@ class Controller {
   // ended.
   void Abort(std::string reason);
 
+  // Every rank's Python stacks now, without stopping the run (`jaxtrain stack`,
+  // docs/failure-detection.md): the folder they were written to (Attempt::RequestStacks()).
+  // Blocks up to `timeout`. Thread-safe. Errors: kFailedPrecondition when the run is not
+  // training (its workers starting or stopping, or the run over); kDeadlineExceeded when no
+  // answer came within `timeout` (a restart under way); kInternal when they could not be
+  // written.
+  StatusOr<std::string> TakeStacks(Duration timeout);
+
   // The final outcome; call only after Wait() returned true.
   const Outcome& outcome() const { return outcome_; }
 
@@ -254,6 +262,9 @@ class Controller {
   bool done_ = false;         // guarded by mu_
   std::string abort_reason_;  // guarded by mu_
   std::atomic<bool> abort_requested_{false};
+  std::mutex stacks_call_mu_;  // one TakeStacks() at a time
+  std::atomic<bool> stacks_requested_{false};
+  std::optional<StatusOr<std::string>> stacks_result_;  // guarded by mu_
   Outcome outcome_;  // written by the loop thread before done_ is set; read-only afterwards
   mutable Mutex metrics_mu_;
   RunMetrics metrics_ GUARDED_BY(metrics_mu_);  // published by the loop thread

@@ -682,6 +682,35 @@ TEST_F(ControllerStateTest, TheAutomaticLimitIsAMultipleOfTheStepTimeAndAtLeastI
             "rank(s) 0 on host-0; 1 on host-1, alive but stuck");
 }
 
+TEST_F(ControllerStateTest, StacksOnDemandAreWrittenForEveryRankWithoutStoppingTheRun) {
+  auto controller = StartWatched(2);
+  for (int rank : {0, 1}) Report(rank, 1, {{"rank", rank}});
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  std::optional<StatusOr<std::string>> taken;
+  std::thread asker([&] { taken = controller->TakeStacks(kNoHang); });
+  for (int rank : {0, 1}) {
+    auto sent = ranks_.WaitForSent(0, rank, MessageType::kPing, kNoHang);
+    ASSERT_TRUE(sent.has_value()) << rank;
+    EXPECT_EQ(sent->body, "stacks");
+  }
+  ranks_.Deliver(
+      0, MessageType::kPong,
+      R"({"stacks":"Thread 0x0000000000000007 (most recent call first):\n","thread":7})");
+  ranks_.Deliver(1, MessageType::kPong, "");  // a worker that cannot take stacks
+  asker.join();
+  ASSERT_TRUE(taken.has_value() && taken->ok()) << taken->status().ToString();
+  EXPECT_EQ(**taken, RunDir() + "/stacks/attempt-0/live-1");
+  auto rank0 = storage::ReadFile(**taken + "/rank-0.txt");
+  auto rank1 = storage::ReadFile(**taken + "/rank-1.txt");
+  ASSERT_TRUE(rank0.ok() && rank1.ok());
+  EXPECT_NE(rank0->find("# report() calls in this attempt: 1\n"), std::string::npos) << *rank0;
+  EXPECT_NE(rank0->find("Thread 0x0000000000000007 (most recent call first):"), std::string::npos);
+  EXPECT_NE(rank1->find("(no stacks: its worker cannot take them)"), std::string::npos) << *rank1;
+  EXPECT_EQ(controller->metrics().state, "RUNNING");
+  controller->Abort("done");
+  WaitForOutcome(*controller);
+}
+
 TEST_F(ControllerStateTest, RanksStaleTogetherThatAllAnswerFailAtOnceBlamingTheStalest) {
   auto controller = StartWatched(2);
   Report(0, 1, {{"rank", 0}});

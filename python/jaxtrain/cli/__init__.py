@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from jaxtrain.cli import dashboard
 from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, outlive_readers
 from jaxtrain.cli.launch import cmd_plan, cmd_run, cmd_status, cmd_submit
-from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_show
+from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_show, cmd_stack
 
 # --- the parser -----------------------------------------------------------------------------------
 
@@ -289,6 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also draw the metrics per round as a PNG (default RUN/metrics.png; "
                       "needs matplotlib)")
     show.set_defaults(handler=cmd_show)
+
+    stack = commands.add_parser(
+        "stack", help="every rank's Python stacks of a live run, now",
+        description="Prints every rank's Python stacks now (every thread: file, line, function), "
+        "with what jaxtrain knows of each rank (its report() calls, the collective it waits in), "
+        "without stopping the run: like py-spy dump over the whole job, on every launcher. The "
+        "stacks are also kept under the run directory (stacks/attempt-N/live-K). Run it on the "
+        "driver's host.",
+        epilog="example:\n  jaxtrain stack my_run\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    stack.add_argument("run", metavar="RUN", help=run_help)
+    stack.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    stack.set_defaults(handler=cmd_stack)
 
     logs = commands.add_parser(
         "logs", help="print (or follow) the workers' output",

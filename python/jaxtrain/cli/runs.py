@@ -293,6 +293,31 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_stack(args: argparse.Namespace) -> int:
+    from jaxtrain.driver import live
+
+    run_dir = _resolve_run(args.run, args.storage_path)
+    try:
+        answer = live.request(run_dir, "stacks")
+    except ConnectionError:
+        state = _read_state(run_dir)
+        status, holder = records.run_status(run_dir, state, run_dir not in _REMOTE_VIEWS)
+        where = f" (driver: {holder}; run this command on its host)" if holder else ""
+        raise UsageError(f"no driver of the run in {run_dir} answers on this host: the run is "
+                         f"{status}{where}") from None
+    if "error" in answer:
+        say(f"the run could not give its stacks: {answer['error']}")
+        return EXIT_FAILED
+    folder = answer["dir"]
+    names = sorted((n for n in os.listdir(folder) if n.startswith("rank-")),
+                   key=lambda n: int(n[5:-4]) if n[5:-4].isdigit() else -1)
+    for name in names:
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            print(f.read().rstrip("\n") + "\n")
+    say(f"every rank's stacks are kept in {folder}")
+    return EXIT_OK
+
+
 def _stacks_files(run_dir: str, stacks: str) -> str:
     """Every rank's stacks of a hung attempt (docs/failure-detection.md): the folder and its
     files, rank by rank."""

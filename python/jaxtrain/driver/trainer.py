@@ -309,12 +309,14 @@ class JaxTrainer:
         validator = _validator(self.validation_config, run_dir, placement)
         events = callbacks.Dispatcher.start(self, run_dir) if self.run_config.callbacks else None
         sigterm = _SigtermAsException()
+        live_server = None
         try:
             if validator is not None:
                 validator.start()
             if metrics_server is not None:
                 metrics_server.serve(controller.metrics_json, run_dir)
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
+            live_server = _live_server(run_dir, controller)
             if mirror is not None:
                 mirror.start()
             try:
@@ -339,6 +341,9 @@ class JaxTrainer:
         except _Terminated:
             if metrics_server is not None:
                 metrics_server.close()  # before the controller it reads is gone
+            if live_server is not None:
+                live_server.close()
+                live_server = None
             controller.close()
             sigterm.restore()
             sigterm.redeliver()  # ends the driver as SIGTERM would have, now that all is stopped
@@ -346,6 +351,8 @@ class JaxTrainer:
         finally:
             if metrics_server is not None:
                 metrics_server.close()
+            if live_server is not None:
+                live_server.close()  # before the controller it asks is gone
             controller.close()  # releases a Slurm allocation jaxtrain requested, now
             sigterm.restore()
             if preload_file is not None:
@@ -769,6 +776,18 @@ def _describe(config: dict | None) -> Any:
         return json.loads(json.dumps(config))
     except (TypeError, ValueError):
         return repr(config)
+
+
+def _live_server(run_dir: str, controller):
+    """The driver's end of ``jaxtrain stack`` (jaxtrain.driver.live); none when its address is
+    taken, which only costs the command."""
+    from jaxtrain.driver import live
+
+    try:
+        return live.LiveServer(run_dir, controller)
+    except OSError as e:
+        sys.stderr.write(f"jaxtrain: warning: 'jaxtrain stack' cannot reach this run: {e}\n")
+        return None
 
 
 def _result(outcome: dict, state: dict | None, run_dir: str, checkpoint_config,
