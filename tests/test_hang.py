@@ -226,3 +226,57 @@ def test_jaxtrain_stack_of_a_run_without_a_live_driver_says_so(tmp_path, capsys)
     (tmp_path / "gone" / "run.json").write_text(json.dumps({"status": "FINISHED"}))
     assert main(["stack", str(tmp_path / "gone")]) == 2
     assert "no driver of the run in" in capsys.readouterr().err
+
+
+PROFILED_DRIVER = """
+import sys, time
+from pathlib import Path
+import jax, jax.numpy as jnp
+from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, get_context, report
+
+OUT = Path(sys.argv[1])
+
+def train():
+    step = jax.jit(lambda x: (x @ x).sum())
+    deadline = time.monotonic() + 120
+    i = 0
+    while not (OUT / "go").exists() and time.monotonic() < deadline:
+        report({"step": i, "loss": float(step(jnp.ones((64, 64)) * i))})
+        if i == 0:
+            (OUT / f"reported-{get_context().get_world_rank()}").touch()
+        i += 1
+        time.sleep(0.02)
+
+JaxTrainer(train, scaling_config=ScalingConfig(num_workers=2),
+           run_config=RunConfig(name="profiled", storage_path=str(OUT))).fit()
+"""
+
+
+def _wait_for(condition, driver, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_jaxtrain_profile_traces_n_steps_on_every_rank_into_the_run_directory(tmp_path, capsys):
+    script = tmp_path / "driver.py"
+    script.write_text(PROFILED_DRIVER)
+    driver = start_driver([sys.executable, str(script), str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: all((tmp_path / f"reported-{r}").exists() for r in (0, 1)), driver,
+              "the ranks never reported")
+    capsys.readouterr()
+    assert main(["profile", str(tmp_path / "profiled"), "--steps", "3"]) == 0
+    out, err = capsys.readouterr()
+    folder = Path(out.strip())
+    assert folder == tmp_path / "profiled" / "profiles" / "attempt-0" / "profile-1"
+    assert f"tensorboard --logdir {folder}" in err
+    for rank in (0, 1):
+        _wait_for(lambda r=rank: list((folder / f"rank-{r}").glob(
+            "plugins/profile/*/perfetto_trace.json.gz")), driver, f"rank {rank} wrote no trace")
+        assert list((folder / f"rank-{rank}").glob("plugins/profile/*/*.xplane.pb"))
+    (tmp_path / "go").touch()
+    done = finish_driver(driver, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -158,6 +158,7 @@ class Session:
         # (metrics, checkpoint_dir_name) -> None, which reports the round with its checkpoint.
         self.preemption_save: Callable[[dict, str | None], None] | None = None
         self.saved_on_preemption = False  # the just-in-time checkpoint has been reported
+        self.profile_left = 0  # reports until the jax.profiler trace stops (jaxtrain profile)
         self.collective_lock = threading.Lock()
         self.collectives = 0  # jaxtrain.collective calls made; numbers them for the controller
 
@@ -219,6 +220,44 @@ def to_json(value: Any) -> Any:
         f"report() metrics must be JSON-serialisable; a value of type "
         f"{type(value).__name__} is not (convert it with float(), int() or str())"
     )
+
+
+def profile_step(session: Session) -> None:
+    """``jaxtrain profile RUN --steps N`` (docs/cli.md): a request the controller sent
+    starts a jax.profiler trace at this report(), into ``<its folder>/rank-<R>``, which stops N
+    reports later (or when the training function returns, stop_profile()). One atomic load when
+    nothing was asked."""
+    request = session.client.take_profile_request()
+    if request:
+        import jax
+
+        asked = json.loads(request)
+        if session.profile_left:
+            stop_profile(session)  # a new request replaces the trace under way
+        log_dir = os.path.join(asked["dir"], f"rank-{session.context.world_rank}")
+        try:
+            jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+        except Exception as e:  # a trace of the user's own under way: theirs goes on
+            sys.stderr.write(f"jaxtrain: the profile asked for was not taken: {e}\n")
+            return
+        session.profile_left = int(asked["steps"])
+    elif session.profile_left == 1:
+        stop_profile(session)
+    elif session.profile_left:
+        session.profile_left -= 1
+
+
+def stop_profile(session: Session) -> None:
+    """Stops the trace profile_step() started, if one is under way."""
+    if not session.profile_left:
+        return
+    import jax
+
+    session.profile_left = 0
+    try:
+        jax.profiler.stop_trace()
+    except Exception as e:
+        sys.stderr.write(f"jaxtrain: the profile could not be written: {e}\n")
 
 
 def report(
@@ -295,6 +334,7 @@ def report(
                 dir_name = _round_dir_name(session, checkpoint_dir_name)
         session.round += 1
         session.client.note_round(session.round)  # a preemption's answer names it
+        profile_step(session)
         if session.context.world_rank == 0 and session.validation:
             if validation and store is not None:
                 raise ValueError(

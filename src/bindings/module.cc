@@ -329,6 +329,20 @@ class PyController {
     return Unwrap(std::move(dir));
   }
 
+  // The folder every rank's trace of its next `steps` steps goes to (Controller::StartProfile()).
+  std::string StartProfile(int steps, double timeout_s) {
+    if (!controller_) {
+      PyErr_SetString(PyExc_RuntimeError, "the run has not been started, or is closed");
+      throw nb::python_error();
+    }
+    StatusOr<std::string> dir = InternalError("");
+    {
+      nb::gil_scoped_release release;
+      dir = controller_->StartProfile(steps, Seconds(timeout_s));
+    }
+    return Unwrap(std::move(dir));
+  }
+
   // Destroys the controller once the run has ended: a Slurm allocation it requested is released
   // now, not whenever Python collects this object.
   void Close() {
@@ -581,6 +595,7 @@ class PyWorkerClient {
   void EnableStacks(int fd, int signal, uint64_t thread) {
     client_->EnableStacks(fd, signal, thread);
   }
+  std::string TakeProfileRequest() { return client_->TakeProfileRequest(); }
   void Stop() {
     nb::gil_scoped_release release;
     client_->Stop();
@@ -1069,6 +1084,7 @@ NB_MODULE(_core, m) {
       .def("wait", &PyController::Wait, "timeout_s"_a)
       .def("abort", &PyController::Abort, "reason"_a)
       .def("take_stacks", &PyController::TakeStacks, "timeout_s"_a)
+      .def("start_profile", &PyController::StartProfile, "steps"_a, "timeout_s"_a)
       .def("outcome", &PyController::Outcome)
       .def("metrics_json", &PyController::MetricsJson)
       .def("close", &PyController::Close);
@@ -1091,5 +1107,6 @@ NB_MODULE(_core, m) {
       .def("preemption_call", &PyWorkerClient::PreemptionCall)
       .def("note_round", &PyWorkerClient::NoteRound, "round"_a)
       .def("enable_stacks", &PyWorkerClient::EnableStacks, "fd"_a, "signal"_a, "thread"_a)
+      .def("take_profile_request", &PyWorkerClient::TakeProfileRequest)
       .def("stop", &PyWorkerClient::Stop);
 }

@@ -809,6 +809,24 @@ void Attempt::CheckLiveStacks() {
   live_stacks_.reset();
 }
 
+StatusOr<std::string> Attempt::StartProfile(int steps) {
+  if (phase_ != Phase::kRunning) {
+    return FailedPreconditionError("attempt " + std::to_string(setup_.number) +
+                                   " is not training now; try again once it trains");
+  }
+  const std::string dir =
+      storage::JoinPath(setup_.run_dir, "profiles/attempt-" + std::to_string(setup_.number) +
+                                            "/profile-" + std::to_string(++profiles_));
+  JT_RETURN_IF_ERROR(storage::MakeDirs(dir));
+  const std::string body = "profile " + nlohmann::json{{"dir", dir}, {"steps", steps}}.dump();
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (!ranks_[r].done && port_.connected(static_cast<int>(r))) {
+      port_.Send(static_cast<int>(r), wire::MessageType::kPing, body);
+    }
+  }
+  return dir;
+}
+
 std::optional<StatusOr<std::string>> Attempt::TakeLiveStacks() {
   std::optional<StatusOr<std::string>> out = std::move(live_result_);
   live_result_.reset();

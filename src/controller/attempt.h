@@ -161,6 +161,11 @@ class Attempt {
   // the attempt is not training.
   void RequestStacks();
   std::optional<StatusOr<std::string>> TakeLiveStacks();
+  // Asks every rank to trace its next `steps` steps with jax.profiler (Controller::
+  // StartProfile()): from its next report() to `steps` reports later, into <folder>/rank-<R>.
+  // Returns the folder, profiles/attempt-<N>/profile-<K> under the run directory. Errors:
+  // kFailedPrecondition when the attempt is not training; as storage::MakeDirs.
+  StatusOr<std::string> StartProfile(int steps);
   // The earliest of the attempt's deadlines (the finish of a failed rank's rounds among them);
   // past the drain deadline only a commit in flight
   // (`commit_in_flight`) holds the attempt open, and its descriptor wakes the loop.
@@ -310,6 +315,7 @@ class Attempt {
   std::optional<LiveStacks> live_stacks_;
   std::optional<StatusOr<std::string>> live_result_;
   int live_taken_ = 0;  // the stacks taken on demand so far (their folders' numbers)
+  int profiles_ = 0;    // the profiles asked for so far (their folders' numbers)
   StragglerDetector stragglers_;
   nlohmann::json straggler_events_ = nlohmann::json::array();  // as run.json records them
   std::optional<uint64_t> resize_after_;  // RequestResize(): the first round it stops at

@@ -242,6 +242,13 @@ struct Controller::Loop : ControlPort::Delegate,
     return true;
   }
 
+  // The answer to a request of another thread's (Controller::AskLoop()).
+  void Answer(StatusOr<std::string> answer) {
+    std::lock_guard<std::mutex> lock(ctl.mu_);
+    ctl.request_result_ = std::move(answer);
+    ctl.done_cv_.notify_all();
+  }
+
   // Resets the wake-up eventfd (non-blocking: nothing happens when it was not readable).
   void DrainWake() {
     uint64_t v;
@@ -256,6 +263,7 @@ struct Controller::Loop : ControlPort::Delegate,
     const bool counts = !attempt->failure() && attempt->phase() != Attempt::Phase::kDraining;
     if (TakeAbortRequest(counts)) attempt->Stop();
     if (ctl.stacks_requested_.exchange(false)) attempt->RequestStacks();
+    if (const int steps = ctl.profile_steps_.exchange(0)) Answer(attempt->StartProfile(steps));
     if (attempt->Drained() && !recorder.busy()) return true;
 
     // Connections before the listener: a hello that has arrived is handled before new
@@ -280,9 +288,7 @@ struct Controller::Loop : ControlPort::Delegate,
     port->ExpireHandshakes();
     attempt->CheckTimers();
     if (std::optional<StatusOr<std::string>> stacks = attempt->TakeLiveStacks()) {
-      std::lock_guard<std::mutex> lock(ctl.mu_);
-      ctl.stacks_result_ = std::move(stacks);
-      ctl.done_cv_.notify_all();
+      Answer(*std::move(stacks));
     }
     port->Sweep();
     return false;
@@ -658,21 +664,41 @@ bool Controller::Wait(Duration timeout) {
 }
 
 StatusOr<std::string> Controller::TakeStacks(Duration timeout) {
-  std::lock_guard<std::mutex> call(stacks_call_mu_);
-  std::unique_lock<std::mutex> lock(mu_);
-  if (done_ || wake_fd_ < 0) return FailedPreconditionError("the run is not running");
-  stacks_result_.reset();
+  std::lock_guard<std::mutex> call(request_call_mu_);
   stacks_requested_ = true;
+  return AskLoop(timeout);
+}
+
+StatusOr<std::string> Controller::StartProfile(int steps, Duration timeout) {
+  if (steps < 1) {
+    return InvalidArgumentError("steps=" + std::to_string(steps) +
+                                " is not allowed; trace 1 step or more");
+  }
+  std::lock_guard<std::mutex> call(request_call_mu_);
+  profile_steps_ = steps;
+  return AskLoop(timeout);
+}
+
+StatusOr<std::string> Controller::AskLoop(Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_ || wake_fd_ < 0) {
+    stacks_requested_ = false;
+    profile_steps_ = 0;
+    return FailedPreconditionError("the run is not running");
+  }
+  request_result_.reset();
   uint64_t one = 1;
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
-  if (!done_cv_.wait_for(lock, timeout, [this] { return done_ || stacks_result_.has_value(); })) {
-    return DeadlineExceededError("no stacks came within " +
+  if (!done_cv_.wait_for(lock, timeout, [this] { return done_ || request_result_.has_value(); })) {
+    stacks_requested_ = false;
+    profile_steps_ = 0;
+    return DeadlineExceededError("no answer came within " +
                                  FormatNumber(std::chrono::duration<double>(timeout).count()) +
                                  " s: the run is between attempts (a restart under way?)");
   }
-  if (!stacks_result_) return FailedPreconditionError("the run ended");
-  StatusOr<std::string> out = *std::move(stacks_result_);
-  stacks_result_.reset();
+  if (!request_result_) return FailedPreconditionError("the run ended");
+  StatusOr<std::string> out = *std::move(request_result_);
+  request_result_.reset();
   return out;
 }
 

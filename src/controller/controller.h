@@ -234,6 +234,10 @@ class Controller {
   // answer came within `timeout` (a restart under way); kInternal when they could not be
   // written.
   StatusOr<std::string> TakeStacks(Duration timeout);
+  // Every rank traces its next `steps` steps with jax.profiler (`jaxtrain profile`), from its
+  // next report() to `steps` reports later: the folder the traces go to (Attempt::
+  // StartProfile()). Thread-safe. Errors: as TakeStacks(), and kInvalidArgument for `steps` < 1.
+  StatusOr<std::string> StartProfile(int steps, Duration timeout);
 
   // The final outcome; call only after Wait() returned true.
   const Outcome& outcome() const { return outcome_; }
@@ -262,9 +266,13 @@ class Controller {
   bool done_ = false;         // guarded by mu_
   std::string abort_reason_;  // guarded by mu_
   std::atomic<bool> abort_requested_{false};
-  std::mutex stacks_call_mu_;  // one TakeStacks() at a time
+  // A request of another thread's to the loop (TakeStacks(), StartProfile()), one at a time, and
+  // its answer.
+  StatusOr<std::string> AskLoop(Duration timeout);
+  std::mutex request_call_mu_;
   std::atomic<bool> stacks_requested_{false};
-  std::optional<StatusOr<std::string>> stacks_result_;  // guarded by mu_
+  std::atomic<int> profile_steps_{0};
+  std::optional<StatusOr<std::string>> request_result_;  // guarded by mu_
   Outcome outcome_;  // written by the loop thread before done_ is set; read-only afterwards
   mutable Mutex metrics_mu_;
   RunMetrics metrics_ GUARDED_BY(metrics_mu_);  // published by the loop thread

@@ -711,6 +711,24 @@ TEST_F(ControllerStateTest, StacksOnDemandAreWrittenForEveryRankWithoutStoppingT
   WaitForOutcome(*controller);
 }
 
+TEST_F(ControllerStateTest, AProfileIsAskedOfEveryRankIntoAFolderOfTheRunDirectory) {
+  auto controller = StartWatched(2);
+  for (int rank : {0, 1}) Report(rank, 1, {{"rank", rank}});
+  ASSERT_TRUE(ranks_.WaitUntilHandled(kNoHang));
+  EXPECT_EQ(controller->StartProfile(0, kNoHang).status().code(), StatusCode::kInvalidArgument);
+  StatusOr<std::string> dir = controller->StartProfile(3, kNoHang);
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  EXPECT_EQ(*dir, RunDir() + "/profiles/attempt-0/profile-1");
+  EXPECT_TRUE(std::filesystem::is_directory(*dir));
+  for (int rank : {0, 1}) {
+    auto sent = ranks_.WaitForSent(0, rank, MessageType::kPing, kNoHang);
+    ASSERT_TRUE(sent.has_value()) << rank;
+    EXPECT_EQ(sent->body, "profile {\"dir\":\"" + *dir + "\",\"steps\":3}");
+  }
+  controller->Abort("done");
+  WaitForOutcome(*controller);
+}
+
 TEST_F(ControllerStateTest, RanksStaleTogetherThatAllAnswerFailAtOnceBlamingTheStalest) {
   auto controller = StartWatched(2);
   Report(0, 1, {{"rank", 0}});

@@ -35,6 +35,9 @@ void OnSigterm(int sig) {
 
 constexpr auto kNoticeAnswerTimeout = std::chrono::seconds(5);
 
+// A ping whose body begins so asks the rank to trace steps (TakeProfileRequest()).
+constexpr std::string_view kProfilePrefix = "profile ";
+
 }  // namespace
 
 StatusOr<std::string> TakeRunSecret() {
@@ -368,6 +371,14 @@ void WorkerClient::WatchController(int exit_code) {
         OnPreemptionReply(f->body);
         continue;
       }
+      if (f->type == wire::MessageType::kPing && f->body.starts_with(kProfilePrefix)) {
+        {
+          MutexLock lock(profile_mu_);
+          profile_request_ = f->body.substr(kProfilePrefix.size());
+        }
+        profile_requested_.store(true, std::memory_order_release);
+        continue;  // not answered: a pong answers whether the process is alive, or its stacks
+      }
       if (f->type == wire::MessageType::kPing) {  // answered here, whatever training is doing
         [[maybe_unused]] Status s =
             Send(wire::MessageType::kPong, f->body == "stacks" ? TakeStacks() : std::string());
@@ -405,6 +416,13 @@ void WorkerClient::WatchController(int exit_code) {
     [[maybe_unused]] ssize_t w = write(2, message.data(), message.size());
     _exit(exit_code);
   });
+}
+
+std::string WorkerClient::TakeProfileRequest() {
+  if (!profile_requested_.load(std::memory_order_acquire)) return "";
+  MutexLock lock(profile_mu_);
+  profile_requested_.store(false, std::memory_order_relaxed);
+  return std::move(profile_request_);
 }
 
 void WorkerClient::EnableStacks(int fd, int signal, uint64_t thread) {

@@ -145,6 +145,10 @@ class WorkerClient {
   // not; and answers with the dump and what this client knows: the collective call it waits in,
   // and whether it waits for a checkpoint's commit. Call before WatchController().
   void EnableStacks(int fd, int signal, uint64_t thread);
+  // The controller's last request to trace steps with jax.profiler (a ping "profile <JSON>",
+  // docs/wire.md), taken once: its JSON {"dir", "steps"}; "" when none came since the last call.
+  // Costs one atomic load when there is none (report() asks at every call).
+  std::string TakeProfileRequest();
 
  private:
   explicit WorkerClient(int fd) : fd_(fd), decoder_(wire::kMaxControllerFrameBody) {}
@@ -203,6 +207,10 @@ class WorkerClient {
   std::atomic<uint64_t> collective_sequence_{0};
   std::atomic<uint8_t> collective_kind_{0};
   std::atomic<bool> settling_{false};
+  // The profile request (TakeProfileRequest()).
+  std::atomic<bool> profile_requested_{false};
+  Mutex profile_mu_;
+  std::string profile_request_ GUARDED_BY(profile_mu_);
 };
 
 }  // namespace jaxtrain::worker

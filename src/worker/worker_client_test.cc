@@ -362,6 +362,27 @@ TEST(WorkerClientTest, APingForStacksIsAnsweredWithTheDumpTheSignalsHandlerWrite
   }
 }
 
+TEST(WorkerClientTest, AProfileRequestIsTakenOnceAndNotAnswered) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve(
+      {{MessageType::kPing, R"(profile {"dir":"/r/profiles/attempt-0/profile-1","steps":3})"},
+       {MessageType::kCollectiveRelease, wire::EncodeCollectiveRelease({.sequence = 1})}});
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    EXPECT_EQ((*client)->TakeProfileRequest(), "");
+    (*client)->WatchController(7);
+    ASSERT_TRUE((*client)->Collective({.sequence = 1}).ok());  // read after the request
+    EXPECT_EQ((*client)->TakeProfileRequest(),
+              R"({"dir":"/r/profiles/attempt-0/profile-1","steps":3})");
+    EXPECT_EQ((*client)->TakeProfileRequest(), "");
+    (*client)->Stop();
+  }
+  controller.Join();
+  for (const auto& f : controller.received) EXPECT_NE(f.type, MessageType::kPong);
+}
+
 TEST(WorkerClientTest, AControllerThatNeverAnswersTimesOut) {
   const std::string secret = wire::GenerateSecret();
   FakeController controller(secret);

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from jaxtrain.cli import dashboard
 from jaxtrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, outlive_readers
 from jaxtrain.cli.launch import cmd_plan, cmd_run, cmd_status, cmd_submit
-from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_show, cmd_stack
+from jaxtrain.cli.runs import cmd_logs, cmd_ls, cmd_metrics, cmd_profile, cmd_show, cmd_stack
 
 # --- the parser -----------------------------------------------------------------------------------
 
@@ -303,6 +303,23 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("run", metavar="RUN", help=run_help)
     stack.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
     stack.set_defaults(handler=cmd_stack)
+
+    profile = commands.add_parser(
+        "profile", help="trace N steps of a live run on every rank with jax.profiler",
+        description="Every rank of a live run traces its next N steps with jax.profiler, from "
+        "its next report() to N reports later, into the run directory "
+        "(profiles/attempt-A/profile-K/rank-R). View them in TensorBoard's profile plugin "
+        "(tensorboard --logdir that folder; pip install tensorboard tensorboard-plugin-profile) "
+        "or in Perfetto (open a rank's perfetto_trace.json.gz at https://ui.perfetto.dev). Run "
+        "it on the driver's host.",
+        epilog="example:\n  jaxtrain profile my_run --steps 5\n\n" + _EXIT_CODES,
+        formatter_class=formatter,
+    )
+    profile.add_argument("run", metavar="RUN", help=run_help)
+    profile.add_argument("--steps", type=int, default=5, metavar="N",
+                         help="how many steps (report() calls) to trace (default 5)")
+    profile.add_argument("--storage-path", metavar="PATH", help="where to look for RUN by name")
+    profile.set_defaults(handler=cmd_profile)
 
     logs = commands.add_parser(
         "logs", help="print (or follow) the workers' output",

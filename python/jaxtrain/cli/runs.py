@@ -293,18 +293,24 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_stack(args: argparse.Namespace) -> int:
+def _ask_live_run(run_dir: str, op: str, **fields) -> dict:
+    """The live driver's answer (jaxtrain.driver.live); a UsageError naming the run's status
+    and its driver's host when no driver of the run answers here."""
     from jaxtrain.driver import live
 
-    run_dir = _resolve_run(args.run, args.storage_path)
     try:
-        answer = live.request(run_dir, "stacks")
+        return live.request(run_dir, op, **fields)
     except ConnectionError:
         state = _read_state(run_dir)
         status, holder = records.run_status(run_dir, state, run_dir not in _REMOTE_VIEWS)
         where = f" (driver: {holder}; run this command on its host)" if holder else ""
         raise UsageError(f"no driver of the run in {run_dir} answers on this host: the run is "
                          f"{status}{where}") from None
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    run_dir = _resolve_run(args.run, args.storage_path)
+    answer = _ask_live_run(run_dir, "stacks")
     if "error" in answer:
         say(f"the run could not give its stacks: {answer['error']}")
         return EXIT_FAILED
@@ -315,6 +321,23 @@ def cmd_stack(args: argparse.Namespace) -> int:
         with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
             print(f.read().rstrip("\n") + "\n")
     say(f"every rank's stacks are kept in {folder}")
+    return EXIT_OK
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} is not allowed; trace 1 step or more")
+    run_dir = _resolve_run(args.run, args.storage_path)
+    answer = _ask_live_run(run_dir, "profile", steps=args.steps)
+    if "error" in answer:
+        say(f"the run could not start the profile: {answer['error']}")
+        return EXIT_FAILED
+    folder = answer["dir"]
+    print(folder)
+    say(f"every rank traces its next {args.steps} step(s), from its next report(), into "
+        f"{folder}/rank-R; view them with: tensorboard --logdir {folder} (the profile plugin: "
+        "pip install tensorboard tensorboard-plugin-profile), or open a rank's "
+        "perfetto_trace.json.gz at https://ui.perfetto.dev")
     return EXIT_OK
 
 

@@ -1,11 +1,13 @@
-"""The driver's end of the commands that act on a live run (``jaxtrain stack``): a Unix socket
+"""The driver's end of the commands that act on a live run (``jaxtrain stack``, ``jaxtrain
+profile``): a Unix socket
 in the abstract namespace, named after the run directory, served by a thread of the driver while
 the run is under way.
 
 Only processes of the driver's own user are answered (the peer's credentials, SO_PEERCRED); the
 address is on the driver's host only, so these commands run there. A request is one line of JSON,
-``{"op": "stacks"}``; the answer one line: ``{"dir": ...}`` (the folder every rank's stacks were
-written to, under the run directory) or ``{"error": ...}``.
+``{"op": "stacks"}`` or ``{"op": "profile", "steps": N}``; the answer one line: ``{"dir": ...}``
+(the folder every rank's stacks were written to, or the one their traces go to, under the run
+directory) or ``{"error": ...}``.
 """
 
 from __future__ import annotations
@@ -85,11 +87,16 @@ class LiveServer:
             op = request["op"]
         except (ValueError, KeyError, TypeError):
             return self._reply(conn, {"error": "a request is one line of JSON {\"op\": ...}"})
-        if op != "stacks":
-            return self._reply(conn, {"error": f"unknown request {op!r}; known: 'stacks'"})
         try:
-            reply = {"dir": self._controller.take_stacks(_STACKS_TIMEOUT_S)}
-        except (RuntimeError, TimeoutError, OSError) as e:
+            if op == "stacks":
+                reply = {"dir": self._controller.take_stacks(_STACKS_TIMEOUT_S)}
+            elif op == "profile" and isinstance(request.get("steps"), int):
+                reply = {"dir": self._controller.start_profile(request["steps"],
+                                                               _STACKS_TIMEOUT_S)}
+            else:
+                reply = {"error": f"unknown request {request!r}; known: {{\"op\": \"stacks\"}}, "
+                         "{\"op\": \"profile\", \"steps\": N}"}
+        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
             reply = {"error": str(e)}
         self._reply(conn, reply)
 
@@ -98,7 +105,7 @@ class LiveServer:
         conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
-def request(run_dir: str, op: str, timeout_s: float = _STACKS_TIMEOUT_S + 5) -> dict:
+def request(run_dir: str, op: str, timeout_s: float = _STACKS_TIMEOUT_S + 5, **fields) -> dict:
     """Asks the driver of the live run in `run_dir` on this host; its answer.
 
     Raises ConnectionError when no driver of that run listens on this host."""
@@ -108,7 +115,7 @@ def request(run_dir: str, op: str, timeout_s: float = _STACKS_TIMEOUT_S + 5) -> 
             s.connect(address(run_dir))
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise ConnectionError(str(e)) from None
-        s.sendall(json.dumps({"op": op}).encode() + b"\n")
+        s.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
         data = b""
         while not data.endswith(b"\n"):
             chunk = s.recv(1 << 16)

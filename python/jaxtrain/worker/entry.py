@@ -943,6 +943,7 @@ def main() -> None:
         _fail(client, "training", EXIT_RAISED)
 
     session.require("report").flush()  # queued reports go before done
+    session.stop_profile(session.require("report"))  # a trace of fewer steps than asked
     if metadata_watcher is not None:
         metadata_watcher.stop()
     sys.stdout.flush()
