@@ -225,8 +225,8 @@ def to_json(value: Any) -> Any:
 def profile_step(session: Session) -> None:
     """``jaxtrain profile RUN --steps N`` (docs/cli.md): a request the controller sent
     starts a jax.profiler trace at this report(), into ``<its folder>/rank-<R>``, which stops N
-    reports later (or when the training function returns, stop_profile()). One atomic load when
-    nothing was asked."""
+    reports later (or when the training function returns, stop_profile()). report() calls it
+    only when a request waits or a trace is under way."""
     request = session.client.take_profile_request()
     if request:
         import jax
@@ -333,8 +333,9 @@ def report(
             elif checkpoint_upload_fn is not None:
                 dir_name = _round_dir_name(session, checkpoint_dir_name)
         session.round += 1
-        session.client.note_round(session.round)  # a preemption's answer names it
-        profile_step(session)
+        # A preemption's answer names the round; a profile request waits when it says so.
+        if session.client.note_round(session.round) or session.profile_left:
+            profile_step(session)
         if session.context.world_rank == 0 and session.validation:
             if validation and store is not None:
                 raise ValueError(

@@ -591,7 +591,7 @@ class PyWorkerClient {
     nb::gil_scoped_release release;
     return client_->PreemptionCall();
   }
-  void NoteRound(uint64_t round) { client_->NoteRound(round); }
+  bool NoteRound(uint64_t round) { return client_->NoteRound(round); }
   void EnableStacks(int fd, int signal, uint64_t thread) {
     client_->EnableStacks(fd, signal, thread);
   }

@@ -135,7 +135,12 @@ class WorkerClient {
   // answered but not yet agreed waits for the agreement (or the connection's end).
   std::string PreemptionCall();
   // The report() rounds this rank has made in this attempt (the answer to the query names them).
-  void NoteRound(uint64_t round) { rounds_.store(round, std::memory_order_relaxed); }
+  // Returns whether a profile request waits (TakeProfileRequest()): report() learns it with the
+  // call it makes anyway.
+  bool NoteRound(uint64_t round) {
+    rounds_.store(round, std::memory_order_relaxed);
+    return profile_requested_.load(std::memory_order_acquire);
+  }
 
   // Lets the controller's ping "stacks" (docs/wire.md) take this process's Python stacks:
   // `signal` is one on which faulthandler.register(signal, file=fd, all_threads=True) dumps every
@@ -147,7 +152,7 @@ class WorkerClient {
   void EnableStacks(int fd, int signal, uint64_t thread);
   // The controller's last request to trace steps with jax.profiler (a ping "profile <JSON>",
   // docs/wire.md), taken once: its JSON {"dir", "steps"}; "" when none came since the last call.
-  // Costs one atomic load when there is none (report() asks at every call).
+  // Call it when NoteRound() says one waits.
   std::string TakeProfileRequest();
 
  private:
