@@ -560,3 +560,21 @@ def test_the_page_follows_a_live_run_through_a_killed_rank_and_its_restart(
         end_session(dashboard)
     done = finish_driver(run, timeout=120)
     assert done.returncode == 0, done.stdout
+
+
+def test_the_api_names_the_stacks_of_a_hung_attempt(tmp_path):
+    """A hang the watchdog stopped (written by hand): its failure names the folder of every
+    rank's stacks, which the attempt list shows (docs/failure-detection.md)."""
+    run = tmp_path / "hung"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({
+        "status": "ERRORED", "world_size": 2, "start_time": 100.0, "end_time": 200.0,
+        "attempts": [
+            {"attempt": 0, "status": "ERRORED", "start_time": 100.0, "end_time": 199.0,
+             "failure": {"rank": 1, "host": "a", "cause": "watchdog", "message": "stuck",
+                         "stacks": "stacks/attempt-0"}},
+        ]}))
+    with serving(str(tmp_path)) as url:
+        status, detail, _ = get(f"{url}/api/runs/hung")
+    assert status == 200
+    assert detail["attempt_list"][0]["failure"]["stacks"] == "stacks/attempt-0"

@@ -149,6 +149,8 @@ def test_every_socket_and_shared_path_of_a_run_is_in_the_security_tables(tmp_pat
                     named.append((who, s, "control port"))
                 elif who == "rank 0" and s.startswith("tcp"):
                     named.append((who, s, "JAX coordinator"))
+                elif who == "driver" and s.startswith("unix @jaxtrain-run-"):
+                    named.append((who, s, "live-run socket"))
                 else:
                     named.append((who, s, None))
         rows = {name: next((row for row in servers if row.startswith(name)), None)

@@ -358,7 +358,7 @@ def _attempt(a: dict) -> dict:
         "queue_wait_s": _number(a.get("queue_wait_s")) or 0.0,
         "restored_from": os.path.basename(a["restored_from"]) if a.get("restored_from") else None,
         "failure": failure and {k: failure.get(k) for k in (
-            "rank", "host", "cause", "message", "exit_code", "signal", "decision")},
+            "rank", "host", "cause", "message", "exit_code", "signal", "decision", "stacks")},
         "stragglers": straggler_periods(a),
     }
 

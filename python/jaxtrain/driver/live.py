@@ -1,13 +1,14 @@
 """The driver's end of the commands that act on a live run (``jaxtrain stack``, ``jaxtrain
-profile``): a Unix socket
-in the abstract namespace, named after the run directory, served by a thread of the driver while
-the run is under way.
+profile``): a Unix socket in the abstract namespace, named after the run directory, served by a
+thread of the driver while the run is under way.
 
-Only processes of the driver's own user are answered (the peer's credentials, SO_PEERCRED); the
-address is on the driver's host only, so these commands run there. A request is one line of JSON,
-``{"op": "stacks"}`` or ``{"op": "profile", "steps": N}``; the answer one line: ``{"dir": ...}``
-(the folder every rank's stacks were written to, or the one their traces go to, under the run
-directory) or ``{"error": ...}``.
+Only processes of the driver's own user are answered (the peer's credentials, SO_PEERCRED), and
+the commands trust only a driver of their own user, and only a folder inside the run directory
+(another user may bind the address first: the driver then says the commands cannot reach it).
+The address is on the driver's host only, so these commands run there. A request is one line of
+JSON, ``{"op": "stacks"}`` or ``{"op": "profile", "steps": N}``; the answer one line:
+``{"dir": ...}`` (the folder every rank's stacks were written to, or the one their traces go to,
+under the run directory) or ``{"error": ...}``.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def request(run_dir: str, op: str, timeout_s: float = _STACKS_TIMEOUT_S + 5, **f
             s.connect(address(run_dir))
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise ConnectionError(str(e)) from None
+        if _peer_uid(s) != os.getuid():
+            raise ConnectionError(f"the process at the run's address is user {_peer_uid(s)}'s, "
+                                  "not this user's driver")
         s.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
         data = b""
         while not data.endswith(b"\n"):
@@ -124,4 +128,8 @@ def request(run_dir: str, op: str, timeout_s: float = _STACKS_TIMEOUT_S + 5, **f
             data += chunk
     if not data:
         raise ConnectionError("the driver closed the connection without an answer")
-    return json.loads(data)
+    answer = json.loads(data)
+    inside = os.path.join(os.path.realpath(run_dir), "")
+    if "dir" in answer and not os.path.realpath(answer["dir"]).startswith(inside):
+        raise ConnectionError(f"the driver answered a folder outside the run: {answer['dir']!r}")
+    return answer

@@ -179,6 +179,9 @@ function drawAttempts(run) {
         "rank " + f.rank + (f.host ? " (host " + f.host + ")" : "") + " " + f.cause),
       ": " + f.message);
       if (f.decision) item.append(" [" + f.decision.action + ": " + f.decision.reason + "]");
+      if (f.stacks) {
+        item.append(" [every rank's stacks: ", el("code", { class: "stacks" }, f.stacks + "/"), "]");
+      }
     }
     for (const p of a.stragglers || []) {
       item.append(" \u2014 ", el("span", { class: "straggler", "data-rank": p.rank }, stragglerText(p)));
