@@ -13,7 +13,6 @@ under the run directory) or ``{"error": ...}``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -27,9 +26,11 @@ _MAX_REQUEST = 4096
 
 
 def address(run_dir: str) -> bytes:
-    """The abstract socket address of the live run in `run_dir` (its real path, hashed)."""
-    digest = hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:32]
-    return b"\0jaxtrain-run-" + digest.encode()
+    """The abstract socket address of the live run in `run_dir`: its directory's device and
+    inode, the same by whatever path this host reaches it (and no hash module for the driver to
+    load)."""
+    st = os.stat(run_dir)
+    return f"\0jaxtrain-run-{st.st_dev:x}-{st.st_ino:x}".encode()
 
 
 def _peer_uid(conn: socket.socket) -> int:
