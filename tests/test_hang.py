@@ -162,10 +162,11 @@ def test_the_default_watchdog_stops_a_hung_run(tmp_path, monkeypatch):
 
 def test_the_default_watchdog_lets_slow_compilations_and_a_long_checkpoint_pass(
         tmp_path, monkeypatch):
-    # Each slow part takes half the floor: far over 10 quick steps, under the floor.
-    monkeypatch.setenv("JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S", str(2 * WATCHDOG_S))
+    # Each slow part takes a third of the floor: far over 10 quick steps, under the floor.
+    slow_s = 2.0
+    monkeypatch.setenv("JAXTRAIN_PROGRESS_TIMEOUT_FLOOR_S", str(3 * slow_s))
     result = JaxTrainer(
-        _slow_compile_then_a_long_checkpoint, train_loop_config={"slow_s": WATCHDOG_S},
+        _slow_compile_then_a_long_checkpoint, train_loop_config={"slow_s": slow_s},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="slow", storage_path=str(tmp_path)),
     ).fit()
