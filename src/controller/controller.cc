@@ -107,6 +107,7 @@ struct Controller::Loop : ControlPort::Delegate,
   wire::SharedFrame payload;
   RunOutput output;  // the console, its status line and the ranks' logs (run_output.h)
   std::optional<std::string> abort_reason;  // set once Abort() counts: the run is aborted
+  uint64_t stacks_request = 0;  // the request (Controller::AskLoop()) the stacks asked for answer
   // The run's outcome so far: its failures (one per failed attempt) and warnings, the last round
   // recorded and rank 0's metrics of it; Finish() completes it.
   Outcome outcome;
@@ -243,8 +244,17 @@ struct Controller::Loop : ControlPort::Delegate,
   }
 
   // The answer to a request of another thread's (Controller::AskLoop()).
-  void Answer(StatusOr<std::string> answer) {
+  // The number of the request of another thread's that the loop takes now.
+  uint64_t Taken() {
     std::lock_guard<std::mutex> lock(ctl.mu_);
+    return ctl.request_number_;
+  }
+
+  // A request that timed out is answered to nobody: `request` is the number of the request
+  // taken (Taken()), and an answer goes only to the request now awaited.
+  void Answer(uint64_t request, StatusOr<std::string> answer) {
+    std::lock_guard<std::mutex> lock(ctl.mu_);
+    if (request != ctl.request_number_) return;
     ctl.request_result_ = std::move(answer);
     ctl.done_cv_.notify_all();
   }
@@ -262,8 +272,13 @@ struct Controller::Loop : ControlPort::Delegate,
     attempt->NewTurn();
     const bool counts = !attempt->failure() && attempt->phase() != Attempt::Phase::kDraining;
     if (TakeAbortRequest(counts)) attempt->Stop();
-    if (ctl.stacks_requested_.exchange(false)) attempt->RequestStacks();
-    if (const int steps = ctl.profile_steps_.exchange(0)) Answer(attempt->StartProfile(steps));
+    if (ctl.stacks_requested_.exchange(false)) {
+      stacks_request = Taken();
+      attempt->RequestStacks();
+    }
+    if (const int steps = ctl.profile_steps_.exchange(0)) {
+      Answer(Taken(), attempt->StartProfile(steps));
+    }
     if (attempt->Drained() && !recorder.busy()) return true;
 
     // Connections before the listener: a hello that has arrived is handled before new
@@ -288,7 +303,7 @@ struct Controller::Loop : ControlPort::Delegate,
     port->ExpireHandshakes();
     attempt->CheckTimers();
     if (std::optional<StatusOr<std::string>> stacks = attempt->TakeLiveStacks()) {
-      Answer(*std::move(stacks));
+      Answer(stacks_request, *std::move(stacks));
     }
     port->Sweep();
     return false;
@@ -687,6 +702,7 @@ StatusOr<std::string> Controller::AskLoop(Duration timeout) {
     return FailedPreconditionError("the run is not running");
   }
   request_result_.reset();
+  ++request_number_;
   uint64_t one = 1;
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
   if (!done_cv_.wait_for(lock, timeout, [this] { return done_ || request_result_.has_value(); })) {

@@ -273,6 +273,7 @@ class Controller {
   std::atomic<bool> stacks_requested_{false};
   std::atomic<int> profile_steps_{0};
   std::optional<StatusOr<std::string>> request_result_;  // guarded by mu_
+  uint64_t request_number_ = 0;                          // of the request awaited; guarded by mu_
   Outcome outcome_;  // written by the loop thread before done_ is set; read-only afterwards
   mutable Mutex metrics_mu_;
   RunMetrics metrics_ GUARDED_BY(metrics_mu_);  // published by the loop thread
