@@ -134,8 +134,15 @@ class WorkerClient {
   // number sync_call is the first to return it; a call made while the controller's query is
   // answered but not yet agreed waits for the agreement (or the connection's end).
   std::string PreemptionCall();
-  // The report() rounds this rank has made in this attempt (the answer to the query names them).
-  void NoteRound(uint64_t round) { rounds_.store(round, std::memory_order_relaxed); }
+  // The report() rounds this rank has made in this attempt (the answer to the query names them):
+  // the highest `round` noted here or sent by Report() or ReportCheckpoint(), so that a report
+  // sent late (queued behind a checkpoint) does not take the count back.
+  void NoteRound(uint64_t round) {
+    uint64_t seen = rounds_.load(std::memory_order_relaxed);
+    while (seen < round && !rounds_.compare_exchange_weak(seen, round, std::memory_order_relaxed)) {
+    }
+  }
+  uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
 
  private:
   explicit WorkerClient(int fd) : fd_(fd), decoder_(wire::kMaxControllerFrameBody) {}

@@ -53,10 +53,13 @@ class Stager:
         return self._memory is not None
 
     def report(self, round_: int, text: str) -> None:
+        """Sends a metrics-only report now, or queues it behind the checkpoints being staged;
+        either way the client counts the round at once (WorkerClient::NoteRound)."""
         with self._cv:
             if not self._queue and not self._busy:
                 self._client.report(round_, text)
                 return
+            self._client.note_round(round_)
             self._queue.append((round_, text, None))
 
     def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict,
