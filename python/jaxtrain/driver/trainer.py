@@ -32,7 +32,6 @@ from jaxtrain import (
     goodput,
     launch,
     records,
-    session,
     storage,
     user_code,
     validation,
@@ -40,7 +39,12 @@ from jaxtrain import (
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
-from jaxtrain.driver.options import COMPILATION_CACHE_ENV, VERBOSE_ENV, EngineOptions
+from jaxtrain.driver.options import (
+    COMPILATION_CACHE_ENV,
+    SNAPSHOT_BUDGET_ENV,
+    VERBOSE_ENV,
+    EngineOptions,
+)
 from jaxtrain.driver.run_dir import make_private, private_files, warn_if_locks_stay_local
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load
@@ -241,7 +245,7 @@ class JaxTrainer:
         if store is not None:
             worker_env[STORE_ENV] = "1"
         if options.snapshot_budget_mib is not None:
-            worker_env[session.SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
+            worker_env[SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
         if options.gce_metadata:
             worker_env[gce_metadata.ENV] = options.gce_metadata
         if options.verbose:
