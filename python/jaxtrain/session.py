@@ -339,6 +339,8 @@ def report(
                                                 session.snapshot_budget)
             if snapshot is None:
                 _say_over_budget(session, source.path)
+                if store is not None:
+                    store.make_staging(staging)
                 # A part for the store is hashed as it is staged: the upload checks what it
                 # sends against these SHA-256s (checkpoint_store.Store.upload).
                 description["files"] = _core.stage_directory(source.path, staging,
@@ -474,6 +476,8 @@ def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
     if _in_place(session, source, description["dir_name"]):
         description["files"] = _claim(source.path, description["staging"])
     else:
+        if session.store is not None:
+            session.store.make_staging(description["staging"])
         description["files"] = _core.stage_directory(_local_path(source, "checkpoint"),
                                                      description["staging"], durable=False,
                                                      sha256=session.store is not None)

@@ -8,9 +8,10 @@ and mirrors it to the remote run directory with a ``Mirror``:
   interrupted upload left there, and rebuilds the staging copy from it (the run's records, its logs,
   every kept checkpoint's manifest, and the files of the newest checkpoint whose remote files
   match their manifest), so that the engine resumes exactly as from a local run directory;
-* while the run goes on and once more at its end, ``push()`` uploads each newly committed
-  checkpoint (its files, streamed; then its manifest), then the records, then the index
-  ``checkpoints.json`` in one PUT, and only then deletes the checkpoints the index no longer holds;
+* as soon as each checkpoint is committed, every second while the run goes on, and once more at
+  its end, ``push()`` uploads each newly committed checkpoint (its files, streamed; then its
+  manifest), then the records, then the index ``checkpoints.json`` in one PUT, and only then
+  deletes the checkpoints the index no longer holds;
   a directory name that a later round reuses is first dropped from the remote index, then deleted
   and uploaded again, so the index never names a directory that is being replaced.
 
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -391,9 +393,14 @@ class Mirror:
 
     # --- during and after the run: from staging to remote -----------------------------------
 
-    def start(self) -> None:
-        """Pushes in a background thread until ``close()``."""
-        self._thread = threading.Thread(target=self._loop, name="jaxtrain-mirror", daemon=True)
+    def start(self, wait_for_commits: Callable[[int, float], int] | None = None) -> None:
+        """Pushes in a background thread until ``close()``: every second, and with
+        `wait_for_commits` (the controller's: ``(seen, timeout_s) -> committed``, returning
+        early once more than `seen` checkpoints are committed) as soon as a checkpoint is
+        committed, so that its manifest, the commit on the storage, goes up when its last part
+        is in and not at the next poll."""
+        self._thread = threading.Thread(target=self._loop, args=(wait_for_commits,),
+                                        name="jaxtrain-mirror", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -413,13 +420,23 @@ class Mirror:
                 f"is in {self.local}, and running it again by name uploads it first"
             ) from e
 
-    def _loop(self) -> None:
-        """Pushes every second; a failed push (the storage unreachable for a while) is reported
-        once and retried, since the run itself goes on."""
+    def _loop(self, wait_for_commits: Callable[[int, float], int] | None) -> None:
+        """Pushes after each commit and every second; a failed push (the storage unreachable
+        for a while) is reported once and retried, since the run itself goes on."""
         failing = ""
-        # A checkpoint the workers uploaded is committed on the storage by its manifest: soon.
-        every = _PUSH_EVERY_S / 4 if self.store_direct else _PUSH_EVERY_S
-        while not self._stop.wait(every):
+        seen = 0
+        while not self._stop.is_set():
+            if wait_for_commits is None:
+                if self._stop.wait(_PUSH_EVERY_S):
+                    return
+            else:
+                started = time.monotonic()
+                committed = wait_for_commits(seen, _PUSH_EVERY_S)
+                if committed == seen:  # no commit: the second passed, or the run has ended
+                    left = _PUSH_EVERY_S - (time.monotonic() - started)
+                    if self._stop.wait(max(left, 0.0)):
+                        return
+                seen = committed
             try:
                 self.push()
                 failing = ""

@@ -10,11 +10,14 @@ rank's part of the round is in, the controller commits a manifest that names the
 and the index after it (``storage.Mirror``): a directory on the store without its manifest is no
 checkpoint for any reader, and one the index does not name is swept.
 
-Per rank and round: the snapshot ``report(checkpoint=)`` took is written, with each file's
-SHA-256, into a host-local staging directory (``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``,
-every level 0700 and checked: jaxtrain.private_dirs), its files are uploaded on up to
-``_UPLOADS`` threads (objects above the client's part size in multipart uploads) and checked
-against those SHA-256s on the way, then the staging copy is deleted.
+Per rank and round: the snapshot ``report(checkpoint=)`` took in memory is described (each
+file's CRC-32C and SHA-256 in one pass, in C++ without the GIL) and its files are uploaded
+from that memory on up to ``_UPLOADS`` threads, in parts of ``_PART`` bytes (upload_snapshot):
+nothing is written on this host. A part that is not in memory (above the snapshot budget, an
+ASYNC report's) is copied with each file's SHA-256 into a host-local staging directory
+(``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``, every level 0700 and checked:
+jaxtrain.private_dirs), its files are uploaded from there and checked against those SHA-256s on
+the way, then the staging copy is deleted (upload).
 At the start of every attempt, rank 0 deletes from the store the directories that no committed
 checkpoint names (what a failed attempt left) while the other ranks wait at a barrier, so no
 upload of the new attempt can race the sweep.
@@ -40,6 +43,7 @@ from typing import Any
 from jaxtrain import private_dirs, storage
 
 _UPLOADS = 8  # files uploaded at once by one rank
+_PART = 50 << 20  # a part of an upload from memory: s3fs's multipart chunk
 # Set by the driver in the workers' environment when they upload to the store themselves.
 STORE_ENV = "JAXTRAIN_RUN_STORE"
 
@@ -91,13 +95,18 @@ class Store:
         return name
 
     def staging(self, report_round: int) -> str:
-        """A host-local directory for this rank's files of one round before they are uploaded:
-        ``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/<run>-<pid>/a<A>-r<R>-rank<r>``, each level
-        made 0700 and checked (private_dirs.private_dir): no other user reads a staged part, or
-        replaces one between staging and upload. PermissionError naming the level otherwise."""
+        """Where this rank's files of one round are staged when they must be copied before they
+        are uploaded (a part above the snapshot budget, an ASYNC report's):
+        ``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/<run>-<pid>/a<A>-r<R>-rank<r>``; made only by
+        make_staging. A part read into memory is uploaded from there and never staged."""
+        return os.path.join(self.staging_root, f"a{self.attempt}-r{report_round}-rank{self.rank}")
+
+    def make_staging(self, staging: str) -> str:
+        """Makes `staging` (a path staging() gave), each level 0700 and checked
+        (private_dirs.private_dir): no other user reads a staged part, or replaces one between
+        staging and upload. PermissionError naming the level otherwise."""
         return private_dirs.private_dir(
-            private_dirs.tmp_base(), *self._staging_names,
-            f"a{self.attempt}-r{report_round}-rank{self.rank}",
+            private_dirs.tmp_base(), *self._staging_names, os.path.basename(staging),
             remedy="or set TMPDIR to a directory of your own")
 
     def upload(self, staging: str, files: list[dict], dir_name: str) -> None:
@@ -154,6 +163,45 @@ class Store:
             shutil.rmtree(staging, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.rmdir(self.staging_root)  # when no other round of this process is in it
+        progress.finish()
+
+    def upload_snapshot(self, snapshot: Any, files: list[dict], dir_name: str) -> None:
+        """Uploads the files of `snapshot` (the part report(checkpoint=) read into memory, as
+        ``snapshot.describe(sha256=True)`` described them) into ``<run>/<dir_name>/`` on the
+        store straight from memory, on up to ``_UPLOADS`` threads, without a staging copy: each
+        file is sent in parts of ``_PART`` bytes read from the snapshot (an S3 multipart upload
+        for a file of two parts or more, a GCS resumable one, ...). The snapshot does not change
+        while it is uploaded, so what is sent is what was hashed. Raises StoreError naming this
+        host, the object's URL and the cause."""
+        remote = posixpath.join(self.root, dir_name)
+        regular = sorted((f for f in files if "link" not in f), key=lambda f: -f["size"])
+        progress = storage._Progress(f"rank {self.rank}: uploading", f"to {self.url}")
+        progress.what = dir_name
+        progress.total = sum(f["size"] for f in regular)
+        s3 = "s3" in _protocols(self.fs)
+
+        def put(f: dict) -> None:
+            target = posixpath.join(remote, f["path"])
+            try:
+                if s3 and f["size"] >= 2 * _PART:
+                    # s3fs sends the parts of what it is given concurrently (it takes len() and
+                    # slices), each read from memory only when its turn comes.
+                    self.fs.pipe_file(target, _Parts(snapshot, f["path"], f["size"]),
+                                      chunksize=_PART)
+                elif s3 or f["size"] <= _PART:
+                    self.fs.pipe_file(target, snapshot.read(f["path"], 0, f["size"]))
+                else:
+                    with self.fs.open(target, "wb") as out:
+                        for offset in range(0, f["size"], _PART):
+                            out.write(snapshot.read(f["path"], offset, _PART))
+            except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+                raise StoreError(_failure("uploading", storage.url(self.fs, target), e)) from e
+            progress.add(f["size"])
+
+        with ThreadPoolExecutor(max_workers=_UPLOADS,
+                                thread_name_prefix="jaxtrain-upload") as pool:
+            for done in [pool.submit(put, f) for f in regular]:
+                done.result()
         progress.finish()
 
     def describe(self, dir_name: str, paths: list[str]) -> list[dict]:
@@ -232,6 +280,26 @@ def open_url(storage_path: str) -> Any:
         return fsspec.core.url_to_fs(storage_path)[0]
     except Exception as e:  # noqa: BLE001 - a missing package, a backend that cannot connect
         raise StoreError(_failure("opening", storage_path, e)) from e
+
+
+class _Parts:
+    """The file at `path` of a snapshot as s3fs's pipe_file takes a large object: its length,
+    and each slice (a part) as bytes read from the snapshot when asked for."""
+
+    def __init__(self, snapshot: Any, path: str, size: int) -> None:
+        self._snapshot, self._path, self._size = snapshot, path, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop, _ = part.indices(self._size)
+        return self._snapshot.read(self._path, start, max(stop - start, 0))
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _sha256_of_fd(fd: int) -> str:

@@ -1,6 +1,7 @@
 """The stager of a rank's checkpoints (the session's, jaxtrain.session): a thread that writes
-each checkpoint's snapshot into its staging directory, keeps its copies in host memory, uploads it
-where the rank's host writes to object storage itself, and sends the reports in round order.
+each checkpoint's snapshot into its staging directory (or, where the rank's host writes to object
+storage itself, uploads it from memory), keeps its copies in host memory, and sends the reports
+in round order.
 Runs in each worker, and in local mode's driver, whose process is the one rank."""
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ class Stager:
                     try:
                         if prepare is not None:
                             prepare(description)
+                        elif self._store is not None:
+                            # Described from memory, with each file's SHA-256 in the pass that
+                            # takes its CRC-32C, and uploaded from there: no staging copy.
+                            description["files"] = snapshot.describe(sha256=True)
                         else:
                             # A part with a copy in memory is staged with each file's SHA-256,
                             # which the manifest then vouches for the copies with
@@ -118,7 +123,10 @@ class Stager:
                                    f"checkpoint of round {round_} into '{staging}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
                     if self._store is not None:
-                        upload(self._store, description, round_, self._fail_storage)
+                        upload(self._store, description, round_, self._fail_storage,
+                               snapshot if prepare is None else None)
+                        if self._memory is None and snapshot is not None:
+                            snapshot.release()
                     if delete is not None:
                         delete_local(delete, self._rank)
                     if self._memory is not None and snapshot is not None:
@@ -170,13 +178,17 @@ class Stager:
 
 
 def upload(store: Store, description: dict, round_: int,
-           fail_storage: Callable[[str, str], NoReturn] | None) -> None:
-    """Uploads the part staged at description["staging"] to the store, then makes `description`
-    the store's kind (no staging directory). An upload that fails ends the worker with the
-    cause "storage" (fail_storage), or raises StoreError without it."""
+           fail_storage: Callable[[str, str], NoReturn] | None, snapshot: Any = None) -> None:
+    """Uploads the part to the store: from `snapshot`'s memory where it is given, else from
+    where it was staged (description["staging"]); then makes `description` the store's kind (no
+    staging directory). An upload that fails ends the worker with the cause "storage"
+    (fail_storage), or raises StoreError without it."""
     staging = description.pop("staging")
     try:
-        store.upload(staging, description["files"], description["dir_name"])
+        if snapshot is not None:
+            store.upload_snapshot(snapshot, description["files"], description["dir_name"])
+        else:
+            store.upload(staging, description["files"], description["dir_name"])
     except StoreError as e:
         if fail_storage is None:
             raise
