@@ -61,12 +61,14 @@ class Stager:
             self._queue.append((round_, text, None))
 
     def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict,
-                   prepare: Callable[[dict], None] | None = None,
+                   prepare: Callable[[dict], Any] | None = None,
                    delete: str | None = None) -> None:
-        """Queues the checkpoint of a round: `snapshot` written into description["staging"], or,
-        without one, `prepare(description)` run on this thread to fill in description["files"]
-        (checkpoint_upload_mode=ASYNC); then the part uploaded (a store run), `delete` (the
-        user's directory) removed, and the report sent."""
+        """Queues the checkpoint of a round: `snapshot` written into description["staging"] (in
+        a store run: described and uploaded from memory), or, without one, `prepare(description)`
+        run on this thread to fill in description["files"] (checkpoint_upload_mode=ASYNC),
+        returning the snapshot it read the part into, to upload from, or None where it staged
+        it; then the part uploaded (a store run), `delete` (the user's directory) removed, and
+        the report sent."""
         with self._cv:
             self._queue.append((round_, text, (snapshot, description, prepare, delete)))
             if self._thread is None:
@@ -103,9 +105,10 @@ class Stager:
                 else:
                     snapshot, description, prepare, delete = work
                     staging = description["staging"]
+                    read = None  # an ASYNC part of a store run, read into memory by prepare
                     try:
                         if prepare is not None:
-                            prepare(description)
+                            read = prepare(description)
                         elif self._store is not None:
                             # Described from memory, with each file's SHA-256 in the pass that
                             # takes its CRC-32C, and uploaded from there: no staging copy.
@@ -124,7 +127,9 @@ class Stager:
                                    f"in the background failed: {type(e).__name__}: {e}")
                     if self._store is not None:
                         upload(self._store, description, round_, self._fail_storage,
-                               snapshot if prepare is None else None)
+                               snapshot if prepare is None else read)
+                        if read is not None:
+                            read.release()
                         if self._memory is None and snapshot is not None:
                             snapshot.release()
                     if delete is not None:
@@ -136,7 +141,7 @@ class Stager:
                         copy_id = uuid.uuid4().hex
                         if self._hold(round_, snapshot, copy_id):
                             description["copy_id"] = copy_id
-                    del snapshot, work, prepare
+                    del snapshot, work, prepare, read
                     self._client.report_checkpoint(round_, json.dumps(description), text)
             except Exception as e:
                 self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
