@@ -244,8 +244,7 @@ def test_a_file_of_several_parts_goes_up_from_memory_in_a_multipart_upload(bucke
     store = checkpoint_store.Store(fs, f"{bucket}/exp", rank=0, attempt=0, first_round=1,
                                    committed=[], experiment_name="exp")
     snapshot = _core.snapshot_directory(str(tmp_path / "src"), 1 << 30)
-    files = snapshot.describe(sha256=True)
-    store.upload_snapshot(snapshot, files, "checkpoint_000001")
+    files = store.upload_snapshot(snapshot, "checkpoint_000001")
     fs.invalidate_cache()
     assert fs.cat_file(f"{bucket}/exp/checkpoint_000001/big.bin") == data
     assert fs.cat_file(f"{bucket}/exp/checkpoint_000001/small.txt") == b"small"

@@ -63,6 +63,11 @@ class DirectorySnapshot:
         Up to size bytes of the snapshot's file at path (relative, as describe() names it) from offset, as bytes: a part of an upload from memory. Thread-safe; KeyError for a path the snapshot has no file at.
         """
 
+    def files(self) -> list:
+        """
+        The snapshot's files as (path, size), in the order describe() lists them; no checksum is computed.
+        """
+
     def release(self) -> None:
         """Frees the snapshot's memory (what describe() and read() use)."""
 

@@ -468,8 +468,8 @@ def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
                  upload_fn: Callable | None) -> Any:
     """An ASYNC report's part, on the stager's thread: the upload function's result (or the
     user's directory) claimed where it lies in the run directory, or copied into staging; in a
-    store run, read into memory (within the snapshot budget) and described, and that snapshot
-    returned for the stager to upload from, with no staging copy. None otherwise."""
+    store run, read into memory (within the snapshot budget), and that snapshot returned for the
+    stager to upload from (and describe meanwhile), with no staging copy. None otherwise."""
     from jaxtrain import _core
 
     source = checkpoint
@@ -482,7 +482,6 @@ def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
     if session.store is not None:
         snapshot = _core.snapshot_directory(path, session.snapshot_budget)
         if snapshot is not None:
-            description["files"] = snapshot.describe(sha256=True)
             return snapshot
         session.store.make_staging(description["staging"])
     description["files"] = _core.stage_directory(path, description["staging"], durable=False,

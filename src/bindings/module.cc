@@ -751,6 +751,19 @@ NB_MODULE(_core, m) {
           "from offset, as bytes: a part of an upload from memory. Thread-safe; KeyError for a "
           "path the snapshot has no file at.")
       .def(
+          "files",
+          [](const storage::DirectorySnapshot& s) {
+            nb::list out;
+            for (const storage::DirectorySnapshot::Item& item : s.items) {
+              if (item.kind == storage::DirectorySnapshot::Kind::kFile) {
+                out.append(nb::make_tuple(item.rel, item.size));
+              }
+            }
+            return out;
+          },
+          "The snapshot's files as (path, size), in the order describe() lists them; no "
+          "checksum is computed.")
+      .def(
           "release", [](storage::DirectorySnapshot& s) { s = storage::DirectorySnapshot(); },
           "Frees the snapshot's memory (what describe() and read() use).");
   m.def(

@@ -4,20 +4,21 @@ A run whose ``storage_path`` is on an object store (``s3://``, ``gs://``, any fs
 whose hosts share no directory with the driver cannot stage its checkpoints in the driver's run
 directory. Each rank then uploads its own files of a round directly into the checkpoint's
 directory on the store, ``<run>/<dir_name>/``, and tells the controller what it uploaded (paths,
-sizes, CRC-32C and SHA-256, computed while the snapshot is written on this host). Once every
+sizes, CRC-32C and SHA-256, computed on this host while the part is uploaded). Once every
 rank's part of the round is in, the controller commits a manifest that names them all
 (``"location": "store"``), and the driver uploads that manifest as the checkpoint's commit point
 and the index after it (``storage.Mirror``): a directory on the store without its manifest is no
 checkpoint for any reader, and one the index does not name is swept.
 
-Per rank and round: the snapshot ``report(checkpoint=)`` took in memory is described (each
-file's CRC-32C and SHA-256 in one pass, in C++ without the GIL) and its files are uploaded
-from that memory on up to ``_UPLOADS`` threads, in parts of ``_PART`` bytes (upload_snapshot):
-nothing is written on this host. A part that is not in memory (above the snapshot budget, an
-ASYNC report's) is copied with each file's SHA-256 into a host-local staging directory
-(``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``, every level 0700 and checked:
-jaxtrain.private_dirs), its files are uploaded from there and checked against those SHA-256s on
-the way, then the staging copy is deleted (upload).
+Per rank and round: the files of the part in memory (the snapshot ``report(checkpoint=)``
+took, or the one the stager read for an ASYNC report) are uploaded from that memory on up to
+``_UPLOADS`` threads, in parts of ``_PART`` bytes, while another thread takes each file's
+CRC-32C and SHA-256 in one pass, in C++ without the GIL (upload_snapshot): nothing is written
+on this host. A part above the snapshot budget is copied with each file's SHA-256 into a
+host-local staging directory (``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``, every level 0700
+and checked: jaxtrain.private_dirs), its files are uploaded from there and checked against
+those SHA-256s on the way, then the staging copy is deleted (upload).
+
 At the start of every attempt, rank 0 deletes from the store the directories that no committed
 checkpoint names (what a failed attempt left) while the other ranks wait at a barrier, so no
 upload of the new attempt can race the sweep.
@@ -37,6 +38,7 @@ import posixpath
 import re
 import shutil
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,6 +80,16 @@ class Store:
         # This process's own: two runs of one name on a host never share a staging directory.
         self._staging_names = (f"jaxtrain-{os.geteuid()}", "staging", f"{safe}-{os.getpid()}")
         self.staging_root = os.path.join(private_dirs.tmp_base(), *self._staging_names)
+        if rank != 0:
+            # A client's first request loads its service's description and opens a connection
+            # (0.3-1 s of CPU for S3); done while rank 0 sweeps, not by the first upload. Rank 0
+            # connects by sweeping.
+            threading.Thread(target=self._connect, name="jaxtrain-store-connect",
+                             daemon=True).start()
+
+    def _connect(self) -> None:
+        with contextlib.suppress(Exception):  # the uploads and their errors come later
+            self.fs.exists(self.root)
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -165,16 +177,19 @@ class Store:
                 os.rmdir(self.staging_root)  # when no other round of this process is in it
         progress.finish()
 
-    def upload_snapshot(self, snapshot: Any, files: list[dict], dir_name: str) -> None:
-        """Uploads the files of `snapshot` (the part report(checkpoint=) read into memory, as
-        ``snapshot.describe(sha256=True)`` described them) into ``<run>/<dir_name>/`` on the
-        store straight from memory, on up to ``_UPLOADS`` threads, without a staging copy: each
-        file is sent in parts of ``_PART`` bytes read from the snapshot (an S3 multipart upload
-        for a file of two parts or more, a GCS resumable one, ...). The snapshot does not change
-        while it is uploaded, so what is sent is what was hashed. Raises StoreError naming this
-        host, the object's URL and the cause."""
+    def upload_snapshot(self, snapshot: Any, dir_name: str) -> list[dict]:
+        """Uploads the files of `snapshot` (the part read into memory) into
+        ``<run>/<dir_name>/`` on the store straight from memory, on up to ``_UPLOADS`` threads,
+        without a staging copy: each file is sent in parts of ``_PART`` bytes read from the
+        snapshot (an S3 multipart upload for a file of two parts or more, a GCS resumable one,
+        ...). Meanwhile a thread of its own takes the files' checksums
+        (``snapshot.describe(sha256=True)``: CRC-32C and SHA-256 in one pass, in C++ without the
+        GIL), which are returned, as describe() gives them, once both are done. The snapshot does
+        not change while it is uploaded, so what is sent is what was hashed. Raises StoreError
+        naming this host, the object's URL and the cause."""
         remote = posixpath.join(self.root, dir_name)
-        regular = sorted((f for f in files if "link" not in f), key=lambda f: -f["size"])
+        regular = [{"path": path, "size": size} for path, size in snapshot.files()]
+        regular.sort(key=lambda f: -f["size"])
         progress = storage._Progress(f"rank {self.rank}: uploading", f"to {self.url}")
         progress.what = dir_name
         progress.total = sum(f["size"] for f in regular)
@@ -198,11 +213,15 @@ class Store:
                 raise StoreError(_failure("uploading", storage.url(self.fs, target), e)) from e
             progress.add(f["size"])
 
-        with ThreadPoolExecutor(max_workers=_UPLOADS,
-                                thread_name_prefix="jaxtrain-upload") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxtrain-checksums") as sums, \
+                ThreadPoolExecutor(max_workers=_UPLOADS,
+                                   thread_name_prefix="jaxtrain-upload") as pool:
+            described = sums.submit(snapshot.describe, sha256=True)
             for done in [pool.submit(put, f) for f in regular]:
                 done.result()
+            files = described.result()
         progress.finish()
+        return files
 
     def describe(self, dir_name: str, paths: list[str]) -> list[dict]:
         """The files at `paths` (relative to ``<run>/<dir_name>/``), which another writer put on

@@ -110,9 +110,7 @@ class Stager:
                         if prepare is not None:
                             read = prepare(description)
                         elif self._store is not None:
-                            # Described from memory, with each file's SHA-256 in the pass that
-                            # takes its CRC-32C, and uploaded from there: no staging copy.
-                            description["files"] = snapshot.describe(sha256=True)
+                            pass  # uploaded from memory and described meanwhile (upload())
                         else:
                             # A part with a copy in memory is staged with each file's SHA-256,
                             # which the manifest then vouches for the copies with
@@ -184,14 +182,15 @@ class Stager:
 
 def upload(store: Store, description: dict, round_: int,
            fail_storage: Callable[[str, str], NoReturn] | None, snapshot: Any = None) -> None:
-    """Uploads the part to the store: from `snapshot`'s memory where it is given, else from
-    where it was staged (description["staging"]); then makes `description` the store's kind (no
-    staging directory). An upload that fails ends the worker with the cause "storage"
-    (fail_storage), or raises StoreError without it."""
+    """Uploads the part to the store: from `snapshot`'s memory where it is given (its files
+    described meanwhile, into description["files"]), else from where it was staged
+    (description["staging"]); then makes `description` the store's kind (no staging
+    directory). An upload that fails ends the worker with the cause "storage" (fail_storage),
+    or raises StoreError without it."""
     staging = description.pop("staging")
     try:
         if snapshot is not None:
-            store.upload_snapshot(snapshot, description["files"], description["dir_name"])
+            description["files"] = store.upload_snapshot(snapshot, description["dir_name"])
         else:
             store.upload(staging, description["files"], description["dir_name"])
     except StoreError as e:
