@@ -7,7 +7,8 @@ Needs root: the hosts are the ssh test hosts (scripts/ssh_hosts.sh: network name
 sshd), started by the benchmark when they are not up and stopped again at its end. Run it under
 ``flock /tmp/jaxtrain-clusters.lock``, as the tests that use those hosts are. ``--local`` runs the
 same with 4 ranks on this host instead (``JAXTRAIN_STORE_DIRECT=1``, no root): an additional mode,
-not the issue's figure.
+not the issue's figure. ``--gcs`` runs everything against the GCS emulator (tests/gcs_server.py:
+fake-gcs-server, in memory) with gcsfs, the floor included, instead of moto's S3 server.
 
 The S3 server is moto's (tests/s3_server.py), on every interface of this machine; the hosts reach
 it over their bridge (198.19.13.1). Before any run the driver writes one shard per rank
@@ -69,6 +70,7 @@ from jaxtrain import JaxTrainer, RunConfig, ScalingConfig, TrainingFailedError, 
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+from gcs_server import _gcsfs_in_this_process, create_bucket, gcs_server  # noqa: E402
 from s3_server import BRIDGES, endpoint_on, s3_server  # noqa: E402
 
 TARGET_COMMIT = 1.1  # commit <= 1.1 x the parallel upload, first and later checkpoints alike
@@ -79,18 +81,21 @@ WORKERS = 4
 THREADS = 8  # checkpoint_store._UPLOADS, storage._DOWNLOADS
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
+# gcsfs against the emulator (tests/gcs_server.py says why each is needed).
+GCS_ENV = {"FSSPEC_GS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 HOSTS_SCRIPT = REPO / "scripts" / "ssh_hosts.sh"
 HOSTS_STATE = Path(os.environ.get("JAXTRAIN_SSH_TEST_STATE", "/var/tmp/jaxtrain-ssh"))
 
-# One rank of the floor: waits for "go" on stdin, then moves its files with s3fs on THREADS
-# threads and prints when it started and ended. argv: put|get, bucket, JSON [[local, remote]...]
-# (get: local names inside a fresh temporary directory, deleted after).
+# One rank of the floor: waits for "go" on stdin, then moves its files with s3fs (gcsfs with
+# --gcs) on THREADS threads and prints when it started and ended. argv: put|get, bucket, JSON
+# [[local, remote]...] (get: local names inside a fresh temporary directory, deleted after),
+# threads, the fsspec protocol.
 FLOOR = """
 import json, os, shutil, sys, tempfile, time
 from concurrent.futures import ThreadPoolExecutor
-import s3fs
+import fsspec
 mode, bucket, pairs, threads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-fs = s3fs.S3FileSystem()
+fs = fsspec.filesystem(sys.argv[5])
 fs.ls(bucket)  # connected, as a worker's client is by the time it checkpoints
 target = tempfile.mkdtemp(prefix="floor-get-") if mode == "get" else None
 def move(pair):
@@ -137,12 +142,15 @@ class Figures:
 class Hosts:
     """Where the ranks run: host1 and host2 over ssh, 2 ranks each, or this host (--local)."""
 
-    def __init__(self, local: bool, endpoint: str) -> None:
+    def __init__(self, local: bool, endpoint: str, protocol: str) -> None:
         self.local = local
+        self.protocol = protocol
+        self.server = endpoint  # as this machine reaches it
         self.names = ["localhost"] if local else ["host1", "host2"]
-        # The S3 server as a process on a host reaches it.
+        # The store's server as a process on a host reaches it.
         self.endpoint = endpoint if local else endpoint_on(endpoint, BRIDGES["ssh"])
-        self.env = dict(CREDENTIALS, AWS_ENDPOINT_URL=self.endpoint)
+        self.env = (dict(GCS_ENV, STORAGE_EMULATOR_HOST=self.endpoint) if protocol == "gs"
+                    else dict(CREDENTIALS, AWS_ENDPOINT_URL=self.endpoint))
 
     def host_of(self, rank: int) -> str:
         return self.names[rank * len(self.names) // WORKERS]
@@ -280,11 +288,11 @@ def fit(hosts: Hosts, config: dict, url: str, name: str) -> list[dict]:
 
 def run_jaxtrain(hosts: Hosts, fs: object, sources: list[str], rounds: int,
                  out_dir: str) -> Figures:
-    bucket = new_bucket(fs)
+    bucket = new_bucket(fs, hosts)
     # A name no other run on this machine has: the hosts' staging directories are named by the
     # run's name (checkpoint_store.Store.staging), and this machine's /tmp is every host's.
     name = f"bench-{uuid.uuid4().hex[:8]}"
-    url, root = f"s3://{bucket}/runs", f"{bucket}/runs/{name}"
+    url, root = f"{hosts.protocol}://{bucket}/runs", f"{bucket}/runs/{name}"
     config = {"sources": sources, "out_dir": out_dir, "rounds": rounds, "restore": False,
               "interface": "lo" if hosts.local else None}
     try:
@@ -332,7 +340,7 @@ def run_jaxtrain(hosts: Hosts, fs: object, sources: list[str], rounds: int,
 
 
 def run_floor(hosts: Hosts, fs: object, sources: list[str], out_dir: str) -> Figures:
-    bucket = new_bucket(fs)
+    bucket = new_bucket(fs, hosts)
     try:
         files = [[os.path.join(d, name) for name in sorted(os.listdir(d))] for d in sources]
         puts = [[[f, f"{bucket}/floor/{os.path.basename(f)}"] for f in rank_files]
@@ -359,7 +367,7 @@ def run_floor_ranks(hosts: Hosts, mode: str, bucket: str, pairs: list[list[list[
     Path(script).write_text(FLOOR)
     procs = [subprocess.Popen(
         hosts.command(rank, [sys.executable, script, mode, bucket, json.dumps(pairs[rank]),
-                             str(THREADS)]),
+                             str(THREADS), hosts.protocol]),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for rank in range(WORKERS)]
     for p in procs:
         if p.stdout.readline().strip() != "ready":
@@ -373,9 +381,12 @@ def run_floor_ranks(hosts: Hosts, mode: str, bucket: str, pairs: list[list[list[
     return ranks
 
 
-def new_bucket(fs: object) -> str:
+def new_bucket(fs: object, hosts: Hosts) -> str:
     bucket = f"bench-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
+    if hosts.protocol == "gs":
+        create_bucket(hosts.server, bucket)
+    else:
+        fs.mkdir(bucket)
     return bucket
 
 
@@ -402,6 +413,9 @@ def main() -> None:
                         help="unmeasured pairs run first (default 0)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="checkpoints of the same files per run, at least 2 (default 2)")
+    parser.add_argument("--gcs", action="store_true",
+                        help="against the GCS emulator (tests/gcs_server.py, gcsfs) instead of "
+                        "moto's S3 server")
     parser.add_argument("--local", action="store_true",
                         help="4 ranks on this host (JAXTRAIN_STORE_DIRECT=1) instead of 2 per "
                         "host on host1 and host2; no root needed")
@@ -424,12 +438,20 @@ def main() -> None:
                               JAXTRAIN_SSH_HOSTS="host1,host2", JAXTRAIN_SHARED_STORAGE="")
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-store-",
                                                               dir=shared))
-        endpoint = stack.enter_context(s3_server(Path(tmp)))
-        os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
-        import s3fs
+        if args.gcs:
+            endpoint = stack.enter_context(gcs_server(Path(tmp)))
+            os.environ.update(GCS_ENV, STORAGE_EMULATOR_HOST=endpoint)
+            stack.enter_context(_gcsfs_in_this_process())
+            import gcsfs
 
-        fs = s3fs.S3FileSystem()
-        hosts = Hosts(args.local, endpoint)
+            fs = gcsfs.GCSFileSystem(token="anon")
+        else:
+            endpoint = stack.enter_context(s3_server(Path(tmp)))
+            os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+            import s3fs
+
+            fs = s3fs.S3FileSystem()
+        hosts = Hosts(args.local, endpoint, "gs" if args.gcs else "s3")
         sources = write_sources(os.path.join(tmp, "src"), WORKERS, shard_bytes)
         runners = {
             "jaxtrain": functools.partial(run_jaxtrain, hosts, fs, sources, args.rounds),
@@ -471,9 +493,10 @@ def report(args: argparse.Namespace, results: dict[str, list[Figures]],
     jt, floor = results["jaxtrain"], results["floor"]
     where = "4 ranks on this host (--local)" if args.local else "4 ranks on 2 hosts (host1, host2)"
     print(f"\n{where}, {args.mib} MiB in all ({args.mib // WORKERS} MiB per rank, one file each), "
-          f"moto S3 server on this machine, {args.repeats} repeats; median [min-max]")
+          f"{'the GCS emulator' if args.gcs else 'moto S3 server'} on this machine, "
+          f"{args.repeats} repeats; median [min-max]")
     print(f"other processes kept {spread(others, 'cores')} of {os.cpu_count()} busy during the "
-          "runs (the S3 server, the hosts and the floor's processes count as others)")
+          "runs (the store's server, the hosts and the floor's processes count as others)")
     print("\ncommit: first rank's report(checkpoint=) call -> the checkpoint's manifest uploaded "
           "by the driver (the commit on the store)\nfloor: the same files put_file'd from the "
           f"same hosts, one process per rank, {THREADS} threads each, all at once")

@@ -46,6 +46,7 @@ from jaxtrain import private_dirs, storage
 
 _UPLOADS = 8  # files uploaded at once by one rank
 _PART = 50 << 20  # a part of an upload from memory: s3fs's multipart chunk
+_S3_MAX_PARTS = 10_000  # the parts of one S3 multipart upload, at most
 # Set by the driver in the workers' environment when they upload to the store themselves.
 STORE_ENV = "JAXTRAIN_RUN_STORE"
 
@@ -108,7 +109,7 @@ class Store:
 
     def staging(self, report_round: int) -> str:
         """Where this rank's files of one round are staged when they must be copied before they
-        are uploaded (a part above the snapshot budget, an ASYNC report's):
+        are uploaded (a part above the snapshot budget):
         ``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/<run>-<pid>/a<A>-r<R>-rank<r>``; made only by
         make_staging. A part read into memory is uploaded from there and never staged."""
         return os.path.join(self.staging_root, f"a{self.attempt}-r{report_round}-rank{self.rank}")
@@ -202,7 +203,7 @@ class Store:
                     # s3fs sends the parts of what it is given concurrently (it takes len() and
                     # slices), each read from memory only when its turn comes.
                     self.fs.pipe_file(target, _Parts(snapshot, f["path"], f["size"]),
-                                      chunksize=_PART)
+                                      chunksize=max(_PART, -(-f["size"] // _S3_MAX_PARTS)))
                 elif s3 or f["size"] <= _PART:
                     self.fs.pipe_file(target, snapshot.read(f["path"], 0, f["size"]))
                 else:

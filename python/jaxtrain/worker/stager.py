@@ -109,16 +109,13 @@ class Stager:
                     try:
                         if prepare is not None:
                             read = prepare(description)
-                        elif self._store is not None:
-                            pass  # uploaded from memory and described meanwhile (upload())
-                        else:
+                        elif self._store is None:  # a store's part goes up from memory: upload()
                             # A part with a copy in memory is staged with each file's SHA-256,
                             # which the manifest then vouches for the copies with
-                            # (docs/checkpoint-memory.md); so is one for object storage, whose
-                            # upload checks what it sends against them.
+                            # (docs/checkpoint-memory.md).
                             description["files"] = snapshot.write(
                                 staging, release=self._memory is None,
-                                sha256=self._memory is not None or self._store is not None)
+                                sha256=self._memory is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{staging}' "
