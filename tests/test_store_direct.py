@@ -280,3 +280,25 @@ def test_a_failure_of_the_store_is_classified_and_named(error, code, hint):
         assert "clock" not in text
     else:
         assert hint in text
+
+
+def test_a_file_of_several_parts_goes_up_from_memory_in_a_resumable_upload(gcs_bucket, tmp_path,
+                                                                          monkeypatch):
+    import fsspec
+
+    from jaxtrain import _core
+    from jaxtrain.worker import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "_PART", 256 << 10)  # GCS's chunk unit
+    data = os.urandom((600 << 10) + 3)  # three parts
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    fs = fsspec.filesystem("gs")
+    root = gcs_bucket.removeprefix("gs://") + "/exp"
+    store = checkpoint_store.Store(fs, root, rank=0, attempt=0, first_round=1, committed=[],
+                                   experiment_name="exp")
+    files = store.upload_snapshot(_core.snapshot_directory(str(tmp_path / "src"), 1 << 30),
+                                  "checkpoint_000001")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/checkpoint_000001/big.bin") == data
+    assert [f["size"] for f in files] == [len(data)]

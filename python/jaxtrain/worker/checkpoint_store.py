@@ -207,7 +207,7 @@ class Store:
                 elif s3 or f["size"] <= _PART:
                     self.fs.pipe_file(target, snapshot.read(f["path"], 0, f["size"]))
                 else:
-                    with self.fs.open(target, "wb") as out:
+                    with self.fs.open(target, "wb", block_size=_PART) as out:
                         for offset in range(0, f["size"], _PART):
                             out.write(snapshot.read(f["path"], offset, _PART))
             except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
