@@ -201,3 +201,4 @@ def test_a_part_changed_after_it_was_staged_is_not_vouched_for(tmp_path, host_tm
     with pytest.raises(StoreError, match="not the one staged"):
         stager.upload(store, description, 1, None)
     assert files[0]["sha256"] == staged
+

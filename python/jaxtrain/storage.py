@@ -35,6 +35,7 @@ longer than a few seconds reports its progress on the driver's stderr.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -588,12 +589,15 @@ def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -
 
 
 _DOWNLOADS = 8  # files downloaded at once
+_RANGE = 32 << 20  # a ranged read of a large file
+_RANGES = 4  # ranged reads of one file at once
 
 
 def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None = None) -> None:
     """Copies the files that the committed checkpoint at `root` on `fs` lists in its manifest
     into the local directory `target`, on up to 8 threads (those `first_rank` wrote first, then
-    the largest first), each checked against the manifest's size and CRC-32C while it streams;
+    the largest first; a file above 32 MiB in ranged reads, 4 at once), each checked against the
+    manifest's size and CRC-32C while it streams;
     then modes and links as apply_manifest. Objects under `root` that the manifest does not list
     are not copied. Raises ValueError naming the file that differs, or a remote name that would
     land outside `target`; FileNotFoundError when `root` has no manifest."""
@@ -624,9 +628,8 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
         remote = posixpath.join(root, f["path"])
         crc = 0
         size = 0
-        with fs.open(remote, "rb") as src, os.fdopen(_create_inside(target, f["_parts"]),
-                                                     "wb") as dst:
-            while chunk := src.read(_CHUNK):
+        with os.fdopen(_create_inside(target, f["_parts"]), "wb") as dst:
+            for chunk in _read_in_order(fs, remote, f["size"]):
                 crc = _core.crc32c(chunk, crc)
                 size += len(chunk)
                 dst.write(chunk)
@@ -642,6 +645,29 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
             done.result()
     apply_manifest(manifest, target, where)
     progress.finish()
+
+
+def _read_in_order(fs: Any, remote: str, expected: int) -> Iterator[bytes]:
+    """The bytes of the object `remote`, in order: streamed where the manifest says it holds
+    one range or less (`expected` bytes), else in ranged reads of ``_RANGE`` bytes, ``_RANGES``
+    at once (a single stream is slower than the store gives one client). Ranges are taken from
+    the object's size on the store, so that one longer or shorter than `expected` reads whole
+    and fails its check."""
+    if expected <= _RANGE:
+        with fs.open(remote, "rb") as src:
+            while chunk := src.read(_CHUNK):
+                yield chunk
+        return
+    size = fs.info(remote)["size"]
+    starts = range(0, size, _RANGE)
+    with ThreadPoolExecutor(max_workers=_RANGES, thread_name_prefix="jaxtrain-range") as pool:
+        pending: collections.deque = collections.deque()
+        for start in starts:
+            pending.append(pool.submit(fs.cat_file, remote, start, min(start + _RANGE, size)))
+            if len(pending) == _RANGES:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _clean_parts(rel: str, where: str) -> list[str]:
