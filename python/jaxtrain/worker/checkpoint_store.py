@@ -25,8 +25,9 @@ upload of the new attempt can race the sweep.
 
 A restart reads from the store: ``get_checkpoint()`` is a ``Checkpoint`` whose ``path`` is on
 ``filesystem``; ``as_directory()``/``to_directory()`` download the files its manifest lists, in
-parallel, this rank's own first, each checked against its size and CRC-32C
-(``storage.download_checkpoint``), and Orbax or tensorstore may read ``path`` without a copy.
+parallel (a large one in ranged reads), this rank's own first, each checked against its size
+and CRC-32C (``storage.download_checkpoint``), and Orbax or tensorstore may read ``path``
+without a copy.
 """
 
 from __future__ import annotations
