@@ -663,7 +663,8 @@ def _read_in_order(fs: Any, remote: str, expected: int) -> Iterator[bytes]:
     with ThreadPoolExecutor(max_workers=_RANGES, thread_name_prefix="jaxtrain-range") as pool:
         pending: collections.deque = collections.deque()
         for start in starts:
-            pending.append(pool.submit(fs.cat_file, remote, start, min(start + _RANGE, size)))
+            pending.append(pool.submit(fs.cat_file, remote, start=start,
+                                       end=min(start + _RANGE, size)))
             if len(pending) == _RANGES:
                 yield pending.popleft().result()
         while pending:
