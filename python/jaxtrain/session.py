@@ -349,6 +349,8 @@ def report(
                                                 session.snapshot_budget)
             if snapshot is None:
                 _say_over_budget(session, source.path)
+                if store is not None:
+                    store.make_staging(staging)
                 # A part for the store is hashed as it is staged: the upload checks what it
                 # sends against these SHA-256s (checkpoint_store.Store.upload).
                 description["files"] = _core.stage_directory(source.path, staging,
@@ -473,9 +475,11 @@ def _call_upload_fn(session: Session, upload_fn: Callable, checkpoint: Checkpoin
 
 
 def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
-                 upload_fn: Callable | None) -> None:
+                 upload_fn: Callable | None) -> Any:
     """An ASYNC report's part, on the stager's thread: the upload function's result (or the
-    user's directory) claimed where it lies in the run directory, or copied into staging."""
+    user's directory) claimed where it lies in the run directory, or copied into staging; in a
+    store run, read into memory (within the snapshot budget), and that snapshot returned for the
+    stager to upload from (and describe meanwhile), with no staging copy. None otherwise."""
     from jaxtrain import _core
 
     source = checkpoint
@@ -483,10 +487,16 @@ def _stage_async(session: Session, checkpoint: Checkpoint, description: dict,
         source = _call_upload_fn(session, upload_fn, checkpoint, description["dir_name"])
     if _in_place(session, source, description["dir_name"]):
         description["files"] = _claim(source.path, description["staging"])
-    else:
-        description["files"] = _core.stage_directory(_local_path(source, "checkpoint"),
-                                                     description["staging"], durable=False,
-                                                     sha256=session.store is not None)
+        return None
+    path = _local_path(source, "checkpoint")
+    if session.store is not None:
+        snapshot = _core.snapshot_directory(path, session.snapshot_budget)
+        if snapshot is not None:
+            return snapshot
+        session.store.make_staging(description["staging"])
+    description["files"] = _core.stage_directory(path, description["staging"], durable=False,
+                                                 sha256=session.store is not None)
+    return None
 
 
 def _claim(src: str, staging: str) -> list[dict]:

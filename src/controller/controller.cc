@@ -212,6 +212,11 @@ struct Controller::Loop : ControlPort::Delegate,
     metrics.CountRound(round.round);
     if (!committed.empty()) {
       metrics.CountCommit(recorder.last_commit().took, recorder.last_commit().bytes);
+      {
+        std::lock_guard<std::mutex> lock(ctl.mu_);
+        ++ctl.commits_;
+      }
+      ctl.done_cv_.notify_all();
     }
     RefreshStatus();
     Publish();
@@ -649,6 +654,12 @@ RunMetrics Controller::metrics() const {
 bool Controller::Wait(Duration timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   return done_cv_.wait_for(lock, timeout, [this] { return done_; });
+}
+
+uint64_t Controller::WaitForCommits(uint64_t seen, Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait_for(lock, timeout, [this, seen] { return done_ || commits_ > seen; });
+  return commits_;
 }
 
 void Controller::Abort(std::string reason) {

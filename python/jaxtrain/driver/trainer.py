@@ -319,7 +319,7 @@ class JaxTrainer:
                 metrics_server.serve(controller.metrics_json, run_dir)
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
             if mirror is not None:
-                mirror.start()
+                mirror.start(controller.wait_for_commits)
             try:
                 if local is not None:  # the function, in this thread
                     local.run(controller, events, fn, self.train_loop_config, self._takes_config)
