@@ -6,7 +6,8 @@ bench/compare_commits.py (one commit against another) share, so that both measur
 * ``step``: ``ready_s`` (fit() to the last rank's first line with ``jax.distributed`` up),
   ``report_median_us`` and ``report_p99_us`` (every rank's report() samples pooled), and the
   peak PSS of the orchestrator (the trial's process tree but the workers) and of the workers,
-  ``orchestrator_mb`` and ``workers_mb``, sampled every 0.2 s;
+  ``orchestrator_mb`` and ``workers_mb``, sampled every 0.2 s (the trial's own process, the
+  driver, every 20 ms);
 * ``failure``: ``recovery_s``, from the last rank's SIGKILL of itself to the restarted group's
   last rank being ready;
 * every program: ``wall_s``, the trial process's wall clock.
@@ -36,7 +37,12 @@ class TrialFailed(Exception):
 
 
 class MemorySampler(threading.Thread):
-    """Peak PSS of a process tree, split into workers and everything else, every 0.2 s."""
+    """Peak PSS of a process tree, split into workers and everything else: the whole tree every
+    0.2 s, and the tree's root (the orchestrator's driver) every 20 ms between, so that a short
+    peak of the driver (the end of fit(), reading the run's records) is seen on every run, not
+    on some (reading one process's smaps_rollup costs ~0.3 ms)."""
+
+    TREE_EVERY = 10  # root samples per whole-tree sample
 
     def __init__(self, pid: int, is_worker: Callable[[list[str]], bool]) -> None:
         super().__init__(daemon=True)
@@ -56,19 +62,30 @@ class MemorySampler(threading.Thread):
         return 0
 
     def run(self) -> None:
-        while not self.stop.wait(0.2):
+        others = 0  # the orchestrator's processes but the root, at the last whole-tree sample
+        tick = 0
+        while not self.stop.wait(0.02):
+            tick += 1
+            if tick % self.TREE_EVERY:
+                root = self.pss(self.root)
+                self.peak["orchestrator"] = max(self.peak["orchestrator"], root + others)
+                continue
             try:
                 root = psutil.Process(self.root)
                 procs = [root, *root.children(recursive=True)]
             except psutil.Error:
                 continue
             total = {"orchestrator": 0, "workers": 0}
+            others = 0
             for p in procs:
                 try:
                     kind = "workers" if self.is_worker(p.cmdline()) else "orchestrator"
                 except psutil.Error:
                     continue
-                total[kind] += self.pss(p.pid)
+                value = self.pss(p.pid)
+                total[kind] += value
+                if kind == "orchestrator" and p.pid != self.root:
+                    others += value
             for kind, value in total.items():
                 self.peak[kind] = max(self.peak[kind], value)
 

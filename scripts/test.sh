@@ -92,18 +92,28 @@ benchmarks() {
 # with the process's name; each ends with its own summary and slowest tests. (pytest-xdist cannot
 # keep a group of tests on one worker under pytest 9: its loadgroup suffix no longer reaches the
 # node ids, so the clusters' tests would be spread over workers that each start the cluster.)
-pytest_both() {
-  local a b ra rb
+# The pytest stage: three processes side by side, each cluster in one of them only (conftest.py's
+# markers): the Kubernetes tests, the ssh hosts' and Slurm's, and everything else. Most of a
+# cluster test's time is spent waiting on the cluster, so they overlap well.
+pytest_all() {
+  local pids=() rc=0 pid
   # --durations: the slowest tests, so that a suite growing past its time is seen where it grows.
-  .venv/bin/python -m pytest tests -p no:cacheprovider -m cluster --durations=15 2>&1 |
-    sed -u 's/^/[clusters] /' &
-  a=$!
-  .venv/bin/python -m pytest tests -p no:cacheprovider -m "not cluster" --durations=15 2>&1 |
-    sed -u 's/^/[local]    /' &
-  b=$!
-  wait "$a"; ra=$?
-  wait "$b"; rb=$?
-  ((ra == 0 && rb == 0))
+  pytest_part "[kubernetes]" "cluster and kubernetes" &
+  pids+=($!)
+  pytest_part "[hosts]     " "cluster and not kubernetes" &
+  pids+=($!)
+  pytest_part "[local]     " "not cluster" &
+  pids+=($!)
+  for pid in "${pids[@]}"; do
+    wait "$pid" || rc=1
+  done
+  return "$rc"
+}
+
+pytest_part() {  # PREFIX MARKERS
+  .venv/bin/python -m pytest tests -p no:cacheprovider -m "$2" --durations=15 2>&1 |
+    sed -u "s/^/$1 /"
+  return "${PIPESTATUS[0]}"
 }
 
 stage "setup" ./scripts/setup.sh || finish
@@ -130,5 +140,5 @@ stage "the GCS emulator of the gs:// tests" bash -c './scripts/stores/fake-gcs-s
 
 export JAXTRAIN_REQUIRE_SLURM=1 JAXTRAIN_REQUIRE_KUBERNETES=1 JAXTRAIN_REQUIRE_GCS=1 JAXTRAIN_REQUIRE_SSH=1 \
        JAXTRAIN_REQUIRE_PROMETHEUS=1 JAXTRAIN_REQUIRE_BROWSER=1
-stage "Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)" pytest_both
+stage "Python and end-to-end tests (real Slurm and Kubernetes clusters on this machine)" pytest_all
 finish

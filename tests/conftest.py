@@ -17,10 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # What each test needs beyond this machine's processes. A test that uses a test cluster (the ssh
-# hosts, Slurm, Kubernetes) is marked `cluster`, one that uses the GCS emulator `emulator`:
-# `scripts/test.sh --quick` leaves both out, and the full suite runs the `cluster` tests in a
-# pytest process of their own beside the others', so that each cluster is started once and never
-# by two processes (a cluster is one per machine: fixed namespaces, addresses and state
+# hosts, Slurm, Kubernetes) is marked `cluster`, and also `kubernetes` when it uses that one; one
+# that uses the GCS emulator is marked `emulator`. `scripts/test.sh --quick` leaves clusters and
+# the emulator out; the full suite runs the Kubernetes tests, the other clusters' tests and the
+# rest in three pytest processes side by side, so that each cluster is started once and never by
+# two processes (a cluster is one per machine: fixed namespaces, addresses and state
 # directories, tests/cluster_lock.py).
 _CLUSTER_FIXTURES = {"ssh_hosts", "slurm_cluster", "kubernetes_cluster"}
 
@@ -28,6 +29,7 @@ _CLUSTER_FIXTURES = {"ssh_hosts", "slurm_cluster", "kubernetes_cluster"}
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "cluster: needs a test cluster (ssh hosts, Slurm, Kubernetes)")
+    config.addinivalue_line("markers", "kubernetes: needs the Kubernetes test cluster")
     config.addinivalue_line(
         "markers", "emulator: needs the GCS emulator, which scripts/test.sh --quick does not build")
 
@@ -38,6 +40,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         params = getattr(item, "callspec", None)
         if used & _CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.cluster)
+            if "kubernetes_cluster" in used:
+                item.add_marker(pytest.mark.kubernetes)
         elif "gcs_endpoint" in used or (params and params.params.get("store_bucket") == "gs"):
             item.add_marker(pytest.mark.emulator)
 

@@ -287,6 +287,19 @@ def test_a_cache_entry_is_written_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in dir_.iterdir()) == sorted([*left, f"{key}-cache"])
 
 
+def test_an_entry_torn_by_a_host_that_went_down_is_written_again(tmp_path):
+    # Entries are not synced: a host that goes down may leave one empty under its name. JAX fails
+    # to load it, compiles the program and asks to write it again, which then replaces it.
+    from jax._src import lru_cache
+
+    dir_ = tmp_path / "cache"
+    dir_.mkdir()
+    (dir_ / "step-cache").write_bytes(b"")
+    assert _put_entry(dir_, whole=True) == 0
+    assert lru_cache.LRUCache(str(dir_), max_size=-1).get("step") == b"x" * (4 << 20)
+    assert sorted(p.name for p in dir_.iterdir()) == ["step-cache"]
+
+
 def test_a_program_that_differs_by_rank_is_compiled_by_each_rank(storage, tmp_path):
     # Rank 1 waits a bounded time for a program rank 0 never compiles (rank 0's differs), then
     # compiles its own; a restarted group loads each rank's own entry.

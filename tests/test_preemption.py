@@ -274,7 +274,9 @@ def test_a_registered_save_is_the_just_in_time_checkpoint_without_code_for_it(tm
     first = [r["step"] for r in rows if r["attempt"] == 0]
     second = [r["step"] for r in rows if r["attempt"] == 1]
     jit_step = first[-1]
-    assert 6 <= jit_step <= 8, first  # the notice is agreed within a step or two
+    # The notice is agreed at a report after it, before the run's end: a step or two later on
+    # an idle machine, more on a busy one (how many is the machine's latency, not asserted).
+    assert 6 <= jit_step < 19, first
     assert attempts[1]["restored_from"].endswith(f"checkpoint_{jit_step + 1:06d}"), attempts[1]
     assert [(tmp_path / f"resumed-{r}").read_text() for r in range(2)] == [str(jit_step + 1)] * 2
     assert second[0] == jit_step + 1, (first, second)  # nothing redone

@@ -130,34 +130,60 @@ def test_staging_under_a_user_directory_another_user_made_is_refused(tmp_path, h
     store = _store()
     src = _checkpoint(tmp_path, b"GOOD-WEIGHTS")
     with pytest.raises(PermissionError, match="is not a private directory of this user's"):
-        _core.stage_directory(src, store.staging(1), durable=False)
+        _core.stage_directory(src, store.make_staging(store.staging(1)), durable=False)
     assert not list(host_tmp.rglob("weights.bin"))
 
 
 def test_staged_parts_are_private_and_carry_the_staged_sha256(tmp_path, host_tmp):
     store = _store()
-    staging = store.staging(1)
+    staging = store.make_staging(store.staging(1))
     for level in Path(staging).relative_to(host_tmp).parents:
         if str(level) != ".":
             assert _mode(host_tmp / level) == 0o700
     assert _mode(Path(staging)) == 0o700
-    snapshot = _core.snapshot_directory(_checkpoint(tmp_path, b"GOOD-WEIGHTS"), 1 << 20)
-
-    class Client:
-        reports: list = []
-
-        def report_checkpoint(self, round_, description, text):
-            self.reports.append(json.loads(description))
-
-    client = Client()
-    s = stager.Stager(client, 0, pytest.fail, store=store)
-    s.checkpoint(1, "{}", snapshot, {"staging": staging, "dir_name": "checkpoint_000001"})
-    s.close()
-    [description] = client.reports
-    [entry] = description["files"]
+    [entry] = _core.stage_directory(_checkpoint(tmp_path, b"GOOD-WEIGHTS"), staging,
+                                    durable=False, sha256=True)
     assert entry["sha256"] == hashlib.sha256(b"GOOD-WEIGHTS").hexdigest()
+    description = {"staging": staging, "dir_name": "checkpoint_000001", "files": [entry]}
+    stager.upload(store, description, 1, None)
     assert store.fs.cat_file(f"{store.root}/checkpoint_000001/weights.bin") == b"GOOD-WEIGHTS"
     assert not Path(staging).exists()
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.reports: list = []
+
+    def report_checkpoint(self, round_, description, text):
+        self.reports.append(json.loads(description))
+
+
+def test_a_part_in_memory_is_uploaded_from_memory_without_staging(tmp_path, host_tmp,
+                                                                  monkeypatch):
+    """The snapshot report(checkpoint=) took is described and uploaded from memory: nothing is
+    written under $TMPDIR, and each file's SHA-256 is hashlib's. A file of several parts is
+    streamed in parts."""
+    from jaxtrain.worker import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "_PART", 4096)
+    src = _checkpoint(tmp_path, b"GOOD-WEIGHTS")
+    big = os.urandom(3 * 4096 + 5)
+    Path(src, "sub").mkdir()
+    Path(src, "sub", "big.bin").write_bytes(big)
+    store = _store()
+    client = _Client()
+    s = stager.Stager(client, 0, pytest.fail, store=store)
+    s.checkpoint(1, "{}", _core.snapshot_directory(src, 1 << 20),
+                 {"staging": store.staging(1), "dir_name": "checkpoint_000001"})
+    s.close()
+    [description] = client.reports
+    assert description["store"] and "staging" not in description
+    sha256 = {f["path"]: f["sha256"] for f in description["files"]}
+    assert sha256 == {"weights.bin": hashlib.sha256(b"GOOD-WEIGHTS").hexdigest(),
+                      "sub/big.bin": hashlib.sha256(big).hexdigest()}
+    assert store.fs.cat_file(f"{store.root}/checkpoint_000001/weights.bin") == b"GOOD-WEIGHTS"
+    assert store.fs.cat_file(f"{store.root}/checkpoint_000001/sub/big.bin") == big
+    assert not list(host_tmp.iterdir())  # no staging directory, not even its parents
 
 
 def test_a_part_changed_after_it_was_staged_is_not_vouched_for(tmp_path, host_tmp):
@@ -165,7 +191,7 @@ def test_a_part_changed_after_it_was_staged_is_not_vouched_for(tmp_path, host_tm
     The SHA-256 is the staged one, and the upload refuses bytes that do not match it, so the
     manifest never vouches for the changed part."""
     store = _store()
-    staging = store.staging(1)
+    staging = store.make_staging(store.staging(1))
     snapshot = _core.snapshot_directory(_checkpoint(tmp_path, b"GOOD-WEIGHTS"), 1 << 20)
     files = snapshot.write(staging, sha256=True)
     staged = hashlib.sha256(b"GOOD-WEIGHTS").hexdigest()
@@ -175,3 +201,4 @@ def test_a_part_changed_after_it_was_staged_is_not_vouched_for(tmp_path, host_tm
     with pytest.raises(StoreError, match="not the one staged"):
         stager.upload(store, description, 1, None)
     assert files[0]["sha256"] == staged
+

@@ -312,9 +312,13 @@ def test_bad_upload_arguments_are_refused_naming_the_argument_and_value(storage,
 def test_async_in_a_run_whose_hosts_upload_to_the_store_and_no_upload_refused_there(
         bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_STORE_DIRECT", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where a staging copy would go
+    (tmp_path / "tmp").mkdir()
     out = tmp_path / "out"
     out.mkdir()
     result = _fit(train_func_store, f"s3://{bucket}/runs", out, "store")
+    # The ASYNC parts were read into memory and uploaded from there, never staged.
+    assert not list((tmp_path / "tmp").glob("jaxtrain-*/staging"))
     assert result.metrics == {"epoch": 2}
     fs, root = result.filesystem, result.path
     manifest = json.loads(fs.cat_file(f"{root}/checkpoint_000001/{MANIFEST_NAME}"))

@@ -425,3 +425,41 @@ def test_a_reused_checkpoint_name_leaves_the_remote_index_before_it_is_deleted(t
     assert fs.cat_file(f"{result.path}/latest/s-1.txt") == b"second"
     index = json.loads(fs.cat_file(f"{result.path}/checkpoints.json"))
     assert [(c["dir_name"], c["round"]) for c in index["checkpoints"]] == [("latest", 2)]
+
+
+@pytest.mark.parametrize("stored", ["as listed", "longer", "shorter"])
+def test_a_large_file_is_restored_in_ranged_reads_and_checked_whole(store_bucket, tmp_path,
+                                                                    monkeypatch, stored):
+    """A file above one range is read in ranges, several at once, and put together in order; one
+    whose object on the store is longer or shorter than its manifest says is refused."""
+    import fsspec
+
+    from jaxtrain import _core, storage
+
+    monkeypatch.setattr(storage, "_RANGE", 1000)
+    data = os.urandom(4321)
+    fs, bucket = fsspec.core.url_to_fs(store_bucket)
+    root = f"{bucket}/checkpoint_000001"
+    sent = {"as listed": data, "longer": data + b"x", "shorter": data[:-1]}[stored]
+    fs.pipe_file(f"{root}/big.bin", sent)
+    fs.pipe_file(f"{root}/{storage.MANIFEST_NAME}", json.dumps({"file_list": [
+        {"path": "big.bin", "size": len(data), "crc32c": _core.crc32c(data), "mode": 0o644}]}
+    ).encode())
+    ranges = []
+    cat_file = fs.cat_file
+
+    def ranged(path, *args, start=None, end=None, **kwargs):
+        if start is not None:
+            ranges.append((start, end))
+        return cat_file(path, *args, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", ranged)
+    target = tmp_path / "restored"
+    if stored == "as listed":
+        storage.download_checkpoint(fs, root, str(target))
+        assert (target / "big.bin").read_bytes() == data
+        assert sorted(ranges) == [(0, 1000), (1000, 2000), (2000, 3000), (3000, 4000),
+                                  (4000, 4321)]
+    else:
+        with pytest.raises(ValueError, match="'big.bin' does not match its manifest"):
+            storage.download_checkpoint(fs, root, str(target))

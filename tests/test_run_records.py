@@ -129,3 +129,23 @@ def test_a_run_directory_of_the_earlier_format_is_read(tmp_path):
     table = jaxtrain("metrics", run)
     assert table.returncode == 0, table.stderr
     assert table.stdout.splitlines()[0].split() == OWN + ["loss", "time"]
+
+
+def test_a_result_reads_its_rounds_when_asked_and_a_torn_line_ends_them(tmp_path):
+    """Result.from_path (and fit()'s Result) keeps only the last round's metrics and goodput's
+    marks; the rounds are read when asked. A line torn by a crash ends the rounds for both."""
+    from jaxtrain import records
+
+    lines = [json.dumps({"round": r, "time": 10.0 + r, "metrics": {"step": r}}) for r in (1, 2)]
+    lines.insert(1, json.dumps({"round": 9, "time": 11.5, "checkpoint": "checkpoint_000009",
+                                "metrics": {"step": 9}}))
+    (tmp_path / "result.jsonl").write_text("\n".join(lines) + '\n{"round": 3, "ti')
+    (tmp_path / "run.json").write_text(json.dumps({"status": "ERRORED", "attempts": []}))
+    marks, last = records.round_marks(str(tmp_path))
+    assert marks == [{"time": 11.0}, {"time": 11.5, "checkpoint": "checkpoint_000009"},
+                     {"time": 12.0}]
+    assert last["metrics"] == {"step": 2}
+    result = Result.from_path(str(tmp_path))
+    assert result.metrics == {"step": 2}
+    assert [r["round"] for r in result.report_rounds()] == [1, 9, 2]
+    assert [r["round"] for r in records.read_rounds(str(tmp_path))] == [1, 9, 2]

@@ -180,6 +180,79 @@ def test_a_filesystem_object_reaches_the_workers_with_the_payload(bucket, s3_end
         "checkpoint_000001/rank-1.txt"]
 
 
+def _sees_its_manifest_on_the_store(config):
+    """Each rank reports one checkpoint and then, while the run goes on, waits for the
+    checkpoint's manifest to appear on the store."""
+    import tempfile
+    import time
+
+    import s3fs
+
+    from jaxtrain import get_context, report
+
+    rank = get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, f"shard-{rank}.bin").write_bytes(bytes([rank]) * 1000)
+        report({"done": 1}, checkpoint=Checkpoint.from_directory(d))
+    fs = s3fs.S3FileSystem()
+    manifest = f"{config['root']}/checkpoint_000001/.jaxtrain_manifest.json"
+    deadline = time.monotonic() + 60
+    while not fs.exists(manifest):
+        assert time.monotonic() < deadline, f"{manifest} did not appear while the run went on"
+        fs.invalidate_cache()
+        time.sleep(0.05)
+    Path(config["out"], f"seen-{rank}").touch()
+
+
+def test_a_part_goes_up_from_memory_and_its_manifest_when_the_commit_ends(
+        bucket, tmp_path, monkeypatch):
+    """No staging directory on the hosts for a part read into memory, and the manifest is on
+    the store while the run still goes on, with the driver's periodic push an hour away: the
+    commit, not a poll, sends it."""
+    monkeypatch.setattr(storage, "_PUSH_EVERY_S", 3600.0)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    root = f"{bucket}/exp/event"
+    result = JaxTrainer(
+        _sees_its_manifest_on_the_store,
+        train_loop_config={"out": str(tmp_path), "root": root},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="event", storage_path=f"s3://{bucket}/exp")).fit()
+    assert (tmp_path / "seen-0").exists() and (tmp_path / "seen-1").exists()
+    fs = result.filesystem
+    for rank in range(2):
+        assert fs.cat_file(f"{root}/checkpoint_000001/shard-{rank}.bin") == (
+            bytes([rank]) * 1000)
+    assert not list((tmp_path / "tmp").glob("jaxtrain-*/staging"))
+
+
+def test_a_file_of_several_parts_goes_up_from_memory_in_a_multipart_upload(bucket, tmp_path,
+                                                                          monkeypatch):
+    import hashlib
+
+    import s3fs
+
+    from jaxtrain import _core
+    from jaxtrain.worker import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "_PART", 5 << 20)  # S3's smallest part
+    data = os.urandom((12 << 20) + 3)  # three parts
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    (tmp_path / "src" / "small.txt").write_text("small")
+    fs = s3fs.S3FileSystem()
+    store = checkpoint_store.Store(fs, f"{bucket}/exp", rank=0, attempt=0, first_round=1,
+                                   committed=[], experiment_name="exp")
+    snapshot = _core.snapshot_directory(str(tmp_path / "src"), 1 << 30)
+    files = store.upload_snapshot(snapshot, "checkpoint_000001")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/exp/checkpoint_000001/big.bin") == data
+    assert fs.cat_file(f"{bucket}/exp/checkpoint_000001/small.txt") == b"small"
+    # An object put in parts has the ETag of a multipart upload: "<md5 of the parts' md5s>-3".
+    assert fs.info(f"{bucket}/exp/checkpoint_000001/big.bin")["ETag"].strip('"').endswith("-3")
+    assert {f["path"]: f["sha256"] for f in files}["big.bin"] == hashlib.sha256(data).hexdigest()
+
+
 @pytest.mark.parametrize(("error", "code", "hint"), [
     (PermissionError("Access Denied"), "PERMISSION_DENIED", "permission denied"),
     (OSError("An error occurred (AccessDenied) when calling PutObject"), "PERMISSION_DENIED",
@@ -207,3 +280,25 @@ def test_a_failure_of_the_store_is_classified_and_named(error, code, hint):
         assert "clock" not in text
     else:
         assert hint in text
+
+
+def test_a_file_of_several_parts_goes_up_from_memory_in_a_resumable_upload(gcs_bucket, tmp_path,
+                                                                          monkeypatch):
+    import fsspec
+
+    from jaxtrain import _core
+    from jaxtrain.worker import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "_PART", 256 << 10)  # GCS's chunk unit
+    data = os.urandom((600 << 10) + 3)  # three parts
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    fs = fsspec.filesystem("gs")
+    root = gcs_bucket.removeprefix("gs://") + "/exp"
+    store = checkpoint_store.Store(fs, root, rank=0, attempt=0, first_round=1, committed=[],
+                                   experiment_name="exp")
+    files = store.upload_snapshot(_core.snapshot_directory(str(tmp_path / "src"), 1 << 30),
+                                  "checkpoint_000001")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/checkpoint_000001/big.bin") == data
+    assert [f["size"] for f in files] == [len(data)]

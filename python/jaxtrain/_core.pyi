@@ -53,6 +53,29 @@ class DirectorySnapshot:
         Writes the snapshot into dst as stage_directory(durable=False) would have copied its source, computing the checksums (with sha256, each file's SHA-256 too, hex, once per snapshot); returns the files as stage_directory does. Then frees its memory, unless release is False (to write it again).
         """
 
+    def describe(self, sha256: bool = False) -> list:
+        """
+        The files as write() would return them, computed from memory without writing: CRC-32C and, with sha256, SHA-256 (hex, once per snapshot), in one pass over each file.
+        """
+
+    def read(self, path: str, offset: int, size: int) -> object:
+        """
+        Up to size bytes of the snapshot's file at path (relative, as describe() names it) from offset, as bytes: a part of an upload from memory. Thread-safe; KeyError for a path the snapshot has no file at.
+        """
+
+    def files(self) -> list:
+        """
+        The snapshot's files as (path, size), in the order describe() lists them; no checksum is computed.
+        """
+
+    def release(self) -> None:
+        """Frees the snapshot's memory (what describe() and read() use)."""
+
+def sha256_implementation() -> str:
+    """
+    What computes the SHA-256s of checkpoints in this process: 'openssl' (the CPU's SHA instructions where present) or 'libsodium' (portable, where no libcrypto can be loaded).
+    """
+
 def crc32c(data: object, crc: int = 0) -> int:
     """
     Extends the CRC-32C `crc` (0 to start) with `data` (bytes, or any contiguous buffer: bytearray, memoryview, mmap), as checkpoint manifests record it.
@@ -331,6 +354,11 @@ class Controller:
 
     def wait(self, timeout_s: float) -> bool: ...
 
+    def wait_for_commits(self, seen: int, timeout_s: float) -> int:
+        """
+        Waits up to timeout_s until more than `seen` checkpoints have been committed, or the run has ended; the number committed so far.
+        """
+
     def abort(self, reason: str) -> None: ...
 
     def take_stacks(self, timeout_s: float) -> str: ...
@@ -349,7 +377,7 @@ class WorkerClient:
 
     def wait_start(self) -> tuple: ...
 
-    def report(self, round: int, metrics_json: str) -> None: ...
+    def report(self, round: int, metrics_json: str) -> bool: ...
 
     def report_checkpoint(self, round: int, checkpoint_json: str, metrics_json: str) -> None: ...
 

@@ -129,6 +129,31 @@ def read_rounds(run_dir: str) -> list[dict]:
         return []
 
 
+def round_marks(run_dir: str) -> tuple[list[dict], dict | None]:
+    """What goodput needs of result.jsonl's rounds, ``{"time", "checkpoint"?}`` each, and the
+    last round whole; read line by line, so that the metrics of the other rounds are never held
+    (a Result reads them when asked, Result.report_rounds). As parse_rounds, a torn line ends
+    them."""
+    marks: list[dict] = []
+    last = None
+    try:
+        with open(os.path.join(run_dir, ROUNDS_FILE), "rb") as f:
+            for line in f:
+                try:
+                    row = json.loads(line.decode("utf-8", "replace"))
+                except json.JSONDecodeError:
+                    break
+                if isinstance(row, dict):
+                    mark = {"time": row.get("time")}
+                    if "checkpoint" in row:
+                        mark["checkpoint"] = row["checkpoint"]
+                    marks.append(mark)
+                last = row
+    except FileNotFoundError:
+        pass
+    return marks, last
+
+
 def count_rounds(run_dir: str, state: dict) -> int:
     """How many rounds the run recorded: run.json counts them when an attempt ends; while it runs,
     result.jsonl has them."""

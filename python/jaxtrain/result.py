@@ -206,8 +206,13 @@ def load(path: str, state: dict | None, checkpoint_config: dict | None,
 
     return_value = (_unpickle(pickled, path)
                     if finished and error is None and pickled is not None else None)
-    rounds = records.read_rounds(path)
-    goodput = compute(state, rounds, now=time.time()) if state is not None else None
+    if remote is None:  # the rounds stay in `path`: read when asked (Result.report_rounds)
+        rounds = None
+        marks, last = records.round_marks(path)
+    else:  # `path` is a copy that goes away: read now
+        rounds = marks = records.read_rounds(path)
+        last = rounds[-1] if rounds else None
+    goodput = compute(state, marks, now=time.time()) if state is not None else None
     cc = checkpoint_config or {}
     ranked = _core.ranked_checkpoints(
         path, cc.get("checkpoint_score_attribute"), cc.get("checkpoint_score_order", "max") == "max"
@@ -232,7 +237,7 @@ def load(path: str, state: dict | None, checkpoint_config: dict | None,
         latest = rebase(latest) if latest is not None else None
         path = root
     return Result(
-        metrics=rounds[-1]["metrics"] if rounds else None,
+        metrics=last.get("metrics") if isinstance(last, dict) else None,
         path=path,
         error=error,
         checkpoint=latest,

@@ -8,9 +8,10 @@ and mirrors it to the remote run directory with a ``Mirror``:
   interrupted upload left there, and rebuilds the staging copy from it (the run's records, its logs,
   every kept checkpoint's manifest, and the files of the newest checkpoint whose remote files
   match their manifest), so that the engine resumes exactly as from a local run directory;
-* while the run goes on and once more at its end, ``push()`` uploads each newly committed
-  checkpoint (its files, streamed; then its manifest), then the records, then the index
-  ``checkpoints.json`` in one PUT, and only then deletes the checkpoints the index no longer holds;
+* as soon as each checkpoint is committed, every second while the run goes on, and once more at
+  its end, ``push()`` uploads each newly committed checkpoint (its files, streamed; then its
+  manifest), then the records, then the index ``checkpoints.json`` in one PUT, and only then
+  deletes the checkpoints the index no longer holds;
   a directory name that a later round reuses is first dropped from the remote index, then deleted
   and uploaded again, so the index never names a directory that is being replaced.
 
@@ -34,6 +35,7 @@ longer than a few seconds reports its progress on the driver's stderr.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -46,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -391,9 +394,14 @@ class Mirror:
 
     # --- during and after the run: from staging to remote -----------------------------------
 
-    def start(self) -> None:
-        """Pushes in a background thread until ``close()``."""
-        self._thread = threading.Thread(target=self._loop, name="jaxtrain-mirror", daemon=True)
+    def start(self, wait_for_commits: Callable[[int, float], int] | None = None) -> None:
+        """Pushes in a background thread until ``close()``: every second, and with
+        `wait_for_commits` (the controller's: ``(seen, timeout_s) -> committed``, returning
+        early once more than `seen` checkpoints are committed) as soon as a checkpoint is
+        committed, so that its manifest, the commit on the storage, goes up when its last part
+        is in and not at the next poll."""
+        self._thread = threading.Thread(target=self._loop, args=(wait_for_commits,),
+                                        name="jaxtrain-mirror", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -413,13 +421,23 @@ class Mirror:
                 f"is in {self.local}, and running it again by name uploads it first"
             ) from e
 
-    def _loop(self) -> None:
-        """Pushes every second; a failed push (the storage unreachable for a while) is reported
-        once and retried, since the run itself goes on."""
+    def _loop(self, wait_for_commits: Callable[[int, float], int] | None) -> None:
+        """Pushes after each commit and every second; a failed push (the storage unreachable
+        for a while) is reported once and retried, since the run itself goes on."""
         failing = ""
-        # A checkpoint the workers uploaded is committed on the storage by its manifest: soon.
-        every = _PUSH_EVERY_S / 4 if self.store_direct else _PUSH_EVERY_S
-        while not self._stop.wait(every):
+        seen = 0
+        while not self._stop.is_set():
+            if wait_for_commits is None:
+                if self._stop.wait(_PUSH_EVERY_S):
+                    return
+            else:
+                started = time.monotonic()
+                committed = wait_for_commits(seen, _PUSH_EVERY_S)
+                if committed == seen:  # no commit: the second passed, or the run has ended
+                    left = _PUSH_EVERY_S - (time.monotonic() - started)
+                    if self._stop.wait(max(left, 0.0)):
+                        return
+                seen = committed
             try:
                 self.push()
                 failing = ""
@@ -571,12 +589,15 @@ def download_tree(fs: Any, root: str, target: str, skip: tuple[str, ...] = ()) -
 
 
 _DOWNLOADS = 8  # files downloaded at once
+_RANGE = 32 << 20  # a ranged read of a large file
+_RANGES = 4  # ranged reads of one file at once
 
 
 def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None = None) -> None:
     """Copies the files that the committed checkpoint at `root` on `fs` lists in its manifest
     into the local directory `target`, on up to 8 threads (those `first_rank` wrote first, then
-    the largest first), each checked against the manifest's size and CRC-32C while it streams;
+    the largest first; a file above 32 MiB in ranged reads, 4 at once), each checked against the
+    manifest's size and CRC-32C while it streams;
     then modes and links as apply_manifest. Objects under `root` that the manifest does not list
     are not copied. Raises ValueError naming the file that differs, or a remote name that would
     land outside `target`; FileNotFoundError when `root` has no manifest."""
@@ -607,9 +628,8 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
         remote = posixpath.join(root, f["path"])
         crc = 0
         size = 0
-        with fs.open(remote, "rb") as src, os.fdopen(_create_inside(target, f["_parts"]),
-                                                     "wb") as dst:
-            while chunk := src.read(_CHUNK):
+        with os.fdopen(_create_inside(target, f["_parts"]), "wb") as dst:
+            for chunk in _read_in_order(fs, remote, f["size"]):
                 crc = _core.crc32c(chunk, crc)
                 size += len(chunk)
                 dst.write(chunk)
@@ -625,6 +645,30 @@ def download_checkpoint(fs: Any, root: str, target: str, first_rank: int | None 
             done.result()
     apply_manifest(manifest, target, where)
     progress.finish()
+
+
+def _read_in_order(fs: Any, remote: str, expected: int) -> Iterator[bytes]:
+    """The bytes of the object `remote`, in order: streamed where the manifest says it holds
+    one range or less (`expected` bytes), else in ranged reads of ``_RANGE`` bytes, ``_RANGES``
+    at once (a single stream is slower than the store gives one client). Ranges are taken from
+    the object's size on the store, so that one longer or shorter than `expected` reads whole
+    and fails its check."""
+    if expected <= _RANGE:
+        with fs.open(remote, "rb") as src:
+            while chunk := src.read(_CHUNK):
+                yield chunk
+        return
+    size = fs.info(remote)["size"]
+    starts = range(0, size, _RANGE)
+    with ThreadPoolExecutor(max_workers=_RANGES, thread_name_prefix="jaxtrain-range") as pool:
+        pending: collections.deque = collections.deque()
+        for start in starts:
+            pending.append(pool.submit(fs.cat_file, remote, start=start,
+                                       end=min(start + _RANGE, size)))
+            if len(pending) == _RANGES:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _clean_parts(rel: str, where: str) -> list[str]:

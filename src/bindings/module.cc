@@ -10,6 +10,8 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cstring>
 #include <set>
 
 #include "accelerators/discovery.h"
@@ -28,6 +30,7 @@
 #include "storage/checkpoint.h"
 #include "storage/crc32c.h"
 #include "storage/run_store.h"
+#include "storage/sha256.h"
 #include "wire/channel.h"
 #include "wire/handshake.h"
 #include "worker/worker_client.h"
@@ -311,6 +314,15 @@ class PyController {
     return controller_->Wait(Seconds(timeout_s));
   }
 
+  uint64_t WaitForCommits(uint64_t seen, double timeout_s) {
+    if (!controller_) {
+      PyErr_SetString(PyExc_RuntimeError, "the run has not been started");
+      throw nb::python_error();
+    }
+    nb::gil_scoped_release release;
+    return controller_->WaitForCommits(seen, Seconds(timeout_s));
+  }
+
   void Abort(std::string reason) {
     if (controller_) controller_->Abort(std::move(reason));
   }
@@ -535,13 +547,15 @@ class PyWorkerClient {
     Check(s);
   }
 
-  void Report(uint64_t round, std::string_view metrics_json) {
+  // Whether a profile request waits (WorkerClient::NoteRound()), learnt with the report.
+  bool Report(uint64_t round, std::string_view metrics_json) {
     Status s;
     {
       nb::gil_scoped_release release;
       s = client_->Report(round, metrics_json);
     }
     Check(s);
+    return client_->NoteRound(round);
   }
 
   // Blocks, without the GIL, until every rank has made the call; returns rank 0's data for a
@@ -735,7 +749,71 @@ NB_MODULE(_core, m) {
           "Writes the snapshot into dst as stage_directory(durable=False) would have copied its "
           "source, computing the checksums (with sha256, each file's SHA-256 too, hex, once per "
           "snapshot); returns the files as stage_directory does. Then frees its memory, unless "
-          "release is False (to write it again).");
+          "release is False (to write it again).")
+      .def(
+          "describe",
+          [](const storage::DirectorySnapshot& s, bool sha256) {
+            std::vector<storage::FileEntry> entries;
+            {
+              nb::gil_scoped_release gil;
+              entries = storage::DescribeSnapshot(s, sha256);
+            }
+            return EntriesToList(entries);
+          },
+          "sha256"_a = false,
+          "The files as write() would return them, computed from memory without writing: CRC-32C "
+          "and, with sha256, SHA-256 (hex, once per snapshot), in one pass over each file.")
+      .def(
+          "read",
+          [](const storage::DirectorySnapshot& s, const std::string& path, uint64_t offset,
+             uint64_t size) {
+            for (const storage::DirectorySnapshot::Item& item : s.items) {
+              if (item.kind != storage::DirectorySnapshot::Kind::kFile || item.rel != path) {
+                continue;
+              }
+              if (offset > item.size) {
+                throw nb::value_error(("offset " + std::to_string(offset) +
+                                       " is past the end of '" + path + "' (" +
+                                       std::to_string(item.size) + " bytes)")
+                                          .c_str());
+              }
+              const size_t n = static_cast<size_t>(std::min(size, item.size - offset));
+              nb::object out =
+                  nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n)));
+              if (!out.is_valid()) throw nb::python_error();
+              char* to = PyBytes_AsString(out.ptr());
+              {
+                nb::gil_scoped_release gil;
+                std::memcpy(to, item.data.get() + offset, n);
+              }
+              return out;
+            }
+            throw nb::key_error(("the snapshot has no file '" + path + "'").c_str());
+          },
+          "path"_a, "offset"_a, "size"_a,
+          "Up to size bytes of the snapshot's file at path (relative, as describe() names it) "
+          "from offset, as bytes: a part of an upload from memory. Thread-safe; KeyError for a "
+          "path the snapshot has no file at.")
+      .def(
+          "files",
+          [](const storage::DirectorySnapshot& s) {
+            nb::list out;
+            for (const storage::DirectorySnapshot::Item& item : s.items) {
+              if (item.kind == storage::DirectorySnapshot::Kind::kFile) {
+                out.append(nb::make_tuple(item.rel, item.size));
+              }
+            }
+            return out;
+          },
+          "The snapshot's files as (path, size), in the order describe() lists them; no "
+          "checksum is computed.")
+      .def(
+          "release", [](storage::DirectorySnapshot& s) { s = storage::DirectorySnapshot(); },
+          "Frees the snapshot's memory (what describe() and read() use).");
+  m.def(
+      "sha256_implementation", [] { return std::string(storage::Sha256::Implementation()); },
+      "What computes the SHA-256s of checkpoints in this process: 'openssl' (the CPU's SHA "
+      "instructions where present) or 'libsodium' (portable, where no libcrypto can be loaded).");
 
   m.def(
       "crc32c",
@@ -1082,6 +1160,9 @@ NB_MODULE(_core, m) {
           "missing one that the run needs, is a TypeError naming it.")
       .def("start", &PyController::Start)
       .def("wait", &PyController::Wait, "timeout_s"_a)
+      .def("wait_for_commits", &PyController::WaitForCommits, "seen"_a, "timeout_s"_a,
+           "Waits up to timeout_s until more than `seen` checkpoints have been committed, or the "
+           "run has ended; the number committed so far.")
       .def("abort", &PyController::Abort, "reason"_a)
       .def("take_stacks", &PyController::TakeStacks, "timeout_s"_a)
       .def("start_profile", &PyController::StartProfile, "steps"_a, "timeout_s"_a)

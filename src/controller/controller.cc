@@ -213,6 +213,11 @@ struct Controller::Loop : ControlPort::Delegate,
     metrics.CountRound(round.round);
     if (!committed.empty()) {
       metrics.CountCommit(recorder.last_commit().took, recorder.last_commit().bytes);
+      {
+        std::lock_guard<std::mutex> lock(ctl.mu_);
+        ++ctl.commits_;
+      }
+      ctl.done_cv_.notify_all();
     }
     RefreshStatus();
     Publish();
@@ -716,6 +721,12 @@ StatusOr<std::string> Controller::AskLoop(Duration timeout) {
   StatusOr<std::string> out = *std::move(request_result_);
   request_result_.reset();
   return out;
+}
+
+uint64_t Controller::WaitForCommits(uint64_t seen, Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait_for(lock, timeout, [this, seen] { return done_ || commits_ > seen; });
+  return commits_;
 }
 
 void Controller::Abort(std::string reason) {

@@ -222,6 +222,12 @@ class Controller {
   // Waits up to `timeout` for the outcome; true once it is final.
   bool Wait(Duration timeout);
 
+  // Waits up to `timeout` until more than `seen` checkpoints have been committed by this run
+  // (every attempt), or the outcome is final; returns the number committed so far. The driver's
+  // mirror of a run on object storage uploads a checkpoint's manifest as soon as its commit ends,
+  // not at its next poll (python/jaxtrain/storage.py, Mirror).
+  uint64_t WaitForCommits(uint64_t seen, Duration timeout);
+
   // Ends the run: every worker is terminated; a restart whose group is being started is cut short
   // (Launcher::Interrupt). Thread-safe; the outcome becomes kAborted unless the run had already
   // ended.
@@ -264,6 +270,7 @@ class Controller {
   std::mutex mu_;
   std::condition_variable done_cv_;
   bool done_ = false;         // guarded by mu_
+  uint64_t commits_ = 0;      // guarded by mu_; checkpoints committed, counted by the loop thread
   std::string abort_reason_;  // guarded by mu_
   std::atomic<bool> abort_requested_{false};
   // A request of another thread's to the loop (TakeStacks(), StartProfile()), one at a time, and

@@ -3,7 +3,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
-#include <sodium.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -17,12 +16,14 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "base/mutex.h"
 #include "storage/crc32c.h"
 #include "storage/files.h"
 #include "storage/metrics.h"
+#include "storage/sha256.h"
 
 namespace jaxtrain::storage {
 namespace {
@@ -38,13 +39,11 @@ struct Fd {
 };
 
 // A file's checksums, taken in one pass over its bytes: the CRC-32C always, the SHA-256 when
-// asked for (StageDirectory's and WriteSnapshot's `hash`).
+// asked for (StageDirectory's, WriteSnapshot's and DescribeSnapshot's `hash`).
 class Checksums {
  public:
-  explicit Checksums(bool sha256) : sha256_(sha256) {
-    static const int kInit = sodium_init();  // once, before libsodium is used (>= 0: ready)
-    (void)kInit;
-    if (sha256_) crypto_hash_sha256_init(&state_);
+  explicit Checksums(bool sha256) {
+    if (sha256) sha256_.emplace();
   }
 
   void Update(const char* data, size_t size) {
@@ -53,9 +52,7 @@ class Checksums {
     for (size_t done = 0; done < size;) {
       const size_t n = std::min(kPiece, size - done);
       crc32c_ = Crc32c(crc32c_, data + done, n);
-      if (sha256_) {
-        crypto_hash_sha256_update(&state_, reinterpret_cast<const unsigned char*>(data + done), n);
-      }
+      if (sha256_) sha256_->Update(data + done, n);
       done += n;
     }
   }
@@ -63,19 +60,11 @@ class Checksums {
   uint32_t crc32c() const { return crc32c_; }
 
   // The SHA-256 in hex; "" when it was not asked for. Ends the sum.
-  std::string Sha256Hex() {
-    if (!sha256_) return "";
-    unsigned char digest[crypto_hash_sha256_BYTES];
-    crypto_hash_sha256_final(&state_, digest);
-    char hex[kSha256HexSize + 1];
-    sodium_bin2hex(hex, sizeof(hex), digest, sizeof(digest));
-    return hex;
-  }
+  std::string Sha256Hex() { return sha256_ ? sha256_->HexDigest() : ""; }
 
  private:
-  bool sha256_;
   uint32_t crc32c_ = 0;
-  crypto_hash_sha256_state state_;
+  std::optional<Sha256> sha256_;
 };
 
 Status FsyncPath(const std::string& path, bool directory) {
@@ -555,6 +544,26 @@ StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot
                        .size = item.size,
                        .crc32c = sums.crc32c(),
                        .mode = static_cast<uint32_t>(written.st_mode & 0777),
+                       .sha256 = hash ? item.sha256 : ""});
+  }
+  return entries;
+}
+
+std::vector<FileEntry> DescribeSnapshot(const DirectorySnapshot& snapshot, bool hash) {
+  std::vector<FileEntry> entries;
+  for (const DirectorySnapshot::Item& item : snapshot.items) {
+    if (item.kind == DirectorySnapshot::Kind::kLink) {
+      entries.push_back({.path = item.rel, .mode = 0777, .link = item.link});
+      continue;
+    }
+    if (item.kind != DirectorySnapshot::Kind::kFile) continue;
+    Checksums sums(hash && item.sha256.empty());  // an earlier pass may have hashed it
+    sums.Update(item.data.get(), item.size);
+    if (hash && item.sha256.empty()) item.sha256 = sums.Sha256Hex();
+    entries.push_back({.path = item.rel,
+                       .size = item.size,
+                       .crc32c = sums.crc32c(),
+                       .mode = item.mode | 0400,
                        .sha256 = hash ? item.sha256 : ""});
   }
   return entries;

@@ -19,11 +19,11 @@
 //
 // Hashes: where a part is also kept as a copy outside the run directory (host memory:
 // docs/checkpoint-memory.md), its files are staged with `hash`, which adds each file's SHA-256
-// (libsodium's crypto_hash_sha256), computed in the same pass as its CRC-32C, to its entry and to
-// the manifest ("sha256", hex). The CRC-32C catches damage; the SHA-256 is what lets a copy that
-// storage did not just write be checked against the committed checkpoint, across attempts (the
-// run's secret changes with every fit(), so a MAC could not serve). Without `hash` an entry has
-// no "sha256", as in manifests written before it existed.
+// (storage/sha256.h: OpenSSL's, at the speed of the CPU's SHA instructions), computed in the same
+// pass as its CRC-32C, to its entry and to the manifest ("sha256", hex). The CRC-32C catches
+// damage; the SHA-256 is what lets a copy that storage did not just write be checked against the
+// committed checkpoint, across attempts (the run's secret changes with every fit(), so a MAC could
+// not serve). Without `hash` an entry has no "sha256", as in manifests written before it existed.
 //
 // Layout:  <run>/.staging/a<attempt>-r<index>-rank<r>/...   one rank's staged files
 //          <run>/<dir_name>/...  + <run>/<dir_name>/.jaxtrain_manifest.json
@@ -139,6 +139,14 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
 // (a full disk is kInternal with the system's "No space left on device").
 StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
                                                const std::string& dst, bool hash = false);
+
+// The entries WriteSnapshot would return for `snapshot`, computed from its memory without
+// writing anything (a part uploaded from memory: python/jaxtrain/worker/checkpoint_store.py):
+// each file's CRC-32C and, with `hash`, its SHA-256 (in the same pass; kept in the snapshot, so
+// a later WriteSnapshot does not hash again), kept links; a file's mode is its source's with
+// read for the owner (what was staged also had the umask applied, which the source's mode
+// already reflects). Cannot fail.
+std::vector<FileEntry> DescribeSnapshot(const DirectorySnapshot& snapshot, bool hash);
 
 // The staging directory of one rank's files for its report `round` of `attempt` (its report
 // index in that attempt, docs/wire.md: not the run's round).

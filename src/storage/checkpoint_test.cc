@@ -573,6 +573,32 @@ TEST_F(SnapshotDirectoryTest, WithHashWritesTheSha256sStageDirectoryComputesAndH
   for (size_t i = 0; i < first->size(); ++i) EXPECT_EQ((*second)[i].sha256, (*first)[i].sha256);
 }
 
+TEST_F(SnapshotDirectoryTest, DescribeGivesWhatWritingItWouldWithoutWriting) {
+  WriteTestFile(Path("src/abc.txt"), "abc");
+  WriteTestFile(Path("src/sub/big.bin"), Pattern((3 << 20) + 1, 7));
+  fs::create_symlink("abc.txt", Path("src/link"));
+  auto snapshot = SnapshotDirectory(Path("src"), 64 << 20);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status().ToString();
+  const std::vector<FileEntry> described = DescribeSnapshot(*snapshot, /*hash=*/true);
+  EXPECT_FALSE(fs::exists(Path("written")));
+  auto written = WriteSnapshot(*snapshot, Path("written"), /*hash=*/true);
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  ASSERT_EQ(described.size(), written->size());
+  for (size_t i = 0; i < described.size(); ++i) {
+    SCOPED_TRACE((*written)[i].path);
+    EXPECT_EQ(described[i].path, (*written)[i].path);
+    EXPECT_EQ(described[i].size, (*written)[i].size);
+    EXPECT_EQ(described[i].crc32c, (*written)[i].crc32c);
+    EXPECT_EQ(described[i].mode, (*written)[i].mode);
+    EXPECT_EQ(described[i].link, (*written)[i].link);
+    EXPECT_EQ(described[i].sha256, (*written)[i].sha256);
+  }
+  auto abc = std::find_if(described.begin(), described.end(),
+                          [](const FileEntry& e) { return e.path == "abc.txt"; });
+  ASSERT_NE(abc, described.end());
+  EXPECT_EQ(abc->sha256, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
 TEST_F(SnapshotDirectoryTest, IsIndependentOfTheSourceOnceTaken) {
   const std::string contents = Pattern(100000, 5);
   WriteTestFile(Path("src/shard.bin"), contents);

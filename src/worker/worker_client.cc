@@ -261,6 +261,7 @@ Status WorkerClient::Report(uint64_t round, std::string_view metrics_json) {
                                 std::to_string(metrics_json.size()) + " bytes, limit " +
                                 std::to_string(kLimit) + "); report large values as files");
   }
+  NoteRound(round);
   return Send(wire::MessageType::kReport, wire::EncodeReportBody(round, metrics_json));
 }
 
@@ -280,6 +281,7 @@ Status WorkerClient::ReportCheckpoint(uint64_t round, std::string_view checkpoin
     MutexLock lock(settle_mu_);
     ++checkpoints_reported_;
   }
+  NoteRound(round);
   return Send(wire::MessageType::kReportCheckpoint, body);
 }
 

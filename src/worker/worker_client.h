@@ -134,13 +134,18 @@ class WorkerClient {
   // number sync_call is the first to return it; a call made while the controller's query is
   // answered but not yet agreed waits for the agreement (or the connection's end).
   std::string PreemptionCall();
-  // The report() rounds this rank has made in this attempt (the answer to the query names them).
-  // Returns whether a profile request waits (TakeProfileRequest()): report() learns it with the
-  // call it makes anyway.
+  // The report() rounds this rank has made in this attempt (the answer to the query names them):
+  // the highest `round` noted here or sent by Report() or ReportCheckpoint(), so that a report
+  // sent late (queued behind a checkpoint) does not take the count back. Returns whether a
+  // profile request waits (TakeProfileRequest()): report() learns it with the call it makes
+  // anyway.
   bool NoteRound(uint64_t round) {
-    rounds_.store(round, std::memory_order_relaxed);
+    uint64_t seen = rounds_.load(std::memory_order_relaxed);
+    while (seen < round && !rounds_.compare_exchange_weak(seen, round, std::memory_order_relaxed)) {
+    }
     return profile_requested_.load(std::memory_order_acquire);
   }
+  uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
 
   // Lets the controller's ping "stacks" (docs/wire.md) take this process's Python stacks:
   // `signal` is one on which faulthandler.register(signal, file=fd, all_threads=True) dumps every

@@ -437,6 +437,29 @@ TEST(WorkerClientTest, SendsRegisterReportsAndDoneInOrder) {
   EXPECT_EQ(frames[4].body, "{}");
 }
 
+// report() sends its metrics-only rounds without noting them first (session.py's fast path): the
+// count a preemption's answer names comes from the reports themselves, and a report queued
+// behind a checkpoint and sent late does not take it back.
+TEST(WorkerClientTest, ReportsCountTheirRoundsAndALateOneDoesNotLowerTheCount) {
+  const std::string secret = wire::GenerateSecret();
+  FakeController controller(secret);
+  controller.Serve();
+  {
+    auto client = WorkerClient::Connect(controller.ClientOptions(secret));
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    EXPECT_EQ((*client)->rounds(), 0u);
+    ASSERT_TRUE((*client)->Report(1, "{}").ok());
+    EXPECT_EQ((*client)->rounds(), 1u);
+    (*client)->NoteRound(3);  // rounds 2 and 3 queued behind a checkpoint
+    ASSERT_TRUE((*client)->Report(2, "{}").ok());
+    EXPECT_EQ((*client)->rounds(), 3u);
+    ASSERT_TRUE((*client)->Report(4, "{}").ok());
+    EXPECT_EQ((*client)->rounds(), 4u);
+    ASSERT_TRUE((*client)->SendDone("{}").ok());
+  }
+  controller.Join();
+}
+
 TEST(WorkerClientTest, SendsAnError) {
   const std::string secret = wire::GenerateSecret();
   FakeController controller(secret);

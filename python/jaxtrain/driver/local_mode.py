@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from jaxtrain import _core, session
+from jaxtrain import _core
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.user_code import user_traceback
 
@@ -127,6 +127,7 @@ class Driver:
 
     def _train(self, controller: Any, events: Any, client: Any, start: dict,
                fn: Callable[..., Any], config: dict | None, takes_config: bool) -> None:
+        from jaxtrain import session  # here: a fit() with workers does not load the worker's API
         from jaxtrain.worker.entry import done_message
 
         def fail(message: str) -> None:

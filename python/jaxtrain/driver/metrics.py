@@ -19,7 +19,6 @@ controller is never read after it returns.
 from __future__ import annotations
 
 import hmac
-import http.server
 import json
 import os
 import stat
@@ -29,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxtrain import goodput, http_server
+from jaxtrain import goodput
 from jaxtrain.driver.options import METRICS_PORT_ENV
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -175,6 +174,11 @@ class MetricsServer:
         self._reading = threading.Lock()
         self._closed = False
         server = self
+        # Here: a run that serves no metrics does not load http.server and what it imports.
+        import http.server
+
+        from jaxtrain import http_server
+
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 -- http.server's name

@@ -17,14 +17,12 @@ reference.
 
 from __future__ import annotations
 
-import gzip
 import io
 import os
 import pickle
 import re
 import stat
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -235,6 +233,9 @@ def pack(working_dir: str, excludes: Sequence[str] = (), *, cap: int | None = No
     its .gitignore files' exclusions when `gitignore` (None: as JAXTRAIN_WORKING_DIR_MAX_MIB and
     JAXTRAIN_WORKING_DIR_GITIGNORE say). Raises ValueError for a link that leads out, or a packed
     size over the cap."""
+    import gzip  # here: a run without a working_dir does not load them
+    import tarfile
+
     from jaxtrain.driver import options
 
     if cap is None:

@@ -32,7 +32,6 @@ from jaxtrain import (
     goodput,
     launch,
     records,
-    session,
     storage,
     user_code,
     validation,
@@ -40,7 +39,12 @@ from jaxtrain import (
 from jaxtrain.checkpoint import Checkpoint
 from jaxtrain.config import RunConfig, ScalingConfig
 from jaxtrain.driver import local_mode, metrics, ray_args, runtime_env, validator
-from jaxtrain.driver.options import COMPILATION_CACHE_ENV, VERBOSE_ENV, EngineOptions
+from jaxtrain.driver.options import (
+    COMPILATION_CACHE_ENV,
+    SNAPSHOT_BUDGET_ENV,
+    VERBOSE_ENV,
+    EngineOptions,
+)
 from jaxtrain.driver.run_dir import make_private, private_files, warn_if_locks_stay_local
 from jaxtrain.errors import TrainingFailedError
 from jaxtrain.result import Result, load
@@ -241,7 +245,7 @@ class JaxTrainer:
         if store is not None:
             worker_env[STORE_ENV] = "1"
         if options.snapshot_budget_mib is not None:
-            worker_env[session.SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
+            worker_env[SNAPSHOT_BUDGET_ENV] = options.snapshot_budget_mib
         if options.gce_metadata:
             worker_env[gce_metadata.ENV] = options.gce_metadata
         if options.verbose:
@@ -318,7 +322,7 @@ class JaxTrainer:
             controller.start()  # on Slurm, SIGTERM while waiting for the allocation withdraws it
             live_server = _live_server(run_dir, controller)
             if mirror is not None:
-                mirror.start()
+                mirror.start(controller.wait_for_commits)
             try:
                 if local is not None:  # the function, in this thread
                     local.run(controller, events, fn, self.train_loop_config, self._takes_config)

@@ -4,25 +4,30 @@ A run whose ``storage_path`` is on an object store (``s3://``, ``gs://``, any fs
 whose hosts share no directory with the driver cannot stage its checkpoints in the driver's run
 directory. Each rank then uploads its own files of a round directly into the checkpoint's
 directory on the store, ``<run>/<dir_name>/``, and tells the controller what it uploaded (paths,
-sizes, CRC-32C and SHA-256, computed while the snapshot is written on this host). Once every
+sizes, CRC-32C and SHA-256, computed on this host while the part is uploaded). Once every
 rank's part of the round is in, the controller commits a manifest that names them all
 (``"location": "store"``), and the driver uploads that manifest as the checkpoint's commit point
 and the index after it (``storage.Mirror``): a directory on the store without its manifest is no
 checkpoint for any reader, and one the index does not name is swept.
 
-Per rank and round: the snapshot ``report(checkpoint=)`` took is written, with each file's
-SHA-256, into a host-local staging directory (``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``,
-every level 0700 and checked: jaxtrain.private_dirs), its files are uploaded on up to
-``_UPLOADS`` threads (objects above the client's part size in multipart uploads) and checked
-against those SHA-256s on the way, then the staging copy is deleted.
+Per rank and round: the files of the part in memory (the snapshot ``report(checkpoint=)``
+took, or the one the stager read for an ASYNC report) are uploaded from that memory on up to
+``_UPLOADS`` threads, in parts of ``_PART`` bytes, while another thread takes each file's
+CRC-32C and SHA-256 in one pass, in C++ without the GIL (upload_snapshot): nothing is written
+on this host. A part above the snapshot budget is copied with each file's SHA-256 into a
+host-local staging directory (``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/...``, every level 0700
+and checked: jaxtrain.private_dirs), its files are uploaded from there and checked against
+those SHA-256s on the way, then the staging copy is deleted (upload).
+
 At the start of every attempt, rank 0 deletes from the store the directories that no committed
 checkpoint names (what a failed attempt left) while the other ranks wait at a barrier, so no
 upload of the new attempt can race the sweep.
 
 A restart reads from the store: ``get_checkpoint()`` is a ``Checkpoint`` whose ``path`` is on
 ``filesystem``; ``as_directory()``/``to_directory()`` download the files its manifest lists, in
-parallel, this rank's own first, each checked against its size and CRC-32C
-(``storage.download_checkpoint``), and Orbax or tensorstore may read ``path`` without a copy.
+parallel (a large one in ranged reads), this rank's own first, each checked against its size
+and CRC-32C (``storage.download_checkpoint``), and Orbax or tensorstore may read ``path``
+without a copy.
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ import posixpath
 import re
 import shutil
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxtrain import private_dirs, storage
 
 _UPLOADS = 8  # files uploaded at once by one rank
+_PART = 50 << 20  # a part of an upload from memory: s3fs's multipart chunk
+_S3_MAX_PARTS = 10_000  # the parts of one S3 multipart upload, at most
 # Set by the driver in the workers' environment when they upload to the store themselves.
 STORE_ENV = "JAXTRAIN_RUN_STORE"
 
@@ -74,6 +82,16 @@ class Store:
         # This process's own: two runs of one name on a host never share a staging directory.
         self._staging_names = (f"jaxtrain-{os.geteuid()}", "staging", f"{safe}-{os.getpid()}")
         self.staging_root = os.path.join(private_dirs.tmp_base(), *self._staging_names)
+        if rank != 0:
+            # A client's first request loads its service's description and opens a connection
+            # (0.3-1 s of CPU for S3); done while rank 0 sweeps, not by the first upload. Rank 0
+            # connects by sweeping.
+            threading.Thread(target=self._connect, name="jaxtrain-store-connect",
+                             daemon=True).start()
+
+    def _connect(self) -> None:
+        with contextlib.suppress(Exception):  # the uploads and their errors come later
+            self.fs.exists(self.root)
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -91,13 +109,18 @@ class Store:
         return name
 
     def staging(self, report_round: int) -> str:
-        """A host-local directory for this rank's files of one round before they are uploaded:
-        ``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/<run>-<pid>/a<A>-r<R>-rank<r>``, each level
-        made 0700 and checked (private_dirs.private_dir): no other user reads a staged part, or
-        replaces one between staging and upload. PermissionError naming the level otherwise."""
+        """Where this rank's files of one round are staged when they must be copied before they
+        are uploaded (a part above the snapshot budget):
+        ``<$TMPDIR or /tmp>/jaxtrain-<uid>/staging/<run>-<pid>/a<A>-r<R>-rank<r>``; made only by
+        make_staging. A part read into memory is uploaded from there and never staged."""
+        return os.path.join(self.staging_root, f"a{self.attempt}-r{report_round}-rank{self.rank}")
+
+    def make_staging(self, staging: str) -> str:
+        """Makes `staging` (a path staging() gave), each level 0700 and checked
+        (private_dirs.private_dir): no other user reads a staged part, or replaces one between
+        staging and upload. PermissionError naming the level otherwise."""
         return private_dirs.private_dir(
-            private_dirs.tmp_base(), *self._staging_names,
-            f"a{self.attempt}-r{report_round}-rank{self.rank}",
+            private_dirs.tmp_base(), *self._staging_names, os.path.basename(staging),
             remedy="or set TMPDIR to a directory of your own")
 
     def upload(self, staging: str, files: list[dict], dir_name: str) -> None:
@@ -155,6 +178,52 @@ class Store:
             with contextlib.suppress(OSError):
                 os.rmdir(self.staging_root)  # when no other round of this process is in it
         progress.finish()
+
+    def upload_snapshot(self, snapshot: Any, dir_name: str) -> list[dict]:
+        """Uploads the files of `snapshot` (the part read into memory) into
+        ``<run>/<dir_name>/`` on the store straight from memory, on up to ``_UPLOADS`` threads,
+        without a staging copy: each file is sent in parts of ``_PART`` bytes read from the
+        snapshot (an S3 multipart upload for a file of two parts or more, a GCS resumable one,
+        ...). Meanwhile a thread of its own takes the files' checksums
+        (``snapshot.describe(sha256=True)``: CRC-32C and SHA-256 in one pass, in C++ without the
+        GIL), which are returned, as describe() gives them, once both are done. The snapshot does
+        not change while it is uploaded, so what is sent is what was hashed. Raises StoreError
+        naming this host, the object's URL and the cause."""
+        remote = posixpath.join(self.root, dir_name)
+        regular = [{"path": path, "size": size} for path, size in snapshot.files()]
+        regular.sort(key=lambda f: -f["size"])
+        progress = storage._Progress(f"rank {self.rank}: uploading", f"to {self.url}")
+        progress.what = dir_name
+        progress.total = sum(f["size"] for f in regular)
+        s3 = "s3" in _protocols(self.fs)
+
+        def put(f: dict) -> None:
+            target = posixpath.join(remote, f["path"])
+            try:
+                if s3 and f["size"] >= 2 * _PART:
+                    # s3fs sends the parts of what it is given concurrently (it takes len() and
+                    # slices), each read from memory only when its turn comes.
+                    self.fs.pipe_file(target, _Parts(snapshot, f["path"], f["size"]),
+                                      chunksize=max(_PART, -(-f["size"] // _S3_MAX_PARTS)))
+                elif s3 or f["size"] <= _PART:
+                    self.fs.pipe_file(target, snapshot.read(f["path"], 0, f["size"]))
+                else:
+                    with self.fs.open(target, "wb", block_size=_PART) as out:
+                        for offset in range(0, f["size"], _PART):
+                            out.write(snapshot.read(f["path"], offset, _PART))
+            except Exception as e:  # noqa: BLE001 - any backend's failure, named the same way
+                raise StoreError(_failure("uploading", storage.url(self.fs, target), e)) from e
+            progress.add(f["size"])
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxtrain-checksums") as sums, \
+                ThreadPoolExecutor(max_workers=_UPLOADS,
+                                   thread_name_prefix="jaxtrain-upload") as pool:
+            described = sums.submit(snapshot.describe, sha256=True)
+            for done in [pool.submit(put, f) for f in regular]:
+                done.result()
+            files = described.result()
+        progress.finish()
+        return files
 
     def describe(self, dir_name: str, paths: list[str]) -> list[dict]:
         """The files at `paths` (relative to ``<run>/<dir_name>/``), which another writer put on
@@ -232,6 +301,26 @@ def open_url(storage_path: str) -> Any:
         return fsspec.core.url_to_fs(storage_path)[0]
     except Exception as e:  # noqa: BLE001 - a missing package, a backend that cannot connect
         raise StoreError(_failure("opening", storage_path, e)) from e
+
+
+class _Parts:
+    """The file at `path` of a snapshot as s3fs's pipe_file takes a large object: its length,
+    and each slice (a part) as bytes read from the snapshot when asked for."""
+
+    def __init__(self, snapshot: Any, path: str, size: int) -> None:
+        self._snapshot, self._path, self._size = snapshot, path, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop, _ = part.indices(self._size)
+        return self._snapshot.read(self._path, start, max(stop - start, 0))
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _sha256_of_fd(fd: int) -> str:

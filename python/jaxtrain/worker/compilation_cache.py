@@ -299,7 +299,13 @@ def _write_entries_whole() -> None:
     compiles again, and never replaces (an entry that exists is not written again); a rank that
     reads an entry another is writing would see part of it. A cache bounded by
     JAX_COMPILATION_CACHE_MAX_SIZE, whose writes JAX locks and counts, and one that is not a local
-    directory keep JAX's own writer."""
+    directory keep JAX's own writer.
+
+    The entry is not synced: on a group of CPU ranks, where every program is written however
+    quick its compilation, a sync per entry made the first step ~1.5 s slower on two cores. A
+    host that goes down may then leave an entry empty or torn under its name; JAX fails to load
+    it and compiles the program, and the entry is written again then (JAX asks to write only
+    what it did not load), so it heals at the next compilation instead of never."""
     try:
         from jax._src import lru_cache
 
@@ -317,20 +323,17 @@ def _write_entries_whole() -> None:
         if not key or getattr(self, "eviction_enabled", True) or not os.path.isdir(directory):
             return put(self, key, value)
         entry = os.path.join(directory, f"{key}{suffix}")
-        if os.path.exists(entry):
-            return None
         # A new name each time (ranks on other hosts of a shared directory, or in other pods, may
         # have this process id), made here and nowhere else (O_EXCL: never a file or link that
         # is there already), no longer than the entry's own (the key's last 64 characters are its
-        # hash); the mode is JAX's, as the umask leaves it. Synced before the rename, so that a
-        # host that goes down leaves the entry whole or absent too.
+        # hash); the mode is JAX's, as the umask leaves it. An entry there already is replaced:
+        # JAX did not load it (torn by a host that went down), or another rank wrote the same
+        # program a moment ago.
         partial = os.path.join(directory, f".{key[-64:]}.{secrets.token_hex(8)}.partial")
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
             with open(fd, "wb") as f:
                 f.write(value)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(partial, entry)
         except BaseException:
             try:

@@ -21,7 +21,6 @@ server says so once in the rank's log and stops.
 
 from __future__ import annotations
 
-import http.client
 import os
 import sys
 import threading
@@ -154,6 +153,8 @@ class Watcher:
         if etag is not None:
             query = f"?wait_for_change=true&timeout_sec={POLL_S}"
             query += f"&last_etag={etag}" if etag else ""
+        import http.client  # here: only a watcher on a GCE VM loads it
+
         tries = 0
         while True:
             tries += 1

@@ -18,11 +18,14 @@ import pickle
 import posixpath
 import shutil
 import sys
-import tarfile
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from jaxtrain import private_dirs
+
+if TYPE_CHECKING:
+    import tarfile
 
 # A partial copy (its worker was killed while unpacking) is removed once this old.
 PARTIAL_STALE_S = 3600.0
@@ -64,6 +67,8 @@ def _check_member(m: tarfile.TarInfo) -> str:
 def _extract(archive: bytes, dest: str) -> None:
     """Unpacks ``archive`` into the empty directory ``dest``: every member is checked before
     anything is written; links are made last, so nothing is written through one."""
+    import tarfile  # here: a run without a working_dir does not load it
+
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         members = tar.getmembers()
         kinds: dict[str, tarfile.TarInfo] = {}

@@ -1,6 +1,7 @@
 """The stager of a rank's checkpoints (the session's, jaxtrain.session): a thread that writes
-each checkpoint's snapshot into its staging directory, keeps its copies in host memory, uploads it
-where the rank's host writes to object storage itself, and sends the reports in round order.
+each checkpoint's snapshot into its staging directory (or, where the rank's host writes to object
+storage itself, uploads it from memory), keeps its copies in host memory, and sends the reports
+in round order.
 Runs in each worker, and in local mode's driver, whose process is the one rank."""
 
 from __future__ import annotations
@@ -52,20 +53,25 @@ class Stager:
     def holds_copies(self) -> bool:
         return self._memory is not None
 
-    def report(self, round_: int, text: str) -> None:
+    def report(self, round_: int, text: str) -> bool:
+        """Sends a metrics-only report now, or queues it behind the checkpoints being staged;
+        either way the client counts the round at once (WorkerClient::NoteRound). Returns
+        whether a profile request waits (jaxtrain profile), which the client says with it."""
         with self._cv:
             if not self._queue and not self._busy:
-                self._client.report(round_, text)
-                return
+                return self._client.report(round_, text)
             self._queue.append((round_, text, None))
+            return self._client.note_round(round_)
 
     def checkpoint(self, round_: int, text: str, snapshot: Any, description: dict,
-                   prepare: Callable[[dict], None] | None = None,
+                   prepare: Callable[[dict], Any] | None = None,
                    delete: str | None = None) -> None:
-        """Queues the checkpoint of a round: `snapshot` written into description["staging"], or,
-        without one, `prepare(description)` run on this thread to fill in description["files"]
-        (checkpoint_upload_mode=ASYNC); then the part uploaded (a store run), `delete` (the
-        user's directory) removed, and the report sent."""
+        """Queues the checkpoint of a round: `snapshot` written into description["staging"] (in
+        a store run: described and uploaded from memory), or, without one, `prepare(description)`
+        run on this thread to fill in description["files"] (checkpoint_upload_mode=ASYNC),
+        returning the snapshot it read the part into, to upload from, or None where it staged
+        it; then the part uploaded (a store run), `delete` (the user's directory) removed, and
+        the report sent."""
         with self._cv:
             self._queue.append((round_, text, (snapshot, description, prepare, delete)))
             if self._thread is None:
@@ -102,23 +108,28 @@ class Stager:
                 else:
                     snapshot, description, prepare, delete = work
                     staging = description["staging"]
+                    read = None  # an ASYNC part of a store run, read into memory by prepare
                     try:
                         if prepare is not None:
-                            prepare(description)
-                        else:
+                            read = prepare(description)
+                        elif self._store is None:  # a store's part goes up from memory: upload()
                             # A part with a copy in memory is staged with each file's SHA-256,
                             # which the manifest then vouches for the copies with
-                            # (docs/checkpoint-memory.md); so is one for object storage, whose
-                            # upload checks what it sends against them.
+                            # (docs/checkpoint-memory.md).
                             description["files"] = snapshot.write(
                                 staging, release=self._memory is None,
-                                sha256=self._memory is not None or self._store is not None)
+                                sha256=self._memory is not None)
                     except Exception as e:
                         self._fail(f"report(checkpoint=...) on rank {self._rank}: staging the "
                                    f"checkpoint of round {round_} into '{staging}' "
                                    f"in the background failed: {type(e).__name__}: {e}")
                     if self._store is not None:
-                        upload(self._store, description, round_, self._fail_storage)
+                        upload(self._store, description, round_, self._fail_storage,
+                               snapshot if prepare is None else read)
+                        if read is not None:
+                            read.release()
+                        if self._memory is None and snapshot is not None:
+                            snapshot.release()
                     if delete is not None:
                         delete_local(delete, self._rank)
                     if self._memory is not None and snapshot is not None:
@@ -128,7 +139,7 @@ class Stager:
                         copy_id = uuid.uuid4().hex
                         if self._hold(round_, snapshot, copy_id):
                             description["copy_id"] = copy_id
-                    del snapshot, work, prepare
+                    del snapshot, work, prepare, read
                     self._client.report_checkpoint(round_, json.dumps(description), text)
             except Exception as e:
                 self._fail(f"report() on rank {self._rank}: sending the report of round {round_} "
@@ -170,13 +181,18 @@ class Stager:
 
 
 def upload(store: Store, description: dict, round_: int,
-           fail_storage: Callable[[str, str], NoReturn] | None) -> None:
-    """Uploads the part staged at description["staging"] to the store, then makes `description`
-    the store's kind (no staging directory). An upload that fails ends the worker with the
-    cause "storage" (fail_storage), or raises StoreError without it."""
+           fail_storage: Callable[[str, str], NoReturn] | None, snapshot: Any = None) -> None:
+    """Uploads the part to the store: from `snapshot`'s memory where it is given (its files
+    described meanwhile, into description["files"]), else from where it was staged
+    (description["staging"]); then makes `description` the store's kind (no staging
+    directory). An upload that fails ends the worker with the cause "storage" (fail_storage),
+    or raises StoreError without it."""
     staging = description.pop("staging")
     try:
-        store.upload(staging, description["files"], description["dir_name"])
+        if snapshot is not None:
+            description["files"] = store.upload_snapshot(snapshot, description["dir_name"])
+        else:
+            store.upload(staging, description["files"], description["dir_name"])
     except StoreError as e:
         if fail_storage is None:
             raise
