@@ -555,7 +555,7 @@ class PyWorkerClient {
       s = client_->Report(round, metrics_json);
     }
     Check(s);
-    return client_->NoteRound(round);
+    return client_->profile_requested();  // Report() noted the round
   }
 
   // Blocks, without the GIL, until every rank has made the call; returns rank 0's data for a

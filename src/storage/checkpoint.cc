@@ -514,6 +514,23 @@ StatusOr<DirectorySnapshot> SnapshotDirectory(const std::string& src, uint64_t b
   return snapshot;
 }
 
+namespace {
+
+// A snapshot file's manifest entry with `mode`: its CRC-32C, and with `hash` its SHA-256,
+// computed once per item (a later write or description of the same snapshot reuses it).
+FileEntry SnapshotFileEntry(const DirectorySnapshot::Item& item, uint32_t mode, bool hash) {
+  Checksums sums(hash && item.sha256.empty());
+  sums.Update(item.data.get(), item.size);
+  if (hash && item.sha256.empty()) item.sha256 = sums.Sha256Hex();
+  return {.path = item.rel,
+          .size = item.size,
+          .crc32c = sums.crc32c(),
+          .mode = mode,
+          .sha256 = hash ? item.sha256 : ""};
+}
+
+}  // namespace
+
 StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot,
                                                const std::string& dst, bool hash) {
   std::vector<FileEntry> entries;
@@ -537,14 +554,7 @@ StatusOr<std::vector<FileEntry>> WriteSnapshot(const DirectorySnapshot& snapshot
     if (fstat(out.fd, &written) != 0) return PathError("cannot stat", to, errno);
     JT_RETURN_IF_ERROR(
         WriteAndStartWriteback(out.fd, std::string_view(item.data.get(), item.size), to));
-    Checksums sums(hash && item.sha256.empty());  // an earlier write may have hashed it
-    sums.Update(item.data.get(), item.size);
-    if (hash && item.sha256.empty()) item.sha256 = sums.Sha256Hex();
-    entries.push_back({.path = item.rel,
-                       .size = item.size,
-                       .crc32c = sums.crc32c(),
-                       .mode = static_cast<uint32_t>(written.st_mode & 0777),
-                       .sha256 = hash ? item.sha256 : ""});
+    entries.push_back(SnapshotFileEntry(item, static_cast<uint32_t>(written.st_mode & 0777), hash));
   }
   return entries;
 }
@@ -557,14 +567,7 @@ std::vector<FileEntry> DescribeSnapshot(const DirectorySnapshot& snapshot, bool 
       continue;
     }
     if (item.kind != DirectorySnapshot::Kind::kFile) continue;
-    Checksums sums(hash && item.sha256.empty());  // an earlier pass may have hashed it
-    sums.Update(item.data.get(), item.size);
-    if (hash && item.sha256.empty()) item.sha256 = sums.Sha256Hex();
-    entries.push_back({.path = item.rel,
-                       .size = item.size,
-                       .crc32c = sums.crc32c(),
-                       .mode = item.mode | 0400,
-                       .sha256 = hash ? item.sha256 : ""});
+    entries.push_back(SnapshotFileEntry(item, item.mode | 0400, hash));
   }
   return entries;
 }

@@ -143,9 +143,11 @@ class WorkerClient {
     uint64_t seen = rounds_.load(std::memory_order_relaxed);
     while (seen < round && !rounds_.compare_exchange_weak(seen, round, std::memory_order_relaxed)) {
     }
-    return profile_requested_.load(std::memory_order_acquire);
+    return profile_requested();
   }
   uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
+  // Whether a profile request waits, as NoteRound() returns it (Report() notes its round).
+  bool profile_requested() const { return profile_requested_.load(std::memory_order_acquire); }
 
   // Lets the controller's ping "stacks" (docs/wire.md) take this process's Python stacks:
   // `signal` is one on which faulthandler.register(signal, file=fd, all_threads=True) dumps every
